@@ -1,0 +1,1 @@
+"""The text protocol: chat messages, the Muse template, the channel parser."""

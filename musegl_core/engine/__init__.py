@@ -1,0 +1,1 @@
+"""The backend-agnostic engine: executor contract, KV pool, scheduler."""

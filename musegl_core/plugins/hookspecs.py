@@ -1,0 +1,109 @@
+"""Hook specifications: the only way plugins talk to the musegl core.
+
+A plugin is a module (or object) with functions named like the hooks below,
+decorated with :data:`hookimpl`, and published under the entry-point group
+``musegl``::
+
+    # pyproject.toml of your plugin
+    [project.entry-points.musegl]
+    myplugin = "myplugin.plugin"
+
+    # myplugin/plugin.py
+    from musegl_core.plugins import hookimpl
+    from musegl_core.plugins.specs import ExecutorSpec
+
+    @hookimpl
+    def musegl_executors():
+        return [ExecutorSpec(name="mybackend", description="...", priority=10,
+                             available=lambda: True, create=create_executor)]
+
+Every "list" hook returns a list of *spec* objects (attrs classes from
+:mod:`musegl_core.plugins.specs`); the core collects the lists of all loaded
+plugins. Names must be unique across plugins; a duplicate is a start-up error
+naming both plugins. Hooks are called in the front process, the worker process
+or both, as each docstring says; keep module import cheap (import torch, mlx
+and the like inside factories, not at module top level).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import pluggy
+
+PROJECT = "musegl"
+hookspec = pluggy.HookspecMarker(PROJECT)
+hookimpl = pluggy.HookimplMarker(PROJECT)
+
+
+@hookspec
+def musegl_executors() -> list:
+    """Return the model backends this plugin provides, as ``ExecutorSpec`` objects.
+
+    Called in the worker (to create the executor) and by ``musegl plugins``.
+    ``ExecutorSpec.available()`` must be cheap and must not allocate device
+    memory; it answers "can this backend run on this machine?" (the CUDA
+    plugin checks ``torch.cuda.is_available()``). When the user does not name
+    an executor, the available one with the highest ``priority`` is chosen.
+    ``ExecutorSpec.create(options)`` receives :class:`~musegl_core.plugins.specs.ExecutorOptions`
+    (model path, dtype, progress callback, the plugin's own CLI values) and
+    returns an object implementing :class:`musegl_core.engine.executor.Executor`.
+    """
+
+
+@hookspec
+def musegl_speculators() -> list:
+    """Return speculative-decoding strategies as ``SpeculatorSpec`` objects.
+
+    A speculator wraps an executor's decode: ``SpeculatorSpec.create(executor,
+    options)`` returns an object that proposes draft tokens from the target's
+    tapped hidden states and verifies them with one packed target step
+    (``SeqChunk.logit_rows``). Called in the worker. Enabled by a CLI flag the
+    plugin adds itself (``--dflash``).
+    """
+
+
+@hookspec
+def musegl_tool_parsers() -> list:
+    """Return tool-call parsers as ``ToolParserSpec`` objects.
+
+    Selected with ``musegl serve --tool-parser NAME``. Called in the front.
+    ``ToolParserSpec.create(tools, options)`` receives the request's declared
+    tools and returns a parser fed with the text of tool-addressed messages;
+    see :class:`musegl_core.plugins.specs.ToolParserSpec` for the protocol.
+    """
+
+
+@hookspec
+def musegl_dialects() -> list:
+    """Return API dialects as ``DialectSpec`` objects.
+
+    Selected with ``musegl serve --api-dialect NAME``; the core provides
+    ``openai``. A dialect is a subclass of
+    :class:`musegl_core.http.dialect.Dialect` overriding the places where its
+    wire format differs (error bodies, usage placement, model entries,
+    reasoning field names). Called in the front.
+    """
+
+
+@hookspec
+def musegl_templates() -> list:
+    """Return chat templates as ``TemplateSpec`` objects.
+
+    The core provides ``muse``. A template turns a validated chat request into
+    ordered prompt segments (text with special tokens written out, images).
+    Called in the front and by ``musegl render``.
+    """
+
+
+@hookspec
+def musegl_serve_options(group: argparse._ArgumentGroup) -> None:
+    """Add the plugin's own ``musegl serve`` flags to ``group``.
+
+    ``group`` is an argparse argument group titled with the plugin's name.
+    Use long, plugin-prefixed flags (``--dflash-n-draft``). Parsed values are
+    handed back to the plugin's factories through ``options.extra`` (a dict
+    keyed by argparse ``dest``). Validate in the factory and raise
+    :class:`musegl_core.errors.ConfigError` with a one-line reason; the CLI turns
+    it into exit status 2.
+    """

@@ -1,0 +1,146 @@
+"""Discovering, loading and querying plugins.
+
+Plugins are found through the ``musegl`` entry-point group. The core's own
+defaults (the ``openai`` dialect, the ``muse`` template) are registered as the
+built-in plugin ``core`` through the very same hooks, so a third-party plugin
+is never a second-class citizen.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata as md
+from typing import Any, Iterable, Sequence
+
+import attrs
+import pluggy
+
+from musegl_core.errors import ConfigError
+from musegl_core.plugins import hookspecs
+
+ENTRY_POINT_GROUP = "musegl"
+BUILTIN_MODULES = ("musegl_core.builtin",)
+
+_KINDS = {
+    "executors": "musegl_executors",
+    "speculators": "musegl_speculators",
+    "tool_parsers": "musegl_tool_parsers",
+    "dialects": "musegl_dialects",
+    "templates": "musegl_templates",
+}
+
+
+@attrs.frozen
+class PluginInfo:
+    name: str
+    distribution: str | None
+    version: str | None
+    provides: dict[str, tuple[str, ...]]
+
+
+def installed_entry_points() -> list[md.EntryPoint]:
+    return sorted(md.entry_points(group=ENTRY_POINT_GROUP), key=lambda ep: ep.name)
+
+
+class PluginManager:
+    """A pluggy manager holding the built-in plugin plus the selected installed ones."""
+
+    def __init__(self, only: Sequence[str] | None = None, extra: Iterable[tuple[str, Any]] = ()):
+        self.pm = pluggy.PluginManager(hookspecs.PROJECT)
+        self.pm.add_hookspecs(hookspecs)
+        self._dists: dict[str, tuple[str | None, str | None]] = {}
+        for module_name in BUILTIN_MODULES:
+            self.pm.register(importlib.import_module(module_name), name="core")
+            self._dists["core"] = ("musegl", _version("musegl"))
+        available = {ep.name: ep for ep in installed_entry_points()}
+        wanted = list(available) if only is None else list(dict.fromkeys(only))
+        missing = [n for n in wanted if n not in available and n != "core"]
+        if missing:
+            known = ", ".join(sorted(available)) or "none"
+            raise ConfigError(
+                f"plugin {missing[0]!r} is not installed (installed plugins: {known}); "
+                f"install the musegl-{missing[0]} distribution"
+            )
+        for name in wanted:
+            if name == "core":
+                continue
+            ep = available[name]
+            try:
+                plugin = ep.load()
+            except Exception as exc:  # a broken plugin must say who it is
+                raise ConfigError(f"plugin {name!r} failed to import: {exc}") from exc
+            self.pm.register(plugin, name=name)
+            dist = ep.dist
+            self._dists[name] = (dist.name if dist else None, dist.version if dist else None)
+        for name, plugin in extra:
+            self.pm.register(plugin, name=name)
+            self._dists[name] = (None, None)
+
+    # -- queries -------------------------------------------------------------------
+    def _collect(self, kind: str) -> dict[str, tuple[str, Any]]:
+        hook = getattr(self.pm.hook, _KINDS[kind])
+        found: dict[str, tuple[str, Any]] = {}
+        for impl in hook.get_hookimpls():
+            for spec in impl.function() or ():
+                if spec.name in found:
+                    other = found[spec.name][0]
+                    raise ConfigError(
+                        f"{kind[:-1].replace('_', ' ')} {spec.name!r} is provided by both "
+                        f"plugin {other!r} and plugin {impl.plugin_name!r}"
+                    )
+                found[spec.name] = (impl.plugin_name, spec)
+        return found
+
+    def specs(self, kind: str) -> dict[str, Any]:
+        return {name: spec for name, (_, spec) in self._collect(kind).items()}
+
+    def get(self, kind: str, name: str) -> Any:
+        found = self._collect(kind)
+        if name not in found:
+            label = kind[:-1].replace("_", " ")
+            known = ", ".join(sorted(found)) or "none"
+            raise ConfigError(
+                f"no {label} named {name!r} (available: {known}); "
+                f"is the plugin that provides it (musegl-{name}) installed and loaded?"
+            )
+        return found[name][1]
+
+    def choose_executor(self, name: str | None = None) -> Any:
+        """The named executor, or the best available one for this machine."""
+        if name:
+            spec = self.get("executors", name)
+            if not spec.available():
+                raise ConfigError(f"executor {name!r} cannot run on this machine")
+            return spec
+        candidates = [s for s in self.specs("executors").values() if s.available()]
+        if not candidates:
+            raise ConfigError(
+                "no executor plugin can run on this machine; install one "
+                "(pip install -e plugins/cuda for the torch executor)"
+            )
+        return max(candidates, key=lambda s: (s.priority, s.name))
+
+    def add_serve_options(self, parser) -> None:
+        for name, plugin in self.pm.list_name_plugin():
+            impl = getattr(plugin, "musegl_serve_options", None)
+            if impl is not None:
+                impl(group=parser.add_argument_group(f"plugin {name}"))
+
+    def describe(self) -> list[PluginInfo]:
+        provides: dict[str, dict[str, list[str]]] = {}
+        for kind in _KINDS:
+            for spec_name, (plugin, _) in self._collect(kind).items():
+                provides.setdefault(plugin, {}).setdefault(kind, []).append(spec_name)
+        out = []
+        for name, _ in self.pm.list_name_plugin():
+            dist, version = self._dists.get(name, (None, None))
+            kinds = {k: tuple(sorted(v)) for k, v in provides.get(name, {}).items()}
+            out.append(PluginInfo(name, dist, version, kinds))
+        return sorted(out, key=lambda p: (p.name != "core", p.name))
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return md.version(dist)
+    except md.PackageNotFoundError:
+        return None

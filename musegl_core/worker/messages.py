@@ -1,0 +1,136 @@
+"""Messages between the front and the worker, one JSON object per line.
+
+Each frame is a JSON object whose ``op`` names its class. Requests travel
+front → worker, events worker → front, multiplexed by request ``id``.
+Frame limits (the seed's): a request frame, newline included, is at most
+``--max-request-bytes``; an event frame at most :data:`MAX_EVENT_FRAME`.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Union
+
+import attrs
+import cattrs
+
+from musegl_core.engine.executor import ModelInfo, SamplingParams
+
+MAX_EVENT_FRAME = 1 << 20  # 1 MiB, newline included
+
+
+# -- front → worker -----------------------------------------------------------------
+@attrs.frozen
+class PromptSegment:
+    """Prompt text with special tokens written out (``<|start|>``), or token ids.
+
+    Exactly one of ``text`` and ``token_ids`` is set. Image segments join in the
+    vision issue."""
+
+    text: str | None = None
+    token_ids: tuple[int, ...] | None = None
+
+
+@attrs.frozen
+class Generate:
+    id: str
+    prompt: tuple[PromptSegment, ...]
+    max_tokens: int | None = None
+    sampling: SamplingParams = SamplingParams()
+    stop: tuple[str, ...] = ()  # request stops (win over template stops)
+    template_stops: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    session_id: str | None = None
+
+
+@attrs.frozen
+class Cancel:
+    id: str
+
+
+# -- worker → front -----------------------------------------------------------------
+@attrs.frozen
+class Capacity:
+    max_context: int
+    max_sessions: int
+    max_inflight_requests: int
+    max_decode_sequences: int
+
+
+@attrs.frozen
+class Ready:
+    model: ModelInfo
+    capacity: Capacity
+    pid: int
+
+
+@attrs.frozen
+class Started:
+    """Generation is ready: the prompt is prefilled (headers may be sent)."""
+
+    id: str
+    prompt_tokens: int
+    cached_tokens: int = 0
+
+
+@attrs.frozen
+class Tokens:
+    """Newly generated token ids and the text they completed (special tokens
+    written out; EOS excluded; text held back while it may start a stop)."""
+
+    id: str
+    ids: tuple[int, ...]
+    text: str
+
+
+@attrs.frozen
+class Done:
+    id: str
+    finish_reason: str  # "stop" | "length" | "cancelled"
+    matched_stop: str | None
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+    generated_ids: tuple[int, ...] | None = None  # None when stop-trimmed
+
+
+@attrs.frozen
+class Failed:
+    id: str | None
+    status: int
+    message: str
+    type: str = "server_error"
+    code: str | None = None
+    param: str | None = None
+    metadata: dict[str, Any] = attrs.field(factory=dict)
+
+
+Request = Union[Generate, Cancel]
+Event = Union[Ready, Started, Tokens, Done, Failed]
+_OPS: dict[str, type] = {
+    cls.__name__.lower(): cls for cls in (Generate, Cancel, Ready, Started, Tokens, Done, Failed)
+}
+
+converter = cattrs.Converter(omit_if_default=True)
+
+
+class FrameError(ValueError):
+    """A frame that is too large or not a valid message."""
+
+
+def encode(message: Any, limit: int | None = None) -> bytes:
+    payload = converter.unstructure(message)
+    payload["op"] = type(message).__name__.lower()
+    line = json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode() + b"\n"
+    if limit is not None and len(line) > limit:
+        raise FrameError(f"frame of {len(line)} bytes exceeds the {limit}-byte limit")
+    return line
+
+
+def decode(line: bytes | str) -> Any:
+    try:
+        payload = json.loads(line)
+        cls = _OPS[payload.pop("op")]
+        return converter.structure(payload, cls)
+    except (ValueError, KeyError, TypeError, cattrs.BaseValidationError) as exc:
+        raise FrameError(f"malformed frame: {exc}") from exc
