@@ -22,13 +22,17 @@ MAX_EVENT_FRAME = 1 << 20  # 1 MiB, newline included
 # -- front → worker -----------------------------------------------------------------
 @attrs.frozen
 class PromptSegment:
-    """Prompt text with special tokens written out (``<|start|>``), or token ids.
+    """A piece of the prompt: text, or token ids.
 
-    Exactly one of ``text`` and ``token_ids`` is set. Image segments join in the
-    vision issue."""
+    Exactly one of ``text`` and ``token_ids`` is set. With ``special=True`` the
+    special-token strings written in ``text`` (``<|start|>``) become their
+    single ids; with ``special=False`` (text a client typed) they stay literal
+    text, so a user who types ``<|eot|>`` never injects a control token.
+    Image segments join in the vision issue."""
 
     text: str | None = None
     token_ids: tuple[int, ...] | None = None
+    special: bool = True
 
 
 @attrs.frozen
