@@ -1,0 +1,203 @@
+"""The front's side of the worker: spawn, supervise, multiplex.
+
+:class:`WorkerClient` starts ``musegl worker`` as a child process, talks JSON
+lines over its stdin/stdout, routes events to the request that owns them, and
+restarts the worker when it dies. Requests in flight when the worker dies fail
+with 503 ``unavailable_error``; readiness is reported by :attr:`ready`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import sys
+from typing import AsyncIterator
+
+import cattrs
+
+from musegl_core.config import ServeConfig
+from musegl_core.errors import ApiError, unavailable
+from musegl_core.worker import messages as m
+
+log = logging.getLogger("musegl.front")
+
+config_converter = cattrs.Converter()
+
+
+def worker_command(config: ServeConfig) -> list[str]:
+    """The argv that starts a worker for ``config``."""
+    payload = json.dumps(config_converter.unstructure(config))
+    return [sys.executable, "-m", "musegl_core.worker.main", "--config-json", payload]
+
+
+class WorkerClient:
+    """Supervises one worker process and multiplexes requests over its pipes."""
+
+    def __init__(self, config: ServeConfig, *, restart_delay: float = 0.5):
+        self.config = config
+        self.restart_delay = restart_delay
+        self.info: m.Ready | None = None
+        self.restarts = 0
+        self._proc: asyncio.subprocess.Process | None = None
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._write_lock = asyncio.Lock()
+        self._ready = asyncio.Event()
+        self._supervisor: asyncio.Task | None = None
+        self._closing = False
+
+    # -- lifecycle ---------------------------------------------------------------------
+    @property
+    def ready(self) -> bool:
+        return self._ready.is_set()
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc else None
+
+    async def start(self) -> None:
+        """Start supervising; the worker loads in the background."""
+        self._supervisor = asyncio.create_task(self._supervise(), name="musegl-worker-supervisor")
+
+    async def wait_ready(self, timeout: float | None = None) -> m.Ready:
+        await asyncio.wait_for(self._ready.wait(), timeout)
+        assert self.info is not None
+        return self.info
+
+    async def close(self) -> None:
+        self._closing = True
+        if self._supervisor:
+            self._supervisor.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._supervisor
+        await self._stop_process()
+
+    async def _stop_process(self) -> None:
+        proc = self._proc
+        if proc and proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.terminate()
+            try:
+                await asyncio.wait_for(proc.wait(), 10)
+            except asyncio.TimeoutError:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.kill()
+                await proc.wait()
+
+    async def _supervise(self) -> None:
+        while not self._closing:
+            self._proc = await asyncio.create_subprocess_exec(
+                *worker_command(self.config),
+                stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE,
+                limit=m.MAX_EVENT_FRAME + 1,
+                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            )
+            log.info("worker started (pid %d)", self._proc.pid)
+            try:
+                await self._read_events(self._proc)
+            finally:
+                self._ready.clear()
+                code = await self._proc.wait()
+                self._fail_all(unavailable("the model worker stopped; it is restarting", code="worker_restarting"))
+            if self._closing:
+                return
+            self.restarts += 1
+            log.error("worker exited with status %s; restarting", code)
+            await asyncio.sleep(self.restart_delay)
+
+    async def _read_events(self, proc: asyncio.subprocess.Process) -> None:
+        assert proc.stdout is not None
+        while True:
+            try:
+                line = await proc.stdout.readline()
+            except ValueError:  # a frame over the 1 MiB limit: the worker is broken
+                log.error("worker sent a frame over %d bytes; restarting it", m.MAX_EVENT_FRAME)
+                proc.kill()
+                return
+            if not line:
+                return
+            try:
+                event = m.decode(line)
+            except m.FrameError as exc:
+                log.error("bad frame from worker: %s", exc)
+                continue
+            if isinstance(event, m.Ready):
+                self.info = event
+                self._ready.set()
+                log.info("worker ready: %s", event.model.name)
+                continue
+            queue = self._queues.get(getattr(event, "id", None) or "")
+            if queue is not None:
+                queue.put_nowait(event)
+            elif isinstance(event, m.Failed) and event.id is None:
+                log.error("worker error: %s", event.message)
+
+    def _fail_all(self, error: ApiError) -> None:
+        for queue in self._queues.values():
+            queue.put_nowait(error)
+
+    # -- requests ----------------------------------------------------------------------
+    async def _send(self, message: m.Generate | m.Cancel) -> None:
+        line = m.encode(message)
+        if len(line) > self.config.max_request_bytes:
+            raise ApiError(
+                413,
+                f"the request needs a {len(line)}-byte worker frame, over --max-request-bytes "
+                f"({self.config.max_request_bytes})",
+                "invalid_request_error",
+                "request_too_large",
+            )
+        proc = self._proc
+        if not self.ready or proc is None or proc.stdin is None:
+            raise unavailable("the model worker is not ready", code="worker_unavailable")
+        async with self._write_lock:
+            try:
+                proc.stdin.write(line)
+                await proc.stdin.drain()
+            except (BrokenPipeError, ConnectionResetError) as exc:
+                raise unavailable("the model worker stopped", code="worker_restarting") from exc
+
+    @contextlib.asynccontextmanager
+    async def generate(self, request: m.Generate) -> AsyncIterator[AsyncIterator[m.Event]]:
+        """Submit ``request``; yields an async iterator of its events.
+
+        The iterator yields :class:`Started`, then :class:`Tokens` events, and
+        ends after :class:`Done`. A :class:`Failed` event or a worker death
+        raises :class:`ApiError`. Leaving the context before ``Done`` (client
+        disconnect, error) cancels the request in the worker.
+        """
+        if request.id in self._queues:
+            raise ValueError(f"duplicate request id {request.id}")
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues[request.id] = queue
+        finished = False
+
+        async def events() -> AsyncIterator[m.Event]:
+            nonlocal finished
+            while True:
+                item = await queue.get()
+                if isinstance(item, ApiError):
+                    finished = True
+                    raise item
+                if isinstance(item, m.Failed):
+                    finished = True
+                    raise ApiError(
+                        item.status, item.message, item.type, item.code, item.param, dict(item.metadata),
+                        retry_after=1 if item.status == 503 else None,
+                    )
+                yield item
+                if isinstance(item, m.Done):
+                    finished = True
+                    return
+
+        try:
+            await self._send(request)
+            yield events()
+        finally:
+            self._queues.pop(request.id, None)
+            if not finished and self.ready:
+                with contextlib.suppress(ApiError):
+                    await self._send(m.Cancel(request.id))
