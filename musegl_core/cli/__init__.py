@@ -1,0 +1,1 @@
+"""The ``musegl`` command line."""

@@ -1,0 +1,116 @@
+"""Run one raw prompt through the engine and print the generated ids and text.
+
+The prompt is text in which special tokens are written out
+(``<|begin_of_text|><|start|>user<|message|>Hi<|eot|><|start|>assistant``) or a
+list of token ids (``--token-ids 200000,200022`` or a JSON list as PROMPT).
+It runs in-process through the same executor and engine the server uses, so
+it is the tool to check a checkpoint and to compare the engine with a
+reference token by token.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import attrs
+
+from musegl_core.cli.main import OneLineParser
+from musegl_core.config import ServeConfig
+from musegl_core.engine.engine import Engine, EngineConfig
+from musegl_core.engine.executor import SamplingParams
+from musegl_core.errors import ConfigError
+from musegl_core.worker import messages as m
+from musegl_core.worker.main import load, prepare
+
+
+def parse_prompt(prompt: str | None, token_ids: str | None) -> m.PromptSegment:
+    if token_ids is not None:
+        text = token_ids.strip()
+        ids = json.loads(text) if text.startswith("[") else [int(x) for x in text.replace(",", " ").split()]
+        return m.PromptSegment(token_ids=tuple(int(i) for i in ids))
+    if prompt is None or prompt == "-":
+        prompt = sys.stdin.read()
+    stripped = prompt.strip()
+    if stripped.startswith("[") and stripped.endswith("]"):
+        try:
+            ids = json.loads(stripped)
+            if isinstance(ids, list) and all(isinstance(i, int) for i in ids):
+                return m.PromptSegment(token_ids=tuple(ids))
+        except json.JSONDecodeError:
+            pass
+    return m.PromptSegment(text=prompt, special=True)
+
+
+def main(argv: list[str]) -> int:
+    p = OneLineParser(prog="musegl generate", description=__doc__.split("\n\n")[0])
+    p.add_argument("prompt", nargs="?", help="raw prompt text, a JSON list of ids, or - for stdin")
+    p.add_argument("--model", help="GGUF file or HF directory (default: the built-in tiny demo)")
+    p.add_argument("--token-ids", help="prompt as token ids: '1,2,3' or '[1, 2, 3]'")
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--executor", default=None)
+    p.add_argument("--device", default=None)
+    p.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"])
+    p.add_argument("--plugin", action="append", dest="plugins")
+    args = p.parse_args(argv)
+    if args.max_tokens < 1:
+        raise ConfigError("--max-tokens must be at least 1")
+    if args.temperature < 0:
+        raise ConfigError("--temperature must be >= 0")
+    model, demo = args.model, False
+    if model is None:
+        from musegl_core.tiny import default_model_path
+
+        model, demo = str(default_model_path(progress=True)), True
+    segment = parse_prompt(args.prompt, args.token_ids)
+    config = ServeConfig(model=model, executor=args.executor, device=args.device, dtype=args.dtype,
+                         plugins=tuple(args.plugins) if args.plugins else None, demo=demo)
+    tokenizer, executor = load(config)
+    events: list = []
+    request = m.Generate(
+        id="generate",
+        prompt=(segment,),
+        max_tokens=args.max_tokens,
+        sampling=SamplingParams(args.temperature, args.top_p, args.top_k, args.seed),
+        stop=tuple(args.stop),
+        ignore_eos=args.ignore_eos,
+    )
+    prepared = prepare(request, tokenizer)
+    context = max(len(prepared.prompt_ids) + args.max_tokens, 2)
+    engine = Engine(executor, tokenizer, EngineConfig(max_context=context, max_inflight_requests=1), events.append)
+    engine.submit(prepared)
+    engine.run_until_idle()
+    failed = [e for e in events if isinstance(e, m.Failed)]
+    if failed:
+        raise ConfigError(failed[0].message)
+    done = next(e for e in events if isinstance(e, m.Done))
+    ids = [i for e in events if isinstance(e, m.Tokens) for i in e.ids]
+    text = "".join(e.text for e in events if isinstance(e, m.Tokens))
+    generated = list(done.generated_ids) if done.generated_ids is not None else ids
+    if args.json:
+        print(json.dumps({
+            "model": executor.info.name,
+            "backend": executor.info.backend,
+            "demo": demo,
+            "prompt_ids": list(prepared.prompt_ids),
+            "token_ids": generated,
+            "text": text,
+            "finish_reason": done.finish_reason,
+            "matched_stop": done.matched_stop,
+            "usage": {"prompt_tokens": done.prompt_tokens, "completion_tokens": done.completion_tokens},
+        }, ensure_ascii=False))
+    else:
+        print(f"prompt tokens: {len(prepared.prompt_ids)}")
+        print(f"token ids: {' '.join(map(str, generated))}")
+        print(f"finish: {done.finish_reason}" + (f" (stop {done.matched_stop!r})" if done.matched_stop else ""))
+        print("text:")
+        print(text)
+    executor.close()
+    return 0

@@ -1,0 +1,61 @@
+"""``musegl``: serve, generate, make-tiny, plugins, worker.
+
+Each subcommand lives in its own module under :mod:`musegl_core.cli`; this
+module only dispatches. Usage errors and bad values exit with status 2 and a
+one-line reason.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from musegl_core import __version__
+from musegl_core.errors import ConfigError
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, but usage errors are one line: ``musegl serve: error: ...``."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+COMMANDS = {
+    "serve": "musegl_core.cli.serve",
+    "generate": "musegl_core.cli.generate",
+    "make-tiny": "musegl_core.cli.make_tiny",
+    "plugins": "musegl_core.cli.plugins",
+    "worker": "musegl_core.worker.main",
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(f"musegl {__version__}: serve Muse Glimmer models\n")
+        print("usage: musegl COMMAND [options]   (musegl COMMAND --help for details)\n")
+        print("commands:")
+        for name, module in COMMANDS.items():
+            doc = __import__(module, fromlist=["_"]).__doc__ or ""
+            print(f"  {name:<10} {doc.strip().splitlines()[0] if doc.strip() else ''}")
+        return 0 if argv else 2
+    if argv[0] == "--version":
+        print(f"musegl {__version__}")
+        return 0
+    command, rest = argv[0], argv[1:]
+    if command not in COMMANDS:
+        print(f"musegl: error: unknown command {command!r} (choose from {', '.join(COMMANDS)})", file=sys.stderr)
+        return 2
+    module = __import__(COMMANDS[command], fromlist=["main"])
+    try:
+        return module.main(rest) or 0
+    except ConfigError as exc:
+        print(f"musegl {command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

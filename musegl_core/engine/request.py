@@ -1,0 +1,66 @@
+"""A request as the engine runs it, and the events it produces."""
+
+from __future__ import annotations
+
+import enum
+from typing import Sequence
+
+import attrs
+
+from musegl_core.engine.executor import SamplingParams
+
+
+@attrs.frozen
+class PreparedRequest:
+    """A tokenized request, ready for the scheduler (prepared on the control thread)."""
+
+    id: str
+    prompt_ids: tuple[int, ...]
+    max_tokens: int | None = None
+    sampling: SamplingParams = SamplingParams()
+    stop: tuple[str, ...] = ()
+    template_stops: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    session_id: str | None = None
+
+
+class Phase(enum.Enum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+    FINISHED = "finished"
+
+
+@attrs.define(eq=False)
+class SequenceState:
+    """Engine state of one running request.
+
+    ``tokens`` is the prompt followed by the generated ids; ``computed`` counts
+    the positions whose K/V are in the cache. In decode, the last token is the
+    one not yet computed: each step feeds it and samples the next.
+    """
+
+    request: PreparedRequest
+    handle: int
+    max_new: int
+    tokens: list[int]
+    blocks: list[int] = attrs.field(factory=list)
+    reserved: int = 0
+    computed: int = 0
+    generated: list[int] = attrs.field(factory=list)
+    phase: Phase = Phase.PREFILL
+    started: bool = False
+    cancelled: bool = False
+    decode_turns: int = 0
+    detokenizer: object = None
+    stops: object = None
+
+    @property
+    def id(self) -> str:
+        return self.request.id
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.request.prompt_ids)
+
+    def pending(self) -> Sequence[int]:
+        return self.tokens[self.computed :]

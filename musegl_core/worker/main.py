@@ -1,0 +1,180 @@
+"""``musegl worker``: the process that owns the model.
+
+Started by the front (:mod:`musegl_core.worker.client`) with the serve
+configuration. It loads the tokenizer and the executor (with a progress bar
+on stderr), announces :class:`Ready` with its capacity, then runs two threads:
+
+* the **control thread** reads request frames from stdin, prepares prompts
+  (tokenization) and hands them to the engine, or forwards cancellations;
+* the **engine thread** runs the scheduler and the executor.
+
+Events are written to stdout as JSON lines (at most 1 MiB each). Nothing else
+may write to stdout, so the real stdout is kept aside for frames and file
+descriptor 1 is pointed at stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import threading
+from typing import BinaryIO
+
+from musegl_core.config import ServeConfig
+from musegl_core.engine.engine import Engine, EngineConfig
+from musegl_core.engine.request import PreparedRequest
+from musegl_core.errors import ApiError, ConfigError
+from musegl_core.worker import messages as m
+from musegl_core.worker.client import config_converter
+
+log = logging.getLogger("musegl.worker")
+
+
+class EventWriter:
+    """Serialises events onto the frame pipe, enforcing the output frame limit."""
+
+    def __init__(self, stream: BinaryIO):
+        self.stream = stream
+        self.lock = threading.Lock()
+
+    def __call__(self, event: object) -> None:
+        try:
+            line = m.encode(event, m.MAX_EVENT_FRAME)
+        except m.FrameError:
+            if isinstance(event, m.Done):  # very long generations: drop the id list
+                import attrs
+
+                line = m.encode(attrs.evolve(event, generated_ids=None), m.MAX_EVENT_FRAME)
+            else:
+                rid = getattr(event, "id", None)
+                line = m.encode(m.Failed(rid, 500, "an output frame exceeded 1 MiB", "server_error"))
+        with self.lock:
+            self.stream.write(line)
+            self.stream.flush()
+
+
+def prepare(request: m.Generate, tokenizer) -> PreparedRequest:
+    """Tokenize the prompt segments (control thread)."""
+    try:
+        ids = tokenizer.encode_segments(request.prompt)
+    except Exception as exc:
+        raise ApiError(400, f"could not tokenize the prompt: {exc}", "invalid_request_error") from exc
+    if not ids:
+        raise ApiError(400, "the prompt is empty", "invalid_request_error", param="messages")
+    vocab = tokenizer.vocab_size
+    if any(not 0 <= i < vocab for i in ids):
+        raise ApiError(400, f"prompt token ids must be in [0, {vocab})", "invalid_request_error")
+    return PreparedRequest(
+        id=request.id,
+        prompt_ids=tuple(ids),
+        max_tokens=request.max_tokens,
+        sampling=request.sampling,
+        stop=request.stop,
+        template_stops=request.template_stops,
+        ignore_eos=request.ignore_eos,
+        session_id=request.session_id,
+    )
+
+
+def control_loop(stdin: BinaryIO, engine: Engine, tokenizer, writer: EventWriter, limit: int) -> None:
+    while True:
+        line = stdin.readline(limit + 1)
+        if not line:
+            engine.stop()
+            return
+        if not line.endswith(b"\n") and len(line) > limit:
+            while line and not line.endswith(b"\n"):  # discard the rest of the oversized frame
+                line = stdin.readline(limit + 1)
+            writer(m.Failed(None, 413, f"request frame over {limit} bytes", "invalid_request_error", "request_too_large"))
+            continue
+        try:
+            message = m.decode(line)
+        except m.FrameError as exc:
+            writer(m.Failed(None, 400, str(exc), "invalid_request_error"))
+            continue
+        if isinstance(message, m.Cancel):
+            engine.cancel(message.id)
+        elif isinstance(message, m.Generate):
+            try:
+                engine.submit(prepare(message, tokenizer))
+            except ApiError as err:
+                writer(m.Failed(message.id, err.status, err.message, err.type, err.code, err.param, dict(err.metadata)))
+
+
+def load(config: ServeConfig):
+    """Load tokenizer and executor for ``config`` (with a progress bar)."""
+    from musegl_core.plugins.manager import PluginManager
+    from musegl_core.plugins.specs import ExecutorOptions
+    from musegl_core.progress import loading_progress
+    from musegl_core.tokenizer import MuseTokenizer
+
+    plugins = PluginManager(only=config.plugins)
+    spec = plugins.choose_executor(config.executor)
+    tokenizer = MuseTokenizer.load(config.model)
+    with loading_progress(f"loading {os.path.basename(config.model)} ({spec.name})") as progress:
+        executor = spec.create(
+            ExecutorOptions(
+                model=config.model,
+                device=config.device,
+                dtype=config.dtype,
+                demo=config.demo,
+                progress=progress,
+                extra=dict(config.extra),
+            )
+        )
+    return tokenizer, executor
+
+
+def serve(config: ServeConfig, stdin: BinaryIO, stdout: BinaryIO) -> None:
+    tokenizer, executor = load(config)
+    writer = EventWriter(stdout)
+    engine = Engine(
+        executor,
+        tokenizer,
+        EngineConfig(
+            max_context=config.max_context,
+            max_inflight_requests=config.max_inflight_requests,
+            max_decode_sequences=config.max_decode_sequences,
+            max_prefill_chunk=config.max_prefill_chunk,
+            kv_blocks=config.kv_blocks,
+        ),
+        writer,
+    )
+    engine_thread = threading.Thread(target=engine.run_forever, name="musegl-engine", daemon=True)
+    engine_thread.start()
+    writer(
+        m.Ready(
+            model=executor.info,
+            capacity=m.Capacity(
+                config.max_context, config.max_sessions, config.max_inflight_requests, config.max_decode_sequences
+            ),
+            pid=os.getpid(),
+        )
+    )
+    control_loop(stdin, engine, tokenizer, writer, config.max_request_bytes)
+    engine_thread.join(timeout=5)
+    executor.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="musegl worker", description=__doc__.splitlines()[0])
+    parser.add_argument("--config-json", required=True, help="the serve configuration as JSON")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s worker %(levelname)s %(message)s", stream=sys.stderr)
+    frames_out = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)  # stray prints go to stderr, never into the frame pipe
+    sys.stdout = sys.stderr
+    try:
+        config = config_converter.structure(json.loads(args.config_json), ServeConfig)
+        serve(config, sys.stdin.buffer, frames_out)
+    except ConfigError as exc:
+        print(f"musegl worker: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
