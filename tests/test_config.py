@@ -1,0 +1,59 @@
+"""`musegl serve` validates the seed's limits before any model loads (exit 2, one line)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from musegl_core.config import ServeConfig, min_request_bytes
+
+BAD = [
+    (["--max-context", "1"], "--max-context must be between 2"),
+    (["--max-context", "2147483648"], "--max-context must be between 2"),
+    (["--max-context", "abc"], "expected an integer"),
+    (["--max-sessions", "0"], "--max-sessions"),
+    (["--max-inflight-requests", "0"], "--max-inflight-requests"),
+    (["--max-inflight-requests", "2147483648"], "--max-inflight-requests"),
+    (["--max-decode-sequences", "0"], "--max-decode-sequences"),
+    (["--max-prefill-chunk", "0"], "--max-prefill-chunk"),
+    (["--max-image-bytes", "0"], "--max-image-bytes"),
+    (["--max-image-bytes", str(20 * 2**20 + 1)], "--max-image-bytes"),
+    (["--max-request-bytes", str(32 * 2**20 + 1)], "--max-request-bytes"),
+    (["--max-request-bytes", "100000"], "4*ceil(max_image_bytes/3)+1024"),
+    (["--max-vision-patches", "3"], "--max-vision-patches"),
+    (["--prefix-cache-entries", "-1"], "--prefix-cache-entries"),
+    (["--streaming-preflight-timeout", "0"], "--streaming-preflight-timeout"),
+    (["--streaming-preflight-timeout", "nan"], "--streaming-preflight-timeout"),
+    (["--port", "70000"], "--port"),
+    (["--tool-parser", "nosuch"], "no tool parser named 'nosuch'"),
+    (["--api-dialect", "nosuch"], "no dialect named 'nosuch'"),
+    (["--plugin", "nosuch"], "plugin 'nosuch' is not installed"),
+    (["/definitely/not/here.gguf"], "does not exist"),
+]
+
+
+@pytest.mark.parametrize("argv,reason", BAD, ids=[" ".join(a) for a, _ in BAD])
+def test_bad_serve_values_exit_2_with_one_line(argv, reason):
+    proc = subprocess.run(
+        [sys.executable, "-m", "musegl_core.cli.main", "serve", *argv], capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert reason in lines[0]
+
+
+def test_request_bytes_floor_follows_image_bytes():
+    assert min_request_bytes(3) == 4 + 1024
+    small = ServeConfig(max_image_bytes=3000, max_request_bytes=min_request_bytes(3000)).validate()
+    assert small.max_request_bytes == 5024
+
+
+def test_defaults_are_the_seeds():
+    c = ServeConfig().validate()
+    assert (c.max_sessions, c.max_inflight_requests, c.max_decode_sequences) == (4, 4, 4)
+    assert c.max_image_bytes == 20 * 2**20 and c.max_request_bytes == 32 * 2**20
+    assert c.max_vision_patches == 4096 and c.prefix_cache_entries == 0
+    assert c.host == "127.0.0.1"
