@@ -133,9 +133,8 @@ def text_config_from_dict(text: dict[str, Any]) -> TextConfig:
     independent of ``layer_types``, as transformers does). One global θ comes
     from ``rope_parameters.rope_theta`` (default 10000).
     """
-    def get(key: str) -> Any:
-        value = text.get(key)
-        return TEXT_CONFIG_DEFAULTS[key] if value is None and key in TEXT_CONFIG_DEFAULTS else value
+    def get(key: str) -> Any:  # an explicit null stays null; an absent key takes the default
+        return text[key] if key in text else TEXT_CONFIG_DEFAULTS.get(key)
 
     n = int(get("num_hidden_layers"))
     default = TextConfig.default_layout(n)
@@ -171,7 +170,7 @@ def text_config_from_dict(text: dict[str, Any]) -> TextConfig:
     eos = get("eos_token_id")
     eos_ids = () if eos is None else (tuple(int(e) for e in eos) if isinstance(eos, list) else (int(eos),))
     bos = get("bos_token_id")
-    softcap = text.get("final_logit_softcapping", TEXT_CONFIG_DEFAULTS["final_logit_softcapping"])
+    softcap = get("final_logit_softcapping")
     hidden, heads = int(get("hidden_size")), int(get("num_attention_heads"))
     return TextConfig(
         vocab_size=int(get("vocab_size")),

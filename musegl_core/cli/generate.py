@@ -81,6 +81,7 @@ def main(argv: list[str]) -> int:
         sampling=SamplingParams(args.temperature, args.top_p, args.top_k, args.seed),
         stop=tuple(args.stop),
         ignore_eos=args.ignore_eos,
+        add_bos=False,
     )
     prepared = prepare(request, tokenizer)
     context = max(len(prepared.prompt_ids) + args.max_tokens, 2)

@@ -210,30 +210,26 @@ class Engine:
             self.emit(m.Started(seq.id, seq.prompt_len, 0))
         seq.generated.append(token)
         seq.tokens.append(token)
-        if token in self.end_ids and not request.ignore_eos:
-            self._flush_text(seq, [token])
-            self._finish(seq, "stop", None)
-            return
-        text, matched = seq.stops.push(seq.detokenizer.push(token))
+        eos = token in self.end_ids and not request.ignore_eos
+        text, matched = seq.stops.push("" if eos else seq.detokenizer.push(token))
+        at_end = eos or len(seq.generated) >= seq.max_new
+        if matched is None and at_end:
+            # End of generation: release held bytes and held stop prefixes.
+            tail, matched = seq.stops.push(seq.detokenizer.flush())
+            text += tail
+            if matched is None:
+                text += seq.stops.flush()
+                matched = seq.stops.matched
+        seq.unreported.append(token)
+        if text:
+            self.emit(m.Tokens(seq.id, tuple(seq.unreported), text))
+            seq.unreported.clear()
         if matched is not None:
-            if text:
-                self.emit(m.Tokens(seq.id, (token,), text))
             self._finish(seq, "stop", matched)
-            return
-        if len(seq.generated) >= seq.max_new:
-            self._flush_text(seq, [token], text)
+        elif eos:
+            self._finish(seq, "stop", None)
+        elif at_end:
             self._finish(seq, "length", None)
-            return
-        if text:
-            self.emit(m.Tokens(seq.id, (token,), text))
-
-    def _flush_text(self, seq: SequenceState, ids: list[int], text: str = "") -> None:
-        tail, matched = seq.stops.push(seq.detokenizer.flush())
-        text += tail
-        if matched is None:
-            text += seq.stops.flush()
-        if text:
-            self.emit(m.Tokens(seq.id, tuple(ids), text))
 
     def _finish(self, seq: SequenceState, reason: str | None, matched_stop: str | None) -> None:
         if seq.phase is Phase.FINISHED:

@@ -22,6 +22,7 @@ class PreparedRequest:
     template_stops: tuple[str, ...] = ()
     ignore_eos: bool = False
     session_id: str | None = None
+    add_bos: bool = True
 
 
 class Phase(enum.Enum):
@@ -47,6 +48,7 @@ class SequenceState:
     reserved: int = 0
     computed: int = 0
     generated: list[int] = attrs.field(factory=list)
+    unreported: list[int] = attrs.field(factory=list)  # ids whose text is still held back
     phase: Phase = Phase.PREFILL
     started: bool = False
     cancelled: bool = False

@@ -59,7 +59,7 @@ class EventWriter:
 def prepare(request: m.Generate, tokenizer) -> PreparedRequest:
     """Tokenize the prompt segments (control thread)."""
     try:
-        ids = tokenizer.encode_segments(request.prompt)
+        ids = tokenizer.encode_segments(request.prompt, add_bos=request.add_bos)
     except Exception as exc:
         raise ApiError(400, f"could not tokenize the prompt: {exc}", "invalid_request_error") from exc
     if not ids:

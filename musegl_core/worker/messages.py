@@ -45,6 +45,7 @@ class Generate:
     template_stops: tuple[str, ...] = ()
     ignore_eos: bool = False
     session_id: str | None = None
+    add_bos: bool = True  # False: the prompt is used exactly as given (musegl generate)
 
 
 @attrs.frozen
@@ -80,7 +81,11 @@ class Started:
 @attrs.frozen
 class Tokens:
     """Newly generated token ids and the text they completed (special tokens
-    written out; EOS excluded; text held back while it may start a stop)."""
+    written out; EOS excluded; text held back while it may start a stop).
+
+    ``ids`` holds every id generated since the previous ``Tokens`` event, so
+    the ids of all events concatenated are the generated ids (up to those
+    still held back when generation ends, which ``Done.generated_ids`` has)."""
 
     id: str
     ids: tuple[int, ...]

@@ -1,0 +1,103 @@
+"""Open a Muse Glimmer checkpoint, GGUF file or Hugging Face directory, as one :class:`Checkpoint`.
+
+Both sources yield the same float32 numpy weights under the same names
+(transformers names without ``model.language_model.``), so every executor
+(torch, MLX) starts from identical weights and converts them tensor by tensor.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Callable, Iterator, Protocol
+
+import attrs
+import numpy as np
+
+from musegl_core.checkpoint.config import TextConfig
+from musegl_core.checkpoint.tokenizer_data import GGUFTokenizerData
+
+Progress = Callable[[int, int, str], None]
+
+
+class WeightReader(Protocol):
+    """What a format reader offers :class:`Checkpoint` (see ``gguf_reader``, ``hf_reader``)."""
+
+    source: str
+    config: TextConfig
+    file_type: str
+    name: str
+    tensor_names: tuple[str, ...]
+    tokenizer: GGUFTokenizerData | None
+
+    def read(self, name: str) -> np.ndarray: ...
+
+    def close(self) -> None: ...
+
+
+@attrs.define
+class Checkpoint:
+    """A text-decoder checkpoint, opened but not loaded.
+
+    ``source`` is ``"gguf"`` or ``"hf"``; ``file_type`` the stored precision
+    (``f32``, ``bf16``, ``q8_0`` ...); ``tokenizer`` the GGUF tokenizer
+    metadata when the file has it (None for HF directories).
+    :meth:`iter_weights` reads one tensor at a time and reports each to
+    ``progress(done, total, name)``.
+    """
+
+    path: str
+    config: TextConfig
+    source: str
+    file_type: str
+    name: str
+    tokenizer: GGUFTokenizerData | None
+    reader: WeightReader = attrs.field(repr=False)
+    progress: Progress | None = attrs.field(default=None, repr=False)
+
+    @property
+    def tensor_names(self) -> tuple[str, ...]:
+        return self.reader.tensor_names
+
+    @property
+    def num_tensors(self) -> int:
+        return len(self.reader.tensor_names)
+
+    def read(self, name: str) -> np.ndarray:
+        """One weight as float32, transformers layout."""
+        return self.reader.read(name)
+
+    def iter_weights(self) -> Iterator[tuple[str, np.ndarray]]:
+        """``(name, float32 array)`` for every text weight, one at a time."""
+        total = self.num_tensors
+        for done, name in enumerate(self.reader.tensor_names, start=1):
+            array = self.reader.read(name)
+            if self.progress is not None:
+                self.progress(done, total, name)
+            yield name, array
+
+    def close(self) -> None:
+        self.reader.close()
+
+
+def load_checkpoint(path: str | os.PathLike[str], progress: Progress | None = None) -> Checkpoint:
+    """Open ``path``: a ``.gguf`` file (arch ``muse-glimmer``) or a directory with
+    ``config.json`` and safetensors. Raises ``FileNotFoundError``/``ValueError``
+    with a one-line reason for anything else."""
+    from musegl_core.checkpoint.gguf_reader import GGUFTextReader
+    from musegl_core.checkpoint.hf_reader import HFTextReader
+
+    p = Path(path)
+    if p.is_dir():
+        reader: WeightReader = HFTextReader(p)
+    elif p.is_file():
+        with open(p, "rb") as f:
+            magic = f.read(4)
+        if magic != b"GGUF":
+            raise ValueError(f"{p}: not a GGUF file and not a Hugging Face model directory")
+        reader = GGUFTextReader(p)
+    else:
+        raise FileNotFoundError(f"{p}: no such checkpoint")
+    return Checkpoint(path=str(p), config=reader.config, source=reader.source,
+                      file_type=reader.file_type, name=reader.name, tokenizer=reader.tokenizer,
+                      reader=reader, progress=progress)

@@ -1,0 +1,57 @@
+"""Incremental detokenization: generated ids → text, one token at a time.
+
+Byte-level BPE splits a multi-byte UTF-8 character across tokens freely (an
+emoji can take four tokens of one byte each). :class:`IncrementalDetokenizer`
+therefore keeps the bytes of the generation so far and hands out only text
+whose characters are complete; the bytes of a character still being spelt
+wait for the tokens that finish it. The concatenation of every ``push`` and
+the final ``flush`` equals ``tokenizer.decode(all_ids)``.
+"""
+
+from __future__ import annotations
+
+import codecs
+from typing import Iterable, Protocol
+
+
+class TokenBytes(Protocol):
+    """What the detokenizer needs from a tokenizer (``MuseTokenizer`` provides it)."""
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes ``token_id`` stands for (special tokens: their UTF-8 string)."""
+
+
+class IncrementalDetokenizer:
+    """Turns a stream of token ids into a stream of complete text.
+
+    Special tokens come out as their strings (``<|eom|>``); ids without a token
+    contribute nothing. Invalid UTF-8 becomes U+FFFD as soon as it is known to be
+    invalid; an incomplete character at the end is released by :meth:`flush`.
+    """
+
+    def __init__(self, tokenizer: TokenBytes) -> None:
+        self._tokenizer = tokenizer
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._finished = False
+
+    def push(self, token_id: int) -> str:
+        """Add one token; return the text it completed (possibly empty)."""
+        if self._finished:
+            raise RuntimeError("push() after flush()")
+        return self._decoder.decode(self._tokenizer.token_bytes(int(token_id)), final=False)
+
+    def push_many(self, token_ids: Iterable[int]) -> str:
+        """Add several tokens; return the text they completed."""
+        return "".join(self.push(token_id) for token_id in token_ids)
+
+    @property
+    def pending_bytes(self) -> bytes:
+        """Bytes held back because they begin a character not yet complete."""
+        return self._decoder.getstate()[0]
+
+    def flush(self) -> str:
+        """End of generation: release held-back bytes (as U+FFFD) and stop."""
+        if self._finished:
+            return ""
+        self._finished = True
+        return self._decoder.decode(b"", final=True)

@@ -1,0 +1,212 @@
+"""The HTTP front: a Litestar application over one model worker.
+
+:func:`create_app` wires the routes of spec/api.md section 1, the error
+mapping of section 6 (every error, Litestar's own included, leaves in the
+dialect's error shape), optional bearer-token auth, the request size limit,
+and the worker's lifetime (started and stopped with the app).
+
+Chat requests are parsed by hand from the raw body (not through Litestar's
+signature model), so malformed JSON and wrong field types are 400s that name
+the field, and everything is validated before the worker sees the request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import time
+from typing import Any, AsyncIterator
+
+from litestar import Litestar, Request, Response, get, post
+from litestar.connection import ASGIConnection
+from litestar.exceptions import HTTPException
+from litestar.handlers.base import BaseRouteHandler
+from litestar.response import Stream
+
+from musegl_core.config import ServeConfig
+from musegl_core.errors import ApiError, server_error, unavailable
+from musegl_core.http import schemas as s
+from musegl_core.http import sse
+from musegl_core.http.completions import ChatStream, ResponseMeta, complete, plan_chat
+from musegl_core.http.dialect import Dialect, ServedModel
+from musegl_core.plugins.manager import PluginManager
+from musegl_core.worker.client import WorkerClient
+
+log = logging.getLogger("musegl.http")
+
+_HTTP_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    415: "invalid_request_error",
+    429: "rate_limit_error",
+    503: "unavailable_error",
+}
+
+
+class Front:
+    """The state the handlers share: settings, plugins' objects, the worker."""
+
+    def __init__(self, config: ServeConfig, plugins: PluginManager, worker: WorkerClient):
+        self.config = config
+        self.worker = worker
+        self.dialect: Dialect = plugins.get("dialects", config.api_dialect).create()
+        self.template = plugins.get("templates", config.template).create()
+        self.tool_parser = plugins.get("tool_parsers", config.tool_parser) if config.tool_parser else None
+        self.created = int(time.time())
+
+    @property
+    def served_model(self) -> ServedModel:
+        info = self.worker.info.model if self.worker.info else None
+        name = self.config.served_model_name or (info.name if info else None) or self.config.model or "musegl"
+        return ServedModel(
+            name=name,
+            created=self.created,
+            context_length=self.config.max_context,
+            demo=self.config.demo or bool(info and info.demo),
+            backend=info.backend if info else None,
+        )
+
+    def error_response(self, error: ApiError) -> Response:
+        return Response(
+            self.dialect.error_body(error),
+            status_code=error.status,
+            headers=self.dialect.error_headers(error),
+            media_type="application/json",
+        )
+
+
+def create_app(
+    config: ServeConfig, plugins: PluginManager, worker: WorkerClient, *, manage_worker: bool = True
+) -> Litestar:
+    """The musegl HTTP application.
+
+    With ``manage_worker`` (the default) the app starts ``worker`` on startup
+    and closes it on shutdown; pass ``False`` when the caller owns it (tests
+    that need no model).
+    """
+    front = Front(config, plugins, worker)
+
+    async def require_key(connection: ASGIConnection, _: BaseRouteHandler) -> None:
+        if config.api_key is None:
+            return
+        scheme, _, token = connection.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), config.api_key.encode()):
+            raise ApiError(401, "a valid API key is required (Authorization: Bearer <key>)", "authentication_error", "invalid_api_key")
+
+    @get(["/v1/models", "/models"], guards=[require_key], sync_to_thread=False)
+    def models() -> dict[str, Any]:
+        """The one served model and its context budget."""
+        return s.to_json(s.ModelList(data=[front.dialect.model_entry(front.served_model)]))
+
+    @get(["/health", "/v1/health"], sync_to_thread=False)
+    def health() -> Response:
+        """200 once the worker can generate, 503 ``unavailable_error`` before."""
+        if not worker.ready:
+            return front.error_response(unavailable("the model is loading or restarting", code="model_loading"))
+        return Response(s.to_json(s.HealthStatus()), media_type="application/json")
+
+    @post(["/v1/chat/completions", "/chat/completions"], guards=[require_key], status_code=200)
+    async def chat_completions(request: Request) -> Response:
+        """Chat generation as one JSON object or an SSE stream."""
+        payload = s.parse_body(await request.body())
+        chat = s.structure_request(payload)
+        meta_model = front.served_model
+        meta = ResponseMeta.new(meta_model.name, meta_model.backend or "unknown")
+        plan = plan_chat(
+            chat,
+            request_id=meta.id,
+            config=config,
+            template=front.template,
+            tool_parser=front.tool_parser,
+            header_session_id=request.headers.get("x-session-id"),
+        )
+        if not worker.ready:
+            raise unavailable("the model is loading or restarting", code="model_loading")
+        if not plan.stream:
+            result = await _unless_disconnected(
+                request, complete(worker, plan, meta, front.dialect, front.tool_parser)
+            )
+            return Response(s.to_json(result), media_type="application/json")
+        stream = ChatStream(
+            worker, plan, meta, front.dialect, front.tool_parser, config.streaming_preflight_timeout
+        )
+        await _unless_disconnected(request, stream.open())
+        return Stream(stream.events(), media_type=sse.MEDIA_TYPE, headers=sse.HEADERS)
+
+    def on_api_error(_: Request, error: ApiError) -> Response:
+        return front.error_response(error)
+
+    def on_http_error(_: Request, exc: HTTPException) -> Response:
+        status = exc.status_code
+        message = exc.detail or "request failed"
+        if status == 404:
+            message = "no such endpoint; see /v1/models and /v1/chat/completions"
+        elif status == 413:
+            message = f"the request body exceeds --max-request-bytes ({config.max_request_bytes} bytes)"
+        code = "request_too_large" if status == 413 else None
+        error_type = _HTTP_ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+        return front.error_response(ApiError(status, message, error_type, code))
+
+    def on_unexpected(_: Request, exc: Exception) -> Response:
+        log.exception("unhandled error", exc_info=exc)
+        return front.error_response(server_error(f"internal error: {type(exc).__name__}"))
+
+    @contextlib.asynccontextmanager
+    async def worker_lifespan(_: Litestar) -> AsyncIterator[None]:
+        if manage_worker:
+            await worker.start()
+        try:
+            yield
+        finally:
+            if manage_worker:
+                await worker.close()
+
+    return Litestar(
+        route_handlers=[models, health, chat_completions],
+        exception_handlers={
+            ApiError: on_api_error,
+            HTTPException: on_http_error,
+            Exception: on_unexpected,
+        },
+        lifespan=[worker_lifespan],
+        request_max_body_size=config.max_request_bytes,
+        openapi_config=None,
+        state={"front": front},
+    )
+
+
+async def _unless_disconnected(request: Request, work: Any) -> Any:
+    """Await ``work`` unless the client goes away first.
+
+    On a disconnect ``work`` is cancelled (which cancels the worker request)
+    and a 499 ``client_closed`` error ends the handler; nobody reads it."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        task.cancel()
+        raise
+    finally:
+        watcher.cancel()
+    if not task.done():
+        task.cancel()
+        with contextlib.suppress(BaseException):
+            await task
+        log.info("client disconnected; request cancelled")
+        raise ApiError(499, "the client closed the connection", "invalid_request_error", "client_closed")
+    return task.result()
+
+
+async def _disconnected(request: Request) -> None:
+    """Return once the ASGI server reports that the client disconnected."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return

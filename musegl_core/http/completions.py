@@ -1,0 +1,545 @@
+"""Chat completions: from a validated request to a worker ``Generate``, and from
+worker events to responses.
+
+:func:`plan_chat` applies every rule of spec/api.md section 2 that does not
+need the model (ranges, contradictions, the reject list, tools without a
+parser), renders the conversation with the chat template and returns a
+:class:`ChatPlan`. Nothing is submitted before it returns, so every bad
+request is a 400 that never reaches the worker.
+
+:class:`ResponseAssembler` turns the worker's ``Tokens``/``Done`` events into
+message text through the channel parser (and the tool parser, when one is
+active) and keeps the usage accounting. :func:`complete` builds the
+non-streaming object (section 3); :class:`ChatStream` produces the SSE
+events of section 4, sending nothing until the worker reports ``Started``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import re
+import time
+import uuid
+from typing import Any, AsyncIterator
+
+import attrs
+
+from musegl_core import __version__
+from musegl_core.chat import channels
+from musegl_core.chat.messages import ToolDef, parse_messages, parse_tools
+from musegl_core.chat.template import TemplateVariables
+from musegl_core.config import ServeConfig
+from musegl_core.engine.executor import SamplingParams
+from musegl_core.errors import ApiError, bad_request, unavailable
+from musegl_core.http import schemas as s
+from musegl_core.http import sse
+from musegl_core.http.dialect import Dialect
+from musegl_core.worker import messages as m
+from musegl_core.worker.client import WorkerClient
+
+REASONING_STRENGTHS = ("low", "medium", "high")
+MAX_STOPS = 4
+SESSION_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+SEED_RANGE = (-(2**63), 2**64 - 1)
+
+
+def unsupported(param: str, message: str) -> ApiError:
+    return bad_request(message, code="unsupported_parameter", param=param)
+
+
+# -- planning ---------------------------------------------------------------------------
+@attrs.frozen
+class ChatPlan:
+    """A request that passed every front-side check, ready for the worker."""
+
+    generate: m.Generate
+    stream: bool
+    include_usage: bool
+    hide_reasoning: bool
+    ignore_eos: bool
+    tools_active: bool = False
+    tools: tuple[ToolDef, ...] = ()
+    tool_aliases: dict[str, str] = attrs.field(factory=dict)
+
+
+def plan_chat(
+    request: s.ChatCompletionRequest,
+    *,
+    request_id: str,
+    config: ServeConfig,
+    template: Any,
+    tool_parser: Any = None,
+    header_session_id: str | None = None,
+) -> ChatPlan:
+    """Validate ``request`` and render its prompt; raises :class:`ApiError` (400).
+
+    ``template`` is a template plugin's object (``render``); ``tool_parser``
+    the configured :class:`~musegl_core.plugins.specs.ToolParserSpec` or
+    ``None`` (spec 2.1: tools without ``--tool-parser`` are refused).
+    """
+    _check_fixed_choices(request)
+    max_tokens = completion_limit(request)
+    sampling = sampling_params(request)
+    stops = stop_strings(request.stop)
+    session = session_id(request.session_id, header_session_id)
+    strength, hide_reasoning = reasoning_controls(request)
+    variables = template_variables(request.chat_template_kwargs, strength)
+    tools_active, tools = active_tools(request, tool_parser)
+    messages = parse_messages(request.messages)
+    rendered = template.render(messages, tools, tools_active=tools_active, variables=variables)
+    stream = bool(request.stream)
+    include_usage = bool(request.stream_options and request.stream_options.include_usage)
+    ignore_eos = bool(request.ignore_eos)
+    generate = m.Generate(
+        id=request_id,
+        prompt=tuple(rendered.segments),
+        max_tokens=max_tokens,
+        sampling=sampling,
+        stop=stops,
+        ignore_eos=ignore_eos,
+        session_id=session,
+    )
+    return ChatPlan(
+        generate=generate,
+        stream=stream,
+        include_usage=include_usage,
+        hide_reasoning=hide_reasoning,
+        ignore_eos=ignore_eos,
+        tools_active=tools_active,
+        tools=tuple(tools),
+        tool_aliases=dict(rendered.tool_aliases),
+    )
+
+
+def _check_fixed_choices(request: s.ChatCompletionRequest) -> None:
+    """Parameters musegl accepts only at one value (spec 2.1, 2.3, 10)."""
+    if request.n is not None and request.n != 1:
+        raise unsupported("n", "only n=1 is supported")
+    if request.logprobs:
+        raise unsupported("logprobs", "logprobs are not supported by this server")
+    if request.top_logprobs:
+        raise unsupported("top_logprobs", "top_logprobs are not supported by this server")
+    if request.response_format is not None and request.response_format.type != "text":
+        raise unsupported(
+            "response_format",
+            f"response_format type {request.response_format.type!r} is not supported; only 'text'",
+        )
+    if request.add_generation_prompt is not None and request.add_generation_prompt is not True:
+        raise unsupported("add_generation_prompt", "add_generation_prompt must be true (or absent)")
+    if request.continue_final_message is not None and request.continue_final_message is not False:
+        raise unsupported("continue_final_message", "continue_final_message must be false (or absent)")
+
+
+def completion_limit(request: s.ChatCompletionRequest) -> int | None:
+    """``max_completion_tokens`` or its deprecated twin ``max_tokens``; both must
+    be positive and agree when both are given. ``None`` leaves the limit to the
+    context budget."""
+    limit = None
+    for name in ("max_completion_tokens", "max_tokens"):
+        value = getattr(request, name)
+        if value is None:
+            continue
+        if value < 1:
+            raise bad_request(f"'{name}' must be a positive integer, got {value}", param=name)
+        if limit is not None and value != limit:
+            raise bad_request(
+                f"'max_tokens' ({value}) and 'max_completion_tokens' ({limit}) disagree; send one",
+                param=name,
+            )
+        limit = value
+    return limit
+
+
+def sampling_params(request: s.ChatCompletionRequest) -> SamplingParams:
+    """temperature in [0, 2], top_p in (0, 1], top_k >= 0, a 64-bit seed."""
+    temperature = 1.0 if request.temperature is None else request.temperature
+    top_p = 1.0 if request.top_p is None else request.top_p
+    top_k = 0 if request.top_k is None else request.top_k
+    if not 0.0 <= temperature <= 2.0:
+        raise bad_request(f"'temperature' must be between 0 and 2, got {temperature}", param="temperature")
+    if not 0.0 < top_p <= 1.0:
+        raise bad_request(f"'top_p' must be in (0, 1], got {top_p}", param="top_p")
+    if top_k < 0:
+        raise bad_request(f"'top_k' must be 0 (off) or positive, got {top_k}", param="top_k")
+    seed = request.seed
+    if seed is not None and not SEED_RANGE[0] <= seed <= SEED_RANGE[1]:
+        raise bad_request("'seed' must fit in 64 bits", param="seed")
+    return SamplingParams(temperature=float(temperature), top_p=float(top_p), top_k=top_k, seed=seed)
+
+
+def stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
+    """A string or up to four non-empty strings."""
+    if stop is None:
+        return ()
+    stops = [stop] if isinstance(stop, str) else list(stop)
+    if len(stops) > MAX_STOPS:
+        raise bad_request(f"'stop' takes at most {MAX_STOPS} strings, got {len(stops)}", param="stop")
+    for i, text in enumerate(stops):
+        if not text:
+            raise bad_request("stop strings must not be empty", param="stop" if isinstance(stop, str) else f"stop[{i}]")
+    return tuple(dict.fromkeys(stops))
+
+
+def session_id(body: str | None, header: str | None) -> str | None:
+    """The session named by ``session_id`` or ``X-Session-Id`` (spec 10)."""
+    for value, param in ((body, "session_id"), (header, "X-Session-Id")):
+        if value is not None and not SESSION_ID.fullmatch(value):
+            raise bad_request(
+                f"'{param}' must be 1-128 characters of A-Z a-z 0-9 . _ : -", param=param
+            )
+    if body is not None and header is not None and body != header:
+        raise bad_request("the body's session_id and the X-Session-Id header differ", param="session_id")
+    return body if body is not None else header
+
+
+def reasoning_controls(request: s.ChatCompletionRequest) -> tuple[str | None, bool]:
+    """The template's ``reasoning_strength`` and whether to hide reasoning
+    (spec 2.4, chat-format 6.5). Disabling reasoning, unknown efforts and
+    contradictions are 400s."""
+    options = request.reasoning or s.ReasoningOptions()
+    if options.enabled is False:
+        raise unsupported("reasoning.enabled", "reasoning cannot be disabled for this model")
+    strength = None
+    for param, value in (
+        ("reasoning_effort", request.reasoning_effort),
+        ("reasoning.effort", options.effort),
+        (
+            "chat_template_kwargs.reasoning_strength",
+            request.chat_template_kwargs.reasoning_strength if request.chat_template_kwargs else None,
+        ),
+    ):
+        if value is None:
+            continue
+        if value not in REASONING_STRENGTHS:
+            raise unsupported(param, f"'{param}' must be one of low, medium, high; got {value!r}")
+        if strength is not None and value != strength:
+            raise bad_request(f"'{param}' ({value}) contradicts the reasoning effort {strength!r}", param=param)
+        strength = value
+    exclude, include = options.exclude, request.include_reasoning
+    if exclude is not None and include is not None and exclude == include:
+        raise bad_request(
+            f"include_reasoning={str(include).lower()} contradicts reasoning.exclude={str(exclude).lower()}",
+            param="include_reasoning",
+        )
+    return strength, exclude is True or include is False
+
+
+def template_variables(kwargs: s.ChatTemplateKwargs | None, strength: str | None) -> TemplateVariables:
+    """The template variables from ``chat_template_kwargs`` and the reasoning effort."""
+    values = attrs.asdict(kwargs or s.ChatTemplateKwargs())
+    values["reasoning_strength"] = strength
+    return TemplateVariables(**{name: value for name, value in values.items() if value is not None})
+
+
+def active_tools(request: s.ChatCompletionRequest, tool_parser: Any) -> tuple[bool, list[ToolDef]]:
+    """Whether tools are active, and the declared tools (spec 2.1, 2.5)."""
+    choice = request.tool_choice
+    if isinstance(choice, dict) or choice == "required":
+        raise unsupported("tool_choice", "tool_choice 'required' and named functions are not supported")
+    if choice not in (None, "auto", "none"):
+        raise bad_request("'tool_choice' must be 'auto' or 'none'", param="tool_choice")
+    if not request.tools:
+        return False, []
+    if choice == "none":
+        return False, list(parse_tools(request.tools))
+    if tool_parser is None:
+        raise unsupported("tools", "tool calling is not enabled on this server (start it with --tool-parser)")
+    tools = list(parse_tools(request.tools))
+    if tool_parser.prepare is not None:
+        tool_parser.prepare(tools)
+    return True, tools
+
+
+# -- responses ---------------------------------------------------------------------------
+@attrs.frozen
+class ResponseMeta:
+    """What every response object of one request shares."""
+
+    id: str
+    created: int
+    model: str
+    system_fingerprint: str
+
+    @classmethod
+    def new(cls, model: str, backend: str) -> "ResponseMeta":
+        return cls(
+            id=f"chatcmpl-{uuid.uuid4().hex}",
+            created=int(time.time()),
+            model=model,
+            system_fingerprint=f"musegl-{__version__}-{backend}",
+        )
+
+    def chunk(self, choices: list[s.ChunkChoice]) -> s.ChatCompletionChunk:
+        return s.ChatCompletionChunk(self.id, self.created, self.model, self.system_fingerprint, choices)
+
+
+class ReasoningTokenCounter:
+    """Counts generated ids that belong to reasoning messages (spec 7).
+
+    Each worker ``Tokens`` event carries the ids it completed and their text;
+    the text goes through the channel parser, and the ids are attributed to
+    the channel the parser routed that text to. Ids whose text produced no
+    delta (a header, a terminator, text held back) wait and join the channel
+    of the next delta; ids of one event split over reasoning and content are
+    shared in proportion to the characters of each.
+    """
+
+    def __init__(self) -> None:
+        self.reasoning = 0
+        self._waiting = 0
+
+    def add(self, ids: int, reasoning_chars: int, other_chars: int) -> None:
+        ids += self._waiting
+        self._waiting = 0
+        total = reasoning_chars + other_chars
+        if total == 0:
+            self._waiting = ids
+            return
+        self.reasoning += round(ids * reasoning_chars / total)
+
+
+@attrs.define
+class Output:
+    """What one batch of worker text adds to the response."""
+
+    reasoning: str = ""
+    content: str = ""
+
+
+class ResponseAssembler:
+    """Turns worker events into message text, tool calls and usage.
+
+    The channel parser splits the output into reasoning, visible content and
+    tool-addressed text (output-grammar.md); tool-addressed text goes to the
+    tool parser when tools are active. Hidden reasoning is still parsed (and
+    counted), it is only not returned.
+    """
+
+    def __init__(self, plan: ChatPlan, tool_parser: Any = None):
+        self.plan = plan
+        self.parser = channels.ChannelParser(tools_active=plan.tools_active, hide_reasoning=False)
+        self.tools = (
+            tool_parser.create(list(plan.tools), {"aliases": plan.tool_aliases})
+            if plan.tools_active and tool_parser is not None
+            else None
+        )
+        self.counter = ReasoningTokenCounter()
+        self.reasoning: list[str] = []
+        self.content: list[str] = []
+        self.tool_calls: list[s.ToolCall] = []
+
+    def feed(self, event: m.Tokens) -> Output:
+        """Parse the text of one ``Tokens`` event; returns the visible deltas."""
+        out = self._route(self.parser.feed(event.text))
+        self.counter.add(len(event.ids), len(out.reasoning), len(out.content))
+        return self._visible(out)
+
+    def finish(self, done: m.Done) -> tuple[Output, str]:
+        """Flush the parsers at the end of generation; returns the last deltas
+        and the finish reason. A failed tool-call set raises :class:`ApiError`."""
+        end = _end_of_generation(done)
+        out = self._route(self.parser.finish(end))
+        self.counter.add(0, len(out.reasoning), len(out.content))
+        reason = "length" if done.finish_reason == "length" else "stop"
+        if self.tools is not None:
+            calls = self.tools.finish(end) or []
+            self.tool_calls = [_tool_call(call, i) for i, call in enumerate(calls)]
+            if self.tool_calls:
+                reason = "tool_calls"
+        return self._visible(out), reason
+
+    def usage(self, done: m.Done) -> s.Usage:
+        """The usage object of spec 7; reasoning tokens only from exact ids."""
+        details = None
+        if done.generated_ids is not None and not self.plan.ignore_eos:
+            details = s.CompletionTokensDetails(reasoning_tokens=min(self.counter.reasoning, done.completion_tokens))
+        return s.Usage(
+            prompt_tokens=done.prompt_tokens,
+            completion_tokens=done.completion_tokens,
+            total_tokens=done.prompt_tokens + done.completion_tokens,
+            prompt_tokens_details=s.PromptTokensDetails(cached_tokens=done.cached_tokens),
+            completion_tokens_details=details,
+        )
+
+    def _route(self, events: list[Any]) -> Output:
+        out = Output()
+        for event in events:
+            if isinstance(event, channels.ReasoningDelta):
+                out.reasoning += event.text
+            elif isinstance(event, channels.ContentDelta):
+                out.content += event.text
+            elif isinstance(event, channels.ToolDelta) and self.tools is not None:
+                self.tools.feed(event.recipient, event.text)
+        self.reasoning.append(out.reasoning)
+        self.content.append(out.content)
+        return out
+
+    def _visible(self, out: Output) -> Output:
+        return Output("", out.content) if self.plan.hide_reasoning else out
+
+    def message(self, dialect: Dialect) -> s.AssistantMessage:
+        """The non-streaming message (spec 3)."""
+        reasoning = "".join(self.reasoning)
+        content = "".join(self.content)
+        hidden = self.plan.hide_reasoning or not reasoning
+        return s.AssistantMessage(
+            content=content if content or not self.tool_calls else None,
+            tool_calls=self.tool_calls or None,
+            **dialect.reasoning_fields(None if hidden else reasoning),
+        )
+
+
+def _end_of_generation(done: m.Done) -> str:
+    """The channel parser's end kind: ``eos``, ``stop`` (a request stop),
+    ``length`` or ``cancel`` (output-grammar.md, section 0)."""
+    if done.finish_reason == "length":
+        return "length"
+    if done.finish_reason == "cancelled":
+        return "cancel"
+    return "stop" if done.matched_stop is not None else "eos"
+
+
+def _tool_call(call: Any, index: int) -> s.ToolCall:
+    """A validated call from the tool parser as a response ``tool_calls`` entry."""
+    arguments = call.arguments if isinstance(call.arguments, str) else json.dumps(call.arguments, ensure_ascii=False)
+    call_id = getattr(call, "id", None) or f"call_{uuid.uuid4().hex[:24]}"
+    return s.ToolCall(id=call_id, function=s.FunctionCall(name=call.name, arguments=arguments))
+
+
+async def complete(
+    worker: WorkerClient, plan: ChatPlan, meta: ResponseMeta, dialect: Dialect, tool_parser: Any = None
+) -> s.ChatCompletion:
+    """Run ``plan`` to the end and build the non-streaming response (spec 3)."""
+    assembler = ResponseAssembler(plan, tool_parser)
+    async with worker.generate(plan.generate) as events:
+        async for event in events:
+            if isinstance(event, m.Tokens):
+                assembler.feed(event)
+            elif isinstance(event, m.Done):
+                _, reason = assembler.finish(event)
+                return s.ChatCompletion(
+                    id=meta.id,
+                    created=meta.created,
+                    model=meta.model,
+                    system_fingerprint=meta.system_fingerprint,
+                    choices=[s.Choice(message=assembler.message(dialect), finish_reason=reason)],
+                    usage=assembler.usage(event),
+                )
+    raise unavailable("the model worker ended the request without a result", code="worker_restarting")
+
+
+class ChatStream:
+    """One streaming response (spec 4).
+
+    :meth:`open` submits the request and waits for ``Started`` (bounded by
+    ``--streaming-preflight-timeout``); until then every error is an ordinary
+    HTTP error. :meth:`events` then yields the SSE bytes: role chunk,
+    reasoning and content deltas, tool calls, finish chunk, usage (per the
+    dialect) and ``[DONE]``; errors after that point are SSE error events.
+    Closing the iterator (client disconnect) cancels the worker request.
+    """
+
+    def __init__(
+        self,
+        worker: WorkerClient,
+        plan: ChatPlan,
+        meta: ResponseMeta,
+        dialect: Dialect,
+        tool_parser: Any = None,
+        preflight_timeout: float | None = None,
+    ):
+        self.worker = worker
+        self.plan = plan
+        self.meta = meta
+        self.dialect = dialect
+        self.assembler = ResponseAssembler(plan, tool_parser)
+        self.preflight_timeout = preflight_timeout
+        self._context: contextlib.AbstractAsyncContextManager | None = None
+        self._events: AsyncIterator[m.Event] | None = None
+
+    async def open(self) -> None:
+        """Submit and wait until generation is ready; raises :class:`ApiError`."""
+        self._context = self.worker.generate(self.plan.generate)
+        self._events = await self._context.__aenter__()
+        try:
+            first = await asyncio.wait_for(anext(self._events), self.preflight_timeout)
+        except asyncio.TimeoutError:
+            await self.close()
+            raise unavailable(
+                f"generation did not start within --streaming-preflight-timeout ({self.preflight_timeout} s)",
+                code="preflight_timeout",
+            ) from None
+        except BaseException:
+            await self.close()
+            raise
+        if not isinstance(first, m.Started):
+            await self.close()
+            raise unavailable("the model worker sent an unexpected first event", code="worker_restarting")
+
+    async def close(self) -> None:
+        """Leave the worker request (cancelling it unless it is done). Runs in its
+        own task so that a cancelled response (client disconnect) still reaches
+        the worker with the cancellation."""
+        context, self._context = self._context, None
+        if context is None:
+            return
+        task = asyncio.ensure_future(context.__aexit__(None, None, None))
+        with contextlib.suppress(BaseException):
+            await asyncio.shield(task)
+
+    async def events(self) -> AsyncIterator[bytes]:
+        """The SSE body, keepalives included."""
+        async for item in sse.with_keepalive(self._body(), self.dialect.keepalive):
+            yield item
+
+    async def _body(self) -> AsyncIterator[bytes]:
+        assert self._events is not None, "open() first"
+        try:
+            yield self._chunk(s.ChunkChoice(delta=s.RoleDelta()))
+            try:
+                async for event in self._events:
+                    if isinstance(event, m.Tokens):
+                        for item in self._deltas(self.assembler.feed(event)):
+                            yield item
+                    elif isinstance(event, m.Done):
+                        for item in self._finish(event):
+                            yield item
+                        return
+            except ApiError as error:
+                for item in self.dialect.stream_error(error, self.meta.chunk([])):
+                    yield item
+                return
+            error = unavailable("the model worker ended the request without a result", code="worker_restarting")
+            for item in self.dialect.stream_error(error, self.meta.chunk([])):
+                yield item
+        finally:
+            await self.close()
+
+    def _finish(self, done: m.Done) -> list[bytes]:
+        out, reason = self.assembler.finish(done)
+        items = self._deltas(out)
+        if self.assembler.tool_calls:
+            calls = [
+                s.ToolCallDelta(index=i, id=call.id, function=call.function)
+                for i, call in enumerate(self.assembler.tool_calls)
+            ]
+            items.append(self._chunk(s.ChunkChoice(delta=s.Delta(tool_calls=calls))))
+        usage = self.assembler.usage(done) if self.plan.include_usage else None
+        finish = self.meta.chunk([s.ChunkChoice(delta=s.Delta(), finish_reason=reason)])
+        items += [sse.data_event(s.to_json(chunk)) for chunk in self.dialect.stream_tail(finish, usage)]
+        items.append(sse.DONE)
+        return items
+
+    def _deltas(self, out: Output) -> list[bytes]:
+        """Reasoning then content deltas; never an empty one (spec 4.2)."""
+        items = []
+        if out.reasoning:
+            items.append(self._chunk(s.ChunkChoice(delta=s.Delta(**self.dialect.reasoning_fields(out.reasoning)))))
+        if out.content:
+            items.append(self._chunk(s.ChunkChoice(delta=s.Delta(content=out.content))))
+        return items
+
+    def _chunk(self, choice: s.ChunkChoice) -> bytes:
+        return sse.data_event(s.to_json(self.meta.chunk([choice])))

@@ -1,0 +1,103 @@
+"""API dialects: where the OpenAI and OpenRouter wire formats differ.
+
+:class:`Dialect` is the core's ``openai`` dialect. Everything that spec/api.md
+section 9 lists as a dialect difference goes through one of its methods, so
+the ``openrouter`` plugin subclasses it and overrides only those:
+
+* :meth:`error_body`: the JSON body of an error response (6.1);
+* :meth:`stream_error`: the SSE events for an error after headers (4.3);
+* :meth:`stream_tail`: where stream usage goes (5.2 / 5.3);
+* :meth:`reasoning_fields`: which field names carry reasoning text (9);
+* :meth:`model_entry`: the ``/v1/models`` entry (1);
+* :attr:`keepalive`: the SSE comment sent while a stream is idle (4.1).
+
+All methods build :mod:`musegl_core.http.schemas` objects or plain payloads
+that :func:`~musegl_core.http.schemas.to_json` turns into JSON.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+from musegl_core.errors import ApiError
+from musegl_core.http import schemas as s
+from musegl_core.http import sse
+
+
+@attrs.frozen
+class ServedModel:
+    """What a dialect needs to describe the served model."""
+
+    name: str
+    created: int
+    context_length: int
+    demo: bool = False
+    backend: str | None = None
+
+
+class Dialect:
+    """The ``openai`` dialect (OpenAI Chat Completions)."""
+
+    name = "openai"
+    keepalive: bytes = sse.comment("keepalive")
+
+    # -- errors ------------------------------------------------------------------------
+    def error_body(self, error: ApiError) -> dict[str, Any]:
+        """``{"error": {message, type, param, code}}`` (OpenAI's shape)."""
+        return s.to_json(s.ErrorBody(s.ErrorObject(error.message, error.type, error.param, error.code)))
+
+    def error_headers(self, error: ApiError) -> dict[str, str]:
+        """Response headers that go with an error (``Retry-After``)."""
+        return {"Retry-After": str(error.retry_after)} if error.retry_after is not None else {}
+
+    def stream_error(self, error: ApiError, chunk: s.ChatCompletionChunk) -> list[bytes]:
+        """The events that end a stream whose headers are already out.
+
+        ``chunk`` is an empty chunk of this stream (id, created, model) for
+        dialects that wrap the error in one. The openai dialect sends
+        ``data: {"error": {...}}`` and then ``data: [DONE]`` (spec 10).
+        """
+        return [sse.data_event(self.error_body(error)), sse.DONE]
+
+    # -- streaming usage ---------------------------------------------------------------
+    def stream_tail(
+        self, finish: s.ChatCompletionChunk, usage: s.Usage | None
+    ) -> list[s.ChatCompletionChunk]:
+        """The chunks that close a stream after its content.
+
+        ``finish`` is the finish chunk (empty delta with ``finish_reason``);
+        ``usage`` is set when the client asked for ``include_usage``. OpenAI
+        sends usage in a separate chunk with ``choices: []`` (spec 5.2).
+        """
+        if usage is None:
+            return [finish]
+        return [finish, attrs.evolve(finish, choices=[], usage=usage)]
+
+    # -- reasoning ---------------------------------------------------------------------
+    def reasoning_fields(self, text: str | None) -> dict[str, str | None]:
+        """Keyword arguments that put reasoning ``text`` on a message or delta.
+
+        Both dialects use ``reasoning_content`` (spec 10); the openrouter
+        dialect adds ``reasoning`` with the same text.
+        """
+        return {"reasoning_content": text}
+
+    # -- models ------------------------------------------------------------------------
+    def model_entry(self, model: ServedModel) -> s.ModelEntry:
+        """The single ``/v1/models`` entry: the runtime context budget under both
+        ``context_length`` and ``max_model_len``; the demo model says what it is."""
+        return s.ModelEntry(
+            id=model.name,
+            created=model.created,
+            context_length=model.context_length,
+            max_model_len=model.context_length,
+            demo=True if model.demo else None,
+            description=(
+                "Built-in random-weight demo checkpoint: its output is noise. "
+                "Start `musegl serve` with a model path to serve a real model."
+                if model.demo
+                else None
+            ),
+        )

@@ -1,0 +1,805 @@
+"""The Muse Glimmer tokenizer: byte-level BPE with control tokens resolved by string.
+
+:class:`MuseTokenizer` wraps a :class:`tokenizers.Tokenizer` built either from a
+``tokenizer.json`` (a Hugging Face directory) or from the ``tokenizer.ggml.*``
+metadata of a GGUF file (spec/gguf.md 2.4). Both routes produce the same
+tokenizer: one byte-level BPE model, a regex split chosen by the llama.cpp
+pre-tokenizer tag, and the added (control) tokens pinned to their ids.
+
+Two rules from the chat format (spec/chat-format.md 6.9 and the founders'
+answers) shape the API:
+
+* nothing adds a BOS behind the caller's back: :meth:`MuseTokenizer.encode`
+  never does, and :meth:`MuseTokenizer.encode_segments` makes the prompt start
+  with exactly one BOS id;
+* text a client wrote is encoded with ``special=False``: a written
+  ``<|eot|>`` is then plain characters, never the control token.
+
+Every special id is looked up by its string at load time (spec/model.md 9).
+"""
+
+from __future__ import annotations
+
+import re
+
+import functools
+import json
+import warnings
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence
+
+import numpy as np
+from tokenizers import Tokenizer
+
+from musegl_core.checkpoint.tokenizer_data import (
+    CONTROL,
+    NORMAL,
+    UNUSED,
+    USER_DEFINED,
+    GGUFTokenizerData,
+)
+
+if TYPE_CHECKING:
+    from gguf import GGUFReader
+
+    from musegl_core.worker.messages import PromptSegment
+
+__all__ = [
+    "MuseTokenizer",
+    "TokenizerError",
+    "PRE_TOKENIZER_PATTERNS",
+    "read_gguf_tokenizer_data",
+    "read_gguf_metadata",
+    "byte_level_alphabet",
+    "byte_level_bpe_document",
+]
+
+# -- pre-tokenizer split patterns, keyed by llama.cpp's ``tokenizer.ggml.pre`` tag ----------
+
+#: The GPT-4o-style split that Llama 4's tokenizer.json carries; llama.cpp maps the
+#: ``llama4`` and ``gpt-4o`` tags to (an Oniguruma-free rewrite of) this pattern.
+GPT4O_PATTERN = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+#: Llama 3's split (llama.cpp tags ``llama3``, ``llama-v3``, ``llama-bpe``).
+LLAMA3_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+#: GPT-2's split (llama.cpp tag ``gpt2``).
+GPT2_PATTERN = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+
+PRE_TOKENIZER_PATTERNS: Mapping[str, str] = {
+    "llama4": GPT4O_PATTERN,
+    "gpt-4o": GPT4O_PATTERN,
+    "llama3": LLAMA3_PATTERN,
+    "llama-v3": LLAMA3_PATTERN,
+    "llama-bpe": LLAMA3_PATTERN,
+    "gpt2": GPT2_PATTERN,
+}
+#: llama.cpp's Llama-3 family tags encode a whole pre-token found in the vocabulary
+#: directly ("ignore_merges"); the other tags run the merges.
+_IGNORE_MERGES_TAGS = frozenset({"llama3", "llama-v3", "llama-bpe"})
+#: The tag (and pattern) used when a GGUF names a tag this module does not know.
+FALLBACK_PRE = "llama4"
+
+BOS_STRING = "<|begin_of_text|>"
+EOS_STRING = "<|end_of_text|>"
+PAD_STRING = "<|finetune_right_pad|>"
+MASK_STRING = "<|mask|>"
+
+
+class TokenizerError(ValueError):
+    """A tokenizer that cannot be built or lacks a required token."""
+
+
+# -- byte-level alphabet ---------------------------------------------------------------------
+@functools.cache
+def byte_level_alphabet() -> tuple[str, ...]:
+    """GPT-2's byte → printable character map: ``byte_level_alphabet()[b]`` is byte ``b``."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table: dict[int, str] = {b: chr(b) for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in table:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return tuple(table[b] for b in range(256))
+
+
+@functools.cache
+def _byte_decoder() -> Mapping[str, int]:
+    return {ch: b for b, ch in enumerate(byte_level_alphabet())}
+
+
+def _symbol_bytes(symbol: str) -> bytes:
+    """The bytes a byte-level BPE symbol stands for (characters outside the alphabet as UTF-8)."""
+    decoder = _byte_decoder()
+    out = bytearray()
+    for ch in symbol:
+        b = decoder.get(ch)
+        if b is None:
+            out += ch.encode("utf-8")
+        else:
+            out.append(b)
+    return bytes(out)
+
+
+def _looks_like_control(text: str) -> bool:
+    return text.startswith("<|") and text.endswith("|>")
+
+
+# -- tokenizer.json construction ---------------------------------------------------------------
+def byte_level_bpe_document(
+    vocab: Mapping[str, int],
+    merges: Iterable[tuple[str, str]],
+    added: Iterable[tuple[int, str, bool]],
+    *,
+    pattern: str,
+    ignore_merges: bool,
+) -> dict[str, Any]:
+    """A ``tokenizer.json`` document for byte-level BPE (the layout Llama 4 ships).
+
+    ``added`` holds ``(id, content, special)``; those tokens also enter the model
+    vocabulary at their id, because ``tokenizers`` otherwise renumbers added tokens
+    that lie beyond the model vocabulary. BPE cannot produce them (no merge leads
+    there), so only the added-token matcher reaches them.
+    """
+    added = sorted(added)
+    full_vocab = dict(vocab)
+    for token_id, content, _special in added:
+        full_vocab[content] = token_id
+    return {
+        "version": "1.0",
+        "truncation": None,
+        "padding": None,
+        "added_tokens": [
+            {
+                "id": token_id,
+                "content": content,
+                "single_word": False,
+                "lstrip": False,
+                "rstrip": False,
+                "normalized": False,
+                "special": special,
+            }
+            for token_id, content, special in added
+        ],
+        "normalizer": None,
+        "pre_tokenizer": {
+            "type": "Sequence",
+            "pretokenizers": [
+                {"type": "Split", "pattern": {"Regex": pattern}, "behavior": "Isolated", "invert": False},
+                {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False},
+            ],
+        },
+        "post_processor": None,
+        "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
+        "model": {
+            "type": "BPE",
+            "dropout": None,
+            "unk_token": None,
+            "continuing_subword_prefix": None,
+            "end_of_word_suffix": None,
+            "fuse_unk": False,
+            "byte_fallback": False,
+            "ignore_merges": ignore_merges,
+            "vocab": dict(sorted(full_vocab.items(), key=lambda item: item[1])),
+            "merges": [[a, b] for a, b in merges],
+        },
+    }
+
+
+def _split_pattern(document: Mapping[str, Any]) -> str | None:
+    """The regex of the ``Split`` pre-tokenizer in a tokenizer.json document, if any."""
+    pre = document.get("pre_tokenizer") or {}
+    stack = [pre]
+    while stack:
+        node = stack.pop()
+        if node.get("type") == "Split":
+            pattern = node.get("pattern", {})
+            return pattern.get("Regex") or pattern.get("String")
+        stack.extend(reversed(node.get("pretokenizers", [])))
+    return None
+
+
+def _merge_pairs(raw: Iterable[Any]) -> list[tuple[str, str]]:
+    """BPE merges as pairs, from either ``"a b"`` strings or ``[a, b]`` lists."""
+    pairs = []
+    for merge in raw:
+        if isinstance(merge, str):
+            a, sep, b = merge.partition(" ")
+            if not sep:
+                raise TokenizerError(f"malformed BPE merge {merge!r}")
+            pairs.append((a, b))
+        else:
+            a, b = merge
+            pairs.append((a, b))
+    return pairs
+
+
+# -- GGUF metadata ------------------------------------------------------------------------------
+_GGUF_SCALARS = {  # GGUFValueType → struct format (little-endian)
+    0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d",
+}
+_GGUF_STRING, _GGUF_ARRAY = 8, 9
+
+
+def read_gguf_metadata(path: str | Path, prefixes: Sequence[str] = ("tokenizer.",)) -> dict[str, Any]:
+    """The GGUF metadata values whose keys start with one of ``prefixes``.
+
+    A direct reader of the key/value section (GGUF v2/v3, little-endian): it
+    decodes only the wanted keys and steps over the rest, which makes reading the
+    202048-entry token list a fraction of a second instead of the many seconds
+    ``gguf.GGUFReader`` spends building a part per element. Numeric arrays come
+    back as lists, strings as ``str``.
+    """
+    import mmap
+    import struct
+
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        if buf[:4] != b"GGUF":
+            raise TokenizerError(f"{path} is not a GGUF file")
+        version, _tensors, count = struct.unpack_from("<IQQ", buf, 4)
+        if version not in (2, 3):
+            raise TokenizerError(f"{path}: unsupported GGUF version {version} (big-endian or too old)")
+        offset = 24
+
+        def read_string(at: int) -> tuple[str, int]:
+            (length,) = struct.unpack_from("<Q", buf, at)
+            start = at + 8
+            return buf[start : start + length].decode("utf-8"), start + length
+
+        def skip_or_read(kind: int, at: int, want: bool) -> tuple[Any, int]:
+            if kind == _GGUF_STRING:
+                if not want:
+                    (length,) = struct.unpack_from("<Q", buf, at)
+                    return None, at + 8 + length
+                return read_string(at)
+            if kind == _GGUF_ARRAY:
+                item_kind, n = struct.unpack_from("<IQ", buf, at)
+                at += 12
+                if item_kind in _GGUF_SCALARS:
+                    fmt = _GGUF_SCALARS[item_kind]
+                    size = struct.calcsize(fmt)
+                    values = None
+                    if want:
+                        values = np.frombuffer(buf, dtype=np.dtype(fmt), count=n, offset=at).tolist()
+                    return values, at + n * size
+                items = [] if want else None
+                for _ in range(n):
+                    item, at = skip_or_read(item_kind, at, want)
+                    if want:
+                        items.append(item)
+                return items, at
+            fmt = _GGUF_SCALARS.get(kind)
+            if fmt is None:
+                raise TokenizerError(f"{path}: unknown GGUF value type {kind}")
+            (value,) = struct.unpack_from(fmt, buf, at)
+            return value, at + struct.calcsize(fmt)
+
+        found: dict[str, Any] = {}
+        for _ in range(count):
+            key, offset = read_string(offset)
+            (kind,) = struct.unpack_from("<I", buf, offset)
+            value, offset = skip_or_read(kind, offset + 4, key.startswith(tuple(prefixes)))
+            if value is not None:
+                found[key] = value
+    return found
+
+
+def _tokenizer_data(value: Callable[[str, Any], Any]) -> GGUFTokenizerData | None:
+    """:class:`GGUFTokenizerData` from a ``value(key, default)`` accessor of GGUF metadata."""
+    tokens = value("tokenizer.ggml.tokens", None)
+    if tokens is None:
+        return None
+    model = value("tokenizer.ggml.model", "gpt2")
+    if model != "gpt2":
+        raise TokenizerError(f"unsupported GGUF tokenizer model {model!r} (Muse Glimmer uses byte-level BPE, 'gpt2')")
+    token_types = value("tokenizer.ggml.token_type", None)
+    if token_types is None:
+        token_types = [NORMAL] * len(tokens)
+    if len(token_types) != len(tokens):
+        raise TokenizerError("tokenizer.ggml.token_type and tokenizer.ggml.tokens differ in length")
+
+    def optional_id(key: str) -> int | None:
+        raw = value(key, None)
+        return None if raw is None else int(raw)
+
+    bos, eos = optional_id("tokenizer.ggml.bos_token_id"), optional_id("tokenizer.ggml.eos_token_id")
+    return GGUFTokenizerData(
+        tokens=tuple(tokens),
+        token_types=tuple(int(t) for t in token_types),
+        merges=tuple(value("tokenizer.ggml.merges", ())),
+        bos_token_id=-1 if bos is None else bos,
+        eos_token_id=-1 if eos is None else eos,
+        eot_token_id=optional_id("tokenizer.ggml.eot_token_id"),
+        padding_token_id=optional_id("tokenizer.ggml.padding_token_id"),
+        mask_token_id=optional_id("tokenizer.ggml.mask_token_id"),
+        model=model,
+        pre=value("tokenizer.ggml.pre", "default"),
+        add_bos_token=bool(value("tokenizer.ggml.add_bos_token", False)),
+        add_eos_token=bool(value("tokenizer.ggml.add_eos_token", False)),
+        chat_template=value("tokenizer.chat_template", None),
+    )
+
+
+def read_gguf_tokenizer_data(source: str | Path | GGUFReader) -> GGUFTokenizerData | None:
+    """The ``tokenizer.ggml.*`` metadata of a GGUF file (a path or an open reader), or None.
+
+    A missing BOS/EOS id is reported as ``-1`` (then resolved by string).
+    """
+    if isinstance(source, (str, Path)):
+        values = read_gguf_metadata(source, ("tokenizer.",))
+        return _tokenizer_data(values.get)
+    fields = source.fields
+
+    def value(key: str, default: Any) -> Any:
+        field = fields.get(key)
+        return default if field is None else field.contents()
+
+    return _tokenizer_data(value)
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    with path.open(encoding="utf-8") as f:
+        return json.load(f)
+
+
+def _token_content(value: Any) -> str | None:
+    """A token named in tokenizer_config.json: a string or an ``AddedToken`` dict."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, Mapping):
+        return value.get("content")
+    return None
+
+
+def _as_ids(value: Any) -> list[int]:
+    if value is None:
+        return []
+    if isinstance(value, (list, tuple)):
+        return [int(v) for v in value]
+    return [int(value)]
+
+
+# -- the tokenizer ------------------------------------------------------------------------------
+class MuseTokenizer:
+    """Byte-level BPE tokenizer of a Muse Glimmer checkpoint.
+
+    Build it with :meth:`load`, :meth:`from_gguf` or :meth:`from_file`. The
+    constructor takes a ``tokenizer.json`` document plus what the checkpoint
+    declares beside it; ids it does not declare are resolved by token string.
+
+    :param document: the ``tokenizer.json`` content (byte-level BPE).
+    :param bos_id: BOS id the checkpoint declares; default: the id of ``<|begin_of_text|>``.
+    :param eos_id: EOS id the checkpoint declares; default: the id of ``<|end_of_text|>``.
+    :param extra_eos_ids: further end-of-generation ids the checkpoint lists
+        (``generation_config.json``'s ``eos_token_id`` list).
+    :param pad_id: pad id, if declared; default: ``<|finetune_right_pad|>`` when present.
+    :param mask_id: DFlash mask id, if declared; default: ``<|mask|>`` when present.
+    :param vocab_size: the model's vocabulary size (embedding rows); at least the
+        highest token id + 1.
+    :param pre: llama.cpp pre-tokenizer tag; detected from the split regex when omitted.
+    :param chat_template: the checkpoint's Jinja chat template, if it ships one.
+    """
+
+    def __init__(
+        self,
+        document: Mapping[str, Any],
+        *,
+        bos_id: int | None = None,
+        eos_id: int | None = None,
+        extra_eos_ids: Sequence[int] = (),
+        pad_id: int | None = None,
+        mask_id: int | None = None,
+        vocab_size: int | None = None,
+        pre: str | None = None,
+        chat_template: str | None = None,
+    ) -> None:
+        document = json.loads(json.dumps(document))  # private deep copy
+        model = document.get("model", {})
+        if model.get("type") != "BPE":
+            raise TokenizerError(f"expected a byte-level BPE tokenizer, got model type {model.get('type')!r}")
+        added = {int(t["id"]): t for t in document.get("added_tokens", [])}
+        vocab: dict[str, int] = dict(model.get("vocab", {}))
+        for token_id, token in added.items():
+            vocab[token["content"]] = token_id
+        model["vocab"] = vocab
+        self._document = document
+        self._tokenizer = Tokenizer.from_str(json.dumps(document))
+        for token_id, token in added.items():
+            if self._tokenizer.token_to_id(token["content"]) != token_id:
+                raise TokenizerError(f"added token {token['content']!r} did not keep id {token_id}")
+
+        # The tokenizer for client text: the same BPE without added tokens, so that
+        # written control strings stay ordinary bytes.
+        plain = json.loads(json.dumps(document))
+        plain["added_tokens"] = []
+        plain["model"]["vocab"] = {s: i for s, i in vocab.items() if i not in added}
+        self._plain = Tokenizer.from_str(json.dumps(plain))
+
+        self._added: dict[int, tuple[str, bool]] = {i: (t["content"], bool(t.get("special"))) for i, t in added.items()}
+        self._added_ids = {content: i for i, (content, _special) in self._added.items()}
+        self._added_pattern: re.Pattern[str] | None = None
+        self._id_to_symbol = {i: s for s, i in vocab.items() if i not in added}
+        self._token_bytes_cache: dict[int, bytes] = {}
+        self._merges = _merge_pairs(model.get("merges", []))
+
+        max_id = max(vocab.values(), default=-1)
+        self.vocab_size: int = max(vocab_size or 0, max_id + 1)
+        """Number of token ids (embedding rows); ids without a token decode to nothing."""
+        pattern = _split_pattern(document)
+        if pre is None:
+            pre = next((tag for tag, p in PRE_TOKENIZER_PATTERNS.items() if p == pattern), "default")
+        self.pre: str = pre
+        """llama.cpp's pre-tokenizer tag for this split (``default`` when unknown)."""
+        self.chat_template: str | None = chat_template
+        """The checkpoint's Jinja chat template, if shipped."""
+
+        self.bos_id: int = self._declared(bos_id, BOS_STRING, "BOS")
+        """Beginning of text, the first id of every prompt."""
+        self.eos_id: int = self._declared(eos_id, EOS_STRING, "EOS")
+        """End of text, the model's end-of-generation id."""
+        self.pad_id: int | None = pad_id if pad_id is not None else self.token_id(PAD_STRING)
+        """Padding id, when the checkpoint has one."""
+        self.mask_id: int | None = mask_id if mask_id is not None else self.token_id(MASK_STRING)
+        """DFlash mask id, when the checkpoint has one."""
+        self._extra_eos_ids = tuple(extra_eos_ids)
+
+    def _declared(self, declared: int | None, string: str, what: str) -> int:
+        if declared is not None and 0 <= declared < self.vocab_size:
+            return declared
+        found = self.token_id(string)
+        if found is None:
+            raise TokenizerError(f"the tokenizer declares no {what} id and has no {string!r} token")
+        return found
+
+    # -- construction ---------------------------------------------------------------------
+    @classmethod
+    def load(cls, model_path: str | Path) -> MuseTokenizer:
+        """The tokenizer of a checkpoint: a GGUF file or a Hugging Face directory.
+
+        A GGUF without tokenizer metadata uses the ``tokenizer.json`` beside it.
+        """
+        path = Path(model_path)
+        if path.is_dir():
+            return cls.from_file(path)
+        if path.suffix == ".json":
+            return cls.from_file(path)
+        data = read_gguf_tokenizer_data(path)
+        if data is not None:
+            return cls.from_gguf_data(data)
+        if (path.parent / "tokenizer.json").is_file():
+            return cls.from_file(path.parent)
+        raise TokenizerError(f"{path} has no tokenizer metadata and no tokenizer.json beside it")
+
+    @classmethod
+    def from_gguf(cls, source: str | Path | GGUFReader) -> MuseTokenizer:
+        """Rebuild the tokenizer from a GGUF file's ``tokenizer.ggml.*`` metadata."""
+        data = read_gguf_tokenizer_data(source)
+        if data is None:
+            raise TokenizerError("the GGUF file has no tokenizer.ggml.tokens")
+        return cls.from_gguf_data(data)
+
+    @classmethod
+    def from_gguf_data(cls, data: GGUFTokenizerData) -> MuseTokenizer:
+        """Build from GGUF tokenizer metadata (spec/gguf.md 2.4).
+
+        NORMAL tokens form the BPE vocabulary, CONTROL and USER_DEFINED tokens
+        become added tokens (special for CONTROL), and UNUSED ``[PAD…]`` fillers
+        are left out entirely: no encoding reaches them and they decode to nothing,
+        as ids missing from a tokenizer.json do.
+        """
+        if data.model != "gpt2":
+            raise TokenizerError(f"unsupported GGUF tokenizer model {data.model!r}")
+        pattern = PRE_TOKENIZER_PATTERNS.get(data.pre)
+        pre = data.pre
+        if pattern is None:
+            warnings.warn(
+                f"unknown GGUF pre-tokenizer {data.pre!r}; splitting with the {FALLBACK_PRE!r} (GPT-4o style) pattern",
+                stacklevel=2,
+            )
+            pre, pattern = FALLBACK_PRE, PRE_TOKENIZER_PATTERNS[FALLBACK_PRE]
+        vocab: dict[str, int] = {}
+        added: list[tuple[int, str, bool]] = []
+        for token_id, (token, kind) in enumerate(zip(data.tokens, data.token_types, strict=True)):
+            if kind in (CONTROL, USER_DEFINED):
+                added.append((token_id, token, kind == CONTROL))
+            elif kind != UNUSED:
+                vocab.setdefault(token, token_id)
+        document = byte_level_bpe_document(
+            vocab, _merge_pairs(data.merges), added, pattern=pattern, ignore_merges=pre in _IGNORE_MERGES_TAGS
+        )
+        return cls(
+            document,
+            bos_id=data.bos_token_id if data.bos_token_id >= 0 else None,
+            eos_id=data.eos_token_id if data.eos_token_id >= 0 else None,
+            extra_eos_ids=() if data.eot_token_id is None else (data.eot_token_id,),
+            pad_id=data.padding_token_id,
+            mask_id=data.mask_token_id,
+            vocab_size=len(data.tokens),
+            pre=pre,
+            chat_template=data.chat_template,
+        )
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> MuseTokenizer:
+        """Load a ``tokenizer.json``, or a Hugging Face directory that holds one.
+
+        In a directory, BOS/EOS/pad/mask ids, the vocabulary size and the chat
+        template are read from ``tokenizer_config.json``, ``config.json`` (and
+        its ``text_config``) and ``generation_config.json`` when present.
+        """
+        path = Path(path)
+        directory, file = (path, path / "tokenizer.json") if path.is_dir() else (path.parent, path)
+        if not file.is_file():
+            raise TokenizerError(f"no tokenizer.json at {file}")
+        document = _read_json(file)
+        tokenizer_config = _read_json(directory / "tokenizer_config.json")
+        config = _read_json(directory / "config.json")
+        text_config = config.get("text_config") or {}
+        generation_config = _read_json(directory / "generation_config.json")
+        added = {t["content"]: int(t["id"]) for t in document.get("added_tokens", [])}
+        vocab = document.get("model", {}).get("vocab", {})
+
+        def by_name(key: str) -> int | None:
+            content = _token_content(tokenizer_config.get(key))
+            if content is None:
+                return None
+            return added.get(content, vocab.get(content))
+
+        def by_id(key: str) -> list[int]:
+            for source in (config, text_config, generation_config):
+                ids = _as_ids(source.get(key))
+                if ids:
+                    return ids
+            return []
+
+        bos = by_name("bos_token")
+        if bos is None:
+            bos = next(iter(by_id("bos_token_id")), None)
+        eos_ids = by_id("eos_token_id")
+        eos = by_name("eos_token")
+        if eos is None:
+            eos = next(iter(eos_ids), None)
+        pad = by_name("pad_token")
+        if pad is None:
+            pad = next(iter(by_id("pad_token_id")), None)
+        mask = next(iter(by_id("mask_token_id")), None)
+        vocab_size = text_config.get("vocab_size") or config.get("vocab_size")
+        return cls(
+            document,
+            bos_id=bos,
+            eos_id=eos,
+            extra_eos_ids=_as_ids(generation_config.get("eos_token_id")) + eos_ids,
+            pad_id=pad,
+            mask_id=mask,
+            vocab_size=vocab_size,
+            chat_template=tokenizer_config.get("chat_template"),
+        )
+
+    # -- special tokens ---------------------------------------------------------------------
+    def token_id(self, string: str) -> int | None:
+        """The id of an added token (or of a vocabulary token) by its string; None if absent."""
+        found = self._added_ids.get(string)
+        if found is None:
+            found = self._tokenizer.token_to_id(string)
+        return found
+
+    def special_token(self, name: str) -> int:
+        """The id of a special token, given as ``"<|eot|>"`` or just ``"eot"``.
+
+        :raises TokenizerError: the tokenizer has no such token.
+        """
+        string = name if _looks_like_control(name) else f"<|{name}|>"
+        found = self._added_ids.get(string)
+        if found is None:
+            raise TokenizerError(f"the tokenizer has no {string!r} token")
+        return found
+
+    @property
+    def eot_id(self) -> int:
+        """``<|eot|>``: end of message and of the turn."""
+        return self.special_token("<|eot|>")
+
+    @property
+    def eom_id(self) -> int:
+        """``<|eom|>``: end of message; the assistant turn goes on."""
+        return self.special_token("<|eom|>")
+
+    @property
+    def start_id(self) -> int:
+        """``<|start|>``: opens a message header."""
+        return self.special_token("<|start|>")
+
+    @property
+    def message_id(self) -> int:
+        """``<|message|>``: closes a message header."""
+        return self.special_token("<|message|>")
+
+    @property
+    def patch_id(self) -> int:
+        """``<|patch|>``: image placeholder, one merged image row."""
+        return self.special_token("<|patch|>")
+
+    @property
+    def image_start_id(self) -> int:
+        """``<|image_start|>``: opens an expanded image span."""
+        return self.special_token("<|image_start|>")
+
+    @property
+    def image_end_id(self) -> int:
+        """``<|image_end|>``: closes an expanded image span."""
+        return self.special_token("<|image_end|>")
+
+    @property
+    def end_of_generation_ids(self) -> tuple[int, ...]:
+        """Ids that end generation: EOS and ``<|eot|>`` (as llama.cpp), plus declared extras.
+
+        ``<|eom|>`` is deliberately not one of them (spec/model.md 9).
+        """
+        ids = [self.eos_id, *self._extra_eos_ids]
+        eot = self.token_id("<|eot|>")
+        if eot is not None:
+            ids.append(eot)
+        return tuple(sorted(set(ids)))
+
+    @property
+    def special_strings(self) -> frozenset[str]:
+        """The strings of the control (special) added tokens."""
+        return frozenset(content for content, special in self._added.values() if special)
+
+    @property
+    def added_tokens(self) -> Mapping[int, str]:
+        """Every added token (control and user-defined), id → string."""
+        return {i: content for i, (content, _special) in self._added.items()}
+
+    # -- encoding -----------------------------------------------------------------------------
+    def encode(self, text: str, *, special: bool) -> list[int]:
+        """Token ids of ``text``; never adds a BOS.
+
+        :param special: True for text the renderer wrote (control-token strings
+            become their single ids); False for text a client wrote (control-token
+            strings stay ordinary characters).
+        """
+        if not text:
+            return []
+        tokenizer = self._tokenizer if special else self._plain
+        return tokenizer.encode(text, add_special_tokens=False).ids
+
+    def encode_segments(self, segments: Sequence[PromptSegment], *, add_bos: bool = True) -> list[int]:
+        """Token ids of a rendered prompt (spec/chat-format.md 6.9).
+
+        Text is tokenized in *runs*: consecutive text between two control tokens
+        is encoded as one string even when it spans several segments, so the BPE
+        merges are the same as for the whole rendered string (template text such
+        as ``tool `` followed by a client's tool name merges as it would in the
+        reference). Control-token strings are recognised only inside
+        ``special=True`` segments; in client text they stay ordinary characters.
+
+        With ``add_bos`` the result starts with exactly one BOS id: a rendered
+        BOS string that opens the prompt is stripped before the numeric BOS is
+        put first, and explicit leading BOS ids are not repeated.
+        """
+        ids: list[int] = []
+        run: list[str] = []
+        bos_string = self._added.get(self.bos_id, (None, False))[0]
+
+        def flush() -> None:
+            if run:
+                ids.extend(self.encode("".join(run), special=False))
+                run.clear()
+
+        for segment in segments:
+            if segment.token_ids is not None:
+                flush()
+                ids.extend(int(i) for i in segment.token_ids)
+                continue
+            text = segment.text or ""
+            if add_bos and not ids and not run and segment.special and bos_string:
+                while text.startswith(bos_string):
+                    text = text[len(bos_string) :]
+            if not segment.special:
+                run.append(text)
+                continue
+            for piece, token_id in self._split_added(text):
+                if token_id is None:
+                    run.append(piece)
+                else:
+                    flush()
+                    ids.append(token_id)
+        flush()
+        if not add_bos:
+            return ids
+        start = 0
+        while start < len(ids) and ids[start] == self.bos_id:
+            start += 1
+        return [self.bos_id, *ids[start:]]
+
+    def _split_added(self, text: str) -> list[tuple[str, int | None]]:
+        """Split renderer text at added-token strings: ``(text, None)`` or ``(string, id)``."""
+        if self._added_pattern is None:
+            strings = sorted(self._added_ids, key=len, reverse=True)
+            self._added_pattern = re.compile("|".join(map(re.escape, strings))) if strings else re.compile(r"(?!)")
+        out: list[tuple[str, int | None]] = []
+        pos = 0
+        for match in self._added_pattern.finditer(text):
+            if match.start() > pos:
+                out.append((text[pos : match.start()], None))
+            out.append((match.group(), self._added_ids[match.group()]))
+            pos = match.end()
+        if pos < len(text):
+            out.append((text[pos:], None))
+        return out
+
+    # -- decoding -----------------------------------------------------------------------------
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes ``token_id`` stands for (an added token: its UTF-8 string).
+
+        Ids without a token (gaps, GGUF ``[PAD…]`` fillers) stand for no bytes.
+        """
+        cached = self._token_bytes_cache.get(token_id)
+        if cached is not None:
+            return cached
+        added = self._added.get(token_id)
+        if added is not None:
+            value = added[0].encode("utf-8")
+        else:
+            symbol = self._id_to_symbol.get(token_id)
+            value = b"" if symbol is None else _symbol_bytes(symbol)
+        self._token_bytes_cache[token_id] = value
+        return value
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """The text of ``ids``, special tokens written as their strings.
+
+        Invalid or incomplete UTF-8 becomes U+FFFD, as in ``tokenizers``' ByteLevel decoder.
+        """
+        return b"".join(self.token_bytes(int(i)) for i in ids).decode("utf-8", errors="replace")
+
+    # -- export -------------------------------------------------------------------------------
+    def to_tokenizer_json(self) -> str:
+        """The ``tokenizer.json`` text of this tokenizer (added tokens kept in the vocabulary)."""
+        return json.dumps(self._document, ensure_ascii=False, indent=2) + "\n"
+
+    def to_gguf_data(self, vocab_size: int | None = None) -> GGUFTokenizerData:
+        """The GGUF tokenizer metadata for this tokenizer (spec/gguf.md 2.4).
+
+        :param vocab_size: length of the token list (default :attr:`vocab_size`);
+            ids without a token become ``[PAD{id}]`` entries of type UNUSED.
+        """
+        size = max(vocab_size or self.vocab_size, self.vocab_size)
+        tokens = [f"[PAD{i}]" for i in range(size)]
+        types = [UNUSED] * size
+        for token_id, symbol in self._id_to_symbol.items():
+            tokens[token_id] = symbol
+            types[token_id] = NORMAL
+        for token_id, (content, special) in self._added.items():
+            tokens[token_id] = content
+            types[token_id] = CONTROL if special or _looks_like_control(content) else USER_DEFINED
+        eot = self.token_id("<|eot|>")
+        return GGUFTokenizerData(
+            tokens=tuple(tokens),
+            token_types=tuple(types),
+            merges=tuple(f"{a} {b}" for a, b in self._merges),
+            bos_token_id=self.bos_id,
+            eos_token_id=self.eos_id,
+            eot_token_id=eot,
+            padding_token_id=self.pad_id,
+            mask_token_id=self.mask_id,
+            pre=self.pre if self.pre in PRE_TOKENIZER_PATTERNS else "default",
+            chat_template=self.chat_template,
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"MuseTokenizer(vocab_size={self.vocab_size}, added={len(self._added)}, "
+            f"merges={len(self._merges)}, pre={self.pre!r})"
+        )

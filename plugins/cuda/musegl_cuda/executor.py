@@ -1,0 +1,222 @@
+"""``TorchExecutor``: the engine's executor contract over the PyTorch decoder.
+
+One packed step runs every row of every chunk through the projections and
+MLPs together; attention is per sequence and reads the sequence's K/V from
+the paged cache through its block table (positions written by earlier steps
+included). The cache is one tensor ``(layers, 2, blocks, block_size,
+kv_heads, head_dim)``; ``k_cache[i]``/``v_cache[i]`` are per-layer views
+shaped ``(blocks, block_size, kv_heads, head_dim)``. The engine owns block
+ids; this class only stores and reads what they index.
+
+The same code runs on CUDA (bfloat16 by default) and on the CPU (float32 by
+default); there is no CUDA-only path.
+
+CUDA graphs (later). ``ExecutorLimits.step_sizes`` would list fixed step
+widths (say 1, 2, 4, ..., 512 rows). For each width the executor would
+capture one graph of :meth:`MuseGlimmerDecoder.forward` over static input
+buffers (token ids, positions, write slots) and a fixed-shape attention
+metadata layout (a padded block table per sequence slot plus sequence
+lengths, read by a paged-attention kernel instead of the per-sequence Python
+loop here). ``step`` would pad the packed rows up to the next captured
+width, copy the inputs into the static buffers, replay the graph and read
+back only the real rows; sampling stays outside the graph. Nothing in the
+engine contract changes: the scheduler already respects ``step_sizes``.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from musegl_core.checkpoint.loader import Checkpoint
+from musegl_core.engine.executor import ExecutorLimits, ModelInfo, SeqChunk, Step, StepOutput
+from musegl_cuda.model import AttentionBatch, MuseGlimmerDecoder, SequenceAttention
+from musegl_cuda.sampling import Sampler
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+          "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """``None`` picks CUDA when torch sees a GPU, else the CPU."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    """``None`` means bfloat16 on CUDA and float32 elsewhere."""
+    if dtype is None:
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not one of float32, float16, bfloat16")
+    return DTYPES[dtype]
+
+
+class TorchExecutor:
+    """The Muse Glimmer text decoder behind the :class:`~musegl_core.engine.executor.Executor` protocol."""
+
+    def __init__(self, checkpoint: Checkpoint, device: str | torch.device | None = None,
+                 dtype: str | torch.dtype | None = None, block_size: int = 16,
+                 limits: ExecutorLimits | None = None) -> None:
+        if block_size <= 0:
+            raise ValueError("block_size must be positive")
+        self.device = resolve_device(device)
+        self.dtype = resolve_dtype(dtype, self.device)
+        self.block_size = block_size
+        self.limits = limits or ExecutorLimits()
+        self.config = config = checkpoint.config
+        self.info = ModelInfo(
+            name=checkpoint.name,
+            vocab_size=config.vocab_size,
+            hidden_size=config.hidden_size,
+            num_layers=config.num_layers,
+            native_context=config.max_position_embeddings,
+            dtype=str(self.dtype).removeprefix("torch."),
+            backend="cuda" if self.device.type == "cuda" else "torch-cpu",
+        )
+        with torch.inference_mode():
+            self.model = MuseGlimmerDecoder(config, self.dtype, self.device)
+            loaded = set()
+            for name, array in checkpoint.iter_weights():
+                self.model.load_weight(name, torch.from_numpy(array))
+                loaded.add(name)
+        missing = set(MuseGlimmerDecoder.weight_names(config)) - loaded
+        if missing:
+            raise ValueError(f"checkpoint did not provide {sorted(missing)[:5]}")
+        self.model.eval()
+        self.sampler = Sampler(self.device)
+        self.kv: torch.Tensor | None = None
+        self.num_blocks = 0
+
+    # -- KV storage ------------------------------------------------------------
+
+    def kv_bytes_per_block(self) -> int:
+        c = self.config
+        per_layer = 2 * self.block_size * c.num_kv_heads * c.head_dim
+        return c.num_layers * per_layer * torch.empty((), dtype=self.dtype).element_size()
+
+    def allocate_kv(self, num_blocks: int) -> None:
+        c = self.config
+        self.kv = torch.zeros(c.num_layers, 2, num_blocks, self.block_size, c.num_kv_heads, c.head_dim,
+                              dtype=self.dtype, device=self.device)
+        self.num_blocks = num_blocks
+
+    @property
+    def k_cache(self) -> list[torch.Tensor]:
+        """Per-layer K views, each ``(blocks, block_size, kv_heads, head_dim)``."""
+        return [layer[0] for layer in self._require_kv()]
+
+    @property
+    def v_cache(self) -> list[torch.Tensor]:
+        return [layer[1] for layer in self._require_kv()]
+
+    def _require_kv(self) -> torch.Tensor:
+        if self.kv is None:
+            raise RuntimeError("allocate_kv() must be called before the KV cache is used")
+        return self.kv
+
+    def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
+        if not pairs:
+            return
+        kv = self._require_kv()
+        src = torch.tensor([s for s, _ in pairs], dtype=torch.long, device=self.device)
+        dst = torch.tensor([d for _, d in pairs], dtype=torch.long, device=self.device)
+        with torch.inference_mode():
+            kv[:, :, dst] = kv[:, :, src]
+
+    # -- stepping ----------------------------------------------------------------
+
+    def _block_table(self, chunk: SeqChunk) -> torch.Tensor:
+        """The chunk's block table as a tensor, checked against its positions and the pool."""
+        bs, last = self.block_size, chunk.positions[-1]
+        if last // bs >= len(chunk.blocks):
+            raise ValueError(f"sequence {chunk.seq}: position {last} needs block {last // bs} "
+                             f"but its block table has {len(chunk.blocks)} blocks")
+        needed = list(chunk.blocks[:last // bs + 1])
+        if min(needed) < 0 or max(needed) >= self.num_blocks:
+            raise ValueError(f"sequence {chunk.seq}: block ids must lie in 0..{self.num_blocks - 1}")
+        return torch.tensor(needed, dtype=torch.long, device=self.device)
+
+    def _attention_batch(self, step: Step) -> AttentionBatch:
+        """Cache slots (``block·block_size + offset``) to write and read, and the masks."""
+        bs, window = self.block_size, self.config.sliding_window
+        write, sequences, start = [], [], 0
+        for chunk in step.chunks:
+            first, last = chunk.positions[0], chunk.positions[-1]
+            if first < 0 or list(chunk.positions) != list(range(first, first + len(chunk.positions))):
+                raise ValueError(f"sequence {chunk.seq}: chunk positions must be consecutive and >= 0")
+            table = self._block_table(chunk)
+            k_pos = torch.arange(0, last + 1, device=self.device)
+            slots = table[k_pos // bs] * bs + k_pos % bs  # every position 0..last
+            q_pos = k_pos[first:]
+            write.append(slots[first:])
+            causal = k_pos[None, :] <= q_pos[:, None]
+            lo = max(0, first - window + 1)  # the oldest key any row of a sliding layer can see
+            in_window = (q_pos[:, None] - k_pos[None, lo:]) < window
+            rows = slice(start, start + len(q_pos))
+            sequences.append(SequenceAttention(rows, slots, causal, slots[lo:], causal[:, lo:] & in_window))
+            start = rows.stop
+        return AttentionBatch(torch.cat(write), sequences)
+
+    def step(self, step: Step) -> StepOutput:
+        if not step.chunks:
+            return StepOutput()
+        kv = self._require_kv()
+        vocab = self.config.vocab_size
+        tokens = [t for c in step.chunks for t in c.tokens]
+        if any(not 0 <= t < vocab for t in tokens):
+            raise ValueError(f"token id outside the vocabulary 0..{vocab - 1}")
+        for t in step.taps:
+            if not 0 <= t <= self.config.num_layers:
+                raise ValueError(f"tap {t} outside 0..{self.config.num_layers}")
+        batch = self._attention_batch(step)
+        with torch.inference_mode():
+            token_ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
+            positions = torch.tensor([p for c in step.chunks for p in c.positions], device=self.device)
+            layers_kv = [(kv[i, 0], kv[i, 1]) for i in range(self.config.num_layers)]
+            normed, hidden = self.model(token_ids, positions, batch, layers_kv, tuple(step.taps))
+
+            # The head runs only on rows somebody needs: last rows to sample or report, all rows
+            # of chunks that asked for per-row logits.
+            head_rows: list[int] = []
+            where: list[tuple[int, int]] = []  # (first index into head_rows, count) per chunk
+            for chunk, seq in zip(step.chunks, batch.sequences):
+                if chunk.logit_rows:
+                    where.append((len(head_rows), seq.rows.stop - seq.rows.start))
+                    head_rows.extend(range(seq.rows.start, seq.rows.stop))
+                elif chunk.sample or chunk.want_logits:
+                    where.append((len(head_rows), 1))
+                    head_rows.append(seq.rows.stop - 1)
+                else:
+                    where.append((-1, 0))
+            out = StepOutput()
+            logits = (self.model.logits(normed[torch.tensor(head_rows, device=self.device)])
+                      if head_rows else None)
+            for chunk, seq, (at, count) in zip(step.chunks, batch.sequences, where):
+                if count:
+                    assert logits is not None
+                    rows = logits[at:at + count]
+                    last = rows[-1]
+                    if chunk.logit_rows:
+                        out.logits[chunk.seq] = rows
+                    elif chunk.want_logits:
+                        out.logits[chunk.seq] = last
+                    if chunk.sample:
+                        out.tokens[chunk.seq] = self.sampler.sample(chunk.seq, last, chunk.sampling)
+                if hidden is not None:
+                    out.hidden[chunk.seq] = hidden[:, seq.rows]
+        return out
+
+    def release_sequence(self, seq: int) -> None:
+        self.sampler.release(seq)
+
+    def close(self) -> None:
+        self.kv = None
+        self.num_blocks = 0
+        self.model = None  # type: ignore[assignment]
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()

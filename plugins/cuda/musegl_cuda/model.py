@@ -1,0 +1,288 @@
+"""The Muse Glimmer text decoder in PyTorch (spec/model.md 3-5), over packed rows.
+
+Every module works on a flat ``(rows, ...)`` batch: the rows of many
+sequences packed together. Projections and the MLP run over all rows at once;
+only attention is per sequence, and it reads K/V from the executor's paged
+cache through :class:`AttentionBatch` (built by the executor per step).
+
+Numerics follow transformers: norms in float32 (plain norms with
+``pow(ms+ε, -0.5)``, centered norms with ``rsqrt`` and ``1+w``), the QK norm
+cast to the activation dtype before ``×qk_scale_factor``, cos/sin built in
+float32 and cast to the activation dtype, softmax in float32, the softcap
+chain in the activation dtype.
+"""
+
+from __future__ import annotations
+
+import attrs
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from musegl_core.checkpoint.config import TextConfig
+from musegl_core.checkpoint.hf_reader import CENTERED_NORMS, text_weight_names
+
+
+def plain_rms_norm(x: torch.Tensor, eps: float, weight: torch.Tensor | None = None) -> torch.Tensor:
+    """``x·(mean(x²)+ε)^-½ [·w]`` in float32 (weight-less embed/QK norm, final norm)."""
+    xf = x.float()
+    out = xf * torch.pow(xf.pow(2).mean(-1, keepdim=True) + eps, -0.5)
+    if weight is not None:
+        out = out * weight
+    return out.type_as(x)
+
+
+class CenteredRMSNorm(nn.Module):
+    """``x·rsqrt(mean(x²)+ε)·(1+w)`` in float32; ``scale`` holds ``1+w`` in float32."""
+
+    def __init__(self, dim: int, eps: float, device: torch.device) -> None:
+        super().__init__()
+        self.eps = eps
+        self.register_buffer("scale", torch.ones(dim, dtype=torch.float32, device=device))
+
+    def load(self, w: torch.Tensor) -> None:
+        self.scale.copy_(1.0 + w.float())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * self.scale).type_as(x)
+
+
+class Linear(nn.Module):
+    """A bias-free linear layer whose weight is filled by the loader (no random init)."""
+
+    def __init__(self, in_features: int, out_features: int, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype, device=device),
+                                   requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class RotaryEmbedding(nn.Module):
+    """transformers' default RoPE (rotate_half layout, one global θ)."""
+
+    def __init__(self, head_dim: int, theta: float, device: torch.device) -> None:
+        super().__init__()
+        exponent = torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim
+        self.register_buffer("inv_freq", 1.0 / (theta ** exponent))
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(cos, sin)`` of shape ``(rows, head_dim)`` in ``dtype``."""
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` of shape ``(rows, heads, head_dim)``."""
+    return x * cos[:, None, :] + rotate_half(x) * sin[:, None, :]
+
+
+@attrs.define
+class SequenceAttention:
+    """One sequence's slice of a packed step, as attention needs it.
+
+    ``rows`` are the sequence's rows in the packed batch. ``key_slots`` /
+    ``mask`` exist twice: for full layers (keys ``0 .. last``) and for sliding
+    layers (only the keys a window can reach). A slot is ``block·block_size +
+    offset`` in the flattened cache.
+    """
+
+    rows: slice
+    full_slots: torch.Tensor
+    full_mask: torch.Tensor
+    sliding_slots: torch.Tensor
+    sliding_mask: torch.Tensor
+
+
+@attrs.define
+class AttentionBatch:
+    """Attention metadata of one packed step: where to write and what to read."""
+
+    write_slots: torch.Tensor  # (rows,) cache slot of each packed row
+    sequences: list[SequenceAttention] = attrs.field(factory=list)
+
+
+class Attention(nn.Module):
+    """Gated GQA attention with the scale-less QK norm; RoPE and the window per layer."""
+
+    def __init__(self, config: TextConfig, layer: int, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        h, hd = config.hidden_size, config.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, hd
+        self.group = config.num_heads // config.num_kv_heads
+        self.use_rope = config.rope[layer]
+        self.sliding = config.sliding[layer]
+        self.eps = config.rms_norm_eps
+        self.qk_scale = config.qk_scale_factor
+        self.scaling = hd ** -0.5
+        self.q_proj = Linear(h, config.num_heads * hd, dtype, device)
+        self.k_proj = Linear(h, config.num_kv_heads * hd, dtype, device)
+        self.v_proj = Linear(h, config.num_kv_heads * hd, dtype, device)
+        self.gate_proj = Linear(h, config.num_heads * hd, dtype, device)
+        self.o_proj = Linear(config.num_heads * hd, h, dtype, device)
+
+    def forward(self, a: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], batch: AttentionBatch,
+                k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        rows = a.shape[0]
+        q = self.q_proj(a).view(rows, self.num_heads, self.head_dim)
+        k = self.k_proj(a).view(rows, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(a).view(rows, self.num_kv_heads, self.head_dim)
+        q = plain_rms_norm(q, self.eps) * self.qk_scale
+        k = plain_rms_norm(k, self.eps)
+        if self.use_rope:
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+
+        # The cache is (blocks, block_size, kv_heads, head_dim); write this step's rows first,
+        # so a chunk reads its own keys and everything earlier steps wrote.
+        k_flat = k_cache.view(-1, self.num_kv_heads, self.head_dim)
+        v_flat = v_cache.view(-1, self.num_kv_heads, self.head_dim)
+        k_flat.index_copy_(0, batch.write_slots, k.to(k_flat.dtype))
+        v_flat.index_copy_(0, batch.write_slots, v.to(v_flat.dtype))
+
+        y = torch.empty_like(q)
+        for seq in batch.sequences:
+            slots, mask = ((seq.sliding_slots, seq.sliding_mask) if self.sliding
+                           else (seq.full_slots, seq.full_mask))
+            keys = k_flat[slots].repeat_interleave(self.group, dim=1)  # (S, heads, hd)
+            values = v_flat[slots].repeat_interleave(self.group, dim=1)
+            y[seq.rows] = sdpa_rows(q[seq.rows], keys, values, mask, self.scaling)
+        y = y.reshape(rows, -1) * torch.sigmoid(self.gate_proj(a))
+        return self.o_proj(y)
+
+
+def sdpa_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+              scaling: float) -> torch.Tensor:
+    """Softmax attention of ``q (L, heads, hd)`` over ``k, v (S, heads, hd)``; ``mask (L, S)``
+    is True where a key is visible. Softmax in float32, as transformers' eager path."""
+    scores = torch.einsum("lhd,shd->hls", q, k) * scaling
+    scores = scores.masked_fill(~mask[None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.einsum("hls,shd->lhd", probs, v)
+
+
+class MLP(nn.Module):
+    """SwiGLU: ``down(silu(gate(x)) · up(x))``."""
+
+    def __init__(self, config: TextConfig, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        h, f = config.hidden_size, config.intermediate_size
+        self.gate_proj = Linear(h, f, dtype, device)
+        self.up_proj = Linear(h, f, dtype, device)
+        self.down_proj = Linear(f, h, dtype, device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    """Gemma-2 sandwich: pre- and post-norms around attention and the MLP."""
+
+    def __init__(self, config: TextConfig, layer: int, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.self_attn = Attention(config, layer, dtype, device)
+        self.mlp = MLP(config, dtype, device)
+        h = config.hidden_size
+        self.input_layernorm = CenteredRMSNorm(h, config.rms_norm_eps, device)
+        self.post_attention_layernorm = CenteredRMSNorm(h, config.post_norm_eps, device)
+        self.pre_feedforward_layernorm = CenteredRMSNorm(h, config.rms_norm_eps, device)
+        self.post_feedforward_layernorm = CenteredRMSNorm(h, config.post_norm_eps, device)
+
+    def forward(self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], batch: AttentionBatch,
+                k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        o = self.self_attn(self.input_layernorm(h), rope, batch, k_cache, v_cache)
+        h = h + self.post_attention_layernorm(o)
+        m = self.mlp(self.pre_feedforward_layernorm(h))
+        return h + self.post_feedforward_layernorm(m)
+
+
+class MuseGlimmerDecoder(nn.Module):
+    """Embedding (+ weight-less norm), decoder layers, final norm and softcapped head."""
+
+    def __init__(self, config: TextConfig, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.config = config
+        self.dtype = dtype
+        h = config.hidden_size
+        self.embed_tokens = nn.Parameter(torch.empty(config.vocab_size, h, dtype=dtype, device=device),
+                                         requires_grad=False)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, dtype, device) for i in range(config.num_layers))
+        self.norm = nn.Parameter(torch.ones(h, dtype=torch.float32, device=device), requires_grad=False)
+        self.lm_head = Linear(h, config.vocab_size, dtype, device)
+        self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, device)
+
+    # -- loading --------------------------------------------------------------
+
+    def load_weight(self, name: str, value: torch.Tensor) -> None:
+        """Copy one checkpoint weight (transformers name, any dtype/device) into place.
+
+        Norm weights are rounded to the model dtype first and then kept in
+        float32, as transformers does when it loads a checkpoint in that dtype
+        and upcasts inside the norm.
+        """
+        if value.ndim == 1:
+            value = value.to(self.norm.device, self.dtype).float()
+        if name == "embed_tokens.weight":
+            self.embed_tokens.copy_(value)
+        elif name == "norm.weight":
+            self.norm.copy_(value)
+        elif name == "lm_head.weight":
+            self.lm_head.weight.copy_(value)
+        elif name.startswith("layers."):
+            _, index, suffix = name.split(".", 2)
+            layer = self.layers[int(index)]
+            if suffix in CENTERED_NORMS:
+                getattr(layer, suffix.removesuffix(".weight")).load(value)
+            else:
+                module_path = suffix.removesuffix(".weight").split(".")
+                module = layer
+                for part in module_path:
+                    module = getattr(module, part)
+                module.weight.copy_(value)
+        else:
+            raise KeyError(f"unknown weight {name!r}")
+
+    @staticmethod
+    def weight_names(config: TextConfig) -> tuple[str, ...]:
+        return text_weight_names(config)
+
+    # -- forward --------------------------------------------------------------
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        return plain_rms_norm(F.embedding(tokens, self.embed_tokens), self.config.rms_norm_eps)
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
+                kv: list[tuple[torch.Tensor, torch.Tensor]],
+                taps: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Run every packed row through the decoder.
+
+        Returns the final-normed hidden states ``(rows, H)`` and, when ``taps``
+        is non-empty, the input residual of each tapped layer stacked as
+        ``(len(taps), rows, H)`` (tap ``num_layers`` is the last layer's output).
+        """
+        h = self.embed(tokens)
+        rope = self.rotary(positions, h.dtype)
+        tapped: dict[int, torch.Tensor] = {}
+        for i, layer in enumerate(self.layers):
+            if i in taps:
+                tapped[i] = h
+            h = layer(h, rope, batch, *kv[i])
+        if len(self.layers) in taps:
+            tapped[len(self.layers)] = h
+        hidden = torch.stack([tapped[t] for t in taps]) if taps else None
+        return plain_rms_norm(h, self.config.rms_norm_eps, self.norm), hidden
+
+    def logits(self, normed: torch.Tensor) -> torch.Tensor:
+        """Softcapped logits (float32) of final-normed rows: ``×mult, ÷cap, tanh, ×cap``."""
+        z = self.lm_head(normed) * self.config.output_multiplier
+        cap = self.config.final_logit_softcapping
+        if cap is not None:
+            z = torch.tanh(z / cap) * cap
+        return z.float()

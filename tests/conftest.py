@@ -1,0 +1,84 @@
+"""Shared fixtures: tiny random Muse Glimmer checkpoints built with transformers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import attrs
+import pytest
+
+# A tiny text decoder: 6 layers, so the default layout has sliding+RoPE layers
+# (0, 2, 3, 4) and full+NoPE layers (1, 5); an 8-token window is shorter than
+# the 64-token parity prompt.
+TINY_TEXT_CONFIG = dict(
+    vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=8,
+    max_position_embeddings=4096, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    bos_token_id=1, eos_token_id=2,
+)
+TINY_VISION_CONFIG = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                          num_attention_heads=2, pos_emb_height=4, pos_emb_width=4)
+
+
+@attrs.frozen
+class TinyModel:
+    """A transformers reference model and the directory it was saved to."""
+
+    model: object
+    path: Path
+
+
+def build_tiny_model(seed: int = 0, **text_overrides):
+    """A float32 ``MuseGlimmerForConditionalGeneration`` with randomized norm weights
+    (centered norms around 0, so the +1 matters; the final norm around 1)."""
+    import torch
+    from transformers import MuseGlimmerConfig, MuseGlimmerForConditionalGeneration
+
+    torch.manual_seed(seed)
+    config = MuseGlimmerConfig(text_config={**TINY_TEXT_CONFIG, **text_overrides},
+                               vision_config=TINY_VISION_CONFIG, out_hidden_size=128,
+                               projector_hidden_size=64)
+    model = MuseGlimmerForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "language_model" in name and name.endswith("layernorm.weight"):
+                param.normal_(0.0, 0.3)
+            elif name == "model.language_model.norm.weight":
+                param.normal_(1.0, 0.2)
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def tiny_tokenizer_data(vocab_size: int = 512):
+    """Token metadata for a tiny GGUF (byte-level-looking strings, bos 1, eos 2, eot 3)."""
+    from musegl_core.checkpoint.tokenizer_data import CONTROL, NORMAL, GGUFTokenizerData
+
+    tokens = tuple(["<pad>", "<|begin_of_text|>", "<|end_of_text|>", "<|eot|>"]
+                   + [f"tok{i}" for i in range(4, vocab_size)])
+    types = tuple([CONTROL] * 4 + [NORMAL] * (vocab_size - 4))
+    return GGUFTokenizerData(tokens=tokens, token_types=types, merges=("t o", "to k"),
+                             bos_token_id=1, eos_token_id=2, eot_token_id=3, padding_token_id=0,
+                             chat_template="{{ messages }}")
+
+
+@pytest.fixture(scope="session")
+def tiny_hf(tmp_path_factory) -> TinyModel:
+    """The reference model, saved as a Hugging Face directory (float32, one safetensors file)."""
+    model = build_tiny_model()
+    path = tmp_path_factory.mktemp("tiny_hf")
+    model.save_pretrained(path)
+    return TinyModel(model=model, path=path)
+
+
+@pytest.fixture(scope="session")
+def tiny_gguf(tiny_hf, tmp_path_factory) -> Path:
+    """The GGUF (f32) twin of :func:`tiny_hf`, written with ``write_text_gguf``."""
+    from musegl_core.checkpoint.gguf_writer import write_text_gguf
+    from musegl_core.checkpoint.loader import load_checkpoint
+
+    checkpoint = load_checkpoint(tiny_hf.path)
+    path = tmp_path_factory.mktemp("tiny_gguf") / "model.gguf"
+    write_text_gguf(path, checkpoint.config, dict(checkpoint.iter_weights()), tiny_tokenizer_data(),
+                    file_type="f32", name="Tiny Muse Glimmer")
+    return path

@@ -1,0 +1,427 @@
+"""The channel parser against output-grammar.md (rules R1–R18 and sections 2, 5, 7)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from musegl_core.chat.channels import (
+    AtemBlockScanner,
+    ChannelParser,
+    ContentDelta,
+    ReasoningDelta,
+    ToolDelta,
+    ToolMessage,
+    ToolMessageEnd,
+    collect,
+    match_header,
+    parse_output,
+)
+
+CALL = (
+    '<atem:function_calls>\n<atem:invoke name="get_time.get_time">\n'
+    '<atem:parameter name="tz">UTC</atem:parameter>\n</atem:invoke>\n</atem:function_calls>'
+)
+
+
+def parsed(text, *, tools=False, hide=False, end="eos"):
+    return parse_output(text, tools_active=tools, hide_reasoning=hide, end=end)
+
+
+def check(text, reasoning=None, content=None, **kwargs):
+    result = parsed(text, **kwargs)
+    assert (result.reasoning, result.content) == (reasoning, content)
+    return result
+
+
+def test_r1_framing_removed_self_is_reasoning_user_is_content():
+    """output-grammar R1: framing is removed; to=self → reasoning, to=user → content."""
+    check(" to=self<|message|>Think.<|eom|><|start|>assistant to=user<|message|>Hi!<|eot|>", "Think.", "Hi!")
+
+
+def test_r2_no_header_is_implicit_visible_message():
+    """output-grammar R2 / section 1: output without a header is an implicit visible message."""
+    check("Just an answer.", None, "Just an answer.")
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        " to=self<|message|>think<|eom|><|start|>assistant<|message|>Answer.<|eot|>",
+        " to=self<|message|>think<|eom|>\n to=user<|message|>Answer.<|eot|>",
+        " to=self<|message|>think<|eom|>assistant to=user<|message|>Answer.<|eot|>",
+        " to=self<|message|>think<|eom|><|message|>Answer.<|eot|>",
+    ],
+)
+def test_r3_header_forms_after_a_terminator(text):
+    """output-grammar R3 / section 1: unaddressed, bare, <|start|>-less and <|message|>-only headers."""
+    check(text, "think", "Answer.")
+
+
+def test_r4_separators_and_control_only_bodies():
+    """output-grammar R4 / section 6: bodies joined with "\\n\\n"; control-only bodies add none."""
+    check(
+        " to=self<|message|>one<|eom|><|start|>assistant to=self<|message|>two<|eom|><|start|>assistant"
+        " to=user<|message|>A<|eom|><|start|>assistant to=user<|message|>B<|eot|>",
+        "one\n\ntwo",
+        "A\n\nB",
+    )
+    check(
+        " to=self<|message|>A<|eom|><|start|>assistant to=self<|message|><|start|><|eom|><|start|>assistant"
+        " to=self<|message|>B<|eom|><|start|>assistant to=user<|message|>C<|eot|>",
+        "A\n\nB",
+        "C",
+    )
+
+
+def test_r5_controls_removed_in_reasoning_literal_in_content():
+    """output-grammar R5 / 2.2.3–2.2.4: stray controls leave reasoning, stay in content."""
+    check(
+        " to=self<|message|>Think <|start|>more<|message|>.<|eom|><|start|>assistant to=user<|message|>ok<|eot|>",
+        "Think more.",
+        "ok",
+    )
+    text = "Headers start with <|start|> and end with <|message|>."
+    check(f" to=user<|message|>{text}<|eot|>", None, text)
+
+
+@pytest.mark.parametrize(
+    ("text", "content"),
+    [
+        (" to=user<|message|>Answer<|eo", "Answer"),
+        (" to=user<|message|>Done.<|eom|><|start|>assistant to=us", "Done."),
+        (" to=user<|message|>Answer<|start|>assist", "Answer"),
+        (" to=user<|message|>Done.<|eom|> to=us", "Done. to=us"),
+        (" to=self<|mess", None),
+        (" to=user<|message|>x<|start|>assistant to=self<|message|>y<|", "x<|start|>assistant to=self<|message|>y"),
+        ("to=us", "to=us"),
+        (" to=user<|message|>a <", "a <"),
+    ],
+)
+def test_r6_end_of_output_fragments(text, content):
+    """output-grammar R6 / section 5 rules 1–3: `<|` fragments and incomplete <|start|>
+    headers are dropped at EOF; a bare `to=` fragment stays literal."""
+    check(text, None, content, end="length")
+
+
+def test_r7_quoted_header_literal_even_when_a_call_follows():
+    """output-grammar R7: a header that is not at a header position is content."""
+    quoted = "The model writes <|start|>assistant to=get_time.get_time<|message|> first."
+    result = check(
+        f" to=user<|message|>{quoted}<|eom|><|start|>assistant to=get_time.get_time<|message|>{CALL}<|eot|>",
+        None,
+        quoted,
+        tools=True,
+    )
+    assert result.tool_messages == (ToolMessage("get_time.get_time", CALL, True),)
+
+
+def test_r8_rejected_self_header_stays_visible_when_reasoning_hidden():
+    """output-grammar R8 / section 6 visibility: hiding never touches header-like content."""
+    check(
+        " to=user<|message|>Quoted: <|start|>assistant to=self<|message|>secret<|eot|>",
+        None,
+        "Quoted: <|start|>assistant to=self<|message|>secret",
+        hide=True,
+    )
+
+
+def test_r9_recipient_changes_only_after_a_terminator():
+    """output-grammar R9 / 2.1.4: unexpected text after a terminator continues the same recipient."""
+    check(
+        " to=self<|message|>plan<|eom|>oops<|start|>assistant to=user<|message|>Hi<|eot|>",
+        "planoopsassistant to=userHi",
+    )
+    check(" to=self<|message|>I will answer. to=user<|message|>42<|eot|>", "I will answer. to=user42")
+    check(" to=user<|message|>Part one.<|eom|> Part two.<|eot|>", None, "Part one. Part two.")
+
+
+def test_r10_fenced_examples_keep_their_controls():
+    """output-grammar R10 / 2.2.1: terminators inside a fence are literal (then removed in reasoning)."""
+    body = "Example:\n```\n<|start|>assistant to=self<|message|>x<|eom|>\n```\nDone"
+    check(f" to=user<|message|>{body}<|eot|>", None, body)
+    check(
+        " to=self<|message|>Example:\n```\nhi<|eom|>\n```\nok<|eom|><|start|>assistant to=user<|message|>Hi<|eot|>",
+        "Example:\n```\nhi\n```\nok",
+        "Hi",
+    )
+
+
+def test_r11_unclosed_fence_keeps_everything_in_the_message():
+    """output-grammar R11 / 2.3: after an unclosed fence no header or call is recognised."""
+    rest = (
+        "Here:\n```python\nprint(1)<|eom|><|start|>assistant to=weather.get_forecast<|message|>"
+        '<atem:function_calls>\n<atem:invoke name="weather.get_forecast">\n'
+        '<atem:parameter name="city">Oslo</atem:parameter>\n</atem:invoke>\n</atem:function_calls>'
+    )
+    result = check(f" to=user<|message|>{rest}", None, rest, tools=True)
+    assert result.tool_messages == ()
+
+
+def test_r12_fence_delimiter_details():
+    """output-grammar R12 / 2.3: info strings, closing runs, terminator-ended lines, tildes."""
+    check(" to=user<|message|>``` a`b\nx<|eom|><|start|>assistant to=user<|message|>y<|eot|>", None, "``` a`b\nx\n\ny")
+    tail = "```\ncode\n``` not closed\nstill<|eom|><|start|>assistant to=self<|message|>z"
+    check(f" to=user<|message|>{tail}", None, tail)
+    check(" to=user<|message|>```\ncode\n```<|eot|>", None, "```\ncode\n```")
+    check(" to=user<|message|>~~~\n<|eom|>\n~~~\nend<|eot|>", None, "~~~\n<|eom|>\n~~~\nend")
+    # A closing run shorter than the opening run does not close; indentation over 3 spaces neither.
+    check(" to=user<|message|>````\n```\n<|eot|>x\n````<|eot|>", None, "````\n```\n<|eot|>x\n````")
+    check(" to=user<|message|>```\n    ```\n<|eot|>\n``` \t<|eot|>", None, "```\n    ```\n<|eot|>\n``` \t")
+
+
+def test_2_3_opening_line_ended_by_terminator_discards_the_fence():
+    """output-grammar 2.3 [decision]: an opening line ended by a terminator ends the message."""
+    check(" to=user<|message|>```py<|eom|><|start|>assistant to=user<|message|>x<|eot|>", None, "```py\n\nx")
+
+
+def test_2_3_fence_state_belongs_to_one_message():
+    """output-grammar 2.3: fence state starts closed in each message."""
+    check(
+        " to=self<|message|>```py<|eom|><|start|>assistant to=user<|message|>y\n```\nz<|eom|>",
+        "```py",
+        "y\n```\nz<|eom|>",
+    )
+
+
+def test_r13_tool_messages_are_handed_to_the_tool_parser():
+    """output-grammar R13 / 2.4: tool-addressed bodies reach the tool parser verbatim."""
+    result = check(
+        " to=self<|message|>Need the time.<|eom|><|start|>assistant to=get_time.get_time<|message|>"
+        f"{CALL}<|eot|>",
+        "Need the time.",
+        None,
+        tools=True,
+    )
+    assert result.tool_messages == (ToolMessage("get_time.get_time", CALL, True),)
+    result = check(
+        f" to=weather.get_forecast<|message|>\n{CALL}\n<|eom|><|start|>assistant to=get_time.get_time"
+        f"<|message|>{CALL}<|eot|>",
+        tools=True,
+    )
+    assert [m.body for m in result.tool_messages] == [f"\n{CALL}\n", CALL]
+    result = check(
+        f" to=user<|message|>One moment.<|eom|><|start|>assistant to=get_time.get_time<|message|>{CALL}<|eot|>",
+        None,
+        "One moment.",
+        tools=True,
+    )
+    assert len(result.tool_messages) == 1
+
+
+def test_r14_atem_intent_position():
+    """output-grammar R14 / 2.2.5–2.2.6: line-start intent outside code only; never in reasoning."""
+    result = check(f" to=user<|message|>Let me check.\n{CALL}<|eot|>", None, "Let me check.\n", tools=True)
+    assert result.tool_messages == (ToolMessage("user", CALL, True, intent=True),)
+    for text in (f"Write {CALL} to call it.", f"Example:\n```\n{CALL}\n```", "Tags:\n<atem:foo> is not a tag."):
+        result = check(f" to=user<|message|>{text}<|eot|>", None, text, tools=True)
+        assert result.tool_messages == ()
+    result = check(
+        f" to=self<|message|>I could write:\n{CALL}<|eom|><|start|>assistant to=user<|message|>No need.<|eot|>",
+        f"I could write:\n{CALL}",
+        "No need.",
+        tools=True,
+    )
+    assert result.tool_messages == ()
+    check(" to=user<|message|>Let me check.\n<atem:func", None, "Let me check.\n<atem:func", tools=True, end="length")
+
+
+def test_2_2_5_text_after_intent_block_continues_the_content():
+    """output-grammar 2.2.5 [decision]: scanning continues in the same message after the block."""
+    result = check(f" to=user<|message|>A\n{CALL}\nB<|eot|>", None, "A\n\nB", tools=True)
+    assert [m.intent for m in result.tool_messages] == [True]
+
+
+def test_2_2_5_broken_intent_block_resumes_content():
+    """output-grammar 2.2.5 / section 3: a block that deviates from the grammar is handed off
+    incomplete (the tool parser reports it malformed) and the rest is content."""
+    result = check(" to=user<|message|>A\n<atem:function_calls>\noops<|eot|>", None, "A\noops", tools=True)
+    assert result.tool_messages == (ToolMessage("user", "<atem:function_calls>\n", False, intent=True),)
+
+
+def test_r15_parameter_values_are_opaque():
+    """output-grammar R15 / section 3: terminators and headers inside values are literal."""
+    body = (
+        '<atem:function_calls>\n<atem:invoke name="fs.write">\n<atem:parameter name="path"> a.txt </atem:parameter>\n'
+        '<atem:parameter name="content">a<|eom|><|start|>assistant to=user<|message|>b\n</atem:parameter>\n'
+        "</atem:invoke>\n</atem:function_calls>"
+    )
+    result = check(f" to=fs.write<|message|>{body}<|eot|>", tools=True)
+    assert result.tool_messages == (ToolMessage("fs.write", body, True),)
+    block = (
+        '<atem:function_calls>\n<atem:invoke name="fs.write">\n<atem:parameter name="path">a</atem:parameter>\n'
+        '<atem:parameter name="content">x<|eom|><|start|>assistant to=self<|message|>y</atem:parameter>\n'
+        "</atem:invoke>\n</atem:function_calls>"
+    )
+    check(f" to=user<|message|>Run:\n{block}<|eot|>", None, f"Run:\n{block}", tools=False)
+
+
+def test_2_2_7_tool_addressed_messages_are_content_when_tools_inactive():
+    """output-grammar section 1 [decision]: tool recipients are visible when tools are inactive."""
+    result = check(f" to=get_time.get_time<|message|>{CALL}<|eot|>", None, CALL, tools=False)
+    assert result.tool_messages == ()
+
+
+def test_r17_non_atem_tool_body_is_handed_off_for_rejection():
+    """output-grammar R17 / 2.4: a tool body that is not ATEM still ends at its terminator."""
+    result = check(' to=get_time.get_time<|message|>{"tz": "UTC"}<|eot|>', tools=True)
+    assert result.tool_messages == (ToolMessage("get_time.get_time", '{"tz": "UTC"}', True),)
+
+
+def test_r17_r18_truncated_tool_message_is_incomplete():
+    """output-grammar R17/R18 / section 4.6: output ending inside a block → incomplete hand-off."""
+    text = (
+        " to=self<|message|>Need time.<|eom|> to=get_time.get_time<|message|><atem:function_calls>\n"
+        '<atem:invoke name="get_time.get_time">\n<atem:parameter name="tz">U'
+    )
+    result = check(text, "Need time.", None, tools=True, end="length")
+    assert result.tool_messages == (
+        ToolMessage("get_time.get_time", text.split("<|message|>")[-1], False),
+    )
+
+
+def test_2_1_4_text_after_a_tool_message_continues_it():
+    """output-grammar 2.1.4: non-whitespace after a tool message's terminator joins its body."""
+    result = check(f" to=get_time.get_time<|message|>{CALL}<|eom|>oops<|eot|>", tools=True)
+    assert [m.body for m in result.tool_messages] == [CALL + "oops"]
+
+
+def test_5_5_whitespace_after_final_terminator_dropped():
+    """output-grammar 5.5: whitespace after the last structural terminator is dropped."""
+    check(" to=user<|message|>Hi<|eot|>\n \n", None, "Hi")
+
+
+def test_1_recipient_must_be_followed_by_message():
+    """output-grammar section 1 [decision]: ` to=user <|message|>` is not a header."""
+    check(" to=user <|message|>Hi", None, " to=user <|message|>Hi")
+
+
+def test_6_bodies_are_not_trimmed():
+    """output-grammar section 6 [decision]: no trimming of bodies."""
+    check(" to=user<|message|>  spaced \n<|eot|>", None, "  spaced \n")
+
+
+def test_7_hidden_reasoning_emits_no_reasoning_events():
+    """output-grammar section 6 visibility / 7: hidden reasoning produces no reasoning deltas."""
+    parser = ChannelParser(tools_active=False, hide_reasoning=True)
+    events = parser.feed(" to=self<|message|>secret<|eom|><|start|>assistant to=user<|message|>ok<|eot|>")
+    events += parser.finish("eos")
+    assert events == [ContentDelta("ok")]
+
+
+def test_7_streaming_holds_back_only_ambiguous_text():
+    """output-grammar section 7: settled text is emitted at once; `<|` prefixes are held."""
+    parser = ChannelParser(tools_active=False)
+    assert parser.feed(" to=user<|message|>Hel") == [ContentDelta("Hel")]
+    assert parser.feed("lo<|e") == [ContentDelta("lo")]
+    assert parser.feed("ot|>") == []
+    assert parser.finish("eos") == []
+
+
+def test_7_tool_end_waits_for_the_next_header():
+    """output-grammar 2.1.4 / 7: a tool message is closed once the next header is known."""
+    parser = ChannelParser(tools_active=True)
+    events = parser.feed(f" to=get_time.get_time<|message|>{CALL}<|eom|>")
+    assert not any(isinstance(event, ToolMessageEnd) for event in events)
+    events = parser.feed("<|start|>assistant to=user<|message|>x")
+    assert events[0] == ToolMessageEnd("get_time.get_time", True)
+    assert events[-1] == ContentDelta("x")
+
+
+def test_finish_validates_the_end_reason():
+    """output-grammar section 0: the end of generation is eos, length, stop or cancel."""
+    with pytest.raises(ValueError):
+        ChannelParser(tools_active=False).finish("timeout")
+
+
+def test_match_header_kinds():
+    """output-grammar section 1: header grammar, partial prefixes at the buffer end."""
+    assert match_header(" to=x<|message|>", 1) == ("full", "x", 16)
+    assert match_header("<|start|>assistant<|message|>", 0)[:2] == ("full", None)
+    assert match_header("<|start|>assistant to=us", 0)[0] == "partial"
+    assert match_header("tomorrow", 0)[0] == "none"
+
+
+def test_atem_block_scanner_statuses():
+    """output-grammar section 3: the block framing ends at its closing tag or deviates."""
+    body = CALL[len("<atem:function_calls>") :]
+    assert AtemBlockScanner().advance(body + "tail", 0) == (len(body), "done")
+    assert AtemBlockScanner().advance("\n<atem:invoke name=\"\">", 0)[1] == "malformed"
+    assert AtemBlockScanner().advance("\n<atem:inv", 0)[1] == "more"
+    assert AtemBlockScanner().advance("</atem:function_calls>", 0) == (0, "malformed")  # no invoke
+
+
+# -- streaming equals buffered ---------------------------------------------------
+
+CORPUS = [
+    " to=self<|message|>Think <|start|>more<|message|>.<|eom|><|start|>assistant to=user<|message|>ok<|eot|>",
+    " to=user<|message|>Example:\n```\n<|start|>assistant to=self<|message|>x<|eom|>\n```\nDone<|eot|>",
+    " to=self<|message|>plan<|eom|>oops<|start|>assistant to=user<|message|>Hi<|eot|>",
+    " to=user<|message|>Done.<|eom|> to=us",
+    " to=user<|message|>Answer<|start|>assist",
+    f" to=self<|message|>t<|eom|>\n to=get_time.get_time<|message|>\n{CALL}<|eom|> x<|eot|>",
+    f" to=user<|message|>Let me check.\n{CALL}\nafter<|eot|>\n",
+    ' to=fs.write<|message|><atem:function_calls>\n<atem:invoke name="fs.write">\n<atem:parameter '
+    'name="c">a<|eom|></atem:parameter</atem:parameter>\n</atem:invoke>\n</atem:function_calls><|eot|>',
+    " to=user<|message|>``` a`b\nx<|eom|><|start|>assistant<|message|>~~~\n<|eom|>\n~~~<|eot|>",
+    " to=user<|message|>Let me check.\n<atem:func",
+    "Just <| text <atem:function_calls> <|end_of_text|>",
+]
+
+
+def _stream(text, cuts, **kwargs):
+    parser = ChannelParser(tools_active=kwargs["tools"], hide_reasoning=kwargs["hide"])
+    events, last = [], 0
+    for cut in sorted(set(cuts)) + [len(text)]:
+        events += parser.feed(text[last:cut])
+        last = cut
+    events += parser.finish(kwargs["end"])
+    for event in events:  # no delta ever carries a structural token
+        if isinstance(event, (ReasoningDelta, ContentDelta)):
+            assert event.text
+    return collect(events)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    data=st.data(),
+    index=st.integers(0, len(CORPUS) - 1),
+    tools=st.booleans(),
+    hide=st.booleans(),
+    end=st.sampled_from(["eos", "length", "stop", "cancel"]),
+    truncate=st.booleans(),
+)
+def test_7_streaming_equals_buffered_for_every_chunking(data, index, tools, hide, end, truncate):
+    """output-grammar section 7 / section 2: for every chunking (including splits inside
+    control tokens, headers and ATEM tags) streamed events assemble to the buffered result.
+    Splits inside multi-byte UTF-8 characters never reach the parser: the detokenizer
+    emits only complete characters."""
+    text = CORPUS[index]
+    if truncate:
+        text = text[: data.draw(st.integers(0, len(text)))]
+    cuts = data.draw(st.lists(st.integers(0, len(text)), max_size=12))
+    kwargs = dict(tools=tools, hide=hide, end=end)
+    assert _stream(text, cuts, **kwargs) == parsed(text, **kwargs)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    text=st.lists(
+        st.sampled_from(
+            ["<|start|>", "assistant", " to=", "self", "user", "ns.fn", "<|message|>", "<|eom|>", "<|eot|>",
+             "<|", "\n", "```", "~~~", " ", "x", "<atem:function_calls>", '<atem:invoke name="a">',
+             '<atem:parameter name="p">', "</atem:parameter>", "</atem:invoke>", "</atem:function_calls>"]
+        ),
+        max_size=25,
+    ).map("".join),
+    data=st.data(),
+    tools=st.booleans(),
+)
+def test_7_streaming_equals_buffered_on_generated_outputs(text, data, tools):
+    """output-grammar section 7: per-character streaming equals buffered parsing on arbitrary
+    mixtures of control tokens, fences and ATEM tags."""
+    cuts = data.draw(st.lists(st.integers(0, len(text)), max_size=30))
+    kwargs = dict(tools=tools, hide=False, end="length")
+    assert _stream(text, cuts, **kwargs) == parsed(text, **kwargs)
+    assert _stream(text, range(len(text)), **kwargs) == parsed(text, **kwargs)
