@@ -223,73 +223,19 @@ def _merge_pairs(raw: Iterable[Any]) -> list[tuple[str, str]]:
 
 
 # -- GGUF metadata ------------------------------------------------------------------------------
-_GGUF_SCALARS = {  # GGUFValueType → struct format (little-endian)
-    0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d",
-}
-_GGUF_STRING, _GGUF_ARRAY = 8, 9
 
 
 def read_gguf_metadata(path: str | Path, prefixes: Sequence[str] = ("tokenizer.",)) -> dict[str, Any]:
-    """The GGUF metadata values whose keys start with one of ``prefixes``.
+    """The GGUF metadata values whose keys start with one of ``prefixes``
+    (decoded with the fast parser of :mod:`musegl_core.checkpoint.gguf_file`)."""
+    from musegl_core.checkpoint.gguf_file import GGUFFile, GGUFFormatError
 
-    A direct reader of the key/value section (GGUF v2/v3, little-endian): it
-    decodes only the wanted keys and steps over the rest, which makes reading the
-    202048-entry token list a fraction of a second instead of the many seconds
-    ``gguf.GGUFReader`` spends building a part per element. Numeric arrays come
-    back as lists, strings as ``str``.
-    """
-    import mmap
-    import struct
-
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-        if buf[:4] != b"GGUF":
-            raise TokenizerError(f"{path} is not a GGUF file")
-        version, _tensors, count = struct.unpack_from("<IQQ", buf, 4)
-        if version not in (2, 3):
-            raise TokenizerError(f"{path}: unsupported GGUF version {version} (big-endian or too old)")
-        offset = 24
-
-        def read_string(at: int) -> tuple[str, int]:
-            (length,) = struct.unpack_from("<Q", buf, at)
-            start = at + 8
-            return buf[start : start + length].decode("utf-8"), start + length
-
-        def skip_or_read(kind: int, at: int, want: bool) -> tuple[Any, int]:
-            if kind == _GGUF_STRING:
-                if not want:
-                    (length,) = struct.unpack_from("<Q", buf, at)
-                    return None, at + 8 + length
-                return read_string(at)
-            if kind == _GGUF_ARRAY:
-                item_kind, n = struct.unpack_from("<IQ", buf, at)
-                at += 12
-                if item_kind in _GGUF_SCALARS:
-                    fmt = _GGUF_SCALARS[item_kind]
-                    size = struct.calcsize(fmt)
-                    values = None
-                    if want:
-                        values = np.frombuffer(buf, dtype=np.dtype(fmt), count=n, offset=at).tolist()
-                    return values, at + n * size
-                items = [] if want else None
-                for _ in range(n):
-                    item, at = skip_or_read(item_kind, at, want)
-                    if want:
-                        items.append(item)
-                return items, at
-            fmt = _GGUF_SCALARS.get(kind)
-            if fmt is None:
-                raise TokenizerError(f"{path}: unknown GGUF value type {kind}")
-            (value,) = struct.unpack_from(fmt, buf, at)
-            return value, at + struct.calcsize(fmt)
-
-        found: dict[str, Any] = {}
-        for _ in range(count):
-            key, offset = read_string(offset)
-            (kind,) = struct.unpack_from("<I", buf, offset)
-            value, offset = skip_or_read(kind, offset + 4, key.startswith(tuple(prefixes)))
-            if value is not None:
-                found[key] = value
-    return found
+    try:
+        gguf_file = GGUFFile(path, wanted=prefixes, tensors=False)
+    except GGUFFormatError as exc:
+        raise TokenizerError(str(exc)) from None
+    gguf_file.close()
+    return {k: v for k, v in gguf_file.fields.items() if k.startswith(tuple(prefixes))}
 
 
 def _tokenizer_data(value: Callable[[str, Any], Any]) -> GGUFTokenizerData | None:

@@ -86,7 +86,6 @@ def test_weights_are_seeded_per_name() -> None:
     assert abs(float(centered.mean())) < 0.1 and float(np.abs(centered).max()) < 0.5
 
 
-@pytest.mark.slow  # gguf.GGUFReader spends ~20 s parsing the 202048-entry token list
 def test_checkpoint_reads_back(small_checkpoint: Path) -> None:
     from musegl_core.checkpoint.loader import load_checkpoint
 

@@ -18,6 +18,7 @@ import gguf
 import numpy as np
 
 from musegl_core.checkpoint.config import TextConfig
+from musegl_core.checkpoint.gguf_file import GGUFFile
 from musegl_core.checkpoint.hf_reader import CENTERED_NORMS, expected_shape, text_weight_names
 from musegl_core.checkpoint.tokenizer_data import GGUFTokenizerData
 
@@ -95,22 +96,19 @@ def dequantize_rows(tensor: Any, rows: slice | None = None) -> np.ndarray:
     return np.array(values, dtype=np.float32, copy=True).reshape(shape)
 
 
-def _field(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
-    field = reader.fields.get(key)
-    if field is None:
-        return default
-    value = field.contents()
-    return value
+def _field(reader: GGUFFile, key: str, default: Any = None) -> Any:
+    value = reader.fields.get(key)
+    return default if value is None else value
 
 
-def _require(reader: gguf.GGUFReader, key: str, path: Path) -> Any:
+def _require(reader: GGUFFile, key: str, path: Path) -> Any:
     value = _field(reader, key)
     if value is None:
         raise ValueError(f"{path}: GGUF lacks required metadata key {key!r}")
     return value
 
 
-def read_tokenizer(reader: gguf.GGUFReader, path: Path) -> GGUFTokenizerData | None:
+def read_tokenizer(reader: GGUFFile, path: Path) -> GGUFTokenizerData | None:
     """The ``tokenizer.ggml.*`` metadata, or None if the file has no token list."""
     tokens = _field(reader, "tokenizer.ggml.tokens")
     if tokens is None:
@@ -161,13 +159,13 @@ class GGUFTextReader:
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
-        reader = gguf.GGUFReader(self.path)
+        reader = GGUFFile(self.path)
         self._reader = reader
         arch = _field(reader, "general.architecture")
         if arch != ARCH:
             raise ValueError(f"{self.path}: GGUF architecture is {arch!r}; musegl reads "
                              f"{ARCH!r} text models (general.type={_field(reader, 'general.type')!r})")
-        self._tensors = {t.name: t for t in reader.tensors}
+        self._tensors = reader.tensors
         self.tokenizer = read_tokenizer(reader, self.path)
         self.name = _field(reader, "general.name") or self.path.stem
         self.file_type = file_type_name(int(_field(reader, "general.file_type", 0)))
