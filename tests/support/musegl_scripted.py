@@ -1,0 +1,93 @@
+"""A test-only executor plugin that replays scripted model output.
+
+It implements the real executor contract and runs behind the real engine,
+worker and tokenizer; only the "model" is a script. Registered through a
+``musegl`` entry point that :func:`tests.support.server.scripted_plugin_env`
+installs for the duration of a test module, never in the product.
+
+The script is a JSON file named by ``MUSEGL_SCRIPT``: a list of
+``{"when": "<substring of the decoded prompt>", "reply": "<raw output>"}``.
+The first entry whose ``when`` occurs in the prompt's text (special tokens
+written out) is replayed: ``reply`` is tokenized with special tokens parsed
+and emitted one token per decode step, followed by EOS (unless the entry sets
+``"eos": false``, in which case the last token repeats until max_tokens).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from musegl_core.engine.executor import ExecutorLimits, ModelInfo, StepOutput
+from musegl_core.plugins import hookimpl
+from musegl_core.plugins.specs import ExecutorSpec
+
+
+class ScriptedExecutor:
+    block_size = 16
+    limits = ExecutorLimits()
+
+    def __init__(self, model: str, script_path: str):
+        from musegl_core.tokenizer import MuseTokenizer
+
+        self.tokenizer = MuseTokenizer.load(model)
+        with open(script_path, encoding="utf-8") as f:
+            self.script = json.load(f)
+        self.info = ModelInfo(
+            name="scripted", vocab_size=self.tokenizer.vocab_size, hidden_size=8, num_layers=1,
+            native_context=1 << 20, dtype="none", backend="scripted",
+        )
+        self._prompts: dict[int, dict[int, int]] = {}
+        self._replies: dict[int, list[int]] = {}
+        self.num_blocks = 0
+
+    def kv_bytes_per_block(self) -> int:
+        return 0
+
+    def allocate_kv(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+
+    def _reply_for(self, seq: int) -> list[int]:
+        tokens = self._prompts.pop(seq, {})
+        text = self.tokenizer.decode([tokens[p] for p in sorted(tokens)])
+        for entry in self.script:
+            if entry["when"] in text:
+                ids = self.tokenizer.encode(entry["reply"], special=True)
+                if entry.get("eos", True):
+                    ids.append(self.tokenizer.eos_id)
+                return ids
+        raise RuntimeError(f"no scripted reply matches the prompt (…{text[-80:]!r})")
+
+    def step(self, step):
+        out = StepOutput()
+        for chunk in step.chunks:
+            if any(b >= self.num_blocks for b in chunk.blocks):
+                raise ValueError("block id outside the pool")
+            if chunk.seq not in self._replies:
+                self._prompts.setdefault(chunk.seq, {}).update(zip(chunk.positions, chunk.tokens))
+            if not chunk.sample:
+                continue
+            if chunk.seq not in self._replies:
+                self._replies[chunk.seq] = self._reply_for(chunk.seq)
+            reply = self._replies[chunk.seq]
+            out.tokens[chunk.seq] = reply.pop(0) if len(reply) > 1 else reply[0]
+        return out
+
+    def copy_blocks(self, pairs) -> None:
+        pass
+
+    def release_sequence(self, seq: int) -> None:
+        self._prompts.pop(seq, None)
+        self._replies.pop(seq, None)
+
+    def close(self) -> None:
+        pass
+
+
+def _create(options):
+    return ScriptedExecutor(options.model, os.environ["MUSEGL_SCRIPT"])
+
+
+@hookimpl
+def musegl_executors():
+    return [ExecutorSpec("scripted", "replays scripted output (tests only)", _create, lambda: True, -100)]
