@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from musegl_core.chat.channels import (
@@ -425,3 +425,72 @@ def test_7_streaming_equals_buffered_on_generated_outputs(text, data, tools):
     kwargs = dict(tools=tools, hide=False, end="length")
     assert _stream(text, cuts, **kwargs) == parsed(text, **kwargs)
     assert _stream(text, range(len(text)), **kwargs) == parsed(text, **kwargs)
+
+
+# -- token ids → detokenizer → parser (output-grammar section 7, issue 4.2) -----------------
+
+_TOKEN_PIECES = [
+    "<|start|>", "assistant", " to=", "self", "user", "ns.fn", "<|message|>", "<|eom|>", "<|eot|>",
+    "<|", "\n", "```", " ", "x", "é", "日本", "😀", "👩‍👧", "<atem:function_calls>",
+    '<atem:invoke name="a">', '<atem:parameter name="p">', "</atem:parameter>", "</atem:invoke>",
+    "</atem:function_calls>",
+]
+_CONTROL_PIECES = {"<|start|>", "<|message|>", "<|eom|>", "<|eot|>"}
+
+
+@pytest.fixture(scope="module")
+def tiny_tokenizer():
+    from musegl_core.tiny import build_tiny_tokenizer
+
+    return build_tiny_tokenizer()
+
+
+def _piece_ids(tokenizer, piece: str, how: int) -> list[int]:
+    """``how``: 0 = the tokenizer's own ids (a control token is one id), 1 = one
+    single-byte token per byte (every split inside multi-byte characters and,
+    for control strings, inside the token's spelling), 2 = plain BPE (control
+    strings written out as ordinary text)."""
+    from musegl_core.tokenizer import byte_level_alphabet
+
+    if how == 1:
+        alphabet = byte_level_alphabet()
+        return [tokenizer.token_id(alphabet[b]) for b in piece.encode()]
+    return tokenizer.encode(piece, special=how == 0 and piece in _CONTROL_PIECES)
+
+
+@settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    pieces=st.lists(st.tuples(st.sampled_from(_TOKEN_PIECES), st.integers(0, 2)), max_size=30),
+    data=st.data(),
+    tools=st.booleans(),
+    end=st.sampled_from(["eos", "length", "stop"]),
+)
+def test_7_token_stream_equals_buffered_for_every_split(tiny_tokenizer, pieces, data, tools, end):
+    """output-grammar section 7 (streamed = buffered) through the real pipeline: the
+    generated ids are grouped into worker events at random boundaries — inside
+    multi-byte UTF-8 characters and inside control-token spellings — decoded by the
+    incremental detokenizer and fed to the parser; the result equals buffered parsing
+    of the whole text, and the reasoning-token count does not depend on the grouping."""
+    from musegl_core.engine.detokenize import IncrementalDetokenizer
+    from musegl_core.http.completions import ReasoningTokenCounter
+
+    ids = [i for piece, how in pieces for i in _piece_ids(tiny_tokenizer, piece, how)]
+    cuts = sorted(set(data.draw(st.lists(st.integers(0, len(ids)), max_size=12)))) + [len(ids)]
+    parser = ChannelParser(tools_active=tools)
+    counter = ReasoningTokenCounter(tiny_tokenizer)
+    detokenizer = IncrementalDetokenizer(tiny_tokenizer)
+    events, last = [], 0
+    for cut in cuts:
+        events += parser.feed(detokenizer.push_many(ids[last:cut]))
+        counter.add(ids[last:cut])
+        last = cut
+    events += parser.feed(detokenizer.flush()) + parser.finish(end)
+    text = tiny_tokenizer.decode(ids)
+    assert collect(events) == parsed(text, tools=tools, end=end)
+
+    whole = ChannelParser(tools_active=tools)
+    whole.feed(text)
+    whole.finish(end)
+    assert whole.message_starts == parser.message_starts
+    reference = ReasoningTokenCounter(tiny_tokenizer)
+    assert counter.count(parser.message_starts, ids) == reference.count(whole.message_starts, ids)

@@ -16,6 +16,7 @@ from musegl_core.config import ServeConfig
 from musegl_core.http import schemas as s
 from musegl_core.http import sse
 from musegl_core.http.app import create_app
+from musegl_core.engine.detokenize import IncrementalDetokenizer
 from musegl_core.http.completions import ReasoningTokenCounter
 from musegl_core.http.dialect import Dialect, ServedModel
 from musegl_core.plugins.manager import PluginManager
@@ -331,11 +332,28 @@ def test_keepalive_is_sent_while_idle():
     assert len(keepalives) >= 2 and set(keepalives) == {b": ka\n\n"}
 
 
-def test_reasoning_token_attribution():
-    counter = ReasoningTokenCounter()
-    counter.add(5, 0, 0)  # a header: no text yet
-    counter.add(1, 6, 0)  # reasoning text: the header ids join it
-    counter.add(2, 0, 0)  # terminator + next header
-    counter.add(1, 0, 3)  # content: the waiting ids join content
-    counter.add(2, 4, 4)  # split evenly
-    assert counter.reasoning == 6 + 1
+def test_7_reasoning_tokens_are_exact_ids_of_self_messages():
+    """spec 7 / docs/protocol.md: the ids of a ``to=self`` message (header, body,
+    terminator) count, whatever the Tokens events' grouping; multi-byte
+    characters split over ids and content ids do not count."""
+    from musegl_core.chat.channels import ChannelParser
+    from musegl_core.tiny import default_model_path
+    from musegl_core.tokenizer import MuseTokenizer
+
+    tokenizer = MuseTokenizer.load(default_model_path())
+    reasoning = " to=self<|message|>Add them, é😀.<|eom|>"
+    content = "<|start|>assistant to=user<|message|>4 😀"
+    ids = tokenizer.encode(reasoning, special=True)
+    expected = len(ids)
+    ids += tokenizer.encode(content, special=True) + [tokenizer.eos_id]
+    for group in (1, 2, 3, 7, len(ids)):
+        parser = ChannelParser(tools_active=False)
+        counter = ReasoningTokenCounter(tokenizer)
+        detokenizer = IncrementalDetokenizer(tokenizer)
+        for i in range(0, len(ids) - 1, group):  # the EOS id comes only in Done
+            chunk = ids[i : min(i + group, len(ids) - 1)]
+            parser.feed(detokenizer.push_many(chunk))
+            counter.add(chunk)
+        parser.finish("eos")
+        assert counter.count(parser.message_starts, ids) == expected
+        assert counter.count(parser.message_starts, ids) == expected  # idempotent

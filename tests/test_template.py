@@ -359,3 +359,31 @@ def test_trailing_assistant_and_empty_conversation_rejected():
         with pytest.raises(ApiError) as info:
             render(messages)
         assert info.value.status == 400
+
+
+def test_2_1_6_9_one_bos_string_and_one_bos_id():
+    """chat-format 2.1: the prompt text starts with the BOS string; 6.9: the
+    tokenized prompt starts with exactly one BOS id (200000)."""
+    from musegl_core.tiny import default_model_path
+    from musegl_core.tokenizer import MuseTokenizer
+
+    rendered = MuseTemplate().render([user()])
+    assert rendered.text.startswith("<|begin_of_text|><|start|>system")
+    assert rendered.text.count("<|begin_of_text|>") == 1
+    ids = MuseTokenizer.load(default_model_path()).encode_segments(rendered.segments)
+    assert ids[0] == 200000 and ids.count(200000) == 1
+
+
+def test_2_5_recipients_line_lists_namespaces_in_first_appearance_order():
+    """chat-format 2.5 (with 6.3 aliasing of the flat name)."""
+    out = text_of([user()], [tool("b.x"), tool("flat"), tool("a.y"), tool("b.z")])
+    assert '# Valid recipients: "self", "b.*", "flat.*", "a.*", "user".<|eot|>' in out
+    assert '# Valid recipients: "self", "user".<|eot|>' in text_of([user()])
+
+
+def test_2_12_roles_outside_the_api_are_rejected():
+    """chat-format 2.12 / 6.1: developer renders as system (never dropped); a role
+    the API does not define is a 400 naming it (api.md 2.1), not silently dropped."""
+    with pytest.raises(ApiError) as info:
+        parse_messages([{"role": "narrator", "content": "x"}, {"role": "user", "content": "Hi"}])
+    assert info.value.status == 400 and info.value.param.startswith("messages[0]")

@@ -37,6 +37,7 @@ splits inside a multi-byte character never reach it.
 
 from __future__ import annotations
 
+import bisect
 import re
 from typing import Literal, Union
 
@@ -316,7 +317,17 @@ class ChannelParser:
         self._block: AtemBlockScanner | None = None
         self._used = {_REASONING: False, _VISIBLE: False}
         self._events: list[ChannelEvent] = []
+        self._header_start = 0  # where the current header position began
         self.end: EndReason | None = None
+        self.message_starts: list[tuple[int, str]] = []
+        """Where each message begins, as ``(offset, channel)`` in characters of
+        the text fed so far; ``channel`` is ``reasoning``, ``visible`` or
+        ``tool``. A message begins where its header position begins (right
+        after the previous structural terminator, or at 0), so every character
+        of the output belongs to exactly one message: leading whitespace and
+        the header to the message they open, a terminator to the message it
+        ends, unexpected text after a terminator to the message it continues
+        (2.1.4). Used to attribute generated token ids (see :func:`channel_at`)."""
 
     # -- public API ---------------------------------------------------------------
     def feed(self, text: str) -> list[ChannelEvent]:
@@ -432,6 +443,7 @@ class ChannelParser:
             recipient = recipient or "user"
             kind_of = self._kind_of(recipient)
             self._msg = _MessageState(recipient, kind_of)
+            self.message_starts.append((self._header_start, kind_of))
             self._mode = "tool" if kind_of == _TOOL else "body"
             self._pos = end
             return True
@@ -442,6 +454,7 @@ class ChannelParser:
         # implicit visible message, or continues the previous one.
         if self._msg is None:
             self._msg = _MessageState("user", _VISIBLE)
+            self.message_starts.append((0, _VISIBLE))
             self._mode = "body"
         else:
             self._mode = "tool" if self._msg.kind == _TOOL else "body"
@@ -459,6 +472,7 @@ class ChannelParser:
                 msg.line_dead = True
         self._mode = "header"
         self._pos = end
+        self._header_start = end
 
     def _atem_enabled(self) -> bool:
         return self._msg.kind == _VISIBLE
@@ -573,6 +587,14 @@ class ChannelParser:
         self._emit(ToolDelta(self._msg.recipient, buf[pos:end]))
         self._pos = end
         return True
+
+
+def channel_at(message_starts: list[tuple[int, str]], offset: int) -> str | None:
+    """The channel (``reasoning``, ``visible``, ``tool``) of the message that
+    holds character ``offset``, given a parser's :attr:`ChannelParser.message_starts`;
+    ``None`` before the first message (nothing parsed yet)."""
+    index = bisect.bisect_right(message_starts, (offset, "\uffff")) - 1
+    return message_starts[index][1] if index >= 0 else None
 
 
 def collect(events: list[ChannelEvent]) -> ParsedOutput:

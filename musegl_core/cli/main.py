@@ -1,4 +1,4 @@
-"""``musegl``: serve, generate, make-tiny, plugins, worker.
+"""``musegl``: serve, generate, make-tiny, plugins, render, parse, worker.
 
 Each subcommand lives in its own module under :mod:`musegl_core.cli`; this
 module only dispatches. Usage errors and bad values exit with status 2 and a
@@ -26,6 +26,8 @@ COMMANDS = {
     "generate": "musegl_core.cli.generate",
     "make-tiny": "musegl_core.cli.make_tiny",
     "plugins": "musegl_core.cli.plugins",
+    "render": "musegl_core.cli.render",
+    "parse": "musegl_core.cli.parse",
     "worker": "musegl_core.worker.main",
 }
 

@@ -31,6 +31,8 @@ from musegl_core.http import schemas as s
 from musegl_core.http import sse
 from musegl_core.http.completions import ChatStream, ResponseMeta, complete, plan_chat
 from musegl_core.http.dialect import Dialect, ServedModel
+from musegl_core.http.front_tokenizer import FrontTokenizer
+from musegl_core.http.preflight import check_context
 from musegl_core.plugins.manager import PluginManager
 from musegl_core.worker.client import WorkerClient
 
@@ -58,6 +60,7 @@ class Front:
         self.dialect: Dialect = plugins.get("dialects", config.api_dialect).create()
         self.template = plugins.get("templates", config.template).create()
         self.tool_parser = plugins.get("tool_parsers", config.tool_parser) if config.tool_parser else None
+        self.tokenizer = FrontTokenizer()  # loaded at start-up (lifespan)
         self.created = int(time.time())
 
     @property
@@ -70,6 +73,7 @@ class Front:
             context_length=self.config.max_context,
             demo=self.config.demo or bool(info and info.demo),
             backend=info.backend if info else None,
+            tool_calling=self.tool_parser is not None,
         )
 
     def error_response(self, error: ApiError) -> Response:
@@ -114,7 +118,7 @@ def create_app(
     @post(["/v1/chat/completions", "/chat/completions"], guards=[require_key], status_code=200)
     async def chat_completions(request: Request) -> Response:
         """Chat generation as one JSON object or an SSE stream."""
-        payload = s.parse_body(await request.body())
+        payload = front.dialect.adapt_request(s.parse_body(await request.body()))
         chat = s.structure_request(payload)
         meta_model = front.served_model
         meta = ResponseMeta.new(meta_model.name, meta_model.backend or "unknown")
@@ -128,13 +132,21 @@ def create_app(
         )
         if not worker.ready:
             raise unavailable("the model is loading or restarting", code="model_loading")
+        await check_context(plan, front.tokenizer.tokenizer, config.max_context)
         if not plan.stream:
             result = await _unless_disconnected(
-                request, complete(worker, plan, meta, front.dialect, front.tool_parser)
+                request,
+                complete(worker, plan, meta, front.dialect, front.tool_parser, front.tokenizer.tokenizer),
             )
             return Response(s.to_json(result), media_type="application/json")
         stream = ChatStream(
-            worker, plan, meta, front.dialect, front.tool_parser, config.streaming_preflight_timeout
+            worker,
+            plan,
+            meta,
+            front.dialect,
+            front.tool_parser,
+            config.streaming_preflight_timeout,
+            tokenizer=front.tokenizer.tokenizer,
         )
         await _unless_disconnected(request, stream.open())
         return Stream(stream.events(), media_type=sse.MEDIA_TYPE, headers=sse.HEADERS)
@@ -159,6 +171,7 @@ def create_app(
 
     @contextlib.asynccontextmanager
     async def worker_lifespan(_: Litestar) -> AsyncIterator[None]:
+        await front.tokenizer.load(config)
         if manage_worker:
             await worker.start()
         try:

@@ -22,7 +22,7 @@ import json
 import re
 import time
 import uuid
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Sequence
 
 import attrs
 
@@ -31,6 +31,7 @@ from musegl_core.chat import channels
 from musegl_core.chat.messages import ToolDef, parse_messages, parse_tools
 from musegl_core.chat.template import TemplateVariables
 from musegl_core.config import ServeConfig
+from musegl_core.engine.detokenize import IncrementalDetokenizer
 from musegl_core.engine.executor import SamplingParams
 from musegl_core.errors import ApiError, bad_request, unavailable
 from musegl_core.http import schemas as s
@@ -62,6 +63,10 @@ class ChatPlan:
     tools_active: bool = False
     tools: tuple[ToolDef, ...] = ()
     tool_aliases: dict[str, str] = attrs.field(factory=dict)
+    #: What the tool parser's ``prepare`` returned in preflight (compiled
+    #: schemas), handed to its ``create`` so that nothing is compiled twice.
+    prepared_tools: Any = None
+    image_count: int = 0  # image parts in the prompt (they skip the front's context preflight)
 
 
 def plan_chat(
@@ -87,6 +92,7 @@ def plan_chat(
     strength, hide_reasoning = reasoning_controls(request)
     variables = template_variables(request.chat_template_kwargs, strength)
     tools_active, tools = active_tools(request, tool_parser)
+    prepared_tools = prepare_tools(tool_parser, tools) if tools_active else None
     messages = parse_messages(request.messages)
     rendered = template.render(messages, tools, tools_active=tools_active, variables=variables)
     stream = bool(request.stream)
@@ -110,6 +116,8 @@ def plan_chat(
         tools_active=tools_active,
         tools=tuple(tools),
         tool_aliases=dict(rendered.tool_aliases),
+        prepared_tools=prepared_tools,
+        image_count=rendered.image_count,
     )
 
 
@@ -246,10 +254,13 @@ def active_tools(request: s.ChatCompletionRequest, tool_parser: Any) -> tuple[bo
         return False, list(parse_tools(request.tools))
     if tool_parser is None:
         raise unsupported("tools", "tool calling is not enabled on this server (start it with --tool-parser)")
-    tools = list(parse_tools(request.tools))
-    if tool_parser.prepare is not None:
-        tool_parser.prepare(tools)
-    return True, tools
+    return True, list(parse_tools(request.tools))
+
+
+def prepare_tools(tool_parser: Any, tools: list[ToolDef]) -> Any:
+    """Run the tool parser's preflight (schema checks, TV-01) on the active
+    tools; it raises :class:`ApiError` (400) and returns what ``create`` reuses."""
+    return tool_parser.prepare(tools) if tool_parser.prepare is not None else None
 
 
 # -- responses ---------------------------------------------------------------------------
@@ -276,28 +287,45 @@ class ResponseMeta:
 
 
 class ReasoningTokenCounter:
-    """Counts generated ids that belong to reasoning messages (spec 7).
+    """Counts the generated ids that belong to reasoning messages (spec 7).
 
-    Each worker ``Tokens`` event carries the ids it completed and their text;
-    the text goes through the channel parser, and the ids are attributed to
-    the channel the parser routed that text to. Ids whose text produced no
-    delta (a header, a terminator, text held back) wait and join the channel
-    of the next delta; ids of one event split over reasoning and content are
-    shared in proportion to the characters of each.
+    Which ids count: every id of a ``to=self`` message, from the start of its
+    header position (the whitespace and header that open it) through its
+    structural terminator, including text that continues it after a
+    terminator (output-grammar.md 2.1.4) and, when generation ends inside it,
+    the end-of-generation id. Ids of visible and tool messages do not count;
+    neither do ids of an incomplete header at the end of the output (they
+    stay with the message before them).
+
+    How: the ids are decoded here, one by one, with the same incremental
+    detokenizer the worker uses, so the character offset at which each id
+    begins is known exactly (an id that starts a multi-byte character gets
+    the offset of that character). The worker's text up to those offsets is
+    the same text (it only delays text that may begin a stop, and when a stop
+    trims the output it reports no ids), so the channel parser's
+    :attr:`~musegl_core.chat.channels.ChannelParser.message_starts` tell each
+    id's message. The count is final once the parser has finished.
     """
 
-    def __init__(self) -> None:
-        self.reasoning = 0
-        self._waiting = 0
+    def __init__(self, tokenizer: Any) -> None:
+        self._detokenizer = IncrementalDetokenizer(tokenizer)
+        self._chars = 0
+        self._offsets: list[int] = []
 
-    def add(self, ids: int, reasoning_chars: int, other_chars: int) -> None:
-        ids += self._waiting
-        self._waiting = 0
-        total = reasoning_chars + other_chars
-        if total == 0:
-            self._waiting = ids
-            return
-        self.reasoning += round(ids * reasoning_chars / total)
+    def add(self, ids: Sequence[int]) -> None:
+        """Record the ids of one ``Tokens`` event, in generation order."""
+        for token_id in ids:
+            self._offsets.append(self._chars)
+            self._chars += len(self._detokenizer.push(token_id))
+
+    def count(self, message_starts: list[tuple[int, str]], generated_ids: Sequence[int]) -> int:
+        """The reasoning ids among ``generated_ids`` (``Done.generated_ids``),
+        which may add ids that no ``Tokens`` event carried (the final ids)."""
+        self.add(generated_ids[len(self._offsets) :])
+        return sum(
+            channels.channel_at(message_starts, offset) == "reasoning"
+            for offset in self._offsets[: len(generated_ids)]
+        )
 
 
 @attrs.define
@@ -317,15 +345,15 @@ class ResponseAssembler:
     counted), it is only not returned.
     """
 
-    def __init__(self, plan: ChatPlan, tool_parser: Any = None):
+    def __init__(self, plan: ChatPlan, tool_parser: Any = None, tokenizer: Any = None):
         self.plan = plan
         self.parser = channels.ChannelParser(tools_active=plan.tools_active, hide_reasoning=False)
         self.tools = (
-            tool_parser.create(list(plan.tools), {"aliases": plan.tool_aliases})
+            tool_parser.create(list(plan.tools), {"aliases": plan.tool_aliases, "prepared": plan.prepared_tools})
             if plan.tools_active and tool_parser is not None
             else None
         )
-        self.counter = ReasoningTokenCounter()
+        self.counter = ReasoningTokenCounter(tokenizer) if tokenizer is not None else None
         self.reasoning: list[str] = []
         self.content: list[str] = []
         self.tool_calls: list[s.ToolCall] = []
@@ -333,15 +361,15 @@ class ResponseAssembler:
     def feed(self, event: m.Tokens) -> Output:
         """Parse the text of one ``Tokens`` event; returns the visible deltas."""
         out = self._route(self.parser.feed(event.text))
-        self.counter.add(len(event.ids), len(out.reasoning), len(out.content))
+        if self.counter is not None:
+            self.counter.add(event.ids)
         return self._visible(out)
 
     def finish(self, done: m.Done) -> tuple[Output, str]:
         """Flush the parsers at the end of generation; returns the last deltas
         and the finish reason. A failed tool-call set raises :class:`ApiError`."""
         end = _end_of_generation(done)
-        out = self._route(self.parser.finish(end))
-        self.counter.add(0, len(out.reasoning), len(out.content))
+        out = self._route(self.parser.finish(end), at_end=True)
         reason = "length" if done.finish_reason == "length" else "stop"
         if self.tools is not None:
             calls = self.tools.finish(end) or []
@@ -351,10 +379,14 @@ class ResponseAssembler:
         return self._visible(out), reason
 
     def usage(self, done: m.Done) -> s.Usage:
-        """The usage object of spec 7; reasoning tokens only from exact ids."""
+        """The usage object of spec 7. ``reasoning_tokens`` only from the exact
+        generated ids: omitted when the worker did not report them (a
+        stop-trimmed turn), with ``ignore_eos``, and when the front has no
+        tokenizer to read them with."""
         details = None
-        if done.generated_ids is not None and not self.plan.ignore_eos:
-            details = s.CompletionTokensDetails(reasoning_tokens=min(self.counter.reasoning, done.completion_tokens))
+        if done.generated_ids is not None and not self.plan.ignore_eos and self.counter is not None:
+            reasoning = self.counter.count(self.parser.message_starts, done.generated_ids)
+            details = s.CompletionTokensDetails(reasoning_tokens=reasoning)
         return s.Usage(
             prompt_tokens=done.prompt_tokens,
             completion_tokens=done.completion_tokens,
@@ -363,15 +395,17 @@ class ResponseAssembler:
             completion_tokens_details=details,
         )
 
-    def _route(self, events: list[Any]) -> Output:
+    def _route(self, events: list[Any], at_end: bool = False) -> Output:
+        """Split channel events into text and tool events; tool events go to
+        the tool parser (``at_end``: they were settled by the end of output)."""
         out = Output()
         for event in events:
             if isinstance(event, channels.ReasoningDelta):
                 out.reasoning += event.text
             elif isinstance(event, channels.ContentDelta):
                 out.content += event.text
-            elif isinstance(event, channels.ToolDelta) and self.tools is not None:
-                self.tools.feed(event.recipient, event.text)
+            elif isinstance(event, (channels.ToolDelta, channels.ToolMessageEnd)) and self.tools is not None:
+                self.tools.feed(event, at_end=at_end)
         self.reasoning.append(out.reasoning)
         self.content.append(out.content)
         return out
@@ -409,10 +443,16 @@ def _tool_call(call: Any, index: int) -> s.ToolCall:
 
 
 async def complete(
-    worker: WorkerClient, plan: ChatPlan, meta: ResponseMeta, dialect: Dialect, tool_parser: Any = None
+    worker: WorkerClient,
+    plan: ChatPlan,
+    meta: ResponseMeta,
+    dialect: Dialect,
+    tool_parser: Any = None,
+    tokenizer: Any = None,
 ) -> s.ChatCompletion:
-    """Run ``plan`` to the end and build the non-streaming response (spec 3)."""
-    assembler = ResponseAssembler(plan, tool_parser)
+    """Run ``plan`` to the end and build the non-streaming response (spec 3).
+    ``tokenizer`` (the front's, optional) enables the reasoning-token count."""
+    assembler = ResponseAssembler(plan, tool_parser, tokenizer)
     async with worker.generate(plan.generate) as events:
         async for event in events:
             if isinstance(event, m.Tokens):
@@ -449,12 +489,13 @@ class ChatStream:
         dialect: Dialect,
         tool_parser: Any = None,
         preflight_timeout: float | None = None,
+        tokenizer: Any = None,
     ):
         self.worker = worker
         self.plan = plan
         self.meta = meta
         self.dialect = dialect
-        self.assembler = ResponseAssembler(plan, tool_parser)
+        self.assembler = ResponseAssembler(plan, tool_parser, tokenizer)
         self.preflight_timeout = preflight_timeout
         self._context: contextlib.AbstractAsyncContextManager | None = None
         self._events: AsyncIterator[m.Event] | None = None

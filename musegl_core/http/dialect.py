@@ -4,6 +4,8 @@
 section 9 lists as a dialect difference goes through one of its methods, so
 the ``openrouter`` plugin subclasses it and overrides only those:
 
+* :meth:`adapt_request`: request fields only this dialect accepts (5.3's
+  ``usage: {"include": true}``), rewritten into core fields;
 * :meth:`error_body`: the JSON body of an error response (6.1);
 * :meth:`stream_error`: the SSE events for an error after headers (4.3);
 * :meth:`stream_tail`: where stream usage goes (5.2 / 5.3);
@@ -35,6 +37,7 @@ class ServedModel:
     context_length: int
     demo: bool = False
     backend: str | None = None
+    tool_calling: bool = False  # a --tool-parser is configured
 
 
 class Dialect:
@@ -42,6 +45,18 @@ class Dialect:
 
     name = "openai"
     keepalive: bytes = sse.comment("keepalive")
+
+    # -- requests ----------------------------------------------------------------------
+    def adapt_request(self, payload: dict[str, Any]) -> dict[str, Any]:
+        """Rewrite this dialect's request extensions into core fields.
+
+        Called with the raw JSON body before the core type-checks it, so an
+        extension is accepted only by the dialect that owns it and the core
+        sees one vocabulary. Return the (possibly new) body, or raise
+        :class:`~musegl_core.errors.ApiError` (400) for a malformed extension.
+        The openai dialect has none: unknown keys are ignored (spec 10).
+        """
+        return payload
 
     # -- errors ------------------------------------------------------------------------
     def error_body(self, error: ApiError) -> dict[str, Any]:
@@ -85,9 +100,12 @@ class Dialect:
         return {"reasoning_content": text}
 
     # -- models ------------------------------------------------------------------------
-    def model_entry(self, model: ServedModel) -> s.ModelEntry:
+    def model_entry(self, model: ServedModel) -> Any:
         """The single ``/v1/models`` entry: the runtime context budget under both
-        ``context_length`` and ``max_model_len``; the demo model says what it is."""
+        ``context_length`` and ``max_model_len``; the demo model says what it is.
+
+        Any attrs object :func:`~musegl_core.http.schemas.to_json` can write may
+        be returned; a dialect with a richer model shape returns its own class."""
         return s.ModelEntry(
             id=model.name,
             created=model.created,

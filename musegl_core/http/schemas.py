@@ -254,7 +254,10 @@ class ModelEntry:
 
 @attrs.frozen
 class ModelList:
-    data: list[ModelEntry]
+    """``/v1/models``. Entries are written by their own class, so a dialect may
+    return a richer entry than :class:`ModelEntry` (the OpenRouter model shape)."""
+
+    data: list[Any]
     object: str = "list"
 
 

@@ -45,14 +45,35 @@ class SpeculatorSpec:
 
 @attrs.frozen
 class ToolParserSpec:
-    """A named tool-call parser.
+    """A named tool-call parser (``musegl serve --tool-parser NAME``).
 
-    ``create(tools, options)`` is called once per request with the declared,
-    active tools and returns a parser with two methods: ``feed(recipient,
-    text)`` for the body text of a tool-addressed message as it streams, and
-    ``finish(reason)`` returning the validated calls or raising
-    :class:`musegl_core.errors.ApiError`. ``prepare(tools)`` (optional) runs
-    before generation to validate schemas and may raise ``ApiError`` (400).
+    Both callables run in the front, per request, only while tools are
+    active (declared tools and ``tool_choice`` other than ``"none"``):
+
+    * ``prepare(tools)`` (optional) runs in preflight, before anything is
+      sent to the worker, with the active tools (``ToolDef`` objects). It
+      checks and compiles their schemas, raising
+      :class:`musegl_core.errors.ApiError` (400) to refuse the request, and
+      returns an opaque object that ``create`` receives back.
+    * ``create(tools, options)`` returns the parser of one response.
+      ``options["aliases"]`` maps prompt names to declared names;
+      ``options["prepared"]`` is what ``prepare`` returned (``None`` without
+      ``prepare``).
+
+    The parser has two methods:
+
+    * ``feed(event, at_end=False)`` receives, in output order, the channel
+      parser's :class:`~musegl_core.chat.channels.ToolDelta` (raw tool text)
+      and :class:`~musegl_core.chat.channels.ToolMessageEnd` (a tool message
+      or intent block ended) events. ``at_end`` is true for the events
+      ``ChannelParser.finish`` settled, so an intent block that ended
+      incomplete *before* the end of output (it broke off) can be told from
+      one that the end of output cut.
+    * ``finish(end)`` (``end``: ``eos``, ``length``, ``stop`` or ``cancel``)
+      returns the validated calls — objects with ``id``, ``name`` (the
+      declared name) and ``arguments`` (a dict or a JSON string) — or an
+      empty list when a cut-off call set is suppressed; it raises
+      ``ApiError`` (502 ``invalid_tool_output``) for an invalid call set.
     """
 
     name: str

@@ -10,13 +10,18 @@ The script is a JSON file named by ``MUSEGL_SCRIPT``: a list of
 The first entry whose ``when`` occurs in the prompt's text (special tokens
 written out) is replayed: ``reply`` is tokenized with special tokens parsed
 and emitted one token per decode step, followed by EOS (unless the entry sets
-``"eos": false``, in which case the last token repeats until max_tokens).
+``"eos": false``, in which case the last token repeats until max_tokens). Two more keys shape
+failures: ``"fail_after": N`` makes the step that would sample token N + 1
+raise (an executor failure after N generated tokens), and
+``"prefill_delay": S`` sleeps S seconds before the first token (a slow
+prefill, for the streaming preflight timeout).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import time
 
 from musegl_core.engine.executor import ExecutorLimits, ModelInfo, StepOutput
 from musegl_core.plugins import hookimpl
@@ -39,6 +44,8 @@ class ScriptedExecutor:
         )
         self._prompts: dict[int, dict[int, int]] = {}
         self._replies: dict[int, list[int]] = {}
+        self._entries: dict[int, dict] = {}
+        self._sampled: dict[int, int] = {}
         self.num_blocks = 0
 
     def kv_bytes_per_block(self) -> int:
@@ -52,6 +59,7 @@ class ScriptedExecutor:
         text = self.tokenizer.decode([tokens[p] for p in sorted(tokens)])
         for entry in self.script:
             if entry["when"] in text:
+                self._entries[seq] = entry
                 ids = self.tokenizer.encode(entry["reply"], special=True)
                 if entry.get("eos", True):
                     ids.append(self.tokenizer.eos_id)
@@ -69,6 +77,13 @@ class ScriptedExecutor:
                 continue
             if chunk.seq not in self._replies:
                 self._replies[chunk.seq] = self._reply_for(chunk.seq)
+            entry = self._entries.get(chunk.seq, {})
+            sampled = self._sampled.get(chunk.seq, 0)
+            if sampled == 0 and entry.get("prefill_delay"):
+                time.sleep(entry["prefill_delay"])
+            if entry.get("fail_after") is not None and sampled >= entry["fail_after"]:
+                raise RuntimeError("scripted executor failure")
+            self._sampled[chunk.seq] = sampled + 1
             reply = self._replies[chunk.seq]
             out.tokens[chunk.seq] = reply.pop(0) if len(reply) > 1 else reply[0]
         return out
@@ -79,6 +94,8 @@ class ScriptedExecutor:
     def release_sequence(self, seq: int) -> None:
         self._prompts.pop(seq, None)
         self._replies.pop(seq, None)
+        self._entries.pop(seq, None)
+        self._sampled.pop(seq, None)
 
     def close(self) -> None:
         pass

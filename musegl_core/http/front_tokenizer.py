@@ -1,0 +1,42 @@
+"""The served model's tokenizer, loaded once by the front.
+
+The front never runs the model, but a few response details need token ids
+read as text: ``usage.completion_tokens_details.reasoning_tokens`` attributes
+every generated id to the message it belongs to, which needs the bytes of
+each id (see :class:`musegl_core.http.completions.ReasoningTokenCounter`).
+
+:class:`FrontTokenizer` loads the tokenizer of ``--model`` (GGUF or Hugging
+Face directory) once, at application start-up, off the event loop. When no
+model path is configured (tests that run the front without a model) or the
+tokenizer cannot be read, it stays empty and the features that need it step
+aside (reasoning-token details are then omitted, as when the worker does not
+report the generated ids).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from musegl_core.config import ServeConfig
+from musegl_core.tokenizer import MuseTokenizer, TokenizerError
+
+log = logging.getLogger("musegl.http")
+
+
+class FrontTokenizer:
+    """Holds the served tokenizer once :meth:`load` has run (``None`` before)."""
+
+    def __init__(self) -> None:
+        self.tokenizer: MuseTokenizer | None = None
+
+    async def load(self, config: ServeConfig) -> MuseTokenizer | None:
+        """Load the tokenizer of ``config.model`` in a thread; failures are logged."""
+        if config.model is None:
+            return None
+        try:
+            self.tokenizer = await asyncio.to_thread(MuseTokenizer.load, config.model)
+        except (OSError, ValueError, TokenizerError) as exc:
+            log.warning("the front could not load the tokenizer of %s (%s); reasoning-token usage is omitted",
+                        config.model, exc)
+        return self.tokenizer

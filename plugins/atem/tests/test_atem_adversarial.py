@@ -1,0 +1,114 @@
+"""Adversarial model output finishes within its budgets (TV-21, TV-42, TV-43).
+
+Each test measures wall time; the worst cases are reported in the plugin's
+README. Limits are generous multiples of what a 2-core machine needs.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+from musegl_core.chat.messages import ToolDef
+
+from musegl_atem.budget import BudgetExhausted, OutputBudget, RegexBudget
+
+from atem_support import args, call, is_output_error, run
+
+
+def timed(fn):
+    started = time.perf_counter()
+    result = fn()
+    return result, time.perf_counter() - started
+
+
+def test_tv21_redos_pattern_hits_the_regex_budget():
+    t = ToolDef("t", parameters={"type": "object", "properties": {"v": {"type": "string", "pattern": "^(a|aa)+$"}}})
+    result, seconds = timed(lambda: args(t, [("v", "a" * 40 + "!")]))
+    assert is_output_error(result) and "ms budget" in result.message
+    assert seconds < 2.0
+
+
+def test_tv21_redos_pattern_property_name_is_prompt():
+    t = ToolDef("t", parameters={"type": "object", "patternProperties": {"^(a|a)*$": {"type": "string"}}})
+    _, seconds = timed(lambda: args(t, [("a" * 30 + "!", "x")]))
+    assert seconds < 2.0
+
+
+def test_tv21_budget_is_shared_by_all_calls_of_a_response():
+    budget = RegexBudget()
+    import regex
+
+    slow = regex.compile("^(a|aa)+$")
+    try:
+        for _ in range(100):
+            budget.search(slow, "a" * 26 + "!")
+    except BudgetExhausted:
+        pass
+    assert budget.used >= budget.seconds
+
+
+def test_tv42_unique_items_over_20000_distinct_objects():
+    t = ToolDef("t", parameters={"type": "object", "properties": {"v": {"type": "array", "uniqueItems": True}}})
+    body = json.dumps([{"id": i, "tags": [i, str(i)]} for i in range(20_000)])
+    result, seconds = timed(lambda: args(t, [("v", body)]))
+    assert seconds < 5.0
+    assert is_output_error(result) or len(result["v"]) == 20_000
+
+
+def test_tv43_huge_enum_is_bounded():
+    t = ToolDef("t", parameters={"type": "object", "properties": {"v": {"enum": list(range(300_000))}}})
+    result, seconds = timed(lambda: args(t, [("v", "299999")]))
+    assert result == {"v": 299999} and seconds < 5.0
+
+
+def test_tv43_deeply_nested_arguments_fail_cleanly():
+    t = ToolDef("t", parameters={"type": "object"})
+    for body in ("[" * 100_000 + "]" * 100_000, '{"a":' * 500 + "1" + "}" * 500):
+        result, seconds = timed(lambda: run(call("t.t", [("v", body)]), [t]))
+        assert seconds < 2.0
+        # Too deep to be JSON (stays a string) or refused by the depth limit.
+        assert is_output_error(result) or isinstance(result[0][1]["v"], str)
+
+
+def test_tv43_ten_megabyte_argument_bodies():
+    text = ToolDef("t", parameters={"type": "object", "properties": {"v": {"type": "string", "maxLength": 10}}})
+    body = "x" * (10 << 20)
+    result, seconds = timed(lambda: run(call("t.t", [("v", body)]), [text], chunk=1 << 16))
+    assert is_output_error(result) and seconds < 10.0
+    array = ToolDef("t", parameters={"type": "object", "properties": {"v": {"type": "array", "items": {"type": "integer"}}}})
+    body = "[" + ",".join(["1"] * (5 << 20)) + "]"
+    result, seconds = timed(lambda: run(call("t.t", [("v", body)]), [array], chunk=1 << 20))
+    assert is_output_error(result) and "units of work" in result.message and seconds < 10.0
+
+
+def test_tv43_many_calls_share_the_output_budget():
+    t = ToolDef("t", parameters={"type": "object", "properties": {"v": {"type": "array"}}})
+    body = json.dumps(list(range(100_000)))
+    output = "".join(call("t.t", [("v", body)]).replace("<|eot|>", "<|eom|><|start|>assistant") for _ in range(30))
+    result, seconds = timed(lambda: run(output, [t], chunk=1 << 20))
+    assert is_output_error(result) and seconds < 10.0
+
+
+def test_tv43_ordinary_calls_fit_the_budget():
+    t = ToolDef("t", parameters={"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(300)}})
+    params = [(f"p{i}", str(i)) for i in range(300)]
+    result = run(call("t.t", params), [t])
+    assert result[0][1] == {f"p{i}": i for i in range(300)}
+
+
+def test_coercion_tries_at_most_1024_combinations():
+    t = ToolDef("t", parameters={"type": "object", "additionalProperties": {"type": ["integer", "string"]}, "maxProperties": 0})
+    params = [(f"p{i}", "1") for i in range(11)]
+    result, seconds = timed(lambda: args(t, params))
+    assert is_output_error(result) and "1024" in result.message and seconds < 5.0
+
+
+def test_output_budget_counts():
+    budget = OutputBudget(limit=3)
+    budget.spend(3)
+    try:
+        budget.spend()
+    except BudgetExhausted:
+        return
+    raise AssertionError("the budget did not run out")
