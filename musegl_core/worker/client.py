@@ -68,6 +68,7 @@ class WorkerClient:
 
     async def close(self) -> None:
         self._closing = True
+        await self._stop_process()
         if self._supervisor:
             self._supervisor.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -77,6 +78,9 @@ class WorkerClient:
     async def _stop_process(self) -> None:
         proc = self._proc
         if proc and proc.returncode is None:
+            if proc.stdin is not None:  # EOF on stdin is the worker's signal to stop
+                with contextlib.suppress(Exception):
+                    proc.stdin.close()
             with contextlib.suppress(ProcessLookupError):
                 proc.terminate()
             try:
@@ -99,14 +103,30 @@ class WorkerClient:
             try:
                 await self._read_events(self._proc)
             finally:
+                # The pipe closed: the worker is gone (or going). Fail its requests
+                # at once; reaping the process must not delay that.
                 self._ready.clear()
-                code = await self._proc.wait()
                 self._fail_all(unavailable("the model worker stopped; it is restarting", code="worker_restarting"))
+                if self._closing:
+                    await self._stop_process()
             if self._closing:
                 return
+            code = await self._reap(self._proc)
             self.restarts += 1
             log.error("worker exited with status %s; restarting", code)
             await asyncio.sleep(self.restart_delay)
+
+    @staticmethod
+    async def _reap(proc: asyncio.subprocess.Process) -> int | None:
+        """Wait for a worker whose pipe closed; kill it if it lingers."""
+        try:
+            return await asyncio.wait_for(proc.wait(), 5)
+        except asyncio.TimeoutError:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            with contextlib.suppress(asyncio.TimeoutError):
+                return await asyncio.wait_for(proc.wait(), 5)
+            return proc.returncode
 
     async def _read_events(self, proc: asyncio.subprocess.Process) -> None:
         assert proc.stdout is not None
@@ -118,6 +138,7 @@ class WorkerClient:
                 proc.kill()
                 return
             if not line:
+                log.warning("worker pipe closed (pid %d)", proc.pid)
                 return
             try:
                 event = m.decode(line)
