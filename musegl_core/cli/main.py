@@ -28,6 +28,7 @@ COMMANDS = {
     "plugins": "musegl_core.cli.plugins",
     "render": "musegl_core.cli.render",
     "parse": "musegl_core.cli.parse",
+    "bench": "musegl_core.cli.bench",
     "worker": "musegl_core.worker.main",
 }
 

@@ -4,13 +4,19 @@ One engine thread owns the executor. Other threads talk to it only through
 :meth:`Engine.submit` and :meth:`Engine.cancel`, which enqueue commands; the
 loop applies them between steps, so a cancellation takes effect within one
 step. Events (:mod:`musegl_core.worker.messages`) go to the ``emit`` callback.
+
+Every request runs on a session (:mod:`musegl_core.engine.sessions`): its
+named session, or a temporary one for an anonymous request. Requests on the
+same named session run one after another; the next one reuses the KV of the
+longest common prefix of its prompt with the session's transcript (or with a
+snapshot), always executing at least one fresh prompt position.
 """
 
 from __future__ import annotations
 
 import logging
 import queue
-import threading
+import time
 from typing import Callable
 
 import attrs
@@ -20,6 +26,7 @@ from musegl_core.engine.executor import Executor
 from musegl_core.engine.kv_pool import KVPool
 from musegl_core.engine.request import Phase, PreparedRequest, SequenceState
 from musegl_core.engine.scheduler import Scheduler, SchedulerLimits
+from musegl_core.engine.sessions import CapacityError, Session, SessionTable
 from musegl_core.engine.stops import StopMatcher
 from musegl_core.errors import ApiError
 from musegl_core.worker import messages as m
@@ -30,19 +37,27 @@ log = logging.getLogger("musegl.engine")
 @attrs.frozen
 class EngineConfig:
     max_context: int = 8192
+    max_sessions: int = 4
     max_inflight_requests: int = 4
     max_decode_sequences: int = 4
     max_prefill_chunk: int = 512
+    prefix_cache_entries: int = 0
+    evict_idle_sessions: bool = False
     kv_blocks: int | None = None
 
     def pool_blocks(self, block_size: int) -> int:
         if self.kv_blocks is not None:
             return self.kv_blocks
-        per_request = -(-self.max_context // block_size)
-        return per_request * self.max_inflight_requests
+        return SessionTable.pool_blocks(
+            block_size,
+            max_sessions=self.max_sessions,
+            max_context=self.max_context,
+            snapshots=self.prefix_cache_entries,
+        )
 
 
-def context_error(prompt_tokens: int, reservation: int, max_context: int) -> ApiError:
+def context_error(prompt_tokens: int, reservation: int, max_context: int, source: str = "worker") -> ApiError:
+    """400 ``context_length_exceeded`` with the counts a client needs to compact."""
     budget = max_context - reservation
     return ApiError(
         400,
@@ -57,9 +72,14 @@ def context_error(prompt_tokens: int, reservation: int, max_context: int) -> Api
             "prompt_tokens": prompt_tokens,
             "max_prompt_tokens": budget,
             "completion_reservation": reservation,
-            "source": "worker",
+            "source": source,
         },
     )
+
+
+def busy_error() -> ApiError:
+    return ApiError(503, "the server is busy (--max-inflight-requests reached); retry shortly",
+                    "unavailable_error", "server_busy", retry_after=1)
 
 
 class Engine:
@@ -77,15 +97,22 @@ class Engine:
         block_size = executor.block_size
         self.pool = KVPool(config.pool_blocks(block_size), block_size)
         executor.allocate_kv(self.pool.num_blocks)
-        limits = executor.limits
-        max_step = min(limits.max_step_tokens, config.max_decode_sequences + config.max_prefill_chunk)
+        self.sessions = SessionTable(
+            self.pool,
+            max_sessions=config.max_sessions,
+            max_context=config.max_context,
+            snapshots=config.prefix_cache_entries,
+            evict_idle=config.evict_idle_sessions,
+        )
+        max_step = min(executor.limits.max_step_tokens, config.max_decode_sequences + config.max_prefill_chunk)
         self.scheduler = Scheduler(
             self.pool,
             SchedulerLimits(config.max_decode_sequences, config.max_prefill_chunk, max_step),
         )
         self.end_ids = frozenset(tokenizer.end_of_generation_ids)
         self._inbox: queue.Queue = queue.Queue()
-        self._by_id: dict[str, SequenceState] = {}
+        self._running: dict[str, SequenceState] = {}
+        self._waiting: dict[str, tuple[PreparedRequest, Session]] = {}
         self._next_handle = 0
         self._stopping = False
         self.steps = 0
@@ -99,6 +126,18 @@ class Engine:
 
     def stop(self) -> None:
         self._inbox.put(("stop", None))
+
+    def stats(self) -> dict:
+        """Pool and session counters (read by the worker between steps)."""
+        return {
+            "kv_blocks_total": self.pool.num_blocks,
+            "kv_blocks_used": self.pool.used_blocks,
+            "kv_blocks_reserved": self.pool.reserved_blocks,
+            "running": len(self._running),
+            "waiting": len(self._waiting),
+            "steps": self.steps,
+            **self.sessions.stats(),
+        }
 
     # -- loop ------------------------------------------------------------------------
     def run_forever(self) -> None:
@@ -125,9 +164,9 @@ class Engine:
             if kind == "submit":
                 self._admit(arg)
             elif kind == "cancel":
-                seq = self._by_id.get(arg)
-                if seq is not None:
-                    self._finish(seq, "cancelled", None)
+                self._cancel(arg)
+            elif kind == "stats":
+                arg(self.stats())
             elif kind == "stop":
                 self._stopping = True
             try:
@@ -135,6 +174,11 @@ class Engine:
             except queue.Empty:
                 return
 
+    def call(self, function: Callable[[dict], None]) -> None:
+        """Run ``function(stats)`` on the engine thread between steps."""
+        self._inbox.put(("stats", function))
+
+    # -- admission -------------------------------------------------------------------
     def _fail(self, request_id: str, error: ApiError) -> None:
         self.emit(
             m.Failed(request_id, error.status, error.message, error.type, error.code, error.param, dict(error.metadata))
@@ -142,7 +186,7 @@ class Engine:
 
     def _admit(self, request: PreparedRequest) -> None:
         config = self.config
-        if request.id in self._by_id:
+        if request.id in self._running or request.id in self._waiting:
             self._fail(request.id, ApiError(400, f"duplicate request id {request.id}"))
             return
         prompt = len(request.prompt_ids)
@@ -150,43 +194,65 @@ class Engine:
         if prompt + reservation > config.max_context:
             self._fail(request.id, context_error(prompt, reservation, config.max_context))
             return
-        if len(self._by_id) >= config.max_inflight_requests:
-            self._fail(
-                request.id,
-                ApiError(503, "the server is busy; retry shortly", "unavailable_error", "server_busy", retry_after=1),
-            )
+        if len(self._running) + len(self._waiting) >= config.max_inflight_requests:
+            self._fail(request.id, busy_error())  # queue overload never evicts a session
             return
-        max_new = min(request.max_tokens or config.max_context, config.max_context - prompt)
-        # Reserve every block the request can grow into, so no step fails for lack of KV.
-        blocks = self.pool.blocks_for(prompt + max_new)
+        self._place(request)
+
+    def _place(self, request: PreparedRequest) -> None:
+        """Run ``request`` on its session now, or queue it behind the session's active one."""
         try:
-            self.pool.reserve(blocks)
-        except Exception:
-            self._fail(
-                request.id,
-                ApiError(503, "no KV cache space is free; retry shortly", "unavailable_error", "server_busy", retry_after=1),
-            )
+            session, _created = self.sessions.open(request.session_id)
+        except CapacityError as exc:
+            self._fail(request.id, ApiError(503, f"no session slot is free: {exc}", "unavailable_error",
+                                            "session_capacity", retry_after=1))
             return
+        if session.active:  # one request at a time per session; the next waits its turn
+            session.waiting.append(request)
+            self._waiting[request.id] = (request, session)
+            return
+        self._start(request, session)
+
+    def _start(self, request: PreparedRequest, session: Session) -> None:
+        session.active = True
+        session.last_used = time.monotonic()
+        reused = self.sessions.attach(session, request.prompt_ids)
+        max_new = min(request.max_tokens or self.config.max_context, self.config.max_context - len(request.prompt_ids))
         seq = SequenceState(
             request=request,
             handle=self._next_handle,
             max_new=max_new,
             tokens=list(request.prompt_ids),
-            reserved=blocks,
+            session=session,
+            computed=reused,
+            cached=reused,
             detokenizer=IncrementalDetokenizer(self.tokenizer),
             stops=StopMatcher(request.stop, request.template_stops),
         )
         self._next_handle += 1
-        self._by_id[request.id] = seq
+        self._running[request.id] = seq
         self.scheduler.add(seq)
+
+    def _cancel(self, request_id: str) -> None:
+        seq = self._running.get(request_id)
+        if seq is not None:
+            self._finish(seq, "cancelled", None)
+            return
+        waiting = self._waiting.pop(request_id, None)
+        if waiting is not None:
+            request, session = waiting
+            session.waiting.remove(request)
+            self._release_if_unused(session)
 
     # -- one forward -----------------------------------------------------------------
     def step(self) -> None:
         planned = self.scheduler.schedule()
         if planned is None:
             return
-        step, plan = planned
+        step, plan, copies = planned
         try:
+            if copies:
+                self.executor.copy_blocks(copies)
             output = self.executor.step(step)
         except Exception as exc:  # an executor failure fails this batch, not the worker
             log.exception("executor step failed")
@@ -201,13 +267,19 @@ class Engine:
                 continue  # a prefill chunk that did not reach the end of the prompt
             if seq.phase is Phase.PREFILL:
                 seq.phase = Phase.DECODE
+                self._prefilled(seq)
             self._on_token(seq, output.tokens[seq.handle])
+
+    def _prefilled(self, seq: SequenceState) -> None:
+        session = seq.session
+        session.tokens = seq.tokens[: seq.computed]
+        self.sessions.snapshot(session)
+        self.emit(m.Started(seq.id, seq.prompt_len, seq.cached))
 
     def _on_token(self, seq: SequenceState, token: int) -> None:
         request = seq.request
-        if not seq.started:
-            seq.started = True
-            self.emit(m.Started(seq.id, seq.prompt_len, 0))
+        if request.stream:
+            seq.session.confirmed = True  # first raw output confirms a streamed session
         seq.generated.append(token)
         seq.tokens.append(token)
         eos = token in self.end_ids and not request.ignore_eos
@@ -232,22 +304,51 @@ class Engine:
             self._finish(seq, "length", None)
 
     def _finish(self, seq: SequenceState, reason: str | None, matched_stop: str | None) -> None:
+        """End ``seq``: ``reason`` None means it failed (the caller reports why)."""
         if seq.phase is Phase.FINISHED:
             return
         seq.phase = Phase.FINISHED
         self.scheduler.remove(seq)
         self.executor.release_sequence(seq.handle)
-        self._by_id.pop(seq.id, None)
-        if reason is None:
-            return
-        self.emit(
-            m.Done(
-                seq.id,
-                reason,
-                matched_stop,
-                seq.prompt_len,
-                len(seq.generated),
-                0,
-                None if matched_stop is not None else tuple(seq.generated),
+        self._running.pop(seq.id, None)
+        session = seq.session
+        # Positions with K/V in the cache: the prompt and every generated token but the last.
+        session.tokens = seq.tokens[: seq.computed]
+        success = reason in ("stop", "length")
+        if success:
+            session.confirmed = True
+        else:
+            session.clean = False  # an interrupted turn replays from scratch
+        session.active = False
+        session.last_used = time.monotonic()
+        if session.name is None or not session.confirmed:
+            self._drop_session(session)
+        elif session.waiting:
+            next_request = session.waiting.popleft()
+            del self._waiting[next_request.id]
+            self._start(next_request, session)
+        if reason is not None:
+            self.emit(
+                m.Done(
+                    seq.id,
+                    reason,
+                    matched_stop,
+                    seq.prompt_len,
+                    len(seq.generated),
+                    seq.cached,
+                    None if matched_stop is not None else tuple(seq.generated),
+                )
             )
-        )
+
+    def _drop_session(self, session: Session) -> None:
+        """Close a temporary or unconfirmed session; queued requests get a fresh one."""
+        waiting = list(session.waiting)
+        session.waiting.clear()
+        self.sessions.drop(session)
+        for request in waiting:
+            del self._waiting[request.id]
+            self._place(request)
+
+    def _release_if_unused(self, session: Session) -> None:
+        if session.idle and (session.name is None or not session.confirmed):
+            self._drop_session(session)

@@ -23,6 +23,7 @@ class PreparedRequest:
     ignore_eos: bool = False
     session_id: str | None = None
     add_bos: bool = True
+    stream: bool = False
 
 
 class Phase(enum.Enum):
@@ -44,9 +45,9 @@ class SequenceState:
     handle: int
     max_new: int
     tokens: list[int]
-    blocks: list[int] = attrs.field(factory=list)
-    reserved: int = 0
+    session: object  # musegl_core.engine.sessions.Session: owns the slot and its blocks
     computed: int = 0
+    cached: int = 0
     generated: list[int] = attrs.field(factory=list)
     unreported: list[int] = attrs.field(factory=list)  # ids whose text is still held back
     phase: Phase = Phase.PREFILL
@@ -59,6 +60,10 @@ class SequenceState:
     @property
     def id(self) -> str:
         return self.request.id
+
+    @property
+    def blocks(self) -> list[int]:
+        return self.session.slot.blocks
 
     @property
     def prompt_len(self) -> int:

@@ -36,33 +36,30 @@ class Scheduler:
         self.running.append(seq)
 
     def remove(self, seq: SequenceState) -> None:
-        """Take ``seq`` out of the batch and return all its KV to the pool."""
+        """Take ``seq`` out of the batch (its blocks belong to its session)."""
         if seq in self.running:
             self.running.remove(seq)
-        for block in seq.blocks:
-            self.pool.release(block)
-        seq.blocks.clear()
-        if seq.reserved:
-            self.pool.unreserve(seq.reserved)
-            seq.reserved = 0
 
     @property
     def idle(self) -> bool:
         return not self.running
 
     # -- step planning ---------------------------------------------------------------
-    def _ensure_blocks(self, seq: SequenceState, upto: int) -> None:
-        """Make the block table cover positions ``0 .. upto-1``."""
-        need = self.pool.blocks_for(upto) - len(seq.blocks)
-        for _ in range(need):
-            from_reservation = seq.reserved > 0
-            seq.blocks.append(self.pool.allocate(reserved=from_reservation))
-            if from_reservation:
-                seq.reserved -= 1
+    def _prepare_blocks(self, seq: SequenceState, start: int, end: int, copies: list) -> None:
+        """Make the block table cover positions ``start .. end-1`` for writing:
+        new blocks come from the session's slot; a block shared with a snapshot
+        or another session is copied first (copy-on-write)."""
+        slot = seq.session.slot
+        size = self.pool.block_size
+        for index in range(start // size, min(len(slot.blocks), self.pool.blocks_for(end))):
+            if self.pool.refcount(slot.blocks[index]) > 1:
+                copies.append(slot.copy_on_write(index))
+        while len(slot.blocks) < self.pool.blocks_for(end):
+            slot.blocks.append(slot.take_block())
 
-    def _chunk(self, seq: SequenceState, count: int, sample: bool) -> SeqChunk:
+    def _chunk(self, seq: SequenceState, count: int, sample: bool, copies: list) -> SeqChunk:
         start = seq.computed
-        self._ensure_blocks(seq, start + count)
+        self._prepare_blocks(seq, start, start + count, copies)
         return SeqChunk(
             seq=seq.handle,
             tokens=seq.tokens[start : start + count],
@@ -72,18 +69,20 @@ class Scheduler:
             sampling=seq.request.sampling,
         )
 
-    def schedule(self) -> tuple[Step, list[tuple[SequenceState, int]]] | None:
-        """Plan the next forward; returns the step and (sequence, rows) pairs."""
+    def schedule(self) -> tuple[Step, list[tuple[SequenceState, int]], list[tuple[int, int]]] | None:
+        """Plan the next forward: the step, (sequence, rows) pairs, and the
+        (src, dst) block copies to make before it runs."""
         limits = self.limits
         budget = limits.max_step_tokens
         plan: list[tuple[SequenceState, int]] = []
         chunks: list[SeqChunk] = []
+        copies: list[tuple[int, int]] = []
 
         decoders = [s for s in self.running if s.phase is Phase.DECODE]
         # Fair rotation when more sequences decode than one step may carry.
         decoders.sort(key=lambda s: s.decode_turns)
         for seq in decoders[: min(limits.max_decode_sequences, budget)]:
-            chunks.append(self._chunk(seq, 1, sample=True))
+            chunks.append(self._chunk(seq, 1, sample=True, copies=copies))
             plan.append((seq, 1))
             seq.decode_turns += 1
             budget -= 1
@@ -96,9 +95,9 @@ class Scheduler:
                 continue
             remaining = len(seq.tokens) - seq.computed
             count = min(remaining, prefill_budget)
-            chunks.append(self._chunk(seq, count, sample=count == remaining))
+            chunks.append(self._chunk(seq, count, sample=count == remaining, copies=copies))
             plan.append((seq, count))
             prefill_budget -= count
         if not chunks:
             return None
-        return Step(chunks=chunks), plan
+        return Step(chunks=chunks), plan, copies

@@ -32,6 +32,7 @@ from musegl_core.http import sse
 from musegl_core.http.completions import ChatStream, ResponseMeta, complete, plan_chat
 from musegl_core.http.dialect import Dialect, ServedModel
 from musegl_core.http.front_tokenizer import FrontTokenizer
+from musegl_core.http.metrics import render as render_metrics
 from musegl_core.http.preflight import check_context
 from musegl_core.plugins.manager import PluginManager
 from musegl_core.worker.client import WorkerClient
@@ -115,6 +116,16 @@ def create_app(
             return front.error_response(unavailable("the model is loading or restarting", code="model_loading"))
         return Response(s.to_json(s.HealthStatus()), media_type="application/json")
 
+    @get("/metrics", guards=[require_key])
+    async def metrics() -> Response:
+        """Prometheus text: engine counters (KV pool, sessions, steps) and worker state."""
+        values: dict = {}
+        if worker.ready:
+            with contextlib.suppress(ApiError, asyncio.TimeoutError):
+                values = await worker.stats()
+        body = render_metrics(values, ready=worker.ready, restarts=worker.restarts)
+        return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
+
     @post(["/v1/chat/completions", "/chat/completions"], guards=[require_key], status_code=200)
     async def chat_completions(request: Request) -> Response:
         """Chat generation as one JSON object or an SSE stream."""
@@ -181,7 +192,7 @@ def create_app(
                 await worker.close()
 
     return Litestar(
-        route_handlers=[models, health, chat_completions],
+        route_handlers=[models, health, metrics, chat_completions],
         exception_handlers={
             ApiError: on_api_error,
             HTTPException: on_http_error,

@@ -106,6 +106,7 @@ def plan_chat(
         stop=stops,
         ignore_eos=ignore_eos,
         session_id=session,
+        stream=stream,
     )
     return ChatPlan(
         generate=generate,

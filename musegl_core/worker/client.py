@@ -161,7 +161,7 @@ class WorkerClient:
             queue.put_nowait(error)
 
     # -- requests ----------------------------------------------------------------------
-    async def _send(self, message: m.Generate | m.Cancel) -> None:
+    async def _send(self, message: m.Generate | m.Cancel | m.Stats) -> None:
         line = m.encode(message)
         if len(line) > self.config.max_request_bytes:
             raise ApiError(
@@ -180,6 +180,20 @@ class WorkerClient:
                 await proc.stdin.drain()
             except (BrokenPipeError, ConnectionResetError) as exc:
                 raise unavailable("the model worker stopped", code="worker_restarting") from exc
+
+    async def stats(self, timeout: float = 10) -> dict:
+        """The engine's counters (KV blocks, sessions, steps), read between steps."""
+        rid = f"stats-{os.urandom(6).hex()}"
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues[rid] = queue
+        try:
+            await self._send(m.Stats(rid))
+            item = await asyncio.wait_for(queue.get(), timeout)
+        finally:
+            self._queues.pop(rid, None)
+        if isinstance(item, ApiError):
+            raise item
+        return dict(item.values)
 
     @contextlib.asynccontextmanager
     async def generate(self, request: m.Generate) -> AsyncIterator[AsyncIterator[m.Event]]:

@@ -76,6 +76,8 @@ def prepare(request: m.Generate, tokenizer) -> PreparedRequest:
         template_stops=request.template_stops,
         ignore_eos=request.ignore_eos,
         session_id=request.session_id,
+        add_bos=request.add_bos,
+        stream=request.stream,
     )
 
 
@@ -97,6 +99,8 @@ def control_loop(stdin: BinaryIO, engine: Engine, tokenizer, writer: EventWriter
             continue
         if isinstance(message, m.Cancel):
             engine.cancel(message.id)
+        elif isinstance(message, m.Stats):
+            engine.call(lambda values, rid=message.id: writer(m.StatsReport(rid, values)))
         elif isinstance(message, m.Generate):
             try:
                 engine.submit(prepare(message, tokenizer))
@@ -136,9 +140,12 @@ def serve(config: ServeConfig, stdin: BinaryIO, stdout: BinaryIO) -> None:
         tokenizer,
         EngineConfig(
             max_context=config.max_context,
+            max_sessions=config.max_sessions,
             max_inflight_requests=config.max_inflight_requests,
             max_decode_sequences=config.max_decode_sequences,
             max_prefill_chunk=config.max_prefill_chunk,
+            prefix_cache_entries=config.prefix_cache_entries,
+            evict_idle_sessions=config.evict_idle_sessions,
             kv_blocks=config.kv_blocks,
         ),
         writer,

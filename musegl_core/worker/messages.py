@@ -46,10 +46,18 @@ class Generate:
     ignore_eos: bool = False
     session_id: str | None = None
     add_bos: bool = True  # False: the prompt is used exactly as given (musegl generate)
+    stream: bool = False  # a streamed request confirms a new session on its first output
 
 
 @attrs.frozen
 class Cancel:
+    id: str
+
+
+@attrs.frozen
+class Stats:
+    """Ask the worker for its engine counters (answered by a ``StatsReport``)."""
+
     id: str
 
 
@@ -104,6 +112,12 @@ class Done:
 
 
 @attrs.frozen
+class StatsReport:
+    id: str
+    values: dict[str, Any] = attrs.field(factory=dict)
+
+
+@attrs.frozen
 class Failed:
     id: str | None
     status: int
@@ -114,10 +128,11 @@ class Failed:
     metadata: dict[str, Any] = attrs.field(factory=dict)
 
 
-Request = Union[Generate, Cancel]
-Event = Union[Ready, Started, Tokens, Done, Failed]
+Request = Union[Generate, Cancel, Stats]
+Event = Union[Ready, Started, Tokens, Done, Failed, StatsReport]
 _OPS: dict[str, type] = {
-    cls.__name__.lower(): cls for cls in (Generate, Cancel, Ready, Started, Tokens, Done, Failed)
+    cls.__name__.lower(): cls
+    for cls in (Generate, Cancel, Stats, Ready, Started, Tokens, Done, Failed, StatsReport)
 }
 
 converter = cattrs.Converter(omit_if_default=True)

@@ -1,0 +1,66 @@
+"""Shared by the benchmark scripts: the bench checkpoint and a server subprocess."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Iterator
+
+import httpx
+
+
+def bench_checkpoint() -> Path:
+    """The ``bench`` preset (hidden 1024, 8 layers, GQA 8/2, head_dim 128), built once into the cache."""
+    from musegl_core.tiny import default_model_path
+
+    return default_model_path(preset="bench", progress=True)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextlib.contextmanager
+def serve(model: Path, *flags: str, ready_timeout: float = 600.0) -> Iterator[str]:
+    """Run ``musegl serve MODEL FLAGS`` as a subprocess; yield its base URL once /health is 200.
+
+    The server's output goes to a log file whose path is printed if it fails.
+    """
+    port = free_port()
+    log = tempfile.NamedTemporaryFile(prefix="musegl-serve-", suffix=".log", delete=False)
+    command = [sys.executable, "-m", "musegl_core.cli.main", "serve", str(model), "--port", str(port), *flags]
+    print("$ musegl serve " + " ".join(command[4:]), file=sys.stderr)
+    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + ready_timeout
+        while True:
+            if process.poll() is not None:
+                raise RuntimeError(f"the server exited with status {process.returncode}; see {log.name}")
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the server was not ready within {ready_timeout:.0f} s; see {log.name}")
+            time.sleep(0.5)
+        yield url
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGTERM)  # its own session: the front and its worker
+            try:
+                process.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+        log.close()

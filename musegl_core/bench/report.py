@@ -1,0 +1,215 @@
+"""Aggregate bench results: percentiles, throughput, per-turn session figures.
+
+:func:`build_report` turns the list of :class:`RequestResult` of one run into a
+:class:`BenchReport`; :meth:`BenchReport.to_dict` is what ``--json`` prints and
+:func:`render` draws the same figures as rich tables.
+
+Throughput counts only the measured phase (``chat`` requests or ``agent``
+turns) over its wall time; the anonymous ``baseline`` replays of the agent
+workload run afterwards and are reported on their own.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from typing import Any, Iterable, Sequence
+
+import attrs
+from rich.console import Console
+from rich.table import Table
+
+from musegl_core.bench.client import RequestResult
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """The ``q``-th percentile (0..100) with linear interpolation; None when empty."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    rank = (len(ordered) - 1) * q / 100.0
+    low, high = math.floor(rank), math.ceil(rank)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+@attrs.frozen
+class LatencyStats:
+    """p50 / p95 / mean of a latency sample, in seconds (None when empty)."""
+
+    count: int
+    p50: float | None
+    p95: float | None
+    mean: float | None
+
+    @classmethod
+    def of(cls, values: Iterable[float]) -> "LatencyStats":
+        sample = list(values)
+        mean = sum(sample) / len(sample) if sample else None
+        return cls(len(sample), percentile(sample, 50), percentile(sample, 95), mean)
+
+
+@attrs.frozen
+class TurnStats:
+    """The ``agent`` figures of one turn number across conversations."""
+
+    turn: int
+    requests: int
+    ttft: LatencyStats
+    prompt_tokens: int
+    cached_tokens: int
+
+
+@attrs.frozen
+class SessionComparison:
+    """TTFT of the last agent turn in its session vs the same history anonymous."""
+
+    turn: int
+    session_ttft: LatencyStats
+    anonymous_ttft: LatencyStats
+    anonymous_cached_tokens: int
+    #: mean session TTFT / mean anonymous TTFT (lower is better; None if a side is empty)
+    ratio: float | None
+
+
+@attrs.frozen
+class BenchReport:
+    """Everything one ``musegl bench`` run measured."""
+
+    url: str
+    workload: str
+    concurrency: int
+    max_tokens: int
+    tokens_per_word: float
+    #: prompt tokens the server adds around the filler (template, BOS), from calibration
+    prompt_overhead: int
+    requests: int
+    succeeded: int
+    errors: int
+    error_kinds: dict[str, int]
+    duration_s: float
+    requests_per_s: float
+    output_tokens: int
+    output_tokens_per_s: float
+    prompt_tokens: int
+    cached_tokens: int
+    cached_ratio: float
+    ttft: LatencyStats
+    itl: LatencyStats
+    latency: LatencyStats
+    turns: tuple[TurnStats, ...] = ()
+    sessions: SessionComparison | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict (what ``musegl bench --json`` prints)."""
+        return attrs.asdict(self)
+
+
+def _short_error(error: str) -> str:
+    return error.split(":", 1)[0][:80]
+
+
+def build_report(
+    results: Sequence[RequestResult],
+    *,
+    url: str,
+    workload: str,
+    concurrency: int,
+    max_tokens: int,
+    tokens_per_word: float,
+    prompt_overhead: int,
+    duration_s: float,
+    baselines: Sequence[RequestResult] = (),
+) -> BenchReport:
+    """Aggregate the measured ``results`` (and the agent ``baselines``) of one run."""
+    ok = [r for r in results if r.ok]
+    failed = [r for r in results if not r.ok]
+    output = sum(r.output_tokens for r in ok)
+    prompt = sum(r.prompt_tokens for r in ok)
+    cached = sum(r.cached_tokens for r in ok)
+    duration = max(duration_s, 1e-9)
+    turns: tuple[TurnStats, ...] = ()
+    comparison = None
+    if workload == "agent":
+        numbers = sorted({r.turn for r in results})
+        turns = tuple(
+            TurnStats(
+                turn=n,
+                requests=sum(1 for r in results if r.turn == n),
+                ttft=LatencyStats.of(r.ttft for r in ok if r.turn == n and r.ttft is not None),
+                prompt_tokens=sum(r.prompt_tokens for r in ok if r.turn == n),
+                cached_tokens=sum(r.cached_tokens for r in ok if r.turn == n),
+            )
+            for n in numbers
+        )
+        if baselines:
+            last = max(b.turn for b in baselines)
+            session = LatencyStats.of(r.ttft for r in ok if r.turn == last and r.ttft is not None)
+            anonymous_ok = [b for b in baselines if b.ok and b.ttft is not None]
+            anonymous = LatencyStats.of(b.ttft for b in anonymous_ok)
+            ratio = session.mean / anonymous.mean if session.mean is not None and anonymous.mean else None
+            comparison = SessionComparison(last, session, anonymous, sum(b.cached_tokens for b in anonymous_ok), ratio)
+    return BenchReport(
+        url=url,
+        workload=workload,
+        concurrency=concurrency,
+        max_tokens=max_tokens,
+        tokens_per_word=round(tokens_per_word, 3),
+        prompt_overhead=prompt_overhead,
+        requests=len(results),
+        succeeded=len(ok),
+        errors=len(failed),
+        error_kinds=dict(Counter(_short_error(r.error or "") for r in failed)),
+        duration_s=duration_s,
+        requests_per_s=len(ok) / duration,
+        output_tokens=output,
+        output_tokens_per_s=output / duration,
+        prompt_tokens=prompt,
+        cached_tokens=cached,
+        cached_ratio=cached / prompt if prompt else 0.0,
+        ttft=LatencyStats.of(r.ttft for r in ok if r.ttft is not None),
+        itl=LatencyStats.of(gap for r in ok for gap in r.itls),
+        latency=LatencyStats.of(r.latency for r in ok if r.latency is not None),
+        turns=turns,
+        sessions=comparison,
+    )
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value * 1000:.1f} ms"
+
+
+def render(report: BenchReport, console: Console) -> None:
+    """Draw ``report`` as rich tables on ``console``."""
+    summary = Table(title=f"musegl bench: {report.workload} @ concurrency {report.concurrency}", show_header=False)
+    summary.add_column("metric", style="bold")
+    summary.add_column("value", justify="right")
+    summary.add_row("requests (ok / errors)", f"{report.succeeded} / {report.errors}")
+    summary.add_row("duration", f"{report.duration_s:.2f} s")
+    summary.add_row("requests/s", f"{report.requests_per_s:.3f}")
+    summary.add_row("output tokens/s", f"{report.output_tokens_per_s:.2f}")
+    summary.add_row("output tokens", str(report.output_tokens))
+    summary.add_row("prompt tokens (cached)", f"{report.prompt_tokens} ({report.cached_tokens})")
+    summary.add_row("cached-token ratio", f"{report.cached_ratio:.1%}")
+    for name, stats in (("TTFT", report.ttft), ("inter-token latency", report.itl), ("request latency", report.latency)):
+        summary.add_row(f"{name} p50 / p95", f"{_ms(stats.p50)} / {_ms(stats.p95)}")
+    for kind, count in report.error_kinds.items():
+        summary.add_row(f"error: {kind}", str(count), style="red")
+    console.print(summary)
+    if report.turns:
+        turns = Table(title="agent turns")
+        for column in ("turn", "requests", "TTFT p50", "TTFT p95", "prompt tokens", "cached"):
+            turns.add_column(column, justify="right")
+        for t in report.turns:
+            ratio = f"{t.cached_tokens / t.prompt_tokens:.1%}" if t.prompt_tokens else "-"
+            turns.add_row(str(t.turn), str(t.requests), _ms(t.ttft.p50), _ms(t.ttft.p95), str(t.prompt_tokens), ratio)
+        console.print(turns)
+    if report.sessions is not None:
+        s = report.sessions
+        table = Table(title=f"turn {s.turn}: session vs the same history anonymous", show_header=True)
+        for column in ("", "requests", "TTFT mean", "TTFT p50"):
+            table.add_column(column, justify="right")
+        table.add_row("session", str(s.session_ttft.count), _ms(s.session_ttft.mean), _ms(s.session_ttft.p50))
+        table.add_row("anonymous", str(s.anonymous_ttft.count), _ms(s.anonymous_ttft.mean), _ms(s.anonymous_ttft.p50))
+        console.print(table)
+        ratio = "-" if s.ratio is None else f"{s.ratio:.3f} (1/{1 / s.ratio:.1f})" if s.ratio else "0"
+        console.print(f"session / anonymous TTFT: {ratio}")

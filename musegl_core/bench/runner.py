@@ -1,0 +1,276 @@
+"""Drive a bench run: calibrate, run N concurrent clients, aggregate.
+
+A run has up to three phases, all against one server:
+
+1. **calibration** (not measured): two short prompts that differ by a known
+   number of filler words, one token each; the difference in
+   ``usage.prompt_tokens`` gives the server tokenizer's tokens per word and
+   the rest the template's fixed overhead, so ``prompt_tokens`` means tokens
+   on any checkpoint. It also warms the server up.
+2. **measured phase**: ``chat`` sends ``requests`` independent prompts through
+   ``concurrency`` client tasks; ``agent`` runs ``conversations`` conversations
+   of ``turns`` turns, at most ``concurrency`` at a time, each turn resending
+   the whole history with the conversation's ``session_id``.
+3. **baseline** (``agent`` only, unless disabled): each conversation's
+   last-turn history is sent again *without* a session, at the same
+   concurrency, so the report compares the TTFT the session gives that history
+   with the TTFT of a full prefill. Start the server without prefix snapshots
+   (``--prefix-cache-entries 0``, the default) or the replay may hit one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import sys
+import time
+import uuid
+from typing import Iterator
+
+import attrs
+import httpx
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from musegl_core.bench import workloads
+from musegl_core.bench.client import RequestResult, chat_body, stream_chat
+from musegl_core.bench.report import BenchReport, build_report
+
+#: Filler words between the two calibration prompts.
+CALIBRATION_WORDS = 200
+
+
+class BenchError(RuntimeError):
+    """The bench cannot run (server unreachable, calibration failed)."""
+
+
+def _positive(_instance: object, attribute: attrs.Attribute, value: int) -> None:
+    if value < 1:
+        raise ValueError(f"{attribute.name} must be at least 1 (got {value})")
+
+
+@attrs.frozen
+class BenchConfig:
+    """What one ``musegl bench`` run does."""
+
+    #: server base URL (``http://host:port``; a trailing ``/v1`` is accepted)
+    url: str = "http://127.0.0.1:8000"
+    #: ``chat`` (independent prompts) or ``agent`` (multi-turn sessions)
+    workload: str = attrs.field(default="chat", validator=attrs.validators.in_(workloads.WORKLOADS))
+    #: concurrent clients (``agent``: conversations in flight)
+    concurrency: int = attrs.field(default=1, validator=_positive)
+    #: ``chat``: number of requests
+    requests: int = attrs.field(default=16, validator=_positive)
+    #: ``agent``: number of conversations (default: ``concurrency``)
+    conversations: int | None = None
+    #: ``agent``: turns per conversation
+    turns: int = attrs.field(default=5, validator=_positive)
+    #: generated tokens per request (``ignore_eos``, so exactly this many)
+    max_tokens: int = attrs.field(default=64, validator=_positive)
+    #: approximate tokens per prompt (``chat``) or per new user message (``agent``)
+    prompt_tokens: int = attrs.field(default=256, validator=_positive)
+    #: seed of the filler text
+    seed: int = 0
+    #: per-request timeout in seconds
+    timeout: float = 600.0
+    #: bearer token, when the server requires one
+    api_key: str | None = None
+    #: ``agent``: replay each last-turn history anonymously for comparison
+    baseline: bool = True
+    #: model name sent in the body (the server answers with its own)
+    model: str = "musegl-bench"
+
+    @property
+    def endpoint(self) -> str:
+        base = self.url.rstrip("/")
+        return f"{base}/chat/completions" if base.endswith("/v1") else f"{base}/v1/chat/completions"
+
+    @property
+    def conversation_count(self) -> int:
+        return self.conversations if self.conversations is not None else self.concurrency
+
+    @property
+    def measured_requests(self) -> int:
+        return self.requests if self.workload == "chat" else self.conversation_count * self.turns
+
+
+class _Bar:
+    """The rich progress bar of a run (or nothing when progress is off)."""
+
+    def __init__(self, progress: Progress | None) -> None:
+        self.progress = progress
+        self.task = None
+        self.ok = self.errors = self.tokens = 0
+        self.started = time.perf_counter()
+
+    def phase(self, title: str, total: int) -> None:
+        self.ok = self.errors = self.tokens = 0
+        self.started = time.perf_counter()
+        if self.progress is not None:
+            if self.task is not None:
+                self.progress.update(self.task, visible=False)
+            self.task = self.progress.add_task(title, total=total, stats="")
+
+    def done(self, result: RequestResult) -> None:
+        if result.ok:
+            self.ok += 1
+            self.tokens += result.output_tokens
+        else:
+            self.errors += 1
+        if self.progress is not None and self.task is not None:
+            rate = self.tokens / max(time.perf_counter() - self.started, 1e-9)
+            stats = f"ok {self.ok}  errors {self.errors}  {rate:.1f} tok/s"
+            self.progress.update(self.task, advance=1, stats=stats)
+
+
+@contextlib.contextmanager
+def _progress_bar(enabled: bool) -> Iterator[_Bar]:
+    if not enabled:
+        yield _Bar(None)
+        return
+    with Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[stats]}", style="dim"),
+        TimeElapsedColumn(),
+        console=Console(file=sys.stderr),
+    ) as progress:
+        yield _Bar(progress)
+
+
+@attrs.frozen
+class Calibration:
+    """How the server counts filler: ``prompt_tokens ≈ overhead + per_word × words``."""
+
+    per_word: float
+    overhead: int
+
+    def words(self, tokens: int, *, whole_prompt: bool) -> int:
+        """Filler words for ``tokens`` tokens (of the whole prompt, or of one message)."""
+        target = tokens - self.overhead if whole_prompt else tokens
+        return workloads.words_for(max(target, 1), self.per_word)
+
+
+async def calibrate(client: httpx.AsyncClient, config: BenchConfig) -> Calibration:
+    """Measure the server tokenizer's tokens per filler word (and warm the server up)."""
+    counts = []
+    for words in (8, 8 + CALIBRATION_WORDS):
+        text = workloads.filler_text(config.seed, "calibrate", words, words=words)
+        body = chat_body(({"role": "user", "content": text},), max_tokens=1, model=config.model)
+        result = await stream_chat(client, config.endpoint, body, RequestResult("calibration"))
+        if not result.ok:
+            raise BenchError(f"calibration request to {config.endpoint} failed: {result.error}")
+        counts.append(result.prompt_tokens)
+    per_word = (counts[1] - counts[0]) / CALIBRATION_WORDS
+    if per_word <= 0:
+        raise BenchError(f"calibration got no usage.prompt_tokens from {config.endpoint}")
+    return Calibration(per_word, max(0, round(counts[0] - 8 * per_word)))
+
+
+async def _run_chat(client: httpx.AsyncClient, config: BenchConfig, words: int, bar: _Bar) -> list[RequestResult]:
+    queue: asyncio.Queue[int] = asyncio.Queue()
+    for index in range(config.requests):
+        queue.put_nowait(index)
+    results: list[RequestResult] = []
+
+    async def client_task() -> None:
+        while True:
+            try:
+                index = queue.get_nowait()
+            except asyncio.QueueEmpty:
+                return
+            prompt = workloads.chat_prompt(config.seed, index, words=words)
+            body = chat_body(prompt.messages, max_tokens=config.max_tokens, model=config.model)
+            result = await stream_chat(client, config.endpoint, body, RequestResult("chat", conversation=index))
+            results.append(result)
+            bar.done(result)
+
+    await asyncio.gather(*(client_task() for _ in range(min(config.concurrency, config.requests))))
+    return results
+
+
+async def _run_agent(
+    client: httpx.AsyncClient, config: BenchConfig, words: int, bar: _Bar
+) -> tuple[list[RequestResult], list[tuple[int, int, tuple[dict, ...]]]]:
+    run_id = uuid.uuid4().hex[:10]
+    gate = asyncio.Semaphore(config.concurrency)
+    results: list[RequestResult] = []
+    last_histories: list[tuple[int, int, tuple[dict, ...]]] = []
+
+    async def conversation_task(index: int) -> None:
+        conversation = workloads.Conversation(index, f"bench-{run_id}-{index}", config.seed, words)
+        async with gate:
+            for turn in range(1, config.turns + 1):
+                history = conversation.next_user_turn()
+                body = chat_body(history, max_tokens=config.max_tokens, session_id=conversation.session_id,
+                                 model=config.model)
+                result = await stream_chat(client, config.endpoint, body, RequestResult("turn", index, turn))
+                results.append(result)
+                bar.done(result)
+                if not result.ok:  # the history cannot grow past a failed turn
+                    for skipped in range(turn + 1, config.turns + 1):
+                        missed = RequestResult("turn", index, skipped, error=f"skipped: turn {turn} failed")
+                        results.append(missed)
+                        bar.done(missed)
+                    return
+                conversation.record_reply(result.content, result.reasoning)
+            last_histories.append((index, config.turns, history))
+
+    await asyncio.gather(*(conversation_task(i) for i in range(config.conversation_count)))
+    return results, last_histories
+
+
+async def _run_baselines(
+    client: httpx.AsyncClient, config: BenchConfig, histories: list[tuple[int, int, tuple[dict, ...]]], bar: _Bar
+) -> list[RequestResult]:
+    gate = asyncio.Semaphore(config.concurrency)
+
+    async def replay(index: int, turn: int, history: tuple[dict, ...]) -> RequestResult:
+        async with gate:
+            body = chat_body(history, max_tokens=config.max_tokens, model=config.model)
+            result = await stream_chat(client, config.endpoint, body, RequestResult("baseline", index, turn))
+            bar.done(result)
+            return result
+
+    return list(await asyncio.gather(*(replay(*entry) for entry in sorted(histories))))
+
+
+async def run_bench_async(config: BenchConfig, *, progress: bool = True) -> BenchReport:
+    """Run ``config`` against its server and return the report."""
+    headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
+    timeout = httpx.Timeout(config.timeout, connect=min(config.timeout, 10.0))
+    limits = httpx.Limits(max_connections=config.concurrency + 2, max_keepalive_connections=config.concurrency + 2)
+    async with httpx.AsyncClient(headers=headers, timeout=timeout, limits=limits) as client:
+        with _progress_bar(progress) as bar:
+            bar.phase("calibrating", 2)
+            calibration = await calibrate(client, config)
+            words = calibration.words(config.prompt_tokens, whole_prompt=config.workload == "chat")
+            bar.phase(f"{config.workload} x{config.concurrency}", config.measured_requests)
+            started = time.perf_counter()
+            histories: list = []
+            if config.workload == "chat":
+                results = await _run_chat(client, config, words, bar)
+            else:
+                results, histories = await _run_agent(client, config, words, bar)
+            duration = time.perf_counter() - started
+            baselines: list[RequestResult] = []
+            if config.workload == "agent" and config.baseline and histories:
+                bar.phase("anonymous baseline", len(histories))
+                baselines = await _run_baselines(client, config, histories, bar)
+    return build_report(
+        results,
+        url=config.url,
+        workload=config.workload,
+        concurrency=config.concurrency,
+        max_tokens=config.max_tokens,
+        tokens_per_word=calibration.per_word,
+        prompt_overhead=calibration.overhead,
+        duration_s=duration,
+        baselines=baselines,
+    )
+
+
+def run_bench(config: BenchConfig, *, progress: bool = True) -> BenchReport:
+    """Synchronous :func:`run_bench_async` (for the CLI and ``benchmarks/``)."""
+    return asyncio.run(run_bench_async(config, progress=progress))

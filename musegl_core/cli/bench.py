@@ -1,0 +1,77 @@
+"""Load-test a running server: N concurrent clients, chat or agent workload."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from musegl_core.cli.main import OneLineParser
+from musegl_core.errors import ConfigError
+
+EPILOG = """\
+workloads:
+  chat   --requests independent prompts of about --prompt-tokens tokens
+  agent  --conversations conversations of --turns turns in named sessions; each
+         turn adds the reply and a new user message of about --prompt-tokens
+         tokens, then the last turn's history is replayed without a session
+
+Every request is greedy and generates exactly --max-tokens tokens (ignore_eos).
+Start the server without prefix snapshots (--prefix-cache-entries 0, the
+default) when comparing sessions with anonymous requests.
+"""
+
+
+def main(argv: list[str]) -> int:
+    import argparse
+
+    from rich.console import Console
+
+    from musegl_core.bench.report import render
+    from musegl_core.bench.runner import BenchConfig, BenchError, run_bench
+
+    p = OneLineParser(prog="musegl bench", description=__doc__, epilog=EPILOG,
+                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL (default http://127.0.0.1:8000)")
+    p.add_argument("--workload", default="chat", choices=["chat", "agent"], help="default chat")
+    p.add_argument("--concurrency", "-c", type=int, default=1, help="concurrent clients (default 1)")
+    p.add_argument("--requests", "-n", type=int, default=16, help="chat: number of requests (default 16)")
+    p.add_argument("--conversations", type=int, default=None, help="agent: conversations (default: --concurrency)")
+    p.add_argument("--turns", type=int, default=5, help="agent: turns per conversation (default 5)")
+    p.add_argument("--no-baseline", dest="baseline", action="store_false",
+                   help="agent: skip the anonymous replay of the last turn")
+    p.add_argument("--max-tokens", type=int, default=64, help="generated tokens per request (default 64)")
+    p.add_argument("--prompt-tokens", type=int, default=256,
+                   help="approximate tokens per prompt / per agent user turn (default 256)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the filler text (default 0)")
+    p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout in seconds (default 600)")
+    p.add_argument("--api-key", default=None, help="bearer token (env MUSEGL_API_KEY)")
+    p.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    p.add_argument("--no-progress", dest="progress", action="store_false", help="hide the progress bar")
+    args = p.parse_args(argv)
+    if args.timeout <= 0:
+        raise ConfigError("--timeout must be positive")
+    if args.api_key is None:
+        import os
+
+        args.api_key = os.environ.get("MUSEGL_API_KEY") or None
+    try:
+        config = BenchConfig(
+            url=args.url, workload=args.workload, concurrency=args.concurrency, requests=args.requests,
+            conversations=args.conversations, turns=args.turns, max_tokens=args.max_tokens,
+            prompt_tokens=args.prompt_tokens, seed=args.seed, timeout=args.timeout, api_key=args.api_key,
+            baseline=args.baseline,
+        )
+    except ValueError as exc:
+        raise ConfigError(str(exc).replace("_", "-")) from None
+    if config.conversations is not None and config.conversations < 1:
+        raise ConfigError("--conversations must be at least 1")
+    try:
+        report = run_bench(config, progress=args.progress)
+    except BenchError as exc:
+        print(f"musegl bench: error: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(report.to_dict(), indent=2))
+    else:
+        render(report, Console())
+    return 1 if report.errors else 0

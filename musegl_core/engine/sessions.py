@@ -1,0 +1,241 @@
+"""Session slots, named sessions and prefix snapshots (the seed's "Session Behavior").
+
+A **slot** is a budget of KV blocks (enough for ``--max-context`` positions)
+that one resident session owns. Named sessions keep their slot, transcript and
+KV between requests; an anonymous request borrows a temporary slot for its
+lifetime. ``--max-sessions`` bounds the slots; ``--prefix-cache-entries``
+adds one slot per **snapshot**: a frozen prefix (token ids and the blocks that
+hold their K/V) that any later request may share by reference.
+
+Block accounting is exact: a slot's ``reserved`` blocks plus the blocks it
+holds always equal its budget, and a block shared by several holders is
+counted in each holder's budget (so sharing can only leave the pool with
+spare room, never short of it). Releasing a request returns every block that
+no session or snapshot still holds.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import time
+from typing import Iterable, Sequence
+
+import attrs
+
+from musegl_core.engine.kv_pool import KVPool
+
+
+class CapacityError(Exception):
+    """No session slot is free (and none may be evicted)."""
+
+
+@attrs.define(eq=False)
+class Slot:
+    """A KV budget: ``len(blocks) + reserved == budget`` at all times."""
+
+    pool: KVPool
+    budget: int
+    blocks: list[int] = attrs.field(factory=list)
+    reserved: int = 0
+
+    @classmethod
+    def open(cls, pool: KVPool, budget: int) -> "Slot":
+        pool.reserve(budget)
+        return cls(pool, budget, [], budget)
+
+    def take_block(self) -> int:
+        if self.reserved < 1:
+            raise RuntimeError("slot budget exhausted")
+        self.reserved -= 1
+        return self.pool.allocate(reserved=True)
+
+    def adopt(self, block: int) -> None:
+        """Hold a shared block (counted in this slot's budget)."""
+        if self.reserved < 1:
+            raise RuntimeError("slot budget exhausted")
+        self.pool.unreserve(1)
+        self.reserved -= 1
+        self.blocks.append(self.pool.share(block))
+
+    def copy_on_write(self, index: int) -> tuple[int, int]:
+        """Replace shared block ``blocks[index]`` by a private copy; returns (src, dst)
+        for the executor to copy."""
+        old = self.blocks[index]
+        if self.pool.refcount(old) < 2:
+            raise RuntimeError("copy-on-write of a block nobody else holds")
+        self.pool.release(old)  # still held by its other owners, so its contents stay
+        self.pool.reserve(1)
+        self.reserved += 1
+        new = self.take_block()
+        self.blocks[index] = new
+        return old, new
+
+    def truncate(self, keep: int) -> None:
+        """Release every block after the first ``keep``; the budget is kept."""
+        dropped = self.blocks[keep:]
+        del self.blocks[keep:]
+        for block in dropped:
+            self.pool.release(block)
+        self.pool.reserve(len(dropped))
+        self.reserved += len(dropped)
+
+    def close(self) -> None:
+        self.truncate(0)
+        self.pool.unreserve(self.reserved)
+        self.reserved = 0
+
+
+@attrs.define(eq=False)
+class Session:
+    """A resident transcript: ``tokens[i]``'s K/V lives in ``slot.blocks[i // block_size]``.
+
+    ``name`` is None for an anonymous request's temporary session. ``clean``
+    turns False when a request on it failed or was cancelled mid-way; a dirty
+    session replays from scratch. ``confirmed`` turns True on the first raw
+    output (stream) or a successful response; an unconfirmed new session is
+    dropped when its first request fails.
+    """
+
+    name: str | None
+    slot: Slot
+    tokens: list[int] = attrs.field(factory=list)
+    clean: bool = True
+    confirmed: bool = False
+    active: bool = False
+    waiting: collections.deque = attrs.field(factory=collections.deque)
+    last_used: float = attrs.field(factory=time.monotonic)
+
+    @property
+    def idle(self) -> bool:
+        return not self.active and not self.waiting
+
+
+@attrs.define(eq=False)
+class Snapshot:
+    tokens: tuple[int, ...]
+    slot: Slot
+    last_used: float = attrs.field(factory=time.monotonic)
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+class SessionTable:
+    """Named sessions, anonymous temporary sessions and snapshots, with LRU eviction."""
+
+    def __init__(self, pool: KVPool, *, max_sessions: int, max_context: int, snapshots: int, evict_idle: bool):
+        self.pool = pool
+        self.max_sessions = max_sessions
+        self.budget = pool.blocks_for(max_context)
+        self.snapshot_capacity = snapshots
+        self.evict_idle = evict_idle
+        self.named: dict[str, Session] = {}
+        self.anonymous: set[Session] = set()
+        self.snapshots: list[Snapshot] = []
+        self.evictions = 0
+
+    @staticmethod
+    def pool_blocks(block_size: int, *, max_sessions: int, max_context: int, snapshots: int) -> int:
+        """Blocks a pool needs so every slot and snapshot can fill its budget."""
+        return (max_sessions + snapshots) * -(-max_context // block_size)
+
+    # -- slots -----------------------------------------------------------------------
+    @property
+    def slots_in_use(self) -> int:
+        return len(self.named) + len(self.anonymous)
+
+    def _free_a_slot(self) -> None:
+        if self.slots_in_use < self.max_sessions:
+            return
+        if self.evict_idle:
+            idle = [s for s in self.named.values() if s.idle]
+            if idle:
+                victim = min(idle, key=lambda s: s.last_used)
+                self.drop(victim)
+                self.evictions += 1
+                return
+        raise CapacityError(
+            f"all {self.max_sessions} session slots are in use"
+            + ("" if self.evict_idle else " (start the server with --evict-idle-sessions to evict idle ones)")
+        )
+
+    def open(self, name: str | None) -> tuple[Session, bool]:
+        """The session for ``name`` (created when new), or a temporary one when None."""
+        if name is not None and name in self.named:
+            return self.named[name], False
+        self._free_a_slot()
+        session = Session(name, Slot.open(self.pool, self.budget))
+        if name is None:
+            self.anonymous.add(session)
+        else:
+            self.named[name] = session
+        return session, True
+
+    def drop(self, session: Session) -> None:
+        session.slot.close()
+        session.tokens.clear()
+        if session.name is None:
+            self.anonymous.discard(session)
+        elif self.named.get(session.name) is session:
+            del self.named[session.name]
+
+    # -- prefix reuse ----------------------------------------------------------------
+    def best_prefix(self, session: Session, prompt: Sequence[int]) -> tuple[int, Snapshot | None]:
+        """How many prompt positions can be reused, and from which snapshot (None:
+        the session's own KV). At least one prompt position is always left to run."""
+        limit = len(prompt) - 1
+        own = min(common_prefix(session.tokens, prompt), limit) if session.clean else 0
+        best, source = own, None
+        for snap in self.snapshots:
+            n = min(common_prefix(snap.tokens, prompt), limit)
+            if n > best:
+                best, source = n, snap
+        return best, source
+
+    def attach(self, session: Session, prompt: Sequence[int]) -> int:
+        """Point ``session``'s KV at the longest reusable prefix of ``prompt``; returns it."""
+        reuse, snapshot = self.best_prefix(session, prompt)
+        block_size = self.pool.block_size
+        if snapshot is None:
+            session.slot.truncate(self.pool.blocks_for(reuse))
+        else:
+            session.slot.truncate(0)
+            for block in snapshot.slot.blocks[: self.pool.blocks_for(reuse)]:
+                session.slot.adopt(block)
+            snapshot.last_used = time.monotonic()
+        session.tokens = list(prompt[:reuse])
+        assert len(session.slot.blocks) * block_size >= reuse
+        return reuse
+
+    def snapshot(self, session: Session) -> None:
+        """Keep the session's current prefix as a snapshot (LRU, ``--prefix-cache-entries``)."""
+        if self.snapshot_capacity == 0 or not session.tokens:
+            return
+        tokens = tuple(session.tokens)
+        for snap in self.snapshots:
+            if snap.tokens[: len(tokens)] == tokens:  # already covered
+                snap.last_used = time.monotonic()
+                return
+        if len(self.snapshots) >= self.snapshot_capacity:
+            oldest = min(self.snapshots, key=lambda s: s.last_used)
+            self.snapshots.remove(oldest)
+            oldest.slot.close()
+        slot = Slot.open(self.pool, self.budget)
+        for block in session.slot.blocks[: self.pool.blocks_for(len(tokens))]:
+            slot.adopt(block)
+        self.snapshots.append(Snapshot(tokens, slot))
+
+    def stats(self) -> dict:
+        return {
+            "named": len(self.named),
+            "anonymous": len(self.anonymous),
+            "snapshots": len(self.snapshots),
+            "evictions": self.evictions,
+        }

@@ -1,0 +1,114 @@
+"""``musegl bench`` against the in-process server on the tiny checkpoint.
+
+Small numbers only: these tests check the report's structure and that its
+counts add up, never timings.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import musegl_core.tiny
+from musegl_core.bench import BenchConfig, run_bench
+from musegl_core.bench.report import percentile
+from musegl_core.bench.workloads import Conversation, chat_prompt, filler_text
+from musegl_core.cli.main import main as cli_main
+from musegl_core.config import ServeConfig
+from tests.support.server import running_server
+
+MAX_TOKENS = 6
+
+
+@pytest.fixture(scope="module")
+def server():
+    config = ServeConfig(
+        model=str(musegl_core.tiny.default_model_path()), demo=True, port=0, max_context=2048,
+        max_sessions=4, max_inflight_requests=4, max_decode_sequences=4,
+    )
+    with running_server(config) as running:
+        yield running
+
+
+def test_filler_is_deterministic_and_distinct():
+    assert filler_text(3, "chat", 1, words=40) == filler_text(3, "chat", 1, words=40)
+    assert filler_text(3, "chat", 1, words=40) != filler_text(3, "chat", 2, words=40)
+    assert filler_text(3, "chat", 1, words=40) != filler_text(4, "chat", 1, words=40)
+    assert len(filler_text(0, "x", words=50).split()) == 50 + 1  # "Request x:" label + 49 words
+    assert chat_prompt(0, 5, words=10).messages[0]["role"] == "user"
+
+
+def test_conversation_grows_by_reply_and_user_turn():
+    conversation = Conversation(0, "s", seed=1, turn_words=20)
+    first = conversation.next_user_turn()
+    assert [m["role"] for m in first] == ["system", "user"]
+    conversation.record_reply("answer", "")
+    second = conversation.next_user_turn()
+    assert [m["role"] for m in second] == ["system", "user", "assistant", "user"]
+    assert second[:2] == first and second[2] == {"role": "assistant", "content": "answer"}
+    assert second[3]["content"] != first[1]["content"]
+
+
+def test_percentile():
+    assert percentile([], 50) is None
+    assert percentile([3.0], 95) == 3.0
+    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
+    assert percentile([0.0, 10.0], 95) == pytest.approx(9.5)
+
+
+def test_chat_report_counts_add_up(server):
+    config = BenchConfig(url=server.url, workload="chat", concurrency=3, requests=5,
+                         max_tokens=MAX_TOKENS, prompt_tokens=120, timeout=120)
+    report = run_bench(config, progress=False)
+    assert (report.requests, report.succeeded, report.errors) == (5, 5, 0)
+    assert report.error_kinds == {}
+    assert report.output_tokens == 5 * MAX_TOKENS  # ignore_eos: exactly max_tokens each
+    assert report.ttft.count == 5 and report.latency.count == 5
+    assert report.ttft.p50 is not None and report.ttft.p50 <= report.ttft.p95
+    assert report.itl.count > 0
+    assert report.cached_tokens == 0 and report.cached_ratio == 0.0
+    assert report.tokens_per_word > 0 and report.prompt_overhead >= 0
+    assert 60 <= report.prompt_tokens / 5 <= 240  # about --prompt-tokens, after calibration
+    assert report.requests_per_s > 0 and report.output_tokens_per_s > 0
+    assert report.turns == () and report.sessions is None
+
+
+def test_agent_report_turns_and_baseline(server):
+    config = BenchConfig(url=server.url, workload="agent", concurrency=2, conversations=2, turns=3,
+                         max_tokens=MAX_TOKENS, prompt_tokens=40, timeout=120)
+    report = run_bench(config, progress=False)
+    assert (report.requests, report.succeeded, report.errors) == (6, 6, 0)
+    assert [t.turn for t in report.turns] == [1, 2, 3]
+    assert all(t.requests == 2 for t in report.turns)
+    assert sum(t.prompt_tokens for t in report.turns) == report.prompt_tokens
+    assert sum(t.cached_tokens for t in report.turns) == report.cached_tokens
+    assert report.turns[0].cached_tokens == 0  # a new session has nothing to reuse
+    assert report.turns[1].prompt_tokens > report.turns[0].prompt_tokens  # the history grows
+    assert report.cached_tokens > 0  # later turns extend their session
+    comparison = report.sessions
+    assert comparison is not None and comparison.turn == 3
+    assert comparison.session_ttft.count == 2 and comparison.anonymous_ttft.count == 2
+    assert comparison.anonymous_cached_tokens == 0  # no session, no snapshots: full prefill
+    assert comparison.ratio is not None and comparison.ratio > 0
+
+
+def test_cli_json(server, capsys):
+    rc = cli_main(["bench", "--url", server.url, "--requests", "2", "--concurrency", "2",
+                   "--max-tokens", "3", "--prompt-tokens", "80", "--json", "--no-progress"])
+    assert rc == 0
+    payload = json.loads(capsys.readouterr().out)
+    assert payload["workload"] == "chat" and payload["requests"] == 2 and payload["errors"] == 0
+    assert payload["output_tokens"] == 6
+    assert set(payload["ttft"]) == {"count", "p50", "p95", "mean"}
+
+
+def test_cli_reports_unreachable_server(capsys):
+    rc = cli_main(["bench", "--url", "http://127.0.0.1:9", "--requests", "1", "--no-progress", "--timeout", "5"])
+    assert rc == 1
+    assert "calibration request" in capsys.readouterr().err
+
+
+def test_cli_rejects_bad_values(capsys):
+    assert cli_main(["bench", "--concurrency", "0"]) == 2
+    assert "concurrency" in capsys.readouterr().err
