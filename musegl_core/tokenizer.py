@@ -28,7 +28,6 @@ import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence
 
-import numpy as np
 from tokenizers import Tokenizer
 
 from musegl_core.checkpoint.tokenizer_data import (

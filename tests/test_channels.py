@@ -11,7 +11,6 @@ from musegl_core.chat.channels import (
     ChannelParser,
     ContentDelta,
     ReasoningDelta,
-    ToolDelta,
     ToolMessage,
     ToolMessageEnd,
     collect,

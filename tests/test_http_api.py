@@ -9,65 +9,36 @@ The tiny checkpoint's weights are random, so these tests check the protocol
 from __future__ import annotations
 
 import json
-import socket
-import threading
 import time
 
 import httpx
 import openai
 import pytest
-import uvicorn
 
 from musegl_core.config import ServeConfig
-from musegl_core.http.app import create_app
-from musegl_core.plugins.manager import PluginManager
-from musegl_core.worker.client import WorkerClient
+from tests.support.server import running_server
 
 MAX_CONTEXT = 1024
 SERVED_NAME = "muse-tiny"
 MESSAGES = [{"role": "user", "content": "Say hello."}]
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def base_url():
     from musegl_core.tiny import default_model_path
 
-    port = free_port()
     config = ServeConfig(
         model=str(default_model_path()),
         demo=True,
-        port=port,
+        port=0,
         served_model_name=SERVED_NAME,
         max_context=MAX_CONTEXT,
         max_inflight_requests=2,
         max_sessions=2,
         max_decode_sequences=2,
-    ).validate()
-    app = create_app(config, PluginManager(only=config.plugins), WorkerClient(config))
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, name="uvicorn", daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    while True:
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        if time.monotonic() > deadline or not thread.is_alive():
-            server.should_exit = True
-            pytest.fail("the server did not become ready within 180 s")
-        time.sleep(0.2)
-    yield url
-    server.should_exit = True
-    thread.join(30)
+    )
+    with running_server(config) as running:
+        yield running.url
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import sys
 
-import attrs
 
 from musegl_core.cli.main import OneLineParser
 from musegl_core.config import ServeConfig

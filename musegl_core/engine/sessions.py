@@ -17,9 +17,8 @@ no session or snapshot still holds.
 from __future__ import annotations
 
 import collections
-import itertools
 import time
-from typing import Iterable, Sequence
+from typing import Sequence
 
 import attrs
 
