@@ -24,6 +24,7 @@ import attrs
 from musegl_core.engine.detokenize import IncrementalDetokenizer
 from musegl_core.engine.executor import Executor
 from musegl_core.engine.kv_pool import KVPool
+from musegl_core.engine.replay import ReplayLog, Replayer
 from musegl_core.engine.request import Phase, PreparedRequest, SequenceState
 from musegl_core.engine.scheduler import Scheduler, SchedulerLimits
 from musegl_core.engine.sessions import CapacityError, Session, SessionTable
@@ -110,6 +111,7 @@ class Engine:
             SchedulerLimits(config.max_decode_sequences, config.max_prefill_chunk, max_step),
         )
         self.end_ids = frozenset(tokenizer.end_of_generation_ids)
+        self.replayer = Replayer(tokenizer, self.end_ids)
         self._inbox: queue.Queue = queue.Queue()
         self._running: dict[str, SequenceState] = {}
         self._waiting: dict[str, tuple[PreparedRequest, Session]] = {}
@@ -216,13 +218,20 @@ class Engine:
     def _start(self, request: PreparedRequest, session: Session) -> None:
         session.active = True
         session.last_used = time.monotonic()
-        reused = self.sessions.attach(session, request.prompt_ids)
-        max_new = min(request.max_tokens or self.config.max_context, self.config.max_context - len(request.prompt_ids))
+        prompt = list(request.prompt_ids)
+        if session.name is not None and session.clean:
+            replayed, kept = self.replayer.apply(session.replay, prompt)
+            if len(replayed) + (request.max_tokens or 1) <= self.config.max_context:
+                prompt = replayed
+                session.replay.turns = kept
+        reused = self.sessions.attach(session, prompt)
+        max_new = min(request.max_tokens or self.config.max_context, self.config.max_context - len(prompt))
         seq = SequenceState(
             request=request,
             handle=self._next_handle,
             max_new=max_new,
-            tokens=list(request.prompt_ids),
+            tokens=prompt,
+            prompt_len=len(prompt),
             session=session,
             computed=reused,
             cached=reused,
@@ -317,6 +326,13 @@ class Engine:
         success = reason in ("stop", "length")
         if success:
             session.confirmed = True
+            if matched_stop is None:  # a stop-trimmed answer cannot be matched to its ids
+                executed = tuple(seq.tokens[: seq.prompt_len])
+                turns = [t for t in session.replay.turns if t[0] < seq.prompt_len]
+                turns.append((seq.prompt_len, self.replayer.turn_ids(seq.generated)))
+                session.replay = ReplayLog(executed, turns)
+            else:
+                session.replay = ReplayLog()
         else:
             session.clean = False  # an interrupted turn replays from scratch
         session.active = False

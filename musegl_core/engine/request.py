@@ -46,6 +46,7 @@ class SequenceState:
     max_new: int
     tokens: list[int]
     session: object  # musegl_core.engine.sessions.Session: owns the slot and its blocks
+    prompt_len: int = 0  # the executed prompt (after generated-token replay)
     computed: int = 0
     cached: int = 0
     generated: list[int] = attrs.field(factory=list)
@@ -65,9 +66,6 @@ class SequenceState:
     def blocks(self) -> list[int]:
         return self.session.slot.blocks
 
-    @property
-    def prompt_len(self) -> int:
-        return len(self.request.prompt_ids)
 
     def pending(self) -> Sequence[int]:
         return self.tokens[self.computed :]

@@ -23,6 +23,7 @@ from typing import Sequence
 import attrs
 
 from musegl_core.engine.kv_pool import KVPool
+from musegl_core.engine.replay import ReplayLog
 
 
 class CapacityError(Exception):
@@ -104,6 +105,7 @@ class Session:
     active: bool = False
     waiting: collections.deque = attrs.field(factory=collections.deque)
     last_used: float = attrs.field(factory=time.monotonic)
+    replay: ReplayLog = attrs.field(factory=ReplayLog)
 
     @property
     def idle(self) -> bool:
@@ -180,6 +182,7 @@ class SessionTable:
     def drop(self, session: Session) -> None:
         session.slot.close()
         session.tokens.clear()
+        session.replay = ReplayLog()
         if session.name is None:
             self.anonymous.discard(session)
         elif self.named.get(session.name) is session:

@@ -1,0 +1,74 @@
+"""Generated-token replay: resubmitted answers reuse the exact ids the model produced.
+
+A client resubmits the conversation each turn with the previous answer as an
+assistant message. The template renders that message as text, which
+tokenizes differently from what the model generated (and may lack the
+reasoning it hid). For a session, the engine keeps, per answered turn, where
+the generation started and the ids it produced. When a new prompt
+
+* repeats the session's executed prompt exactly up to that point (the
+  preceding history: an edited or compacted earlier message breaks it), and
+* continues with a rendered assistant turn whose visible meaning (content,
+  tool-addressed messages, and reasoning when the client sent it) equals the
+  generated turn's,
+
+the rendered turn is replaced by the generated ids (closed with ``<|eot|>``),
+so the session's KV for them is reused instead of recomputed. An identical
+visible answer after a different history never picks up another turn's ids.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import attrs
+
+from musegl_core.chat.channels import parse_output
+
+
+@attrs.define
+class ReplayLog:
+    """The last executed prompt of a session and its answered turns."""
+
+    executed: tuple[int, ...] = ()
+    turns: list[tuple[int, tuple[int, ...]]] = attrs.field(factory=list)  # (start, turn ids)
+
+
+class Replayer:
+    def __init__(self, tokenizer, end_ids: frozenset[int]):
+        self.tokenizer = tokenizer
+        self.end_ids = end_ids
+        self.eot = tokenizer.eot_id
+
+    def turn_ids(self, generated: Sequence[int]) -> tuple[int, ...]:
+        """A generated answer as a closed turn: ends with exactly one ``<|eot|>``."""
+        ids = list(generated)
+        if ids and ids[-1] in self.end_ids:
+            ids.pop()
+        return (*ids, self.eot)
+
+    def _meaning(self, ids: Sequence[int], with_reasoning: bool) -> tuple:
+        parsed = parse_output(self.tokenizer.decode(list(ids)), tools_active=True)
+        messages = tuple((t.recipient, t.body) for t in parsed.tool_messages)
+        return (parsed.content, messages, parsed.reasoning if with_reasoning else None)
+
+    def same_turn(self, rendered: Sequence[int], generated: Sequence[int]) -> bool:
+        client_reasoning = bool(parse_output(self.tokenizer.decode(list(rendered)), tools_active=True).reasoning)
+        return self._meaning(rendered, client_reasoning) == self._meaning(generated, client_reasoning)
+
+    def apply(self, log: ReplayLog, prompt: Sequence[int]) -> tuple[list[int], list[tuple[int, tuple[int, ...]]]]:
+        """``prompt`` with every matching rendered turn replaced; and the turns kept."""
+        current = list(prompt)
+        kept: list[tuple[int, tuple[int, ...]]] = []
+        for start, turn in log.turns:
+            if len(current) <= start or tuple(current[:start]) != log.executed[:start]:
+                break
+            try:
+                end = current.index(self.eot, start)
+            except ValueError:
+                break
+            if not self.same_turn(current[start : end + 1], turn):
+                break
+            current[start : end + 1] = turn
+            kept.append((start, turn))
+        return current, kept
