@@ -51,11 +51,13 @@ def build_tiny_model(seed: int = 0, **text_overrides):
 
 
 def tiny_tokenizer_data(vocab_size: int = 512):
-    """Token metadata for a tiny GGUF (byte-level-looking strings, bos 1, eos 2, eot 3)."""
+    """Token metadata for a tiny GGUF: a valid byte-level BPE vocabulary (the 256 byte
+    symbols, two merges, fillers) with bos 1, eos 2, eot 3."""
     from musegl_core.checkpoint.tokenizer_data import CONTROL, NORMAL, GGUFTokenizerData
+    from musegl_core.tokenizer import byte_level_alphabet
 
-    tokens = tuple(["<pad>", "<|begin_of_text|>", "<|end_of_text|>", "<|eot|>"]
-                   + [f"tok{i}" for i in range(4, vocab_size)])
+    base = ["<pad>", "<|begin_of_text|>", "<|end_of_text|>", "<|eot|>", *byte_level_alphabet(), "to", "tok"]
+    tokens = tuple(base + [f"tok{i}" for i in range(len(base), vocab_size)])
     types = tuple([CONTROL] * 4 + [NORMAL] * (vocab_size - 4))
     return GGUFTokenizerData(tokens=tokens, token_types=types, merges=("t o", "to k"),
                              bos_token_id=1, eos_token_id=2, eot_token_id=3, padding_token_id=0,

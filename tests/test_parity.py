@@ -112,3 +112,23 @@ def test_decoupled_layer_kinds_match_transformers(tmp_path):
     out = ex.step(Step([SeqChunk(seq=0, tokens=ids, positions=list(range(40)), blocks=blocks_for(0, 40),
                                  logit_rows=True)]))
     assert float((out.logits[0] - reference_logits(model, ids)).abs().max()) <= LOGIT_TOL
+
+
+def test_musegl_generate_matches_transformers_token_by_token(tiny_hf, tiny_gguf):
+    """`musegl generate --token-ids ... --json` (the whole engine, through the GGUF
+    path) continues a prompt exactly as transformers' greedy generate does."""
+    import json
+    import subprocess
+    import sys
+
+    ids = prompt(11, 40)
+    expected = reference_greedy(tiny_hf.model, ids, 24)
+    out = subprocess.run(
+        [sys.executable, "-m", "musegl_core.cli.main", "generate", "--model", str(tiny_gguf),
+         "--token-ids", ",".join(map(str, ids)), "--max-tokens", "24", "--ignore-eos", "--json"],
+        capture_output=True, text=True, timeout=300, check=True,
+    )
+    result = json.loads(out.stdout)
+    assert result["prompt_ids"] == ids
+    assert result["token_ids"] == expected
+    assert result["finish_reason"] == "length"
