@@ -42,7 +42,10 @@ class ScriptedExecutor:
             name="scripted", vocab_size=self.tokenizer.vocab_size, hidden_size=8, num_layers=1,
             native_context=1 << 20, dtype="none", backend="scripted",
         )
-        self._prompts: dict[int, dict[int, int]] = {}
+        # The "KV cache": the token id written at each cache slot (block * block_size + offset),
+        # so prompts whose prefix was reused from a session or snapshot read back whole.
+        self._cells: dict[int, int] = {}
+        self._prompts: dict[int, list[int]] = {}
         self._replies: dict[int, list[int]] = {}
         self._entries: dict[int, dict] = {}
         self._sampled: dict[int, int] = {}
@@ -54,9 +57,11 @@ class ScriptedExecutor:
     def allocate_kv(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
 
+    def _slot(self, chunk, position: int) -> int:
+        return chunk.blocks[position // self.block_size] * self.block_size + position % self.block_size
+
     def _reply_for(self, seq: int) -> list[int]:
-        tokens = self._prompts.pop(seq, {})
-        text = self.tokenizer.decode([tokens[p] for p in sorted(tokens)])
+        text = self.tokenizer.decode(self._prompts.pop(seq, []))
         for entry in self.script:
             if entry["when"] in text:
                 self._entries[seq] = entry
@@ -71,8 +76,11 @@ class ScriptedExecutor:
         for chunk in step.chunks:
             if any(b >= self.num_blocks for b in chunk.blocks):
                 raise ValueError("block id outside the pool")
+            for position, token in zip(chunk.positions, chunk.tokens):
+                self._cells[self._slot(chunk, position)] = token
             if chunk.seq not in self._replies:
-                self._prompts.setdefault(chunk.seq, {}).update(zip(chunk.positions, chunk.tokens))
+                self._prompts[chunk.seq] = [self._cells.get(self._slot(chunk, p), 0)
+                                            for p in range(chunk.positions[-1] + 1)]
             if not chunk.sample:
                 continue
             if chunk.seq not in self._replies:
@@ -89,7 +97,10 @@ class ScriptedExecutor:
         return out
 
     def copy_blocks(self, pairs) -> None:
-        pass
+        for src, dst in pairs:
+            for offset in range(self.block_size):
+                if src * self.block_size + offset in self._cells:
+                    self._cells[dst * self.block_size + offset] = self._cells[src * self.block_size + offset]
 
     def release_sequence(self, seq: int) -> None:
         self._prompts.pop(seq, None)
