@@ -21,9 +21,9 @@ from musegl_core.bench.report import render
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--max-tokens", type=int, default=48)
-    p.add_argument("--prompt-tokens", type=int, default=128)
-    p.add_argument("--requests-per-client", type=int, default=3, help="requests = this x concurrency")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--prompt-tokens", type=int, default=32)
+    p.add_argument("--requests-per-client", type=int, default=2, help="requests = this x concurrency")
     p.add_argument("--batched", type=int, default=8, help="concurrency (and decode width) of the batched run")
     p.add_argument("--json", action="store_true", help="print the figures as one JSON object")
     args = p.parse_args()
