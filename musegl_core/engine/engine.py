@@ -46,6 +46,11 @@ class EngineConfig:
     evict_idle_sessions: bool = False
     kv_blocks: int | None = None
 
+    @classmethod
+    def from_serve(cls, config) -> "EngineConfig":
+        """The engine's part of a :class:`~musegl_core.config.ServeConfig`."""
+        return cls(**{field.name: getattr(config, field.name) for field in attrs.fields(cls)})
+
     def pool_blocks(self, block_size: int) -> int:
         if self.kv_blocks is not None:
             return self.kv_blocks

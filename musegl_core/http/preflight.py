@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING
 
-import attrs
 
 from musegl_core.engine.engine import context_error
 
@@ -51,5 +50,4 @@ async def check_context(plan: ChatPlan, tokenizer: MuseTokenizer | None, max_con
     ids = await asyncio.to_thread(tokenizer.encode_segments, generate.prompt, add_bos=generate.add_bos)
     reservation = completion_reservation(generate.max_tokens)
     if len(ids) + reservation > max_context:
-        error = context_error(len(ids), reservation, max_context)
-        raise attrs.evolve(error, metadata={**error.metadata, "source": SOURCE})
+        raise context_error(len(ids), reservation, max_context, source=SOURCE)

@@ -138,16 +138,7 @@ def serve(config: ServeConfig, stdin: BinaryIO, stdout: BinaryIO) -> None:
     engine = Engine(
         executor,
         tokenizer,
-        EngineConfig(
-            max_context=config.max_context,
-            max_sessions=config.max_sessions,
-            max_inflight_requests=config.max_inflight_requests,
-            max_decode_sequences=config.max_decode_sequences,
-            max_prefill_chunk=config.max_prefill_chunk,
-            prefix_cache_entries=config.prefix_cache_entries,
-            evict_idle_sessions=config.evict_idle_sessions,
-            kv_blocks=config.kv_blocks,
-        ),
+        EngineConfig.from_serve(config),
         writer,
     )
     engine_thread = threading.Thread(target=engine.run_forever, name="musegl-engine", daemon=True)

@@ -56,10 +56,12 @@ class Unsupported(Exception):
 class _Box:
     """Indirection for (recursive) references: filled once compiled."""
 
-    __slots__ = ("check",)
+    __slots__ = ("check", "parts")
 
     def __init__(self) -> None:
         self.check: Check = _unfinished
+        #: The conjunction the schema compiled to (None while compiling).
+        self.parts: list[tuple] | None = None
 
     def __call__(self, instance: Any) -> bool:
         return self.check(instance)
@@ -110,87 +112,137 @@ class _Compiler:
             return box
         box = self.memo[id(schema)] = _Box()
         resolver = resolver.in_subresource(self.specification.create_resource(schema))
-        checks = []
+        parts: list[tuple] = []
         for keyword, value in self.applicable(schema):
             if keyword not in self.keywords:
                 continue  # an annotation, or unknown: jsonschema ignores it too
-            checks.append(self.keyword(keyword, value, schema, resolver))
-        checks = tuple(check for check in checks if check is not _always)
-
-        def check(instance: Any) -> bool:
-            for one in checks:
-                if not one(instance):
-                    return False
-            return True
-
-        box.check = checks[0] if len(checks) == 1 else check if checks else _always
+            parts += self.keyword(keyword, value, schema, resolver)
+        box.parts = parts
+        box.check = self.conjunction(parts)
         return box
 
-    def keyword(self, keyword: str, value: Any, schema: dict, resolver: Any) -> Check:
-        if keyword in _ASSERTIONS:
-            return self.assertion(keyword, value, schema)
-        if keyword == "$ref":
-            resolved = resolver.lookup(value)
-            return self.schema(resolved.contents, resolved.resolver)
-        if keyword == "$dynamicRef" and self.cls is jsonschema.Draft202012Validator:
-            return self.dynamic(value, "$dynamicAnchor", value[1:] if isinstance(value, str) else None, resolver)
-        if keyword == "$recursiveRef" and self.cls is jsonschema.Draft201909Validator:
-            return self.dynamic(value, "$recursiveAnchor", True, resolver)
-        if keyword in ("allOf", "anyOf") and isinstance(value, list) and value:
-            members = tuple(self.schema(member, resolver) for member in value)
-            if keyword == "allOf":
-                return lambda instance: all(member(instance) for member in members)
-            return lambda instance: any(member(instance) for member in members)
-        if keyword == "properties" and isinstance(value, dict):
-            named = {name: self.schema(sub, resolver) for name, sub in value.items()}
+    @staticmethod
+    def parts_of(check: Check) -> list[tuple]:
+        """``check`` as conjuncts; a finished schema's are inlined, so an
+        ``allOf`` of ``$ref``s becomes one flat conjunction."""
+        if check is _always:
+            return []
+        if isinstance(check, _Box) and check.parts is not None:
+            return check.parts
+        return [("check", check)]
+
+    def conjunction(self, parts: list[tuple]) -> Check:
+        """One predicate for conjuncts (all pure, so order and repetition do
+        not matter): identical ``type`` lists are checked once and all
+        ``properties`` maps are merged into one pass over the instance."""
+        types: list[tuple] = []
+        named: dict[str, list[Check]] = {}
+        checks: list[Check] = []
+        for kind, value in parts:
+            if kind == "type":
+                if value not in types:
+                    types.append(value)
+            elif kind == "properties":
+                for name, check in value.items():
+                    if check is not _always:
+                        named.setdefault(name, [])
+                        if check not in named[name]:
+                            named[name].append(check)
+            elif value not in checks:
+                checks.append(value)
+        is_type = self.is_type
+        for names in types:
+            if len(names) == 1:
+                checks.insert(0, (lambda name: lambda instance: is_type(instance, name))(names[0]))
+            else:
+                checks.insert(0, (lambda names: lambda instance: any(is_type(instance, n) for n in names))(names))
+        if named:
+            merged = {name: self.conjunction([("check", c) for c in members]) for name, members in named.items()}
+            is_object = self.is_object
 
             def properties(instance: Any) -> bool:
-                if not self.is_object(instance):
+                if not is_object(instance):
                     return True
                 for name, item in instance.items():
-                    member = named.get(name)
+                    member = merged.get(name)
                     if member is not None and not member(item):
                         return False
                 return True
 
-            return properties
+            checks.append(properties)
+        if not checks:
+            return _always
+        if len(checks) == 1:
+            return checks[0]
+        checks_tuple = tuple(checks)
+
+        def check(instance: Any) -> bool:
+            for one in checks_tuple:
+                if not one(instance):
+                    return False
+            return True
+
+        return check
+
+    def keyword(self, keyword: str, value: Any, schema: dict, resolver: Any) -> list[tuple]:
+        """The conjuncts one keyword of a metaschema contributes."""
+        if keyword == "type":
+            return [("type", self.types(value))]
+        if keyword == "properties" and isinstance(value, dict):
+            return [("properties", {name: self.schema(sub, resolver) for name, sub in value.items()})]
+        if keyword == "$ref":
+            resolved = resolver.lookup(value)
+            return self.parts_of(self.schema(resolved.contents, resolved.resolver))
+        if keyword == "$dynamicRef" and self.cls is jsonschema.Draft202012Validator:
+            anchor = value[1:] if isinstance(value, str) else None
+            return self.parts_of(self.dynamic(value, "$dynamicAnchor", anchor, resolver))
+        if keyword == "$recursiveRef" and self.cls is jsonschema.Draft201909Validator:
+            return self.parts_of(self.dynamic(value, "$recursiveAnchor", True, resolver))
+        if keyword == "allOf" and isinstance(value, list) and value:
+            return [part for member in value for part in self.parts_of(self.schema(member, resolver))]
+        return [("check", self.check(keyword, value, schema, resolver))]
+
+    def check(self, keyword: str, value: Any, schema: dict, resolver: Any) -> Check:
+        if keyword in _ASSERTIONS:
+            return self.assertion(keyword, value, schema)
+        if keyword == "anyOf" and isinstance(value, list) and value:
+            members = tuple(self.schema(member, resolver) for member in value)
+            return lambda instance: any(member(instance) for member in members)
+        is_object, is_array = self.is_object, self.is_array
         if keyword == "additionalProperties" and "patternProperties" not in schema:
             declared = schema.get("properties", {})
             if value is True:
                 return _always
             if value is False:
-                return lambda instance: not self.is_object(instance) or all(name in declared for name in instance)
+                return lambda instance: not is_object(instance) or all(name in declared for name in instance)
             extra = self.schema(value, resolver)
-            return lambda instance: not self.is_object(instance) or all(
+            return lambda instance: not is_object(instance) or all(
                 extra(item) for name, item in instance.items() if name not in declared
             )
         if keyword == "propertyNames":
             names = self.schema(value, resolver)
-            return lambda instance: not self.is_object(instance) or all(names(name) for name in instance)
+            return lambda instance: not is_object(instance) or all(names(name) for name in instance)
         if keyword == "items" and isinstance(value, (dict, bool)) and "prefixItems" not in schema:
             if value is True:
                 return _always
             if value is False:
-                return lambda instance: not self.is_array(instance) or not instance
+                return lambda instance: not is_array(instance) or not instance
             member = self.schema(value, resolver)
-            return lambda instance: not self.is_array(instance) or all(member(item) for item in instance)
+            return lambda instance: not is_array(instance) or all(member(item) for item in instance)
         raise Unsupported(f"keyword {keyword!r}: {value!r}")
 
+    def types(self, value: Any) -> tuple:
+        """jsonschema's ``type``: any of the listed types, per the type
+        checker (an unknown type name would raise there: not compiled)."""
+        types = tuple(value) if isinstance(value, list) else (value,)
+        for name in types:
+            try:
+                self.is_type(None, name)
+            except jsonschema.exceptions.UnknownType:
+                raise Unsupported(f"type {name!r}") from None
+        return types
+
     def assertion(self, keyword: str, value: Any, schema: dict) -> Check:
-        if keyword == "type":
-            # jsonschema's ``type``: any of the listed types, per the type
-            # checker (an unknown type name would raise there: not compiled).
-            types = tuple(value) if isinstance(value, list) else (value,)
-            for name in types:
-                try:
-                    self.is_type(None, name)
-                except jsonschema.exceptions.UnknownType:
-                    raise Unsupported(f"type {name!r}") from None
-            is_type = self.is_type
-            if len(types) == 1:
-                (name,) = types
-                return lambda instance: is_type(instance, name)
-            return lambda instance: any(is_type(instance, name) for name in types)
         implementation = self.keywords[keyword]
         leaf = self.leaf
         return lambda instance: next(iter(implementation(leaf, value, instance, schema) or ()), None) is None
