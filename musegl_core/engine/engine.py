@@ -172,7 +172,7 @@ class Engine:
                 self._admit(arg)
             elif kind == "cancel":
                 self._cancel(arg)
-            elif kind == "stats":
+            elif kind == "call":
                 arg(self.stats())
             elif kind == "stop":
                 self._stopping = True
@@ -183,7 +183,7 @@ class Engine:
 
     def call(self, function: Callable[[dict], None]) -> None:
         """Run ``function(stats)`` on the engine thread between steps."""
-        self._inbox.put(("stats", function))
+        self._inbox.put(("call", function))
 
     # -- admission -------------------------------------------------------------------
     def _fail(self, request_id: str, error: ApiError) -> None:

@@ -138,7 +138,7 @@ class WorkerClient:
                 proc.kill()
                 return
             if not line:
-                log.warning("worker pipe closed (pid %d)", proc.pid)
+                (log.info if self._closing else log.warning)("worker pipe closed (pid %d)", proc.pid)
                 return
             try:
                 event = m.decode(line)
