@@ -43,7 +43,7 @@ Check = Callable[[Any], bool]
 #: Keywords that assert something about the instance itself; jsonschema's own
 #: implementations are called (they never descend).
 _ASSERTIONS = frozenset({
-    "type", "enum", "const", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf",
+    "enum", "const", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf",
     "minLength", "maxLength", "pattern", "minItems", "maxItems", "uniqueItems", "minProperties",
     "maxProperties", "required", "format",
 })
@@ -259,6 +259,14 @@ class _Compiler:
             raise Unsupported(f"dynamic reference {value!r} to a resource without {anchor_keyword}")
         if self.top.contents.get(anchor_keyword) != anchor:
             raise Unsupported(f"top metaschema lacks {anchor_keyword} {anchor!r}")
+        if anchor_keyword == "$recursiveAnchor":
+            # 2019-09 stops at the first resource of the scope without the
+            # anchor: the top is the answer only if every resource has it.
+            family = self.top_uri.rsplit("/", 1)[0] + "/"
+            for uri in SPECIFICATIONS:
+                contents = SPECIFICATIONS.contents(uri)
+                if uri.startswith(family) and isinstance(contents, dict) and contents.get(anchor_keyword) is not True:
+                    raise Unsupported(f"{uri} lacks {anchor_keyword}")
         return self.schema(self.top.contents, self.top.resolver)
 
 

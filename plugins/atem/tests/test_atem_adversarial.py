@@ -1,4 +1,4 @@
-"""Adversarial model output finishes within its budgets (TV-21, TV-42, TV-43).
+"""Adversarial input finishes within its budgets (TV-18, TV-21, TV-42, TV-43).
 
 Each test measures wall time; the worst cases are reported in the plugin's
 README. Limits are generous multiples of what a 2-core machine needs.
@@ -13,13 +13,56 @@ from musegl_core.chat.messages import ToolDef
 
 from musegl_atem.budget import BudgetExhausted, OutputBudget, RegexBudget
 
-from atem_support import args, call, is_output_error, run
+from atem_support import args, call, is_output_error, run, schema_error
 
 
 def timed(fn):
     started = time.perf_counter()
     result = fn()
     return result, time.perf_counter() - started
+
+
+_DRAFTS = {
+    "draft7": "http://json-schema.org/draft-07/schema#",
+    "2019-09": "https://json-schema.org/draft/2019-09/schema",
+    "2020-12": None,  # the default dialect
+}
+
+
+def _distinct_properties(uri, bad=None, n=4000):
+    """One tool with ``n`` distinct property schemas (within the 4096-node
+    limit); ``bad`` replaces the first or last one by a malformed node."""
+    properties = {
+        f"p{i}": {"type": "string", "description": f"parameter {i}", "minLength": i, "maxLength": i + 10} for i in range(n)
+    }
+    if bad == "first":
+        properties["p0"] = {"type": "string", "required": True}
+    elif bad == "last":
+        properties[f"p{n - 1}"] = {"type": 5}
+    schema = {"type": "object", "properties": properties}
+    if uri:
+        schema["$schema"] = uri
+    return ToolDef("t", parameters=schema)
+
+
+def test_tv18_large_valid_looking_schema_preflight_is_fast_in_every_draft():
+    """4000 distinct property schemas: accepted, or 400 for one malformed node
+    at either end of the walk, well under a second in every dialect (the
+    metaschema check used to take 0.8 s under Draft 7 and ~2.5 s under
+    2019-09/2020-12)."""
+    measured = {}
+    for draft, uri in _DRAFTS.items():
+        for bad in (None, "first", "last"):
+            tool = _distinct_properties(uri, bad)
+            error, seconds = timed(lambda: schema_error([tool]))
+            measured[f"{draft}/{bad or 'valid'}"] = round(seconds, 3)
+            if bad is None:
+                assert error is None, error
+            else:
+                assert error is not None and error.status == 400 and error.code == "invalid_tool_schema"
+                assert ("required" if bad == "first" else "type") in error.message
+            assert seconds < 1.0, (draft, bad, seconds)
+    print("TV-18 preflight seconds:", measured)
 
 
 def test_tv21_redos_pattern_hits_the_regex_budget():

@@ -184,6 +184,60 @@ def test_tv18_hostile_schemas_fail_fast():
         assert time.perf_counter() - started < 1.0
 
 
+def test_tv08_tv18_compiled_metaschemas_agree_with_jsonschema():
+    """The fast metaschema predicates (musegl_atem.metaschema) are compiled
+    for all three dialects and accept exactly what jsonschema accepts, on
+    valid nodes with random mutations (shallow, as preflight checks them)."""
+    import json
+    import random
+
+    from jsonschema_specifications import REGISTRY
+
+    from musegl_atem.metaschema import FAST_METASCHEMAS
+    from musegl_atem.validate import BASE_VALIDATORS
+
+    assert set(FAST_METASCHEMAS) == set(BASE_VALIDATORS.values())
+    rng = random.Random(18)
+    keywords = sorted({k for uri in REGISTRY for k in (REGISTRY.contents(uri) or {}).get("properties", {})} | {"x-extra"})
+    scalars = [None, True, False, 0, 1, -1, 1.0, 1.5, -0.5, 2**70, "", "a", "string", "integer", "null", "array", "any", "#", "#/a", "_x", "a b", "^a$"]
+
+    def value(depth=0):
+        r = rng.random()
+        if depth > 2 or r < 0.5:
+            return rng.choice(scalars)
+        if r < 0.75:
+            return [value(depth + 1) for _ in range(rng.randint(0, 3))]
+        return {rng.choice(keywords + ["a", "b"]): value(depth + 1) for _ in range(rng.randint(0, 3))}
+
+    base = [
+        {"type": "object", "properties": {"a": {}}, "required": ["a"], "additionalProperties": False, "minProperties": 1, "propertyNames": {}},
+        {"type": ["string", "null"], "minLength": 0, "maxLength": 9, "pattern": "^x", "format": "email", "enum": ["a", None], "const": "a", "default": 1, "examples": []},
+        {"type": "array", "items": {}, "minItems": 1, "maxItems": 2, "uniqueItems": True, "contains": {}, "minContains": 1, "prefixItems": [{}], "additionalItems": True},
+        {"type": "number", "minimum": 0, "maximum": 1.5, "exclusiveMinimum": -1, "exclusiveMaximum": 2, "multipleOf": 0.5},
+        {"$ref": "#/$defs/a", "$defs": {"a": {}}, "definitions": {}, "$anchor": "x", "$comment": "c", "deprecated": False, "readOnly": True},
+        {"dependentRequired": {"a": ["b"]}, "dependentSchemas": {}, "dependencies": {"a": ["b"]}, "if": {}, "then": {}, "not": {}, "anyOf": [{}]},
+        {"contentMediaType": "text/plain", "contentEncoding": "base64", "unevaluatedProperties": {}, "patternProperties": {}, "$vocabulary": {"urn:x": True}},
+        {"$recursiveAnchor": True, "$recursiveRef": "#", "$dynamicAnchor": "meta", "$dynamicRef": "#meta"},
+    ]
+    counts = {True: 0, False: 0}
+    for cls, fast in FAST_METASCHEMAS.items():
+        slow = cls(cls.META_SCHEMA, registry=REGISTRY)
+        assert fast(True) and fast(False) and not fast(5)
+        for _ in range(1500):
+            node = json.loads(json.dumps(rng.choice(base)))
+            for _ in range(rng.randint(0, 2)):
+                key = rng.choice(list(node) + keywords)
+                if rng.random() < 0.2:
+                    node.pop(key, None)
+                else:
+                    node[key] = value()
+            node = schemas._shallow(node)
+            expected = slow.is_valid(node)
+            counts[expected] += 1
+            assert fast(node) is expected, (cls.__name__, node)
+    assert min(counts.values()) > 500  # both outcomes are exercised
+
+
 def test_tv51_alias_collisions_are_rejected():
     from musegl_core.chat.tools import tool_aliases
     from musegl_core.errors import ApiError
