@@ -493,3 +493,24 @@ def test_7_token_stream_equals_buffered_for_every_split(tiny_tokenizer, pieces, 
     assert whole.message_starts == parser.message_starts
     reference = ReasoningTokenCounter(tiny_tokenizer)
     assert counter.count(parser.message_starts, ids) == reference.count(whole.message_starts, ids)
+
+
+def test_long_outputs_fed_in_small_chunks_stay_linear_and_identical():
+    """Streaming = buffered also past buffer compaction (consumed text is dropped
+    after 64 KiB): a 400 KB output with several messages, fed 7 characters at a
+    time, gives the same reasoning, content and message offsets as one feed."""
+    text = (
+        " to=self<|message|>" + "think " * 30000 + "<|eom|>"
+        "<|start|>assistant to=user<|message|>" + "answer\n" * 20000 + "```\n<|eot|>\n```\n"
+        + "more " * 10000 + "<|eot|>"
+    )
+    whole = ChannelParser(tools_active=False)
+    buffered = collect(whole.feed(text) + whole.finish("eos"))
+    chunked = ChannelParser(tools_active=False)
+    events = []
+    for i in range(0, len(text), 7):
+        events += chunked.feed(text[i : i + 7])
+    events += chunked.finish("eos")
+    assert collect(events) == buffered
+    assert chunked.message_starts == whole.message_starts
+    assert len(chunked.message_starts) == 2 and chunked.message_starts[1][0] > 180000

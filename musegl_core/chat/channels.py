@@ -298,6 +298,9 @@ class _MessageState:
         return not self.line and not self.line_dead
 
 
+_COMPACT_AT = 1 << 16  # consumed characters kept before the buffer is compacted
+
+
 class ChannelParser:
     """Incremental parser of one generation's output (see the module docstring).
 
@@ -317,7 +320,8 @@ class ChannelParser:
         self._block: AtemBlockScanner | None = None
         self._used = {_REASONING: False, _VISIBLE: False}
         self._events: list[ChannelEvent] = []
-        self._header_start = 0  # where the current header position began
+        self._header_start = 0  # where the current header position began (absolute offset)
+        self._base = 0  # absolute offset of _buf[0]: consumed text is dropped (see _compact)
         self.end: EndReason | None = None
         self.message_starts: list[tuple[int, str]] = []
         """Where each message begins, as ``(offset, channel)`` in characters of
@@ -336,7 +340,19 @@ class ChannelParser:
             raise RuntimeError("feed() after finish()")
         self._buf += text
         self._run(eof=False)
+        self._compact()
         return self._take()
+
+    def _compact(self) -> None:
+        """Drop consumed text so a long output fed token by token stays linear.
+
+        One character before the scan position is kept: the scanner looks back
+        one character to tell a line start."""
+        cut = self._pos - 1
+        if cut > _COMPACT_AT and 2 * cut > len(self._buf):
+            self._buf = self._buf[cut:]
+            self._pos -= cut
+            self._base += cut
 
     def finish(self, end: EndReason) -> list[ChannelEvent]:
         """End of generation: apply the end-of-output rules (section 5)."""
@@ -472,7 +488,7 @@ class ChannelParser:
                 msg.line_dead = True
         self._mode = "header"
         self._pos = end
-        self._header_start = end
+        self._header_start = self._base + end
 
     def _atem_enabled(self) -> bool:
         return self._msg.kind == _VISIBLE
