@@ -242,3 +242,20 @@ def test_200_streams_cancelled_at_random_points_leak_nothing(wide):
     wait_idle(url, timeout=120)
     assert (metric(url, "musegl_kv_blocks_used"), metric(url, "musegl_kv_blocks_reserved")) == baseline
     assert metric(url, "musegl_sessions_anonymous") == 0
+
+
+def test_an_interrupted_turn_makes_the_session_replay_once(server):
+    wait_idle(server.url)
+    assert chat(server.url, HISTORY, session_id="dirty").status_code == 200
+    body = {"model": "m", "messages": HISTORY, "max_tokens": 240, "ignore_eos": True, "session_id": "dirty"}
+    with httpx.Client(timeout=0.5) as client:
+        try:
+            r = client.post(f"{server.url}/v1/chat/completions", json=body)
+            pytest.fail(f"expected a timeout, got {r.status_code} {r.text[:300]}")
+        except httpx.ReadTimeout:
+            pass
+    wait_idle(server.url, timeout=5)
+    replayed = chat(server.url, HISTORY, session_id="dirty").json()
+    assert replayed["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # dirty: from scratch
+    again = chat(server.url, HISTORY, session_id="dirty").json()
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == again["usage"]["prompt_tokens"] - 1

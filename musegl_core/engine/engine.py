@@ -229,7 +229,8 @@ class Engine:
             if len(replayed) + (request.max_tokens or 1) <= self.config.max_context:
                 prompt = replayed
                 session.replay.turns = kept
-        reused = self.sessions.attach(session, prompt)
+        reused = self.sessions.attach(session, prompt)  # a dirty session reuses nothing
+        session.clean = True  # its cache now holds exactly ``prompt[:reused]``
         max_new = min(request.max_tokens or self.config.max_context, self.config.max_context - len(prompt))
         seq = SequenceState(
             request=request,
@@ -340,6 +341,7 @@ class Engine:
                 session.replay = ReplayLog()
         else:
             session.clean = False  # an interrupted turn replays from scratch
+            session.replay = ReplayLog()
         session.active = False
         session.last_used = time.monotonic()
         if session.name is None or not session.confirmed:
