@@ -11,6 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer
 
+from musegl_core.checkpoint.gguf_writer import add_tokenizer_metadata
 from musegl_core.checkpoint.tokenizer_data import CONTROL, NORMAL, UNUSED, USER_DEFINED, GGUFTokenizerData
 from musegl_core.tiny import MUSE_SPECIAL_TOKENS, build_tiny_tokenizer
 from musegl_core.tokenizer import (
@@ -41,20 +42,7 @@ TEXTS = [
 def write_tokenizer_gguf(path: Path, data: GGUFTokenizerData) -> Path:
     """A GGUF holding only tokenizer metadata (spec/gguf.md 2.4)."""
     writer = gguf.GGUFWriter(str(path), "muse-glimmer")
-    writer.add_tokenizer_model(data.model)
-    writer.add_tokenizer_pre(data.pre)
-    writer.add_token_list(list(data.tokens))
-    writer.add_token_types(list(data.token_types))
-    writer.add_token_merges(list(data.merges))
-    writer.add_bos_token_id(data.bos_token_id)
-    writer.add_eos_token_id(data.eos_token_id)
-    if data.eot_token_id is not None:
-        writer.add_eot_token_id(data.eot_token_id)
-    if data.padding_token_id is not None:
-        writer.add_pad_token_id(data.padding_token_id)
-    if data.mask_token_id is not None:
-        writer.add_mask_token_id(data.mask_token_id)
-    writer.add_add_bos_token(False)
+    add_tokenizer_metadata(writer, data)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()

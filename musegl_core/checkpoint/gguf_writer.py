@@ -132,7 +132,11 @@ def _add_metadata(writer: gguf.GGUFWriter, config: TextConfig, file_type: gguf.L
     writer.add_sliding_window_pattern([bool(s) for s in config.sliding])
 
 
-def _add_tokenizer(writer: gguf.GGUFWriter, tokenizer: GGUFTokenizerData, vocab_size: int) -> None:
+def add_tokenizer_metadata(writer: gguf.GGUFWriter, tokenizer: GGUFTokenizerData,
+                           vocab_size: int | None = None) -> None:
+    """Write the ``tokenizer.ggml.*`` keys (spec/gguf.md 2.4); ``vocab_size``, when
+    given, must equal the token list's length."""
+    vocab_size = len(tokenizer.tokens) if vocab_size is None else vocab_size
     if len(tokenizer.tokens) != vocab_size or len(tokenizer.token_types) != vocab_size:
         raise ValueError(f"tokenizer has {len(tokenizer.tokens)} tokens and "
                          f"{len(tokenizer.token_types)} token types; the model's vocabulary is {vocab_size}")
@@ -189,7 +193,7 @@ def write_text_gguf(
     writer = gguf.GGUFWriter(os.fspath(path), ARCH)
     try:
         _add_metadata(writer, config, ftype, name)
-        _add_tokenizer(writer, tokenizer, config.vocab_size)
+        add_tokenizer_metadata(writer, tokenizer, config.vocab_size)
         plan = []
         for tensor_name, make, shape in _gguf_tensors(config, weights, fuse_qkv):
             qtype = _tensor_type(tensor_name, shape, matrix_type)
