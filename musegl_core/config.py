@@ -50,6 +50,8 @@ class ServeConfig:
     device: str | None = None
     dtype: str | None = None
     kv_blocks: int | None = None
+    kv_cache_memory: int | None = None
+    kv_cache_fraction: float = 0.9
     api_key: str | None = None
     plugins: tuple[str, ...] | None = None
     demo: bool = False
@@ -88,4 +90,8 @@ class ServeConfig:
         need(bool(self.host.strip()), "--host must not be empty")
         if self.kv_blocks is not None:
             int_range("--kv-blocks", self.kv_blocks, 1)
+        if self.kv_cache_memory is not None:
+            need(self.kv_cache_memory > 0, "--kv-cache-memory must be positive")
+        f = self.kv_cache_fraction
+        need(math.isfinite(f) and 0 < f <= 1, f"--kv-cache-fraction must be in (0, 1], got {f}")
         return self

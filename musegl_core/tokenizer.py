@@ -41,7 +41,7 @@ from musegl_core.checkpoint.tokenizer_data import (
 if TYPE_CHECKING:
     from gguf import GGUFReader
 
-    from musegl_core.worker.messages import PromptSegment
+    from musegl_core.engine.request import PromptSegment
 
 __all__ = [
     "MuseTokenizer",

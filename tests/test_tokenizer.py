@@ -22,7 +22,7 @@ from musegl_core.tokenizer import (
     byte_level_bpe_document,
     read_gguf_tokenizer_data,
 )
-from musegl_core.worker.messages import PromptSegment
+from musegl_core.engine.request import PromptSegment
 
 TEXTS = [
     "",

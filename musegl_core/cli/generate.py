@@ -19,15 +19,16 @@ from musegl_core.config import ServeConfig
 from musegl_core.engine.engine import Engine, EngineConfig
 from musegl_core.engine.executor import SamplingParams
 from musegl_core.errors import ConfigError
-from musegl_core.worker import messages as m
+from musegl_core.engine import events as ev
+from musegl_core.engine.request import GenerateRequest, PromptSegment
 from musegl_core.worker.main import load, prepare
 
 
-def parse_prompt(prompt: str | None, token_ids: str | None) -> m.PromptSegment:
+def parse_prompt(prompt: str | None, token_ids: str | None) -> PromptSegment:
     if token_ids is not None:
         text = token_ids.strip()
         ids = json.loads(text) if text.startswith("[") else [int(x) for x in text.replace(",", " ").split()]
-        return m.PromptSegment(token_ids=tuple(int(i) for i in ids))
+        return PromptSegment(token_ids=tuple(int(i) for i in ids))
     if prompt is None or prompt == "-":
         prompt = sys.stdin.read()
     stripped = prompt.strip()
@@ -35,10 +36,10 @@ def parse_prompt(prompt: str | None, token_ids: str | None) -> m.PromptSegment:
         try:
             ids = json.loads(stripped)
             if isinstance(ids, list) and all(isinstance(i, int) for i in ids):
-                return m.PromptSegment(token_ids=tuple(ids))
+                return PromptSegment(token_ids=tuple(ids))
         except json.JSONDecodeError:
             pass
-    return m.PromptSegment(text=prompt, special=True)
+    return PromptSegment(text=prompt, special=True)
 
 
 def main(argv: list[str]) -> int:
@@ -71,28 +72,29 @@ def main(argv: list[str]) -> int:
     segment = parse_prompt(args.prompt, args.token_ids)
     config = ServeConfig(model=model, executor=args.executor, device=args.device, dtype=args.dtype,
                          plugins=tuple(args.plugins) if args.plugins else None, demo=demo)
-    tokenizer, executor = load(config)
+    tokenizer, executor, speculator = load(config)
     events: list = []
-    request = m.Generate(
+    request = GenerateRequest(
         id="generate",
         prompt=(segment,),
         max_tokens=args.max_tokens,
-        sampling=SamplingParams(args.temperature, args.top_p, args.top_k, args.seed),
+        sampling=SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed),
         stop=tuple(args.stop),
         ignore_eos=args.ignore_eos,
         add_bos=False,
     )
     prepared = prepare(request, tokenizer)
     context = max(len(prepared.prompt_ids) + args.max_tokens, 2)
-    engine = Engine(executor, tokenizer, EngineConfig(max_context=context, max_inflight_requests=1), events.append)
+    engine = Engine(executor, tokenizer, EngineConfig(max_context=context, max_inflight_requests=1),
+                    events.append, speculator)
     engine.submit(prepared)
     engine.run_until_idle()
-    failed = [e for e in events if isinstance(e, m.Failed)]
+    failed = [e for e in events if isinstance(e, ev.Failed)]
     if failed:
         raise ConfigError(failed[0].message)
-    done = next(e for e in events if isinstance(e, m.Done))
-    ids = [i for e in events if isinstance(e, m.Tokens) for i in e.ids]
-    text = "".join(e.text for e in events if isinstance(e, m.Tokens))
+    done = next(e for e in events if isinstance(e, ev.Done))
+    ids = [i for e in events if isinstance(e, ev.Tokens) for i in e.ids]
+    text = "".join(e.text for e in events if isinstance(e, ev.Tokens))
     generated = list(done.generated_ids) if done.generated_ids is not None else ids
     if args.json:
         print(json.dumps({

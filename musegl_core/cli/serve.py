@@ -26,6 +26,15 @@ def _float(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
 
 
+def _size(text: str) -> int:
+    from musegl_core.engine.kv_sizing import parse_bytes
+
+    try:
+        return parse_bytes(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def build_parser(plugins=None) -> OneLineParser:
     d = ServeConfig()
     p = OneLineParser(prog="musegl serve", description="Serve a Muse Glimmer checkpoint over an OpenAI-compatible HTTP API.")
@@ -50,7 +59,12 @@ def build_parser(plugins=None) -> OneLineParser:
     lim.add_argument("--prefix-cache-entries", type=_int, default=d.prefix_cache_entries, help="prefix snapshots (default 0)")
     lim.add_argument("--evict-idle-sessions", action="store_true", help="evict the least recently used idle session when slots run out")
     lim.add_argument("--streaming-preflight-timeout", type=_float, default=None, metavar="SECONDS", help="bound the wait before streaming headers")
-    lim.add_argument("--kv-blocks", type=_int, default=None, help="KV pool size in blocks (default: enough for every admitted request at --max-context)")
+    lim.add_argument("--kv-blocks", type=_int, default=None, help="KV pool size in blocks (default: sized from memory, see --kv-cache-memory)")
+    lim.add_argument("--kv-cache-memory", type=_size, default=None, metavar="SIZE",
+                     help="memory for the KV cache, e.g. 24GiB; the pool fills it (default: what the limits need, "
+                          "checked against --kv-cache-fraction of the free memory)")
+    lim.add_argument("--kv-cache-fraction", type=_float, default=d.kv_cache_fraction, metavar="F",
+                     help=f"share of the memory free after loading that the KV cache may use (default {d.kv_cache_fraction})")
     proto = p.add_argument_group("protocol")
     proto.add_argument("--tool-parser", default=None, metavar="NAME", help="tool-call parser (e.g. atem, from musegl-atem)")
     proto.add_argument("--api-dialect", default=d.api_dialect, metavar="NAME", help="API dialect: openai (default) or a plugin's (openrouter)")
@@ -93,6 +107,8 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
         device=args.device,
         dtype=args.dtype,
         kv_blocks=args.kv_blocks,
+        kv_cache_memory=args.kv_cache_memory,
+        kv_cache_fraction=args.kv_cache_fraction,
         api_key=args.api_key,
         plugins=tuple(args.plugins) if args.plugins else None,
         extra=extra,

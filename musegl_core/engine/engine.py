@@ -3,13 +3,20 @@
 One engine thread owns the executor. Other threads talk to it only through
 :meth:`Engine.submit` and :meth:`Engine.cancel`, which enqueue commands; the
 loop applies them between steps, so a cancellation takes effect within one
-step. Events (:mod:`musegl_core.worker.messages`) go to the ``emit`` callback.
+step. Events (:mod:`musegl_core.engine.events`) go to the ``emit`` callback.
 
 Every request runs on a session (:mod:`musegl_core.engine.sessions`): its
 named session, or a temporary one for an anonymous request. Requests on the
 same named session run one after another; the next one reuses the KV of the
 longest common prefix of its prompt with the session's transcript (or with a
 snapshot), always executing at least one fresh prompt position.
+
+A step commits 0..k+1 tokens per sequence: a decoding sequence may carry
+draft tokens from a speculator (:mod:`musegl_core.engine.speculator`); the
+engine keeps the sampled tokens the drafts agree with, rolls its length back
+past the rest, and feeds the committed tokens one by one through stops,
+``max_tokens``, detokenization and session bookkeeping, exactly as if they
+had been decoded one per step.
 """
 
 from __future__ import annotations
@@ -21,16 +28,20 @@ from typing import Callable
 
 import attrs
 
+from musegl_core.engine import events as ev
 from musegl_core.engine.detokenize import IncrementalDetokenizer
-from musegl_core.engine.executor import Executor
+from musegl_core.engine.executor import Executor, TokenLogprobs
+from musegl_core.engine.identity import prompt_keys, split_keys
 from musegl_core.engine.kv_pool import KVPool
+from musegl_core.engine.kv_sizing import plan_pool
+from musegl_core.engine.randomness import random_seed
 from musegl_core.engine.replay import ReplayLog, Replayer
 from musegl_core.engine.request import Phase, PreparedRequest, SequenceState
 from musegl_core.engine.scheduler import Scheduler, SchedulerLimits
 from musegl_core.engine.sessions import CapacityError, Session, SessionTable
+from musegl_core.engine.speculator import DraftRequest, NoSpeculator, Speculator, accept
 from musegl_core.engine.stops import StopMatcher
 from musegl_core.errors import ApiError
-from musegl_core.worker import messages as m
 
 log = logging.getLogger("musegl.engine")
 
@@ -45,15 +56,16 @@ class EngineConfig:
     prefix_cache_entries: int = 0
     evict_idle_sessions: bool = False
     kv_blocks: int | None = None
+    kv_cache_memory: int | None = None
+    kv_cache_fraction: float = 0.9
 
     @classmethod
     def from_serve(cls, config) -> "EngineConfig":
         """The engine's part of a :class:`~musegl_core.config.ServeConfig`."""
         return cls(**{field.name: getattr(config, field.name) for field in attrs.fields(cls)})
 
-    def pool_blocks(self, block_size: int) -> int:
-        if self.kv_blocks is not None:
-            return self.kv_blocks
+    def needed_blocks(self, block_size: int) -> int:
+        """Blocks every session slot and snapshot needs to fill its budget."""
         return SessionTable.pool_blocks(
             block_size,
             max_sessions=self.max_sessions,
@@ -95,14 +107,17 @@ class Engine:
         tokenizer,
         config: EngineConfig,
         emit: Callable[[object], None],
+        speculator: Speculator | None = None,
     ):
         self.executor = executor
         self.tokenizer = tokenizer
         self.config = config
         self.emit = emit
+        self.speculator = speculator or NoSpeculator()
         block_size = executor.block_size
-        self.pool = KVPool(config.pool_blocks(block_size), block_size)
+        self.pool = KVPool(plan_pool(config, executor, self.speculator), block_size)
         executor.allocate_kv(self.pool.num_blocks)
+        self.speculator.allocate_kv(self.pool.num_blocks)
         self.sessions = SessionTable(
             self.pool,
             max_sessions=config.max_sessions,
@@ -110,10 +125,14 @@ class Engine:
             snapshots=config.prefix_cache_entries,
             evict_idle=config.evict_idle_sessions,
         )
-        max_step = min(executor.limits.max_step_tokens, config.max_decode_sequences + config.max_prefill_chunk)
+        limits = executor.limits
+        drafts = config.max_decode_sequences * self.speculator.max_draft
+        max_step = min(limits.max_step_tokens, config.max_decode_sequences + drafts + config.max_prefill_chunk)
         self.scheduler = Scheduler(
             self.pool,
-            SchedulerLimits(config.max_decode_sequences, config.max_prefill_chunk, max_step),
+            SchedulerLimits(config.max_decode_sequences, config.max_prefill_chunk, max_step, tuple(limits.step_sizes)),
+            embed=self._embedding,
+            taps=tuple(self.speculator.taps),
         )
         self.end_ids = frozenset(tokenizer.end_of_generation_ids)
         self.replayer = Replayer(tokenizer, self.end_ids)
@@ -123,6 +142,8 @@ class Engine:
         self._next_handle = 0
         self._stopping = False
         self.steps = 0
+        self.drafted_tokens = 0
+        self.accepted_tokens = 0
 
     # -- thread-safe commands ---------------------------------------------------------
     def submit(self, request: PreparedRequest) -> None:
@@ -143,6 +164,8 @@ class Engine:
             "running": len(self._running),
             "waiting": len(self._waiting),
             "steps": self.steps,
+            "drafted_tokens": self.drafted_tokens,
+            "accepted_tokens": self.accepted_tokens,
             **self.sessions.stats(),
         }
 
@@ -188,7 +211,7 @@ class Engine:
     # -- admission -------------------------------------------------------------------
     def _fail(self, request_id: str, error: ApiError) -> None:
         self.emit(
-            m.Failed(request_id, error.status, error.message, error.type, error.code, error.param, dict(error.metadata))
+            ev.Failed(request_id, error.status, error.message, error.type, error.code, error.param, dict(error.metadata))
         )
 
     def _admit(self, request: PreparedRequest) -> None:
@@ -223,20 +246,26 @@ class Engine:
     def _start(self, request: PreparedRequest, session: Session) -> None:
         session.active = True
         session.last_used = time.monotonic()
-        prompt = list(request.prompt_ids)
+        if request.sampling.seed is None:  # every draw is keyed by (seed, position)
+            request = attrs.evolve(request, sampling=attrs.evolve(request.sampling, seed=random_seed()))
+        keys = prompt_keys(request.prompt_ids, request.images)
         if session.name is not None and session.clean:
-            replayed, kept = self.replayer.apply(session.replay, prompt)
+            replayed, kept = self.replayer.apply(session.replay, keys)
             if len(replayed) + (request.max_tokens or 1) <= self.config.max_context:
-                prompt = replayed
-                session.replay.turns = kept
-        reused = self.sessions.attach(session, prompt)  # a dirty session reuses nothing
-        session.clean = True  # its cache now holds exactly ``prompt[:reused]``
+                keys = replayed
+                session.replay = ReplayLog(session.replay.executed, kept)
+        prompt, images = split_keys(keys, request)
+        if images != request.images:
+            request = attrs.evolve(request, images=images)
+        reused = self.sessions.attach(session, keys)  # a dirty session reuses nothing
+        session.clean = True  # its cache now holds exactly ``keys[:reused]``
         max_new = min(request.max_tokens or self.config.max_context, self.config.max_context - len(prompt))
         seq = SequenceState(
             request=request,
             handle=self._next_handle,
             max_new=max_new,
             tokens=prompt,
+            keys=keys,
             prompt_len=len(prompt),
             session=session,
             computed=reused,
@@ -259,8 +288,39 @@ class Engine:
             session.waiting.remove(request)
             self._release_if_unused(session)
 
+    def _embedding(self, seq: SequenceState, index: int):
+        """The embedding rows of the request's ``index``-th image, computed once per request."""
+        rows = seq.embeddings.get(index)
+        if rows is None:
+            rows = seq.embeddings[index] = self.executor.embed_image(seq.request.images[index].image)
+        return rows
+
     # -- one forward -----------------------------------------------------------------
+    def _propose_drafts(self) -> None:
+        """Ask the speculator for drafts for the sequences the next step decodes."""
+        if not self.speculator.max_draft:
+            return
+        requests = []
+        for seq in self.scheduler.decoders():
+            room = min(
+                self.speculator.max_draft,
+                seq.max_new - len(seq.generated) - 1,  # the block commits up to drafts + 1 tokens
+                self.config.max_context - len(seq.tokens),  # the last draft sits at position len(tokens)
+            )
+            seq.drafts = []
+            if room > 0:
+                requests.append(DraftRequest(seq.handle, tuple(seq.tokens), tuple(seq.blocks), room))
+        if not requests:
+            return
+        proposed = self.speculator.propose(requests)
+        by_handle = {r.seq: r for r in requests}
+        for seq in self.scheduler.decoders():
+            request = by_handle.get(seq.handle)
+            if request is not None:
+                seq.drafts = list(proposed.get(seq.handle, ()))[: request.max_draft]
+
     def step(self) -> None:
+        self._propose_drafts()
         planned = self.scheduler.schedule()
         if planned is None:
             return
@@ -268,6 +328,7 @@ class Engine:
         try:
             if copies:
                 self.executor.copy_blocks(copies)
+                self.speculator.copy_blocks(copies)
             output = self.executor.step(step)
         except Exception as exc:  # an executor failure fails this batch, not the worker
             log.exception("executor step failed")
@@ -276,27 +337,62 @@ class Engine:
                 self._fail(seq.id, ApiError(500, f"model execution failed: {exc}", "server_error"))
             return
         self.steps += 1
+        committed_rows: dict[int, int] = {}
         for seq, rows in plan:
-            seq.computed += rows
-            if seq.handle not in output.tokens:
-                continue  # a prefill chunk that did not reach the end of the prompt
+            sampled = output.tokens.get(seq.handle)
             if seq.phase is Phase.PREFILL:
+                seq.computed += rows
+                committed_rows[seq.handle] = rows
+                if not sampled:
+                    continue  # a prefill chunk that did not reach the end of the prompt
                 seq.phase = Phase.DECODE
                 self._prefilled(seq)
-            self._on_token(seq, output.tokens[seq.handle])
+                logprobs = output.logprobs.get(seq.handle) or [None]
+                self._on_token(seq, sampled[-1], logprobs[-1])
+                continue
+            drafts, seq.drafts = seq.drafts, []
+            committed = accept(drafts, sampled) if drafts else list(sampled[-1:])
+            self.drafted_tokens += len(drafts)
+            self.accepted_tokens += len(committed) - 1
+            seq.drafted += len(drafts)
+            seq.accepted += len(committed) - 1
+            committed_rows[seq.handle] = self._commit(seq, committed, output.logprobs.get(seq.handle, []))
+            if seq.phase is not Phase.FINISHED and drafts:
+                self._trim_blocks(seq)
+        self.speculator.observe(step, output, committed_rows)
+
+    def _commit(self, seq: SequenceState, tokens: list[int], logprobs: list[TokenLogprobs]) -> int:
+        """Feed a decode step's committed tokens one by one: each makes the row that
+        preceded it (the pending token, then each accepted draft) part of the cache.
+        Stops at the token that ends the sequence. Returns the rows kept."""
+        kept = 0
+        for i, token in enumerate(tokens):
+            if seq.phase is Phase.FINISHED:
+                break
+            seq.computed += 1
+            kept += 1
+            self._on_token(seq, token, logprobs[i] if i < len(logprobs) else None)
+        return kept
+
+    def _trim_blocks(self, seq: SequenceState) -> None:
+        """Give back blocks that only held rejected draft rows."""
+        keep = self.pool.blocks_for(seq.computed + 1)
+        if len(seq.blocks) > keep:
+            seq.session.slot.truncate(keep)
 
     def _prefilled(self, seq: SequenceState) -> None:
         session = seq.session
-        session.tokens = seq.tokens[: seq.computed]
+        session.tokens = seq.keys[: seq.computed]
         self.sessions.snapshot(session)
-        self.emit(m.Started(seq.id, seq.prompt_len, seq.cached))
+        self.emit(ev.Started(seq.id, seq.prompt_len, seq.cached))
 
-    def _on_token(self, seq: SequenceState, token: int) -> None:
+    def _on_token(self, seq: SequenceState, token: int, logprobs: TokenLogprobs | None = None) -> None:
         request = seq.request
         if request.stream:
             seq.session.confirmed = True  # first raw output confirms a streamed session
         seq.generated.append(token)
         seq.tokens.append(token)
+        seq.keys.append(token)
         eos = token in self.end_ids and not request.ignore_eos
         text, matched = seq.stops.push("" if eos else seq.detokenizer.push(token))
         at_end = eos or len(seq.generated) >= seq.max_new
@@ -308,9 +404,12 @@ class Engine:
                 text += seq.stops.flush()
                 matched = seq.stops.matched
         seq.unreported.append(token)
+        if logprobs is not None:
+            seq.unreported_logprobs.append(logprobs)
         if text:
-            self.emit(m.Tokens(seq.id, tuple(seq.unreported), text))
+            self.emit(ev.Tokens(seq.id, tuple(seq.unreported), text, tuple(seq.unreported_logprobs)))
             seq.unreported.clear()
+            seq.unreported_logprobs.clear()
         if matched is not None:
             self._finish(seq, "stop", matched)
         elif eos:
@@ -325,15 +424,18 @@ class Engine:
         seq.phase = Phase.FINISHED
         self.scheduler.remove(seq)
         self.executor.release_sequence(seq.handle)
+        self.speculator.release_sequence(seq.handle)
         self._running.pop(seq.id, None)
         session = seq.session
         # Positions with K/V in the cache: the prompt and every generated token but the last.
-        session.tokens = seq.tokens[: seq.computed]
+        session.tokens = seq.keys[: seq.computed]
+        if len(session.slot.blocks) > self.pool.blocks_for(seq.computed):
+            session.slot.truncate(self.pool.blocks_for(seq.computed))
         success = reason in ("stop", "length")
         if success:
             session.confirmed = True
             if matched_stop is None:  # a stop-trimmed answer cannot be matched to its ids
-                executed = tuple(seq.tokens[: seq.prompt_len])
+                executed = tuple(seq.keys[: seq.prompt_len])
                 turns = [t for t in session.replay.turns if t[0] < seq.prompt_len]
                 turns.append((seq.prompt_len, self.replayer.turn_ids(seq.generated)))
                 session.replay = ReplayLog(executed, turns)
@@ -352,7 +454,7 @@ class Engine:
             self._start(next_request, session)
         if reason is not None:
             self.emit(
-                m.Done(
+                ev.Done(
                     seq.id,
                     reason,
                     matched_stop,
@@ -360,6 +462,8 @@ class Engine:
                     len(seq.generated),
                     seq.cached,
                     None if matched_stop is not None else tuple(seq.generated),
+                    seq.drafted,
+                    seq.accepted,
                 )
             )
 

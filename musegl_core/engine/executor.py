@@ -1,11 +1,26 @@
-"""The executor contract: what the engine asks of a model backend.
+"""The executor contract (v2): what the engine asks of a model backend.
 
 The engine never touches tensors. It hands the executor a :class:`Step`, a
 packed list of :class:`SeqChunk` objects, and gets back a :class:`StepOutput`.
 The KV cache is *off-graph and paged*: the engine's :class:`~musegl_core.engine.kv_pool.KVPool`
 decides which block ids a sequence owns; the executor only stores and reads
-the K/V tensors those ids index. ``docs/executor.md`` explains why the contract
-has this shape (CUDA graphs, DFlash verification, MLX).
+the K/V tensors those ids index. ``docs/executor.md`` is the reference for
+plugin authors; this module is its code.
+
+What a step can carry, per sequence:
+
+* **token rows** (ids looked up in the embedding table) and **embedding rows**
+  (:class:`EmbeddingSpan`: rows a backend computed earlier, e.g. image
+  features from :meth:`Executor.embed_image`);
+* a request to **sample** the next token after each of the last ``sample``
+  rows. One sampled row is an ordinary decode or the end of a prefill;
+  ``k + 1`` sampled rows verify ``k`` draft tokens (the engine keeps the
+  longest prefix the target agrees with, see :mod:`musegl_core.engine.speculator`);
+* what the sampler needs to do that batched on the device: the sequence's
+  :class:`SamplingParams`, one uniform random number per sampled row (keyed by
+  the request's seed and the row's absolute position, so a draw never depends
+  on the batch), optional allowed-token bitmasks (grammar processors) and the
+  ids the penalties count.
 """
 
 from __future__ import annotations
@@ -17,22 +32,40 @@ import attrs
 
 @attrs.frozen
 class SamplingParams:
-    """Per-sequence sampling, applied inside the executor.
+    """Per-sequence sampling, applied batched inside the executor.
 
-    ``temperature == 0`` means greedy (argmax, lowest index wins ties).
-    ``top_k == 0`` and ``top_p == 1`` disable those filters. ``seed`` makes the
-    sequence's draws reproducible whatever else is in the batch: the executor
-    keeps one random generator per sequence, seeded from it.
+    The executor applies, in this order, to the float32 logits of a sampled
+    row: ``logit_bias`` (added), ``repetition_penalty`` (every id of the
+    prompt and the generated text: positive logits divided, negative
+    multiplied), ``frequency_penalty`` and ``presence_penalty`` (subtracted per
+    occurrence / once, counting generated ids only), the allowed-token masks
+    (disallowed ids become ``-inf``), then temperature, ``top_k``, ``top_p``
+    and ``min_p``, and draws by inverse CDF with the row's uniform number.
+
+    ``temperature == 0`` (or ``top_k == 1``) means greedy: argmax, lowest id on
+    ties, after bias, penalties and masks. ``top_k == 0``, ``top_p == 1`` and
+    ``min_p == 0`` disable those filters. ``seed`` keys the random numbers; the
+    engine gives every request without one a random seed at admission.
     """
 
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
     seed: int | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
     @property
     def greedy(self) -> bool:
-        return self.temperature <= 0.0
+        return self.temperature <= 0.0 or self.top_k == 1
+
+    @property
+    def penalized(self) -> bool:
+        """True when a penalty needs the sequence's token history."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
 
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -50,6 +83,41 @@ class ModelInfo:
     dtype: str
     backend: str
     demo: bool = False
+    vision: bool = False  # the executor can encode images (embed_image)
+
+
+@attrs.frozen
+class PromptImage:
+    """One preprocessed image of a prompt, ready for :meth:`Executor.embed_image`.
+
+    ``pixels`` is backend-neutral (a numpy array of normalized patches, as the
+    preprocessing produced it); ``rows`` is the number of embedding rows it
+    becomes (the ``<|patch|>`` placeholders it occupies in the prompt);
+    ``digest`` identifies its content (sessions and prefix reuse compare it
+    instead of the placeholder ids); ``grid`` is the patch grid (height,
+    width) the vision tower needs.
+    """
+
+    digest: str
+    rows: int
+    pixels: Any = None
+    grid: tuple[int, int] = (0, 0)
+
+
+@attrs.frozen
+class EmbeddingSpan:
+    """Rows of a chunk whose decoder input comes from a computed embedding.
+
+    Chunk rows ``offset .. offset+count-1`` take rows ``first .. first+count-1``
+    of ``embedding`` (what :meth:`Executor.embed_image` returned) as their input
+    hidden state *instead of* the normed token embedding; their token ids in the
+    chunk are placeholders and are not looked up.
+    """
+
+    offset: int
+    count: int
+    embedding: Any
+    first: int = 0
 
 
 @attrs.define
@@ -59,58 +127,113 @@ class SeqChunk:
     ``positions[i]`` is the absolute position of ``tokens[i]``; positions of
     one chunk are consecutive. ``blocks`` is the sequence's block table: block
     ``blocks[p // block_size]`` holds the K/V of position ``p`` for every
-    position the chunk reads (``0 .. positions[-1]``) or writes.
+    position the chunk reads (``0 .. positions[-1]``) or writes. A chunk whose
+    first position is past 0 continues a sequence whose earlier positions are
+    already in the cache (written by earlier steps, or shared from another
+    sequence's blocks): the executor reads them, never recomputes them.
 
-    ``sample`` asks for one sampled token after the chunk's last row (the end
-    of a prefill, or a decode step). ``want_logits`` asks for the float32
-    logits of the last row as well (``generate --json --logits``, tests,
-    speculative verification). ``logit_rows`` asks for the logits of every row
-    of the chunk (DFlash block verification, parity tests).
+    ``sample`` is the number of trailing rows after which a token is sampled
+    (0: none; 1: the end of a prefill or a decode step; ``k + 1``: a block of
+    ``k`` draft tokens being verified). ``True`` means 1. For sampled row ``j``
+    (counting from the first sampled row), ``uniforms[j]`` is its random number
+    in [0, 1), ``masks[j]`` its allowed-token bitmask or None (a numpy uint32
+    array of ``ceil(vocab/32)`` words: bit ``i % 32`` of word ``i // 32`` set
+    means id ``i`` is allowed), and ``history`` plus the chunk's own tokens up
+    to that row are the ids the penalties count (``prompt_len`` of them are
+    the prompt, counted only by the repetition penalty).
+
+    ``logprobs`` asks, for every sampled row, the log-probability of the chosen
+    id and of the ``logprobs`` most likely ids (-1: none). ``want_logits`` asks
+    the float32 logits of the last row as well; ``logit_rows`` those of every
+    row (parity tests, other verifiers).
     """
 
     seq: int
     tokens: Sequence[int]
     positions: Sequence[int]
     blocks: Sequence[int]
-    sample: bool = False
+    sample: int = 0
     sampling: SamplingParams = GREEDY
+    uniforms: Sequence[float] = ()
+    masks: Sequence[Any] = ()
+    history: Sequence[int] = ()
+    prompt_len: int = 0
+    logprobs: int = -1
+    embeds: Sequence[EmbeddingSpan] = ()
     want_logits: bool = False
     logit_rows: bool = False
 
     def __attrs_post_init__(self) -> None:
         if len(self.tokens) != len(self.positions) or not self.tokens:
             raise ValueError("a chunk needs one position per token and at least one token")
+        self.sample = int(self.sample)
+        if not 0 <= self.sample <= len(self.tokens):
+            raise ValueError(f"sample={self.sample} must lie in 0..{len(self.tokens)} (the chunk's rows)")
+        for span in self.embeds:
+            if span.offset < 0 or span.count < 1 or span.offset + span.count > len(self.tokens):
+                raise ValueError("an embedding span must lie inside its chunk")
+
+    @property
+    def sampled_rows(self) -> range:
+        """Indices (into the chunk) of the rows after which a token is sampled."""
+        return range(len(self.tokens) - self.sample, len(self.tokens))
 
 
 @attrs.define
 class Step:
     """A packed forward over several sequences.
 
-    ``taps`` names decoder layers whose *input* residual (the output of the
-    previous layer, GGUF convention) is returned for every row, for drafts
-    such as DFlash. An empty tuple means no taps.
+    ``width`` is the number of rows the executor should run: at least
+    :attr:`num_tokens`; more when the scheduler padded a decode-only step up
+    to one of :attr:`ExecutorLimits.step_sizes` (the executor adds padding
+    rows that write no cache and sample nothing). ``taps`` names decoder
+    layers whose *input* residual (the output of the previous layer, GGUF
+    convention; ``num_layers`` is the last layer's output) is returned for
+    every row, for drafts such as DFlash.
     """
 
     chunks: list[SeqChunk]
     taps: tuple[int, ...] = ()
+    width: int = 0
+
+    def __attrs_post_init__(self) -> None:
+        self.width = max(self.width, self.num_tokens)
 
     @property
     def num_tokens(self) -> int:
         return sum(len(c.tokens) for c in self.chunks)
+
+    @property
+    def decode_only(self) -> bool:
+        return all(c.sample == len(c.tokens) for c in self.chunks)
+
+
+@attrs.frozen
+class TokenLogprobs:
+    """The log-probability of a sampled id and the most likely alternatives
+    (ids and log-probabilities, most likely first), under the distribution the
+    id was drawn from (after bias, penalties, masks and temperature; before
+    top-k/top-p/min-p truncation)."""
+
+    logprob: float
+    top_ids: tuple[int, ...] = ()
+    top_logprobs: tuple[float, ...] = ()
 
 
 @attrs.define
 class StepOutput:
     """What a step returns, keyed by sequence handle.
 
-    ``tokens`` has an entry for every chunk with ``sample``; ``logits`` for
-    every chunk with ``want_logits`` (shape ``(vocab,)``) or ``logit_rows``
-    (shape ``(rows, vocab)``); ``hidden`` maps a sequence to an array of shape
-    ``(len(taps), rows, hidden)``. Arrays are backend-native (torch, mlx) or
-    numpy; the engine only passes them through.
+    ``tokens[seq]`` lists the sampled ids of a chunk with ``sample > 0``, one
+    per sampled row in row order; ``logprobs[seq]`` likewise when asked.
+    ``logits`` has an entry for every chunk with ``want_logits`` (shape
+    ``(vocab,)``) or ``logit_rows`` (shape ``(rows, vocab)``); ``hidden`` maps
+    a sequence to an array of shape ``(len(taps), rows, hidden)``. Arrays are
+    backend-native (torch, mlx) or numpy; the engine only passes them on.
     """
 
-    tokens: dict[int, int] = attrs.field(factory=dict)
+    tokens: dict[int, list[int]] = attrs.field(factory=dict)
+    logprobs: dict[int, list[TokenLogprobs]] = attrs.field(factory=dict)
     logits: dict[int, Any] = attrs.field(factory=dict)
     hidden: dict[int, Any] = attrs.field(factory=dict)
 
@@ -119,23 +242,37 @@ class StepOutput:
 class ExecutorLimits:
     """Shape limits an executor announces so the scheduler packs steps it can run.
 
-    ``step_sizes`` lists fixed step widths (in tokens) the backend has
-    precompiled (CUDA graphs); an empty tuple means any width. The scheduler
-    never exceeds ``max_step_tokens`` per step.
+    ``step_sizes`` lists fixed step widths (rows) the backend has precompiled
+    (CUDA graphs), ascending. The scheduler pads a decode-only step up to the
+    smallest listed width that holds it (``Step.width``); a step wider than
+    the largest, or one that carries prefill rows, runs at its own width (the
+    dynamic path). An empty tuple means any width. The scheduler never puts
+    more than ``max_step_tokens`` rows into one step.
     """
 
     max_step_tokens: int = 4096
     step_sizes: tuple[int, ...] = ()
+
+    def padded_width(self, rows: int) -> int:
+        """The width a decode-only step of ``rows`` rows runs at."""
+        for size in self.step_sizes:
+            if size >= rows:
+                return size
+        return rows
 
 
 @runtime_checkable
 class Executor(Protocol):
     """A model backend. Created by an executor plugin's factory in the worker.
 
-    Lifecycle: the worker creates the executor (weights load, with progress),
-    reads :attr:`info`, asks :meth:`kv_bytes_per_block` to size the pool, then
-    calls :meth:`allocate_kv` once. After that only :meth:`step` and
-    :meth:`copy_blocks` are called, from one engine thread.
+    Lifecycle (all calls from one thread at a time; after start-up, only the
+    engine thread): the factory loads the weights (reporting progress); the
+    worker reads :attr:`info`, :attr:`block_size` and :attr:`limits`, sizes the
+    pool from :meth:`kv_bytes_per_block` and :meth:`kv_memory_available`, then
+    calls :meth:`allocate_kv` once. After that only :meth:`step`,
+    :meth:`copy_blocks`, :meth:`embed_image` and :meth:`release_sequence` are
+    called, until :meth:`close`. There is no warm-up call: do warm-up (graph
+    capture) inside :meth:`allocate_kv`.
     """
 
     info: ModelInfo
@@ -145,19 +282,31 @@ class Executor(Protocol):
     def kv_bytes_per_block(self) -> int:
         """Bytes one KV block costs across all layers (K and V)."""
 
+    def kv_memory_available(self) -> int | None:
+        """Bytes the KV cache may take on this backend now (weights loaded), or
+        None when the backend cannot tell (the pool is then sized from the
+        limits alone)."""
+
     def allocate_kv(self, num_blocks: int) -> None:
         """Allocate the paged KV storage for ``num_blocks`` blocks."""
 
     def step(self, step: Step) -> StepOutput:
         """Run one packed forward, write K/V into the chunks' blocks, sample."""
 
+    def embed_image(self, image: PromptImage) -> Any:
+        """The ``image.rows`` embedding rows of a preprocessed image (backend
+        array ``(rows, hidden)``), to be placed into steps as
+        :class:`EmbeddingSpan`. Raise ``ValueError`` when the model cannot see
+        images (``info.vision`` is False)."""
+
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
         """Copy the K/V contents of block ``src`` into block ``dst`` for each pair
         (copy-on-write when a shared prefix block is about to be written)."""
 
     def release_sequence(self, seq: int) -> None:
-        """Forget per-sequence state (the sampling generator). Blocks are not
-        touched: the engine owns block lifetime."""
+        """Forget any per-sequence state. Called once when the sequence ends
+        (finished, cancelled or failed). Blocks are not touched: the engine
+        owns block lifetime."""
 
     def close(self) -> None:
         """Free device memory. The executor is not used afterwards."""

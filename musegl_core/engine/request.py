@@ -1,18 +1,87 @@
-"""A request as the engine runs it, and the events it produces."""
+"""A request as the engine sees it: what arrives, how it is prepared, how it runs.
+
+* :class:`PromptSegment` and :class:`GenerateRequest` are what the front sends
+  (a rendered prompt in segments, limits and sampling);
+* :class:`PreparedRequest` is the same request after the worker's control
+  thread prepared it once (tokenized, images preprocessed, seed fixed);
+* :class:`SequenceState` is the engine's running state of one request.
+
+The events a request produces are in :mod:`musegl_core.engine.events`;
+:mod:`musegl_core.worker.messages` only frames these types on the wire.
+"""
 
 from __future__ import annotations
 
 import enum
-from typing import Sequence
+from typing import Any, Protocol, Sequence
 
 import attrs
 
-from musegl_core.engine.executor import SamplingParams
+from musegl_core.engine.executor import PromptImage, SamplingParams
+
+
+@attrs.frozen
+class PromptSegment:
+    """A piece of the prompt: text, or token ids.
+
+    Exactly one of ``text`` and ``token_ids`` is set. With ``special=True`` the
+    special-token strings written in ``text`` (``<|start|>``) become their
+    single ids; with ``special=False`` (text a client typed) they stay literal
+    text, so a user who types ``<|eot|>`` never injects a control token."""
+
+    text: str | None = None
+    token_ids: tuple[int, ...] | None = None
+    special: bool = True
+
+
+@attrs.frozen
+class GenerateRequest:
+    """A generation request as the front sends it to the worker."""
+
+    id: str
+    prompt: tuple[PromptSegment, ...]
+    max_tokens: int | None = None
+    sampling: SamplingParams = SamplingParams()
+    stop: tuple[str, ...] = ()  # request stops (win over template stops)
+    template_stops: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    session_id: str | None = None
+    add_bos: bool = True  # False: the prompt is used exactly as given (musegl generate)
+    stream: bool = False  # a streamed request confirms a new session on its first output
+    logprobs: int = -1  # top alternatives per generated token (-1: no logprobs)
+
+
+class LogitsProcessor(Protocol):
+    """A per-sequence constraint on the next token (a grammar, a forced call).
+
+    Called on the engine thread before every step that samples for the
+    sequence, once per sampled row: ``generated`` is the sequence's generated
+    ids so far (for a verified draft block, followed by the drafts before that
+    row). Returns an allowed-token bitmask (numpy uint32, ``ceil(vocab/32)``
+    words, bit ``i % 32`` of word ``i // 32`` allows id ``i``) or None when any
+    token is allowed. The executor applies the masks of all rows batched.
+    Keep it fast: it runs between steps.
+    """
+
+    def mask(self, generated: Sequence[int]) -> Any: ...
+
+
+@attrs.frozen
+class PlacedImage:
+    """An image of a prompt: its rows are ``prompt_ids[start : start + image.rows]``."""
+
+    start: int
+    image: PromptImage
 
 
 @attrs.frozen
 class PreparedRequest:
-    """A tokenized request, ready for the scheduler (prepared on the control thread)."""
+    """A request prepared once on the worker's control thread, ready for the engine.
+
+    ``prompt_ids`` holds the placeholder id on image rows; ``images`` says
+    where each image sits. ``sampling.seed`` is always set (a random one when
+    the client gave none), so every draw is keyed by (seed, position).
+    """
 
     id: str
     prompt_ids: tuple[int, ...]
@@ -24,6 +93,9 @@ class PreparedRequest:
     session_id: str | None = None
     add_bos: bool = True
     stream: bool = False
+    images: tuple[PlacedImage, ...] = ()
+    processors: tuple[Any, ...] = ()  # LogitsProcessor objects
+    logprobs: int = -1
 
 
 class Phase(enum.Enum):
@@ -36,9 +108,12 @@ class Phase(enum.Enum):
 class SequenceState:
     """Engine state of one running request.
 
-    ``tokens`` is the prompt followed by the generated ids; ``computed`` counts
-    the positions whose K/V are in the cache. In decode, the last token is the
-    one not yet computed: each step feeds it and samples the next.
+    ``tokens`` is the prompt followed by the generated ids, as the executor
+    is fed (image rows hold their placeholder id); ``keys`` is the same list
+    with image rows replaced by identities derived from the image's digest,
+    which is what sessions compare for prefix reuse. ``computed`` counts the
+    positions whose K/V are in the cache. In decode, the last token is the
+    one not yet computed: each step feeds it (plus any drafts) and samples.
     """
 
     request: PreparedRequest
@@ -46,17 +121,25 @@ class SequenceState:
     max_new: int
     tokens: list[int]
     session: object  # musegl_core.engine.sessions.Session: owns the slot and its blocks
+    keys: list[int] = None  # type: ignore[assignment]  # default: a copy of ``tokens`` (no images)
     prompt_len: int = 0  # the executed prompt (after generated-token replay)
     computed: int = 0
     cached: int = 0
     generated: list[int] = attrs.field(factory=list)
     unreported: list[int] = attrs.field(factory=list)  # ids whose text is still held back
+    unreported_logprobs: list = attrs.field(factory=list)
     phase: Phase = Phase.PREFILL
-    started: bool = False
-    cancelled: bool = False
     decode_turns: int = 0
+    drafts: list[int] = attrs.field(factory=list)  # proposed for the next step
+    drafted: int = 0  # drafts proposed and accepted over the request (speculative decoding)
+    accepted: int = 0
+    embeddings: dict[int, Any] = attrs.field(factory=dict)  # image start -> computed rows
     detokenizer: object = None
     stops: object = None
+
+    def __attrs_post_init__(self) -> None:
+        if self.keys is None:
+            self.keys = list(self.tokens)
 
     @property
     def id(self) -> str:
@@ -65,7 +148,6 @@ class SequenceState:
     @property
     def blocks(self) -> list[int]:
         return self.session.slot.blocks
-
 
     def pending(self) -> Sequence[int]:
         return self.tokens[self.computed :]

@@ -7,14 +7,27 @@ shared first-come first-served among prefilling sequences. Decoders therefore
 keep their cadence while a long prompt prefills, and a long prompt advances
 by a chunk every step while others decode. Requests join and leave between
 steps.
+
+A decoding sequence with drafts (``SequenceState.drafts``, from a speculator)
+sends its pending token and the drafts as one chunk that samples after every
+row. A step that only decodes is padded up to the executor's next
+``step_sizes`` width (``Step.width``), so a backend can replay a graph
+captured for that width.
+
+The scheduler also fills in what the executor's sampler needs per sampled
+row: the position-keyed random number, the processors' masks, the penalty
+history, and the embedding rows of images the chunk covers.
 """
 
 from __future__ import annotations
 
+from typing import Any, Callable
+
 import attrs
 
-from musegl_core.engine.executor import SeqChunk, Step
+from musegl_core.engine.executor import EmbeddingSpan, ExecutorLimits, SeqChunk, Step
 from musegl_core.engine.kv_pool import KVPool
+from musegl_core.engine.randomness import uniform
 from musegl_core.engine.request import Phase, SequenceState
 
 
@@ -23,12 +36,24 @@ class SchedulerLimits:
     max_decode_sequences: int = 4
     max_prefill_chunk: int = 512
     max_step_tokens: int = 4096
+    step_sizes: tuple[int, ...] = ()
+
+    @property
+    def executor(self) -> ExecutorLimits:
+        return ExecutorLimits(self.max_step_tokens, self.step_sizes)
+
+
+#: ``embed(seq, placed_image_index)`` returns the image's embedding rows (computed once per request).
+EmbedFn = Callable[[SequenceState, int], Any]
 
 
 class Scheduler:
-    def __init__(self, pool: KVPool, limits: SchedulerLimits):
+    def __init__(self, pool: KVPool, limits: SchedulerLimits, embed: EmbedFn | None = None,
+                 taps: tuple[int, ...] = ()):
         self.pool = pool
         self.limits = limits
+        self.embed = embed
+        self.taps = taps
         self.running: list[SequenceState] = []
 
     # -- membership ------------------------------------------------------------------
@@ -44,6 +69,12 @@ class Scheduler:
     def idle(self) -> bool:
         return not self.running
 
+    def decoders(self) -> list[SequenceState]:
+        """The decoding sequences the next step will carry (fair rotation)."""
+        decoders = [s for s in self.running if s.phase is Phase.DECODE]
+        decoders.sort(key=lambda s: s.decode_turns)
+        return decoders[: min(self.limits.max_decode_sequences, self.limits.max_step_tokens)]
+
     # -- step planning ---------------------------------------------------------------
     def _prepare_blocks(self, seq: SequenceState, start: int, end: int, copies: list) -> None:
         """Make the block table cover positions ``start .. end-1`` for writing:
@@ -57,17 +88,55 @@ class Scheduler:
         while len(slot.blocks) < self.pool.blocks_for(end):
             slot.blocks.append(slot.take_block())
 
-    def _chunk(self, seq: SequenceState, count: int, sample: bool, copies: list) -> SeqChunk:
+    def _embeds(self, seq: SequenceState, start: int, count: int) -> list[EmbeddingSpan]:
+        spans = []
+        for index, placed in enumerate(seq.request.images):
+            lo, hi = max(start, placed.start), min(start + count, placed.start + placed.image.rows)
+            if lo < hi:
+                if self.embed is None:
+                    raise RuntimeError("a prompt with images needs an embed function")
+                spans.append(EmbeddingSpan(lo - start, hi - lo, self.embed(seq, index), lo - placed.start))
+        return spans
+
+    def _chunk(self, seq: SequenceState, count: int, sample: int, copies: list, drafts=()) -> SeqChunk:
+        """The next ``count`` rows of ``seq`` (its pending rows, then ``drafts``)."""
         start = seq.computed
         self._prepare_blocks(seq, start, start + count, copies)
+        request = seq.request
+        tokens = seq.tokens[start : start + count - len(drafts)] + list(drafts)
+        params = request.sampling
+        first_sampled = count - sample
+        uniforms, masks = [], []
+        for j in range(sample):
+            row = first_sampled + j
+            uniforms.append(uniform(params.seed or 0, start + row + 1))  # keyed by the drawn position
+            if request.processors:
+                masks.append(self._mask(seq, tokens[count - sample + 1 : row + 1]))
         return SeqChunk(
             seq=seq.handle,
-            tokens=seq.tokens[start : start + count],
+            tokens=tokens,
             positions=list(range(start, start + count)),
             blocks=list(seq.blocks),
             sample=sample,
-            sampling=seq.request.sampling,
+            sampling=params,
+            uniforms=uniforms,
+            masks=masks,
+            history=seq.tokens[:start] if params.penalized and sample else (),
+            prompt_len=seq.prompt_len,
+            logprobs=request.logprobs if sample else -1,
+            embeds=self._embeds(seq, start, count) if request.images else (),
         )
+
+    @staticmethod
+    def _mask(seq: SequenceState, drafts_before: list[int]) -> Any:
+        """The AND of the processors' masks for the next token after ``drafts_before``."""
+        generated = seq.generated + list(drafts_before) if drafts_before else seq.generated
+        combined = None
+        for processor in seq.request.processors:
+            mask = processor.mask(generated)
+            if mask is not None:
+                combined = mask if combined is None else combined & mask
+        return combined
 
     def schedule(self) -> tuple[Step, list[tuple[SequenceState, int]], list[tuple[int, int]]] | None:
         """Plan the next forward: the step, (sequence, rows) pairs, and the
@@ -78,14 +147,16 @@ class Scheduler:
         chunks: list[SeqChunk] = []
         copies: list[tuple[int, int]] = []
 
-        decoders = [s for s in self.running if s.phase is Phase.DECODE]
-        # Fair rotation when more sequences decode than one step may carry.
-        decoders.sort(key=lambda s: s.decode_turns)
-        for seq in decoders[: min(limits.max_decode_sequences, budget)]:
-            chunks.append(self._chunk(seq, 1, sample=True, copies=copies))
-            plan.append((seq, 1))
+        for seq in self.decoders():
+            if budget < 1:
+                break
+            drafts = seq.drafts[: budget - 1]
+            seq.drafts = drafts
+            rows = 1 + len(drafts)
+            chunks.append(self._chunk(seq, rows, sample=rows, copies=copies, drafts=drafts))
+            plan.append((seq, rows))
             seq.decode_turns += 1
-            budget -= 1
+            budget -= rows
 
         prefill_budget = min(limits.max_prefill_chunk, budget)
         for seq in self.running:
@@ -95,9 +166,12 @@ class Scheduler:
                 continue
             remaining = len(seq.tokens) - seq.computed
             count = min(remaining, prefill_budget)
-            chunks.append(self._chunk(seq, count, sample=count == remaining, copies=copies))
+            chunks.append(self._chunk(seq, count, sample=int(count == remaining), copies=copies))
             plan.append((seq, count))
             prefill_budget -= count
         if not chunks:
             return None
-        return Step(chunks=chunks), plan, copies
+        step = Step(chunks=chunks, taps=self.taps)
+        if limits.step_sizes and step.decode_only:
+            step.width = limits.executor.padded_width(step.num_tokens)
+        return step, plan, copies

@@ -55,11 +55,16 @@ def musegl_executors() -> list:
 def musegl_speculators() -> list:
     """Return speculative-decoding strategies as ``SpeculatorSpec`` objects.
 
-    A speculator wraps an executor's decode: ``SpeculatorSpec.create(executor,
-    options)`` returns an object that proposes draft tokens from the target's
-    tapped hidden states and verifies them with one packed target step
-    (``SeqChunk.logit_rows``). Called in the worker. Enabled by a CLI flag the
-    plugin adds itself (``--dflash``).
+    Called in the worker once the executor is loaded:
+    ``SpeculatorSpec.create(executor, options)`` returns a
+    :class:`musegl_core.engine.speculator.Speculator` when the user enabled it
+    through a flag the plugin adds itself (``--dflash DRAFT``), else None.
+    The engine asks it for draft tokens before each step, verifies them in
+    the same target step (the target samples after every draft row with the
+    request's own sampling) and keeps the agreeing prefix, so the output is
+    identical with or without the speculator. It sees the tapped hidden
+    states of every step (``Speculator.taps``) and keeps any per-position
+    state in the engine's block ids. See docs/executor.md.
     """
 
 

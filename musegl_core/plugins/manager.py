@@ -120,6 +120,18 @@ class PluginManager:
             )
         return max(candidates, key=lambda s: (s.priority, s.name))
 
+    def create_speculator(self, executor: Any, options: Any) -> Any:
+        """The speculator a loaded plugin enables for these options (its own flag
+        set), or None. Two enabled at once is a configuration error."""
+        created = []
+        for name, spec in sorted(self.specs("speculators").items()):
+            speculator = spec.create(executor, options)
+            if speculator is not None:
+                created.append((name, speculator))
+        if len(created) > 1:
+            raise ConfigError(f"only one speculator can be enabled, got {', '.join(n for n, _ in created)}")
+        return created[0][1] if created else None
+
     def add_serve_options(self, parser) -> None:
         for name, plugin in self.pm.list_name_plugin():
             impl = getattr(plugin, "musegl_serve_options", None)

@@ -38,6 +38,17 @@ class ExecutorSpec:
 
 @attrs.frozen
 class SpeculatorSpec:
+    """A named drafting strategy (speculative decoding).
+
+    ``create(executor, options)`` runs in the worker after the executor is
+    loaded, with the same :class:`ExecutorOptions` (``options.extra`` holds
+    the plugin's own flags). It returns an object implementing
+    :class:`musegl_core.engine.speculator.Speculator`, or None when the
+    user did not enable it (its flag is unset). Raise
+    :class:`musegl_core.errors.ConfigError` with one line when the flags ask
+    for something impossible (a draft that does not fit the target).
+    """
+
     name: str
     description: str
     create: Callable[..., Any]

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import argparse
 import json
+
+import attrs
 import logging
 import os
 import sys
@@ -25,7 +27,8 @@ from typing import BinaryIO
 
 from musegl_core.config import ServeConfig
 from musegl_core.engine.engine import Engine, EngineConfig
-from musegl_core.engine.request import PreparedRequest
+from musegl_core.engine.randomness import random_seed
+from musegl_core.engine.request import GenerateRequest, PreparedRequest
 from musegl_core.errors import ApiError, ConfigError
 from musegl_core.worker import messages as m
 from musegl_core.worker.client import config_converter
@@ -56,8 +59,10 @@ class EventWriter:
             self.stream.flush()
 
 
-def prepare(request: m.Generate, tokenizer) -> PreparedRequest:
-    """Tokenize the prompt segments (control thread)."""
+def prepare(request: GenerateRequest, tokenizer) -> PreparedRequest:
+    """Prepare a request once, on the control thread: tokenize the prompt
+    segments, check the ids, fix the seed (a random one when none was given,
+    so every draw is keyed by seed and position)."""
     try:
         ids = tokenizer.encode_segments(request.prompt, add_bos=request.add_bos)
     except Exception as exc:
@@ -67,17 +72,21 @@ def prepare(request: m.Generate, tokenizer) -> PreparedRequest:
     vocab = tokenizer.vocab_size
     if any(not 0 <= i < vocab for i in ids):
         raise ApiError(400, f"prompt token ids must be in [0, {vocab})", "invalid_request_error")
+    sampling = request.sampling
+    if sampling.seed is None:
+        sampling = attrs.evolve(sampling, seed=random_seed())
     return PreparedRequest(
         id=request.id,
         prompt_ids=tuple(ids),
         max_tokens=request.max_tokens,
-        sampling=request.sampling,
+        sampling=sampling,
         stop=request.stop,
         template_stops=request.template_stops,
         ignore_eos=request.ignore_eos,
         session_id=request.session_id,
         add_bos=request.add_bos,
         stream=request.stream,
+        logprobs=request.logprobs,
     )
 
 
@@ -109,7 +118,8 @@ def control_loop(stdin: BinaryIO, engine: Engine, tokenizer, writer: EventWriter
 
 
 def load(config: ServeConfig):
-    """Load tokenizer and executor for ``config`` (with a progress bar)."""
+    """Load tokenizer, executor and speculator (if a plugin enables one) for
+    ``config``, with a progress bar."""
     from musegl_core.plugins.manager import PluginManager
     from musegl_core.plugins.specs import ExecutorOptions
     from musegl_core.progress import loading_progress
@@ -119,28 +129,23 @@ def load(config: ServeConfig):
     spec = plugins.choose_executor(config.executor)
     tokenizer = MuseTokenizer.load(config.model)
     with loading_progress(f"loading {os.path.basename(config.model)} ({spec.name})") as progress:
-        executor = spec.create(
-            ExecutorOptions(
-                model=config.model,
-                device=config.device,
-                dtype=config.dtype,
-                demo=config.demo,
-                progress=progress,
-                extra=dict(config.extra),
-            )
+        options = ExecutorOptions(
+            model=config.model,
+            device=config.device,
+            dtype=config.dtype,
+            demo=config.demo,
+            progress=progress,
+            extra=dict(config.extra),
         )
-    return tokenizer, executor
+        executor = spec.create(options)
+        speculator = plugins.create_speculator(executor, options)
+    return tokenizer, executor, speculator
 
 
 def serve(config: ServeConfig, stdin: BinaryIO, stdout: BinaryIO) -> None:
-    tokenizer, executor = load(config)
+    tokenizer, executor, speculator = load(config)
     writer = EventWriter(stdout)
-    engine = Engine(
-        executor,
-        tokenizer,
-        EngineConfig.from_serve(config),
-        writer,
-    )
+    engine = Engine(executor, tokenizer, EngineConfig.from_serve(config), writer, speculator)
     engine_thread = threading.Thread(target=engine.run_forever, name="musegl-engine", daemon=True)
     engine_thread.start()
     writer(

@@ -1,4 +1,9 @@
-"""Messages between the front and the worker, one JSON object per line.
+"""Framing of the messages between the front and the worker, one JSON object per line.
+
+The domain types (the request, its prompt segments, the events it produces)
+live in :mod:`musegl_core.engine.request` and :mod:`musegl_core.engine.events`;
+this module only adds the process-level messages (cancel, stats, ready) and
+turns all of them into frames and back.
 
 Each frame is a JSON object whose ``op`` names its class. Requests travel
 front → worker, events worker → front, multiplexed by request ``id``.
@@ -14,39 +19,16 @@ from typing import Any, Union
 import attrs
 import cattrs
 
-from musegl_core.engine.executor import ModelInfo, SamplingParams
+from musegl_core.engine.events import Done, Failed, Started, Tokens
+from musegl_core.engine.executor import ModelInfo
+from musegl_core.engine.request import GenerateRequest, PromptSegment
 
 MAX_EVENT_FRAME = 1 << 20  # 1 MiB, newline included
 
 
 # -- front → worker -----------------------------------------------------------------
-@attrs.frozen
-class PromptSegment:
-    """A piece of the prompt: text, or token ids.
-
-    Exactly one of ``text`` and ``token_ids`` is set. With ``special=True`` the
-    special-token strings written in ``text`` (``<|start|>``) become their
-    single ids; with ``special=False`` (text a client typed) they stay literal
-    text, so a user who types ``<|eot|>`` never injects a control token.
-    Image segments join in the vision issue."""
-
-    text: str | None = None
-    token_ids: tuple[int, ...] | None = None
-    special: bool = True
-
-
-@attrs.frozen
-class Generate:
-    id: str
-    prompt: tuple[PromptSegment, ...]
-    max_tokens: int | None = None
-    sampling: SamplingParams = SamplingParams()
-    stop: tuple[str, ...] = ()  # request stops (win over template stops)
-    template_stops: tuple[str, ...] = ()
-    ignore_eos: bool = False
-    session_id: str | None = None
-    add_bos: bool = True  # False: the prompt is used exactly as given (musegl generate)
-    stream: bool = False  # a streamed request confirms a new session on its first output
+#: A generation request (defined with the engine's domain types).
+Generate = GenerateRequest
 
 
 @attrs.frozen
@@ -78,62 +60,18 @@ class Ready:
 
 
 @attrs.frozen
-class Started:
-    """Generation is ready: the prompt is prefilled (headers may be sent)."""
-
-    id: str
-    prompt_tokens: int
-    cached_tokens: int = 0
-
-
-@attrs.frozen
-class Tokens:
-    """Newly generated token ids and the text they completed (special tokens
-    written out; EOS excluded; text held back while it may start a stop).
-
-    ``ids`` holds every id generated since the previous ``Tokens`` event, so
-    the ids of all events concatenated are the generated ids (up to those
-    still held back when generation ends, which ``Done.generated_ids`` has)."""
-
-    id: str
-    ids: tuple[int, ...]
-    text: str
-
-
-@attrs.frozen
-class Done:
-    id: str
-    finish_reason: str  # "stop" | "length" | "cancelled"
-    matched_stop: str | None
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int = 0
-    generated_ids: tuple[int, ...] | None = None  # None when stop-trimmed
-
-
-@attrs.frozen
 class StatsReport:
     id: str
     values: dict[str, Any] = attrs.field(factory=dict)
 
 
-@attrs.frozen
-class Failed:
-    id: str | None
-    status: int
-    message: str
-    type: str = "server_error"
-    code: str | None = None
-    param: str | None = None
-    metadata: dict[str, Any] = attrs.field(factory=dict)
-
-
 Request = Union[Generate, Cancel, Stats]
 Event = Union[Ready, Started, Tokens, Done, Failed, StatsReport]
 _OPS: dict[str, type] = {
-    cls.__name__.lower(): cls
-    for cls in (Generate, Cancel, Stats, Ready, Started, Tokens, Done, Failed, StatsReport)
+    "generate": GenerateRequest, "cancel": Cancel, "stats": Stats, "ready": Ready, "started": Started,
+    "tokens": Tokens, "done": Done, "failed": Failed, "statsreport": StatsReport,
 }
+_NAMES = {cls: op for op, cls in _OPS.items()}
 
 converter = cattrs.Converter(omit_if_default=True)
 
@@ -144,7 +82,7 @@ class FrameError(ValueError):
 
 def encode(message: Any, limit: int | None = None) -> bytes:
     payload = converter.unstructure(message)
-    payload["op"] = type(message).__name__.lower()
+    payload["op"] = _NAMES[type(message)]
     line = json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode() + b"\n"
     if limit is not None and len(line) > limit:
         raise FrameError(f"frame of {len(line)} bytes exceeds the {limit}-byte limit")

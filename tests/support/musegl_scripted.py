@@ -54,6 +54,12 @@ class ScriptedExecutor:
     def kv_bytes_per_block(self) -> int:
         return 0
 
+    def kv_memory_available(self) -> int | None:
+        return None
+
+    def embed_image(self, image):
+        raise ValueError("the scripted executor cannot see images")
+
     def allocate_kv(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
 
@@ -93,7 +99,7 @@ class ScriptedExecutor:
                 raise RuntimeError("scripted executor failure")
             self._sampled[chunk.seq] = sampled + 1
             reply = self._replies[chunk.seq]
-            out.tokens[chunk.seq] = reply.pop(0) if len(reply) > 1 else reply[0]
+            out.tokens[chunk.seq] = [reply.pop(0) if len(reply) > 1 else reply[0]]
         return out
 
     def copy_blocks(self, pairs) -> None:

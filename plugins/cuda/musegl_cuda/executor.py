@@ -30,9 +30,9 @@ from typing import Sequence
 import torch
 
 from musegl_core.checkpoint.loader import Checkpoint
-from musegl_core.engine.executor import ExecutorLimits, ModelInfo, SeqChunk, Step, StepOutput
+from musegl_core.engine.executor import ExecutorLimits, ModelInfo, PromptImage, SeqChunk, Step, StepOutput
 from musegl_cuda.model import AttentionBatch, MuseGlimmerDecoder, SequenceAttention
-from musegl_cuda.sampling import Sampler
+from musegl_cuda.sampling import SampleRows, sample
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
           "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -54,6 +54,18 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r} is not one of float32, float16, bfloat16")
     return DTYPES[dtype]
+
+
+def available_ram() -> int | None:
+    """The kernel's estimate of memory available without swapping (Linux), else None."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
 
 class TorchExecutor:
@@ -88,7 +100,6 @@ class TorchExecutor:
         if missing:
             raise ValueError(f"checkpoint did not provide {sorted(missing)[:5]}")
         self.model.eval()
-        self.sampler = Sampler(self.device)
         self.kv: torch.Tensor | None = None
         self.num_blocks = 0
 
@@ -98,6 +109,13 @@ class TorchExecutor:
         c = self.config
         per_layer = 2 * self.block_size * c.num_kv_heads * c.head_dim
         return c.num_layers * per_layer * torch.empty((), dtype=self.dtype).element_size()
+
+    def kv_memory_available(self) -> int | None:
+        """Free device memory on CUDA; MemAvailable of the machine on the CPU."""
+        if self.device.type == "cuda":
+            free, _total = torch.cuda.mem_get_info(self.device)
+            return int(free)
+        return available_ram()
 
     def allocate_kv(self, num_blocks: int) -> None:
         c = self.config
@@ -163,6 +181,9 @@ class TorchExecutor:
         return AttentionBatch(torch.cat(write), sequences)
 
     def step(self, step: Step) -> StepOutput:
+        """Run the real rows of ``step`` (the eager path runs no padding rows:
+        ``step.width`` matters only to captured graphs) and sample every
+        sampled row of every chunk in one batched call."""
         if not step.chunks:
             return StepOutput()
         kv = self._require_kv()
@@ -177,42 +198,67 @@ class TorchExecutor:
         with torch.inference_mode():
             token_ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
             positions = torch.tensor([p for c in step.chunks for p in c.positions], device=self.device)
+            embeds = self._embedding_rows(step, batch)
             layers_kv = [(kv[i, 0], kv[i, 1]) for i in range(self.config.num_layers)]
-            normed, hidden = self.model(token_ids, positions, batch, layers_kv, tuple(step.taps))
+            normed, hidden = self.model(token_ids, positions, batch, layers_kv, tuple(step.taps), embeds)
 
-            # The head runs only on rows somebody needs: last rows to sample or report, all rows
-            # of chunks that asked for per-row logits.
+            # The head runs only on rows somebody needs: sampled rows, the last row of chunks
+            # that want logits, every row of chunks that asked for per-row logits.
             head_rows: list[int] = []
-            where: list[tuple[int, int]] = []  # (first index into head_rows, count) per chunk
+            where: list[dict[int, int]] = []  # per chunk: chunk row -> index into head_rows
+            rows = SampleRows()
+            sampled_at: list[int] = []  # head_rows index of every sampled row, in order
             for chunk, seq in zip(step.chunks, batch.sequences):
-                if chunk.logit_rows:
-                    where.append((len(head_rows), seq.rows.stop - seq.rows.start))
-                    head_rows.extend(range(seq.rows.start, seq.rows.stop))
-                elif chunk.sample or chunk.want_logits:
-                    where.append((len(head_rows), 1))
-                    head_rows.append(seq.rows.stop - 1)
-                else:
-                    where.append((-1, 0))
+                last = len(chunk.tokens) - 1
+                needed = set(range(last + 1)) if chunk.logit_rows else set(chunk.sampled_rows)
+                if chunk.want_logits:
+                    needed.add(last)
+                index = {r: len(head_rows) + k for k, r in enumerate(sorted(needed))}
+                where.append(index)
+                head_rows.extend(seq.rows.start + r for r in sorted(needed))
+                sampled_at.extend(index[r] for r in chunk.sampled_rows)
+                rows.add_chunk(chunk)
             out = StepOutput()
             logits = (self.model.logits(normed[torch.tensor(head_rows, device=self.device)])
                       if head_rows else None)
-            for chunk, seq, (at, count) in zip(step.chunks, batch.sequences, where):
-                if count:
-                    assert logits is not None
-                    rows = logits[at:at + count]
-                    last = rows[-1]
-                    if chunk.logit_rows:
-                        out.logits[chunk.seq] = rows
-                    elif chunk.want_logits:
-                        out.logits[chunk.seq] = last
-                    if chunk.sample:
-                        out.tokens[chunk.seq] = self.sampler.sample(chunk.seq, last, chunk.sampling)
+            ids, logprobs = (sample(logits[torch.tensor(sampled_at, device=self.device)], rows)
+                             if sampled_at else ([], []))
+            at = 0
+            for chunk, seq, index in zip(step.chunks, batch.sequences, where):
+                if chunk.logit_rows:
+                    out.logits[chunk.seq] = logits[index[0]:index[0] + len(chunk.tokens)]
+                elif chunk.want_logits:
+                    out.logits[chunk.seq] = logits[index[len(chunk.tokens) - 1]]
+                if chunk.sample:
+                    out.tokens[chunk.seq] = ids[at:at + chunk.sample]
+                    if chunk.logprobs >= 0:
+                        out.logprobs[chunk.seq] = logprobs[at:at + chunk.sample]
+                    at += chunk.sample
                 if hidden is not None:
                     out.hidden[chunk.seq] = hidden[:, seq.rows]
         return out
 
+    def _embedding_rows(self, step: Step, batch: AttentionBatch) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(packed row indices, their input rows) of every embedding span of the step."""
+        index, values = [], []
+        for chunk, seq in zip(step.chunks, batch.sequences):
+            for span in chunk.embeds:
+                rows = torch.as_tensor(span.embedding)[span.first:span.first + span.count]
+                if rows.shape != (span.count, self.config.hidden_size):
+                    raise ValueError(f"sequence {chunk.seq}: embedding rows must be ({span.count}, "
+                                     f"{self.config.hidden_size}), got {tuple(rows.shape)}")
+                start = seq.rows.start + span.offset
+                index.extend(range(start, start + span.count))
+                values.append(rows.to(self.device, self.dtype))
+        if not index:
+            return None
+        return torch.tensor(index, dtype=torch.long, device=self.device), torch.cat(values)
+
+    def embed_image(self, image: PromptImage):
+        raise ValueError("this model was loaded without a vision tower; it cannot encode images")
+
     def release_sequence(self, seq: int) -> None:
-        self.sampler.release(seq)
+        pass  # no per-sequence state: sampling is keyed by (seed, position)
 
     def close(self) -> None:
         self.kv = None

@@ -270,14 +270,20 @@ class MuseGlimmerDecoder(nn.Module):
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
                 kv: list[tuple[torch.Tensor, torch.Tensor]],
-                taps: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
+                taps: tuple[int, ...] = (),
+                embeds: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run every packed row through the decoder.
+
+        ``embeds`` (packed row indices, rows) replaces the input of those rows
+        (image features: already normed, so they skip the embedding norm).
 
         Returns the final-normed hidden states ``(rows, H)`` and, when ``taps``
         is non-empty, the input residual of each tapped layer stacked as
         ``(len(taps), rows, H)`` (tap ``num_layers`` is the last layer's output).
         """
         h = self.embed(tokens)
+        if embeds is not None:
+            h = h.index_copy(0, embeds[0], embeds[1].to(h.dtype))
         rope = self.rotary(positions, h.dtype)
         tapped: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.layers):

@@ -1,72 +1,187 @@
-"""Per-sequence sampling on the executor's device.
+"""Batched sampling on the executor's device: one call per step for every sampled row.
 
-Each sequence handle owns one ``torch.Generator`` seeded from
-``SamplingParams.seed`` (or from OS randomness when the seed is None). A
-sequence's draws therefore depend only on its own logits and its own
-generator, never on which other sequences share the step.
+The rows of all chunks that sample are gathered into one ``(rows, vocab)``
+float32 logits matrix and go through one chain of batched operations, in the
+order :class:`~musegl_core.engine.executor.SamplingParams` documents:
+
+1. logits processors: ``logit_bias`` (scatter-add), the repetition, frequency
+   and presence penalties (from per-row id counts), the allowed-token masks
+   (unpacked from the bitmasks the engine's processors produced);
+2. temperature, top-k, top-p, min-p as masks over each row;
+3. the draw: argmax for greedy rows, otherwise inverse CDF with the row's
+   uniform number (keyed by seed and position in the engine), so a row's
+   token never depends on the other rows.
+
+Only the chosen ids (and the requested top-n log-probabilities) are copied
+to the host, once per step.
 """
 
 from __future__ import annotations
 
-import os
+from typing import Sequence
 
+import attrs
+import numpy as np
 import torch
 
-from musegl_core.engine.executor import SamplingParams
+from musegl_core.engine.executor import SamplingParams, SeqChunk, TokenLogprobs
+
+NEG_INF = float("-inf")
 
 
-def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Temperature, then top-k, then top-p (nucleus) on one row of float32 logits.
+@attrs.define
+class SampleRows:
+    """The sampled rows of a step, in order, with what each needs."""
 
-    Removed entries become ``-inf``. top-k keeps the ``k`` largest values;
-    top-p keeps the smallest prefix of the sorted distribution whose mass
-    reaches ``top_p`` (always at least the most likely token).
-    """
-    z = logits / params.temperature
+    params: list[SamplingParams] = attrs.field(factory=list)
+    uniforms: list[float] = attrs.field(factory=list)
+    masks: list[np.ndarray | None] = attrs.field(factory=list)
+    counted: list[tuple[Sequence[int], int]] = attrs.field(factory=list)  # (ids, prompt part) for penalties
+    logprobs: list[int] = attrs.field(factory=list)
+
+    def add_chunk(self, chunk: SeqChunk) -> None:
+        params = chunk.sampling
+        for j, row in enumerate(chunk.sampled_rows):
+            self.params.append(params)
+            self.uniforms.append(chunk.uniforms[j] if j < len(chunk.uniforms) else 0.5)
+            self.masks.append(chunk.masks[j] if j < len(chunk.masks) else None)
+            if params.penalized:
+                self.counted.append((list(chunk.history) + list(chunk.tokens[: row + 1]), chunk.prompt_len))
+            else:
+                self.counted.append(((), 0))
+            self.logprobs.append(chunk.logprobs)
+
+    def __len__(self) -> int:
+        return len(self.params)
+
+
+def unpack_masks(masks: list[np.ndarray | None], vocab: int, device: torch.device) -> torch.Tensor | None:
+    """``(rows, vocab)`` bool of allowed ids, or None when no row has a mask."""
+    if all(m is None for m in masks):
+        return None
+    words = -(-vocab // 32)
+    packed = np.full((len(masks), words), 0xFFFFFFFF, dtype=np.uint32)
+    for i, m in enumerate(masks):
+        if m is not None:
+            packed[i] = np.asarray(m, dtype=np.uint32)[:words]
+    bits = np.unpackbits(packed.view(np.uint8), axis=1, bitorder="little")[:, :vocab]
+    return torch.from_numpy(bits.astype(bool)).to(device, non_blocking=True)
+
+
+def apply_processors(logits: torch.Tensor, rows: SampleRows) -> torch.Tensor:
+    """Bias, penalties and masks, batched over the rows (in place on a float32 copy)."""
+    n, vocab = logits.shape
+    device = logits.device
+    biased = [(i, p.logit_bias) for i, p in enumerate(rows.params) if p.logit_bias]
+    if biased:
+        r = torch.tensor([i for i, b in biased for _ in b], dtype=torch.long)
+        c = torch.tensor([t for _, b in biased for t, _ in b], dtype=torch.long)
+        v = torch.tensor([x for _, b in biased for _, x in b], dtype=torch.float32)
+        keep = (c >= 0) & (c < vocab)
+        logits.index_put_((r[keep].to(device), c[keep].to(device)), v[keep].to(device), accumulate=True)
+    penalized = [i for i, p in enumerate(rows.params) if p.penalized]
+    if penalized:
+        generated = torch.zeros(len(penalized), vocab, dtype=torch.float32)
+        seen = torch.zeros(len(penalized), vocab, dtype=torch.bool)
+        for k, i in enumerate(penalized):
+            ids, prompt_len = rows.counted[i]
+            ids_t = torch.tensor(list(ids), dtype=torch.long)
+            ids_t = ids_t[(ids_t >= 0) & (ids_t < vocab)] if len(ids_t) else ids_t
+            seen[k, ids_t] = True
+            gen = torch.tensor(list(ids[prompt_len:]), dtype=torch.long)
+            gen = gen[(gen >= 0) & (gen < vocab)] if len(gen) else gen
+            generated[k].index_add_(0, gen, torch.ones(len(gen)))
+        index = torch.tensor(penalized, dtype=torch.long, device=device)
+        sub = logits[index]
+        params = [rows.params[i] for i in penalized]
+        rep = torch.tensor([p.repetition_penalty for p in params], device=device)[:, None]
+        seen_d = seen.to(device)
+        sub = torch.where(seen_d, torch.where(sub > 0, sub / rep, sub * rep), sub)
+        freq = torch.tensor([p.frequency_penalty for p in params], device=device)[:, None]
+        pres = torch.tensor([p.presence_penalty for p in params], device=device)[:, None]
+        counts = generated.to(device)
+        sub = sub - counts * freq - (counts > 0).float() * pres
+        logits[index] = sub
+    allowed = unpack_masks(rows.masks, vocab, device)
+    if allowed is not None:
+        logits.masked_fill_(~allowed, NEG_INF)
+    return logits
+
+
+def filter_logits(z: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Temperature, top-k, top-p and min-p on ``(rows, vocab)`` float32 logits;
+    removed entries become ``-inf``. top-k keeps the ``k`` largest values
+    (ties at the k-th value kept); top-p keeps the smallest prefix of the
+    sorted distribution whose mass reaches ``top_p`` (always the most likely
+    token); min-p keeps ids whose probability is at least ``min_p`` times the
+    largest."""
+    device = z.device
+    temperature = torch.tensor([max(p.temperature, 1e-6) for p in params], device=device)[:, None]
+    z = z / temperature
     vocab = z.shape[-1]
-    if 0 < params.top_k < vocab:
-        kth = torch.topk(z, params.top_k).values[-1]
-        z = z.masked_fill(z < kth, float("-inf"))
-    if params.top_p < 1.0:
-        sorted_z, order = torch.sort(z, descending=True)
+    ks = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
+    if any(ks):
+        kmax = max(ks)
+        top = torch.topk(z, kmax, dim=-1).values
+        k_index = torch.tensor([max(k, 1) - 1 if k else kmax - 1 for k in ks], device=device)[:, None]
+        kth = top.gather(1, k_index)
+        active = torch.tensor([bool(k) for k in ks], device=device)[:, None]
+        z = z.masked_fill(active & (z < kth), NEG_INF)
+    if any(p.top_p < 1.0 for p in params):
+        top_p = torch.tensor([p.top_p for p in params], device=device)[:, None]
+        sorted_z, order = torch.sort(z, dim=-1, descending=True)
         probs = torch.softmax(sorted_z, dim=-1)
         mass_before = torch.cumsum(probs, dim=-1) - probs
-        drop_sorted = mass_before >= params.top_p
-        drop_sorted[0] = False
-        drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
-        z = z.masked_fill(drop, float("-inf"))
+        drop_sorted = (mass_before >= top_p) & (top_p < 1.0)
+        drop_sorted[:, 0] = False
+        drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
+        z = z.masked_fill(drop, NEG_INF)
+    if any(p.min_p > 0.0 for p in params):
+        min_p = torch.tensor([p.min_p for p in params], device=device)[:, None]
+        probs = torch.softmax(z, dim=-1)
+        floor = probs.max(dim=-1, keepdim=True).values * min_p
+        z = z.masked_fill(probs < floor, NEG_INF)
     return z
 
 
-class Sampler:
-    """Draws one token per chunk, with one random generator per sequence."""
+def draw(z: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF draw per row over the ids in vocabulary order: the first id
+    whose cumulative probability exceeds ``u`` times the row's total."""
+    probs = torch.softmax(z, dim=-1)
+    cdf = torch.cumsum(probs, dim=-1)
+    target = uniforms[:, None] * cdf[:, -1:]
+    ids = torch.searchsorted(cdf, target, right=True).squeeze(1)
+    return ids.clamp_(max=z.shape[-1] - 1)
 
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self._generators: dict[int, torch.Generator] = {}
 
-    def generator(self, seq: int, seed: int | None) -> torch.Generator:
-        """The sequence's generator, created (and seeded) on first use."""
-        gen = self._generators.get(seq)
-        if gen is None:
-            gen = torch.Generator(device=self.device)
-            gen.manual_seed(seed if seed is not None else int.from_bytes(os.urandom(8), "little") >> 1)
-            self._generators[seq] = gen
-        return gen
-
-    def sample(self, seq: int, logits: torch.Tensor, params: SamplingParams) -> int:
-        """One token id from a row of float32 logits.
-
-        Greedy (temperature 0) and ``top_k == 1`` take the argmax, lowest
-        index on ties; they do not consume the generator.
-        """
-        if params.greedy or params.top_k == 1:
-            return int(torch.argmax(logits))
-        probs = torch.softmax(filter_logits(logits, params), dim=-1)
-        return int(torch.multinomial(probs, 1, generator=self.generator(seq, params.seed)))
-
-    def release(self, seq: int) -> None:
-        self._generators.pop(seq, None)
-
-    def __len__(self) -> int:
-        return len(self._generators)
+def sample(logits: torch.Tensor, rows: SampleRows) -> tuple[list[int], list[TokenLogprobs | None]]:
+    """Sample every row of ``logits`` (``(rows, vocab)`` float32): ids, and
+    log-probabilities for the rows that asked for them."""
+    if not len(rows):
+        return [], []
+    device = logits.device
+    z = apply_processors(logits.float().clone(), rows)
+    greedy = [p.greedy for p in rows.params]
+    chosen = torch.argmax(z, dim=-1)
+    if not all(greedy):
+        filtered = filter_logits(z, rows.params)
+        uniforms = torch.tensor(rows.uniforms, dtype=torch.float64, device=device).clamp_(0.0, 1.0 - 2**-53)
+        drawn = draw(filtered.double(), uniforms)
+        chosen = torch.where(torch.tensor(greedy, device=device), chosen, drawn)
+    ids = chosen.tolist()
+    logprobs: list[TokenLogprobs | None] = [None] * len(ids)
+    wanted = [i for i, n in enumerate(rows.logprobs) if n >= 0]
+    if wanted:
+        index = torch.tensor(wanted, device=device)
+        temperature = torch.tensor([rows.params[i].temperature if not rows.params[i].greedy else 1.0
+                                    for i in wanted], device=device)[:, None]
+        lp = torch.log_softmax(z[index] / temperature, dim=-1)
+        top_n = max(rows.logprobs[i] for i in wanted)
+        top = torch.topk(lp, top_n, dim=-1) if top_n else None
+        picked = lp.gather(1, chosen[index][:, None]).squeeze(1).tolist()
+        top_ids = top.indices.tolist() if top is not None else [[] for _ in wanted]
+        top_vals = top.values.tolist() if top is not None else [[] for _ in wanted]
+        for k, i in enumerate(wanted):
+            n = rows.logprobs[i]
+            logprobs[i] = TokenLogprobs(picked[k], tuple(top_ids[k][:n]), tuple(top_vals[k][:n]))
+    return ids, logprobs

@@ -43,12 +43,12 @@ def greedy(ex: TorchExecutor, seq: int, ids: list[int], n: int, blocks: list[int
     """Prefill ``ids`` in one chunk (all-row logits), then decode ``n`` tokens greedily."""
     out = ex.step(Step([SeqChunk(seq=seq, tokens=ids, positions=list(range(len(ids))), blocks=blocks,
                                  sample=True, logit_rows=True)]))
-    logits, generated = out.logits[seq], [out.tokens[seq]]
+    logits, generated = out.logits[seq], [out.tokens[seq][-1]]
     while len(generated) < n:
         pos = len(ids) + len(generated) - 1
         out = ex.step(Step([SeqChunk(seq=seq, tokens=[generated[-1]], positions=[pos], blocks=blocks,
                                      sample=True)]))
-        generated.append(out.tokens[seq])
+        generated.append(out.tokens[seq][-1])
     return generated, logits
 
 
@@ -96,7 +96,7 @@ def test_chunked_and_packed_prefill_match(tiny_hf, checkpoint_path):
 def test_decoupled_layer_kinds_match_transformers(tmp_path):
     """A config.json where RoPE and the window disagree: a full-attention layer with RoPE
     and a sliding layer without it (transformers follows layer_rope_theta for RoPE)."""
-    from tests.conftest import build_tiny_model
+    from tests.support.tiny_models import build_tiny_model
 
     model = build_tiny_model(
         seed=5, num_hidden_layers=4,

@@ -9,7 +9,8 @@ from musegl_core.checkpoint.loader import load_checkpoint
 from musegl_core.engine.executor import GREEDY, Executor, SamplingParams, SeqChunk, Step
 from musegl_core.plugins.specs import ExecutorOptions
 from musegl_cuda.executor import TorchExecutor
-from musegl_cuda.sampling import Sampler, filter_logits
+from musegl_core.engine.randomness import uniform
+from musegl_cuda.sampling import SampleRows, filter_logits, sample
 
 BLOCK = 4  # small blocks, so short prompts span several of them
 TOL = 1e-5
@@ -27,7 +28,13 @@ def ex(tiny_hf) -> TorchExecutor:
 
 
 def chunk(seq, tokens, start, blocks, **kw) -> SeqChunk:
-    return SeqChunk(seq=seq, tokens=tokens, positions=list(range(start, start + len(tokens))), blocks=blocks, **kw)
+    """A chunk; a sampled one gets its position-keyed uniform numbers, as the engine gives them."""
+    positions = list(range(start, start + len(tokens)))
+    params = kw.get("sampling", GREEDY)
+    if kw.get("sample") and "uniforms" not in kw:
+        n = int(kw["sample"])
+        kw["uniforms"] = [uniform(params.seed or 0, p + 1) for p in positions[len(positions) - n:]]
+    return SeqChunk(seq=seq, tokens=tokens, positions=positions, blocks=blocks, **kw)
 
 
 def test_protocol_info_and_kv_shapes(ex, tiny_hf):
@@ -76,7 +83,7 @@ def test_logits_and_tokens_only_where_asked(ex):
     assert set(out.tokens) == {11, 13} and set(out.logits) == {12, 13} and out.hidden == {}
     assert out.logits[12].shape == (512,) and out.logits[12].dtype == torch.float32
     assert out.logits[13].shape == (7, 512)
-    assert out.tokens[13] == int(torch.argmax(out.logits[13][-1]))
+    assert out.tokens[13] == [int(torch.argmax(out.logits[13][-1]))]
 
 
 def _sample_run(ex, seq, seed, others: bool, n: int = 6) -> list[int]:
@@ -91,10 +98,11 @@ def _sample_run(ex, seq, seed, others: bool, n: int = 6) -> list[int]:
         if others:
             other = seq + 100
             chunks.insert(0, chunk(other, ids(9 + i, 2), 2 * i, [56, 57, 58, 59], sample=True,
-                                   sampling=SamplingParams(temperature=1.5, seed=None)))
+                                   sampling=SamplingParams(temperature=1.5, seed=i)))
         out = ex.step(Step(chunks))
         pos += len(step_tokens)
-        tokens.append(out.tokens[seq])
+        assert len(out.tokens[seq]) == 1
+        tokens.append(out.tokens[seq][0])
         step_tokens = [tokens[-1]]
     ex.release_sequence(seq)
     ex.release_sequence(seq + 100)
@@ -107,7 +115,6 @@ def test_seeded_sampling_is_independent_of_batch(ex):
     assert alone == packed
     different = _sample_run(ex, 22, seed=99, others=False)
     assert different != alone  # 6 draws over a flattened distribution collide with vanishing odds
-    assert len(ex.sampler) == 0  # release_sequence dropped every generator
 
 
 def test_top_k_one_equals_greedy(ex):
@@ -115,19 +122,48 @@ def test_top_k_one_equals_greedy(ex):
     g = ex.step(Step([chunk(30, prompt, 0, [8, 9, 10], sample=True, sampling=GREEDY)]))
     k = ex.step(Step([chunk(31, prompt, 0, [11, 12, 13], sample=True,
                             sampling=SamplingParams(temperature=0.8, top_k=1, seed=3))]))
-    assert g.tokens[30] == k.tokens[31]
+    assert g.tokens[30] == k.tokens[31] and len(g.tokens[30]) == 1
+
+
+def rows_of(params, uniforms):
+    rows = SampleRows()
+    for p, u in zip(params, uniforms):
+        rows.params.append(p)
+        rows.uniforms.append(u)
+        rows.masks.append(None)
+        rows.counted.append(((), 0))
+        rows.logprobs.append(-1)
+    return rows
 
 
 def test_sampler_filters_and_ties():
-    sampler = Sampler(torch.device("cpu"))
-    logits = torch.tensor([1.0, 3.0, 3.0, 0.5])
-    assert sampler.sample(0, logits, GREEDY) == 1  # lowest index wins ties
-    z = filter_logits(torch.tensor([2.0, 1.0, 0.0, -1.0]), SamplingParams(top_k=2))
-    assert torch.isinf(z[2:]).all() and torch.isfinite(z[:2]).all()
-    z = filter_logits(torch.tensor([5.0, 0.0, 0.0, 0.0]), SamplingParams(top_p=0.5))
-    assert torch.isfinite(z[0]) and torch.isinf(z[1:]).all()
-    draws = {sampler.sample(1, torch.tensor([0.0, 0.0, -30.0]), SamplingParams(seed=5)) for _ in range(50)}
-    assert draws == {0, 1}
+    logits = torch.tensor([[1.0, 3.0, 3.0, 0.5]])
+    assert sample(logits, rows_of([GREEDY], [0.3]))[0] == [1]  # lowest index wins ties
+    z = filter_logits(torch.tensor([[2.0, 1.0, 0.0, -1.0]]), [SamplingParams(top_k=2)])
+    assert torch.isinf(z[0, 2:]).all() and torch.isfinite(z[0, :2]).all()
+    z = filter_logits(torch.tensor([[5.0, 0.0, 0.0, 0.0]]), [SamplingParams(top_p=0.5)])
+    assert torch.isfinite(z[0, 0]) and torch.isinf(z[0, 1:]).all()
+    z = filter_logits(torch.tensor([[2.0, 1.0, -3.0]]), [SamplingParams(min_p=0.2)])
+    assert torch.isfinite(z[0, :2]).all() and torch.isinf(z[0, 2])  # e^-5 < 0.2 of the top
+    # Inverse CDF over ids in order: u below the first id's mass picks it, above picks the next.
+    row = torch.tensor([[0.0, 0.0, -30.0]])
+    draws = [sample(row, rows_of([SamplingParams(seed=5)], [u]))[0][0] for u in (0.1, 0.49, 0.51, 0.99)]
+    assert draws == [0, 0, 1, 1]
+
+
+def test_processors_bias_penalties_and_masks_are_applied_batched():
+    import numpy as np
+
+    logits = torch.zeros(3, 40)
+    logits[:, 7] = 1.0
+    rows = rows_of([GREEDY, SamplingParams(temperature=0.0, logit_bias=((9, 5.0),)),
+                    SamplingParams(temperature=0.0, frequency_penalty=2.0)], [0.5] * 3)
+    rows.counted[2] = ([7, 7, 7], 1)  # id 7 generated twice (the first 7 is prompt)
+    mask = np.zeros(2, dtype=np.uint32)
+    mask[0] = 1 << 3  # only id 3 allowed
+    rows.masks[0] = mask
+    ids, _ = sample(logits, rows)
+    assert ids[0] == 3 and ids[1] == 9 and ids[2] == 0  # 7 penalized to 1 - 2*2 < 0
 
 
 def test_taps_shape_and_values(ex, tiny_hf):

@@ -27,7 +27,7 @@ def checkpoint_path(tmp_path_factory):
     from musegl_core.checkpoint.config import TextConfig
     from musegl_core.checkpoint.gguf_writer import write_text_gguf
     from musegl_core.checkpoint.hf_reader import expected_shape, text_weight_names
-    from tests.conftest import tiny_tokenizer_data
+    from tests.support.tiny_models import tiny_tokenizer_data
 
     layout = TextConfig.default_layout(8)
     config = TextConfig(vocab_size=4096, hidden_size=512, intermediate_size=1024, num_layers=8, num_heads=8,

@@ -1,0 +1,62 @@
+"""What a running request reports: the events the engine emits.
+
+The worker frames them onto the pipe (:mod:`musegl_core.worker.messages`);
+the front turns them into HTTP responses.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+from musegl_core.engine.executor import TokenLogprobs
+
+
+@attrs.frozen
+class Started:
+    """Generation is ready: the prompt is prefilled (headers may be sent)."""
+
+    id: str
+    prompt_tokens: int
+    cached_tokens: int = 0
+
+
+@attrs.frozen
+class Tokens:
+    """Newly generated token ids and the text they completed (special tokens
+    written out; EOS excluded; text held back while it may start a stop).
+
+    ``ids`` holds every id generated since the previous ``Tokens`` event, so
+    the ids of all events concatenated are the generated ids (up to those
+    still held back when generation ends, which ``Done.generated_ids`` has).
+    ``logprobs`` has one entry per id when the request asked for them."""
+
+    id: str
+    ids: tuple[int, ...]
+    text: str
+    logprobs: tuple[TokenLogprobs, ...] = ()
+
+
+@attrs.frozen
+class Done:
+    id: str
+    finish_reason: str  # "stop" | "length" | "cancelled"
+    matched_stop: str | None
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+    generated_ids: tuple[int, ...] | None = None  # None when stop-trimmed
+    drafted_tokens: int = 0  # speculative decoding: drafts proposed and accepted
+    accepted_tokens: int = 0
+
+
+@attrs.frozen
+class Failed:
+    id: str | None
+    status: int
+    message: str
+    type: str = "server_error"
+    code: str | None = None
+    param: str | None = None
+    metadata: dict[str, Any] = attrs.field(factory=dict)

@@ -1,0 +1,65 @@
+"""Prompt identity: what sessions and prefix reuse compare.
+
+Token rows are identified by their id. Image rows all carry the same
+placeholder id, so they are identified by the image's content instead:
+row ``i`` of an image with digest ``D`` gets the negative key
+``-(1 + (h(D) + i) mod 2^62)``, which no token id can equal. Two prompts
+share a prefix exactly as far as their tokens and their images agree, so a
+session that resubmits the same image reuses the cached rows past it, and a
+different image at the same place ends the reuse there.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Sequence
+
+import attrs
+
+from musegl_core.engine.request import PlacedImage, PreparedRequest
+
+_SPAN = 1 << 62
+
+
+def _base(digest: str) -> int:
+    return int.from_bytes(hashlib.blake2b(digest.encode(), digest_size=8).digest(), "little") % _SPAN
+
+
+def image_key(digest: str, row: int) -> int:
+    return -(1 + (_base(digest) + row) % _SPAN)
+
+
+def prompt_keys(prompt_ids: Sequence[int], images: Sequence[PlacedImage]) -> list[int]:
+    """The identity keys of a prompt: its ids, with image rows replaced."""
+    keys = list(prompt_ids)
+    for placed in images:
+        base = _base(placed.image.digest)
+        for row in range(placed.image.rows):
+            keys[placed.start + row] = -(1 + (base + row) % _SPAN)
+    return keys
+
+
+def split_keys(keys: Sequence[int], request: PreparedRequest) -> tuple[list[int], tuple[PlacedImage, ...]]:
+    """The ids to feed and the image placements of ``keys`` (which may have
+    moved, when generated-token replay changed the length of earlier turns)."""
+    if not request.images:
+        return list(keys), ()
+    owner: dict[int, tuple[int, int]] = {}  # key -> (image index, placeholder id)
+    for index, placed in enumerate(request.images):
+        base = _base(placed.image.digest)
+        placeholder = request.prompt_ids[placed.start]
+        owner[-(1 + base % _SPAN)] = (index, placeholder)
+        for row in range(1, placed.image.rows):
+            owner.setdefault(-(1 + (base + row) % _SPAN), (-1, placeholder))
+    ids: list[int] = []
+    starts: dict[int, int] = {}
+    for position, key in enumerate(keys):
+        if key >= 0:
+            ids.append(key)
+            continue
+        index, placeholder = owner[key]
+        ids.append(placeholder)
+        if index >= 0 and index not in starts:
+            starts[index] = position
+    placed = tuple(attrs.evolve(p, start=starts.get(i, p.start)) for i, p in enumerate(request.images))
+    return ids, placed
