@@ -24,6 +24,8 @@ SERIES = {
     "snapshots": ("prefix_snapshots", "prefix snapshots held (--prefix-cache-entries)", "gauge"),
     "evictions": ("sessions_evicted", "idle sessions evicted to free a slot", "counter"),
     "steps": ("engine_steps", "executor steps run", "counter"),
+    "drafted_tokens": ("spec_drafted_tokens", "draft tokens a speculator proposed and the target verified", "counter"),
+    "accepted_tokens": ("spec_accepted_tokens", "draft tokens the target accepted", "counter"),
 }
 
 

@@ -67,27 +67,35 @@ def running_server(config: ServeConfig, *, ready_timeout: float = 180) -> Iterat
 
 
 @contextlib.contextmanager
-def scripted_plugin_env(tmp_dir: Path, script: list[dict]) -> Iterator[Path]:
-    """Install the scripted executor plugin (entry point ``scripted``) and its script.
+def support_plugin_env(tmp_dir: Path, name: str, module: str, env: dict[str, str]) -> Iterator[None]:
+    """Install a test-only plugin from this support folder (entry point ``name`` ->
+    ``module``) and set ``env`` for the duration.
 
     The worker is a subprocess, so the plugin travels through PYTHONPATH: a
     dist-info folder declaring the entry point, plus this support folder.
     """
-    info = tmp_dir / "musegl_scripted-0.0.0.dist-info"
+    info = tmp_dir / f"{module}-0.0.0.dist-info"
     info.mkdir(parents=True, exist_ok=True)
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: musegl-scripted\nVersion: 0.0.0\n")
-    (info / "entry_points.txt").write_text("[musegl]\nscripted = musegl_scripted\n")
-    script_path = tmp_dir / "script.json"
-    script_path.write_text(json.dumps(script))
-    saved = {k: os.environ.get(k) for k in ("PYTHONPATH", "MUSEGL_SCRIPT")}
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {module.replace('_', '-')}\nVersion: 0.0.0\n")
+    (info / "entry_points.txt").write_text(f"[musegl]\n{name} = {module}\n")
+    saved = {k: os.environ.get(k) for k in ("PYTHONPATH", *env)}
     parts = [str(tmp_dir), str(SUPPORT), os.environ.get("PYTHONPATH", "")]
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in parts if p)
-    os.environ["MUSEGL_SCRIPT"] = str(script_path)
+    os.environ.update(env)
     try:
-        yield script_path
+        yield
     finally:
         for key, value in saved.items():
             if value is None:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+
+
+@contextlib.contextmanager
+def scripted_plugin_env(tmp_dir: Path, script: list[dict]) -> Iterator[Path]:
+    """Install the scripted executor plugin (entry point ``scripted``) and its script."""
+    script_path = tmp_dir / "script.json"
+    script_path.write_text(json.dumps(script))
+    with support_plugin_env(tmp_dir, "scripted", "musegl_scripted", {"MUSEGL_SCRIPT": str(script_path)}):
+        yield script_path
