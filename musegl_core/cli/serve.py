@@ -136,6 +136,24 @@ def prepare(argv: list[str]):
     return config, plugins, args.log_level
 
 
+def check_kv_memory(config: ServeConfig, plugins) -> None:
+    """Refuse a ``--kv-cache-memory`` that cannot hold the limits, before loading
+    (when the executor can tell its KV layout from the config alone)."""
+    if config.kv_cache_memory is None or config.kv_blocks is not None:
+        return
+    from musegl_core.engine.kv_sizing import check_fits
+    from musegl_core.plugins.specs import ExecutorOptions
+
+    spec = plugins.choose_executor(config.executor)
+    if spec.kv_layout is None:
+        return  # the worker checks once the executor is loaded
+    per_block, block_size = spec.kv_layout(ExecutorOptions(model=config.model, device=config.device,
+                                                           dtype=config.dtype, extra=dict(config.extra)))
+    check_fits(bytes_per_block=per_block, block_size=block_size, budget=config.kv_cache_memory,
+               source="--kv-cache-memory", max_sessions=config.max_sessions, max_context=config.max_context,
+               snapshots=config.prefix_cache_entries)
+
+
 def main(argv: list[str]) -> int:
     import attrs
 
@@ -149,6 +167,7 @@ def main(argv: list[str]) -> int:
         config = attrs.evolve(config, model=str(path), demo=True)
         log.warning("no model given: serving the built-in RANDOM-WEIGHT DEMO checkpoint %s (its output is noise)", path)
 
+    check_kv_memory(config, plugins)
     import uvicorn
 
     from musegl_core.http.app import create_app

@@ -100,7 +100,7 @@ class PromptImage:
 
     digest: str
     rows: int
-    pixels: Any = None
+    pixels: Any = attrs.field(default=None, eq=False, repr=False)  # the digest is the identity
     grid: tuple[int, int] = (0, 0)
 
 

@@ -29,11 +29,22 @@ class ExecutorOptions:
 
 @attrs.frozen
 class ExecutorSpec:
+    """A named model backend.
+
+    ``create(options)`` loads the model and returns the executor.
+    ``available()`` answers cheaply whether it can run here. ``kv_layout``
+    (optional) answers, from the checkpoint's config alone and *before* any
+    weight is loaded, ``(bytes_per_block, block_size)`` of the KV cache the
+    executor would allocate for ``options``; ``musegl serve`` uses it to
+    refuse a ``--kv-cache-memory`` that cannot hold the limits before loading.
+    """
+
     name: str
     description: str
     create: Callable[[ExecutorOptions], Any]
     available: Callable[[], bool] = lambda: True
     priority: int = 0
+    kv_layout: Callable[[ExecutorOptions], tuple[int, int]] | None = None
 
 
 @attrs.frozen

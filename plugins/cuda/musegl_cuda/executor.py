@@ -34,6 +34,7 @@ from musegl_core.engine.executor import ExecutorLimits, ModelInfo, PromptImage, 
 from musegl_cuda.model import AttentionBatch, MuseGlimmerDecoder, SequenceAttention
 from musegl_cuda.sampling import SampleRows, sample
 
+DEFAULT_BLOCK_SIZE = 16
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
           "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -72,7 +73,7 @@ class TorchExecutor:
     """The Muse Glimmer text decoder behind the :class:`~musegl_core.engine.executor.Executor` protocol."""
 
     def __init__(self, checkpoint: Checkpoint, device: str | torch.device | None = None,
-                 dtype: str | torch.dtype | None = None, block_size: int = 16,
+                 dtype: str | torch.dtype | None = None, block_size: int = DEFAULT_BLOCK_SIZE,
                  limits: ExecutorLimits | None = None) -> None:
         if block_size <= 0:
             raise ValueError("block_size must be positive")

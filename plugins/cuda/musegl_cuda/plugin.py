@@ -36,6 +36,23 @@ def _create(options: ExecutorOptions, default_device: str) -> "TorchExecutor":
         checkpoint.close()
 
 
+def kv_layout(options: ExecutorOptions, default_device: str) -> tuple[int, int]:
+    """``(bytes per KV block, block size)`` from the checkpoint's config, no weights read."""
+    import torch
+
+    from musegl_core.checkpoint.loader import load_checkpoint
+    from musegl_cuda.executor import DEFAULT_BLOCK_SIZE, resolve_dtype
+
+    checkpoint = load_checkpoint(options.model)
+    try:
+        c = checkpoint.config
+    finally:
+        checkpoint.close()
+    dtype = resolve_dtype(options.dtype, torch.device(options.device or default_device))
+    size = torch.empty((), dtype=dtype).element_size()
+    return c.num_layers * 2 * DEFAULT_BLOCK_SIZE * c.num_kv_heads * c.head_dim * size, DEFAULT_BLOCK_SIZE
+
+
 def create_cuda(options: ExecutorOptions) -> "TorchExecutor":
     """The decoder on a GPU (``options.device`` or ``cuda``), bfloat16 unless told otherwise."""
     return _create(options, "cuda")
@@ -50,7 +67,9 @@ def create_torch_cpu(options: ExecutorOptions) -> "TorchExecutor":
 def musegl_executors() -> list[ExecutorSpec]:
     return [
         ExecutorSpec(name="cuda", description="Muse Glimmer decoder in PyTorch on an NVIDIA GPU",
-                     create=create_cuda, available=cuda_available, priority=100),
+                     create=create_cuda, available=cuda_available, priority=100,
+                     kv_layout=lambda options: kv_layout(options, "cuda")),
         ExecutorSpec(name="torch-cpu", description="Muse Glimmer decoder in PyTorch on the CPU",
-                     create=create_torch_cpu, available=lambda: True, priority=10),
+                     create=create_torch_cpu, available=lambda: True, priority=10,
+                     kv_layout=lambda options: kv_layout(options, "cpu")),
     ]

@@ -197,3 +197,34 @@ def test_plugin_specs_and_factory(tiny_gguf):
     assert executor.info.backend == "torch-cpu" and executor.info.name == "Tiny Muse Glimmer"
     assert calls[-1] == (3 + 6 * 12, 3 + 6 * 12)
     executor.close()
+
+
+def test_embedding_rows_replace_the_token_embedding(ex):
+    from musegl_core.engine.executor import EmbeddingSpan
+
+    prompt = ids(13, 12)
+    plain = ex.step(Step([chunk(60, prompt, 0, [20, 21, 22], logit_rows=True)]))
+    with torch.inference_mode():
+        rows = ex.model.embed(torch.tensor(prompt[3:8]))  # what the table would give, already normed
+    placeholder = [0 if 3 <= i < 8 else t for i, t in enumerate(prompt)]
+    spanned = ex.step(Step([chunk(61, placeholder, 0, [23, 24, 25], logit_rows=True,
+                                  embeds=[EmbeddingSpan(3, 5, rows)])]))
+    assert torch.allclose(spanned.logits[61], plain.logits[60], atol=TOL)
+    # A span that starts inside the embedding (a chunk boundary split the image).
+    first = ex.step(Step([chunk(62, placeholder[:5], 0, [26, 27, 28], embeds=[EmbeddingSpan(3, 2, rows)])]))
+    rest = ex.step(Step([chunk(62, placeholder[5:], 5, [26, 27, 28], logit_rows=True,
+                               embeds=[EmbeddingSpan(0, 3, rows, first=2)])]))
+    assert not first.tokens and torch.allclose(rest.logits[62], plain.logits[60][5:], atol=TOL)
+
+
+def test_sampling_every_row_of_a_verify_block(ex):
+    prompt = ids(14, 9)
+    out = ex.step(Step([chunk(63, prompt, 0, [29, 30, 31], logit_rows=True, sample=4)]))
+    assert out.tokens[63] == out.logits[63][-4:].argmax(dim=-1).tolist()
+    seeded = SamplingParams(temperature=1.0, seed=11)
+    again = [ex.step(Step([chunk(64 + i, prompt, 0, [32 + 3 * i, 33 + 3 * i, 34 + 3 * i], sample=4,
+                                 sampling=seeded)])).tokens[64 + i] for i in range(2)]
+    assert again[0] == again[1] and len(again[0]) == 4
+    # The draw at a position is the same whether it is the last row or inside a block.
+    single = ex.step(Step([chunk(70, prompt[:6], 0, [40, 41, 42], sample=1, sampling=seeded)])).tokens[70]
+    assert single == again[0][:1]
