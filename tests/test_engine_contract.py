@@ -207,3 +207,28 @@ def test_serve_refuses_an_impossible_kv_setting_before_loading():
     lines = [line for line in result.stderr.splitlines() if line.strip() and "RANDOM-WEIGHT DEMO" not in line]
     assert len(lines) == 1 and "--kv-cache-memory" in lines[0] and "what fits" in lines[0], result.stderr
     assert "loading" not in result.stderr
+
+
+def test_generated_token_replay_is_planned_off_the_engine_thread(tokenizer):
+    executor = ExampleExecutor(tokenizer.vocab_size)
+    engine, events = engine_for(executor, tokenizer)
+    prompt = tokenizer.encode("<|begin_of_text|><|start|>user<|message|>hello there<|eot|><|start|>assistant",
+                              special=True)
+    engine.submit(request("t1", prompt, session_id="s", max_tokens=5))
+    engine.run_until_idle()
+    answer, _ = generated(events, "t1")
+    # The client resubmits the answer as text, which the template closes with <|eot|>.
+    rendered = tokenizer.encode(tokenizer.decode(answer), special=True) + [tokenizer.eot_id]
+    user = tokenizer.encode("<|start|>user<|message|>more<|eot|><|start|>assistant", special=True)
+    follow = prompt + rendered + user
+    planned = engine.plan_replay(request("t2", follow, session_id="s", max_tokens=3))
+    assert planned.replay is not None and planned.replay.log is engine.sessions.named["s"].replay
+
+    def no_parsing_here(*args, **kwargs):
+        raise AssertionError("the engine thread parsed a replayed turn")
+
+    engine.replayer.apply = no_parsing_here
+    engine.submit(planned)
+    engine.run_until_idle()
+    _, done = generated(events, "t2")
+    assert done.cached_tokens >= len(prompt) + len(answer) - 1  # the generated ids were reused

@@ -35,7 +35,7 @@ from musegl_core.engine.identity import prompt_keys, split_keys
 from musegl_core.engine.kv_pool import KVPool
 from musegl_core.engine.kv_sizing import plan_pool
 from musegl_core.engine.randomness import random_seed
-from musegl_core.engine.replay import ReplayLog, Replayer
+from musegl_core.engine.replay import ReplayLog, ReplayPlan, Replayer
 from musegl_core.engine.request import Phase, PreparedRequest, SequenceState
 from musegl_core.engine.scheduler import Scheduler, SchedulerLimits
 from musegl_core.engine.sessions import CapacityError, Session, SessionTable
@@ -204,6 +204,20 @@ class Engine:
             except queue.Empty:
                 return
 
+    def plan_replay(self, request: PreparedRequest) -> PreparedRequest:
+        """Generated-token replay computed ahead, on the caller's (control) thread.
+
+        Reads the session's current (immutable) replay log and does the text
+        comparison here, so the engine thread does not stall decoding on it;
+        the engine uses the result only if the log is unchanged when the
+        request starts, and computes it itself otherwise."""
+        session = self.sessions.named.get(request.session_id) if request.session_id else None
+        log = session.replay if session is not None else None
+        if log is None or not log.turns:
+            return request
+        keys, kept = self.replayer.apply(log, prompt_keys(request.prompt_ids, request.images))
+        return attrs.evolve(request, replay=ReplayPlan(log, tuple(keys), kept))
+
     def call(self, function: Callable[[dict], None]) -> None:
         """Run ``function(stats)`` on the engine thread between steps."""
         self._inbox.put(("call", function))
@@ -249,8 +263,12 @@ class Engine:
         if request.sampling.seed is None:  # every draw is keyed by (seed, position)
             request = attrs.evolve(request, sampling=attrs.evolve(request.sampling, seed=random_seed()))
         keys = prompt_keys(request.prompt_ids, request.images)
-        if session.name is not None and session.clean:
-            replayed, kept = self.replayer.apply(session.replay, keys)
+        if session.name is not None and session.clean and session.replay.turns:
+            plan = request.replay
+            if plan is not None and plan.log is session.replay:
+                replayed, kept = list(plan.keys), plan.kept  # prepared on the control thread
+            else:
+                replayed, kept = self.replayer.apply(session.replay, keys)
             if len(replayed) + (request.max_tokens or 1) <= self.config.max_context:
                 keys = replayed
                 session.replay = ReplayLog(session.replay.executed, kept)
@@ -438,7 +456,7 @@ class Engine:
                 executed = tuple(seq.keys[: seq.prompt_len])
                 turns = [t for t in session.replay.turns if t[0] < seq.prompt_len]
                 turns.append((seq.prompt_len, self.replayer.turn_ids(seq.generated)))
-                session.replay = ReplayLog(executed, turns)
+                session.replay = ReplayLog(executed, tuple(turns))
             else:
                 session.replay = ReplayLog()
         else:

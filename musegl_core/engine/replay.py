@@ -26,12 +26,23 @@ import attrs
 from musegl_core.chat.channels import parse_output
 
 
-@attrs.define
+@attrs.frozen
 class ReplayLog:
-    """The last executed prompt of a session and its answered turns."""
+    """The last executed prompt of a session and its answered turns (immutable:
+    the control thread reads a session's log while the engine may replace it)."""
 
     executed: tuple[int, ...] = ()
-    turns: list[tuple[int, tuple[int, ...]]] = attrs.field(factory=list)  # (start, turn ids)
+    turns: tuple[tuple[int, tuple[int, ...]], ...] = ()  # (start, turn ids)
+
+
+@attrs.frozen
+class ReplayPlan:
+    """``Replayer.apply`` computed ahead of time on the control thread, against ``log``.
+    The engine uses it only if the session's log is still that same object."""
+
+    log: ReplayLog
+    keys: tuple[int, ...]
+    kept: tuple[tuple[int, tuple[int, ...]], ...]
 
 
 class Replayer:
@@ -53,10 +64,12 @@ class Replayer:
         return (parsed.content, messages, parsed.reasoning if with_reasoning else None)
 
     def same_turn(self, rendered: Sequence[int], generated: Sequence[int]) -> bool:
+        if any(i < 0 for i in rendered):  # image rows are never part of an answer
+            return False
         client_reasoning = bool(parse_output(self.tokenizer.decode(list(rendered)), tools_active=True).reasoning)
         return self._meaning(rendered, client_reasoning) == self._meaning(generated, client_reasoning)
 
-    def apply(self, log: ReplayLog, prompt: Sequence[int]) -> tuple[list[int], list[tuple[int, tuple[int, ...]]]]:
+    def apply(self, log: ReplayLog, prompt: Sequence[int]) -> tuple[list[int], tuple[tuple[int, tuple[int, ...]], ...]]:
         """``prompt`` with every matching rendered turn replaced; and the turns kept."""
         current = list(prompt)
         kept: list[tuple[int, tuple[int, ...]]] = []
@@ -71,4 +84,4 @@ class Replayer:
                 break
             current[start : end + 1] = turn
             kept.append((start, turn))
-        return current, kept
+        return current, tuple(kept)

@@ -96,6 +96,7 @@ class PreparedRequest:
     images: tuple[PlacedImage, ...] = ()
     processors: tuple[Any, ...] = ()  # LogitsProcessor objects
     logprobs: int = -1
+    replay: Any = None  # a ReplayPlan computed on the control thread (engine.plan_replay)
 
 
 class Phase(enum.Enum):

@@ -112,7 +112,7 @@ def control_loop(stdin: BinaryIO, engine: Engine, tokenizer, writer: EventWriter
             engine.call(lambda values, rid=message.id: writer(m.StatsReport(rid, values)))
         elif isinstance(message, m.Generate):
             try:
-                engine.submit(prepare(message, tokenizer))
+                engine.submit(engine.plan_replay(prepare(message, tokenizer)))
             except ApiError as err:
                 writer(m.Failed(message.id, err.status, err.message, err.type, err.code, err.param, dict(err.metadata)))
 
