@@ -11,16 +11,9 @@ ids; this class only stores and reads what they index.
 The same code runs on CUDA (bfloat16 by default) and on the CPU (float32 by
 default); there is no CUDA-only path.
 
-CUDA graphs (later). ``ExecutorLimits.step_sizes`` would list fixed step
-widths (say 1, 2, 4, ..., 512 rows). For each width the executor would
-capture one graph of :meth:`MuseGlimmerDecoder.forward` over static input
-buffers (token ids, positions, write slots) and a fixed-shape attention
-metadata layout (a padded block table per sequence slot plus sequence
-lengths, read by a paged-attention kernel instead of the per-sequence Python
-loop here). ``step`` would pad the packed rows up to the next captured
-width, copy the inputs into the static buffers, replay the graph and read
-back only the real rows; sampling stays outside the graph. Nothing in the
-engine contract changes: the scheduler already respects ``step_sizes``.
+Every sampled row of a step is sampled in one batched call
+(:mod:`musegl_cuda.sampling`). The executor announces no ``step_sizes`` yet:
+every step runs eagerly at its own width.
 """
 
 from __future__ import annotations
