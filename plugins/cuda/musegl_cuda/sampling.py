@@ -160,13 +160,14 @@ def sample(logits: torch.Tensor, rows: SampleRows) -> tuple[list[int], list[Toke
     if not len(rows):
         return [], []
     device = logits.device
-    z = apply_processors(logits.float().clone(), rows)
+    processed = any(p.logit_bias or p.penalized for p in rows.params) or any(m is not None for m in rows.masks)
+    z = apply_processors(logits.float().clone(), rows) if processed else logits.float()
     greedy = [p.greedy for p in rows.params]
     chosen = torch.argmax(z, dim=-1)
     if not all(greedy):
         filtered = filter_logits(z, rows.params)
-        uniforms = torch.tensor(rows.uniforms, dtype=torch.float64, device=device).clamp_(0.0, 1.0 - 2**-53)
-        drawn = draw(filtered.double(), uniforms)
+        uniforms = torch.tensor(rows.uniforms, dtype=torch.float32, device=device).clamp_(0.0, 1.0 - 2**-24)
+        drawn = draw(filtered, uniforms)
         chosen = torch.where(torch.tensor(greedy, device=device), chosen, drawn)
     ids = chosen.tolist()
     logprobs: list[TokenLogprobs | None] = [None] * len(ids)
