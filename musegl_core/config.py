@@ -24,38 +24,70 @@ def min_request_bytes(max_image_bytes: int) -> int:
     return 4 * math.ceil(max_image_bytes / 3) + 1024
 
 
+def flag(default: Any, help: str, group: str, *, kind: str = "str", metavar: str | None = None,
+         choices: tuple[str, ...] | None = None, env: str | None = None) -> Any:
+    """A :class:`ServeConfig` field that is also a ``musegl serve`` flag.
+
+    The flag is the field name with dashes (``max_context`` -> ``--max-context``);
+    ``kind`` is how its text is read (``str``, ``int``, ``float``, ``size`` such
+    as ``24GiB``, or ``switch`` for an on/off flag); ``env`` names an
+    environment variable that supplies the default. The parser of
+    :mod:`musegl_core.cli.serve` is built from these, so every setting is
+    written out once, here."""
+    return attrs.field(default=default, metadata={"flag": {"help": help, "group": group, "kind": kind,
+                                                           "metavar": metavar, "choices": choices, "env": env}})
+
+
+NET, LIMITS, PROTO, EXEC = "network", "limits (the seed's serving limits)", "protocol", "execution"
+
+
 @attrs.frozen
 class ServeConfig:
     """Validated serving settings shared by the front and the worker."""
 
     model: str | None = None
-    host: str = "127.0.0.1"
-    port: int = 8000
-    served_model_name: str | None = None
-    max_context: int = 8192
-    max_sessions: int = 4
-    max_inflight_requests: int = 4
-    max_decode_sequences: int = 4
-    max_prefill_chunk: int = 512
-    max_image_bytes: int = MAX_IMAGE_BYTES_CAP
-    max_request_bytes: int = MAX_REQUEST_BYTES_CAP
-    max_vision_patches: int = 4096
-    prefix_cache_entries: int = 0
-    evict_idle_sessions: bool = False
-    streaming_preflight_timeout: float | None = None
-    tool_parser: str | None = None
-    api_dialect: str = "openai"
-    template: str = "muse"
-    executor: str | None = None
-    device: str | None = None
-    dtype: str | None = None
-    kv_blocks: int | None = None
-    kv_cache_memory: int | None = None
-    kv_cache_fraction: float = 0.9
-    api_key: str | None = None
+    host: str = flag("127.0.0.1", "bind address (default %(default)s)", NET)
+    port: int = flag(8000, "port (default %(default)s)", NET, kind="int")
+    served_model_name: str | None = flag(None, "model id reported by /v1/models", NET)
+    api_key: str | None = flag(None, "require this bearer token (env MUSEGL_API_KEY)", NET, env="MUSEGL_API_KEY")
+    max_context: int = flag(8192, "context budget per session in tokens (default %(default)s)", LIMITS, kind="int")
+    max_sessions: int = flag(4, "session slots (default %(default)s)", LIMITS, kind="int")
+    max_inflight_requests: int = flag(4, "admitted requests (default %(default)s)", LIMITS, kind="int")
+    max_decode_sequences: int = flag(4, "decode batch width (default %(default)s)", LIMITS, kind="int")
+    max_prefill_chunk: int = flag(512, "prompt positions per forward (default %(default)s)", LIMITS, kind="int")
+    max_image_bytes: int = flag(MAX_IMAGE_BYTES_CAP, "compressed image size limit (1 B .. 20 MiB, default 20 MiB)",
+                                LIMITS, kind="int")
+    max_request_bytes: int = flag(MAX_REQUEST_BYTES_CAP, "worker request frame limit (<= 32 MiB, default 32 MiB)",
+                                  LIMITS, kind="int")
+    max_vision_patches: int = flag(4096, "vision patch cap (default %(default)s)", LIMITS, kind="int")
+    prefix_cache_entries: int = flag(0, "prefix snapshots (default %(default)s)", LIMITS, kind="int")
+    evict_idle_sessions: bool = flag(False, "evict the least recently used idle session when slots run out",
+                                     LIMITS, kind="switch")
+    streaming_preflight_timeout: float | None = flag(None, "bound the wait before streaming headers", LIMITS,
+                                                     kind="float", metavar="SECONDS")
+    kv_blocks: int | None = flag(None, "KV pool size in blocks (default: sized from memory, see --kv-cache-memory)",
+                                 LIMITS, kind="int")
+    kv_cache_memory: int | None = flag(None, "memory for the KV cache, e.g. 24GiB; the pool fills it (default: what "
+                                       "the limits need, checked against --kv-cache-fraction of the free memory)",
+                                       LIMITS, kind="size", metavar="SIZE")
+    kv_cache_fraction: float = flag(0.9, "share of the memory free after loading that the KV cache may use "
+                                    "(default %(default)s)", LIMITS, kind="float", metavar="F")
+    tool_parser: str | None = flag(None, "tool-call parser (e.g. atem, from musegl-atem)", PROTO, metavar="NAME")
+    api_dialect: str = flag("openai", "API dialect: openai (default) or a plugin's (openrouter)", PROTO,
+                            metavar="NAME")
+    template: str = flag("muse", "chat template (default %(default)s)", PROTO, metavar="NAME")
+    executor: str | None = flag(None, "executor to use (default: the best one for this machine)", EXEC,
+                                metavar="NAME")
+    device: str | None = flag(None, "device for the executor (cpu, cuda:0, ...)", EXEC)
+    dtype: str | None = flag(None, "activation dtype", EXEC, choices=("float32", "float16", "bfloat16"))
     plugins: tuple[str, ...] | None = None
     demo: bool = False
     extra: dict[str, Any] = attrs.field(factory=dict)
+
+    @classmethod
+    def flag_fields(cls) -> list[attrs.Attribute]:
+        """The fields that are ``musegl serve`` flags, in declaration order."""
+        return [f for f in attrs.fields(cls) if "flag" in f.metadata]
 
     def validate(self) -> "ServeConfig":
         def need(ok: bool, message: str) -> None:

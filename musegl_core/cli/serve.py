@@ -35,44 +35,27 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+KINDS = {"str": None, "int": _int, "float": _float, "size": _size}
+
+
 def build_parser(plugins=None) -> OneLineParser:
-    d = ServeConfig()
+    """The ``musegl serve`` parser: one flag per :meth:`ServeConfig.flag_fields` field."""
     p = OneLineParser(prog="musegl serve", description="Serve a Muse Glimmer checkpoint over an OpenAI-compatible HTTP API.")
     p.add_argument("model", nargs="?", help="GGUF file or Hugging Face directory; omitted: the built-in random-weight demo")
     p.add_argument("--model", dest="model_opt", metavar="PATH", help="same as the positional MODEL")
     p.add_argument("--plugin", action="append", dest="plugins", metavar="NAME",
                    help="load only this plugin (repeatable); default: every installed plugin")
-    net = p.add_argument_group("network")
-    net.add_argument("--host", default=d.host, help=f"bind address (default {d.host})")
-    net.add_argument("--port", type=_int, default=d.port, help=f"port (default {d.port})")
-    net.add_argument("--api-key", default=os.environ.get("MUSEGL_API_KEY"), help="require this bearer token (env MUSEGL_API_KEY)")
-    net.add_argument("--served-model-name", help="model id reported by /v1/models")
-    lim = p.add_argument_group("limits (the seed's serving limits)")
-    lim.add_argument("--max-context", type=_int, default=d.max_context, help=f"context budget per session in tokens (default {d.max_context})")
-    lim.add_argument("--max-sessions", type=_int, default=d.max_sessions, help=f"session slots (default {d.max_sessions})")
-    lim.add_argument("--max-inflight-requests", type=_int, default=d.max_inflight_requests, help=f"admitted requests (default {d.max_inflight_requests})")
-    lim.add_argument("--max-decode-sequences", type=_int, default=d.max_decode_sequences, help=f"decode batch width (default {d.max_decode_sequences})")
-    lim.add_argument("--max-prefill-chunk", type=_int, default=d.max_prefill_chunk, help=f"prompt positions per forward (default {d.max_prefill_chunk})")
-    lim.add_argument("--max-image-bytes", type=_int, default=d.max_image_bytes, help="compressed image size limit (1 B .. 20 MiB, default 20 MiB)")
-    lim.add_argument("--max-request-bytes", type=_int, default=d.max_request_bytes, help="worker request frame limit (<= 32 MiB, default 32 MiB)")
-    lim.add_argument("--max-vision-patches", type=_int, default=d.max_vision_patches, help=f"vision patch cap (default {d.max_vision_patches})")
-    lim.add_argument("--prefix-cache-entries", type=_int, default=d.prefix_cache_entries, help="prefix snapshots (default 0)")
-    lim.add_argument("--evict-idle-sessions", action="store_true", help="evict the least recently used idle session when slots run out")
-    lim.add_argument("--streaming-preflight-timeout", type=_float, default=None, metavar="SECONDS", help="bound the wait before streaming headers")
-    lim.add_argument("--kv-blocks", type=_int, default=None, help="KV pool size in blocks (default: sized from memory, see --kv-cache-memory)")
-    lim.add_argument("--kv-cache-memory", type=_size, default=None, metavar="SIZE",
-                     help="memory for the KV cache, e.g. 24GiB; the pool fills it (default: what the limits need, "
-                          "checked against --kv-cache-fraction of the free memory)")
-    lim.add_argument("--kv-cache-fraction", type=_float, default=d.kv_cache_fraction, metavar="F",
-                     help=f"share of the memory free after loading that the KV cache may use (default {d.kv_cache_fraction})")
-    proto = p.add_argument_group("protocol")
-    proto.add_argument("--tool-parser", default=None, metavar="NAME", help="tool-call parser (e.g. atem, from musegl-atem)")
-    proto.add_argument("--api-dialect", default=d.api_dialect, metavar="NAME", help="API dialect: openai (default) or a plugin's (openrouter)")
-    proto.add_argument("--template", default=d.template, metavar="NAME", help="chat template (default muse)")
-    exe = p.add_argument_group("execution")
-    exe.add_argument("--executor", default=None, metavar="NAME", help="executor to use (default: the best one for this machine)")
-    exe.add_argument("--device", default=None, help="device for the executor (cpu, cuda:0, ...)")
-    exe.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"], help="activation dtype")
+    groups: dict[str, argparse._ArgumentGroup] = {}
+    for field in ServeConfig.flag_fields():
+        spec = field.metadata["flag"]
+        group = groups.get(spec["group"]) or groups.setdefault(spec["group"], p.add_argument_group(spec["group"]))
+        name = "--" + field.name.replace("_", "-")
+        default = os.environ.get(spec["env"], field.default) if spec["env"] else field.default
+        if spec["kind"] == "switch":
+            group.add_argument(name, action="store_true", default=default, help=spec["help"])
+        else:
+            group.add_argument(name, type=KINDS[spec["kind"]], default=default, metavar=spec["metavar"],
+                               choices=spec["choices"], help=spec["help"])
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     if plugins is not None:
         plugins.add_serve_options(p)
@@ -86,32 +69,9 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
     extra = {k: v for k, v in vars(args).items() if k not in known}
     return ServeConfig(
         model=args.model or args.model_opt,
-        host=args.host,
-        port=args.port,
-        served_model_name=args.served_model_name,
-        max_context=args.max_context,
-        max_sessions=args.max_sessions,
-        max_inflight_requests=args.max_inflight_requests,
-        max_decode_sequences=args.max_decode_sequences,
-        max_prefill_chunk=args.max_prefill_chunk,
-        max_image_bytes=args.max_image_bytes,
-        max_request_bytes=args.max_request_bytes,
-        max_vision_patches=args.max_vision_patches,
-        prefix_cache_entries=args.prefix_cache_entries,
-        evict_idle_sessions=args.evict_idle_sessions,
-        streaming_preflight_timeout=args.streaming_preflight_timeout,
-        tool_parser=args.tool_parser,
-        api_dialect=args.api_dialect,
-        template=args.template,
-        executor=args.executor,
-        device=args.device,
-        dtype=args.dtype,
-        kv_blocks=args.kv_blocks,
-        kv_cache_memory=args.kv_cache_memory,
-        kv_cache_fraction=args.kv_cache_fraction,
-        api_key=args.api_key,
         plugins=tuple(args.plugins) if args.plugins else None,
         extra=extra,
+        **{field.name: getattr(args, field.name) for field in ServeConfig.flag_fields()},
     ).validate()
 
 
