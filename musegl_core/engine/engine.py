@@ -348,6 +348,11 @@ class Engine:
                 self.executor.copy_blocks(copies)
                 self.speculator.copy_blocks(copies)
             output = self.executor.step(step)
+            for chunk in step.chunks:
+                got = len(output.tokens.get(chunk.seq, ()))
+                if got != chunk.sample:
+                    raise RuntimeError(f"the executor returned {got} sampled ids for sequence {chunk.seq}, "
+                                       f"expected {chunk.sample}")
         except Exception as exc:  # an executor failure fails this batch, not the worker
             log.exception("executor step failed")
             for seq, _ in plan:
