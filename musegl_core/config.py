@@ -42,6 +42,8 @@ class ServeConfig:
     max_vision_patches: int = 4096
     prefix_cache_entries: int = 0
     evict_idle_sessions: bool = False
+    session_idle_timeout: float | None = None
+    prefix_caching: bool = True
     streaming_preflight_timeout: float | None = None
     tool_parser: str | None = None
     api_dialect: str = "openai"
@@ -83,6 +85,12 @@ class ServeConfig:
             need(
                 math.isfinite(t) and t > 0,
                 f"--streaming-preflight-timeout must be a positive number of seconds, got {t}",
+            )
+        if self.session_idle_timeout is not None:
+            t = self.session_idle_timeout
+            need(
+                math.isfinite(t) and t > 0,
+                f"--session-idle-timeout must be a positive number of seconds, got {t}",
             )
         int_range("--port", self.port, 0, 65535)
         need(bool(self.host.strip()), "--host must not be empty")

@@ -49,6 +49,10 @@ def build_parser(plugins=None) -> OneLineParser:
     lim.add_argument("--max-vision-patches", type=_int, default=d.max_vision_patches, help=f"vision patch cap (default {d.max_vision_patches})")
     lim.add_argument("--prefix-cache-entries", type=_int, default=d.prefix_cache_entries, help="prefix snapshots (default 0)")
     lim.add_argument("--evict-idle-sessions", action="store_true", help="evict the least recently used idle session when slots run out")
+    lim.add_argument("--session-idle-timeout", type=_float, default=None, metavar="SECONDS",
+                     help="close named sessions idle this long (default: they persist until DELETE /v1/sessions/{id})")
+    lim.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
+                     help="turn off automatic prefix caching (reuse of finished requests' KV blocks)")
     lim.add_argument("--streaming-preflight-timeout", type=_float, default=None, metavar="SECONDS", help="bound the wait before streaming headers")
     lim.add_argument("--kv-blocks", type=_int, default=None, help="KV pool size in blocks (default: enough for every admitted request at --max-context)")
     proto = p.add_argument_group("protocol")
@@ -85,6 +89,8 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
         max_vision_patches=args.max_vision_patches,
         prefix_cache_entries=args.prefix_cache_entries,
         evict_idle_sessions=args.evict_idle_sessions,
+        session_idle_timeout=args.session_idle_timeout,
+        prefix_caching=args.prefix_caching,
         streaming_preflight_timeout=args.streaming_preflight_timeout,
         tool_parser=args.tool_parser,
         api_dialect=args.api_dialect,

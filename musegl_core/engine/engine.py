@@ -27,7 +27,7 @@ from musegl_core.engine.kv_pool import KVPool
 from musegl_core.engine.replay import ReplayLog, Replayer
 from musegl_core.engine.request import Phase, PreparedRequest, SequenceState
 from musegl_core.engine.scheduler import Scheduler, SchedulerLimits
-from musegl_core.engine.sessions import CapacityError, Session, SessionTable
+from musegl_core.engine.sessions import CapacityError, Session, SessionBusy, SessionTable
 from musegl_core.engine.stops import StopMatcher
 from musegl_core.errors import ApiError
 from musegl_core.worker import messages as m
@@ -45,6 +45,8 @@ class EngineConfig:
     prefix_cache_entries: int = 0
     evict_idle_sessions: bool = False
     kv_blocks: int | None = None
+    prefix_caching: bool = True
+    session_idle_timeout: float | None = None
 
     @classmethod
     def from_serve(cls, config) -> "EngineConfig":
@@ -109,6 +111,8 @@ class Engine:
             max_context=config.max_context,
             snapshots=config.prefix_cache_entries,
             evict_idle=config.evict_idle_sessions,
+            prefix_caching=config.prefix_caching,
+            idle_timeout=config.session_idle_timeout,
         )
         max_step = min(executor.limits.max_step_tokens, config.max_decode_sequences + config.max_prefill_chunk)
         self.scheduler = Scheduler(
@@ -133,6 +137,18 @@ class Engine:
 
     def stop(self) -> None:
         self._inbox.put(("stop", None))
+
+    def list_sessions(self, reply: Callable[[list], None]) -> None:
+        """``reply(infos)`` on the engine thread: every named session (``GET /v1/sessions``)."""
+        self._inbox.put(("sessions", reply))
+
+    def close_session(self, name: str, reply: Callable[[ApiError | None], None]) -> None:
+        """Close an idle named session; ``reply(None)`` or ``reply(error)`` (404, 409)."""
+        self._inbox.put(("close_session", (name, reply)))
+
+    def expire_idle_sessions(self) -> None:
+        """Apply ``--session-idle-timeout`` now (the worker calls this every second)."""
+        self._inbox.put(("expire", None))
 
     def stats(self) -> dict:
         """Pool and session counters (read by the worker between steps)."""
@@ -174,6 +190,13 @@ class Engine:
                 self._cancel(arg)
             elif kind == "call":
                 arg(self.stats())
+            elif kind == "sessions":
+                self.sessions.expire_idle()
+                arg(self.sessions.describe())
+            elif kind == "close_session":
+                self._close_session(*arg)
+            elif kind == "expire":
+                self.sessions.expire_idle()
             elif kind == "stop":
                 self._stopping = True
             try:
@@ -184,6 +207,17 @@ class Engine:
     def call(self, function: Callable[[dict], None]) -> None:
         """Run ``function(stats)`` on the engine thread between steps."""
         self._inbox.put(("call", function))
+
+    def _close_session(self, name: str, reply: Callable[[ApiError | None], None]) -> None:
+        try:
+            self.sessions.close(name)
+        except KeyError:
+            reply(ApiError(404, f"no session {name!r}", "not_found_error", "session_not_found", "session_id"))
+        except SessionBusy:
+            reply(ApiError(409, f"session {name!r} has a request running or queued; close it when idle",
+                           "invalid_request_error", "session_active", "session_id"))
+        else:
+            reply(None)
 
     # -- admission -------------------------------------------------------------------
     def _fail(self, request_id: str, error: ApiError) -> None:
@@ -288,6 +322,7 @@ class Engine:
     def _prefilled(self, seq: SequenceState) -> None:
         session = seq.session
         session.tokens = seq.tokens[: seq.computed]
+        self.sessions.publish(session)
         self.sessions.snapshot(session)
         self.emit(m.Started(seq.id, seq.prompt_len, seq.cached))
 
@@ -329,6 +364,8 @@ class Engine:
         session = seq.session
         # Positions with K/V in the cache: the prompt and every generated token but the last.
         session.tokens = seq.tokens[: seq.computed]
+        if reason is not None:  # not after an executor failure
+            self.sessions.publish(session)
         success = reason in ("stop", "length")
         if success:
             session.confirmed = True
