@@ -328,3 +328,18 @@ class SessionTable:
             "closed": self.closed,
             **(self.cache.stats() if self.cache is not None else {"kv_blocks_cached": 0}),
         }
+
+
+def session_policy(config) -> str:
+    """One line stating the session policy of a serve configuration (logged at start-up)."""
+    slots = f"{config.max_sessions} slots shared by named sessions and anonymous requests"
+    if config.session_idle_timeout is not None:
+        keep = f"named sessions are closed after {config.session_idle_timeout:g} s idle"
+    else:
+        keep = "named sessions persist until DELETE /v1/sessions/{id}"
+    if config.evict_idle_sessions:
+        keep += "; idle ones are evicted LRU when slots run out (--evict-idle-sessions)"
+    else:
+        keep += "; when every slot is taken, new sessions and anonymous requests get 503 session_capacity"
+    cache = "prefix caching on" if config.prefix_caching else "prefix caching off (--no-prefix-caching)"
+    return f"sessions: {slots}; {keep}; {cache}; snapshots: {config.prefix_cache_entries}"

@@ -161,7 +161,7 @@ class WorkerClient:
             queue.put_nowait(error)
 
     # -- requests ----------------------------------------------------------------------
-    async def _send(self, message: m.Generate | m.Cancel | m.Stats) -> None:
+    async def _send(self, message: m.Request) -> None:
         line = m.encode(message)
         if len(line) > self.config.max_request_bytes:
             raise ApiError(
@@ -181,19 +181,34 @@ class WorkerClient:
             except (BrokenPipeError, ConnectionResetError) as exc:
                 raise unavailable("the model worker stopped", code="worker_restarting") from exc
 
-    async def stats(self, timeout: float = 10) -> dict:
-        """The engine's counters (KV blocks, sessions, steps), read between steps."""
-        rid = f"stats-{os.urandom(6).hex()}"
+    async def _ask(self, kind: str, make, timeout: float):
+        """Send the control message ``make(rid)``; return its one answer (or raise
+        the :class:`ApiError` it failed with)."""
+        rid = f"{kind}-{os.urandom(6).hex()}"
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[rid] = queue
         try:
-            await self._send(m.Stats(rid))
+            await self._send(make(rid))
             item = await asyncio.wait_for(queue.get(), timeout)
         finally:
             self._queues.pop(rid, None)
         if isinstance(item, ApiError):
             raise item
-        return dict(item.values)
+        if isinstance(item, m.Failed):
+            raise ApiError(item.status, item.message, item.type, item.code, item.param, dict(item.metadata))
+        return item
+
+    async def stats(self, timeout: float = 10) -> dict:
+        """The engine's counters (KV blocks, sessions, steps), read between steps."""
+        return dict((await self._ask("stats", m.Stats, timeout)).values)
+
+    async def list_sessions(self, timeout: float = 10) -> tuple:
+        """The named sessions (:class:`~musegl_core.engine.sessions.SessionInfo`), most recent first."""
+        return (await self._ask("sessions", m.ListSessions, timeout)).sessions
+
+    async def close_session(self, session_id: str, timeout: float = 10) -> None:
+        """Close an idle named session; ApiError 404 (unknown) or 409 (active)."""
+        await self._ask("close", lambda rid: m.CloseSession(rid, session_id), timeout)
 
     @contextlib.asynccontextmanager
     async def generate(self, request: m.Generate) -> AsyncIterator[AsyncIterator[m.Event]]:

@@ -15,6 +15,7 @@ import attrs
 import cattrs
 
 from musegl_core.engine.executor import ModelInfo, SamplingParams
+from musegl_core.engine.sessions import SessionInfo
 
 MAX_EVENT_FRAME = 1 << 20  # 1 MiB, newline included
 
@@ -59,6 +60,21 @@ class Stats:
     """Ask the worker for its engine counters (answered by a ``StatsReport``)."""
 
     id: str
+
+
+@attrs.frozen
+class ListSessions:
+    """Ask for the named sessions (answered by a ``SessionList``)."""
+
+    id: str
+
+
+@attrs.frozen
+class CloseSession:
+    """Close an idle named session (answered by ``SessionClosed`` or ``Failed``: 404, 409)."""
+
+    id: str
+    session_id: str
 
 
 # -- worker → front -----------------------------------------------------------------
@@ -118,6 +134,18 @@ class StatsReport:
 
 
 @attrs.frozen
+class SessionList:
+    id: str
+    sessions: tuple[SessionInfo, ...] = ()
+
+
+@attrs.frozen
+class SessionClosed:
+    id: str
+    session_id: str
+
+
+@attrs.frozen
 class Failed:
     id: str | None
     status: int
@@ -128,11 +156,12 @@ class Failed:
     metadata: dict[str, Any] = attrs.field(factory=dict)
 
 
-Request = Union[Generate, Cancel, Stats]
-Event = Union[Ready, Started, Tokens, Done, Failed, StatsReport]
+Request = Union[Generate, Cancel, Stats, ListSessions, CloseSession]
+Event = Union[Ready, Started, Tokens, Done, Failed, StatsReport, SessionList, SessionClosed]
 _OPS: dict[str, type] = {
     cls.__name__.lower(): cls
-    for cls in (Generate, Cancel, Stats, Ready, Started, Tokens, Done, Failed, StatsReport)
+    for cls in (Generate, Cancel, Stats, ListSessions, CloseSession, Ready, Started, Tokens, Done, Failed,
+                StatsReport, SessionList, SessionClosed)
 }
 
 converter = cattrs.Converter(omit_if_default=True)
