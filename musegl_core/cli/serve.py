@@ -123,6 +123,10 @@ def prepare(argv: list[str]):
     plugins.choose_executor(config.executor)
     if config.model and not os.path.exists(config.model):
         raise ConfigError(f"model path {config.model!r} does not exist")
+    if config.model:
+        from musegl_core.checkpoint.validate import check_servable
+
+        check_servable(config.model)
     return config, plugins, args.log_level
 
 
@@ -147,5 +151,12 @@ def main(argv: list[str]) -> int:
     worker = WorkerClient(config)
     app = create_app(config, plugins, worker)
     log.info("listening on http://%s:%d (model loads in the worker; /health turns 200 when ready)", config.host, config.port)
-    uvicorn.run(app, host=config.host, port=config.port, log_level=log_level, timeout_graceful_shutdown=5)
+    server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level=log_level,
+                                           timeout_graceful_shutdown=5))
+    # A worker that cannot load the model, or keeps dying, stops the server (exit status 1).
+    worker.on_fatal = lambda _reason: setattr(server, "should_exit", True)
+    server.run()
+    if worker.fatal:
+        print(f"musegl serve: error: {worker.fatal}", file=sys.stderr)
+        return 1
     return 0

@@ -24,6 +24,7 @@ import threading
 import time
 from typing import BinaryIO
 
+from musegl_core.checkpoint.validate import one_line
 from musegl_core.config import ServeConfig
 from musegl_core.engine.engine import Engine, EngineConfig
 from musegl_core.engine.request import PreparedRequest
@@ -153,7 +154,13 @@ def load(config: ServeConfig):
 
 
 def serve(config: ServeConfig, stdin: BinaryIO, stdout: BinaryIO) -> None:
-    tokenizer, executor = load(config)
+    try:
+        tokenizer, executor = load(config)
+    except ConfigError:
+        raise
+    except Exception as exc:  # one line, exit status 2: the front does not retry a model that cannot load
+        log.debug("model load failed", exc_info=True)
+        raise ConfigError(f"cannot load the model {config.model!r}: {one_line(exc)}") from None
     writer = EventWriter(stdout)
     engine = Engine(
         executor,
