@@ -30,7 +30,8 @@ def flag(default: Any, help: str, group: str, *, kind: str = "str", metavar: str
 
     The flag is the field name with dashes (``max_context`` -> ``--max-context``);
     ``kind`` is how its text is read (``str``, ``int``, ``float``, ``size`` such
-    as ``24GiB``, or ``switch`` for an on/off flag); ``env`` names an
+    as ``24GiB``, ``switch`` for a flag that turns a False default on, or
+    ``off-switch`` for ``--no-NAME`` that turns a True default off); ``env`` names an
     environment variable that supplies the default. The parser of
     :mod:`musegl_core.cli.serve` is built from these, so every setting is
     written out once, here."""
@@ -63,6 +64,11 @@ class ServeConfig:
     prefix_cache_entries: int = flag(0, "prefix snapshots (default %(default)s)", LIMITS, kind="int")
     evict_idle_sessions: bool = flag(False, "evict the least recently used idle session when slots run out",
                                      LIMITS, kind="switch")
+    session_idle_timeout: float | None = flag(None, "close named sessions idle this long (default: they persist "
+                                              "until DELETE /v1/sessions/{id})", LIMITS, kind="float",
+                                              metavar="SECONDS")
+    prefix_caching: bool = flag(True, "turn off automatic prefix caching (reuse of finished requests' KV blocks)",
+                                LIMITS, kind="off-switch")
     streaming_preflight_timeout: float | None = flag(None, "bound the wait before streaming headers", LIMITS,
                                                      kind="float", metavar="SECONDS")
     kv_blocks: int | None = flag(None, "KV pool size in blocks (default: sized from memory, see --kv-cache-memory)",
@@ -117,6 +123,12 @@ class ServeConfig:
             need(
                 math.isfinite(t) and t > 0,
                 f"--streaming-preflight-timeout must be a positive number of seconds, got {t}",
+            )
+        if self.session_idle_timeout is not None:
+            t = self.session_idle_timeout
+            need(
+                math.isfinite(t) and t > 0,
+                f"--session-idle-timeout must be a positive number of seconds, got {t}",
             )
         int_range("--port", self.port, 0, 65535)
         need(bool(self.host.strip()), "--host must not be empty")

@@ -164,7 +164,7 @@ def write_text_gguf(
     path: str | os.PathLike[str],
     config: TextConfig,
     weights: Mapping[str, np.ndarray],
-    tokenizer: GGUFTokenizerData,
+    tokenizer: GGUFTokenizerData | None,
     *,
     file_type: str = "f32",
     name: str = "Muse Glimmer",
@@ -193,7 +193,8 @@ def write_text_gguf(
     writer = gguf.GGUFWriter(os.fspath(path), ARCH)
     try:
         _add_metadata(writer, config, ftype, name)
-        add_tokenizer_metadata(writer, tokenizer, config.vocab_size)
+        if tokenizer is not None:  # None: the tokenizer lives beside the file (tokenizer.json)
+            add_tokenizer_metadata(writer, tokenizer, config.vocab_size)
         plan = []
         for tensor_name, make, shape in _gguf_tensors(config, weights, fuse_qkv):
             qtype = _tensor_type(tensor_name, shape, matrix_type)

@@ -53,6 +53,9 @@ def build_parser(plugins=None) -> OneLineParser:
         default = os.environ.get(spec["env"], field.default) if spec["env"] else field.default
         if spec["kind"] == "switch":
             group.add_argument(name, action="store_true", default=default, help=spec["help"])
+        elif spec["kind"] == "off-switch":
+            group.add_argument("--no-" + field.name.replace("_", "-"), dest=field.name, action="store_false",
+                               default=default, help=spec["help"])
         else:
             group.add_argument(name, type=KINDS[spec["kind"]], default=default, metavar=spec["metavar"],
                                choices=spec["choices"], help=spec["help"])
@@ -93,6 +96,10 @@ def prepare(argv: list[str]):
     plugins.choose_executor(config.executor)
     if config.model and not os.path.exists(config.model):
         raise ConfigError(f"model path {config.model!r} does not exist")
+    if config.model:
+        from musegl_core.checkpoint.validate import check_servable
+
+        check_servable(config.model)
     return config, plugins, args.log_level
 
 
@@ -136,5 +143,12 @@ def main(argv: list[str]) -> int:
     worker = WorkerClient(config)
     app = create_app(config, plugins, worker)
     log.info("listening on http://%s:%d (model loads in the worker; /health turns 200 when ready)", config.host, config.port)
-    uvicorn.run(app, host=config.host, port=config.port, log_level=log_level, timeout_graceful_shutdown=5)
+    server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level=log_level,
+                                           timeout_graceful_shutdown=5))
+    # A worker that cannot load the model, or keeps dying, stops the server (exit status 1).
+    worker.on_fatal = lambda _reason: setattr(server, "should_exit", True)
+    server.run()
+    if worker.fatal:
+        print(f"musegl serve: error: {worker.fatal}", file=sys.stderr)
+        return 1
     return 0

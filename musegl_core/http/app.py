@@ -34,6 +34,7 @@ from musegl_core.http.dialect import Dialect, ServedModel
 from musegl_core.http.front_tokenizer import FrontTokenizer
 from musegl_core.http.metrics import render as render_metrics
 from musegl_core.http.preflight import check_context
+from musegl_core.http.sessions import session_routes
 from musegl_core.plugins.manager import PluginManager
 from musegl_core.worker.client import WorkerClient
 
@@ -45,6 +46,7 @@ _HTTP_ERROR_TYPES = {
     403: "permission_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    409: "invalid_request_error",
     413: "invalid_request_error",
     415: "invalid_request_error",
     429: "rate_limit_error",
@@ -192,7 +194,7 @@ def create_app(
                 await worker.close()
 
     return Litestar(
-        route_handlers=[models, health, metrics, chat_completions],
+        route_handlers=[models, health, metrics, chat_completions, *session_routes(worker, [require_key])],
         exception_handlers={
             ApiError: on_api_error,
             HTTPException: on_http_error,
