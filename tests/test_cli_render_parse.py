@@ -107,11 +107,12 @@ def test_render_applies_the_server_validation(capsys, monkeypatch, fields, param
     assert (error["error"]["param"], error["error"]["code"]) == (param, code)
 
 
-def test_render_rejects_a_trailing_assistant_message(capsys, monkeypatch):
-    """api.md 2.1: a conversation the template cannot continue is a 400."""
+def test_render_closes_a_trailing_assistant_message(capsys, monkeypatch):
+    """chat-format 2.11: a final assistant message is history; the generation prompt follows."""
     request = body(USER, {"role": "assistant", "content": "391"})
-    status, _, err = run(capsys, ["render", "--plugin", "core"], request, monkeypatch)
-    assert status == 1 and json.loads(err)["error"]["type"] == "invalid_request_error"
+    status, out, _ = run(capsys, ["render", "--plugin", "core"], request, monkeypatch)
+    assert status == 0
+    assert out.rstrip("\n").endswith("<|start|>assistant to=user<|message|>391<|eot|><|start|>assistant")
 
 
 # -- parse ------------------------------------------------------------------------------------

@@ -353,12 +353,30 @@ def test_client_text_is_never_special():
     assert "<|begin_of_text|><|start|>system<|message|>" in special and "Grüße" not in special
 
 
-def test_trailing_assistant_and_empty_conversation_rejected():
-    """chat-format 2.11 / brief: a final assistant message or no messages → 400."""
-    for messages in ([user(), Message("assistant", "x")], []):
-        with pytest.raises(ApiError) as info:
-            render(messages)
-        assert info.value.status == 400
+def test_empty_conversation_rejected():
+    """No messages → 400."""
+    with pytest.raises(ApiError) as info:
+        render([])
+    assert info.value.status == 400
+
+
+def test_2_11_trailing_assistant_renders_closed_then_generation_prompt():
+    """chat-format 2.11 (clarification): a final assistant message is closed
+    history, rendered as mid-conversation, then the generation prompt."""
+    out = text_of([user(), Message("assistant", "391")])
+    assert out.endswith("<|eot|><|start|>user<|message|>Hi<|eot|>"
+                        "<|start|>assistant to=user<|message|>391<|eot|><|start|>assistant")
+    # the same message followed by a user turn renders identically up to that turn
+    middle = text_of([user(), Message("assistant", "391"), user("More")])
+    assert middle.startswith(out.removesuffix("<|start|>assistant"))
+    # reasoning and a message to another recipient keep their own terminators
+    out = text_of([user(), Message("assistant", "w", reasoning_content="r", recipient="x.y")])
+    assert out.endswith("<|start|>assistant to=self<|message|>r<|eom|>"
+                        "<|start|>assistant to=x.y<|message|>w<|eom|><|start|>assistant")
+    # a final tool call: no assistant message follows, so it ends <|eot|> (2.9)
+    call = (ToolCall("c", FunctionCall("n.f", {"a": 1})),)
+    out = text_of([user(), Message("assistant", None, tool_calls=call)])
+    assert out.endswith("</atem:function_calls><|eot|><|start|>assistant")
 
 
 def test_2_1_6_9_one_bos_string_and_one_bos_id():

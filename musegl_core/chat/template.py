@@ -293,23 +293,21 @@ class MuseTemplate:
     ) -> RenderedPrompt:
         """Render a conversation, ending with the generation prompt.
 
+        The generation prompt follows whatever the last message is: a final
+        assistant message is closed history (``<|eot|>``, or ``<|eom|>`` where
+        the same message mid-conversation would end so), as the official
+        template renders it. Continuing it in place is not offered.
+
         ``tools_active=False`` is ``tool_choice: "none"`` (6.10): no tool
         block, no aliasing, recipients ``"self", "user"`` only.
 
-        :raises ApiError: 400 for an empty conversation, a trailing assistant
-            message, tool-name collisions (``invalid_tool_schema``) or content
-            the template cannot render.
+        :raises ApiError: 400 for an empty conversation, tool-name collisions
+            (``invalid_tool_schema``) or content the template cannot render.
         """
         variables = variables or TemplateVariables()
         _check_reasoning_strength(variables.reasoning_strength, "reasoning_strength")
         if not messages:
             raise bad_request("'messages' must be a non-empty array.", param="messages")
-        if messages[-1].role == "assistant":
-            raise bad_request(
-                "The last message must not be an assistant message: continuing a final "
-                "assistant message is not supported.",
-                param=f"messages[{len(messages) - 1}]",
-            )
         toolset = _tool_set(tools) if tools and tools_active else _NO_TOOLS
         call_names = {
             call.id: call.function.name
