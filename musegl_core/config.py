@@ -32,6 +32,8 @@ class ServeConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     served_model_name: str | None = None
+    #: more ids the model answers to (``--served-model-name`` given again)
+    served_model_aliases: tuple[str, ...] = ()
     max_context: int = 8192
     max_sessions: int = 4
     max_inflight_requests: int = 4
@@ -53,6 +55,10 @@ class ServeConfig:
     api_key: str | None = None
     plugins: tuple[str, ...] | None = None
     demo: bool = False
+    #: seconds in-flight requests get to finish once shutdown starts
+    shutdown_timeout: float = 5.0
+    #: origins allowed by CORS (``--cors-allow-origin``); empty: CORS is off
+    cors_allow_origins: tuple[str, ...] = ()
     extra: dict[str, Any] = attrs.field(factory=dict)
 
     def validate(self) -> "ServeConfig":
@@ -86,6 +92,17 @@ class ServeConfig:
             )
         int_range("--port", self.port, 0, 65535)
         need(bool(self.host.strip()), "--host must not be empty")
+        need(
+            math.isfinite(self.shutdown_timeout) and self.shutdown_timeout >= 0,
+            f"--shutdown-timeout must be a non-negative number of seconds, got {self.shutdown_timeout}",
+        )
+        for name in (self.served_model_name, *self.served_model_aliases):
+            need(
+                name is None or (bool(name) and not any(c.isspace() for c in name)),
+                f"--served-model-name must be non-empty and contain no whitespace, got {name!r}",
+            )
+        for origin in self.cors_allow_origins:
+            need(bool(origin.strip()), "--cors-allow-origin must not be empty")
         if self.kv_blocks is not None:
             int_range("--kv-blocks", self.kv_blocks, 1)
         return self

@@ -41,3 +41,8 @@ def unavailable(message: str, *, code: str | None = None, retry_after: int | Non
 
 def server_error(message: str, *, code: str | None = None) -> ApiError:
     return ApiError(500, message, "server_error", code)
+
+
+def shutting_down() -> ApiError:
+    """503 ``server_shutting_down``: the request was cut short (or refused) by shutdown."""
+    return unavailable("the server is shutting down", code="server_shutting_down", retry_after=None)

@@ -224,7 +224,7 @@ def test_unprefixed_alias_validates_the_same(client):
 
 # -- other endpoints and HTTP-level errors -------------------------------------------------
 def test_unknown_path_is_404_in_error_shape(client):
-    assert_error(client.get("/v1/completions"), 404, type_="not_found_error")
+    assert_error(client.get("/v1/responses"), 404, type_="not_found_error")
     assert_error(client.post("/v1/embeddings", json={}), 404, type_="not_found_error")
 
 

@@ -37,7 +37,13 @@ def build_parser(plugins=None) -> OneLineParser:
     net.add_argument("--host", default=d.host, help=f"bind address (default {d.host})")
     net.add_argument("--port", type=_int, default=d.port, help=f"port (default {d.port})")
     net.add_argument("--api-key", default=os.environ.get("MUSEGL_API_KEY"), help="require this bearer token (env MUSEGL_API_KEY)")
-    net.add_argument("--served-model-name", help="model id reported by /v1/models")
+    net.add_argument("--served-model-name", action="append", metavar="NAME",
+                     help="model id reported by /v1/models (default: a slug of the checkpoint's name); "
+                          "repeat to add aliases; 'musegl' is always accepted too")
+    net.add_argument("--cors-allow-origin", action="append", metavar="ORIGIN",
+                     help="allow cross-origin requests from ORIGIN (repeatable; '*' for any); default: CORS off")
+    net.add_argument("--shutdown-timeout", type=_float, default=d.shutdown_timeout, metavar="SECONDS",
+                     help=f"on SIGINT/SIGTERM, how long in-flight requests may still run (default {d.shutdown_timeout:g})")
     lim = p.add_argument_group("limits (the seed's serving limits)")
     lim.add_argument("--max-context", type=_int, default=d.max_context, help=f"context budget per session in tokens (default {d.max_context})")
     lim.add_argument("--max-sessions", type=_int, default=d.max_sessions, help=f"session slots (default {d.max_sessions})")
@@ -74,7 +80,10 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
         model=args.model or args.model_opt,
         host=args.host,
         port=args.port,
-        served_model_name=args.served_model_name,
+        served_model_name=args.served_model_name[0] if args.served_model_name else None,
+        served_model_aliases=tuple(dict.fromkeys(args.served_model_name[1:])) if args.served_model_name else (),
+        shutdown_timeout=args.shutdown_timeout,
+        cors_allow_origins=tuple(args.cors_allow_origin or ()),
         max_context=args.max_context,
         max_sessions=args.max_sessions,
         max_inflight_requests=args.max_inflight_requests,
@@ -123,9 +132,14 @@ def prepare(argv: list[str]):
 def main(argv: list[str]) -> int:
     import attrs
 
+    from musegl_core.http.server import bind
+
     config, plugins, log_level = prepare(argv)
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
     log = logging.getLogger("musegl")
+    sock = bind(config.host, config.port)  # a port in use ends here, before anything is announced
+    host, port = sock.getsockname()[:2]
+    config = attrs.evolve(config, port=port)
     if config.model is None:
         from musegl_core.tiny import default_model_path
 
@@ -133,13 +147,14 @@ def main(argv: list[str]) -> int:
         config = attrs.evolve(config, model=str(path), demo=True)
         log.warning("no model given: serving the built-in RANDOM-WEIGHT DEMO checkpoint %s (its output is noise)", path)
 
-    import uvicorn
-
     from musegl_core.http.app import create_app
+    from musegl_core.http.server import serve
     from musegl_core.worker.client import WorkerClient
 
     worker = WorkerClient(config)
     app = create_app(config, plugins, worker)
-    log.info("listening on http://%s:%d (model loads in the worker; /health turns 200 when ready)", config.host, config.port)
-    uvicorn.run(app, host=config.host, port=config.port, log_level=log_level, timeout_graceful_shutdown=5)
+    shown = f"[{host}]" if ":" in host else host
+    log.info("listening on http://%s:%d (model loads in the worker; /health turns 200 when ready)", shown, port)
+    serve(app, sock, shutdown_timeout=config.shutdown_timeout, on_shutdown=app.state.front.begin_shutdown,
+          log_level=log_level)
     return 0

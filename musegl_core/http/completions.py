@@ -141,13 +141,13 @@ def _check_fixed_choices(request: s.ChatCompletionRequest) -> None:
         raise unsupported("continue_final_message", "continue_final_message must be false (or absent)")
 
 
-def completion_limit(request: s.ChatCompletionRequest) -> int | None:
+def completion_limit(request: s.ChatCompletionRequest | s.CompletionRequest) -> int | None:
     """``max_completion_tokens`` or its deprecated twin ``max_tokens``; both must
     be positive and agree when both are given. ``None`` leaves the limit to the
     context budget."""
     limit = None
     for name in ("max_completion_tokens", "max_tokens"):
-        value = getattr(request, name)
+        value = getattr(request, name, None)  # /v1/completions has only max_tokens
         if value is None:
             continue
         if value < 1:
@@ -161,7 +161,7 @@ def completion_limit(request: s.ChatCompletionRequest) -> int | None:
     return limit
 
 
-def sampling_params(request: s.ChatCompletionRequest) -> SamplingParams:
+def sampling_params(request: s.ChatCompletionRequest | s.CompletionRequest) -> SamplingParams:
     """temperature in [0, 2], top_p in (0, 1], top_k >= 0, a 64-bit seed."""
     temperature = 1.0 if request.temperature is None else request.temperature
     top_p = 1.0 if request.top_p is None else request.top_p
