@@ -155,6 +155,6 @@ def main(argv: list[str]) -> int:
     app = create_app(config, plugins, worker)
     shown = f"[{host}]" if ":" in host else host
     log.info("listening on http://%s:%d (model loads in the worker; /health turns 200 when ready)", shown, port)
-    serve(app, sock, shutdown_timeout=config.shutdown_timeout, on_shutdown=app.state.front.begin_shutdown,
+    serve(app, sock, shutdown_timeout=config.shutdown_timeout, on_shutdown=app.state["front"].begin_shutdown,
           log_level=log_level)
     return 0

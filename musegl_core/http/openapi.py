@@ -142,10 +142,6 @@ def operation(*, body: type | None = None, responses: dict[int, Any] | None = No
 
 
 def config() -> OpenAPIConfig:
-    """``GET /openapi.json`` (no UI)."""
-    return OpenAPIConfig(
-        title="musegl",
-        version=__version__,
-        path="/",
-        render_plugins=[JsonRenderPlugin(path="/openapi.json")],
-    )
+    """``GET /openapi.json``: the document as JSON, and no documentation UI."""
+    return OpenAPIConfig(title="musegl", version=__version__, path="/openapi.json",
+                         render_plugins=[JsonRenderPlugin(path="/")])
