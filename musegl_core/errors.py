@@ -13,8 +13,9 @@ class ConfigError(Exception):
 class ApiError(Exception):
     """An error that reaches a client as an OpenAI-style error object.
 
-    ``status`` is the HTTP status; ``type`` and ``code`` follow spec/api.md
-    section 6. ``metadata`` carries machine-readable details that dialects may
+    ``status`` is the HTTP status; ``type`` and ``code`` are the stable
+    values documented in ``docs/protocol.md`` and ``docs/serving.md``.
+    ``metadata`` carries machine-readable details that dialects may
     expose (context-overflow counts, for example). ``retry_after`` adds a
     ``Retry-After`` header (seconds).
     """

@@ -333,7 +333,7 @@ def test_keepalive_is_sent_while_idle():
 
 
 def test_7_reasoning_tokens_are_exact_ids_of_self_messages():
-    """spec 7 / docs/protocol.md: the ids of a ``to=self`` message (header, body,
+    """The ids of a ``to=self`` message (header, body,
     terminator) count, whatever the Tokens events' grouping; multi-byte
     characters split over ids and content ids do not count."""
     from musegl_core.chat.channels import ChannelParser

@@ -1,7 +1,7 @@
 """The HTTP front: a Litestar application over one model worker.
 
-:func:`create_app` wires the routes of spec/api.md section 1, the error
-mapping of section 6 (every error, Litestar's own included, leaves in the
+:func:`create_app` wires the routes (docs/serving.md), the error
+mapping (every error, Litestar's own included, leaves in the
 dialect's error shape), optional bearer-token auth, the request size limit,
 and the worker's lifetime (started and stopped with the app).
 

@@ -9,7 +9,8 @@ JSON when they are ``None`` (``reasoning_content``, ``tool_calls``, ...),
 while ordinary ``None`` fields are written as ``null`` (the role chunk's
 ``content``, ``finish_reason`` of a delta chunk).
 
-Shapes follow spec/api.md sections 2, 3, 4, 6 and 7.
+The shapes are those of OpenAI's Chat Completions API with musegl's
+additions (docs/protocol.md).
 """
 
 from __future__ import annotations
@@ -98,7 +99,7 @@ class StreamOptions:
 @closed
 @attrs.frozen
 class ReasoningOptions:
-    """OpenRouter's ``reasoning`` object as musegl accepts it (spec 2.4)."""
+    """OpenRouter's ``reasoning`` object as musegl accepts it."""
 
     effort: str | None = None
     exclude: bool | None = None
@@ -108,7 +109,7 @@ class ReasoningOptions:
 @closed
 @attrs.frozen
 class ChatTemplateKwargs:
-    """The template variables a client may set (chat-format.md 2.2-2.4)."""
+    """The template variables a client may set."""
 
     current_date: str | None = None
     knowledge_cutoff: str | None = None
@@ -130,7 +131,7 @@ class ChatCompletionRequest:
 
     ``messages``, ``tools`` and ``tool_choice`` stay raw JSON here: the chat
     package validates them with its own, more specific errors. Fields on the
-    reject list of spec 2.3 are checked on the raw body before structuring
+    reject list (:data:`REJECTED_FIELDS`) are checked on the raw body before structuring
     (:func:`structure_request`). Range and consistency rules live in
     :mod:`musegl_core.http.completions`.
     """
@@ -163,7 +164,7 @@ class ChatCompletionRequest:
     continue_final_message: Any = None
 
 
-# Present with a non-null value → 400 unsupported_parameter (spec 2.3).
+# Present with a non-null value → 400 unsupported_parameter.
 REJECTED_FIELDS = (
     "thinking_token_budget",
     "grammar",
@@ -308,7 +309,7 @@ class ChatCompletion:
 
 @attrs.frozen
 class RoleDelta:
-    """The first delta of a stream: ``content`` is present and ``null`` (spec 4.2)."""
+    """The first delta of a stream: ``content`` is present and ``null``."""
 
     role: str = "assistant"
     content: None = None
@@ -378,7 +379,7 @@ class DetokenizeResult:
 @attrs.frozen
 class ModelEntry:
     """One ``/v1/models`` entry. ``context_length`` and ``max_model_len`` are both
-    the runtime ``--max-context`` budget (spec 1); ``demo`` marks the built-in
+    the runtime ``--max-context`` budget; ``demo`` marks the built-in
     random-weight demo model."""
 
     id: str
@@ -407,7 +408,7 @@ class HealthStatus:
 
 @attrs.frozen
 class ErrorObject:
-    """OpenAI's error object (spec 6.1, openai dialect)."""
+    """OpenAI's error object (the openai dialect)."""
 
     message: str
     type: str
@@ -552,7 +553,7 @@ def structure_body(payload: dict[str, Any], cls: type[T]) -> T:
 def structure_request(payload: dict[str, Any]) -> ChatCompletionRequest:
     """Type-check ``payload`` into a :class:`ChatCompletionRequest`.
 
-    Rejected fields (spec 2.3) come first; a ``null`` counts as absent
+    Rejected fields come first; a ``null`` counts as absent
     everywhere. The first offending field is named in the error's ``param``.
     """
     for name in REJECTED_FIELDS:
