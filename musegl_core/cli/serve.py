@@ -76,12 +76,13 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
         raise ConfigError("give the model once (positional MODEL or --model)")
     known = {a.dest for a in build_parser()._actions}
     extra = {k: v for k, v in vars(args).items() if k not in known}
+    names = list(dict.fromkeys(args.served_model_name or ()))  # the served id, then its aliases
     return ServeConfig(
         model=args.model or args.model_opt,
         host=args.host,
         port=args.port,
-        served_model_name=args.served_model_name[0] if args.served_model_name else None,
-        served_model_aliases=tuple(dict.fromkeys(args.served_model_name[1:])) if args.served_model_name else (),
+        served_model_name=names[0] if names else None,
+        served_model_aliases=tuple(names[1:]),
         shutdown_timeout=args.shutdown_timeout,
         cors_allow_origins=tuple(args.cors_allow_origin or ()),
         max_context=args.max_context,

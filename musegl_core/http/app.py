@@ -94,6 +94,7 @@ class Front:
         if self.shutting_down:
             return
         self.shutting_down = True
+        self.worker.begin_shutdown()
         log.info("shutting down: in-flight requests have %g s to finish", self.config.shutdown_timeout)
         loop = asyncio.get_running_loop()
         self._deadline = loop.call_later(self.config.shutdown_timeout, self._end_inflight)

@@ -163,6 +163,12 @@ class WorkerClient:
             elif isinstance(event, m.Failed) and event.id is None:
                 log.error("worker error: %s", event.message)
 
+    def begin_shutdown(self) -> None:
+        """The server is shutting down: a worker that exits from now on (a
+        service manager may signal it too) is not restarted, and its requests
+        fail with ``server_shutting_down`` rather than ``worker_restarting``."""
+        self._closing = True
+
     def fail_inflight(self, error: ApiError) -> None:
         """End every request in flight with ``error`` (shutdown's deadline passed)."""
         self._fail_all(error)
