@@ -52,19 +52,28 @@ def fuzz_server(tmp_path_factory):
             yield running
 
 
-def app_document() -> dict:
+def app_document(**settings) -> dict:
     """The OpenAPI document generated from the Litestar app (no worker needed)."""
     from musegl_core.http.app import create_app
     from musegl_core.plugins.manager import PluginManager
     from musegl_core.worker.client import WorkerClient
 
-    config = ServeConfig().validate()
+    config = ServeConfig(**settings).validate()
     app = create_app(config, PluginManager(only=[]), WorkerClient(config), manage_worker=False)
     return app.openapi_schema.to_schema()
 
 
 DOCUMENT = app_document()
 schema = schemathesis.openapi.from_dict(DOCUMENT)
+
+
+def test_with_an_api_key_the_document_requires_the_bearer_token_except_for_health():
+    assert "security" not in DOCUMENT
+    document = app_document(api_key="secret")
+    assert document["security"] == [{"bearer": []}]
+    assert document["components"]["securitySchemes"]["bearer"] == {"type": "http", "scheme": "bearer"}
+    assert document["paths"]["/health"]["get"]["security"] == [{}]
+    assert "security" not in document["paths"]["/v1/models"]["get"]  # the document-wide default applies
 
 
 def test_the_server_serves_the_fuzzed_document(fuzz_server):
@@ -82,6 +91,8 @@ def test_the_document_lists_every_route(fuzz_server):
             if method == "post":
                 assert operation["requestBody"]["content"]["application/json"]["schema"]["properties"], path
             assert "200" in operation["responses"], (path, method)
+    chat = document["paths"]["/v1/chat/completions"]["post"]
+    assert [p["name"] for p in chat["parameters"]] == ["X-Session-Id"]
 
 
 def _run(case, server) -> None:

@@ -163,7 +163,7 @@ def create_app(
                            "invalid_request_error", "model_not_found", "model")
         return s.to_json(front.model_entry(model_id))
 
-    @get(["/health", "/v1/health"], sync_to_thread=False,
+    @get(["/health", "/v1/health"], sync_to_thread=False, security=[{}],
          operation_class=openapi.operation(responses={200: s.HealthStatus, 503: s.ErrorBody}))
     def health() -> Response:
         """200 once the worker can generate, 503 ``unavailable_error`` before."""
@@ -182,7 +182,8 @@ def create_app(
         return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @post(["/v1/chat/completions", "/chat/completions"], guards=[require_key], status_code=200,
-          operation_class=openapi.operation(body=s.ChatCompletionRequest, responses=openapi.GENERATION(s.ChatCompletion)))
+          operation_class=openapi.operation(body=s.ChatCompletionRequest, responses=openapi.GENERATION(s.ChatCompletion),
+                                            headers=(openapi.SESSION_HEADER,)))
     async def chat_completions(request: Request) -> Response:
         """Chat generation as one JSON object or an SSE stream."""
         arrived = time.monotonic()
@@ -307,7 +308,7 @@ def create_app(
         before_send=[count_response],
         cors_config=cors,
         request_max_body_size=config.max_request_bytes,
-        openapi_config=openapi.config(),
+        openapi_config=openapi.config(config.api_key is not None),
         state={"front": front},
     )
 

@@ -33,7 +33,16 @@ from typing import Any, Union
 import attrs
 from litestar.openapi import OpenAPIConfig
 from litestar.openapi.plugins import JsonRenderPlugin
-from litestar.openapi.spec import OpenAPIMediaType, OpenAPIResponse, Operation, RequestBody
+from litestar.openapi.spec import (
+    Components,
+    OpenAPIMediaType,
+    OpenAPIResponse,
+    Operation,
+    Parameter,
+    RequestBody,
+    Schema,
+    SecurityScheme,
+)
 
 from musegl_core import __version__
 from musegl_core.http import schemas as s
@@ -118,12 +127,25 @@ def PLAIN(result: type) -> dict[int, Any]:  # noqa: N802
     return {200: result, **{code: s.ErrorBody for code in (400, 401, 413, 503)}}
 
 
-def operation(*, body: type | None = None, responses: dict[int, Any] | None = None) -> type[Operation]:
-    """An ``operation_class`` for a route: its request body and responses."""
+#: The header a chat request may name its session with instead of ``session_id``.
+SESSION_HEADER = Parameter(
+    name="X-Session-Id",
+    param_in="header",
+    schema=Schema(type="string"),  # type: ignore[arg-type]
+    description="names the session, as the body's session_id does (they must agree)",
+)
+
+
+def operation(
+    *, body: type | None = None, responses: dict[int, Any] | None = None, headers: tuple[Parameter, ...] = ()
+) -> type[Operation]:
+    """An ``operation_class`` for a route: its request body, responses and headers."""
 
     @dataclass
     class Documented(Operation):
         def __post_init__(self) -> None:
+            if headers:
+                self.parameters = [*(self.parameters or []), *headers]
             if body is not None:
                 self.request_body = RequestBody(
                     content={"application/json": OpenAPIMediaType(schema=schema_of(body))},  # type: ignore[arg-type]
@@ -141,7 +163,12 @@ def operation(*, body: type | None = None, responses: dict[int, Any] | None = No
     return Documented
 
 
-def config() -> OpenAPIConfig:
-    """``GET /openapi.json``: the document as JSON, and no documentation UI."""
+def config(api_key: bool) -> OpenAPIConfig:
+    """``GET /openapi.json``: the document as JSON, and no documentation UI.
+    With ``--api-key`` every route but ``/health`` requires the bearer token."""
+    security = {
+        "components": Components(security_schemes={"bearer": SecurityScheme(type="http", scheme="bearer")}),
+        "security": [{"bearer": []}],
+    } if api_key else {}
     return OpenAPIConfig(title="musegl", version=__version__, path="/openapi.json",
-                         render_plugins=[JsonRenderPlugin(path="/")])
+                         render_plugins=[JsonRenderPlugin(path="/")], **security)
