@@ -25,18 +25,21 @@ def min_request_bytes(max_image_bytes: int) -> int:
 
 
 def flag(default: Any, help: str, group: str, *, kind: str = "str", metavar: str | None = None,
-         choices: tuple[str, ...] | None = None, env: str | None = None) -> Any:
+         choices: tuple[str, ...] | None = None, env: str | None = None, name: str | None = None) -> Any:
     """A :class:`ServeConfig` field that is also a ``musegl serve`` flag.
 
-    The flag is the field name with dashes (``max_context`` -> ``--max-context``);
+    The flag is the field name with dashes (``max_context`` -> ``--max-context``)
+    unless ``name`` says otherwise;
     ``kind`` is how its text is read (``str``, ``int``, ``float``, ``size`` such
     as ``24GiB``, ``switch`` for a flag that turns a False default on, or
-    ``off-switch`` for ``--no-NAME`` that turns a True default off); ``env`` names an
+    ``off-switch`` for ``--no-NAME`` that turns a True default off, ``append``
+    for a repeatable flag collected into a tuple); ``env`` names an
     environment variable that supplies the default. The parser of
     :mod:`musegl_core.cli.serve` is built from these, so every setting is
     written out once, here."""
     return attrs.field(default=default, metadata={"flag": {"help": help, "group": group, "kind": kind,
-                                                           "metavar": metavar, "choices": choices, "env": env}})
+                                                           "metavar": metavar, "choices": choices, "env": env,
+                                                           "name": name}})
 
 
 NET, LIMITS, PROTO, EXEC = "network", "limits (the seed's serving limits)", "protocol", "execution"
@@ -49,7 +52,16 @@ class ServeConfig:
     model: str | None = None
     host: str = flag("127.0.0.1", "bind address (default %(default)s)", NET)
     port: int = flag(8000, "port (default %(default)s)", NET, kind="int")
-    served_model_name: str | None = flag(None, "model id reported by /v1/models", NET)
+    served_model_name: str | None = flag(None, "model id reported by /v1/models (default: a slug of the checkpoint's "
+                                         "name); repeat to add aliases; 'musegl' is always accepted too", NET,
+                                         kind="append", metavar="NAME")
+    #: more ids the model answers to (``--served-model-name`` given again)
+    served_model_aliases: tuple[str, ...] = ()
+    cors_allow_origins: tuple[str, ...] = flag((), "allow cross-origin requests from ORIGIN (repeatable; '*' for any); "
+                                               "default: CORS off", NET, kind="append", metavar="ORIGIN",
+                                               name="--cors-allow-origin")
+    shutdown_timeout: float = flag(5.0, "on SIGINT/SIGTERM, how long in-flight requests may still run "
+                                   "(default %(default)s)", NET, kind="float", metavar="SECONDS")
     api_key: str | None = flag(None, "require this bearer token (env MUSEGL_API_KEY)", NET, env="MUSEGL_API_KEY")
     max_context: int = flag(8192, "context budget per session in tokens (default %(default)s)", LIMITS, kind="int")
     max_sessions: int = flag(4, "session slots (default %(default)s)", LIMITS, kind="int")
@@ -132,6 +144,17 @@ class ServeConfig:
             )
         int_range("--port", self.port, 0, 65535)
         need(bool(self.host.strip()), "--host must not be empty")
+        need(
+            math.isfinite(self.shutdown_timeout) and self.shutdown_timeout >= 0,
+            f"--shutdown-timeout must be a non-negative number of seconds, got {self.shutdown_timeout}",
+        )
+        for name in (self.served_model_name, *self.served_model_aliases):
+            need(
+                name is None or (bool(name) and not any(c.isspace() for c in name)),
+                f"--served-model-name must be non-empty and contain no whitespace, got {name!r}",
+            )
+        for origin in self.cors_allow_origins:
+            need(bool(origin.strip()), "--cors-allow-origin must not be empty")
         if self.kv_blocks is not None:
             int_range("--kv-blocks", self.kv_blocks, 1)
         if self.kv_cache_memory is not None:

@@ -224,7 +224,7 @@ def test_unprefixed_alias_validates_the_same(client):
 
 # -- other endpoints and HTTP-level errors -------------------------------------------------
 def test_unknown_path_is_404_in_error_shape(client):
-    assert_error(client.get("/v1/completions"), 404, type_="not_found_error")
+    assert_error(client.get("/v1/responses"), 404, type_="not_found_error")
     assert_error(client.post("/v1/embeddings", json={}), 404, type_="not_found_error")
 
 
@@ -333,7 +333,7 @@ def test_keepalive_is_sent_while_idle():
 
 
 def test_7_reasoning_tokens_are_exact_ids_of_self_messages():
-    """spec 7 / docs/protocol.md: the ids of a ``to=self`` message (header, body,
+    """The ids of a ``to=self`` message (header, body,
     terminator) count, whatever the Tokens events' grouping; multi-byte
     characters split over ids and content ids do not count."""
     from musegl_core.chat.channels import ChannelParser

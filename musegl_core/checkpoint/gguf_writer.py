@@ -1,4 +1,4 @@
-"""Write a Muse Glimmer text model as GGUF, in llama.cpp's converter layout (spec/gguf.md 2).
+"""Write a Muse Glimmer text model as GGUF, in llama.cpp's converter layout.
 
 Used by the tests to build the GGUF twin of a Hugging Face checkpoint and by
 ``musegl make-tiny``. The file is written tensor by tensor (tensor infos
@@ -134,7 +134,7 @@ def _add_metadata(writer: gguf.GGUFWriter, config: TextConfig, file_type: gguf.L
 
 def add_tokenizer_metadata(writer: gguf.GGUFWriter, tokenizer: GGUFTokenizerData,
                            vocab_size: int | None = None) -> None:
-    """Write the ``tokenizer.ggml.*`` keys (spec/gguf.md 2.4); ``vocab_size``, when
+    """Write the ``tokenizer.ggml.*`` keys; ``vocab_size``, when
     given, must equal the token list's length."""
     vocab_size = len(tokenizer.tokens) if vocab_size is None else vocab_size
     if len(tokenizer.tokens) != vocab_size or len(tokenizer.token_types) != vocab_size:

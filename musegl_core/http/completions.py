@@ -1,7 +1,7 @@
 """Chat completions: from a validated request to a worker ``Generate``, and from
 worker events to responses.
 
-:func:`plan_chat` applies every rule of spec/api.md section 2 that does not
+:func:`plan_chat` applies every request rule that does not
 need the model (ranges, contradictions, the reject list, tools without a
 parser), renders the conversation with the chat template and returns a
 :class:`ChatPlan`. Nothing is submitted before it returns, so every bad
@@ -10,8 +10,8 @@ request is a 400 that never reaches the worker.
 :class:`ResponseAssembler` turns the worker's ``Tokens``/``Done`` events into
 message text through the channel parser (and the tool parser, when one is
 active) and keeps the usage accounting. :func:`complete` builds the
-non-streaming object (section 3); :class:`ChatStream` produces the SSE
-events of section 4, sending nothing until the worker reports ``Started``.
+non-streaming object; :class:`ChatStream` produces the SSE
+events, sending nothing until the worker reports ``Started``.
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ def plan_chat(
 
     ``template`` is a template plugin's object (``render``); ``tool_parser``
     the configured :class:`~musegl_core.plugins.specs.ToolParserSpec` or
-    ``None`` (spec 2.1: tools without ``--tool-parser`` are refused).
+    ``None`` (tools without ``--tool-parser`` are refused).
     """
     _check_fixed_choices(request)
     max_tokens = completion_limit(request)
@@ -123,7 +123,7 @@ def plan_chat(
 
 
 def _check_fixed_choices(request: s.ChatCompletionRequest) -> None:
-    """Parameters musegl accepts only at one value (spec 2.1, 2.3, 10)."""
+    """Parameters musegl accepts only at one value."""
     if request.n is not None and request.n != 1:
         raise unsupported("n", "only n=1 is supported")
     if request.logprobs:
@@ -141,13 +141,13 @@ def _check_fixed_choices(request: s.ChatCompletionRequest) -> None:
         raise unsupported("continue_final_message", "continue_final_message must be false (or absent)")
 
 
-def completion_limit(request: s.ChatCompletionRequest) -> int | None:
+def completion_limit(request: s.ChatCompletionRequest | s.CompletionRequest) -> int | None:
     """``max_completion_tokens`` or its deprecated twin ``max_tokens``; both must
     be positive and agree when both are given. ``None`` leaves the limit to the
     context budget."""
     limit = None
     for name in ("max_completion_tokens", "max_tokens"):
-        value = getattr(request, name)
+        value = getattr(request, name, None)  # /v1/completions has only max_tokens
         if value is None:
             continue
         if value < 1:
@@ -161,7 +161,7 @@ def completion_limit(request: s.ChatCompletionRequest) -> int | None:
     return limit
 
 
-def sampling_params(request: s.ChatCompletionRequest) -> SamplingParams:
+def sampling_params(request: s.ChatCompletionRequest | s.CompletionRequest) -> SamplingParams:
     """temperature in [0, 2], top_p in (0, 1], top_k >= 0, a 64-bit seed."""
     temperature = 1.0 if request.temperature is None else request.temperature
     top_p = 1.0 if request.top_p is None else request.top_p
@@ -192,7 +192,7 @@ def stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
 
 
 def session_id(body: str | None, header: str | None) -> str | None:
-    """The session named by ``session_id`` or ``X-Session-Id`` (spec 10)."""
+    """The session named by ``session_id`` or ``X-Session-Id``."""
     for value, param in ((body, "session_id"), (header, "X-Session-Id")):
         if value is not None and not SESSION_ID.fullmatch(value):
             raise bad_request(
@@ -205,7 +205,7 @@ def session_id(body: str | None, header: str | None) -> str | None:
 
 def reasoning_controls(request: s.ChatCompletionRequest) -> tuple[str | None, bool]:
     """The template's ``reasoning_strength`` and whether to hide reasoning
-    (spec 2.4, chat-format 6.5). Disabling reasoning, unknown efforts and
+    (see docs/protocol.md). Disabling reasoning, unknown efforts and
     contradictions are 400s."""
     options = request.reasoning or s.ReasoningOptions()
     if options.enabled is False:
@@ -243,7 +243,7 @@ def template_variables(kwargs: s.ChatTemplateKwargs | None, strength: str | None
 
 
 def active_tools(request: s.ChatCompletionRequest, tool_parser: Any) -> tuple[bool, list[ToolDef]]:
-    """Whether tools are active, and the declared tools (spec 2.1, 2.5)."""
+    """Whether tools are active, and the declared tools."""
     choice = request.tool_choice
     if isinstance(choice, dict) or choice == "required":
         raise unsupported("tool_choice", "tool_choice 'required' and named functions are not supported")
@@ -259,7 +259,7 @@ def active_tools(request: s.ChatCompletionRequest, tool_parser: Any) -> tuple[bo
 
 
 def prepare_tools(tool_parser: Any, tools: list[ToolDef]) -> Any:
-    """Run the tool parser's preflight (schema checks, TV-01) on the active
+    """Run the tool parser's preflight (schema checks) on the active
     tools; it raises :class:`ApiError` (400) and returns what ``create`` reuses."""
     return tool_parser.prepare(tools) if tool_parser.prepare is not None else None
 
@@ -288,12 +288,12 @@ class ResponseMeta:
 
 
 class ReasoningTokenCounter:
-    """Counts the generated ids that belong to reasoning messages (spec 7).
+    """Counts the generated ids that belong to reasoning messages.
 
     Which ids count: every id of a ``to=self`` message, from the start of its
     header position (the whitespace and header that open it) through its
     structural terminator, including text that continues it after a
-    terminator (output-grammar.md 2.1.4) and, when generation ends inside it,
+    terminator and, when generation ends inside it,
     the end-of-generation id. Ids of visible and tool messages do not count;
     neither do ids of an incomplete header at the end of the output (they
     stay with the message before them).
@@ -341,7 +341,7 @@ class ResponseAssembler:
     """Turns worker events into message text, tool calls and usage.
 
     The channel parser splits the output into reasoning, visible content and
-    tool-addressed text (output-grammar.md); tool-addressed text goes to the
+    tool-addressed text; tool-addressed text goes to the
     tool parser when tools are active. Hidden reasoning is still parsed (and
     counted), it is only not returned.
     """
@@ -380,7 +380,7 @@ class ResponseAssembler:
         return self._visible(out), reason
 
     def usage(self, done: m.Done) -> s.Usage:
-        """The usage object of spec 7. ``reasoning_tokens`` only from the exact
+        """The usage object. ``reasoning_tokens`` only from the exact
         generated ids: omitted when the worker did not report them (a
         stop-trimmed turn), with ``ignore_eos``, and when the front has no
         tokenizer to read them with."""
@@ -415,7 +415,7 @@ class ResponseAssembler:
         return Output("", out.content) if self.plan.hide_reasoning else out
 
     def message(self, dialect: Dialect) -> s.AssistantMessage:
-        """The non-streaming message (spec 3)."""
+        """The non-streaming message."""
         reasoning = "".join(self.reasoning)
         content = "".join(self.content)
         hidden = self.plan.hide_reasoning or not reasoning
@@ -428,7 +428,7 @@ class ResponseAssembler:
 
 def _end_of_generation(done: m.Done) -> str:
     """The channel parser's end kind: ``eos``, ``stop`` (a request stop),
-    ``length`` or ``cancel`` (output-grammar.md, section 0)."""
+    ``length`` or ``cancel``."""
     if done.finish_reason == "length":
         return "length"
     if done.finish_reason == "cancelled":
@@ -451,7 +451,7 @@ async def complete(
     tool_parser: Any = None,
     tokenizer: Any = None,
 ) -> s.ChatCompletion:
-    """Run ``plan`` to the end and build the non-streaming response (spec 3).
+    """Run ``plan`` to the end and build the non-streaming response.
     ``tokenizer`` (the front's, optional) enables the reasoning-token count."""
     assembler = ResponseAssembler(plan, tool_parser, tokenizer)
     async with worker.generate(plan.generate) as events:
@@ -472,7 +472,7 @@ async def complete(
 
 
 class ChatStream:
-    """One streaming response (spec 4).
+    """One streaming response.
 
     :meth:`open` submits the request and waits for ``Started`` (bounded by
     ``--streaming-preflight-timeout``); until then every error is an ordinary
@@ -575,7 +575,7 @@ class ChatStream:
         return items
 
     def _deltas(self, out: Output) -> list[bytes]:
-        """Reasoning then content deltas; never an empty one (spec 4.2)."""
+        """Reasoning then content deltas; never an empty one."""
         items = []
         if out.reasoning:
             items.append(self._chunk(s.ChunkChoice(delta=s.Delta(**self.dialect.reasoning_fields(out.reasoning)))))

@@ -1,4 +1,4 @@
-"""The front's context preflight (spec/api.md 6.3).
+"""The front's context preflight.
 
 Before a text prompt reaches the worker, the front counts its tokens with the
 served tokenizer (loaded once at start-up, see

@@ -29,7 +29,7 @@ from typing import AsyncIterator, Callable
 import cattrs
 
 from musegl_core.config import ServeConfig
-from musegl_core.errors import ApiError, unavailable
+from musegl_core.errors import ApiError, shutting_down, unavailable
 from musegl_core.worker import messages as m
 
 log = logging.getLogger("musegl.front")
@@ -118,6 +118,9 @@ class WorkerClient:
                 stdout=asyncio.subprocess.PIPE,
                 limit=m.MAX_EVENT_FRAME + 1,
                 env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                # Its own session: a Ctrl-C in the terminal (SIGINT to the process group)
+                # reaches only the front, which stops the worker last, on its own terms.
+                start_new_session=True,
             )
             log.info("worker started (pid %d)", self._proc.pid)
             try:
@@ -126,7 +129,11 @@ class WorkerClient:
                 # The pipe closed: the worker is gone (or going). Fail its requests
                 # at once; reaping the process must not delay that.
                 self._ready.clear()
-                self._fail_all(unavailable("the model worker stopped; it is restarting", code="worker_restarting"))
+                self._fail_all(
+                    shutting_down()
+                    if self._closing
+                    else unavailable("the model worker stopped; it is restarting", code="worker_restarting")
+                )
                 if self._closing:
                     await self._stop_process()
             if self._closing:
@@ -201,6 +208,16 @@ class WorkerClient:
                 queue.put_nowait(event)
             elif isinstance(event, m.Failed) and event.id is None:
                 log.error("worker error: %s", event.message)
+
+    def begin_shutdown(self) -> None:
+        """The server is shutting down: a worker that exits from now on (a
+        service manager may signal it too) is not restarted, and its requests
+        fail with ``server_shutting_down`` rather than ``worker_restarting``."""
+        self._closing = True
+
+    def fail_inflight(self, error: ApiError) -> None:
+        """End every request in flight with ``error`` (shutdown's deadline passed)."""
+        self._fail_all(error)
 
     def _fail_all(self, error: ApiError) -> None:
         for queue in self._queues.values():

@@ -31,7 +31,7 @@ MAX_CONTEXT = 1024
 SERVED_NAME = "muse-tiny"
 #: A history of this many notes (about 100 tokens each) overflows MAX_CONTEXT.
 OVERFLOWING_NOTES = 12
-#: How OpenRouter agent clients read a recoverable overflow (spec/api.md 6.3).
+#: How OpenRouter agent clients read a recoverable overflow.
 CLIENT_PATTERN = re.compile(r"maximum context length is (\d+) tokens.*?(\d+) of text input.*?(\d+) in the output")
 QUESTION = {"role": "user", "content": "Add two and two."}
 SCRIPT = [
