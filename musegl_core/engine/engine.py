@@ -452,7 +452,9 @@ class Engine:
         seq.tokens.append(token)
         seq.keys.append(token)
         eos = token in self.end_ids and not request.ignore_eos
-        text, matched = seq.stops.push("" if eos else seq.detokenizer.push(token))
+        piece = "" if eos else seq.detokenizer.push(token)
+        seq.chars.append(len(piece))
+        text, matched = seq.stops.push(piece)
         at_end = eos or len(seq.generated) >= seq.max_new
         if matched is None and at_end:
             # End of generation: release held bytes and held stop prefixes.
@@ -522,6 +524,7 @@ class Engine:
                     len(seq.generated),
                     seq.cached,
                     None if matched_stop is not None else tuple(seq.generated),
+                    None if matched_stop is not None else tuple(seq.chars),
                     seq.drafted,
                     seq.accepted,
                 )

@@ -127,6 +127,7 @@ class SequenceState:
     computed: int = 0
     cached: int = 0
     generated: list[int] = attrs.field(factory=list)
+    chars: list[int] = attrs.field(factory=list)  # characters each generated id added to the text
     unreported: list[int] = attrs.field(factory=list)  # ids whose text is still held back
     unreported_logprobs: list = attrs.field(factory=list)
     phase: Phase = Phase.PREFILL

@@ -41,7 +41,6 @@ from musegl_core.http.dialect import Dialect, ServedModel
 from musegl_core.http.front_tokenizer import FrontTokenizer
 from musegl_core.http.metrics import FrontMetrics, MeteredWorker
 from musegl_core.http.model_ids import ModelIds
-from musegl_core.http.preflight import check_context
 from musegl_core.http.sessions import session_routes
 from musegl_core.http.tokenize import detokenize, tokenize
 from musegl_core.plugins.manager import PluginManager
@@ -204,12 +203,11 @@ def create_app(
         )
         if not worker.ready:
             raise unavailable("the model is loading or restarting", code="model_loading")
-        await check_context(plan, front.tokenizer.tokenizer, config.max_context)
         metered = front.metered(arrived)
         if not plan.stream:
             result = await _unless_disconnected(
                 request,
-                complete(metered, plan, meta, front.dialect, front.tool_parser, front.tokenizer.tokenizer),
+                complete(metered, plan, meta, front.dialect, front.tool_parser),
             )
             return Response(s.to_json(result), media_type="application/json")
         stream = ChatStream(
@@ -219,7 +217,6 @@ def create_app(
             front.dialect,
             front.tool_parser,
             config.streaming_preflight_timeout,
-            tokenizer=front.tokenizer.tokenizer,
         )
         await _unless_disconnected(request, stream.open())
         return Stream(stream.events(), media_type=sse.MEDIA_TYPE, headers=sse.HEADERS)
@@ -236,7 +233,6 @@ def create_app(
         plan = tc.plan_completion(body, request_id=meta.id, config=config)
         if not worker.ready:
             raise unavailable("the model is loading or restarting", code="model_loading")
-        await check_context(plan, front.tokenizer.tokenizer, config.max_context)
         metered = front.metered(arrived)
         if not plan.stream:
             result = await _unless_disconnected(request, tc.complete_text(metered, plan, meta))

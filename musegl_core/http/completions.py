@@ -66,7 +66,7 @@ class ChatPlan:
     #: What the tool parser's ``prepare`` returned in preflight (compiled
     #: schemas), handed to its ``create`` so that nothing is compiled twice.
     prepared_tools: Any = None
-    image_count: int = 0  # image parts in the prompt (they skip the front's context preflight)
+    image_count: int = 0  # image parts in the prompt
 
 
 def plan_chat(
@@ -287,46 +287,29 @@ class ResponseMeta:
         return s.ChatCompletionChunk(self.id, self.created, self.model, self.system_fingerprint, choices)
 
 
-class ReasoningTokenCounter:
-    """Counts the generated ids that belong to reasoning messages.
+def reasoning_tokens(message_starts: list[tuple[int, str]], generated_chars: Sequence[int]) -> int:
+    """How many generated ids belong to reasoning messages (spec 7).
 
     Which ids count: every id of a ``to=self`` message, from the start of its
     header position (the whitespace and header that open it) through its
     structural terminator, including text that continues it after a
-    terminator and, when generation ends inside it,
-    the end-of-generation id. Ids of visible and tool messages do not count;
-    neither do ids of an incomplete header at the end of the output (they
-    stay with the message before them).
+    terminator and, when generation ends inside it, the end-of-generation id.
+    Ids of visible and tool messages do not count; neither do ids of an
+    incomplete header at the end of the output (they stay with the message
+    before them).
 
-    How: the ids are decoded here, one by one, with the same incremental
-    detokenizer the worker uses, so the character offset at which each id
-    begins is known exactly (an id that starts a multi-byte character gets
-    the offset of that character). The worker's text up to those offsets is
-    the same text (it only delays text that may begin a stop, and when a stop
-    trims the output it reports no ids), so the channel parser's
-    :attr:`~musegl_core.chat.channels.ChannelParser.message_starts` tell each
-    id's message. The count is final once the parser has finished.
+    How: the worker reports, per generated id, how many characters its
+    detokenizer added when that id arrived (``Done.generated_chars``; the id
+    that starts a multi-byte character gets the character). The running sum
+    is the character offset at which each id begins in the worker's text, so
+    the channel parser's :attr:`~musegl_core.chat.channels.ChannelParser.message_starts`
+    tell each id's message. No id is detokenized twice.
     """
-
-    def __init__(self, tokenizer: Any) -> None:
-        self._detokenizer = IncrementalDetokenizer(tokenizer)
-        self._chars = 0
-        self._offsets: list[int] = []
-
-    def add(self, ids: Sequence[int]) -> None:
-        """Record the ids of one ``Tokens`` event, in generation order."""
-        for token_id in ids:
-            self._offsets.append(self._chars)
-            self._chars += len(self._detokenizer.push(token_id))
-
-    def count(self, message_starts: list[tuple[int, str]], generated_ids: Sequence[int]) -> int:
-        """The reasoning ids among ``generated_ids`` (``Done.generated_ids``),
-        which may add ids that no ``Tokens`` event carried (the final ids)."""
-        self.add(generated_ids[len(self._offsets) :])
-        return sum(
-            channels.channel_at(message_starts, offset) == "reasoning"
-            for offset in self._offsets[: len(generated_ids)]
-        )
+    count, offset = 0, 0
+    for chars in generated_chars:
+        count += channels.channel_at(message_starts, offset) == "reasoning"
+        offset += chars
+    return count
 
 
 @attrs.define
@@ -346,7 +329,7 @@ class ResponseAssembler:
     counted), it is only not returned.
     """
 
-    def __init__(self, plan: ChatPlan, tool_parser: Any = None, tokenizer: Any = None):
+    def __init__(self, plan: ChatPlan, tool_parser: Any = None):
         self.plan = plan
         self.parser = channels.ChannelParser(tools_active=plan.tools_active, hide_reasoning=False)
         self.tools = (
@@ -354,17 +337,13 @@ class ResponseAssembler:
             if plan.tools_active and tool_parser is not None
             else None
         )
-        self.counter = ReasoningTokenCounter(tokenizer) if tokenizer is not None else None
         self.reasoning: list[str] = []
         self.content: list[str] = []
         self.tool_calls: list[s.ToolCall] = []
 
     def feed(self, event: m.Tokens) -> Output:
         """Parse the text of one ``Tokens`` event; returns the visible deltas."""
-        out = self._route(self.parser.feed(event.text))
-        if self.counter is not None:
-            self.counter.add(event.ids)
-        return self._visible(out)
+        return self._visible(self._route(self.parser.feed(event.text)))
 
     def finish(self, done: m.Done) -> tuple[Output, str]:
         """Flush the parsers at the end of generation; returns the last deltas
@@ -382,11 +361,10 @@ class ResponseAssembler:
     def usage(self, done: m.Done) -> s.Usage:
         """The usage object. ``reasoning_tokens`` only from the exact
         generated ids: omitted when the worker did not report them (a
-        stop-trimmed turn), with ``ignore_eos``, and when the front has no
-        tokenizer to read them with."""
+        stop-trimmed turn) and with ``ignore_eos``."""
         details = None
-        if done.generated_ids is not None and not self.plan.ignore_eos and self.counter is not None:
-            reasoning = self.counter.count(self.parser.message_starts, done.generated_ids)
+        if done.generated_chars is not None and not self.plan.ignore_eos:
+            reasoning = reasoning_tokens(self.parser.message_starts, done.generated_chars)
             details = s.CompletionTokensDetails(reasoning_tokens=reasoning)
         return s.Usage(
             prompt_tokens=done.prompt_tokens,
@@ -449,11 +427,9 @@ async def complete(
     meta: ResponseMeta,
     dialect: Dialect,
     tool_parser: Any = None,
-    tokenizer: Any = None,
 ) -> s.ChatCompletion:
-    """Run ``plan`` to the end and build the non-streaming response.
-    ``tokenizer`` (the front's, optional) enables the reasoning-token count."""
-    assembler = ResponseAssembler(plan, tool_parser, tokenizer)
+    """Run ``plan`` to the end and build the non-streaming response."""
+    assembler = ResponseAssembler(plan, tool_parser)
     async with worker.generate(plan.generate) as events:
         async for event in events:
             if isinstance(event, m.Tokens):
@@ -490,13 +466,12 @@ class ChatStream:
         dialect: Dialect,
         tool_parser: Any = None,
         preflight_timeout: float | None = None,
-        tokenizer: Any = None,
     ):
         self.worker = worker
         self.plan = plan
         self.meta = meta
         self.dialect = dialect
-        self.assembler = ResponseAssembler(plan, tool_parser, tokenizer)
+        self.assembler = ResponseAssembler(plan, tool_parser)
         self.preflight_timeout = preflight_timeout
         self._context: contextlib.AbstractAsyncContextManager | None = None
         self._events: AsyncIterator[m.Event] | None = None

@@ -43,7 +43,7 @@ class CompletionPlan:
     generate: m.Generate
     stream: bool
     include_usage: bool
-    image_count: int = 0  # never images; the context preflight reads it
+    image_count: int = 0  # never images
 
 
 def plan_completion(request: s.CompletionRequest, *, request_id: str, config: ServeConfig) -> CompletionPlan:

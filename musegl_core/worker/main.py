@@ -53,7 +53,7 @@ class EventWriter:
             if isinstance(event, m.Done):  # very long generations: drop the id list
                 import attrs
 
-                line = m.encode(attrs.evolve(event, generated_ids=None), m.MAX_EVENT_FRAME)
+                line = m.encode(attrs.evolve(event, generated_ids=None, generated_chars=None), m.MAX_EVENT_FRAME)
             else:
                 rid = getattr(event, "id", None)
                 line = m.encode(m.Failed(rid, 500, "an output frame exceeded 1 MiB", "server_error"))

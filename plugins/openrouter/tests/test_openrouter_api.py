@@ -327,7 +327,7 @@ def test_the_same_failure_without_streaming_is_a_502(client):
 
 
 # -- context overflow and reactive compaction ---------------------------------------------------
-def test_text_overflow_is_found_by_the_front_and_compaction_recovers(client):
+def test_text_overflow_is_found_before_admission_and_compaction_recovers(client):
     reply, overflows = create_with_compaction(client, notes(OVERFLOWING_NOTES) + [QUESTION])
     assert reply.choices[0].message.content == "4"
     assert overflows and all(budget == MAX_CONTEXT - 1 and output == 0 for budget, _, output in overflows)
@@ -345,7 +345,7 @@ def test_text_overflow_is_found_by_the_front_and_compaction_recovers(client):
         "prompt_tokens": overflows[0][1],
         "max_prompt_tokens": MAX_CONTEXT - 1,  # no max_tokens: one token is reserved
         "completion_reservation": 1,
-        "source": "front",
+        "source": "worker",
     }
 
 
@@ -373,13 +373,13 @@ def test_image_prompts_are_counted_by_the_worker_and_compaction_recovers(client)
     assert overflows and reply.choices[0].message.content == "4"
 
 
-def test_front_and_worker_count_prompts_alike_bos_included(client):
+def test_prompts_are_counted_once_bos_included(client):
     fitting = client.chat.completions.create(model="muse", messages=[QUESTION])
     prompt = fitting.usage.prompt_tokens
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model="muse", messages=[QUESTION], max_tokens=MAX_CONTEXT - prompt + 1)
     metadata = info.value.body["metadata"]
-    assert metadata["source"] == "front" and metadata["prompt_tokens"] == prompt
+    assert metadata["source"] == "worker" and metadata["prompt_tokens"] == prompt
     assert CLIENT_PATTERN.search(info.value.body["message"]).groups() == (str(prompt - 1), str(prompt), "0")
 
 
@@ -413,7 +413,7 @@ def test_openai_dialect_keeps_its_usage_chunk_and_ignores_the_legacy_switch(open
     assert all("reasoning" not in (chunk.choices[0].delta.model_extra or {}) for chunk in legacy)
 
 
-def test_openai_dialect_errors_and_front_preflight(openai_client):
+def test_openai_dialect_errors_on_overflow(openai_client):
     with pytest.raises(openai.BadRequestError) as info:
         openai_client.chat.completions.create(model="muse", messages=notes(OVERFLOWING_NOTES) + [QUESTION])
     body = info.value.body
