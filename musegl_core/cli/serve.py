@@ -139,16 +139,16 @@ def main(argv: list[str]) -> int:
     config, plugins, log_level = prepare(argv)
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
     log = logging.getLogger("musegl")
+    sock = bind(config.host, config.port)  # a port in use ends here, before anything is announced
+    host, port = sock.getsockname()[:2]
+    config = attrs.evolve(config, port=port)
     if config.model is None:
         from musegl_core.tiny import default_model_path
 
         path = default_model_path(progress=True)
         config = attrs.evolve(config, model=str(path), demo=True)
         log.warning("no model given: serving the built-in RANDOM-WEIGHT DEMO checkpoint %s (its output is noise)", path)
-    check_kv_memory(config, plugins)
-    sock = bind(config.host, config.port)  # a port in use ends here, before anything is announced
-    host, port = sock.getsockname()[:2]
-    config = attrs.evolve(config, port=port)
+    check_kv_memory(config, plugins)  # before loading: a --kv-cache-memory that cannot hold the limits
 
     from musegl_core.http.app import create_app
     from musegl_core.http.server import GracefulServer

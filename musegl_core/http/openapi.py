@@ -53,7 +53,8 @@ JSON_SCHEMA = s.JSON_SCHEMA
 _ERROR_TEXT = {
     400: "invalid request (the error names the parameter)",
     401: "a valid API key is required",
-    404: "unknown model id",
+    404: "unknown model id or session",
+    409: "the session is active (a request runs or waits on it)",
     413: "request body too large",
     503: "the model is loading or restarting, or the server is shutting down",
 }

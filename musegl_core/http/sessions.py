@@ -15,6 +15,7 @@ from litestar import delete, get
 from litestar.params import FromPath
 
 from musegl_core.errors import unavailable
+from musegl_core.http import openapi
 from musegl_core.http import schemas as s
 from musegl_core.http.completions import session_id as checked_session_id
 from musegl_core.worker.client import WorkerClient
@@ -50,14 +51,17 @@ def session_routes(worker: WorkerClient, guards: list) -> list:
         if not worker.ready:
             raise unavailable("the model is loading or restarting", code="model_loading")
 
-    @get(["/v1/sessions", "/sessions"], guards=guards)
+    @get(["/v1/sessions", "/sessions"], guards=guards,
+         operation_class=openapi.operation(responses={200: SessionPage, **{c: s.ErrorBody for c in (401, 503)}}))
     async def list_sessions() -> dict[str, Any]:
         """Every named session, most recently used first."""
         require_worker()
         infos = await worker.list_sessions()
         return s.to_json(SessionPage([SessionObject(**attrs.asdict(info)) for info in infos]))
 
-    @delete(["/v1/sessions/{session:str}", "/sessions/{session:str}"], guards=guards, status_code=200)
+    @delete(["/v1/sessions/{session:str}", "/sessions/{session:str}"], guards=guards, status_code=200,
+            operation_class=openapi.operation(
+                responses={200: SessionDeleted, **{c: s.ErrorBody for c in (400, 401, 404, 409, 503)}}))
     async def delete_session(session: FromPath[str]) -> dict[str, Any]:
         """Close an idle named session: its slot and KV are freed (404 unknown, 409 while active)."""
         name = checked_session_id(session, None)
