@@ -34,6 +34,7 @@ from musegl_core.config import ServeConfig
 from musegl_core.engine.detokenize import IncrementalDetokenizer
 from musegl_core.engine.executor import SamplingParams
 from musegl_core.errors import ApiError, bad_request, unavailable
+from musegl_core.http import constraints
 from musegl_core.http import schemas as s
 from musegl_core.http import sse
 from musegl_core.http.dialect import Dialect
@@ -95,6 +96,11 @@ def plan_chat(
     prepared_tools = prepare_tools(tool_parser, tools) if tools_active else None
     messages = parse_messages(request.messages)
     rendered = template.render(messages, tools, tools_active=tools_active, variables=variables)
+    mode, named = constraints.tool_choice_mode(request.tool_choice)
+    grammar = constraints.output_grammar(
+        request, config=config, mode=mode, named=named, tools_active=tools_active, tools=tools,
+        tool_parser=tool_parser, prepared_tools=prepared_tools, aliases=dict(rendered.tool_aliases),
+    )
     stream = bool(request.stream)
     include_usage = bool(request.stream_options and request.stream_options.include_usage)
     ignore_eos = bool(request.ignore_eos)
@@ -107,6 +113,7 @@ def plan_chat(
         ignore_eos=ignore_eos,
         session_id=session,
         stream=stream,
+        grammar=grammar,
     )
     return ChatPlan(
         generate=generate,
@@ -130,11 +137,6 @@ def _check_fixed_choices(request: s.ChatCompletionRequest) -> None:
         raise unsupported("logprobs", "logprobs are not supported by this server")
     if request.top_logprobs:
         raise unsupported("top_logprobs", "top_logprobs are not supported by this server")
-    if request.response_format is not None and request.response_format.type != "text":
-        raise unsupported(
-            "response_format",
-            f"response_format type {request.response_format.type!r} is not supported; only 'text'",
-        )
     if request.add_generation_prompt is not None and request.add_generation_prompt is not True:
         raise unsupported("add_generation_prompt", "add_generation_prompt must be true (or absent)")
     if request.continue_final_message is not None and request.continue_final_message is not False:
@@ -162,7 +164,11 @@ def completion_limit(request: s.ChatCompletionRequest | s.CompletionRequest) -> 
 
 
 def sampling_params(request: s.ChatCompletionRequest | s.CompletionRequest) -> SamplingParams:
-    """temperature in [0, 2], top_p in (0, 1], top_k >= 0, a 64-bit seed."""
+    """temperature in [0, 2], top_p in (0, 1], top_k >= 0, a 64-bit seed, and
+    the processors of docs/constrained.md: ``presence_penalty`` and
+    ``frequency_penalty`` in [-2, 2], ``repetition_penalty`` > 0, ``min_p`` in
+    [0, 1], ``logit_bias`` (at most 300 token ids, each biased by -100..100).
+    Out of range is a 400 naming the parameter."""
     temperature = 1.0 if request.temperature is None else request.temperature
     top_p = 1.0 if request.top_p is None else request.top_p
     top_k = 0 if request.top_k is None else request.top_k
@@ -175,7 +181,48 @@ def sampling_params(request: s.ChatCompletionRequest | s.CompletionRequest) -> S
     seed = request.seed
     if seed is not None and not SEED_RANGE[0] <= seed <= SEED_RANGE[1]:
         raise bad_request("'seed' must fit in 64 bits", param="seed")
-    return SamplingParams(temperature=float(temperature), top_p=float(top_p), top_k=top_k, seed=seed)
+    penalties = {}
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(request, name, None)
+        if value is not None:
+            if not -2.0 <= value <= 2.0:
+                raise bad_request(f"'{name}' must be between -2 and 2, got {value}", param=name)
+            penalties[name] = float(value)
+    repetition = getattr(request, "repetition_penalty", None)
+    if repetition is not None:
+        if not 0.0 < repetition <= 1e6 or repetition != repetition:
+            raise bad_request(f"'repetition_penalty' must be greater than 0, got {repetition}",
+                              param="repetition_penalty")
+        penalties["repetition_penalty"] = float(repetition)
+    min_p = getattr(request, "min_p", None)
+    if min_p is not None:
+        if not 0.0 <= min_p <= 1.0:
+            raise bad_request(f"'min_p' must be between 0 and 1, got {min_p}", param="min_p")
+        penalties["min_p"] = float(min_p)
+    return SamplingParams(temperature=float(temperature), top_p=float(top_p), top_k=top_k, seed=seed,
+                          logit_bias=logit_bias(getattr(request, "logit_bias", None)), **penalties)
+
+
+MAX_LOGIT_BIAS = 300
+
+
+def logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+    """OpenAI's ``logit_bias``: token id (a decimal string) -> bias in [-100, 100],
+    at most 300 entries; sorted by id. The worker checks the ids against the vocabulary."""
+    if not bias:
+        return ()
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise bad_request(f"'logit_bias' takes at most {MAX_LOGIT_BIAS} entries, got {len(bias)}",
+                          param="logit_bias")
+    out = []
+    for key, value in bias.items():
+        if not key.isdigit() or len(key) > 9:
+            raise bad_request(f"'logit_bias' keys must be token ids, got {key!r}", param="logit_bias")
+        if not -100.0 <= value <= 100.0:
+            raise bad_request(f"'logit_bias' values must be between -100 and 100, got {value} for {key}",
+                              param="logit_bias")
+        out.append((int(key), float(value)))
+    return tuple(sorted(out))
 
 
 def stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
@@ -244,12 +291,10 @@ def template_variables(kwargs: s.ChatTemplateKwargs | None, strength: str | None
 
 def active_tools(request: s.ChatCompletionRequest, tool_parser: Any) -> tuple[bool, list[ToolDef]]:
     """Whether tools are active, and the declared tools."""
-    choice = request.tool_choice
-    if isinstance(choice, dict) or choice == "required":
-        raise unsupported("tool_choice", "tool_choice 'required' and named functions are not supported")
-    if choice not in (None, "auto", "none"):
-        raise bad_request("'tool_choice' must be 'auto' or 'none'", param="tool_choice")
+    choice, _ = constraints.tool_choice_mode(request.tool_choice)
     if not request.tools:
+        if choice in ("required", "named"):
+            raise bad_request("a 'tool_choice' that requires a call needs 'tools'", param="tool_choice")
         return False, []
     if choice == "none":
         return False, list(parse_tools(request.tools))
