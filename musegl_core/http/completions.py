@@ -35,6 +35,7 @@ from musegl_core.engine.detokenize import IncrementalDetokenizer
 from musegl_core.engine.executor import SamplingParams
 from musegl_core.errors import ApiError, bad_request, unavailable
 from musegl_core.http import constraints
+from musegl_core.http.logprobs import MAX_TOP_LOGPROBS, LogprobTracker
 from musegl_core.http import schemas as s
 from musegl_core.http import sse
 from musegl_core.http.dialect import Dialect
@@ -68,6 +69,8 @@ class ChatPlan:
     #: schemas), handed to its ``create`` so that nothing is compiled twice.
     prepared_tools: Any = None
     image_count: int = 0  # image parts in the prompt
+    logprobs: int = -1  # top alternatives per token (-1: no logprobs)
+    tokenizer: Any = None  # the front's tokenizer (logprobs: the text of each id)
 
 
 def plan_chat(
@@ -78,6 +81,7 @@ def plan_chat(
     template: Any,
     tool_parser: Any = None,
     header_session_id: str | None = None,
+    tokenizer: Any = None,
 ) -> ChatPlan:
     """Validate ``request`` and render its prompt; raises :class:`ApiError` (400).
 
@@ -96,6 +100,9 @@ def plan_chat(
     prepared_tools = prepare_tools(tool_parser, tools) if tools_active else None
     messages = parse_messages(request.messages)
     rendered = template.render(messages, tools, tools_active=tools_active, variables=variables)
+    top_logprobs = (request.top_logprobs or 0) if request.logprobs else -1
+    if top_logprobs >= 0 and tokenizer is None:
+        raise unavailable("logprobs need the served tokenizer, which the front could not load", code="model_loading")
     mode, named = constraints.tool_choice_mode(request.tool_choice)
     grammar = constraints.output_grammar(
         request, config=config, mode=mode, named=named, tools_active=tools_active, tools=tools,
@@ -114,6 +121,7 @@ def plan_chat(
         session_id=session,
         stream=stream,
         grammar=grammar,
+        logprobs=top_logprobs,
     )
     return ChatPlan(
         generate=generate,
@@ -126,6 +134,8 @@ def plan_chat(
         tool_aliases=dict(rendered.tool_aliases),
         prepared_tools=prepared_tools,
         image_count=rendered.image_count,
+        logprobs=top_logprobs,
+        tokenizer=tokenizer if top_logprobs >= 0 else None,
     )
 
 
@@ -133,10 +143,12 @@ def _check_fixed_choices(request: s.ChatCompletionRequest) -> None:
     """Parameters musegl accepts only at one value."""
     if request.n is not None and request.n != 1:
         raise unsupported("n", "only n=1 is supported")
-    if request.logprobs:
-        raise unsupported("logprobs", "logprobs are not supported by this server")
-    if request.top_logprobs:
-        raise unsupported("top_logprobs", "top_logprobs are not supported by this server")
+    if request.top_logprobs is not None:
+        if not 0 <= request.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise bad_request(f"'top_logprobs' must be between 0 and {MAX_TOP_LOGPROBS}, got {request.top_logprobs}",
+                              param="top_logprobs")
+        if not request.logprobs:
+            raise bad_request("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
     if request.add_generation_prompt is not None and request.add_generation_prompt is not True:
         raise unsupported("add_generation_prompt", "add_generation_prompt must be true (or absent)")
     if request.continue_final_message is not None and request.continue_final_message is not False:
@@ -385,15 +397,37 @@ class ResponseAssembler:
         self.reasoning: list[str] = []
         self.content: list[str] = []
         self.tool_calls: list[s.ToolCall] = []
+        self.logprobs = (
+            LogprobTracker(plan.tokenizer, plan.tools_active, plan.logprobs)
+            if plan.logprobs >= 0 and plan.tokenizer is not None
+            else None
+        )
+        self._sent = (0, 0)  # logprob entries already streamed (content, reasoning)
 
     def feed(self, event: m.Tokens) -> Output:
         """Parse the text of one ``Tokens`` event; returns the visible deltas."""
+        if self.logprobs is not None:
+            self.logprobs.feed(event.ids, event.logprobs, event.text, self.plan.ignore_eos)
         return self._visible(self._route(self.parser.feed(event.text)))
+
+    def choice_logprobs(self, unsent: bool = False) -> s.ChoiceLogprobs | None:
+        """The ``logprobs`` of the choice (``unsent``: only entries not streamed yet)."""
+        if self.logprobs is None:
+            return None
+        content, reasoning = self.logprobs.content, self.logprobs.reasoning
+        if unsent:
+            sent_c, sent_r = self._sent
+            self._sent = (len(content), len(reasoning))
+            content, reasoning = content[sent_c:], reasoning[sent_r:]
+        hidden = self.plan.hide_reasoning
+        return s.ChoiceLogprobs(content=list(content), reasoning_content=None if hidden else list(reasoning))
 
     def finish(self, done: m.Done) -> tuple[Output, str]:
         """Flush the parsers at the end of generation; returns the last deltas
         and the finish reason. A failed tool-call set raises :class:`ApiError`."""
         end = _end_of_generation(done)
+        if self.logprobs is not None:
+            self.logprobs.finish(end)
         out = self._route(self.parser.finish(end), at_end=True)
         reason = "length" if done.finish_reason == "length" else "stop"
         if self.tools is not None:
@@ -486,7 +520,8 @@ async def complete(
                     created=meta.created,
                     model=meta.model,
                     system_fingerprint=meta.system_fingerprint,
-                    choices=[s.Choice(message=assembler.message(dialect), finish_reason=reason)],
+                    choices=[s.Choice(message=assembler.message(dialect), finish_reason=reason,
+                                      logprobs=assembler.choice_logprobs())],
                     usage=assembler.usage(event),
                 )
     raise unavailable("the model worker ended the request without a result", code="worker_restarting")
@@ -589,7 +624,10 @@ class ChatStream:
             ]
             items.append(self._chunk(s.ChunkChoice(delta=s.Delta(tool_calls=calls))))
         usage = self.assembler.usage(done) if self.plan.include_usage else None
-        finish = self.meta.chunk([s.ChunkChoice(delta=s.Delta(), finish_reason=reason)])
+        rest = self.assembler.choice_logprobs(unsent=True)
+        if rest is not None and not (rest.content or rest.reasoning_content):
+            rest = None
+        finish = self.meta.chunk([s.ChunkChoice(delta=s.Delta(), finish_reason=reason, logprobs=rest)])
         items += [sse.data_event(s.to_json(chunk)) for chunk in self.dialect.stream_tail(finish, usage)]
         items.append(sse.DONE)
         return items
@@ -597,10 +635,13 @@ class ChatStream:
     def _deltas(self, out: Output) -> list[bytes]:
         """Reasoning then content deltas; never an empty one."""
         items = []
+        logprobs = self.assembler.choice_logprobs(unsent=True) if out.reasoning or out.content else None
         if out.reasoning:
-            items.append(self._chunk(s.ChunkChoice(delta=s.Delta(**self.dialect.reasoning_fields(out.reasoning)))))
+            items.append(self._chunk(s.ChunkChoice(delta=s.Delta(**self.dialect.reasoning_fields(out.reasoning)),
+                                                   logprobs=logprobs)))
+            logprobs = None
         if out.content:
-            items.append(self._chunk(s.ChunkChoice(delta=s.Delta(content=out.content))))
+            items.append(self._chunk(s.ChunkChoice(delta=s.Delta(content=out.content), logprobs=logprobs)))
         return items
 
     def _chunk(self, choice: s.ChunkChoice) -> bytes:

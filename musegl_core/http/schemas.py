@@ -286,10 +286,21 @@ class AssistantMessage:
 
 
 @attrs.frozen
+class ChoiceLogprobs:
+    """``logprobs`` of a choice: ``content`` entries (their ``token`` texts
+    concatenate to the content) and, musegl's addition, ``reasoning_content``
+    entries for the reasoning (absent when reasoning is hidden)."""
+
+    content: list[Any] | None = None
+    reasoning_content: list[Any] | None = omittable()
+
+
+@attrs.frozen
 class Choice:
     message: AssistantMessage
     finish_reason: str
     index: int = 0
+    logprobs: ChoiceLogprobs | None = omittable()
 
 
 @attrs.frozen
@@ -345,6 +356,7 @@ class ChunkChoice:
     delta: RoleDelta | Delta
     finish_reason: str | None = None
     index: int = 0
+    logprobs: ChoiceLogprobs | None = omittable()
 
 
 @attrs.frozen
