@@ -67,6 +67,8 @@ class ServeConfig:
     max_sessions: int = flag(4, "session slots (default %(default)s)", LIMITS, kind="int")
     max_inflight_requests: int = flag(4, "admitted requests (default %(default)s)", LIMITS, kind="int")
     max_decode_sequences: int = flag(4, "decode batch width (default %(default)s)", LIMITS, kind="int")
+    max_n: int = flag(8, "most choices one chat request may ask for with 'n' (default %(default)s)", LIMITS,
+                      kind="int")
     max_prefill_chunk: int = flag(512, "prompt positions per forward (default %(default)s)", LIMITS, kind="int")
     max_image_bytes: int = flag(MAX_IMAGE_BYTES_CAP, "compressed image size limit (1 B .. 20 MiB, default 20 MiB)",
                                 LIMITS, kind="int")
@@ -90,6 +92,10 @@ class ServeConfig:
                                        LIMITS, kind="size", metavar="SIZE")
     kv_cache_fraction: float = flag(0.9, "share of the memory free after loading that the KV cache may use "
                                     "(default %(default)s)", LIMITS, kind="float", metavar="F")
+    constrained_reasoning_tokens: int = flag(
+        1024, "under an output constraint (response_format json, tool_choice required/named), the reasoning "
+        "message may take at most this many tokens before the constrained part must begin; 0: no reasoning "
+        "(default %(default)s)", PROTO, kind="int", metavar="N")
     tool_parser: str | None = flag(None, "tool-call parser (e.g. atem, from musegl-atem)", PROTO, metavar="NAME")
     api_dialect: str = flag("openai", "API dialect: openai (default) or a plugin's (openrouter)", PROTO,
                             metavar="NAME")
@@ -120,6 +126,8 @@ class ServeConfig:
         int_range("--max-inflight-requests", self.max_inflight_requests, 1)
         int_range("--max-decode-sequences", self.max_decode_sequences, 1)
         int_range("--max-prefill-chunk", self.max_prefill_chunk, 1)
+        int_range("--max-n", self.max_n, 1, 128)
+        int_range("--constrained-reasoning-tokens", self.constrained_reasoning_tokens, 0)
         int_range("--max-image-bytes", self.max_image_bytes, 1, MAX_IMAGE_BYTES_CAP)
         int_range("--max-request-bytes", self.max_request_bytes, 1, MAX_REQUEST_BYTES_CAP)
         floor = min_request_bytes(self.max_image_bytes)

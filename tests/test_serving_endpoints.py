@@ -132,9 +132,6 @@ def test_completion_stream_ends_with_done(server):
         ({"n": 2}, "n"),
         ({"suffix": "end"}, "suffix"),
         ({"logprobs": 1}, "logprobs"),
-        ({"logit_bias": {"5": 1.0}}, "logit_bias"),
-        ({"presence_penalty": 0.5}, "presence_penalty"),
-        ({"frequency_penalty": -1}, "frequency_penalty"),
         ({"prompt": ["a", "b"]}, "prompt"),
     ],
 )

@@ -49,6 +49,9 @@ class GenerateRequest:
     add_bos: bool = True  # False: the prompt is used exactly as given (musegl generate)
     stream: bool = False  # a streamed request confirms a new session on its first output
     logprobs: int = -1  # top alternatives per generated token (-1: no logprobs)
+    #: an output constraint (llguidance Lark grammar of the whole raw output,
+    #: :mod:`musegl_core.constrain.grammar`), compiled by the worker's ``prepare``
+    grammar: str | None = None
 
 
 class LogitsProcessor(Protocol):

@@ -200,6 +200,7 @@ def create_app(
             template=front.template,
             tool_parser=front.tool_parser,
             header_session_id=request.headers.get("x-session-id"),
+            tokenizer=front.tokenizer.tokenizer,
         )
         if not worker.ready:
             raise unavailable("the model is loading or restarting", code="model_loading")

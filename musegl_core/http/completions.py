@@ -34,6 +34,8 @@ from musegl_core.config import ServeConfig
 from musegl_core.engine.detokenize import IncrementalDetokenizer
 from musegl_core.engine.executor import SamplingParams
 from musegl_core.errors import ApiError, bad_request, unavailable
+from musegl_core.http import constraints
+from musegl_core.http.logprobs import MAX_TOP_LOGPROBS, LogprobTracker
 from musegl_core.http import schemas as s
 from musegl_core.http import sse
 from musegl_core.http.dialect import Dialect
@@ -67,6 +69,8 @@ class ChatPlan:
     #: schemas), handed to its ``create`` so that nothing is compiled twice.
     prepared_tools: Any = None
     image_count: int = 0  # image parts in the prompt
+    logprobs: int = -1  # top alternatives per token (-1: no logprobs)
+    tokenizer: Any = None  # the front's tokenizer (logprobs: the text of each id)
 
 
 def plan_chat(
@@ -77,6 +81,7 @@ def plan_chat(
     template: Any,
     tool_parser: Any = None,
     header_session_id: str | None = None,
+    tokenizer: Any = None,
 ) -> ChatPlan:
     """Validate ``request`` and render its prompt; raises :class:`ApiError` (400).
 
@@ -95,6 +100,14 @@ def plan_chat(
     prepared_tools = prepare_tools(tool_parser, tools) if tools_active else None
     messages = parse_messages(request.messages)
     rendered = template.render(messages, tools, tools_active=tools_active, variables=variables)
+    top_logprobs = (request.top_logprobs or 0) if request.logprobs else -1
+    if top_logprobs >= 0 and tokenizer is None:
+        raise unavailable("logprobs need the served tokenizer, which the front could not load", code="model_loading")
+    mode, named = constraints.tool_choice_mode(request.tool_choice)
+    grammar = constraints.output_grammar(
+        request, config=config, mode=mode, named=named, tools_active=tools_active, tools=tools,
+        tool_parser=tool_parser, prepared_tools=prepared_tools, aliases=dict(rendered.tool_aliases),
+    )
     stream = bool(request.stream)
     include_usage = bool(request.stream_options and request.stream_options.include_usage)
     ignore_eos = bool(request.ignore_eos)
@@ -107,6 +120,8 @@ def plan_chat(
         ignore_eos=ignore_eos,
         session_id=session,
         stream=stream,
+        grammar=grammar,
+        logprobs=top_logprobs,
     )
     return ChatPlan(
         generate=generate,
@@ -119,6 +134,8 @@ def plan_chat(
         tool_aliases=dict(rendered.tool_aliases),
         prepared_tools=prepared_tools,
         image_count=rendered.image_count,
+        logprobs=top_logprobs,
+        tokenizer=tokenizer if top_logprobs >= 0 else None,
     )
 
 
@@ -126,15 +143,12 @@ def _check_fixed_choices(request: s.ChatCompletionRequest) -> None:
     """Parameters musegl accepts only at one value."""
     if request.n is not None and request.n != 1:
         raise unsupported("n", "only n=1 is supported")
-    if request.logprobs:
-        raise unsupported("logprobs", "logprobs are not supported by this server")
-    if request.top_logprobs:
-        raise unsupported("top_logprobs", "top_logprobs are not supported by this server")
-    if request.response_format is not None and request.response_format.type != "text":
-        raise unsupported(
-            "response_format",
-            f"response_format type {request.response_format.type!r} is not supported; only 'text'",
-        )
+    if request.top_logprobs is not None:
+        if not 0 <= request.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise bad_request(f"'top_logprobs' must be between 0 and {MAX_TOP_LOGPROBS}, got {request.top_logprobs}",
+                              param="top_logprobs")
+        if not request.logprobs:
+            raise bad_request("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
     if request.add_generation_prompt is not None and request.add_generation_prompt is not True:
         raise unsupported("add_generation_prompt", "add_generation_prompt must be true (or absent)")
     if request.continue_final_message is not None and request.continue_final_message is not False:
@@ -162,7 +176,11 @@ def completion_limit(request: s.ChatCompletionRequest | s.CompletionRequest) -> 
 
 
 def sampling_params(request: s.ChatCompletionRequest | s.CompletionRequest) -> SamplingParams:
-    """temperature in [0, 2], top_p in (0, 1], top_k >= 0, a 64-bit seed."""
+    """temperature in [0, 2], top_p in (0, 1], top_k >= 0, a 64-bit seed, and
+    the processors of docs/constrained.md: ``presence_penalty`` and
+    ``frequency_penalty`` in [-2, 2], ``repetition_penalty`` > 0, ``min_p`` in
+    [0, 1], ``logit_bias`` (at most 300 token ids, each biased by -100..100).
+    Out of range is a 400 naming the parameter."""
     temperature = 1.0 if request.temperature is None else request.temperature
     top_p = 1.0 if request.top_p is None else request.top_p
     top_k = 0 if request.top_k is None else request.top_k
@@ -175,7 +193,48 @@ def sampling_params(request: s.ChatCompletionRequest | s.CompletionRequest) -> S
     seed = request.seed
     if seed is not None and not SEED_RANGE[0] <= seed <= SEED_RANGE[1]:
         raise bad_request("'seed' must fit in 64 bits", param="seed")
-    return SamplingParams(temperature=float(temperature), top_p=float(top_p), top_k=top_k, seed=seed)
+    penalties = {}
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(request, name, None)
+        if value is not None:
+            if not -2.0 <= value <= 2.0:
+                raise bad_request(f"'{name}' must be between -2 and 2, got {value}", param=name)
+            penalties[name] = float(value)
+    repetition = getattr(request, "repetition_penalty", None)
+    if repetition is not None:
+        if not 0.0 < repetition <= 1e6 or repetition != repetition:
+            raise bad_request(f"'repetition_penalty' must be greater than 0, got {repetition}",
+                              param="repetition_penalty")
+        penalties["repetition_penalty"] = float(repetition)
+    min_p = getattr(request, "min_p", None)
+    if min_p is not None:
+        if not 0.0 <= min_p <= 1.0:
+            raise bad_request(f"'min_p' must be between 0 and 1, got {min_p}", param="min_p")
+        penalties["min_p"] = float(min_p)
+    return SamplingParams(temperature=float(temperature), top_p=float(top_p), top_k=top_k, seed=seed,
+                          logit_bias=logit_bias(getattr(request, "logit_bias", None)), **penalties)
+
+
+MAX_LOGIT_BIAS = 300
+
+
+def logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+    """OpenAI's ``logit_bias``: token id (a decimal string) -> bias in [-100, 100],
+    at most 300 entries; sorted by id. The worker checks the ids against the vocabulary."""
+    if not bias:
+        return ()
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise bad_request(f"'logit_bias' takes at most {MAX_LOGIT_BIAS} entries, got {len(bias)}",
+                          param="logit_bias")
+    out = []
+    for key, value in bias.items():
+        if not key.isdigit() or len(key) > 9:
+            raise bad_request(f"'logit_bias' keys must be token ids, got {key!r}", param="logit_bias")
+        if not -100.0 <= value <= 100.0:
+            raise bad_request(f"'logit_bias' values must be between -100 and 100, got {value} for {key}",
+                              param="logit_bias")
+        out.append((int(key), float(value)))
+    return tuple(sorted(out))
 
 
 def stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
@@ -244,12 +303,10 @@ def template_variables(kwargs: s.ChatTemplateKwargs | None, strength: str | None
 
 def active_tools(request: s.ChatCompletionRequest, tool_parser: Any) -> tuple[bool, list[ToolDef]]:
     """Whether tools are active, and the declared tools."""
-    choice = request.tool_choice
-    if isinstance(choice, dict) or choice == "required":
-        raise unsupported("tool_choice", "tool_choice 'required' and named functions are not supported")
-    if choice not in (None, "auto", "none"):
-        raise bad_request("'tool_choice' must be 'auto' or 'none'", param="tool_choice")
+    choice, _ = constraints.tool_choice_mode(request.tool_choice)
     if not request.tools:
+        if choice in ("required", "named"):
+            raise bad_request("a 'tool_choice' that requires a call needs 'tools'", param="tool_choice")
         return False, []
     if choice == "none":
         return False, list(parse_tools(request.tools))
@@ -340,15 +397,37 @@ class ResponseAssembler:
         self.reasoning: list[str] = []
         self.content: list[str] = []
         self.tool_calls: list[s.ToolCall] = []
+        self.logprobs = (
+            LogprobTracker(plan.tokenizer, plan.tools_active, plan.logprobs)
+            if plan.logprobs >= 0 and plan.tokenizer is not None
+            else None
+        )
+        self._sent = (0, 0)  # logprob entries already streamed (content, reasoning)
 
     def feed(self, event: m.Tokens) -> Output:
         """Parse the text of one ``Tokens`` event; returns the visible deltas."""
+        if self.logprobs is not None:
+            self.logprobs.feed(event.ids, event.logprobs, event.text, self.plan.ignore_eos)
         return self._visible(self._route(self.parser.feed(event.text)))
+
+    def choice_logprobs(self, unsent: bool = False) -> s.ChoiceLogprobs | None:
+        """The ``logprobs`` of the choice (``unsent``: only entries not streamed yet)."""
+        if self.logprobs is None:
+            return None
+        content, reasoning = self.logprobs.content, self.logprobs.reasoning
+        if unsent:
+            sent_c, sent_r = self._sent
+            self._sent = (len(content), len(reasoning))
+            content, reasoning = content[sent_c:], reasoning[sent_r:]
+        hidden = self.plan.hide_reasoning
+        return s.ChoiceLogprobs(content=list(content), reasoning_content=None if hidden else list(reasoning))
 
     def finish(self, done: m.Done) -> tuple[Output, str]:
         """Flush the parsers at the end of generation; returns the last deltas
         and the finish reason. A failed tool-call set raises :class:`ApiError`."""
         end = _end_of_generation(done)
+        if self.logprobs is not None:
+            self.logprobs.finish(end)
         out = self._route(self.parser.finish(end), at_end=True)
         reason = "length" if done.finish_reason == "length" else "stop"
         if self.tools is not None:
@@ -441,7 +520,8 @@ async def complete(
                     created=meta.created,
                     model=meta.model,
                     system_fingerprint=meta.system_fingerprint,
-                    choices=[s.Choice(message=assembler.message(dialect), finish_reason=reason)],
+                    choices=[s.Choice(message=assembler.message(dialect), finish_reason=reason,
+                                      logprobs=assembler.choice_logprobs())],
                     usage=assembler.usage(event),
                 )
     raise unavailable("the model worker ended the request without a result", code="worker_restarting")
@@ -544,7 +624,10 @@ class ChatStream:
             ]
             items.append(self._chunk(s.ChunkChoice(delta=s.Delta(tool_calls=calls))))
         usage = self.assembler.usage(done) if self.plan.include_usage else None
-        finish = self.meta.chunk([s.ChunkChoice(delta=s.Delta(), finish_reason=reason)])
+        rest = self.assembler.choice_logprobs(unsent=True)
+        if rest is not None and not (rest.content or rest.reasoning_content):
+            rest = None
+        finish = self.meta.chunk([s.ChunkChoice(delta=s.Delta(), finish_reason=reason, logprobs=rest)])
         items += [sse.data_event(s.to_json(chunk)) for chunk in self.dialect.stream_tail(finish, usage)]
         items.append(sse.DONE)
         return items
@@ -552,10 +635,13 @@ class ChatStream:
     def _deltas(self, out: Output) -> list[bytes]:
         """Reasoning then content deltas; never an empty one."""
         items = []
+        logprobs = self.assembler.choice_logprobs(unsent=True) if out.reasoning or out.content else None
         if out.reasoning:
-            items.append(self._chunk(s.ChunkChoice(delta=s.Delta(**self.dialect.reasoning_fields(out.reasoning)))))
+            items.append(self._chunk(s.ChunkChoice(delta=s.Delta(**self.dialect.reasoning_fields(out.reasoning)),
+                                                   logprobs=logprobs)))
+            logprobs = None
         if out.content:
-            items.append(self._chunk(s.ChunkChoice(delta=s.Delta(content=out.content))))
+            items.append(self._chunk(s.ChunkChoice(delta=s.Delta(content=out.content), logprobs=logprobs)))
         return items
 
     def _chunk(self, choice: s.ChunkChoice) -> bytes:

@@ -119,7 +119,12 @@ class ChatTemplateKwargs:
 
 @attrs.frozen
 class ResponseFormat:
+    """``{"type": "text" | "json_object" | "json_schema", "json_schema": {...}}``;
+    ``json_schema`` (``name``, ``schema``, ``strict``, ``description``) stays raw
+    JSON here, :mod:`musegl_core.http.constraints` checks it."""
+
     type: str
+    json_schema: Any = None
 
 
 StopField = str | list[str] | None
@@ -160,6 +165,12 @@ class ChatCompletionRequest:
     logprobs: bool | None = None
     top_logprobs: int | None = None
     response_format: ResponseFormat | None = None
+    json_schema: Any = None  # llama.cpp's top-level spelling of response_format json_schema
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    min_p: float | None = None
+    logit_bias: dict[str, float] | None = None
     add_generation_prompt: Any = None
     continue_final_message: Any = None
 
@@ -177,6 +188,8 @@ REJECTED_FIELDS = (
     "structured_outputs",
     "regex",
     "ebnf",
+    "grammar_lazy",
+    "grammar_triggers",
 )
 
 
@@ -212,6 +225,8 @@ class CompletionRequest:
     logit_bias: dict[str, float] | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    min_p: float | None = None
     user: str | None = None
 
 
@@ -271,10 +286,21 @@ class AssistantMessage:
 
 
 @attrs.frozen
+class ChoiceLogprobs:
+    """``logprobs`` of a choice: ``content`` entries (their ``token`` texts
+    concatenate to the content) and, musegl's addition, ``reasoning_content``
+    entries for the reasoning (absent when reasoning is hidden)."""
+
+    content: list[Any] | None = None
+    reasoning_content: list[Any] | None = omittable()
+
+
+@attrs.frozen
 class Choice:
     message: AssistantMessage
     finish_reason: str
     index: int = 0
+    logprobs: ChoiceLogprobs | None = omittable()
 
 
 @attrs.frozen
@@ -330,6 +356,7 @@ class ChunkChoice:
     delta: RoleDelta | Delta
     finish_reason: str | None = None
     index: int = 0
+    logprobs: ChoiceLogprobs | None = omittable()
 
 
 @attrs.frozen

@@ -6,8 +6,8 @@ or token ids; no BOS is added. Sampling, stop strings, ``max_tokens`` and the
 context budget follow the chat endpoint's rules (the same functions check
 them). Parameters of the legacy OpenAI endpoint that the engine does not
 implement are refused by name: ``n`` or ``best_of`` above 1, ``echo``,
-``suffix``, ``logprobs``, ``logit_bias`` and non-zero penalties; so is a list
-of several prompts.
+``suffix`` and ``logprobs``; so is a list of several prompts. ``logit_bias``,
+the penalties and ``min_p`` are honoured as in chat (docs/constrained.md).
 
 The response is OpenAI's ``text_completion`` object; a stream sends
 ``text_completion`` chunks, the finish chunk, a usage chunk when
@@ -76,12 +76,6 @@ def _check_unsupported(request: s.CompletionRequest) -> None:
         raise unsupported("suffix", "suffix (insertion) is not supported by this server")
     if request.logprobs is not None:
         raise unsupported("logprobs", "logprobs are not supported by this server")
-    if request.logit_bias:
-        raise unsupported("logit_bias", "logit_bias is not supported by this server")
-    for name in ("presence_penalty", "frequency_penalty"):
-        value = getattr(request, name)
-        if value:
-            raise unsupported(name, f"{name} is not supported by this server (only 0)")
 
 
 def prompt_segment(prompt: s.PromptField) -> m.PromptSegment:

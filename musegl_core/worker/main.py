@@ -62,10 +62,12 @@ class EventWriter:
             self.stream.flush()
 
 
-def prepare(request: GenerateRequest, tokenizer) -> PreparedRequest:
+def prepare(request: GenerateRequest, tokenizer, vocab_size: int = 0) -> PreparedRequest:
     """Prepare a request once, on the control thread: tokenize the prompt
     segments, check the ids, fix the seed (a random one when none was given,
-    so every draw is keyed by seed and position)."""
+    so every draw is keyed by seed and position), compile the output
+    constraint against the served vocabulary (``vocab_size``: the model's,
+    when larger than the tokenizer's)."""
     try:
         ids = tokenizer.encode_segments(request.prompt, add_bos=request.add_bos)
     except Exception as exc:
@@ -76,8 +78,18 @@ def prepare(request: GenerateRequest, tokenizer) -> PreparedRequest:
     if any(not 0 <= i < vocab for i in ids):
         raise ApiError(400, f"prompt token ids must be in [0, {vocab})", "invalid_request_error")
     sampling = request.sampling
+    limit = max(vocab, vocab_size)
+    for token, _ in sampling.logit_bias:
+        if not 0 <= token < limit:
+            raise ApiError(400, f"logit_bias names token {token}, outside the vocabulary [0, {limit})",
+                           "invalid_request_error", param="logit_bias")
     if sampling.seed is None:
         sampling = attrs.evolve(sampling, seed=random_seed())
+    processors = ()
+    if request.grammar is not None:
+        from musegl_core.constrain.matcher import compile_grammar
+
+        processors = (compile_grammar(request.grammar, tokenizer, vocab_size),)
     return PreparedRequest(
         id=request.id,
         prompt_ids=tuple(ids),
@@ -90,6 +102,7 @@ def prepare(request: GenerateRequest, tokenizer) -> PreparedRequest:
         add_bos=request.add_bos,
         stream=request.stream,
         logprobs=request.logprobs,
+        processors=processors,
     )
 
 
@@ -119,7 +132,7 @@ def control_loop(stdin: BinaryIO, engine: Engine, tokenizer, writer: EventWriter
             engine.close_session(message.session_id, lambda error, msg=message: writer(_closed(msg, error)))
         elif isinstance(message, m.Generate):
             try:
-                engine.submit(engine.plan_replay(prepare(message, tokenizer)))
+                engine.submit(engine.plan_replay(prepare(message, tokenizer, engine.executor.info.vocab_size)))
             except ApiError as err:
                 writer(m.Failed(message.id, err.status, err.message, err.type, err.code, err.param, dict(err.metadata)))
 
