@@ -22,7 +22,7 @@ Every sampled row of a step is sampled in one batched call
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
 
@@ -75,8 +75,7 @@ class TorchExecutor:
     def __init__(self, checkpoint: Checkpoint, device: str | torch.device | None = None,
                  dtype: str | torch.dtype | None = None, block_size: int = DEFAULT_BLOCK_SIZE,
                  limits: ExecutorLimits | None = None, forward_sizes: Sequence[int] | None = None,
-                 dummy_seed: int | None = None,
-                 progress: Callable[[int, int, str], None] | None = None) -> None:
+                 dummy_seed: int | None = None) -> None:
         """``forward_sizes``: decode widths to capture as CUDA graphs (None: the
         defaults on CUDA; ignored on the CPU; empty: no graphs).
         ``dummy_seed``: don't read weights, make random ones on the device
@@ -94,7 +93,6 @@ class TorchExecutor:
                 raise ValueError("forward sizes must be positive")
         base = limits or ExecutorLimits()
         self.limits = ExecutorLimits(base.max_step_tokens, sizes or base.step_sizes)
-        self.progress = progress
         self.config = config = checkpoint.config
         self.info = ModelInfo(
             name=checkpoint.name,
@@ -153,9 +151,12 @@ class TorchExecutor:
         if self.paged and self.limits.step_sizes:
             from musegl_cuda.graphs import DecodeGraphs
 
+            from musegl_core.progress import loading_progress
+
             self.graphs = DecodeGraphs(self.model, self.kv, self.limits.step_sizes, self.block_size,
                                        self.table_cols, self.decode_block_m, self.sm_count)
-            self.graphs.capture(num_blocks, self.progress)
+            with loading_progress("capturing CUDA graphs") as progress:
+                self.graphs.capture(num_blocks, progress)
 
     @property
     def k_cache(self) -> list[torch.Tensor]:

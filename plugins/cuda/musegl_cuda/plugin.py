@@ -103,11 +103,11 @@ def _create(options: ExecutorOptions, default_device: str) -> "TorchExecutor":
     sizes = parse_forward_sizes(options.extra.get("forward_sizes"))
     if load_format(options) == "dummy":
         return TorchExecutor(read_config_only(options.model), device=options.device or default_device,  # type: ignore[arg-type]
-                             dtype=options.dtype, forward_sizes=sizes, dummy_seed=0, progress=options.progress)
+                             dtype=options.dtype, forward_sizes=sizes, dummy_seed=0)
     checkpoint = load_checkpoint(options.model, progress=options.progress)
     try:
         return TorchExecutor(checkpoint, device=options.device or default_device, dtype=options.dtype,
-                             forward_sizes=sizes, progress=options.progress)
+                             forward_sizes=sizes)
     finally:
         checkpoint.close()
 
