@@ -345,7 +345,7 @@ class ResponseMeta:
 
 
 def reasoning_tokens(message_starts: list[tuple[int, str]], generated_chars: Sequence[int]) -> int:
-    """How many generated ids belong to reasoning messages (spec 7).
+    """How many generated ids belong to reasoning messages (docs/protocol.md: reasoning tokens).
 
     Which ids count: every id of a ``to=self`` message, from the start of its
     header position (the whitespace and header that open it) through its

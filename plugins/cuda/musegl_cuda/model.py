@@ -1,4 +1,4 @@
-"""The Muse Glimmer text decoder in PyTorch (spec/model.md 3-5), over packed rows.
+"""The Muse Glimmer text decoder in PyTorch, over packed rows.
 
 Every module works on a flat ``(rows, ...)`` batch: the rows of many
 sequences packed together. Projections and the MLP run over all rows at once;
