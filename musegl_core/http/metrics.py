@@ -141,9 +141,3 @@ class MeteredWorker:
                 metrics.generated_tokens.inc(event.completion_tokens)
             yield event
 
-
-def render(values: Mapping[str, float], *, ready: bool, restarts: int) -> bytes:
-    """The Prometheus text for one worker snapshot (``values`` empty while the worker is down)."""
-    registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Snapshot(values, ready, restarts))
-    return generate_latest(registry)
