@@ -150,13 +150,13 @@ def create_app(
             raise ApiError(401, "a valid API key is required (Authorization: Bearer <key>)", "authentication_error", "invalid_api_key")
 
     @get(["/v1/models", "/models"], guards=[require_key], sync_to_thread=False,
-         operation_class=openapi.operation(responses={200: s.ModelList}))
+         operation_class=openapi.operation(responses={200: s.ModelList, 401: s.ErrorBody}))
     def models() -> dict[str, Any]:
         """The served model: its id, then its aliases, with the context budget."""
         return s.to_json(s.ModelList(data=[front.model_entry(i) for i in front.ids.listed]))
 
     @get(["/v1/models/{model_id:str}", "/models/{model_id:str}"], guards=[require_key], sync_to_thread=False,
-         operation_class=openapi.operation(responses={200: s.ModelEntry, 404: s.ErrorBody}))
+         operation_class=openapi.operation(responses={200: s.ModelEntry, 401: s.ErrorBody, 404: s.ErrorBody}))
     def model(model_id: FromPath[str]) -> dict[str, Any]:
         """One model by id: the served id, an alias, or ``musegl``; 404 ``model_not_found`` otherwise."""
         if not front.ids.accepts(model_id):
@@ -172,7 +172,7 @@ def create_app(
             return front.error_response(unavailable("the model is loading or restarting", code="model_loading"))
         return Response(s.to_json(s.HealthStatus()), media_type="application/json")
 
-    @get("/metrics", guards=[require_key], operation_class=openapi.operation(responses={200: openapi.TEXT}))
+    @get("/metrics", guards=[require_key], operation_class=openapi.operation(responses={200: openapi.TEXT, 401: s.ErrorBody}))
     async def metrics() -> Response:
         """Prometheus text: engine counters, worker state, request and token counters, latencies."""
         values: dict = {}

@@ -113,46 +113,50 @@ class MeteredWorker:
 
     @contextlib.asynccontextmanager
     async def generate(self, request: m.Generate) -> AsyncIterator[AsyncIterator[m.Event]]:
-        submitted = time.monotonic()
         async with self.worker.generate(request) as events:
-            yield self._observe(events, submitted)
-
-    async def _observe(self, events: AsyncIterator[m.Event], submitted: float) -> AsyncIterator[m.Event]:
-        metrics = self.metrics
-        last: float | None = None  # when the latest token arrived
-        seen = 0  # generated ids seen so far
-
-        def tokens(count: int, now: float) -> None:
-            """``count`` ids arrived at ``now``: the first is the time to first token,
-            each later one gets an equal share of the gap since the previous arrival
-            (ids that came together with the first have no gap to measure)."""
-            nonlocal last, seen
-            if count <= 0:
-                return
-            if last is None:
-                metrics.ttft.observe(now - self.arrived)
-            else:
-                for _ in range(count):
-                    metrics.itl.observe((now - last) / count)
-            last, seen = now, seen + count
-
-        async for event in events:
-            now = time.monotonic()
-            if isinstance(event, m.Started):
-                metrics.queue.observe(now - submitted)
-            elif isinstance(event, m.Tokens):
-                tokens(len(event.ids), now)
-            elif isinstance(event, m.Done):
-                tokens(event.completion_tokens - seen, now)  # ids only Done reports (the end token)
-                metrics.e2e.observe(now - self.arrived)
-                metrics.prompt_tokens.inc(event.prompt_tokens)
-                metrics.cached_tokens.inc(event.cached_tokens)
-                metrics.generated_tokens.inc(event.completion_tokens)
-            yield event
+            yield _Observed(events, self.metrics, self.arrived, time.monotonic())
 
 
-def render(values: Mapping[str, float], *, ready: bool, restarts: int) -> bytes:
-    """The Prometheus text for one worker snapshot (``values`` empty while the worker is down)."""
-    registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Snapshot(values, ready, restarts))
-    return generate_latest(registry)
+class _Observed:
+    """The events of one request, observed as they are read. A plain iterator
+    rather than an async generator: closing or cancelling the reader acts on
+    the worker's own iterator exactly as it would without metrics."""
+
+    def __init__(self, events: AsyncIterator[m.Event], metrics: FrontMetrics, arrived: float, submitted: float):
+        self._events = events
+        self._metrics = metrics
+        self._arrived = arrived
+        self._submitted = submitted
+        self._last: float | None = None  # when the latest token arrived
+        self._seen = 0  # generated ids seen so far
+
+    def __aiter__(self) -> "_Observed":
+        return self
+
+    async def __anext__(self) -> m.Event:
+        event = await self._events.__anext__()
+        now, metrics = time.monotonic(), self._metrics
+        if isinstance(event, m.Started):
+            metrics.queue.observe(now - self._submitted)
+        elif isinstance(event, m.Tokens):
+            self._tokens(len(event.ids), now)
+        elif isinstance(event, m.Done):
+            self._tokens(event.completion_tokens - self._seen, now)  # ids only Done reports (the end token)
+            metrics.e2e.observe(now - self._arrived)
+            metrics.prompt_tokens.inc(event.prompt_tokens)
+            metrics.cached_tokens.inc(event.cached_tokens)
+            metrics.generated_tokens.inc(event.completion_tokens)
+        return event
+
+    def _tokens(self, count: int, now: float) -> None:
+        """``count`` ids arrived at ``now``: the first is the time to first token,
+        each later one gets an equal share of the gap since the previous arrival
+        (ids that came together with the first have no gap to measure)."""
+        if count <= 0:
+            return
+        if self._last is None:
+            self._metrics.ttft.observe(now - self._arrived)
+        else:
+            for _ in range(count):
+                self._metrics.itl.observe((now - self._last) / count)
+        self._last, self._seen = now, self._seen + count
