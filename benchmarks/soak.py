@@ -171,8 +171,9 @@ class Soak:
                     if response.status_code == 200:
                         result = response.json()
                         # The random-weight model's text can re-tokenize much longer than it was
-                        # generated, so the resent answer is capped to keep growth predictable.
-                        answer = (result["choices"][0]["message"]["content"] or ".")[:120]
+                        # generated (byte-level tokens), so the resent answer is capped at 120 bytes.
+                        answer = (result["choices"][0]["message"]["content"] or ".").encode()[:120]
+                        answer = answer.decode(errors="ignore") or "."
                         history = history + [
                             {"role": "assistant", "content": answer},
                             {"role": "user", "content": f"turn {len(history)}: " + "more " * self.rng.randint(5, 40)},
@@ -239,8 +240,10 @@ def main() -> int:
         from musegl_core.tiny import default_model_path
 
         args.model = str(default_model_path(progress=True))
-    flags = (*SERVE_FLAGS, "--max-sessions", str(2 * args.clients),
-             "--max-inflight-requests", str(args.clients + 4))
+    # A cancelled request keeps its slot until the server notices the disconnect, while its
+    # client has already sent the next one: room for that, so capacity refusals stay errors.
+    flags = (*SERVE_FLAGS, "--max-sessions", str(4 * args.clients),
+             "--max-inflight-requests", str(3 * args.clients))
     with serve_process(args.model, *flags) as (url, process):
         front = psutil.Process(process.pid)
         workers = front.children()
