@@ -18,7 +18,8 @@ def test_two_minute_soak_leaks_nothing():
     done = subprocess.run([sys.executable, str(SOAK), "--duration", "120", "--warmup", "20", "--json"],
                           capture_output=True, text=True, timeout=900, cwd=SOAK.parent)
     report = json.loads(done.stdout.strip().splitlines()[-1])
-    print(json.dumps({k: report[k] for k in ("requests", "outcomes", "errors", "rss_mib", "kv_end", "kv_leaked")}))
+    print(json.dumps({k: report[k] for k in ("requests", "outcomes", "errors", "error_examples", "rss_mib", "kv_end",
+                                             "kv_leaked")}))
     assert report["errors"] == {}, report["error_examples"]
     assert report["kv_leaked"] == {"kv_blocks_used": 0.0, "kv_blocks_reserved": 0.0}
     assert not report["worker_restarted"]
