@@ -140,3 +140,84 @@ def test_without_prefix_caching_nothing_is_kept():
     assert pool.cached_blocks == 0
     reused, _, _ = run(table, sched, list(range(1, 15)), handle=1)
     assert reused == 0
+
+
+def test_snapshot_blocks_are_found_by_content_and_become_cached_when_dropped():
+    pool, table, sched = setup(sessions=2, snapshots=1)
+    prompt = list(range(1, 11))
+    run(table, sched, prompt, name="a")
+    table.snapshot(table.named["a"])
+    table.drop(table.named["a"])
+    assert pool.cached_blocks == 0  # the snapshot still holds the keyed blocks
+    reused, _, _ = run(table, sched, prompt, handle=1)  # the snapshot offers 9, the cache 8: snapshot wins
+    assert reused == 9
+    snapshot = table.snapshots.pop()
+    snapshot.slot.close()
+    assert pool.used_blocks == 0 and pool.reserved_blocks == 0 and pool.cached_blocks == 2
+    reused, _, _ = run(table, sched, prompt + [77], handle=2)
+    assert reused == 8
+
+
+def test_random_traffic_keeps_kv_contents_and_books_exact():
+    """A model of the executor's cells (the token written at each block position):
+    every reused position must read back the prompt's token, whatever mix of sessions,
+    snapshots, rewinds, cache hits, copies and evictions led there."""
+    import random
+
+    for seed in range(4):
+        rng = random.Random(seed)
+        pool, table, sched = setup(sessions=3, context=40, snapshots=1)
+        cells: dict[int, int] = {}
+        prefixes = [[rng.randrange(1, 50) for _ in range(rng.randrange(3, 20))] for _ in range(4)]
+        suffixes = [[rng.randrange(1, 50) for _ in range(10)] for _ in range(3)]  # few: prompts recur
+        for handle in range(150):
+            name = rng.choice([None, None, "x", "y"])
+            prompt = rng.choice(prefixes) + rng.choice(suffixes)[: rng.randrange(1, 10)]
+            session, _ = table.open(name)
+            reused = table.attach(session, prompt)
+            for p in range(reused):
+                block = session.slot.blocks[p // SIZE]
+                assert cells.get(block * SIZE + p % SIZE) == prompt[p], (seed, handle, p)
+            request = PreparedRequest(id=f"r{handle}", prompt_ids=tuple(prompt), max_tokens=3)
+            seq = SequenceState(request=request, handle=handle, max_new=3, tokens=list(prompt), session=session,
+                                computed=reused, cached=reused)
+            sched.add(seq)
+            stop_at = rng.choice([None, rng.randrange(1, 4)])  # a cancellation after some steps
+            steps = 0
+            while len(seq.tokens) - len(prompt) < 3 and steps != stop_at:
+                step, plan, copies = sched.schedule()
+                for src, dst in copies:
+                    for offset in range(SIZE):
+                        if src * SIZE + offset in cells:
+                            cells[dst * SIZE + offset] = cells[src * SIZE + offset]
+                for chunk in step.chunks:
+                    for position, token in zip(chunk.positions, chunk.tokens):
+                        cells[chunk.blocks[position // SIZE] * SIZE + position % SIZE] = token
+                for s, rows in plan:
+                    s.computed += rows
+                if seq.computed == len(seq.tokens):
+                    if seq.phase is Phase.PREFILL:
+                        seq.phase = Phase.DECODE
+                        session.tokens = seq.tokens[: seq.computed]
+                        table.publish(session)
+                        table.snapshot(session)
+                    seq.tokens.append(rng.randrange(1, 50))
+                steps += 1
+            sched.remove(seq)
+            session.tokens = seq.tokens[: seq.computed]
+            table.publish(session)
+            if steps == stop_at:
+                session.clean = False
+            if name is None:
+                table.drop(session)
+            # The books: every slot is exactly at budget; every hold is counted.
+            holders = [s.slot for s in table.named.values()] + [s.slot for s in table.snapshots]
+            assert all(len(slot.blocks) + slot.reserved == slot.budget for slot in holders)
+            assert pool.reserved_blocks == sum(slot.reserved for slot in holders)
+            counts: dict[int, int] = {}
+            for slot in holders:
+                for block in slot.blocks:
+                    counts[block] = counts.get(block, 0) + 1
+            assert all(pool.refcount(b) == counts.get(b, 0) for b in range(pool.num_blocks))
+            assert pool.used_blocks == len(counts)
+        assert table.cache.hits > 0 and pool.evicted > 0, "the traffic must exercise hits and evictions"
