@@ -292,3 +292,33 @@ def silu_mul(gu: torch.Tensor) -> torch.Tensor:
     block = 1024
     _silu_mul_kernel[(rows, triton.cdiv(f, block))](gu, out, f, BLOCK=block, num_warps=4)
     return out
+
+
+# ---------------------------------------------------------------------------
+# the head's softcap
+
+
+@triton.jit
+def _softcap_kernel(Z, Out, N, mult, cap, HAS_CAP: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < N
+    dtype = Z.dtype.element_ty
+    z = (tl.load(Z + offs, mask=mask, other=0.0).to(tl.float32) * mult).to(dtype).to(tl.float32)
+    if HAS_CAP:
+        t = (z / cap).to(dtype).to(tl.float32)
+        e = tl.exp(2.0 * t)
+        th = (1.0 - 2.0 / (e + 1.0)).to(dtype).to(tl.float32)
+        z = (th * cap).to(dtype).to(tl.float32)
+    tl.store(Out + offs, z, mask=mask)
+
+
+def softcap_logits(z: torch.Tensor, mult: float, cap: float | None) -> torch.Tensor:
+    """``tanh(z·mult / cap)·cap`` as float32 in one pass over the head's output
+    (each intermediate rounded to ``z``'s dtype, as the eager chain rounds it)."""
+    z = z.contiguous()
+    out = torch.empty(z.shape, dtype=torch.float32, device=z.device)
+    n = z.numel()
+    block = 2048
+    _softcap_kernel[(triton.cdiv(n, block),)](z, out, n, float(mult), float(cap or 1.0), HAS_CAP=cap is not None,
+                                              BLOCK=block, num_warps=8)
+    return out
