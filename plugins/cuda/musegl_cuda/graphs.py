@@ -15,7 +15,9 @@ in that row) are sent. Decode steps of one row per sequence are staged by
 :meth:`DecodeGraphs.stage_decode` (no :class:`~musegl_cuda.plan.StepPlan`);
 other decode-only steps (draft verification rows) by :meth:`stage_plan`.
 Padding rows use the last table row (the scratch block) and write nothing
-real.
+real. The pinned buffers are rewritten by the next step without waiting on
+the copies out of them: every graph step ends with a host sync (the ids'
+copy, or the sampler's), so those copies are done by then.
 
 When every row of a step is plain greedy, :meth:`DecodeGraphs.greedy_ids`
 copies back only the ``width`` argmax ids (the tokens the sampler's argmax
@@ -75,7 +77,6 @@ class DecodeGraphs:
         self._sent = [0] * (widest + 1)
         self._ids_host = torch.zeros(widest, dtype=torch.long, pin_memory=True)
         self._ids_np = self._ids_host.numpy()
-        self._staged = torch.cuda.Event()  # the last copy out of the pinned buffers
         self.scratch_block = -1
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
@@ -165,7 +166,6 @@ class DecodeGraphs:
         if min(positions) < 0:
             bad = next(c for c in chunks if c.positions[0] < 0)
             raise ValueError(f"sequence {bad.seq}: chunk positions must be consecutive and >= 0")
-        self._staged.synchronize()  # the pinned buffers are free again
         rows, sent = self._rows, self._sent
         changed: list[int] = []
         slots: list[int] = []
@@ -206,14 +206,12 @@ class DecodeGraphs:
         tiles[:n, 3] = positions
         tiles[n:width, 3] = 0
         self._device_in.copy_(self._host_in, non_blocking=True)
-        self._staged.record()
         return True
 
     def stage_plan(self, plan: StepPlan) -> None:
         """Stage a planned decode-only step (tiles padded to its width; table row
         ``len(chunks)`` is its padding rows' table): every table row it uses is sent."""
         width = plan.width
-        self._staged.synchronize()
         self._h_tokens[:width] = plan.tokens
         self._h_positions[:width] = plan.positions
         self._h_slots[:width] = plan.slots
@@ -225,7 +223,6 @@ class DecodeGraphs:
         for i in range(seqs):
             self._rows[i], self._sent[i] = None, 0  # holds the plan's row now, not a mirrored table
         self._device_in.copy_(self._host_in, non_blocking=True)
-        self._staged.record()
         # the next stage_decode rewrites every column of the tiles it uses but 1 and 2
         self._h_tiles[:width, 1] = self._arange[:width]
         self._h_tiles[:width, 2] = 1

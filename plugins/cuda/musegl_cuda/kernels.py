@@ -255,6 +255,10 @@ def _add_norm_kernel(O, H, ScalePost, ScaleNext, Hout, Xout, N, eps_post, eps_ne
         tl.store(Xout + row * N + offs, (hf * inv2 * w2).to(dtype), mask=mask)
 
 
+#: Warps of :func:`add_norm` (None: 8 for rows of 4096+ elements, else 4); benchmarks try others.
+ADD_NORM_WARPS: int | None = None
+
+
 def add_norm(o: torch.Tensor | None, h: torch.Tensor, scale_post: torch.Tensor | None, eps_post: float,
              scale_next: torch.Tensor | None, eps_next: float) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``h' = h + CenteredNorm(o)`` (``o`` None: ``h' = h``) and ``CenteredNorm(h')`` with
@@ -267,7 +271,7 @@ def add_norm(o: torch.Tensor | None, h: torch.Tensor, scale_post: torch.Tensor |
         o if o is not None else h, h, scale_post if scale_post is not None else h,
         scale_next if scale_next is not None else h, h_out, x if x is not None else h,
         n, eps_post, eps_next, HAS_RES=o is not None, HAS_NEXT=scale_next is not None, BLOCK=block,
-        num_warps=8 if block >= 4096 else 4,
+        num_warps=ADD_NORM_WARPS or (8 if block >= 4096 else 4),
     )
     return h_out, x
 
