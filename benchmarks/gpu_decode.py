@@ -137,6 +137,17 @@ def run_musegl(args, checkpoint, rng):
         torch.cuda.synchronize()
         ms = (time.perf_counter() - t0) / args.steps * 1e3
         results[b] = ms
+        graph_ms = None
+        if executor.graphs is not None and width in executor.graphs.graphs:  # the replay alone, no host work
+            graph = executor.graphs.graphs[width]
+            graph.replay()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(10):
+                graph.replay()
+            end.record()
+            torch.cuda.synchronize()
+            graph_ms = round(start.elapsed_time(end) / 10, 2)
         if args.profile:
             from torch.profiler import ProfilerActivity, profile
 
@@ -147,8 +158,33 @@ def run_musegl(args, checkpoint, rng):
             print(f"--- profile: 4 decode steps at batch {b}", file=sys.stderr)
             print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60),
                   file=sys.stderr)
+        if args.profile and graph_ms is not None:  # where a step's time goes outside the graph
+            pos = args.context + 3 + args.steps + 4
+            graphs = executor.graphs
+
+            def build():
+                return Step([SeqChunk(1000 * b + i, [last[k]], [pos], t, sample=1)
+                             for k, (i, t) in enumerate(seqs)], width=width)
+
+            parts = {"build": [], "stage": [], "replay_sync": []}
+            for _ in range(10):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                step = build()
+                t1 = time.perf_counter()
+                graphs.stage_decode(step.chunks, width, executor.num_blocks, c.vocab_size)
+                t2 = time.perf_counter()
+                torch.cuda.synchronize()
+                t3 = time.perf_counter()
+                graphs.replay(width)
+                graphs.greedy_ids(width, b)
+                t4 = time.perf_counter()
+                for key, v in zip(parts, (t1 - t0, t2 - t1, t4 - t3)):
+                    parts[key].append(v * 1e3)
+            emit(engine="musegl", figure="decode_parts", batch=b,
+                 **{f"{k}_ms": round(statistics.median(v), 3) for k, v in parts.items()})
         emit(engine="musegl", figure="decode", batch=b, context=args.context, graph=width in executor.limits.step_sizes,
-             ms_per_step=round(ms, 2), tok_s=round(b / ms * 1e3, 1))
+             ms_per_step=round(ms, 2), tok_s=round(b / ms * 1e3, 1), graph_ms=graph_ms)
     return executor
 
 
@@ -225,10 +261,13 @@ def main() -> int:
     p.add_argument("--no-baseline", action="store_true", help="skip transformers")
     p.add_argument("--profile", action="store_true", help="print torch.profiler's top kernels of 4 decode steps")
     p.add_argument("--baseline-steps", type=int, default=16)
+    p.add_argument("--blas", choices=("cublas", "cublaslt"), help="torch's preferred BLAS library (default: torch's)")
     args = p.parse_args()
     if not torch.cuda.is_available():
         print("gpu_decode.py needs a CUDA GPU", file=sys.stderr)
         return 2
+    if args.blas:
+        torch.backends.cuda.preferred_blas_library(args.blas)
     rng = np.random.default_rng(0)
     checkpoint = text_config(args)
     emit(figure="setup", device=torch.cuda.get_device_name(), torch=torch.__version__, model=checkpoint.name,

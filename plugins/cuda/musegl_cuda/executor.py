@@ -27,7 +27,7 @@ from typing import Sequence
 import torch
 
 from musegl_core.checkpoint.loader import Checkpoint
-from musegl_core.engine.executor import ExecutorLimits, ModelInfo, PromptImage, SeqChunk, Step, StepOutput
+from musegl_core.engine.executor import GREEDY, ExecutorLimits, ModelInfo, PromptImage, SeqChunk, Step, StepOutput
 from musegl_cuda.model import AttentionBatch, MuseGlimmerDecoder, PagedMeta, SequenceAttention
 from musegl_cuda.plan import StepPlan, plan_step, rows_per_tile
 from musegl_cuda.sampling import SampleRows, sample
@@ -37,6 +37,15 @@ DEFAULT_BLOCK_SIZE = 16
 DEFAULT_FORWARD_SIZES = (1, 2, 4, 8, 16, 32, 64)
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
           "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def plain_greedy(chunk: SeqChunk) -> bool:
+    """A chunk whose sampled rows are argmax of the raw logits (no bias, penalty,
+    mask) and that asks for nothing but the ids: a graph's own argmax serves it."""
+    p = chunk.sampling
+    return ((p is GREEDY or (p.greedy and not p.logit_bias and not p.penalized))
+            and chunk.logprobs < 0 and not chunk.want_logits and not chunk.logit_rows
+            and all(m is None for m in chunk.masks))
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
@@ -228,6 +237,8 @@ class TorchExecutor:
         with torch.inference_mode():
             if self.paged:
                 head, hidden, starts = self._run_paged(step, kv)
+                if isinstance(head, StepOutput):  # a plain greedy graph step, answered by the graph's argmax
+                    return head
             else:
                 head, hidden, starts = self._run_eager(step, kv)
             return self._outputs(step, head, hidden, starts)
@@ -249,14 +260,32 @@ class TorchExecutor:
     def _run_paged(self, step: Step, kv: torch.Tensor):
         c = self.config
         graphs = self.graphs
-        if (graphs is not None and step.decode_only and not step.taps and step.width in graphs.graphs
-                and not any(chunk.embeds for chunk in step.chunks)):
-            plan = plan_step(step, self.block_size, self.num_blocks, c.vocab_size,
-                             rows_per_tile(self.decode_block_m, c.num_heads // c.num_kv_heads),
-                             width=step.width, scratch_block=self.num_blocks, num_tiles=step.width)
-            if graphs.fits(plan):
-                logits = graphs.replay(plan)
-                return (lambda rows: logits[rows]), None, plan.starts
+        chunks = step.chunks
+        if graphs is not None and not step.taps and step.width in graphs.graphs:
+            width = step.width
+            starts: list[int] | None = None
+            if all(len(ch.tokens) == 1 and ch.sample == 1 and not ch.embeds for ch in chunks):
+                # one decode row per sequence: staged without a plan, tables sent only where they changed
+                if graphs.stage_decode(chunks, width, self.num_blocks, c.vocab_size):
+                    starts = list(range(len(chunks)))
+            elif step.decode_only and not any(ch.embeds for ch in chunks):
+                plan = plan_step(step, self.block_size, self.num_blocks, c.vocab_size,
+                                 rows_per_tile(self.decode_block_m, c.num_heads // c.num_kv_heads),
+                                 width=width, scratch_block=self.num_blocks, num_tiles=width)
+                if graphs.fits(plan):
+                    graphs.stage_plan(plan)
+                    starts = plan.starts
+            if starts is not None:
+                graphs.replay(width)
+                if all(plain_greedy(ch) for ch in chunks):  # while the graph runs
+                    seqs = [ch.seq for ch in chunks]
+                    ids = graphs.greedy_ids(width, step.num_tokens)
+                    if len(ids) == len(chunks):
+                        return StepOutput(tokens={q: [t] for q, t in zip(seqs, ids)}), None, starts
+                    return StepOutput(tokens={ch.seq: ids[s:s + len(ch.tokens)]
+                                              for ch, s in zip(chunks, starts)}), None, starts
+                logits = graphs.logits[width]
+                return (lambda rows: logits[rows]), None, starts
         decode = all(len(chunk.tokens) == 1 for chunk in step.chunks)
         block_m = self.decode_block_m if decode else self.prefill_block_m
         plan = plan_step(step, self.block_size, self.num_blocks, c.vocab_size,

@@ -255,6 +255,10 @@ def _add_norm_kernel(O, H, ScalePost, ScaleNext, Hout, Xout, N, eps_post, eps_ne
         tl.store(Xout + row * N + offs, (hf * inv2 * w2).to(dtype), mask=mask)
 
 
+#: Warps of :func:`add_norm` (None: 8 for rows of 4096+ elements, else 4); benchmarks try others.
+ADD_NORM_WARPS: int | None = None
+
+
 def add_norm(o: torch.Tensor | None, h: torch.Tensor, scale_post: torch.Tensor | None, eps_post: float,
              scale_next: torch.Tensor | None, eps_next: float) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``h' = h + CenteredNorm(o)`` (``o`` None: ``h' = h``) and ``CenteredNorm(h')`` with
@@ -267,7 +271,7 @@ def add_norm(o: torch.Tensor | None, h: torch.Tensor, scale_post: torch.Tensor |
         o if o is not None else h, h, scale_post if scale_post is not None else h,
         scale_next if scale_next is not None else h, h_out, x if x is not None else h,
         n, eps_post, eps_next, HAS_RES=o is not None, HAS_NEXT=scale_next is not None, BLOCK=block,
-        num_warps=8 if block >= 4096 else 4,
+        num_warps=ADD_NORM_WARPS or (8 if block >= 4096 else 4),
     )
     return h_out, x
 
@@ -291,4 +295,34 @@ def silu_mul(gu: torch.Tensor) -> torch.Tensor:
     out = torch.empty(rows, f, dtype=gu.dtype, device=gu.device)
     block = 1024
     _silu_mul_kernel[(rows, triton.cdiv(f, block))](gu, out, f, BLOCK=block, num_warps=4)
+    return out
+
+
+# ---------------------------------------------------------------------------
+# the head's softcap
+
+
+@triton.jit
+def _softcap_kernel(Z, Out, N, mult, cap, HAS_CAP: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < N
+    dtype = Z.dtype.element_ty
+    z = (tl.load(Z + offs, mask=mask, other=0.0).to(tl.float32) * mult).to(dtype).to(tl.float32)
+    if HAS_CAP:
+        t = (z / cap).to(dtype).to(tl.float32)
+        e = tl.exp(2.0 * t)
+        th = (1.0 - 2.0 / (e + 1.0)).to(dtype).to(tl.float32)
+        z = (th * cap).to(dtype).to(tl.float32)
+    tl.store(Out + offs, z, mask=mask)
+
+
+def softcap_logits(z: torch.Tensor, mult: float, cap: float | None) -> torch.Tensor:
+    """``tanh(z·mult / cap)·cap`` as float32 in one pass over the head's output
+    (each intermediate rounded to ``z``'s dtype, as the eager chain rounds it)."""
+    z = z.contiguous()
+    out = torch.empty(z.shape, dtype=torch.float32, device=z.device)
+    n = z.numel()
+    block = 2048
+    _softcap_kernel[(triton.cdiv(n, block),)](z, out, n, float(mult), float(cap or 1.0), HAS_CAP=cap is not None,
+                                              BLOCK=block, num_warps=8)
     return out

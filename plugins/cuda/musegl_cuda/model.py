@@ -23,6 +23,10 @@ from musegl_core.checkpoint.config import TextConfig
 from musegl_core.checkpoint.hf_reader import CENTERED_NORMS, text_weight_names
 
 
+#: On CUDA the head's multiplier and softcap run as one Triton pass (kernels.softcap_logits).
+FUSED_SOFTCAP = True
+
+
 def plain_rms_norm(x: torch.Tensor, eps: float, weight: torch.Tensor | None = None) -> torch.Tensor:
     """``x·(mean(x²)+ε)^-½ [·w]`` in float32 (weight-less embed/QK norm, final norm)."""
     xf = x.float()
@@ -394,8 +398,12 @@ class MuseGlimmerDecoder(nn.Module):
 
     def logits(self, normed: torch.Tensor) -> torch.Tensor:
         """Softcapped logits (float32) of final-normed rows: ``×mult, ÷cap, tanh, ×cap``."""
-        z = self.lm_head(normed) * self.config.output_multiplier
         cap = self.config.final_logit_softcapping
+        if normed.is_cuda and FUSED_SOFTCAP:
+            from musegl_cuda import kernels
+
+            return kernels.softcap_logits(self.lm_head(normed), self.config.output_multiplier, cap)
+        z = self.lm_head(normed) * self.config.output_multiplier
         if cap is not None:
             z = torch.tanh(z / cap) * cap
         return z.float()

@@ -255,3 +255,38 @@ def test_float32_graphs_and_padding_match_cpu(checkpoint_path):
     diff = max((a - b).abs().max().item() for a, b in zip(results["cpu"], results["cuda"]))
     print(f"\nfloat32 graph decode vs CPU: max |logit diff| {diff:.2e}")
     assert diff <= 1e-4
+
+
+def test_graph_staging_follows_moved_rows_and_tables(checkpoint_path):
+    """Graph steps (tables kept on the device, only changed rows sent, greedy ids
+    taken inside the graph) give the dynamic path's tokens when the sequences
+    change rows between steps, tables grow and a block moves, and when a step
+    has a sampled (non-greedy) row or asks for logits."""
+    from musegl_core.checkpoint.loader import load_checkpoint
+    from musegl_core.engine.executor import SamplingParams, SeqChunk, Step
+    from musegl_cuda.executor import TorchExecutor
+
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(4, 4096, size=n).tolist() for n in (13, 29, 40, 51)]
+    forced = rng.integers(4, 4096, size=(4, 40)).tolist()
+    warm = SamplingParams(temperature=0.8, top_p=0.9, seed=1)
+    results = []
+    for sizes in (None, ()):
+        ex = TorchExecutor(load_checkpoint(checkpoint_path), device="cuda", dtype="bfloat16", forward_sizes=sizes)
+        ex.allocate_kv(80)
+        tables = [list(range(60 - 16 * i, 76 - 16 * i))[::-1] for i in range(4)]
+        ex.step(Step([SeqChunk(i, p, list(range(len(p))), tables[i], sample=1) for i, p in enumerate(prompts)]))
+        got = []
+        for s in range(40):
+            if s == 20:  # sequence 2 moves its first block
+                ex.copy_blocks([(tables[2][0], 79)])
+                tables[2][0] = 79
+            order = [(s + k) % 4 for k in range(4)]
+            chunks = [SeqChunk(i, [forced[i][s]], [len(prompts[i]) + s], tables[i], sample=1,
+                               sampling=warm if (s % 5 == 1 and i == 1) else SamplingParams(temperature=0.0),
+                               uniforms=[0.37], want_logits=(s % 7 == 3 and i == 0)) for i in order]
+            out = ex.step(Step(chunks, width=4))
+            got.append({i: out.tokens[i] for i in order})
+        results.append(got)
+        ex.close()
+    assert results[0] == results[1]
