@@ -205,7 +205,9 @@ class Step:
 
     @property
     def decode_only(self) -> bool:
-        return all(c.sample == len(c.tokens) for c in self.chunks)
+        """Every chunk samples after each of its rows (decodes, verify blocks) and
+        carries no embedding rows: the steps a captured graph can run."""
+        return all(c.sample == len(c.tokens) and not c.embeds for c in self.chunks)
 
 
 @attrs.frozen

@@ -179,9 +179,11 @@ def test_tv18_hostile_schemas_fail_fast():
         {"type": "object", "$defs": {"A": {"$ref": "#/$defs/B"}, "B": {"$ref": "#/$defs/A"}}, "properties": {"x": {"$ref": "#/$defs/A"}}},
     ]
     for schema in hostile:
-        started = time.perf_counter()
+        # CPU time of this process: the bound is about the work preflight does, not about
+        # how busy the machine is (wall time on a shared 2-core CI machine varies 10x).
+        started = time.process_time()
         schema_error([tool(schema)])
-        assert time.perf_counter() - started < 1.0
+        assert time.process_time() - started < 1.0
 
 
 def test_tv08_tv18_compiled_metaschemas_agree_with_jsonschema():
