@@ -35,6 +35,16 @@ class PromptSegment:
 
 
 @attrs.frozen
+class ImageInput:
+    """An inline image as the client sent it: its media type (``image/png`` or
+    ``image/jpeg``) and its base64 text (the data URL's payload). The worker
+    decodes and preprocesses it (:mod:`musegl_core.vision.preprocess`)."""
+
+    media_type: str
+    data: str = attrs.field(repr=lambda data: f"<{len(data)} base64 chars>")
+
+
+@attrs.frozen
 class GenerateRequest:
     """A generation request as the front sends it to the worker."""
 
@@ -49,6 +59,8 @@ class GenerateRequest:
     add_bos: bool = True  # False: the prompt is used exactly as given (musegl generate)
     stream: bool = False  # a streamed request confirms a new session on its first output
     logprobs: int = -1  # top alternatives per generated token (-1: no logprobs)
+    #: the images of the prompt, in order: the i-th fills the i-th ``<|patch|>`` placeholder
+    images: tuple[ImageInput, ...] = ()
 
 
 class LogitsProcessor(Protocol):

@@ -27,13 +27,19 @@ def cuda_available() -> bool:
 
 def _create(options: ExecutorOptions, default_device: str) -> "TorchExecutor":
     from musegl_core.checkpoint.loader import load_checkpoint
+    from musegl_core.checkpoint.vision import load_vision
     from musegl_cuda.executor import TorchExecutor
 
     checkpoint = load_checkpoint(options.model, progress=options.progress)
+    vision = None
     try:
-        return TorchExecutor(checkpoint, device=options.device or default_device, dtype=options.dtype)
+        vision = load_vision(options.model, options.mmproj, checkpoint.config.hidden_size)
+        return TorchExecutor(checkpoint, device=options.device or default_device, dtype=options.dtype,
+                             vision=vision)
     finally:
         checkpoint.close()
+        if vision is not None:
+            vision.close()
 
 
 def kv_layout(options: ExecutorOptions, default_device: str) -> tuple[int, int]:
