@@ -102,6 +102,8 @@ class ServeConfig:
     template: str = flag("muse", "chat template (default %(default)s)", PROTO, metavar="NAME")
     executor: str | None = flag(None, "executor to use (default: the best one for this machine)", EXEC,
                                 metavar="NAME")
+    mmproj: str | None = flag(None, "vision projector GGUF (llama.cpp's mmproj-*.gguf) for a GGUF MODEL; without "
+                              "it a GGUF model is text-only", EXEC, metavar="MMPROJ")
     device: str | None = flag(None, "device for the executor (cpu, cuda:0, ...)", EXEC)
     dtype: str | None = flag(None, "activation dtype", EXEC, choices=("float32", "float16", "bfloat16"))
     plugins: tuple[str, ...] | None = None

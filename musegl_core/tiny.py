@@ -49,6 +49,8 @@ __all__ = [
     "tiny_weights",
     "make_tiny",
     "default_model_path",
+    "demo_mmproj_path",
+    "make_tiny_mmproj",
     "CACHE_ENV",
     "cache_key",
 ]
@@ -339,6 +341,44 @@ def _progress_reporter(progress: bool | Progress | None, title: str) -> Iterator
         yield None
 
 
+def tiny_vision_config(text: TextConfig):
+    """The tiny random projector's shape: a two-layer vision tower (a window layer
+    over 4x4-patch windows, then a full layer), 32 wide, into the text width."""
+    from musegl_core.checkpoint.vision import VisionConfig
+
+    return VisionConfig(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2, pos_side=4,
+                        full=VisionConfig.default_full(2), out_hidden_size=128, projector_hidden_size=64,
+                        text_hidden_size=text.hidden_size)
+
+
+def tiny_vision_weights(config, *, seed: int = 0, std: float = 0.02) -> dict[str, np.ndarray]:
+    """Random projector weights (LayerNorms near 1, biases small), seeded per name."""
+    from musegl_core.checkpoint.vision import vision_shape, vision_weight_names
+
+    out = {}
+    for name in vision_weight_names(config):
+        values = _RandomTensor("vision." + name, vision_shape(config, name), seed, std).generate()
+        if name.endswith(("norm1.weight", "norm2.weight", "ln_pre.weight", "ln_post.weight")):
+            values = np.float32(1.0) + values
+        elif name.endswith(".bias"):
+            values = values * np.float32(0.1 / std)
+        elif name in ("patch_embedding.weight", "position_embedding.weight"):
+            values = values * np.float32(0.5 / std)
+        out[name] = values
+    return out
+
+
+def make_tiny_mmproj(path: str | os.PathLike[str], text: TextConfig, *, seed: int = 0,
+                     file_type: str = "f16") -> Path:
+    """Write the tiny random projector GGUF (llama.cpp's mmproj layout) to ``path``."""
+    from musegl_core.checkpoint.vision import write_mmproj_gguf
+
+    config = tiny_vision_config(text)
+    write_mmproj_gguf(path, config, tiny_vision_weights(config, seed=seed), file_type=file_type,
+                      name="Muse Glimmer tiny projector")
+    return Path(path)
+
+
 def make_tiny(
     outdir: str | os.PathLike[str],
     *,
@@ -346,6 +386,7 @@ def make_tiny(
     seed: int = 0,
     file_type: str = "f16",
     progress: bool | Progress | None = None,
+    mmproj: bool = False,
 ) -> Path:
     """Write a tiny random checkpoint into ``outdir``; return the path of its ``model.gguf``.
 
@@ -354,6 +395,8 @@ def make_tiny(
     :param file_type: matrix dtype (``f32``, ``f16``, ``bf16``, ``q8_0``); F16 by
         default, which halves the vocabulary-sized embedding and head.
     :param progress: True for a rich progress bar, or a ``progress(done, total, what)`` callback.
+    :param mmproj: also write ``mmproj.gguf``, a tiny random vision projector
+        (``musegl serve model.gguf --mmproj mmproj.gguf``).
     """
     from musegl_core.checkpoint.gguf_writer import write_text_gguf
 
@@ -374,6 +417,8 @@ def make_tiny(
             name=f"Muse Glimmer tiny-{p.name}",
             progress=report,
         )
+    if mmproj:
+        make_tiny_mmproj(out / "mmproj.gguf", config, seed=seed, file_type="f32" if file_type == "f32" else "f16")
     return gguf_path
 
 
@@ -394,7 +439,9 @@ def cache_key(preset: TinyPreset, seed: int, file_type: str) -> str:
 
     digest = hashlib.sha256()
     digest.update(f"{FORMAT_VERSION}|{musegl_core.__version__}|{preset!r}|{seed}|{file_type}".encode())
-    for module_file in (__file__, gguf_writer.__file__):
+    from musegl_core.checkpoint import vision
+
+    for module_file in (__file__, gguf_writer.__file__, vision.__file__):
         digest.update(Path(module_file).read_bytes())
     return digest.hexdigest()[:16]
 
@@ -402,7 +449,8 @@ def cache_key(preset: TinyPreset, seed: int, file_type: str) -> str:
 def default_model_path(
     *, preset: str | TinyPreset = "tiny", seed: int = 0, file_type: str = "f16", progress: bool | Progress | None = None
 ) -> Path:
-    """The GGUF of the cached tiny checkpoint, built on first use.
+    """The GGUF of the cached tiny checkpoint, built on first use (with its tiny
+    random projector ``mmproj.gguf`` beside it: :func:`demo_mmproj_path`).
 
     The cache is ``<user cache dir>/musegl/tiny-<hash>`` (``$MUSEGL_CACHE_DIR``
     replaces ``<user cache dir>/musegl``). A build goes to a temporary folder that
@@ -418,7 +466,7 @@ def default_model_path(
     root.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".tiny-build-", dir=root))
     try:
-        make_tiny(staging, preset=p, seed=seed, file_type=file_type, progress=progress)
+        make_tiny(staging, preset=p, seed=seed, file_type=file_type, progress=progress, mmproj=True)
         try:
             os.rename(staging, final)
         except OSError:
@@ -428,3 +476,9 @@ def default_model_path(
         if staging.exists():
             shutil.rmtree(staging, ignore_errors=True)
     return model
+
+
+def demo_mmproj_path(model: str | os.PathLike[str]) -> str | None:
+    """The projector written beside a cached tiny checkpoint, if there is one."""
+    path = Path(model).parent / "mmproj.gguf"
+    return str(path) if path.is_file() else None

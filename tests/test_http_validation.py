@@ -309,6 +309,7 @@ def test_model_entry_for_plain_model():
         "created": 5,
         "context_length": 100,
         "max_model_len": 100,
+        "input_modalities": ["text"],
         "object": "model",
         "owned_by": "musegl",
     }

@@ -266,6 +266,17 @@ def count_images(messages: Sequence[Message]) -> int:
     )
 
 
+def image_parts(messages: Sequence[Message]) -> list[ImagePart]:
+    """The image parts of the history, in prompt order."""
+    return [
+        part
+        for message in messages
+        if isinstance(message.content, tuple)
+        for part in message.content
+        if isinstance(part, ImagePart)
+    ]
+
+
 def parse_messages(raw: Any) -> list[Message]:
     """Validate and normalise the request's ``messages`` array.
 

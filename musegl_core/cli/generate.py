@@ -3,6 +3,10 @@
 The prompt is text in which special tokens are written out
 (``<|begin_of_text|><|start|>user<|message|>Hi<|eot|><|start|>assistant``) or a
 list of token ids (``--token-ids 200000,200022`` or a JSON list as PROMPT).
+With ``--image FILE`` (PNG or JPEG; the model needs its projector: an HF
+directory with vision weights, or ``--mmproj``) the prompt carries one
+``<|patch|>`` where the image goes; it is expanded to ``<|image_start|>`` +
+N x ``<|patch|>`` + ``<|image_end|>`` as the server does.
 It runs in-process through the same executor and engine the server uses, so
 it is the tool to check a checkpoint and to compare the engine with a
 reference token by token.
@@ -10,6 +14,7 @@ reference token by token.
 
 from __future__ import annotations
 
+import base64
 import json
 import sys
 
@@ -18,9 +23,10 @@ from musegl_core.cli.main import OneLineParser
 from musegl_core.config import ServeConfig
 from musegl_core.engine.engine import Engine, EngineConfig
 from musegl_core.engine.executor import SamplingParams
-from musegl_core.errors import ConfigError
+from musegl_core.errors import ApiError, ConfigError
 from musegl_core.engine import events as ev
-from musegl_core.engine.request import GenerateRequest, PromptSegment
+from musegl_core.engine.request import GenerateRequest, ImageInput, PromptSegment
+from musegl_core.vision.preprocess import ImagePreprocessor
 from musegl_core.worker.main import load, prepare
 
 
@@ -42,6 +48,21 @@ def parse_prompt(prompt: str | None, token_ids: str | None) -> PromptSegment:
     return PromptSegment(text=prompt, special=True)
 
 
+def read_image(path: str) -> ImageInput:
+    """A PNG or JPEG file as the worker receives an inline image."""
+    try:
+        data = open(path, "rb").read()
+    except OSError as exc:
+        raise ConfigError(f"cannot read --image {path}: {exc.strerror or exc}") from None
+    if data.startswith(b"\x89PNG\r\n\x1a\n"):
+        media_type = "image/png"
+    elif data.startswith(b"\xff\xd8\xff"):
+        media_type = "image/jpeg"
+    else:
+        raise ConfigError(f"--image {path} is neither a PNG nor a JPEG file")
+    return ImageInput(media_type, base64.b64encode(data).decode("ascii"))
+
+
 def main(argv: list[str]) -> int:
     p = OneLineParser(prog="musegl generate", description=__doc__.split("\n\n")[0])
     p.add_argument("prompt", nargs="?", help="raw prompt text, a JSON list of ids, or - for stdin")
@@ -59,6 +80,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"])
     p.add_argument("--plugin", action="append", dest="plugins")
+    p.add_argument("--mmproj", metavar="MMPROJ", help="vision projector GGUF for a GGUF --model")
+    p.add_argument("--image", metavar="FILE", help="a PNG or JPEG for the prompt's one <|patch|> placeholder")
+    p.add_argument("--max-vision-patches", type=int, default=4096, help="vision patch cap (default %(default)s)")
     args = p.parse_args(argv)
     if args.max_tokens < 1:
         raise ConfigError("--max-tokens must be at least 1")
@@ -69,9 +93,14 @@ def main(argv: list[str]) -> int:
         from musegl_core.tiny import default_model_path
 
         model, demo = str(default_model_path(progress=True)), True
+        if args.mmproj is None:
+            from musegl_core.tiny import demo_mmproj_path
+
+            args.mmproj = demo_mmproj_path(model)
     segment = parse_prompt(args.prompt, args.token_ids)
+    images = (read_image(args.image),) if args.image else ()
     config = ServeConfig(model=model, executor=args.executor, device=args.device, dtype=args.dtype,
-                         plugins=tuple(args.plugins) if args.plugins else None, demo=demo)
+                         plugins=tuple(args.plugins) if args.plugins else None, demo=demo, mmproj=args.mmproj)
     tokenizer, executor, speculator = load(config)
     events: list = []
     request = GenerateRequest(
@@ -82,8 +111,13 @@ def main(argv: list[str]) -> int:
         stop=tuple(args.stop),
         ignore_eos=args.ignore_eos,
         add_bos=False,
+        images=images,
     )
-    prepared = prepare(request, tokenizer)
+    vision = ImagePreprocessor(args.max_vision_patches) if executor.info.vision else None
+    try:
+        prepared = prepare(request, tokenizer, vision)
+    except ApiError as error:
+        raise ConfigError(error.message) from None
     context = max(len(prepared.prompt_ids) + args.max_tokens, 2)
     engine = Engine(executor, tokenizer, EngineConfig(max_context=context, max_inflight_requests=1),
                     events.append, speculator)

@@ -65,6 +65,7 @@ def render_request(
     api_dialect: str = "openai",
     session_header: str | None = None,
     tokenizer: Any = None,
+    max_vision_patches: int = 4096,
 ) -> RenderedRequest:
     """Validate and render a request body exactly as the front does (the steps
     of ``chat_completions`` in :mod:`musegl_core.http.app`: body, dialect
@@ -89,7 +90,9 @@ def render_request(
     if tokenizer is not None:
         from musegl_core.worker.main import prepare
 
-        ids = prepare(plan.generate, tokenizer).prompt_ids
+        from musegl_core.vision.preprocess import ImagePreprocessor
+
+        ids = prepare(plan.generate, tokenizer, ImagePreprocessor(max_vision_patches)).prompt_ids
     return RenderedRequest(plan=plan, text=text, ids=ids)
 
 
@@ -133,6 +136,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--plugin", action="append", dest="plugins", metavar="NAME",
                    help="load only these plugins (repeatable; default: every installed one)")
     p.add_argument("--json", action="store_true", help="print one JSON object (text, segments, ids)")
+    p.add_argument("--max-vision-patches", type=int, default=4096, metavar="N",
+                   help="as musegl serve --max-vision-patches: how --ids expands an image (default %(default)s)")
     args = p.parse_args(argv)
 
     body = read_input(args.request)
@@ -147,6 +152,7 @@ def main(argv: list[str]) -> int:
             api_dialect=args.api_dialect,
             session_header=args.session_id,
             tokenizer=tokenizer,
+            max_vision_patches=args.max_vision_patches,
         )
     except ApiError as error:
         return report_error(error)

@@ -106,6 +106,8 @@ def prepare(argv: list[str]):
     plugins.choose_executor(config.executor)
     if config.model and not os.path.exists(config.model):
         raise ConfigError(f"model path {config.model!r} does not exist")
+    if config.mmproj and not os.path.isfile(config.mmproj):
+        raise ConfigError(f"--mmproj {config.mmproj!r} is not a file")
     if config.model:
         from musegl_core.checkpoint.validate import check_servable
 
@@ -143,10 +145,10 @@ def main(argv: list[str]) -> int:
     host, port = sock.getsockname()[:2]
     config = attrs.evolve(config, port=port)
     if config.model is None:
-        from musegl_core.tiny import default_model_path
+        from musegl_core.tiny import default_model_path, demo_mmproj_path
 
         path = default_model_path(progress=True)
-        config = attrs.evolve(config, model=str(path), demo=True)
+        config = attrs.evolve(config, model=str(path), demo=True, mmproj=config.mmproj or demo_mmproj_path(path))
         log.warning("no model given: serving the built-in RANDOM-WEIGHT DEMO checkpoint %s (its output is noise)", path)
     check_kv_memory(config, plugins)  # before loading: a --kv-cache-memory that cannot hold the limits
 

@@ -35,6 +35,16 @@ class PromptSegment:
 
 
 @attrs.frozen
+class ImageInput:
+    """An inline image as the client sent it: its media type (``image/png`` or
+    ``image/jpeg``) and its base64 text (the data URL's payload). The worker
+    decodes and preprocesses it (:mod:`musegl_core.vision.preprocess`)."""
+
+    media_type: str
+    data: str = attrs.field(repr=lambda data: f"<{len(data)} base64 chars>")
+
+
+@attrs.frozen
 class GenerateRequest:
     """A generation request as the front sends it to the worker."""
 
@@ -52,6 +62,8 @@ class GenerateRequest:
     #: an output constraint (llguidance Lark grammar of the whole raw output,
     #: :mod:`musegl_core.constrain.grammar`), compiled by the worker's ``prepare``
     grammar: str | None = None
+    #: the images of the prompt, in order: the i-th fills the i-th ``<|patch|>`` placeholder
+    images: tuple[ImageInput, ...] = ()
 
 
 class LogitsProcessor(Protocol):

@@ -120,6 +120,7 @@ class Front:
             demo=self.config.demo or bool(info and info.demo),
             backend=info.backend if info else None,
             tool_calling=self.tool_parser is not None,
+            vision=bool(info and info.vision),
         )
 
     def error_response(self, error: ApiError) -> Response:

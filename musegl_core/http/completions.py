@@ -28,11 +28,12 @@ import attrs
 
 from musegl_core import __version__
 from musegl_core.chat import channels
-from musegl_core.chat.messages import ToolDef, parse_messages, parse_tools
+from musegl_core.chat.messages import ToolDef, image_parts, parse_messages, parse_tools
 from musegl_core.chat.template import TemplateVariables
 from musegl_core.config import ServeConfig
 from musegl_core.engine.detokenize import IncrementalDetokenizer
 from musegl_core.engine.executor import SamplingParams
+from musegl_core.engine.request import ImageInput
 from musegl_core.errors import ApiError, bad_request, unavailable
 from musegl_core.http import constraints
 from musegl_core.http.logprobs import MAX_TOP_LOGPROBS, LogprobTracker
@@ -40,6 +41,7 @@ from musegl_core.http import schemas as s
 from musegl_core.http import sse
 from musegl_core.http.dialect import Dialect
 from musegl_core.worker import messages as m
+from musegl_core.vision.preprocess import image_too_large
 from musegl_core.worker.client import WorkerClient
 
 REASONING_STRENGTHS = ("low", "medium", "high")
@@ -108,6 +110,7 @@ def plan_chat(
         request, config=config, mode=mode, named=named, tools_active=tools_active, tools=tools,
         tool_parser=tool_parser, prepared_tools=prepared_tools, aliases=dict(rendered.tool_aliases),
     )
+    images = prompt_images(messages, config.max_image_bytes)
     stream = bool(request.stream)
     include_usage = bool(request.stream_options and request.stream_options.include_usage)
     ignore_eos = bool(request.ignore_eos)
@@ -122,6 +125,7 @@ def plan_chat(
         stream=stream,
         grammar=grammar,
         logprobs=top_logprobs,
+        images=images,
     )
     return ChatPlan(
         generate=generate,
@@ -137,6 +141,17 @@ def plan_chat(
         logprobs=top_logprobs,
         tokenizer=tokenizer if top_logprobs >= 0 else None,
     )
+
+
+def prompt_images(messages, max_image_bytes: int) -> tuple[ImageInput, ...]:
+    """The images the worker decodes, in prompt order; a compressed image over
+    ``--max-image-bytes`` is a 413 ``image_too_large`` here, before it travels."""
+    images = []
+    for part in image_parts(messages):
+        if len(part.data) > max_image_bytes:
+            raise image_too_large(len(part.data), max_image_bytes)
+        images.append(ImageInput(part.media_type, part.url.split(",", 1)[1]))
+    return tuple(images)
 
 
 def _check_fixed_choices(request: s.ChatCompletionRequest) -> None:

@@ -38,6 +38,11 @@ class ServedModel:
     demo: bool = False
     backend: str | None = None
     tool_calling: bool = False  # a --tool-parser is configured
+    vision: bool = False  # a vision projector is loaded: the model reads images
+
+    @property
+    def input_modalities(self) -> tuple[str, ...]:
+        return ("text", "image") if self.vision else ("text",)
 
 
 class Dialect:
@@ -111,6 +116,7 @@ class Dialect:
             created=model.created,
             context_length=model.context_length,
             max_model_len=model.context_length,
+            input_modalities=list(model.input_modalities),
             demo=True if model.demo else None,
             description=(
                 "Built-in random-weight demo checkpoint: its output is noise. "

@@ -406,13 +406,15 @@ class DetokenizeResult:
 @attrs.frozen
 class ModelEntry:
     """One ``/v1/models`` entry. ``context_length`` and ``max_model_len`` are both
-    the runtime ``--max-context`` budget; ``demo`` marks the built-in
-    random-weight demo model."""
+    the runtime ``--max-context`` budget; ``input_modalities`` is
+    ``["text", "image"]`` when a vision projector is loaded, else ``["text"]``;
+    ``demo`` marks the built-in random-weight demo model."""
 
     id: str
     created: int
     context_length: int
     max_model_len: int
+    input_modalities: list[str] = attrs.Factory(lambda: ["text"])
     object: str = "model"
     owned_by: str = "musegl"
     demo: bool | None = omittable()

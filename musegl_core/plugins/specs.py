@@ -17,12 +17,16 @@ class ExecutorOptions:
     ``float32``/``float16``/``bfloat16``. ``progress(done, total, what)`` reports
     loading progress; call it as often as you like. ``extra`` holds the values
     of the flags the plugin added through ``musegl_serve_options``.
+    ``mmproj`` is the vision projector GGUF given with ``--mmproj`` (None: a
+    GGUF model loads text-only; a Hugging Face directory carries its vision
+    weights itself).
     """
 
     model: str
     device: str | None = None
     dtype: str | None = None
     demo: bool = False
+    mmproj: str | None = None
     progress: Callable[[int, int, str], None] | None = None
     extra: dict[str, Any] = attrs.field(factory=dict)
 

@@ -33,6 +33,7 @@ from musegl_core.engine.randomness import random_seed
 from musegl_core.engine.request import GenerateRequest, PreparedRequest
 from musegl_core.engine.sessions import session_policy
 from musegl_core.errors import ApiError, ConfigError
+from musegl_core.vision.preprocess import ImagePreprocessor, place_images
 from musegl_core.worker import messages as m
 from musegl_core.worker.client import config_converter
 
@@ -62,12 +63,14 @@ class EventWriter:
             self.stream.flush()
 
 
-def prepare(request: GenerateRequest, tokenizer, vocab_size: int = 0) -> PreparedRequest:
+def prepare(request: GenerateRequest, tokenizer, vocab_size: int = 0,
+            vision: ImagePreprocessor | None = None) -> PreparedRequest:
     """Prepare a request once, on the control thread: tokenize the prompt
-    segments, check the ids, fix the seed (a random one when none was given,
-    so every draw is keyed by seed and position), compile the output
-    constraint against the served vocabulary (``vocab_size``: the model's,
-    when larger than the tokenizer's)."""
+    segments, check the ids, decode and place its images (``vision`` None: the
+    model sees no images, so an image is a 400), fix the seed (a random one
+    when none was given, so every draw is keyed by seed and position), compile
+    the output constraint against the served vocabulary (``vocab_size``: the
+    model's, when larger than the tokenizer's)."""
     try:
         ids = tokenizer.encode_segments(request.prompt, add_bos=request.add_bos)
     except Exception as exc:
@@ -77,6 +80,7 @@ def prepare(request: GenerateRequest, tokenizer, vocab_size: int = 0) -> Prepare
     vocab = tokenizer.vocab_size
     if any(not 0 <= i < vocab for i in ids):
         raise ApiError(400, f"prompt token ids must be in [0, {vocab})", "invalid_request_error")
+    ids, images = place_images(ids, request.images, tokenizer, vision)
     sampling = request.sampling
     limit = max(vocab, vocab_size)
     for token, _ in sampling.logit_bias:
@@ -103,10 +107,12 @@ def prepare(request: GenerateRequest, tokenizer, vocab_size: int = 0) -> Prepare
         stream=request.stream,
         logprobs=request.logprobs,
         processors=processors,
+        images=images,
     )
 
 
-def control_loop(stdin: BinaryIO, engine: Engine, tokenizer, writer: EventWriter, limit: int) -> None:
+def control_loop(stdin: BinaryIO, engine: Engine, tokenizer, writer: EventWriter, limit: int,
+                 vision: ImagePreprocessor | None = None) -> None:
     while True:
         line = stdin.readline(limit + 1)
         if not line:
@@ -132,9 +138,17 @@ def control_loop(stdin: BinaryIO, engine: Engine, tokenizer, writer: EventWriter
             engine.close_session(message.session_id, lambda error, msg=message: writer(_closed(msg, error)))
         elif isinstance(message, m.Generate):
             try:
-                engine.submit(engine.plan_replay(prepare(message, tokenizer, engine.executor.info.vocab_size)))
+                engine.submit(engine.plan_replay(prepare(message, tokenizer, engine.executor.info.vocab_size,
+                                                         vision)))
             except ApiError as err:
                 writer(m.Failed(message.id, err.status, err.message, err.type, err.code, err.param, dict(err.metadata)))
+
+
+def image_preprocessor(config: ServeConfig, executor) -> ImagePreprocessor | None:
+    """The image preprocessing of a model that can see images (``info.vision``), else None."""
+    if not executor.info.vision:
+        return None
+    return ImagePreprocessor(config.max_vision_patches, config.max_image_bytes)
 
 
 def _closed(message: m.CloseSession, error: ApiError | None):
@@ -168,6 +182,7 @@ def load(config: ServeConfig):
             device=config.device,
             dtype=config.dtype,
             demo=config.demo,
+            mmproj=config.mmproj,
             progress=progress,
             extra=dict(config.extra),
         )
@@ -201,7 +216,7 @@ def serve(config: ServeConfig, stdin: BinaryIO, stdout: BinaryIO) -> None:
             pid=os.getpid(),
         )
     )
-    control_loop(stdin, engine, tokenizer, writer, config.max_request_bytes)
+    control_loop(stdin, engine, tokenizer, writer, config.max_request_bytes, image_preprocessor(config, executor))
     engine_thread.join(timeout=5)
     executor.close()
 

@@ -41,7 +41,7 @@ class ScriptedExecutor:
             self.script = json.load(f)
         self.info = ModelInfo(
             name="scripted", vocab_size=self.tokenizer.vocab_size, hidden_size=8, num_layers=1,
-            native_context=1 << 20, dtype="none", backend="scripted",
+            native_context=1 << 20, dtype="none", backend="scripted", vision=True,
         )
         # The "KV cache": the token id written at each cache slot (block * block_size + offset),
         # so prompts whose prefix was reused from a session or snapshot read back whole.
@@ -59,7 +59,11 @@ class ScriptedExecutor:
         return None
 
     def embed_image(self, image):
-        raise ValueError("the scripted executor cannot see images")
+        """The script does not look at images: it accepts them (so the worker's real image
+        preprocessing and placement run) and replies by script; the rows are zeros."""
+        import numpy as np
+
+        return np.zeros((image.rows, self.info.hidden_size), dtype=np.float32)
 
     def allocate_kv(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks

@@ -63,3 +63,37 @@ def tiny_tokenizer_data(vocab_size: int = 512):
                              chat_template="{{ messages }}")
 
 
+
+
+# A tiny vision tower with both layer kinds: layer 0 is window attention (4x4-patch
+# windows: the position table's side), layer 1 full attention.
+TINY_VL_VISION_CONFIG = dict(TINY_VISION_CONFIG, num_hidden_layers=2)
+
+
+def build_tiny_vl_model(seed: int = 0, **text_overrides):
+    """A float32 vision-language ``MuseGlimmerForConditionalGeneration`` for image parity:
+    a two-layer vision tower with randomized LayerNorms (so weights and biases matter),
+    the text decoder of :func:`build_tiny_model`. With ``vocab_size=202048`` the
+    image token id is the real ``<|patch|>`` (200092), for chat prompts."""
+    import torch
+    from transformers import MuseGlimmerConfig, MuseGlimmerForConditionalGeneration
+
+    torch.manual_seed(seed)
+    text = {**TINY_TEXT_CONFIG, **text_overrides}
+    extra = {} if text["vocab_size"] > 200092 else {"image_token_id": 500, "video_token_id": 501}
+    config = MuseGlimmerConfig(text_config=text, vision_config=TINY_VL_VISION_CONFIG, out_hidden_size=128,
+                               projector_hidden_size=64, **extra)
+    model = MuseGlimmerForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "language_model" in name and name.endswith("layernorm.weight"):
+                param.normal_(0.0, 0.3)
+            elif name == "model.language_model.norm.weight":
+                param.normal_(1.0, 0.2)
+            elif "vision_tower" in name and ("norm" in name or "ln_" in name):
+                param.normal_(1.0 if name.endswith("weight") else 0.0, 0.2)
+            elif "vision_tower" in name and name.endswith("bias"):
+                param.normal_(0.0, 0.1)
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model

@@ -27,9 +27,11 @@ from typing import Sequence
 import torch
 
 from musegl_core.checkpoint.loader import Checkpoint
+from musegl_core.checkpoint.vision import VisionWeights
 from musegl_core.engine.executor import GREEDY, ExecutorLimits, ModelInfo, PromptImage, SeqChunk, Step, StepOutput
 from musegl_cuda.model import AttentionBatch, MuseGlimmerDecoder, PagedMeta, SequenceAttention
 from musegl_cuda.plan import StepPlan, plan_step, rows_per_tile
+from musegl_cuda.vision import load_vision_encoder
 from musegl_cuda.sampling import SampleRows, sample
 
 DEFAULT_BLOCK_SIZE = 16
@@ -84,11 +86,12 @@ class TorchExecutor:
     def __init__(self, checkpoint: Checkpoint, device: str | torch.device | None = None,
                  dtype: str | torch.dtype | None = None, block_size: int = DEFAULT_BLOCK_SIZE,
                  limits: ExecutorLimits | None = None, forward_sizes: Sequence[int] | None = None,
-                 dummy_seed: int | None = None) -> None:
+                 dummy_seed: int | None = None, vision: VisionWeights | None = None) -> None:
         """``forward_sizes``: decode widths to capture as CUDA graphs (None: the
         defaults on CUDA; ignored on the CPU; empty: no graphs).
         ``dummy_seed``: don't read weights, make random ones on the device
-        with this seed (``--load-format dummy``)."""
+        with this seed (``--load-format dummy``). ``vision``: the vision
+        tower's weights (a projector was loaded)."""
         if block_size <= 0:
             raise ValueError("block_size must be positive")
         self.device = resolve_device(device)
@@ -111,6 +114,7 @@ class TorchExecutor:
             native_context=config.max_position_embeddings,
             dtype=str(self.dtype).removeprefix("torch."),
             backend="cuda" if self.device.type == "cuda" else "torch-cpu",
+            vision=vision is not None,
         )
         with torch.inference_mode():
             self.model = MuseGlimmerDecoder(config, self.dtype, self.device)
@@ -125,6 +129,7 @@ class TorchExecutor:
                 if missing:
                     raise ValueError(f"checkpoint did not provide {sorted(missing)[:5]}")
         self.model.eval()
+        self.vision = None if vision is None else load_vision_encoder(vision, config, self.dtype, self.device)
         self.kv: torch.Tensor | None = None
         self.num_blocks = 0
         self.graphs = None
@@ -365,7 +370,16 @@ class TorchExecutor:
         return torch.tensor(index, dtype=torch.long, device=self.device), torch.cat(values)
 
     def embed_image(self, image: PromptImage):
-        raise ValueError("this model was loaded without a vision tower; it cannot encode images")
+        """The image's decoder input rows ``(rows, hidden)`` (vision tower, adapter,
+        projection, perception norm; :mod:`musegl_cuda.vision`)."""
+        if self.vision is None:
+            raise ValueError("this model was loaded without a vision projector; it cannot encode images")
+        with torch.inference_mode():
+            pixels = torch.as_tensor(image.pixels, device=self.device)
+            rows = self.vision(pixels, tuple(image.grid))
+        if rows.shape[0] != image.rows:
+            raise ValueError(f"the image became {rows.shape[0]} rows, its prompt holds {image.rows}")
+        return rows
 
     def release_sequence(self, seq: int) -> None:
         pass  # no per-sequence state: sampling is keyed by (seed, position)
@@ -375,5 +389,6 @@ class TorchExecutor:
         self.kv = None
         self.num_blocks = 0
         self.model = None  # type: ignore[assignment]
+        self.vision = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()

@@ -98,6 +98,7 @@ def read_config_only(model: str) -> ConfigOnly:
 
 def _create(options: ExecutorOptions, default_device: str) -> "TorchExecutor":
     from musegl_core.checkpoint.loader import load_checkpoint
+    from musegl_core.checkpoint.vision import load_vision
     from musegl_cuda.executor import TorchExecutor
 
     sizes = parse_forward_sizes(options.extra.get("forward_sizes"))
@@ -105,11 +106,15 @@ def _create(options: ExecutorOptions, default_device: str) -> "TorchExecutor":
         return TorchExecutor(read_config_only(options.model), device=options.device or default_device,  # type: ignore[arg-type]
                              dtype=options.dtype, forward_sizes=sizes, dummy_seed=0)
     checkpoint = load_checkpoint(options.model, progress=options.progress)
+    vision = None
     try:
+        vision = load_vision(options.model, options.mmproj, checkpoint.config.hidden_size)
         return TorchExecutor(checkpoint, device=options.device or default_device, dtype=options.dtype,
-                             forward_sizes=sizes)
+                             forward_sizes=sizes, vision=vision)
     finally:
         checkpoint.close()
+        if vision is not None:
+            vision.close()
 
 
 def kv_layout(options: ExecutorOptions, default_device: str) -> tuple[int, int]:

@@ -32,13 +32,19 @@ TOOL_PARAMETERS = ("tools", "tool_choice")
 
 @attrs.frozen
 class Architecture:
-    """What goes in and out: Muse Glimmer reads text and one inline image."""
+    """What goes in and out: text, plus one inline image when the model was
+    loaded with its vision projector."""
 
-    modality: str = "text+image->text"
-    input_modalities: tuple[str, ...] = ("text", "image")
+    modality: str = "text->text"
+    input_modalities: tuple[str, ...] = ("text",)
     output_modalities: tuple[str, ...] = ("text",)
     tokenizer: str = "Muse"
     instruct_type: str | None = None
+
+    @classmethod
+    def of(cls, model: ServedModel) -> Architecture:
+        inputs = model.input_modalities
+        return cls(modality="+".join(inputs) + "->text", input_modalities=inputs)
 
 
 @attrs.frozen
@@ -95,7 +101,7 @@ class OpenRouterModel:
             description=description,
             context_length=model.context_length,
             max_model_len=model.context_length,
-            architecture=Architecture(),
+            architecture=Architecture.of(model),
             top_provider=TopProvider(model.context_length, max(model.context_length - 1, 1)),
             pricing=Pricing(),
             supported_parameters=parameters,

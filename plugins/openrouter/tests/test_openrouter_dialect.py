@@ -219,7 +219,8 @@ def test_reasoning_goes_out_under_both_names():
 
 
 def test_model_entry_has_the_openrouter_shape_around_the_runtime_budget():
-    model = ServedModel(name="muse", created=1700000000, context_length=2048, backend="cuda", tool_calling=True)
+    model = ServedModel(name="muse", created=1700000000, context_length=2048, backend="cuda", tool_calling=True,
+                        vision=True)
     entry = s.to_json(s.ModelList(data=[dialect.model_entry(model)]))["data"][0]
     assert entry["id"] == entry["name"] == "muse"
     assert entry["context_length"] == entry["max_model_len"] == 2048
@@ -230,6 +231,10 @@ def test_model_entry_has_the_openrouter_shape_around_the_runtime_budget():
     assert entry["object"] == "model" and entry["owned_by"] == "musegl"
     plain = s.to_json(dialect.model_entry(ServedModel(name="m", created=1, context_length=64)))
     assert "tools" not in plain["supported_parameters"]
+    # a text-only load (no vision projector) does not advertise image input
+    assert list(plain["architecture"]["input_modalities"]) == ["text"]
+    assert plain["architecture"]["modality"] == "text->text"
+    assert entry["architecture"]["modality"] == "text+image->text"
 
 
 def test_keepalive_is_an_sse_comment():

@@ -1,0 +1,1 @@
+"""Images: preprocessing on the worker's control thread (numpy + pillow)."""

@@ -1,0 +1,212 @@
+"""Image preprocessing (spec/vision.md 2) and placement in the prompt (3).
+
+Runs on the worker's control thread, once per request, with numpy and
+pillow only:
+
+1. decode the inline PNG/JPEG bytes with pillow, restricted to the declared
+   format; apply the EXIF orientation, drop alpha (``convert("RGB")``);
+2. pick the target grid with :func:`smart_resize` under the merged-cell cap
+   (``--max-vision-patches / 4``: complete four-patch groups);
+3. resize with pillow's LANCZOS (skipped when the size already fits);
+4. rescale and normalize: ``(float32(x) - 127.5) / 127.5``;
+5. patchify into one row per 14x14 patch in raster order, 588 columns
+   ``ch·196 + py·14 + px``: the single frame of transformers' 1176-wide row
+   (whose second temporal slot is a copy of the first, see
+   :func:`pixel_values`).
+
+:func:`place_images` then expands each ``<|patch|>`` placeholder id of the
+tokenized prompt into ``<|image_start|>`` + N x ``<|patch|>`` +
+``<|image_end|>`` and returns the :class:`PlacedImage` list the engine
+needs. Every failure is an :class:`~musegl_core.errors.ApiError` (400
+``invalid_image``, or 413 ``image_too_large``), never a crash.
+
+Known difference to transformers: transformers resizes with torch's uint8
+lanczos ``interpolate``; pillow's LANCZOS differs from it by at most a few
+levels on a small share of pixels of a *resized* image. Images whose size
+is already a multiple of 28 (within the cap) are not resized and are
+bit-identical.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import io
+import itertools
+import math
+import warnings
+from typing import Sequence
+
+import attrs
+import numpy as np
+
+from musegl_core.engine.executor import PromptImage
+from musegl_core.engine.request import ImageInput, PlacedImage
+from musegl_core.errors import ApiError
+
+PATCH = 14
+MERGE = 2
+UNIT = PATCH * MERGE  # 28 px: one merged cell
+FRAME_COLUMNS = 3 * PATCH * PATCH  # 588: one frame of a patch row
+TEMPORAL = 2
+#: Images with more pixels than this are refused before they are decoded
+#: (decompression bombs): 8192 x 8192.
+MAX_PIXELS = 8192 * 8192
+#: The pillow format each accepted media type must actually be.
+FORMATS = {"image/png": "PNG", "image/jpeg": "JPEG"}
+
+
+def invalid_image(message: str) -> ApiError:
+    return ApiError(400, message, "invalid_request_error", "invalid_image")
+
+
+def smart_resize(height: int, width: int, max_cells: int, unit: int = UNIT) -> tuple[int, int]:
+    """The merged grid ``(gh, gw)`` for an image of ``height x width`` pixels:
+    the floor/ceil pair of ``(height/unit, width/unit)`` (scaled down first to
+    keep the product within ``max_cells``) whose ratio is closest to the
+    image's. The candidates are built as a Python set exactly as transformers
+    does, so ties resolve the same way (spec/vision.md 2.2)."""
+    a, b = height / unit, width / unit
+    ratio = b / a if a > 0 else 1.0
+    if a * b > max_cells:
+        a = (max_cells / ratio) ** 0.5
+        b = a * ratio
+    candidates = list(set(itertools.product([math.floor(a), math.ceil(a)], [math.floor(b), math.ceil(b)])))
+    candidates = [(h, w) for h, w in candidates if h >= 1 and w >= 1 and h * w <= max_cells]
+    if not candidates:
+        candidates = [(max(1, round(a)), max(1, round(b)))]
+    return min(candidates, key=lambda grid: abs(grid[0] / grid[1] - height / width))
+
+
+def decode_image(data: bytes, media_type: str):
+    """The RGB pillow image of ``data``, which must be a complete image of
+    ``media_type`` (PNG or JPEG). EXIF orientation applied, alpha dropped."""
+    from PIL import Image, ImageOps
+
+    fmt = FORMATS.get(media_type)
+    if fmt is None:
+        raise invalid_image(f"Unsupported image media type {media_type!r}; send image/png or image/jpeg.")
+    kind = media_type.split("/")[1].upper()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            image = Image.open(io.BytesIO(data), formats=[fmt])
+            width, height = image.size
+            if width < 1 or height < 1:
+                raise invalid_image(f"The {kind} image has no pixels ({width}x{height}).")
+            if width * height > MAX_PIXELS:
+                raise invalid_image(f"The {kind} image is {width}x{height} pixels; at most {MAX_PIXELS} "
+                                    "pixels are decoded.")
+            image.load()
+            image = ImageOps.exif_transpose(image)
+            return image.convert("RGB")
+    except ApiError:
+        raise
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning):
+        raise invalid_image(f"The {kind} image is too large to decode (decompression bomb).") from None
+    except Image.UnidentifiedImageError:
+        raise invalid_image(f"The image data is not a valid {kind} image (data URL says {media_type}).") from None
+    except Exception as exc:  # truncated or corrupt data, decoder limits: never a crash
+        raise invalid_image(f"The {kind} image could not be decoded: {exc}") from None
+
+
+def patchify(pixels: np.ndarray) -> np.ndarray:
+    """``(H, W, 3)`` float32 → ``(gh·gw, 588)`` patch rows in raster order,
+    column ``ch·196 + py·14 + px``."""
+    height, width, _ = pixels.shape
+    gh, gw = height // PATCH, width // PATCH
+    patches = pixels.reshape(gh, PATCH, gw, PATCH, 3).transpose(0, 2, 4, 1, 3)
+    return np.ascontiguousarray(patches.reshape(gh * gw, FRAME_COLUMNS))
+
+
+def pixel_values(image: PromptImage) -> np.ndarray:
+    """transformers' ``pixel_values`` of an image: the frame duplicated into both
+    temporal slots (``col = t·588 + ...``), shape ``(patches, 1176)``."""
+    return np.concatenate([image.pixels] * TEMPORAL, axis=1)
+
+
+@attrs.frozen
+class ImagePreprocessor:
+    """The worker's image preprocessing under the serving limits.
+
+    ``max_vision_patches`` caps the ViT patches of one image (rounded down to
+    complete four-patch groups: ``max_vision_patches // 4`` merged rows);
+    ``max_image_bytes`` caps the compressed bytes (413 ``image_too_large``).
+    """
+
+    max_vision_patches: int = 4096
+    max_image_bytes: int = 20 << 20
+
+    @property
+    def max_cells(self) -> int:
+        return max(1, self.max_vision_patches // (MERGE * MERGE))
+
+    def decode_data(self, image: ImageInput) -> bytes:
+        try:
+            data = base64.b64decode(image.data, validate=True)
+        except (binascii.Error, ValueError):
+            raise invalid_image("The image data is not valid base64.") from None
+        if not data:
+            raise invalid_image("The image data is empty.")
+        if len(data) > self.max_image_bytes:
+            raise image_too_large(len(data), self.max_image_bytes)
+        return data
+
+    def preprocess(self, image: ImageInput) -> PromptImage:
+        """Decode, resize, normalize and patchify one image."""
+        data = self.decode_data(image)
+        return self.preprocess_bytes(data, image.media_type)
+
+    def preprocess_bytes(self, data: bytes, media_type: str) -> PromptImage:
+        from PIL import Image
+
+        rgb = decode_image(data, media_type)
+        gh, gw = smart_resize(rgb.height, rgb.width, self.max_cells)
+        size = (gw * UNIT, gh * UNIT)
+        if rgb.size != size:
+            rgb = rgb.resize(size, Image.Resampling.LANCZOS)
+        values = np.asarray(rgb, dtype=np.uint8).astype(np.float32)
+        values = (values - np.float32(127.5)) / np.float32(127.5)
+        return PromptImage(digest=hashlib.sha256(data).hexdigest(), rows=gh * gw, pixels=patchify(values),
+                           grid=(gh * MERGE, gw * MERGE))
+
+
+def image_too_large(size: int, limit: int) -> ApiError:
+    return ApiError(413, f"The image is {size} bytes; this server accepts at most {limit} bytes per image "
+                         "(--max-image-bytes).", "invalid_request_error", "image_too_large")
+
+
+def place_images(ids: Sequence[int], images: Sequence[ImageInput], tokenizer,
+                 preprocessor: ImagePreprocessor | None) -> tuple[list[int], tuple[PlacedImage, ...]]:
+    """Expand the ``<|patch|>`` placeholder of each image (the i-th placeholder
+    for the i-th image) into ``<|image_start|>`` + N x ``<|patch|>`` +
+    ``<|image_end|>``; returns the new ids and where each image's rows sit.
+
+    ``preprocessor`` None means the model cannot see images: any image is a
+    400 ``invalid_image``.
+    """
+    if not images:
+        return list(ids), ()
+    if preprocessor is None:
+        raise invalid_image("This model was loaded without a vision projector, so it cannot read images; "
+                            "send text only (or start the server with a vision checkpoint / --mmproj).")
+    patch = tokenizer.patch_id
+    at = [i for i, token in enumerate(ids) if token == patch]
+    if len(at) != len(images):
+        raise ApiError(400, f"the prompt has {len(at)} <|patch|> placeholder(s) for {len(images)} image(s)",
+                       "invalid_request_error", "invalid_image")
+    prepared = [preprocessor.preprocess(image) for image in images]
+    start_id, end_id = tokenizer.image_start_id, tokenizer.image_end_id
+    out: list[int] = []
+    placed: list[PlacedImage] = []
+    last = 0
+    for position, image in zip(at, prepared):
+        out.extend(ids[last:position])
+        out.append(start_id)
+        placed.append(PlacedImage(len(out), image))
+        out.extend([patch] * image.rows)
+        out.append(end_id)
+        last = position + 1
+    out.extend(ids[last:])
+    return out, tuple(placed)
