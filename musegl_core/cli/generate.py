@@ -115,7 +115,7 @@ def main(argv: list[str]) -> int:
     )
     vision = ImagePreprocessor(args.max_vision_patches) if executor.info.vision else None
     try:
-        prepared = prepare(request, tokenizer, vision)
+        prepared = prepare(request, tokenizer, vision=vision)
     except ApiError as error:
         raise ConfigError(error.message) from None
     context = max(len(prepared.prompt_ids) + args.max_tokens, 2)

@@ -92,7 +92,7 @@ def render_request(
 
         from musegl_core.vision.preprocess import ImagePreprocessor
 
-        ids = prepare(plan.generate, tokenizer, ImagePreprocessor(max_vision_patches)).prompt_ids
+        ids = prepare(plan.generate, tokenizer, vision=ImagePreprocessor(max_vision_patches)).prompt_ids
     return RenderedRequest(plan=plan, text=text, ids=ids)
 
 
