@@ -92,9 +92,13 @@ class ChoiceGroup:
     async def _start_all(self) -> None:
         await self._start(0)  # its prompt blocks are in the prefix cache once it has started
         if self.n > 1:
-            async with asyncio.TaskGroup() as group:  # one failure cancels (and awaits) the rest
-                for index in range(1, self.n):
-                    group.create_task(self._start(index))
+            try:
+                async with asyncio.TaskGroup() as group:  # one failure cancels (and awaits) the rest
+                    for index in range(1, self.n):
+                        group.create_task(self._start(index))
+            except BaseExceptionGroup as failures:  # the client sees one error: an ApiError if any
+                errors = failures.exceptions
+                raise next((e for e in errors if isinstance(e, ApiError)), errors[0]) from None
 
     async def _start(self, index: int) -> None:
         context = self.worker.generate(self.requests[index])
