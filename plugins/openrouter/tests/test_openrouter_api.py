@@ -283,11 +283,12 @@ def test_raw_stream_ends_with_the_finish_chunk_then_done(urls):
 @pytest.mark.parametrize("stream", [False, True])
 def test_errors_before_headers_have_the_openrouter_shape(client, stream):
     with pytest.raises(openai.BadRequestError) as info:
-        client.chat.completions.create(model="muse", messages=[QUESTION], logprobs=True, stream=stream)
+        client.chat.completions.create(model="muse", messages=[QUESTION], stream=stream,
+                                       extra_body={"grammar": "root ::= x"})
     body = info.value.body
     assert body["code"] == 400 and isinstance(body["message"], str)
     assert body["metadata"]["error_code"] == "unsupported_parameter"
-    assert body["metadata"]["param"] == "logprobs"
+    assert body["metadata"]["param"] == "grammar"
 
 
 def test_malformed_legacy_usage_switch_is_a_400(client):
