@@ -129,7 +129,7 @@ class ChoiceGroup:
         try:
             async for event in events:
                 self._merged.put_nowait((index, event))
-        except ApiError as error:
+        except Exception as error:  # ApiError, or a bug: either way the response ends with it
             self._merged.put_nowait((index, error))
             return
         self._merged.put_nowait((index, None))
