@@ -205,6 +205,7 @@ def test_a_busy_server_refuses_all_n_and_cancels_what_it_admitted(server):
               "ignore_eos": True, "stream": True}
     with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=holder, timeout=120) as held:
         assert held.status_code == 200
+        assert metric(server.url, "musegl_requests_running") == 1  # 3 of the 4 in-flight slots are left
         response = chat(server, n=4, temperature=1.0)
         assert response.status_code == 503, response.text
         assert response.json()["error"]["code"] == "server_busy" and response.headers["retry-after"] == "1"
@@ -218,13 +219,14 @@ def test_a_client_disconnect_cancels_every_choice_and_leaks_nothing(server):
     baseline = blocks(server.url)
     body = {"model": "m", "messages": MESSAGES, "n": 3, "max_tokens": 3000, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body, timeout=120) as response:
-        seen = set()
-        for line in response.iter_lines():
+        roles = []
+        for line in response.iter_lines():  # leaving this loop closes the connection: the disconnect
             if line.startswith("data: {"):
-                seen.update(c["index"] for c in json.loads(line[6:])["choices"])
-            if len(seen) == 3:
+                roles.append(json.loads(line[6:])["choices"][0]["index"])
+            if len(roles) == 3:
+                assert roles == [0, 1, 2]
+                assert metric(server.url, "musegl_requests_running") == 3
                 break
-        assert metric(server.url, "musegl_requests_running") == 3
     wait_idle(server.url, timeout=30)  # cancelled, not run to 3000 tokens
     assert blocks(server.url) == baseline
 
