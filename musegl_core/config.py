@@ -67,8 +67,8 @@ class ServeConfig:
     max_sessions: int = flag(4, "session slots (default %(default)s)", LIMITS, kind="int")
     max_inflight_requests: int = flag(4, "admitted requests (default %(default)s)", LIMITS, kind="int")
     max_decode_sequences: int = flag(4, "decode batch width (default %(default)s)", LIMITS, kind="int")
-    max_n: int = flag(8, "most choices one chat request may ask for with 'n' (default %(default)s)", LIMITS,
-                      kind="int")
+    max_n: int = flag(8, "most choices ('n') one request may ask for; each is a request of its own "
+                      "(default %(default)s)", LIMITS, kind="int")
     max_prefill_chunk: int = flag(512, "prompt positions per forward (default %(default)s)", LIMITS, kind="int")
     max_image_bytes: int = flag(MAX_IMAGE_BYTES_CAP, "compressed image size limit (1 B .. 20 MiB, default 20 MiB)",
                                 LIMITS, kind="int")

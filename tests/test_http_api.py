@@ -156,9 +156,9 @@ def test_hidden_reasoning_is_not_returned(base_url):
 
 def test_errors_keep_their_status_on_the_real_server(base_url, sdk):
     with pytest.raises(openai.BadRequestError) as caught:
-        sdk.chat.completions.create(model="m", messages=MESSAGES, n=2)
+        sdk.chat.completions.create(model="m", messages=MESSAGES, extra_body={"grammar": "root ::= x"})
     assert caught.value.body["code"] == "unsupported_parameter"
-    assert caught.value.body["param"] == "n"
+    assert caught.value.body["param"] == "grammar"
     response = httpx.post(f"{base_url}/v1/chat/completions", content=b"{oops", timeout=30)
     assert response.status_code == 400
     assert response.json()["error"]["type"] == "invalid_request_error"

@@ -117,6 +117,10 @@ def test_wrong_field_types_name_the_field(client, fields, param):
         ({"session_id": "has space"}, "session_id"),
         ({"session_id": "x" * 129}, "session_id"),
         ({"tool_choice": "sometimes"}, "tool_choice"),
+        ({"n": 0}, "n"),
+        ({"n": 9}, "n"),  # --max-n 8
+        ({"n": 5}, "n"),  # never fits --max-inflight-requests 4
+        ({"n": 2, "session_id": "s"}, "n"),  # one session, one transcript
     ],
 )
 def test_out_of_range_values_are_400(client, fields, param):
@@ -126,7 +130,6 @@ def test_out_of_range_values_are_400(client, fields, param):
 @pytest.mark.parametrize(
     "fields, param",
     [
-        ({"n": 2}, "n"),
         ({"response_format": {"type": "xml"}}, "response_format"),
         ({"response_format": {"type": "json_schema", "json_schema": {"schema": {}, "extra": 1}}},
          "response_format.json_schema.extra"),
@@ -188,6 +191,7 @@ def test_tools_without_a_tool_parser_are_unsupported(client):
         {key: None for key in s.REJECTED_FIELDS},
         {"tools": None, "tool_choice": None, "n": None, "logprobs": None, "stop": None, "seed": None},
         {"tools": [], "n": 1, "logprobs": False, "response_format": {"type": "text"}},
+        {"n": 4, "seed": 2**64 - 1, "stream": True},
         {"add_generation_prompt": True, "continue_final_message": False, "user": "u", "metadata": {"k": "v"}},
         {"reasoning": {}, "reasoning_effort": "medium", "include_reasoning": False},
         {"reasoning": {"effort": "low", "exclude": None, "enabled": True}, "reasoning_effort": "low"},
@@ -215,8 +219,8 @@ def test_bad_messages_are_400(client):
 
 
 def test_unprefixed_alias_validates_the_same(client):
-    response = client.post("/chat/completions", json={"messages": MESSAGES, "n": 3})
-    assert_error(response, 400, code="unsupported_parameter", param="n")
+    response = client.post("/chat/completions", json={"messages": MESSAGES, "n": 0})
+    assert_error(response, 400, param="n")
 
 
 # -- other endpoints and HTTP-level errors -------------------------------------------------

@@ -129,7 +129,6 @@ def test_completion_stream_ends_with_done(server):
     [
         ({"echo": True}, "echo"),
         ({"best_of": 2}, "best_of"),
-        ({"n": 2}, "n"),
         ({"suffix": "end"}, "suffix"),
         ({"logprobs": 1}, "logprobs"),
         ({"prompt": ["a", "b"]}, "prompt"),

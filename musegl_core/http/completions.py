@@ -11,13 +11,14 @@ request is a 400 that never reaches the worker.
 message text through the channel parser (and the tool parser, when one is
 active) and keeps the usage accounting. :func:`complete` builds the
 non-streaming object; :class:`ChatStream` produces the SSE
-events, sending nothing until the worker reports ``Started``.
+events, sending nothing until the worker reports ``Started``. Both run the
+request's ``n`` choices as a :class:`~musegl_core.http.choices.ChoiceGroup`
+(one worker request per choice, sharing the prompt's KV blocks), with one
+assembler per choice.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import json
 import re
 import time
@@ -36,6 +37,7 @@ from musegl_core.engine.executor import SamplingParams
 from musegl_core.engine.request import ImageInput
 from musegl_core.errors import ApiError, bad_request, unavailable
 from musegl_core.http import constraints
+from musegl_core.http.choices import ChoiceGroup, choice_requests
 from musegl_core.http.logprobs import MAX_TOP_LOGPROBS, LogprobTracker
 from musegl_core.http import schemas as s
 from musegl_core.http import sse
@@ -73,6 +75,11 @@ class ChatPlan:
     image_count: int = 0  # image parts in the prompt
     logprobs: int = -1  # top alternatives per token (-1: no logprobs)
     tokenizer: Any = None  # the front's tokenizer (logprobs: the text of each id)
+    n: int = 1  # choices
+
+    def requests(self) -> list[m.Generate]:
+        """One worker request per choice (:func:`~musegl_core.http.choices.choice_requests`)."""
+        return choice_requests(self.generate, self.n)
 
 
 def plan_chat(
@@ -96,6 +103,7 @@ def plan_chat(
     sampling = sampling_params(request)
     stops = stop_strings(request.stop)
     session = session_id(request.session_id, header_session_id)
+    n = choice_count(request.n, config, session)
     strength, hide_reasoning = reasoning_controls(request)
     variables = template_variables(request.chat_template_kwargs, strength)
     tools_active, tools = active_tools(request, tool_parser)
@@ -140,6 +148,7 @@ def plan_chat(
         image_count=rendered.image_count,
         logprobs=top_logprobs,
         tokenizer=tokenizer if top_logprobs >= 0 else None,
+        n=n,
     )
 
 
@@ -155,9 +164,7 @@ def prompt_images(messages, max_image_bytes: int) -> tuple[ImageInput, ...]:
 
 
 def _check_fixed_choices(request: s.ChatCompletionRequest) -> None:
-    """Parameters musegl accepts only at one value."""
-    if request.n is not None and request.n != 1:
-        raise unsupported("n", "only n=1 is supported")
+    """Parameters musegl accepts only at one value, and ``top_logprobs``."""
     if request.top_logprobs is not None:
         if not 0 <= request.top_logprobs <= MAX_TOP_LOGPROBS:
             raise bad_request(f"'top_logprobs' must be between 0 and {MAX_TOP_LOGPROBS}, got {request.top_logprobs}",
@@ -168,6 +175,33 @@ def _check_fixed_choices(request: s.ChatCompletionRequest) -> None:
         raise unsupported("add_generation_prompt", "add_generation_prompt must be true (or absent)")
     if request.continue_final_message is not None and request.continue_final_message is not False:
         raise unsupported("continue_final_message", "continue_final_message must be false (or absent)")
+
+
+def choice_count(n: int | None, config: ServeConfig, session: str | None) -> int:
+    """``n``: 1..``--max-n``; above 1 it must fit the server at all (each
+    choice is a request of its own: it takes an admission slot and a session
+    slot) and may not name a session (a session holds one transcript, which
+    n answers cannot all extend). docs/protocol.md 2.6."""
+    if n is None:
+        return 1
+    if not 1 <= n <= config.max_n:
+        raise bad_request(f"'n' must be between 1 and {config.max_n} (--max-n), got {n}", param="n")
+    if n > 1:
+        if session is not None:
+            raise bad_request(
+                "'n' above 1 cannot be used with a named session (session_id / X-Session-Id): a session holds "
+                "one transcript, and n answers cannot all extend it; send n > 1 without a session",
+                param="n",
+            )
+        fits = min(config.max_inflight_requests, config.max_sessions)
+        if n > fits:
+            raise bad_request(
+                f"'n' = {n} choices can never run at once on this server: each choice takes an admission slot "
+                f"(--max-inflight-requests {config.max_inflight_requests}) and a session slot "
+                f"(--max-sessions {config.max_sessions}); the most is {fits}",
+                param="n",
+            )
+    return n
 
 
 def completion_limit(request: s.ChatCompletionRequest | s.CompletionRequest) -> int | None:
@@ -515,6 +549,32 @@ def _tool_call(call: Any, index: int) -> s.ToolCall:
     return s.ToolCall(id=call_id, function=s.FunctionCall(name=call.name, arguments=arguments))
 
 
+def combined_usage(usages: Sequence[s.Usage]) -> s.Usage:
+    """The usage of a response with several choices: the prompt (and its cached
+    positions) counted once, as choice 0 reported them; ``completion_tokens``
+    summed over the choices (as OpenAI does); ``reasoning_tokens`` summed, or
+    omitted when any choice could not count them."""
+    first = usages[0]
+    if len(usages) == 1:
+        return first
+    completion = sum(u.completion_tokens for u in usages)
+    details = None
+    if all(u.completion_tokens_details is not None for u in usages):
+        details = s.CompletionTokensDetails(
+            reasoning_tokens=sum(u.completion_tokens_details.reasoning_tokens for u in usages))
+    return s.Usage(
+        prompt_tokens=first.prompt_tokens,
+        completion_tokens=completion,
+        total_tokens=first.prompt_tokens + completion,
+        prompt_tokens_details=first.prompt_tokens_details,
+        completion_tokens_details=details,
+    )
+
+
+def _ended_early() -> ApiError:
+    return unavailable("the model worker ended the request without a result", code="worker_restarting")
+
+
 async def complete(
     worker: WorkerClient,
     plan: ChatPlan,
@@ -522,35 +582,49 @@ async def complete(
     dialect: Dialect,
     tool_parser: Any = None,
 ) -> s.ChatCompletion:
-    """Run ``plan`` to the end and build the non-streaming response."""
-    assembler = ResponseAssembler(plan, tool_parser)
-    async with worker.generate(plan.generate) as events:
-        async for event in events:
+    """Run ``plan``'s choices to the end and build the non-streaming response.
+    An error of any choice fails the response (the others are cancelled)."""
+    assemblers = [ResponseAssembler(plan, tool_parser) for _ in range(plan.n)]
+    choices: list[s.Choice | None] = [None] * plan.n
+    usages: list[s.Usage | None] = [None] * plan.n
+    group = ChoiceGroup(worker, plan.requests())
+    await group.open()
+    try:
+        async for index, event in group.events():
+            assembler = assemblers[index]
             if isinstance(event, m.Tokens):
                 assembler.feed(event)
             elif isinstance(event, m.Done):
                 _, reason = assembler.finish(event)
-                return s.ChatCompletion(
-                    id=meta.id,
-                    created=meta.created,
-                    model=meta.model,
-                    system_fingerprint=meta.system_fingerprint,
-                    choices=[s.Choice(message=assembler.message(dialect), finish_reason=reason,
-                                      logprobs=assembler.choice_logprobs())],
-                    usage=assembler.usage(event),
-                )
-    raise unavailable("the model worker ended the request without a result", code="worker_restarting")
+                choices[index] = s.Choice(message=assembler.message(dialect), finish_reason=reason, index=index,
+                                          logprobs=assembler.choice_logprobs())
+                usages[index] = assembler.usage(event)
+    finally:
+        await group.close()
+    if any(choice is None for choice in choices):
+        raise _ended_early()
+    return s.ChatCompletion(
+        id=meta.id,
+        created=meta.created,
+        model=meta.model,
+        system_fingerprint=meta.system_fingerprint,
+        choices=list(choices),
+        usage=combined_usage(usages),
+    )
 
 
 class ChatStream:
     """One streaming response.
 
-    :meth:`open` submits the request and waits for ``Started`` (bounded by
-    ``--streaming-preflight-timeout``); until then every error is an ordinary
-    HTTP error. :meth:`events` then yields the SSE bytes: role chunk,
-    reasoning and content deltas, tool calls, finish chunk, usage (per the
-    dialect) and ``[DONE]``; errors after that point are SSE error events.
-    Closing the iterator (client disconnect) cancels the worker request.
+    :meth:`open` submits the request's choices and waits until each has
+    started (bounded by ``--streaming-preflight-timeout``); until then every
+    error is an ordinary HTTP error. :meth:`events` then yields the SSE
+    bytes: a role chunk per choice, reasoning and content deltas (each chunk
+    names its choice's ``index``; choices interleave as their tokens arrive),
+    tool calls, a finish chunk per choice, usage once (per the dialect, with
+    the last finish chunk) and ``[DONE]``; errors after that point are SSE
+    error events. Closing the iterator (client disconnect) or an error in
+    any choice cancels every worker request still running.
     """
 
     def __init__(
@@ -566,40 +640,23 @@ class ChatStream:
         self.plan = plan
         self.meta = meta
         self.dialect = dialect
-        self.assembler = ResponseAssembler(plan, tool_parser)
+        self.assemblers = [ResponseAssembler(plan, tool_parser) for _ in range(plan.n)]
         self.preflight_timeout = preflight_timeout
-        self._context: contextlib.AbstractAsyncContextManager | None = None
-        self._events: AsyncIterator[m.Event] | None = None
+        self.group = ChoiceGroup(worker, plan.requests())
+        self._usages: list[s.Usage | None] = [None] * plan.n
+
+    @property
+    def assembler(self) -> ResponseAssembler:
+        """Choice 0's assembler."""
+        return self.assemblers[0]
 
     async def open(self) -> None:
         """Submit and wait until generation is ready; raises :class:`ApiError`."""
-        self._context = self.worker.generate(self.plan.generate)
-        self._events = await self._context.__aenter__()
-        try:
-            first = await asyncio.wait_for(anext(self._events), self.preflight_timeout)
-        except asyncio.TimeoutError:
-            await self.close()
-            raise unavailable(
-                f"generation did not start within --streaming-preflight-timeout ({self.preflight_timeout} s)",
-                code="preflight_timeout",
-            ) from None
-        except BaseException:
-            await self.close()
-            raise
-        if not isinstance(first, m.Started):
-            await self.close()
-            raise unavailable("the model worker sent an unexpected first event", code="worker_restarting")
+        await self.group.open(self.preflight_timeout)
 
     async def close(self) -> None:
-        """Leave the worker request (cancelling it unless it is done). Runs in its
-        own task so that a cancelled response (client disconnect) still reaches
-        the worker with the cancellation."""
-        context, self._context = self._context, None
-        if context is None:
-            return
-        task = asyncio.ensure_future(context.__aexit__(None, None, None))
-        with contextlib.suppress(BaseException):
-            await asyncio.shield(task)
+        """Leave the worker requests (cancelling those not done)."""
+        await self.group.close()
 
     async def events(self) -> AsyncIterator[bytes]:
         """The SSE body, keepalives included."""
@@ -607,56 +664,67 @@ class ChatStream:
             yield item
 
     async def _body(self) -> AsyncIterator[bytes]:
-        assert self._events is not None, "open() first"
         try:
-            yield self._chunk(s.ChunkChoice(delta=s.RoleDelta()))
+            for index in range(self.plan.n):
+                yield self._chunk(s.ChunkChoice(delta=s.RoleDelta(), index=index))
+            remaining = self.plan.n
             try:
-                async for event in self._events:
+                async for index, event in self.group.events():
                     if isinstance(event, m.Tokens):
-                        for item in self._deltas(self.assembler.feed(event)):
+                        for item in self._deltas(index, self.assemblers[index].feed(event)):
                             yield item
                     elif isinstance(event, m.Done):
-                        for item in self._finish(event):
+                        remaining -= 1
+                        for item in self._finish(index, event, last=remaining == 0):
                             yield item
-                        return
-            except ApiError as error:
-                for item in self.dialect.stream_error(error, self.meta.chunk([])):
-                    yield item
-                return
-            error = unavailable("the model worker ended the request without a result", code="worker_restarting")
+                if remaining == 0:
+                    return
+                error = _ended_early()
+            except ApiError as exc:
+                error = exc
+            await self.close()  # cancel the other choices before telling the client
             for item in self.dialect.stream_error(error, self.meta.chunk([])):
                 yield item
         finally:
             await self.close()
 
-    def _finish(self, done: m.Done) -> list[bytes]:
-        out, reason = self.assembler.finish(done)
-        items = self._deltas(out)
-        if self.assembler.tool_calls:
+    def _finish(self, index: int, done: m.Done, last: bool) -> list[bytes]:
+        """A choice's last deltas, tool calls and finish chunk; after the last
+        choice, the usage (per the dialect) and ``[DONE]``."""
+        assembler = self.assemblers[index]
+        out, reason = assembler.finish(done)
+        items = self._deltas(index, out)
+        if assembler.tool_calls:
             calls = [
                 s.ToolCallDelta(index=i, id=call.id, function=call.function)
-                for i, call in enumerate(self.assembler.tool_calls)
+                for i, call in enumerate(assembler.tool_calls)
             ]
-            items.append(self._chunk(s.ChunkChoice(delta=s.Delta(tool_calls=calls))))
-        usage = self.assembler.usage(done) if self.plan.include_usage else None
-        rest = self.assembler.choice_logprobs(unsent=True)
+            items.append(self._chunk(s.ChunkChoice(delta=s.Delta(tool_calls=calls), index=index)))
+        self._usages[index] = assembler.usage(done)
+        rest = assembler.choice_logprobs(unsent=True)
         if rest is not None and not (rest.content or rest.reasoning_content):
             rest = None
-        finish = self.meta.chunk([s.ChunkChoice(delta=s.Delta(), finish_reason=reason, logprobs=rest)])
+        finish = self.meta.chunk([s.ChunkChoice(delta=s.Delta(), finish_reason=reason, index=index, logprobs=rest)])
+        if not last:
+            items.append(sse.data_event(s.to_json(finish)))
+            return items
+        usage = combined_usage(self._usages) if self.plan.include_usage else None
         items += [sse.data_event(s.to_json(chunk)) for chunk in self.dialect.stream_tail(finish, usage)]
         items.append(sse.DONE)
         return items
 
-    def _deltas(self, out: Output) -> list[bytes]:
-        """Reasoning then content deltas; never an empty one."""
+    def _deltas(self, index: int, out: Output) -> list[bytes]:
+        """Reasoning then content deltas of one choice; never an empty one."""
         items = []
-        logprobs = self.assembler.choice_logprobs(unsent=True) if out.reasoning or out.content else None
+        assembler = self.assemblers[index]
+        logprobs = assembler.choice_logprobs(unsent=True) if out.reasoning or out.content else None
         if out.reasoning:
             items.append(self._chunk(s.ChunkChoice(delta=s.Delta(**self.dialect.reasoning_fields(out.reasoning)),
-                                                   logprobs=logprobs)))
+                                                   index=index, logprobs=logprobs)))
             logprobs = None
         if out.content:
-            items.append(self._chunk(s.ChunkChoice(delta=s.Delta(content=out.content), logprobs=logprobs)))
+            items.append(self._chunk(s.ChunkChoice(delta=s.Delta(content=out.content), index=index,
+                                                   logprobs=logprobs)))
         return items
 
     def _chunk(self, choice: s.ChunkChoice) -> bytes:

@@ -5,19 +5,20 @@ written out (``<|start|>`` becomes its single id, as in ``musegl generate``)
 or token ids; no BOS is added. Sampling, stop strings, ``max_tokens`` and the
 context budget follow the chat endpoint's rules (the same functions check
 them). Parameters of the legacy OpenAI endpoint that the engine does not
-implement are refused by name: ``n`` or ``best_of`` above 1, ``echo``,
-``suffix`` and ``logprobs``; so is a list of several prompts. ``logit_bias``,
+implement are refused by name: ``best_of`` above 1, ``echo``,
+``suffix`` and ``logprobs``; so is a list of several prompts. ``n`` works as
+in chat (1..``--max-n``, choices sharing the prompt's KV,
+:mod:`musegl_core.http.choices`). ``logit_bias``,
 the penalties and ``min_p`` are honoured as in chat (docs/constrained.md).
 
 The response is OpenAI's ``text_completion`` object; a stream sends
-``text_completion`` chunks, the finish chunk, a usage chunk when
+``text_completion`` chunks (each naming its choice's ``index``), a finish
+chunk per choice, one usage chunk when
 ``stream_options.include_usage`` is set, and ``[DONE]``.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import uuid
 from typing import Any, AsyncIterator
 
@@ -27,8 +28,11 @@ from musegl_core.config import ServeConfig
 from musegl_core.errors import ApiError, bad_request, unavailable
 from musegl_core.http import schemas as s
 from musegl_core.http import sse
+from musegl_core.http.choices import ChoiceGroup, choice_requests
 from musegl_core.http.completions import (
     ResponseMeta,
+    choice_count,
+    combined_usage,
     completion_limit,
     sampling_params,
     stop_strings,
@@ -44,11 +48,16 @@ class CompletionPlan:
     stream: bool
     include_usage: bool
     image_count: int = 0  # never images
+    n: int = 1  # choices
+
+    def requests(self) -> list[m.Generate]:
+        return choice_requests(self.generate, self.n)
 
 
 def plan_completion(request: s.CompletionRequest, *, request_id: str, config: ServeConfig) -> CompletionPlan:
     """Validate ``request``; raises :class:`ApiError` (400) before anything runs."""
     _check_unsupported(request)
+    n = choice_count(request.n, config, None)
     segment = prompt_segment(request.prompt)
     stream = bool(request.stream)
     generate = m.Generate(
@@ -62,14 +71,12 @@ def plan_completion(request: s.CompletionRequest, *, request_id: str, config: Se
         stream=stream,
     )
     include_usage = bool(request.stream_options and request.stream_options.include_usage)
-    return CompletionPlan(generate=generate, stream=stream, include_usage=include_usage)
+    return CompletionPlan(generate=generate, stream=stream, include_usage=include_usage, n=n)
 
 
 def _check_unsupported(request: s.CompletionRequest) -> None:
-    for name in ("n", "best_of"):
-        value = getattr(request, name)
-        if value is not None and value != 1:
-            raise unsupported(name, f"only {name}=1 is supported")
+    if request.best_of is not None and request.best_of != 1:
+        raise unsupported("best_of", "only best_of=1 is supported (n gives several choices)")
     if request.echo:
         raise unsupported("echo", "echo is not supported by this server")
     if request.suffix:
@@ -120,21 +127,30 @@ def _object(meta: ResponseMeta, choices: list[s.CompletionChoice], usage: s.Usag
 
 
 async def complete_text(worker: Any, plan: CompletionPlan, meta: ResponseMeta) -> s.TextCompletion:
-    """Run ``plan`` to the end; the non-streaming response."""
-    text: list[str] = []
-    async with worker.generate(plan.generate) as events:
-        async for event in events:
+    """Run ``plan``'s choices to the end; the non-streaming response."""
+    texts: list[list[str]] = [[] for _ in range(plan.n)]
+    choices: list[s.CompletionChoice | None] = [None] * plan.n
+    usages: list[s.Usage | None] = [None] * plan.n
+    group = ChoiceGroup(worker, plan.requests())
+    await group.open()
+    try:
+        async for index, event in group.events():
             if isinstance(event, m.Tokens):
-                text.append(event.text)
+                texts[index].append(event.text)
             elif isinstance(event, m.Done):
-                choice = s.CompletionChoice(text="".join(text), finish_reason=_finish_reason(event))
-                return _object(meta, [choice], _usage(event))
-    raise unavailable("the model worker ended the request without a result", code="worker_restarting")
+                choices[index] = s.CompletionChoice(text="".join(texts[index]), finish_reason=_finish_reason(event),
+                                                    index=index)
+                usages[index] = _usage(event)
+    finally:
+        await group.close()
+    if any(choice is None for choice in choices):
+        raise unavailable("the model worker ended the request without a result", code="worker_restarting")
+    return _object(meta, list(choices), combined_usage(usages))
 
 
 class TextStream:
-    """One streaming ``/v1/completions`` response; :meth:`open` waits for
-    ``Started`` (errors before it are ordinary HTTP errors)."""
+    """One streaming ``/v1/completions`` response; :meth:`open` waits until
+    every choice has started (errors before that are ordinary HTTP errors)."""
 
     def __init__(self, worker: Any, plan: CompletionPlan, meta: ResponseMeta, dialect: Dialect,
                  preflight_timeout: float | None = None):
@@ -143,59 +159,43 @@ class TextStream:
         self.meta = meta
         self.dialect = dialect
         self.preflight_timeout = preflight_timeout
-        self._context: contextlib.AbstractAsyncContextManager | None = None
-        self._events: AsyncIterator[m.Event] | None = None
+        self.group = ChoiceGroup(worker, plan.requests())
 
     async def open(self) -> None:
-        self._context = self.worker.generate(self.plan.generate)
-        self._events = await self._context.__aenter__()
-        try:
-            first = await asyncio.wait_for(anext(self._events), self.preflight_timeout)
-        except asyncio.TimeoutError:
-            await self.close()
-            raise unavailable(
-                f"generation did not start within --streaming-preflight-timeout ({self.preflight_timeout} s)",
-                code="preflight_timeout",
-            ) from None
-        except BaseException:
-            await self.close()
-            raise
-        if not isinstance(first, m.Started):
-            await self.close()
-            raise unavailable("the model worker sent an unexpected first event", code="worker_restarting")
+        await self.group.open(self.preflight_timeout)
 
     async def close(self) -> None:
-        context, self._context = self._context, None
-        if context is None:
-            return
-        task = asyncio.ensure_future(context.__aexit__(None, None, None))
-        with contextlib.suppress(BaseException):
-            await asyncio.shield(task)
+        await self.group.close()
 
     async def events(self) -> AsyncIterator[bytes]:
         async for item in sse.with_keepalive(self._body(), self.dialect.keepalive):
             yield item
 
-    def _chunk(self, text: str, finish_reason: str | None = None) -> bytes:
-        choice = s.CompletionChoice(text=text, finish_reason=finish_reason)
+    def _chunk(self, index: int, text: str, finish_reason: str | None = None) -> bytes:
+        choice = s.CompletionChoice(text=text, finish_reason=finish_reason, index=index)
         return sse.data_event(s.to_json(_object(self.meta, [choice])))
 
     async def _body(self) -> AsyncIterator[bytes]:
-        assert self._events is not None, "open() first"
+        usages: list[s.Usage | None] = [None] * self.plan.n
+        remaining = self.plan.n
         try:
             try:
-                async for event in self._events:
+                async for index, event in self.group.events():
                     if isinstance(event, m.Tokens) and event.text:
-                        yield self._chunk(event.text)
+                        yield self._chunk(index, event.text)
                     elif isinstance(event, m.Done):
-                        yield self._chunk("", _finish_reason(event))
-                        if self.plan.include_usage:
-                            yield sse.data_event(s.to_json(_object(self.meta, [], _usage(event))))
-                        yield sse.DONE
-                        return
+                        yield self._chunk(index, "", _finish_reason(event))
+                        usages[index] = _usage(event)
+                        remaining -= 1
+                if remaining == 0:
+                    if self.plan.include_usage:
+                        yield sse.data_event(s.to_json(_object(self.meta, [], combined_usage(usages))))
+                    yield sse.DONE
+                    return
                 error = unavailable("the model worker ended the request without a result", code="worker_restarting")
             except ApiError as exc:
                 error = exc
+            await self.close()  # cancel the other choices before telling the client
             yield sse.data_event(self.dialect.error_body(error))
             yield sse.DONE
         finally:
