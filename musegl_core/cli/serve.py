@@ -114,6 +114,18 @@ def check_kv_memory(config: ServeConfig, plugins) -> None:
                snapshots=config.prefix_cache_entries)
 
 
+def check_speculators(config: ServeConfig, plugins) -> None:
+    """Let speculator plugins refuse their flags (a draft that does not fit the
+    target) before the worker starts, from the checkpoints' configs alone."""
+    from musegl_core.plugins.specs import ExecutorOptions
+
+    options = ExecutorOptions(model=config.model, device=config.device, dtype=config.dtype, demo=config.demo,
+                              extra=dict(config.extra))
+    for spec in plugins.specs("speculators").values():
+        if spec.check is not None:
+            spec.check(options)
+
+
 def main(argv: list[str]) -> int:
     import attrs
 
@@ -128,6 +140,7 @@ def main(argv: list[str]) -> int:
         log.warning("no model given: serving the built-in RANDOM-WEIGHT DEMO checkpoint %s (its output is noise)", path)
 
     check_kv_memory(config, plugins)
+    check_speculators(config, plugins)
     import uvicorn
 
     from musegl_core.http.app import create_app
