@@ -2,7 +2,8 @@
 
 1. **Corpus**: synthetic conversations rendered with the core's ``muse`` chat
    template (system block, user turn, ``<|start|>assistant<|message|>answer<|eot|>``):
-   counting, spelling, repeating, sums, lists. The answers are determined by
+   counting, spelling, repeating, sums, lists (a short system message keeps
+   the prompts short). The answers are determined by
    the prompt, so a small model can learn them.
 2. **Target**: a Muse Glimmer text decoder (transformers' ``MuseGlimmerTextModel``,
    the tiny tokenizer of ``musegl make-tiny``, the real 202048 vocabulary),
@@ -70,7 +71,8 @@ def prompt_ids(tokenizer, user: str) -> list[int]:
     from musegl_core.chat.messages import Message
     from musegl_core.chat.template import MuseTemplate, TemplateVariables
 
-    rendered = MuseTemplate().render([Message(role="user", content=user)],
+    rendered = MuseTemplate().render([Message(role="system", content="Answer briefly."),
+                                      Message(role="user", content=user)],
                                      variables=TemplateVariables(current_date="2026-01-01"))
     return tokenizer.encode_segments(rendered.segments, add_bos=False)
 
@@ -84,7 +86,8 @@ def log(message: str) -> None:
 
 
 # -- 1-2: the target ------------------------------------------------------------------------
-def train_target(out: Path, tokenizer, data: list[tuple[list[int], list[int]]], steps: int, seed: int):
+def train_target(out: Path, tokenizer, data: list[tuple[list[int], list[int]]], steps: int, seed: int,
+                 batch_size: int = 16):
     import numpy as np
     import torch
     from transformers import MuseGlimmerTextConfig
@@ -109,7 +112,7 @@ def train_target(out: Path, tokenizer, data: list[tuple[list[int], list[int]]], 
     cap, mult = 20.0, 0.19611613513818404
     started = time.perf_counter()
     for step in range(steps):
-        batch = rng.sample(range(len(data)), 32)
+        batch = rng.sample(range(len(data)), batch_size)
         width = max(len(sequences[i]) for i in batch)
         ids = torch.zeros(len(batch), width, dtype=torch.long)
         labels = torch.full((len(batch), width), -100, dtype=torch.long)
@@ -117,8 +120,8 @@ def train_target(out: Path, tokenizer, data: list[tuple[list[int], list[int]]], 
             p, a = data[i]
             seq = sequences[i]
             ids[row, :len(seq)] = torch.tensor([index[t] for t in seq])
-            # Learn the answers (and, weakly, the prompts): every next token after the prompt's first.
-            labels[row, :len(seq) - 1] = torch.tensor([index[t] for t in seq[1:]])
+            # Learn the answers: the labels are the next tokens from the end of the prompt on.
+            labels[row, len(p) - 1:len(seq) - 1] = torch.tensor([index[t] for t in a])
         hidden = model(input_ids=ids).last_hidden_state
         logits = torch.tanh(hidden @ head.t() * mult / cap) * cap
         loss = torch.nn.functional.cross_entropy(logits.reshape(-1, len(active)), labels.reshape(-1))
@@ -178,7 +181,8 @@ def run(engine, events, prompts: list[list[int]], max_tokens: int, temperature: 
 
 
 # -- 4: the draft ---------------------------------------------------------------------------
-def train_draft(out: Path, target: Path, sequences: list[tuple[list[int], list[int]]], steps: int, seed: int):
+def train_draft(out: Path, target: Path, sequences: list[tuple[list[int], list[int]]], steps: int, seed: int,
+                batch_size: int = 16):
     import numpy as np
     import torch
     from transformers import MuseGlimmerAssistantConfig, MuseGlimmerAssistantModel
@@ -223,7 +227,7 @@ def train_draft(out: Path, target: Path, sequences: list[tuple[list[int], list[i
     started = time.perf_counter()
     for step in range(steps):
         picks = []
-        for _ in range(32):
+        for _ in range(batch_size):
             i = rng.randrange(len(sequences))
             p, a = sequences[i]
             anchor = rng.randrange(len(p) - 1, len(p) + len(a) - 1)  # the anchor's target forward has not run
@@ -298,20 +302,23 @@ def measure(target: Path, draft: Path, prompts: list[list[int]], max_tokens: int
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="/tmp/dflash-pair", help="where the pair is written")
-    parser.add_argument("--target-steps", type=int, default=600)
-    parser.add_argument("--draft-steps", type=int, default=600)
+    parser.add_argument("--target-steps", type=int, default=200)
+    parser.add_argument("--draft-steps", type=int, default=200)
     parser.add_argument("--conversations", type=int, default=3000)
-    parser.add_argument("--draft-sequences", type=int, default=400, help="target answers the draft learns from")
-    parser.add_argument("--eval-prompts", type=int, default=16)
-    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--draft-sequences", type=int, default=200, help="target answers the draft learns from")
+    parser.add_argument("--eval-prompts", type=int, default=8)
+    parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--reuse", action="store_true", help="keep an existing pair; only measure")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads (1: on a shared CPU, OpenMP spinning costs more than it gives)")
+    parser.add_argument("--batch", type=int, default=16, help="training batch")
     args = parser.parse_args(argv)
     import torch
 
     from musegl_core.tiny import build_tiny_tokenizer
 
-    torch.set_num_threads(max(1, torch.get_num_threads()))
+    torch.set_num_threads(args.threads)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tiny_tokenizer()
@@ -322,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
     target, draft = out / "target" / "model.gguf", out / "draft"
     if not (args.reuse and target.exists()):
         started = time.perf_counter()
-        target = train_target(out, tokenizer, data, args.target_steps, args.seed)
+        target = train_target(out, tokenizer, data, args.target_steps, args.seed, args.batch)
         timings["target_training_s"] = round(time.perf_counter() - started)
     if not (args.reuse and draft.exists()):
         started = time.perf_counter()
@@ -332,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
         engine.executor.close()
         sequences = [(p, said[f"r{i}"]) for i, p in enumerate(prompts)]
         log(f"target answered {len(sequences)} prompts in {time.perf_counter() - started:.0f} s")
-        train_draft(out, target, sequences, args.draft_steps, args.seed)
+        train_draft(out, target, sequences, args.draft_steps, args.seed, args.batch)
         timings["draft_data_and_training_s"] = round(time.perf_counter() - started)
     held_out = random.Random(args.seed + 1)
     prompts = [prompt_ids(tokenizer, conversation(held_out)[0]) for _ in range(args.eval_prompts)]
