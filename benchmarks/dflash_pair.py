@@ -170,10 +170,11 @@ def run(engine, events, prompts: list[list[int]], max_tokens: int, temperature: 
     from musegl_core.engine.request import PreparedRequest
 
     events.clear()
-    for i, ids in enumerate(prompts):
-        engine.submit(PreparedRequest(id=f"r{i}", prompt_ids=tuple(ids), max_tokens=max_tokens,
-                                      sampling=SamplingParams(temperature=temperature, seed=1000 + i)))
-    engine.run_until_idle()
+    for wave in range(0, len(prompts), 32):  # within the engine's session slots
+        for i in range(wave, min(wave + 32, len(prompts))):
+            engine.submit(PreparedRequest(id=f"r{i}", prompt_ids=tuple(prompts[i]), max_tokens=max_tokens,
+                                          sampling=SamplingParams(temperature=temperature, seed=1000 + i)))
+        engine.run_until_idle()
     failed = [e for e in events if isinstance(e, ev.Failed)]
     if failed:
         raise RuntimeError(failed[0].message)
@@ -299,6 +300,45 @@ def measure(target: Path, draft: Path, prompts: list[list[int]], max_tokens: int
     return figures
 
 
+def build_pair(out: Path, *, target_steps: int, draft_steps: int, conversations: int, draft_sequences: int,
+               batch: int = 16, seed: int = 0, reuse: bool = False) -> tuple[Path, Path, dict]:
+    """Train (or, with ``reuse``, keep) the pair under ``out``: ``(target GGUF, draft HF dir, timings)``.
+    The draft is also written as ``out/draft.gguf``."""
+    from musegl_core.tiny import build_tiny_tokenizer
+
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tiny_tokenizer()
+    rng = random.Random(seed)
+    corpus = [conversation(rng) for _ in range(conversations)]
+    data = [(prompt_ids(tokenizer, user), answer_ids(tokenizer, answer)) for user, answer in corpus]
+    timings: dict = {}
+    target, draft = out / "target" / "model.gguf", out / "draft"
+    if not (reuse and target.exists()):
+        started = time.perf_counter()
+        target = train_target(out, tokenizer, data, target_steps, seed, batch)
+        timings["target_training_s"] = round(time.perf_counter() - started)
+    if not (reuse and (draft / "config.json").exists()):
+        started = time.perf_counter()
+        _, engine, events, _ = engine_for(target, None, decode=16)
+        prompts = [p for p, _ in data[:draft_sequences]]
+        said = run(engine, events, prompts, 48)
+        engine.executor.close()
+        sequences = [(p, said[f"r{i}"]) for i, p in enumerate(prompts)]
+        log(f"target answered {len(sequences)} prompts in {time.perf_counter() - started:.0f} s")
+        train_draft(out, target, sequences, draft_steps, seed, batch)
+        timings["draft_data_and_training_s"] = round(time.perf_counter() - started)
+    return target, draft, timings
+
+
+def held_out_prompts(n: int, seed: int = 0) -> list[list[int]]:
+    """Prompts of conversations the pair was not trained on."""
+    from musegl_core.tiny import build_tiny_tokenizer
+
+    tokenizer = build_tiny_tokenizer()
+    rng = random.Random(seed + 1)
+    return [prompt_ids(tokenizer, conversation(rng)[0]) for _ in range(n)]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="/tmp/dflash-pair", help="where the pair is written")
@@ -316,33 +356,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     import torch
 
-    from musegl_core.tiny import build_tiny_tokenizer
-
     torch.set_num_threads(args.threads)
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tiny_tokenizer()
-    rng = random.Random(args.seed)
-    corpus = [conversation(rng) for _ in range(args.conversations)]
-    data = [(prompt_ids(tokenizer, user), answer_ids(tokenizer, answer)) for user, answer in corpus]
-    timings = {}
-    target, draft = out / "target" / "model.gguf", out / "draft"
-    if not (args.reuse and target.exists()):
-        started = time.perf_counter()
-        target = train_target(out, tokenizer, data, args.target_steps, args.seed, args.batch)
-        timings["target_training_s"] = round(time.perf_counter() - started)
-    if not (args.reuse and draft.exists()):
-        started = time.perf_counter()
-        _, engine, events, _ = engine_for(target, None, decode=16)
-        prompts = [p for p, _ in data[:args.draft_sequences]]
-        said = run(engine, events, prompts, 48)
-        engine.executor.close()
-        sequences = [(p, said[f"r{i}"]) for i, p in enumerate(prompts)]
-        log(f"target answered {len(sequences)} prompts in {time.perf_counter() - started:.0f} s")
-        train_draft(out, target, sequences, args.draft_steps, args.seed, args.batch)
-        timings["draft_data_and_training_s"] = round(time.perf_counter() - started)
-    held_out = random.Random(args.seed + 1)
-    prompts = [prompt_ids(tokenizer, conversation(held_out)[0]) for _ in range(args.eval_prompts)]
+    target, draft, timings = build_pair(out, target_steps=args.target_steps, draft_steps=args.draft_steps,
+                                        conversations=args.conversations, draft_sequences=args.draft_sequences,
+                                        batch=args.batch, seed=args.seed, reuse=args.reuse)
+    prompts = held_out_prompts(args.eval_prompts, args.seed)
     report = {"timings": timings}
     for batch, temperature in ((1, 0.0), (8, 0.0), (1, 0.7)):
         key = f"batch{batch}_{'greedy' if temperature == 0 else f't{temperature}'}"
