@@ -7,8 +7,9 @@
    the prompt, so a small model can learn them.
 2. **Target**: a Muse Glimmer text decoder (transformers' ``MuseGlimmerTextModel``,
    the tiny tokenizer of ``musegl make-tiny``, the real 202048 vocabulary),
-   trained from random init with a head restricted to the ids the corpus uses;
-   exported as ``target/model.gguf`` (the other lm_head rows are zero).
+   trained from random init with a head restricted to the ids the corpus uses
+   plus one pooled row for all other ids (their total mass is learned);
+   exported as ``target/model.gguf`` (the other ids share that row).
 3. **Target outputs**: the musegl engine (torch executor) generates greedy
    answers to training prompts; the draft learns those, not the corpus text.
 4. **Draft**: transformers' ``MuseGlimmerAssistantModel`` trained the DFlash
@@ -106,7 +107,12 @@ def train_target(out: Path, tokenizer, data: list[tuple[list[int], list[int]]], 
     # size); the export scatters the rows into the full 202048-row tables.
     model = MuseGlimmerTextModel(MuseGlimmerTextConfig(**dict(text, vocab_size=len(active)))).train()
     head = torch.nn.Parameter(torch.randn(len(active), TARGET["hidden_size"]) * 0.02)
-    optim = torch.optim.AdamW(list(model.parameters()) + [head], lr=3e-3, weight_decay=0.0)
+    # Every unused id shares one lm_head row; in the loss they are one pooled class whose
+    # logit is that row's plus log(count), so the model learns to keep their total mass
+    # small and sampling over the full vocabulary stays sensible.
+    unused = torch.nn.Parameter(torch.randn(TARGET["hidden_size"]) * 0.02)
+    pooled = float(np.log(tokenizer.vocab_size - len(active)))
+    optim = torch.optim.AdamW(list(model.parameters()) + [head, unused], lr=3e-3, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.OneCycleLR(optim, max_lr=3e-3, total_steps=steps, pct_start=0.1)
     rng = random.Random(seed)
     cap, mult = 20.0, 0.19611613513818404
@@ -123,8 +129,10 @@ def train_target(out: Path, tokenizer, data: list[tuple[list[int], list[int]]], 
             # Learn the answers: the labels are the next tokens from the end of the prompt on.
             labels[row, len(p) - 1:len(seq) - 1] = torch.tensor([index[t] for t in a])
         hidden = model(input_ids=ids).last_hidden_state
-        logits = torch.tanh(hidden @ head.t() * mult / cap) * cap
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, len(active)), labels.reshape(-1))
+        raw = torch.cat([hidden @ head.t(), (hidden @ unused)[..., None]], dim=-1)
+        logits = torch.tanh(raw * mult / cap) * cap
+        logits = torch.cat([logits[..., :-1], logits[..., -1:] + pooled], dim=-1)
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, len(active) + 1), labels.reshape(-1))
         optim.zero_grad()
         loss.backward()
         optim.step()
@@ -137,7 +145,7 @@ def train_target(out: Path, tokenizer, data: list[tuple[list[int], list[int]]], 
     embed = np.zeros((tokenizer.vocab_size, TARGET["hidden_size"]), dtype=np.float32)
     embed[active] = weights["embed_tokens.weight"]
     weights["embed_tokens.weight"] = embed
-    lm_head = np.zeros((tokenizer.vocab_size, TARGET["hidden_size"]), dtype=np.float32)
+    lm_head = np.tile(unused.detach().numpy(), (tokenizer.vocab_size, 1))
     lm_head[active] = head.detach().numpy()
     weights["lm_head.weight"] = lm_head
     config = text_config_from_dict({**text, "model_type": "muse_glimmer_text"})
@@ -149,12 +157,12 @@ def train_target(out: Path, tokenizer, data: list[tuple[list[int], list[int]]], 
 
 
 # -- 3: what the target says ------------------------------------------------------------------
-def engine_for(target: Path, draft: Path | None, decode: int = 8):
+def engine_for(target: Path, draft: Path | None, decode: int = 8, n_draft: int | None = None):
     from musegl_core.config import ServeConfig
     from musegl_core.engine.engine import Engine, EngineConfig
     from musegl_core.worker.main import load
 
-    extra = {"dflash": str(draft)} if draft else {}
+    extra = {"dflash": str(draft), "dflash_n_draft": n_draft} if draft else {}
     tokenizer, executor, speculator = load(ServeConfig(model=str(target), executor="torch-cpu",
                                                        plugins=("cuda", "dflash"), extra=extra))
     events: list = []
@@ -203,10 +211,13 @@ def train_draft(out: Path, target: Path, sequences: list[tuple[list[int], list[i
     target_model = MuseGlimmerTextModel(MuseGlimmerTextConfig(**text)).eval()
     target_model.load_state_dict({n: w for n, w in weights.items() if n != "lm_head.weight"})
     embed, lm_head = weights["embed_tokens.weight"], weights["lm_head.weight"]
-    active = torch.tensor(sorted(int(i) for i in torch.nonzero(lm_head.abs().sum(-1)).flatten()))
+    pooled_row = lm_head[-1]  # the last id is a reserved special token: one of the pooled ids
+    is_pooled = (lm_head == pooled_row).all(-1)
+    active = torch.nonzero(~is_pooled).flatten()
     index = torch.full((c.vocab_size,), -100, dtype=torch.long)
     index[active] = torch.arange(len(active))
-    head = lm_head[active]
+    head = torch.cat([lm_head[active], pooled_row[None]])  # the pooled ids as one more class
+    pooled = float(np.log(int(is_pooled.sum())))
 
     taps = [i + 1 for i in DRAFT["target_layer_ids"]]
     features = []
@@ -252,7 +263,9 @@ def train_draft(out: Path, target: Path, sequences: list[tuple[list[int], list[i
         cache.set_previous_accepted_tokens(width)
         h = draft(noise_embeds=embed[noise], context_hidden_states=ctx, attention_mask=attention,
                   position_ids=positions, past_key_values=cache).last_hidden_state[:, 1:]
-        loss = torch.nn.functional.cross_entropy((h @ head.t()).reshape(-1, len(active)), labels.reshape(-1))
+        logits = h @ head.t()
+        logits = torch.cat([logits[..., :-1], logits[..., -1:] + pooled], dim=-1)
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, len(active) + 1), labels.reshape(-1))
         optim.zero_grad()
         loss.backward()
         optim.step()
@@ -273,11 +286,13 @@ def train_draft(out: Path, target: Path, sequences: list[tuple[list[int], list[i
 
 # -- 5: measure -----------------------------------------------------------------------------------
 def measure(target: Path, draft: Path, prompts: list[list[int]], max_tokens: int, batch: int,
-            temperature: float) -> dict:
+            temperature: float, n_drafts: tuple[int, ...] = (15,)) -> dict:
+    """Plain, then with the draft at each ``--dflash-n-draft`` of ``n_drafts``, same prompts."""
     figures: dict = {}
     outputs = {}
-    for name, path in (("plain", None), ("dflash", draft)):
-        _, engine, events, speculator = engine_for(target, path, decode=batch)
+    runs = [("plain", None, None)] + [(f"dflash_n{n}", draft, n) for n in n_drafts]
+    for name, path, n_draft in runs:
+        _, engine, events, speculator = engine_for(target, path, decode=batch, n_draft=n_draft)
         run(engine, events, prompts[:batch], 8, temperature)  # warm-up
         steps0 = engine.steps
         blocks0 = speculator.blocks if speculator else 0
@@ -295,15 +310,32 @@ def measure(target: Path, draft: Path, prompts: list[list[int]], max_tokens: int
             entry["mean_acceptance_length"] = round((speculator.committed_tokens - committed0) / max(blocks, 1), 2)
         figures[name] = entry
         engine.executor.close()
-    figures["identical_output"] = outputs["plain"] == outputs["dflash"]
-    figures["speedup"] = round(figures["dflash"]["tokens_per_s"] / figures["plain"]["tokens_per_s"], 2)
+    for name, _, n_draft in runs[1:]:
+        figures[name]["identical_output"] = outputs[name] == outputs["plain"]
+        figures[name]["speedup"] = round(figures[name]["tokens_per_s"] / figures["plain"]["tokens_per_s"], 2)
     return figures
 
 
 def build_pair(out: Path, *, target_steps: int, draft_steps: int, conversations: int, draft_sequences: int,
                batch: int = 16, seed: int = 0, reuse: bool = False) -> tuple[Path, Path, dict]:
     """Train (or, with ``reuse``, keep) the pair under ``out``: ``(target GGUF, draft HF dir, timings)``.
-    The draft is also written as ``out/draft.gguf``."""
+    The draft is also written as ``out/draft.gguf``. Trains on one torch thread (on a
+    shared CPU, OpenMP spinning costs more than a second thread gives)."""
+    import torch
+
+    from musegl_core.tiny import build_tiny_tokenizer
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _build_pair(out, target_steps=target_steps, draft_steps=draft_steps, conversations=conversations,
+                           draft_sequences=draft_sequences, batch=batch, seed=seed, reuse=reuse)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _build_pair(out: Path, *, target_steps: int, draft_steps: int, conversations: int, draft_sequences: int,
+                batch: int, seed: int, reuse: bool) -> tuple[Path, Path, dict]:
     from musegl_core.tiny import build_tiny_tokenizer
 
     out.mkdir(parents=True, exist_ok=True)
@@ -353,6 +385,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads (1: on a shared CPU, OpenMP spinning costs more than it gives)")
     parser.add_argument("--batch", type=int, default=16, help="training batch")
+    parser.add_argument("--n-draft", type=int, action="append", dest="n_drafts",
+                        help="--dflash-n-draft values to measure (repeatable; default 15 and 3)")
     args = parser.parse_args(argv)
     import torch
 
@@ -366,7 +400,7 @@ def main(argv: list[str] | None = None) -> int:
     for batch, temperature in ((1, 0.0), (8, 0.0), (1, 0.7)):
         key = f"batch{batch}_{'greedy' if temperature == 0 else f't{temperature}'}"
         report[key] = measure(target, draft, prompts[:max(batch, 4)] if batch == 1 else prompts, args.max_tokens,
-                              batch, temperature)
+                              batch, temperature, tuple(args.n_drafts or (15, 3)))
         log(f"{key}: {json.dumps(report[key])}")
     print(json.dumps(report, indent=2))
     return 0
