@@ -35,6 +35,13 @@ def serve(model: Path, *flags: str, ready_timeout: float = 600.0) -> Iterator[st
 
     The server's output goes to a log file whose path is printed if it fails.
     """
+    with serve_process(model, *flags, ready_timeout=ready_timeout) as (url, _process):
+        yield url
+
+
+@contextlib.contextmanager
+def serve_process(model: Path, *flags: str, ready_timeout: float = 600.0) -> Iterator[tuple[str, subprocess.Popen]]:
+    """:func:`serve`, also yielding the front's process (its child is the worker)."""
     port = free_port()
     log = tempfile.NamedTemporaryFile(prefix="musegl-serve-", suffix=".log", delete=False)
     command = [sys.executable, "-m", "musegl_core.cli.main", "serve", str(model), "--port", str(port), *flags]
@@ -54,7 +61,7 @@ def serve(model: Path, *flags: str, ready_timeout: float = 600.0) -> Iterator[st
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the server was not ready within {ready_timeout:.0f} s; see {log.name}")
             time.sleep(0.5)
-        yield url
+        yield url, process
     finally:
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGTERM)  # its own session: the front and its worker

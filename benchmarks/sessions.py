@@ -1,7 +1,8 @@
 """Session prefix reuse: TTFT of a late agent turn with its session vs anonymous.
 
-Starts ``musegl serve`` on the bench checkpoint (no prefix snapshots, so an
-anonymous request always prefills its whole history) and runs the ``agent``
+Starts ``musegl serve`` on the bench checkpoint (no prefix snapshots and no
+automatic prefix caching, so an anonymous request always prefills its whole
+history) and runs the ``agent``
 workload of ``musegl bench``: a few conversations of several turns in named
 sessions, each turn adding the reply and a new user message of a few hundred
 tokens. Afterwards the bench resends each conversation's last-turn history
@@ -35,7 +36,7 @@ def main() -> int:
     slots = str(max(args.conversations * 2, args.concurrency))  # named sessions + anonymous replays
     flags = ("--max-sessions", slots, "--max-inflight-requests", str(args.concurrency),
              "--max-decode-sequences", str(args.concurrency), "--max-context", "8192",
-             "--prefix-cache-entries", "0")
+             "--prefix-cache-entries", "0", "--no-prefix-caching")
     with serve(model, *flags) as url:
         config = BenchConfig(url=url, workload="agent", concurrency=args.concurrency,
                              conversations=args.conversations, turns=args.turns, max_tokens=args.max_tokens,

@@ -14,7 +14,7 @@ from musegl_core.plugins.specs import DialectSpec, TemplateSpec
 def musegl_templates():
     from musegl_core.chat.template import MuseTemplate
 
-    return [TemplateSpec("muse", "Muse Glimmer ATEM chat template (chat-format.md)", MuseTemplate)]
+    return [TemplateSpec("muse", "Muse Glimmer ATEM chat template", MuseTemplate)]
 
 
 @hookimpl

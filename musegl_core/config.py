@@ -25,17 +25,21 @@ def min_request_bytes(max_image_bytes: int) -> int:
 
 
 def flag(default: Any, help: str, group: str, *, kind: str = "str", metavar: str | None = None,
-         choices: tuple[str, ...] | None = None, env: str | None = None) -> Any:
+         choices: tuple[str, ...] | None = None, env: str | None = None, name: str | None = None) -> Any:
     """A :class:`ServeConfig` field that is also a ``musegl serve`` flag.
 
-    The flag is the field name with dashes (``max_context`` -> ``--max-context``);
+    The flag is the field name with dashes (``max_context`` -> ``--max-context``)
+    unless ``name`` says otherwise;
     ``kind`` is how its text is read (``str``, ``int``, ``float``, ``size`` such
-    as ``24GiB``, or ``switch`` for an on/off flag); ``env`` names an
+    as ``24GiB``, ``switch`` for a flag that turns a False default on, or
+    ``off-switch`` for ``--no-NAME`` that turns a True default off, ``append``
+    for a repeatable flag collected into a tuple); ``env`` names an
     environment variable that supplies the default. The parser of
     :mod:`musegl_core.cli.serve` is built from these, so every setting is
     written out once, here."""
     return attrs.field(default=default, metadata={"flag": {"help": help, "group": group, "kind": kind,
-                                                           "metavar": metavar, "choices": choices, "env": env}})
+                                                           "metavar": metavar, "choices": choices, "env": env,
+                                                           "name": name}})
 
 
 NET, LIMITS, PROTO, EXEC = "network", "limits (the seed's serving limits)", "protocol", "execution"
@@ -48,12 +52,23 @@ class ServeConfig:
     model: str | None = None
     host: str = flag("127.0.0.1", "bind address (default %(default)s)", NET)
     port: int = flag(8000, "port (default %(default)s)", NET, kind="int")
-    served_model_name: str | None = flag(None, "model id reported by /v1/models", NET)
+    served_model_name: str | None = flag(None, "model id reported by /v1/models (default: a slug of the checkpoint's "
+                                         "name); repeat to add aliases; 'musegl' is always accepted too", NET,
+                                         kind="append", metavar="NAME")
+    #: more ids the model answers to (``--served-model-name`` given again)
+    served_model_aliases: tuple[str, ...] = ()
+    cors_allow_origins: tuple[str, ...] = flag((), "allow cross-origin requests from ORIGIN (repeatable; '*' for any); "
+                                               "default: CORS off", NET, kind="append", metavar="ORIGIN",
+                                               name="--cors-allow-origin")
+    shutdown_timeout: float = flag(5.0, "on SIGINT/SIGTERM, how long in-flight requests may still run "
+                                   "(default %(default)s)", NET, kind="float", metavar="SECONDS")
     api_key: str | None = flag(None, "require this bearer token (env MUSEGL_API_KEY)", NET, env="MUSEGL_API_KEY")
     max_context: int = flag(8192, "context budget per session in tokens (default %(default)s)", LIMITS, kind="int")
     max_sessions: int = flag(4, "session slots (default %(default)s)", LIMITS, kind="int")
     max_inflight_requests: int = flag(4, "admitted requests (default %(default)s)", LIMITS, kind="int")
     max_decode_sequences: int = flag(4, "decode batch width (default %(default)s)", LIMITS, kind="int")
+    max_n: int = flag(8, "most choices one chat request may ask for with 'n' (default %(default)s)", LIMITS,
+                      kind="int")
     max_prefill_chunk: int = flag(512, "prompt positions per forward (default %(default)s)", LIMITS, kind="int")
     max_image_bytes: int = flag(MAX_IMAGE_BYTES_CAP, "compressed image size limit (1 B .. 20 MiB, default 20 MiB)",
                                 LIMITS, kind="int")
@@ -63,6 +78,11 @@ class ServeConfig:
     prefix_cache_entries: int = flag(0, "prefix snapshots (default %(default)s)", LIMITS, kind="int")
     evict_idle_sessions: bool = flag(False, "evict the least recently used idle session when slots run out",
                                      LIMITS, kind="switch")
+    session_idle_timeout: float | None = flag(None, "close named sessions idle this long (default: they persist "
+                                              "until DELETE /v1/sessions/{id})", LIMITS, kind="float",
+                                              metavar="SECONDS")
+    prefix_caching: bool = flag(True, "turn off automatic prefix caching (reuse of finished requests' KV blocks)",
+                                LIMITS, kind="off-switch")
     streaming_preflight_timeout: float | None = flag(None, "bound the wait before streaming headers", LIMITS,
                                                      kind="float", metavar="SECONDS")
     kv_blocks: int | None = flag(None, "KV pool size in blocks (default: sized from memory, see --kv-cache-memory)",
@@ -72,6 +92,10 @@ class ServeConfig:
                                        LIMITS, kind="size", metavar="SIZE")
     kv_cache_fraction: float = flag(0.9, "share of the memory free after loading that the KV cache may use "
                                     "(default %(default)s)", LIMITS, kind="float", metavar="F")
+    constrained_reasoning_tokens: int = flag(
+        1024, "under an output constraint (response_format json, tool_choice required/named), the reasoning "
+        "message may take at most this many tokens before the constrained part must begin; 0: no reasoning "
+        "(default %(default)s)", PROTO, kind="int", metavar="N")
     tool_parser: str | None = flag(None, "tool-call parser (e.g. atem, from musegl-atem)", PROTO, metavar="NAME")
     api_dialect: str = flag("openai", "API dialect: openai (default) or a plugin's (openrouter)", PROTO,
                             metavar="NAME")
@@ -102,6 +126,8 @@ class ServeConfig:
         int_range("--max-inflight-requests", self.max_inflight_requests, 1)
         int_range("--max-decode-sequences", self.max_decode_sequences, 1)
         int_range("--max-prefill-chunk", self.max_prefill_chunk, 1)
+        int_range("--max-n", self.max_n, 1, 128)
+        int_range("--constrained-reasoning-tokens", self.constrained_reasoning_tokens, 0)
         int_range("--max-image-bytes", self.max_image_bytes, 1, MAX_IMAGE_BYTES_CAP)
         int_range("--max-request-bytes", self.max_request_bytes, 1, MAX_REQUEST_BYTES_CAP)
         floor = min_request_bytes(self.max_image_bytes)
@@ -118,8 +144,25 @@ class ServeConfig:
                 math.isfinite(t) and t > 0,
                 f"--streaming-preflight-timeout must be a positive number of seconds, got {t}",
             )
+        if self.session_idle_timeout is not None:
+            t = self.session_idle_timeout
+            need(
+                math.isfinite(t) and t > 0,
+                f"--session-idle-timeout must be a positive number of seconds, got {t}",
+            )
         int_range("--port", self.port, 0, 65535)
         need(bool(self.host.strip()), "--host must not be empty")
+        need(
+            math.isfinite(self.shutdown_timeout) and self.shutdown_timeout >= 0,
+            f"--shutdown-timeout must be a non-negative number of seconds, got {self.shutdown_timeout}",
+        )
+        for name in (self.served_model_name, *self.served_model_aliases):
+            need(
+                name is None or (bool(name) and not any(c.isspace() for c in name)),
+                f"--served-model-name must be non-empty and contain no whitespace, got {name!r}",
+            )
+        for origin in self.cors_allow_origins:
+            need(bool(origin.strip()), "--cors-allow-origin must not be empty")
         if self.kv_blocks is not None:
             int_range("--kv-blocks", self.kv_blocks, 1)
         if self.kv_cache_memory is not None:

@@ -13,8 +13,9 @@ class ConfigError(Exception):
 class ApiError(Exception):
     """An error that reaches a client as an OpenAI-style error object.
 
-    ``status`` is the HTTP status; ``type`` and ``code`` follow spec/api.md
-    section 6. ``metadata`` carries machine-readable details that dialects may
+    ``status`` is the HTTP status; ``type`` and ``code`` are the stable
+    values documented in ``docs/protocol.md`` and ``docs/serving.md``.
+    ``metadata`` carries machine-readable details that dialects may
     expose (context-overflow counts, for example). ``retry_after`` adds a
     ``Retry-After`` header (seconds).
     """
@@ -41,3 +42,8 @@ def unavailable(message: str, *, code: str | None = None, retry_after: int | Non
 
 def server_error(message: str, *, code: str | None = None) -> ApiError:
     return ApiError(500, message, "server_error", code)
+
+
+def shutting_down() -> ApiError:
+    """503 ``server_shutting_down``: the request was cut short (or refused) by shutdown."""
+    return unavailable("the server is shutting down", code="server_shutting_down", retry_after=None)

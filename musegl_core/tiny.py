@@ -7,7 +7,7 @@ preset and the seed, so the same inputs give byte-identical files:
 * the tokenizer is byte-level BPE over the 256 byte symbols plus merges learned
   by a small deterministic BPE learner from the text embedded below, split with
   the Llama 4 (GPT-4o style) pattern; the Muse Glimmer control tokens sit at
-  their real ids (spec/model.md 9) and the rest of 200000..202047 holds
+  their real ids and the rest of 200000..202047 holds
   ``<|reserved_special_token_N|>``; ids in between are GGUF ``[PAD…]`` fillers;
 * every weight comes from its own numpy generator seeded with ``(seed, name)``,
   so the tensors do not depend on the order anything reads them.
@@ -63,7 +63,7 @@ FORMAT_VERSION = 1
 VOCAB_SIZE = 202048
 SPECIAL_RANGE = range(200000, 202048)
 
-#: The Muse Glimmer control tokens at their real ids (spec/model.md 9, spec/chat-format.md 1).
+#: The Muse Glimmer control tokens at their real ids.
 MUSE_SPECIAL_TOKENS: Mapping[int, str] = {
     200000: "<|begin_of_text|>",
     200001: "<|end_of_text|>",
@@ -138,7 +138,7 @@ SELECT name, count(*) FROM requests WHERE status = 'done' GROUP BY name ORDER BY
 class TinyPreset:
     """The shape of a tiny random checkpoint.
 
-    Layer kinds follow the released rule (spec/model.md 1.2): every fourth layer
+    Layer kinds follow the released rule: every fourth layer
     counted back from the last is full attention without RoPE, the others are
     sliding-window layers with RoPE, so four layers already hold both kinds.
     """

@@ -2,12 +2,11 @@
 
 :class:`MuseTokenizer` wraps a :class:`tokenizers.Tokenizer` built either from a
 ``tokenizer.json`` (a Hugging Face directory) or from the ``tokenizer.ggml.*``
-metadata of a GGUF file (spec/gguf.md 2.4). Both routes produce the same
+metadata of a GGUF file. Both routes produce the same
 tokenizer: one byte-level BPE model, a regex split chosen by the llama.cpp
 pre-tokenizer tag, and the added (control) tokens pinned to their ids.
 
-Two rules from the chat format (spec/chat-format.md 6.9 and the founders'
-answers) shape the API:
+Two rules of the chat format shape the API:
 
 * nothing adds a BOS behind the caller's back: :meth:`MuseTokenizer.encode`
   never does, and :meth:`MuseTokenizer.encode_segments` makes the prompt start
@@ -15,7 +14,7 @@ answers) shape the API:
 * text a client wrote is encoded with ``special=False``: a written
   ``<|eot|>`` is then plain characters, never the control token.
 
-Every special id is looked up by its string at load time (spec/model.md 9).
+Every special id is looked up by its string at load time.
 """
 
 from __future__ import annotations
@@ -435,7 +434,7 @@ class MuseTokenizer:
 
     @classmethod
     def from_gguf_data(cls, data: GGUFTokenizerData) -> MuseTokenizer:
-        """Build from GGUF tokenizer metadata (spec/gguf.md 2.4).
+        """Build from GGUF tokenizer metadata.
 
         NORMAL tokens form the BPE vocabulary, CONTROL and USER_DEFINED tokens
         become added tokens (special for CONTROL), and UNUSED ``[PAD…]`` fillers
@@ -588,7 +587,7 @@ class MuseTokenizer:
     def end_of_generation_ids(self) -> tuple[int, ...]:
         """Ids that end generation: EOS and ``<|eot|>`` (as llama.cpp), plus declared extras.
 
-        ``<|eom|>`` is deliberately not one of them (spec/model.md 9).
+        ``<|eom|>`` is deliberately not one of them.
         """
         ids = [self.eos_id, *self._extra_eos_ids]
         eot = self.token_id("<|eot|>")
@@ -620,7 +619,7 @@ class MuseTokenizer:
         return tokenizer.encode(text, add_special_tokens=False).ids
 
     def encode_segments(self, segments: Sequence[PromptSegment], *, add_bos: bool = True) -> list[int]:
-        """Token ids of a rendered prompt (spec/chat-format.md 6.9).
+        """Token ids of a rendered prompt.
 
         Text is tokenized in *runs*: consecutive text between two control tokens
         is encoded as one string even when it spans several segments, so the BPE
@@ -715,7 +714,7 @@ class MuseTokenizer:
         return json.dumps(self._document, ensure_ascii=False, indent=2) + "\n"
 
     def to_gguf_data(self, vocab_size: int | None = None) -> GGUFTokenizerData:
-        """The GGUF tokenizer metadata for this tokenizer (spec/gguf.md 2.4).
+        """The GGUF tokenizer metadata for this tokenizer.
 
         :param vocab_size: length of the token list (default :attr:`vocab_size`);
             ids without a token become ``[PAD{id}]`` entries of type UNUSED.

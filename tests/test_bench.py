@@ -26,6 +26,7 @@ def server():
     config = ServeConfig(
         model=str(musegl_core.tiny.default_model_path()), demo=True, port=0, max_context=2048,
         max_sessions=4, max_inflight_requests=4, max_decode_sequences=4,
+        prefix_caching=False,  # only sessions reuse KV, so the reports' cached counts are exact
     )
     with running_server(config) as running:
         yield running

@@ -1,4 +1,4 @@
-"""The channel parser against output-grammar.md (rules R1–R18 and sections 2, 5, 7)."""
+"""The channel parser: headers, messages, fences, ATEM blocks, streaming."""
 
 from __future__ import annotations
 
@@ -35,12 +35,12 @@ def check(text, reasoning=None, content=None, **kwargs):
 
 
 def test_r1_framing_removed_self_is_reasoning_user_is_content():
-    """output-grammar R1: framing is removed; to=self → reasoning, to=user → content."""
+    """Framing is removed; to=self → reasoning, to=user → content."""
     check(" to=self<|message|>Think.<|eom|><|start|>assistant to=user<|message|>Hi!<|eot|>", "Think.", "Hi!")
 
 
 def test_r2_no_header_is_implicit_visible_message():
-    """output-grammar R2 / section 1: output without a header is an implicit visible message."""
+    """Output without a header is an implicit visible message."""
     check("Just an answer.", None, "Just an answer.")
 
 
@@ -54,12 +54,12 @@ def test_r2_no_header_is_implicit_visible_message():
     ],
 )
 def test_r3_header_forms_after_a_terminator(text):
-    """output-grammar R3 / section 1: unaddressed, bare, <|start|>-less and <|message|>-only headers."""
+    """Unaddressed, bare, <|start|>-less and <|message|>-only headers."""
     check(text, "think", "Answer.")
 
 
 def test_r4_separators_and_control_only_bodies():
-    """output-grammar R4 / section 6: bodies joined with "\\n\\n"; control-only bodies add none."""
+    """Bodies joined with "\\n\\n"; control-only bodies add none."""
     check(
         " to=self<|message|>one<|eom|><|start|>assistant to=self<|message|>two<|eom|><|start|>assistant"
         " to=user<|message|>A<|eom|><|start|>assistant to=user<|message|>B<|eot|>",
@@ -75,7 +75,7 @@ def test_r4_separators_and_control_only_bodies():
 
 
 def test_r5_controls_removed_in_reasoning_literal_in_content():
-    """output-grammar R5 / 2.2.3–2.2.4: stray controls leave reasoning, stay in content."""
+    """Stray controls leave reasoning, stay in content."""
     check(
         " to=self<|message|>Think <|start|>more<|message|>.<|eom|><|start|>assistant to=user<|message|>ok<|eot|>",
         "Think more.",
@@ -99,13 +99,13 @@ def test_r5_controls_removed_in_reasoning_literal_in_content():
     ],
 )
 def test_r6_end_of_output_fragments(text, content):
-    """output-grammar R6 / section 5 rules 1–3: `<|` fragments and incomplete <|start|>
+    """`<|` fragments and incomplete <|start|>
     headers are dropped at EOF; a bare `to=` fragment stays literal."""
     check(text, None, content, end="length")
 
 
 def test_r7_quoted_header_literal_even_when_a_call_follows():
-    """output-grammar R7: a header that is not at a header position is content."""
+    """A header that is not at a header position is content."""
     quoted = "The model writes <|start|>assistant to=get_time.get_time<|message|> first."
     result = check(
         f" to=user<|message|>{quoted}<|eom|><|start|>assistant to=get_time.get_time<|message|>{CALL}<|eot|>",
@@ -117,7 +117,7 @@ def test_r7_quoted_header_literal_even_when_a_call_follows():
 
 
 def test_r8_rejected_self_header_stays_visible_when_reasoning_hidden():
-    """output-grammar R8 / section 6 visibility: hiding never touches header-like content."""
+    """Hiding never touches header-like content."""
     check(
         " to=user<|message|>Quoted: <|start|>assistant to=self<|message|>secret<|eot|>",
         None,
@@ -127,7 +127,7 @@ def test_r8_rejected_self_header_stays_visible_when_reasoning_hidden():
 
 
 def test_r9_recipient_changes_only_after_a_terminator():
-    """output-grammar R9 / 2.1.4: unexpected text after a terminator continues the same recipient."""
+    """Unexpected text after a terminator continues the same recipient."""
     check(
         " to=self<|message|>plan<|eom|>oops<|start|>assistant to=user<|message|>Hi<|eot|>",
         "planoopsassistant to=userHi",
@@ -137,7 +137,7 @@ def test_r9_recipient_changes_only_after_a_terminator():
 
 
 def test_r10_fenced_examples_keep_their_controls():
-    """output-grammar R10 / 2.2.1: terminators inside a fence are literal (then removed in reasoning)."""
+    """Terminators inside a fence are literal (then removed in reasoning)."""
     body = "Example:\n```\n<|start|>assistant to=self<|message|>x<|eom|>\n```\nDone"
     check(f" to=user<|message|>{body}<|eot|>", None, body)
     check(
@@ -148,7 +148,7 @@ def test_r10_fenced_examples_keep_their_controls():
 
 
 def test_r11_unclosed_fence_keeps_everything_in_the_message():
-    """output-grammar R11 / 2.3: after an unclosed fence no header or call is recognised."""
+    """After an unclosed fence no header or call is recognised."""
     rest = (
         "Here:\n```python\nprint(1)<|eom|><|start|>assistant to=weather.get_forecast<|message|>"
         '<atem:function_calls>\n<atem:invoke name="weather.get_forecast">\n'
@@ -159,7 +159,7 @@ def test_r11_unclosed_fence_keeps_everything_in_the_message():
 
 
 def test_r12_fence_delimiter_details():
-    """output-grammar R12 / 2.3: info strings, closing runs, terminator-ended lines, tildes."""
+    """Info strings, closing runs, terminator-ended lines, tildes."""
     check(" to=user<|message|>``` a`b\nx<|eom|><|start|>assistant to=user<|message|>y<|eot|>", None, "``` a`b\nx\n\ny")
     tail = "```\ncode\n``` not closed\nstill<|eom|><|start|>assistant to=self<|message|>z"
     check(f" to=user<|message|>{tail}", None, tail)
@@ -171,12 +171,12 @@ def test_r12_fence_delimiter_details():
 
 
 def test_2_3_opening_line_ended_by_terminator_discards_the_fence():
-    """output-grammar 2.3 [decision]: an opening line ended by a terminator ends the message."""
+    """An opening line ended by a terminator ends the message."""
     check(" to=user<|message|>```py<|eom|><|start|>assistant to=user<|message|>x<|eot|>", None, "```py\n\nx")
 
 
 def test_2_3_fence_state_belongs_to_one_message():
-    """output-grammar 2.3: fence state starts closed in each message."""
+    """Fence state starts closed in each message."""
     check(
         " to=self<|message|>```py<|eom|><|start|>assistant to=user<|message|>y\n```\nz<|eom|>",
         "```py",
@@ -185,7 +185,7 @@ def test_2_3_fence_state_belongs_to_one_message():
 
 
 def test_r13_tool_messages_are_handed_to_the_tool_parser():
-    """output-grammar R13 / 2.4: tool-addressed bodies reach the tool parser verbatim."""
+    """Tool-addressed bodies reach the tool parser verbatim."""
     result = check(
         " to=self<|message|>Need the time.<|eom|><|start|>assistant to=get_time.get_time<|message|>"
         f"{CALL}<|eot|>",
@@ -210,7 +210,7 @@ def test_r13_tool_messages_are_handed_to_the_tool_parser():
 
 
 def test_r14_atem_intent_position():
-    """output-grammar R14 / 2.2.5–2.2.6: line-start intent outside code only; never in reasoning."""
+    """Line-start intent outside code only; never in reasoning."""
     result = check(f" to=user<|message|>Let me check.\n{CALL}<|eot|>", None, "Let me check.\n", tools=True)
     assert result.tool_messages == (ToolMessage("user", CALL, True, intent=True),)
     for text in (f"Write {CALL} to call it.", f"Example:\n```\n{CALL}\n```", "Tags:\n<atem:foo> is not a tag."):
@@ -227,20 +227,20 @@ def test_r14_atem_intent_position():
 
 
 def test_2_2_5_text_after_intent_block_continues_the_content():
-    """output-grammar 2.2.5 [decision]: scanning continues in the same message after the block."""
+    """Scanning continues in the same message after the block."""
     result = check(f" to=user<|message|>A\n{CALL}\nB<|eot|>", None, "A\n\nB", tools=True)
     assert [m.intent for m in result.tool_messages] == [True]
 
 
 def test_2_2_5_broken_intent_block_resumes_content():
-    """output-grammar 2.2.5 / section 3: a block that deviates from the grammar is handed off
+    """A block that deviates from the grammar is handed off
     incomplete (the tool parser reports it malformed) and the rest is content."""
     result = check(" to=user<|message|>A\n<atem:function_calls>\noops<|eot|>", None, "A\noops", tools=True)
     assert result.tool_messages == (ToolMessage("user", "<atem:function_calls>\n", False, intent=True),)
 
 
 def test_r15_parameter_values_are_opaque():
-    """output-grammar R15 / section 3: terminators and headers inside values are literal."""
+    """Terminators and headers inside values are literal."""
     body = (
         '<atem:function_calls>\n<atem:invoke name="fs.write">\n<atem:parameter name="path"> a.txt </atem:parameter>\n'
         '<atem:parameter name="content">a<|eom|><|start|>assistant to=user<|message|>b\n</atem:parameter>\n'
@@ -257,19 +257,19 @@ def test_r15_parameter_values_are_opaque():
 
 
 def test_2_2_7_tool_addressed_messages_are_content_when_tools_inactive():
-    """output-grammar section 1 [decision]: tool recipients are visible when tools are inactive."""
+    """Tool recipients are visible when tools are inactive."""
     result = check(f" to=get_time.get_time<|message|>{CALL}<|eot|>", None, CALL, tools=False)
     assert result.tool_messages == ()
 
 
 def test_r17_non_atem_tool_body_is_handed_off_for_rejection():
-    """output-grammar R17 / 2.4: a tool body that is not ATEM still ends at its terminator."""
+    """A tool body that is not ATEM still ends at its terminator."""
     result = check(' to=get_time.get_time<|message|>{"tz": "UTC"}<|eot|>', tools=True)
     assert result.tool_messages == (ToolMessage("get_time.get_time", '{"tz": "UTC"}', True),)
 
 
 def test_r17_r18_truncated_tool_message_is_incomplete():
-    """output-grammar R17/R18 / section 4.6: output ending inside a block → incomplete hand-off."""
+    """Output ending inside a block → incomplete hand-off."""
     text = (
         " to=self<|message|>Need time.<|eom|> to=get_time.get_time<|message|><atem:function_calls>\n"
         '<atem:invoke name="get_time.get_time">\n<atem:parameter name="tz">U'
@@ -281,28 +281,28 @@ def test_r17_r18_truncated_tool_message_is_incomplete():
 
 
 def test_2_1_4_text_after_a_tool_message_continues_it():
-    """output-grammar 2.1.4: non-whitespace after a tool message's terminator joins its body."""
+    """Non-whitespace after a tool message's terminator joins its body."""
     result = check(f" to=get_time.get_time<|message|>{CALL}<|eom|>oops<|eot|>", tools=True)
     assert [m.body for m in result.tool_messages] == [CALL + "oops"]
 
 
 def test_5_5_whitespace_after_final_terminator_dropped():
-    """output-grammar 5.5: whitespace after the last structural terminator is dropped."""
+    """Whitespace after the last structural terminator is dropped."""
     check(" to=user<|message|>Hi<|eot|>\n \n", None, "Hi")
 
 
 def test_1_recipient_must_be_followed_by_message():
-    """output-grammar section 1 [decision]: ` to=user <|message|>` is not a header."""
+    """` to=user <|message|>` is not a header."""
     check(" to=user <|message|>Hi", None, " to=user <|message|>Hi")
 
 
 def test_6_bodies_are_not_trimmed():
-    """output-grammar section 6 [decision]: no trimming of bodies."""
+    """No trimming of bodies."""
     check(" to=user<|message|>  spaced \n<|eot|>", None, "  spaced \n")
 
 
 def test_7_hidden_reasoning_emits_no_reasoning_events():
-    """output-grammar section 6 visibility / 7: hidden reasoning produces no reasoning deltas."""
+    """Hidden reasoning produces no reasoning deltas."""
     parser = ChannelParser(tools_active=False, hide_reasoning=True)
     events = parser.feed(" to=self<|message|>secret<|eom|><|start|>assistant to=user<|message|>ok<|eot|>")
     events += parser.finish("eos")
@@ -310,7 +310,7 @@ def test_7_hidden_reasoning_emits_no_reasoning_events():
 
 
 def test_7_streaming_holds_back_only_ambiguous_text():
-    """output-grammar section 7: settled text is emitted at once; `<|` prefixes are held."""
+    """Settled text is emitted at once; `<|` prefixes are held."""
     parser = ChannelParser(tools_active=False)
     assert parser.feed(" to=user<|message|>Hel") == [ContentDelta("Hel")]
     assert parser.feed("lo<|e") == [ContentDelta("lo")]
@@ -319,7 +319,7 @@ def test_7_streaming_holds_back_only_ambiguous_text():
 
 
 def test_7_tool_end_waits_for_the_next_header():
-    """output-grammar 2.1.4 / 7: a tool message is closed once the next header is known."""
+    """A tool message is closed once the next header is known."""
     parser = ChannelParser(tools_active=True)
     events = parser.feed(f" to=get_time.get_time<|message|>{CALL}<|eom|>")
     assert not any(isinstance(event, ToolMessageEnd) for event in events)
@@ -329,13 +329,13 @@ def test_7_tool_end_waits_for_the_next_header():
 
 
 def test_finish_validates_the_end_reason():
-    """output-grammar section 0: the end of generation is eos, length, stop or cancel."""
+    """The end of generation is eos, length, stop or cancel."""
     with pytest.raises(ValueError):
         ChannelParser(tools_active=False).finish("timeout")
 
 
 def test_match_header_kinds():
-    """output-grammar section 1: header grammar, partial prefixes at the buffer end."""
+    """Header grammar, partial prefixes at the buffer end."""
     assert match_header(" to=x<|message|>", 1) == ("full", "x", 16)
     assert match_header("<|start|>assistant<|message|>", 0)[:2] == ("full", None)
     assert match_header("<|start|>assistant to=us", 0)[0] == "partial"
@@ -343,7 +343,7 @@ def test_match_header_kinds():
 
 
 def test_atem_block_scanner_statuses():
-    """output-grammar section 3: the block framing ends at its closing tag or deviates."""
+    """The block framing ends at its closing tag or deviates."""
     body = CALL[len("<atem:function_calls>") :]
     assert AtemBlockScanner().advance(body + "tail", 0) == (len(body), "done")
     assert AtemBlockScanner().advance("\n<atem:invoke name=\"\">", 0)[1] == "malformed"
@@ -392,7 +392,7 @@ def _stream(text, cuts, **kwargs):
     truncate=st.booleans(),
 )
 def test_7_streaming_equals_buffered_for_every_chunking(data, index, tools, hide, end, truncate):
-    """output-grammar section 7 / section 2: for every chunking (including splits inside
+    """For every chunking (including splits inside
     control tokens, headers and ATEM tags) streamed events assemble to the buffered result.
     Splits inside multi-byte UTF-8 characters never reach the parser: the detokenizer
     emits only complete characters."""
@@ -418,7 +418,7 @@ def test_7_streaming_equals_buffered_for_every_chunking(data, index, tools, hide
     tools=st.booleans(),
 )
 def test_7_streaming_equals_buffered_on_generated_outputs(text, data, tools):
-    """output-grammar section 7: per-character streaming equals buffered parsing on arbitrary
+    """Per-character streaming equals buffered parsing on arbitrary
     mixtures of control tokens, fences and ATEM tags."""
     cuts = data.draw(st.lists(st.integers(0, len(text)), max_size=30))
     kwargs = dict(tools=tools, hide=False, end="length")
@@ -426,7 +426,7 @@ def test_7_streaming_equals_buffered_on_generated_outputs(text, data, tools):
     assert _stream(text, range(len(text)), **kwargs) == parsed(text, **kwargs)
 
 
-# -- token ids → detokenizer → parser (output-grammar section 7, issue 4.2) -----------------
+# -- token ids → detokenizer → parser -----------------
 
 _TOKEN_PIECES = [
     "<|start|>", "assistant", " to=", "self", "user", "ns.fn", "<|message|>", "<|eom|>", "<|eot|>",
@@ -465,23 +465,24 @@ def _piece_ids(tokenizer, piece: str, how: int) -> list[int]:
     end=st.sampled_from(["eos", "length", "stop"]),
 )
 def test_7_token_stream_equals_buffered_for_every_split(tiny_tokenizer, pieces, data, tools, end):
-    """output-grammar section 7 (streamed = buffered) through the real pipeline: the
+    """Streamed equals buffered through the real pipeline: the
     generated ids are grouped into worker events at random boundaries — inside
     multi-byte UTF-8 characters and inside control-token spellings — decoded by the
     incremental detokenizer and fed to the parser; the result equals buffered parsing
     of the whole text, and the reasoning-token count does not depend on the grouping."""
     from musegl_core.engine.detokenize import IncrementalDetokenizer
-    from musegl_core.http.completions import ReasoningTokenCounter
+    from musegl_core.http.completions import reasoning_tokens
 
     ids = [i for piece, how in pieces for i in _piece_ids(tiny_tokenizer, piece, how)]
     cuts = sorted(set(data.draw(st.lists(st.integers(0, len(ids)), max_size=12)))) + [len(ids)]
     parser = ChannelParser(tools_active=tools)
-    counter = ReasoningTokenCounter(tiny_tokenizer)
     detokenizer = IncrementalDetokenizer(tiny_tokenizer)
+    chars = []  # what the worker reports per id
     events, last = [], 0
     for cut in cuts:
-        events += parser.feed(detokenizer.push_many(ids[last:cut]))
-        counter.add(ids[last:cut])
+        pieces_ = [detokenizer.push(i) for i in ids[last:cut]]
+        chars += [len(p) for p in pieces_]
+        events += parser.feed("".join(pieces_))
         last = cut
     events += parser.feed(detokenizer.flush()) + parser.finish(end)
     text = tiny_tokenizer.decode(ids)
@@ -491,8 +492,7 @@ def test_7_token_stream_equals_buffered_for_every_split(tiny_tokenizer, pieces, 
     whole.feed(text)
     whole.finish(end)
     assert whole.message_starts == parser.message_starts
-    reference = ReasoningTokenCounter(tiny_tokenizer)
-    assert counter.count(parser.message_starts, ids) == reference.count(whole.message_starts, ids)
+    assert reasoning_tokens(parser.message_starts, chars) == reasoning_tokens(whole.message_starts, chars)
 
 
 def test_long_outputs_fed_in_small_chunks_stay_linear_and_identical():

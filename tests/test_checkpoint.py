@@ -1,4 +1,4 @@
-"""Checkpoint readers and the GGUF writer (numpy only, spec/gguf.md 1, 2, 5)."""
+"""Checkpoint readers and the GGUF writer (numpy only)."""
 
 from __future__ import annotations
 

@@ -39,7 +39,7 @@ USER = {"role": "user", "content": "What is 17 * 23?"}
 
 # -- render -----------------------------------------------------------------------------------
 def test_render_prints_the_worked_example_exactly(capsys, tmp_path):
-    """chat-format.md Example 1 through the front's planning code."""
+    """The official template's single-user-message example through the front's planning code."""
     path = tmp_path / "request.json"
     path.write_text(body(USER))
     status, out, _ = run(capsys, ["render", str(path), "--plugin", "core"])
@@ -48,7 +48,7 @@ def test_render_prints_the_worked_example_exactly(capsys, tmp_path):
 
 
 def test_render_reads_stdin_and_maps_reasoning_effort(capsys, monkeypatch):
-    """chat-format.md 6.5: reasoning.effort sets the reasoning strength."""
+    """Reasoning.effort sets the reasoning strength."""
     status, out, _ = run(
         capsys, ["render", "--plugin", "core"], body(USER, reasoning={"effort": "medium"}), monkeypatch
     )
@@ -56,7 +56,7 @@ def test_render_reads_stdin_and_maps_reasoning_effort(capsys, monkeypatch):
 
 
 def test_render_ids_keep_client_control_strings_literal(capsys, monkeypatch):
-    """chat-format.md 7 (founders): a user typing <|eot|> gets the characters;
+    """A user typing <|eot|> gets the characters;
     6.9: exactly one BOS id first."""
     from musegl_core.tiny import default_model_path
     from musegl_core.tokenizer import MuseTokenizer
@@ -97,7 +97,7 @@ def test_render_ids_with_a_tokenizer_path(capsys, monkeypatch):
     ],
 )
 def test_render_applies_the_server_validation(capsys, monkeypatch, fields, param, code):
-    """api.md 2.3 / 2.4 / issue 4.1: the same 400s as the server, on stderr, exit 1."""
+    """The same 400s as the server, on stderr, exit 1."""
     payload = json.loads(body(USER))
     payload.update(fields)
     status, out, err = run(capsys, ["render", "--plugin", "core"], json.dumps(payload), monkeypatch)
@@ -107,11 +107,12 @@ def test_render_applies_the_server_validation(capsys, monkeypatch, fields, param
     assert (error["error"]["param"], error["error"]["code"]) == (param, code)
 
 
-def test_render_rejects_a_trailing_assistant_message(capsys, monkeypatch):
-    """api.md 2.1: a conversation the template cannot continue is a 400."""
+def test_render_closes_a_trailing_assistant_message(capsys, monkeypatch):
+    """A final assistant message is history; the generation prompt follows."""
     request = body(USER, {"role": "assistant", "content": "391"})
-    status, _, err = run(capsys, ["render", "--plugin", "core"], request, monkeypatch)
-    assert status == 1 and json.loads(err)["error"]["type"] == "invalid_request_error"
+    status, out, _ = run(capsys, ["render", "--plugin", "core"], request, monkeypatch)
+    assert status == 0
+    assert out.rstrip("\n").endswith("<|start|>assistant to=user<|message|>391<|eot|><|start|>assistant")
 
 
 # -- parse ------------------------------------------------------------------------------------
@@ -129,7 +130,7 @@ def test_parse_r1_reasoning_and_content(capsys, monkeypatch):
 
 
 def test_parse_stops_at_eot_like_the_worker(capsys, monkeypatch):
-    """output-grammar founders' answer: <|eot|> ends generation unless ignore_eos."""
+    """<|eot|> ends generation unless ignore_eos."""
     text = " to=user<|message|>A<|eot|> to=user<|message|>B"
     assert parse(capsys, monkeypatch, text)[1]["content"] == "A"
     assert parse(capsys, monkeypatch, text, "--ignore-eos")[1]["content"] == "A\n\nB"
@@ -147,7 +148,7 @@ def test_parse_r6_length_cut_drops_control_fragment(capsys, monkeypatch):
 
 
 def test_parse_shows_tool_messages_without_a_tool_parser(capsys, monkeypatch):
-    """output-grammar 2.4: with tools active the tool-addressed body is handed off."""
+    """With tools active the tool-addressed body is handed off."""
     call = '<atem:function_calls>\n<atem:invoke name="get_time.get_time">\n</atem:invoke>\n</atem:function_calls>'
     text = f" to=self<|message|>t<|eom|><|start|>assistant to=get_time.get_time<|message|>{call}<|eot|>"
     _, result, _ = parse(capsys, monkeypatch, text, "--tools-active")
@@ -158,7 +159,7 @@ def test_parse_shows_tool_messages_without_a_tool_parser(capsys, monkeypatch):
 
 
 def test_parse_tool_calls_through_the_atem_plugin(capsys, monkeypatch):
-    """output-grammar R13 (flat alias maps back), when the atem plugin is installed."""
+    """A flat alias maps back to the declared name, when the atem plugin is installed."""
     pytest.importorskip("musegl_atem.plugin")
     tools = [{"type": "function", "function": {"name": "get_time", "parameters": {
         "type": "object", "properties": {"tz": {"type": "string"}}, "required": ["tz"]}}}]

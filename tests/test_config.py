@@ -31,6 +31,11 @@ BAD = [
     (["--api-dialect", "nosuch"], "no dialect named 'nosuch'"),
     (["--plugin", "nosuch"], "plugin 'nosuch' is not installed"),
     (["/definitely/not/here.gguf"], "does not exist"),
+    (["--shutdown-timeout", "-1"], "--shutdown-timeout"),
+    (["--shutdown-timeout", "inf"], "--shutdown-timeout"),
+    (["--served-model-name", "has space"], "--served-model-name"),
+    (["--served-model-name", "ok", "--served-model-name", ""], "--served-model-name"),
+    (["--cors-allow-origin", " "], "--cors-allow-origin"),
 ]
 
 
@@ -57,3 +62,15 @@ def test_defaults_are_the_seeds():
     assert c.max_image_bytes == 20 * 2**20 and c.max_request_bytes == 32 * 2**20
     assert c.max_vision_patches == 4096 and c.prefix_cache_entries == 0
     assert c.host == "127.0.0.1"
+    assert c.shutdown_timeout == 5.0 and c.cors_allow_origins == ()
+
+
+def test_served_model_names_first_is_the_id_the_rest_aliases():
+    from musegl_core.cli.serve import build_parser, config_from_args
+
+    parser = build_parser()
+    args = parser.parse_args(["--served-model-name", "a", "--served-model-name", "b", "--served-model-name", "a",
+                              "--cors-allow-origin", "https://x", "--cors-allow-origin", "*"])
+    config = config_from_args(args, parser)
+    assert (config.served_model_name, config.served_model_aliases) == ("a", ("b",))
+    assert config.cors_allow_origins == ("https://x", "*")

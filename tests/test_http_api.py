@@ -120,7 +120,7 @@ def test_max_tokens_one_is_length(sdk):
     )
     assert result.choices[0].finish_reason == "length"
     assert result.usage.completion_tokens == 1
-    # ignore_eos: the reasoning breakdown is omitted (spec 7).
+    # ignore_eos: the reasoning breakdown is omitted.
     assert result.usage.completion_tokens_details is None
 
 

@@ -1,4 +1,4 @@
-"""Parsing the OpenAI ``messages`` and ``tools`` fields (chat-format 6.6–6.7, api.md 2.1–2.2)."""
+"""Parsing the OpenAI ``messages`` and ``tools`` fields."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ def rejects(raw, param, code=None, parse=parse_messages):
 
 
 def test_roles_and_content_forms():
-    """api.md 2.1: roles system/developer/user/assistant/tool; content str, null or parts."""
+    """Roles system/developer/user/assistant/tool; content str, null or parts."""
     messages = parse_messages(
         [
             {"role": "developer", "content": "D"},
@@ -58,12 +58,12 @@ def test_roles_and_content_forms():
     ],
 )
 def test_malformed_messages_name_the_field(raw, param):
-    """api.md 2.1: malformed messages → 400 invalid_request_error naming the field."""
+    """Malformed messages → 400 invalid_request_error naming the field."""
     rejects(raw, param)
 
 
 def test_tool_call_arguments_parsed_in_order():
-    """chat-format 6.6: arguments JSON string → object with key order; "" counts as {}."""
+    """Arguments JSON string → object with key order; "" counts as {}."""
     raw = [
         {
             "role": "assistant",
@@ -80,13 +80,13 @@ def test_tool_call_arguments_parsed_in_order():
 
 @pytest.mark.parametrize("arguments", ["[1]", "1", "{bad", "NaN", 5])
 def test_tool_call_arguments_must_be_an_object(arguments):
-    """chat-format 6.6: arguments that are not a JSON object → 400."""
+    """Arguments that are not a JSON object → 400."""
     raw = [{"role": "assistant", "tool_calls": [{"id": "a", "function": {"name": "f", "arguments": arguments}}]}]
     rejects(raw, "messages[0].tool_calls[0].function.arguments")
 
 
 def test_tool_call_needs_a_name():
-    """api.md 2.1: a tool call's function name is a non-empty string."""
+    """A tool call's function name is a non-empty string."""
     raw = [{"role": "assistant", "tool_calls": [{"id": "a", "function": {"name": "", "arguments": "{}"}}]}]
     rejects(raw, "messages[0].tool_calls[0].function.name")
 
@@ -102,24 +102,24 @@ def test_tool_call_needs_a_name():
     ],
 )
 def test_image_rules(part, param):
-    """api.md 2.2 / chat-format 6.7: inline PNG/JPEG base64 only, no detail → 400 invalid_image."""
+    """Inline PNG/JPEG base64 only, no detail → 400 invalid_image."""
     rejects([{"role": "user", "content": [part]}], param, "invalid_image")
 
 
 def test_at_most_one_image_across_history():
-    """api.md 2.2: more than one image across the whole history → 400 invalid_image."""
+    """More than one image across the whole history → 400 invalid_image."""
     raw = [{"role": "user", "content": [image()]}, {"role": "user", "content": [{"type": "text", "text": "x"}, image()]}]
     rejects(raw, "messages[1].content[1]", "invalid_image")
 
 
 def test_jpeg_accepted():
-    """api.md 2.2: JPEG data URLs are accepted."""
+    """JPEG data URLs are accepted."""
     url = "data:image/jpeg;base64," + base64.b64encode(b"\xff\xd8\xff").decode()
     assert parse_messages([{"role": "user", "content": [image(url)]}])[0].content[0].media_type == "image/jpeg"
 
 
 def test_tools_forms():
-    """api.md 2.1 / chat-format 2.4: OpenAI and bare tool forms; null and [] are no tools."""
+    """OpenAI and bare tool forms; null and [] are no tools."""
     assert parse_tools(None) == [] and parse_tools([]) == []
     tools = parse_tools(
         [
@@ -142,12 +142,12 @@ def test_tools_forms():
     ],
 )
 def test_malformed_tools(raw, param, code):
-    """api.md 2.1: malformed tool declarations → 400 naming the field."""
+    """Malformed tool declarations → 400 naming the field."""
     rejects(raw, param, code, parse=parse_tools)
 
 
 def test_alias_helpers():
-    """chat-format 6.3 / output-grammar 4.2: aliases map back; the flat name is also accepted."""
+    """Aliases map back; the flat name is also accepted."""
     aliases = tool_aliases(["get_time", "weather.get_forecast"])
     assert aliases == {"get_time.get_time": "get_time", "weather.get_forecast": "weather.get_forecast"}
     assert resolve_tool_name("get_time.get_time", aliases) == "get_time"

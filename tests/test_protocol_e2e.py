@@ -2,8 +2,7 @@
 engine, worker and HTTP front, read with the official ``openai`` SDK and with raw
 SSE parsing.
 
-Each test names the rule it checks: ``api`` = spec/api.md, ``grammar`` =
-spec/output-grammar.md, ``seed`` = the product seed's closing paragraphs.
+Each test's docstring says the behaviour it checks.
 """
 
 from __future__ import annotations
@@ -91,7 +90,7 @@ def joined(events: list, field: str) -> str:
     )
 
 
-# -- reasoning visibility (api 2.4, grammar 6, seed) ---------------------------------------
+# -- reasoning visibility ---------------------------------------
 def test_api_2_4_reasoning_shown_by_default_with_sdk(sdk):
     reply = sdk.chat.completions.create(model="m", messages=[{"role": "user", "content": "What is 2+2?"}])
     message = reply.choices[0].message
@@ -121,7 +120,7 @@ def test_api_2_4_noop_visibility_options_keep_reasoning(server, visibility):
 
 
 def test_seed_quoted_self_header_stays_visible_when_reasoning_hidden(server):
-    """grammar R8: hiding filters accepted reasoning messages, not header-shaped text."""
+    """Hiding filters accepted reasoning messages, not header-shaped text."""
     for stream in (False, True):
         body = ask("Quote?", include_reasoning=False)
         if stream:
@@ -132,7 +131,7 @@ def test_seed_quoted_self_header_stays_visible_when_reasoning_hidden(server):
         assert content == "Quoted: <|start|>assistant to=self<|message|>secret"
 
 
-# -- reasoning usage (api 7) -----------------------------------------------------------------
+# -- reasoning usage -----------------------------------------------------------------
 def test_api_7_reasoning_tokens_are_the_exact_self_message_ids(server, tokenizer):
     reasoning_ids = len(tokenizer.encode(" to=self<|message|>Add them.<|eom|>", special=True))
     completion_ids = len(tokenizer.encode(ADD, special=True))  # generation ends at <|eot|>
@@ -166,7 +165,7 @@ def test_api_7_length_cut_inside_reasoning_counts_every_id(server):
     assert usage["completion_tokens_details"] == {"reasoning_tokens": 10}
 
 
-# -- stops and finish reasons (api 2.1, 3; grammar 0, 6) -----------------------------------
+# -- stops and finish reasons -----------------------------------
 def test_api_2_1_request_stop_is_removed_and_reported_as_stop(server):
     choice = post(server, ask("Greek?", stop=["beta"])).json()["choices"][0]
     assert choice["message"]["content"] == "alpha "
@@ -198,7 +197,7 @@ def test_grammar_6_stop_inside_reasoning_keeps_no_partial_header(server):
     assert choice["finish_reason"] == "stop"
 
 
-# -- streaming semantics (api 4) --------------------------------------------------------------
+# -- streaming semantics --------------------------------------------------------------
 def test_api_4_2_raw_sse_chunk_sequence(server):
     response, events = sse_events(server, ask("What is 2+2?", stream_options={"include_usage": True}))
     assert response.headers["content-type"].startswith("text/event-stream")

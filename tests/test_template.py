@@ -1,5 +1,5 @@
-"""The Muse template against chat-format.md: worked examples (sections 3, 6.11),
-the properties of section 4 and musegl's rules of section 6."""
+"""The Muse template against the official template's worked examples, its
+properties, and musegl's own rules."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ from musegl_core.errors import ApiError
 
 PNG = "data:image/png;base64,iVBORw0KGgo="
 
-# Generated from spec/chat-format.md sections 3 and 6.11 (byte-exact expected outputs).
+# The official template's output for each request (byte-exact expected outputs).
 EXAMPLES = {  # noqa: E501
     'example_1_single_user': ('{"messages": [{"role": "user", "content": "What is 17 * 23?"}]}', '<|begin_of_text|><|start|>system<|message|>You are a helpful AI assistant.\nKnowledge cutoff: 2026-01-04.\nCurrent date: 2026-03-15.\n\nReasoning strength: high.\n\n# Valid recipients: "self", "user".<|eot|><|start|>user<|message|>What is 17 * 23?<|eot|><|start|>assistant'),
     'example_2_system_effort_directive': ('{"messages": [{"role": "system", "content": "You are terse.\\nReasoning effort: low"}, {"role": "user", "content": "Hi"}]}', '<|begin_of_text|><|start|>system<|message|>You are terse.\nReasoning strength: low\n\n# Valid recipients: "self", "user".<|eot|><|start|>user<|message|>Hi<|eot|><|start|>assistant'),
@@ -45,7 +45,7 @@ TOOL_BLOCK_TAIL = '\n\nHere\'s an example of how to call a function in the tool 
 
 
 def template_messages(raw):
-    """Template-level message dicts (spec sections 3/6.11) → Message objects."""
+    """Template-level message dicts → Message objects."""
     messages = []
     for item in raw:
         content = item.get("content")
@@ -107,7 +107,7 @@ def tool(name, description="d.", parameters=None):
 
 @pytest.mark.parametrize("name", list(EXAMPLES))
 def test_worked_examples_byte_exact(name):
-    """chat-format sections 3 and 6.11: every worked example renders byte-exact
+    """Every worked example renders byte-exact
     (clock date 2026-03-15; the elided [TOOL BLOCK] of 6.11 is cut out)."""
     request, expected = EXAMPLES[name]
     request = json.loads(request)
@@ -132,25 +132,25 @@ def test_worked_examples_byte_exact(name):
     assert out == expected
 
 
-# -- section 4 properties --------------------------------------------------------
+# -- template properties ---------------------------------------------------------
 
 
 def test_4_tool_block_once_per_system_block():
-    """chat-format 4 / 2.6: with two system messages the tool block appears twice."""
+    """With two system messages the tool block appears twice."""
     out = text_of([Message("system", "A"), Message("system", "B"), user()], [tool("x.y")])
     assert out.count("In this environment") == 2
     assert out.count('# Valid recipients: "self", "x.*", "user".') == 2
 
 
 def test_4_namespaces_first_appearance_and_deduplicated():
-    """chat-format 4 / 2.4–2.5: namespace order = first appearance; duplicates collapse."""
+    """Namespace order = first appearance; duplicates collapse."""
     out = text_of([user()], [tool("b.one"), tool("a.two"), tool("b.three")])
     assert '{"name": "b", "description": ""}\n{"name": "a", "description": ""}\n// Function' in out
     assert '# Valid recipients: "self", "b.*", "a.*", "user".' in out
 
 
 def test_4_json_keeps_key_order_and_non_ascii():
-    """chat-format 4 / 2.4: client key order, non-ASCII unescaped, no HTML escaping."""
+    """Client key order, non-ASCII unescaped, no HTML escaping."""
     params = {"type": "object", "properties": {"zeta": {"type": "string"}, "alpha": {"type": "integer"}}}
     out = text_of([user()], [tool("ns.f", "Grüße <b> & 'x'", params)])
     assert (
@@ -160,7 +160,7 @@ def test_4_json_keeps_key_order_and_non_ascii():
 
 
 def test_4_effort_normalisation_only_four_casings():
-    """chat-format 4 / 2.6: `Reasoning eFFort` is left alone and the default line is appended."""
+    """`Reasoning eFFort` is left alone and the default line is appended."""
     out = text_of([Message("system", "Reasoning eFFort: low"), user()])
     assert "<|message|>Reasoning eFFort: low\n\nReasoning strength: high." in out
     for old, new in [
@@ -174,13 +174,13 @@ def test_4_effort_normalisation_only_four_casings():
 
 
 def test_4_unknown_tool_call_id_labels_with_the_id():
-    """chat-format 4 / 2.8: an unresolved tool_call_id labels the result."""
+    """An unresolved tool_call_id labels the result."""
     out = text_of([user(), Message("tool", "r", tool_call_id="call_9")])
     assert '<|start|>tool call_9<|message|><tool_output name="call_9">\nr\n</tool_output><|eot|>' in out
 
 
 def test_4_last_call_ends_eom_only_before_an_assistant_message():
-    """chat-format 4 / 2.9: the last call ends <|eom|> iff an assistant message follows."""
+    """The last call ends <|eom|> iff an assistant message follows."""
     call = ToolCall("c", FunctionCall("n.f", {}))
     calls = Message("assistant", None, tool_calls=(call,))
     eot = text_of([user(), calls, Message("tool", "r", tool_call_id="c")])
@@ -189,11 +189,11 @@ def test_4_last_call_ends_eom_only_before_an_assistant_message():
     assert "</atem:function_calls><|eom|><|start|>assistant to=user<|message|>x<|eot|>" in eom
 
 
-# -- section 2 and 6 rules -------------------------------------------------------
+# -- rendering rules --------------------------------------------------------------
 
 
 def test_2_2_default_block_uses_clock_and_variables():
-    """chat-format 2.2 / 6.8: date from the clock unless current_date is set; cutoff default."""
+    """Date from the clock unless current_date is set; cutoff default."""
     out = text_of([user()], variables=TemplateVariables(current_date="2030-01-02", knowledge_cutoff="2029-12"))
     assert "Knowledge cutoff: 2029-12.\nCurrent date: 2030-01-02.\n" in out
     today = datetime.date.today().strftime("%Y-%m-%d")
@@ -201,24 +201,24 @@ def test_2_2_default_block_uses_clock_and_variables():
 
 
 def test_2_3_reasoning_line_from_variable():
-    """chat-format 2.3 / 6.5: reasoning_strength sets the reasoning line; default high."""
+    """Reasoning_strength sets the reasoning line; default high."""
     assert "Reasoning strength: low." in text_of([user()], variables=TemplateVariables(reasoning_strength="low"))
     assert "Reasoning strength: high." in text_of([user()], variables=TemplateVariables(reasoning_strength=""))
 
 
 def test_2_6_client_directive_wins_over_variable():
-    """chat-format 2.6: a system text stating a reasoning strength keeps its wording."""
+    """A system text stating a reasoning strength keeps its wording."""
     out = text_of([Message("system", "reasoning strength: low"), user()], variables=TemplateVariables("high"))
     assert "Reasoning strength: high" not in out
 
 
 def test_2_7_consecutive_user_messages_end_eot():
-    """chat-format 2.7: every user message ends with <|eot|>."""
+    """Every user message ends with <|eot|>."""
     assert "<|start|>user<|message|>a<|eot|><|start|>user<|message|>b<|eot|>" in text_of([user("a"), user("b")])
 
 
 def test_2_8_tool_result_name_resolution_order():
-    """chat-format 2.8: own name, then the last matching call's name, then the id."""
+    """Own name, then the last matching call's name, then the id."""
     first = Message("assistant", None, tool_calls=(ToolCall("c", FunctionCall("a.first", {})),))
     last = Message("assistant", None, tool_calls=(ToolCall("c", FunctionCall("a.last", {})),))
     out = text_of([user(), first, Message("tool", "1", tool_call_id="c"), last, Message("tool", "2", tool_call_id="c")])
@@ -229,14 +229,14 @@ def test_2_8_tool_result_name_resolution_order():
 
 
 def test_2_9_value_rendering():
-    """chat-format 2.9: booleans, null, JSON, verbatim strings, Python number forms."""
+    """Booleans, null, JSON, verbatim strings, Python number forms."""
     assert [render_value(v) for v in (True, False, None, 7, 2.5, 1e20, " a\n", {"k": [1, "é"]})] == [
         "true", "false", "null", "7", "2.5", "1e+20", " a\n", '{"k": [1, "é"]}'
     ]
 
 
 def test_2_9_plain_content_end_rules():
-    """chat-format 2.9: recipient defaults to user; end_turn absent → eot for user, eom otherwise."""
+    """Recipient defaults to user; end_turn absent → eot for user, eom otherwise."""
     out = text_of([user(), Message("assistant", None, recipient="x.y"), user()])
     assert "<|start|>assistant to=x.y<|message|><|eom|>" in out
     out = text_of([user(), Message("assistant", "", end_turn=True, recipient="x.y"), user()])
@@ -244,27 +244,27 @@ def test_2_9_plain_content_end_rules():
 
 
 def test_2_10_content_parts_render_in_order():
-    """chat-format 2.10: text parts verbatim, image parts as <|patch|>, no separator."""
+    """Text parts verbatim, image parts as <|patch|>, no separator."""
     rendered = render([Message("user", (TextPart("a"), ImagePart(PNG), TextPart("b")))])
     assert "<|start|>user<|message|>a<|patch|>b<|eot|>" in rendered.text
     assert rendered.image_count == 1
 
 
 def test_2_11_generation_prompt():
-    """chat-format 2.11: the prompt ends with <|start|>assistant, starting with BOS (6.9)."""
+    """The prompt ends with <|start|>assistant, starting with BOS."""
     out = text_of([user()])
     assert out.startswith("<|begin_of_text|><|start|>system") and out.endswith("<|eot|><|start|>assistant")
 
 
 def test_6_1_developer_renders_as_system():
-    """chat-format 6.1: developer messages are system blocks in place; no default block."""
+    """Developer messages are system blocks in place; no default block."""
     assert text_of([Message("developer", "D"), user()]) == text_of([Message("system", "D"), user()])
     out = text_of([Message("system", "S"), Message("developer", "D"), user()], [tool("n.f")])
     assert out.count("<|start|>system<|message|>") == 2 and out.count("In this environment") == 2
 
 
 def test_6_2_commentary_with_tool_calls_is_kept():
-    """chat-format 6.2: content next to tool calls is a to=user <|eom|> message; empty adds nothing."""
+    """Content next to tool calls is a to=user <|eom|> message; empty adds nothing."""
     call = (ToolCall("c", FunctionCall("n.f", {"a": 1})),)
     out = text_of([user(), Message("assistant", "Checking.", tool_calls=call, reasoning_content="r"),
                    Message("tool", "ok", tool_call_id="c")])
@@ -275,7 +275,7 @@ def test_6_2_commentary_with_tool_calls_is_kept():
 
 
 def test_6_3_flat_names_aliased_everywhere():
-    """chat-format 6.3: a declared flat tool is `name.name` in lines, recipients, calls and results."""
+    """A declared flat tool is `name.name` in lines, recipients, calls and results."""
     call = (ToolCall("c", FunctionCall("f", {})),)
     rendered = render(
         [user(), Message("assistant", None, tool_calls=call), Message("tool", "1", tool_call_id="c"),
@@ -290,7 +290,7 @@ def test_6_3_flat_names_aliased_everywhere():
 
 
 def test_6_3_undeclared_flat_history_names_unchanged():
-    """chat-format 6.3: aliases apply only to tools declared in the request."""
+    """Aliases apply only to tools declared in the request."""
     call = (ToolCall("c", FunctionCall("old", {})),)
     out = text_of([user(), Message("assistant", None, tool_calls=call), Message("tool", "1", tool_call_id="c")],
                   [tool("f")])
@@ -299,21 +299,21 @@ def test_6_3_undeclared_flat_history_names_unchanged():
 
 @pytest.mark.parametrize("names", [("x", "x.x"), ("x.x", "x"), ("a.b", "a.b"), ("f", "f")])
 def test_6_3_collisions_rejected(names):
-    """chat-format 6.3: alias collisions and duplicate names → 400 invalid_tool_schema."""
+    """Alias collisions and duplicate names → 400 invalid_tool_schema."""
     with pytest.raises(ApiError) as info:
         render([user()], [tool(name) for name in names])
     assert (info.value.status, info.value.code) == (400, "invalid_tool_schema")
 
 
 def test_6_4_tool_definitions_normalised():
-    """chat-format 6.4: missing description → "", missing parameters → empty object schema, no strict."""
+    """Missing description → "", missing parameters → empty object schema, no strict."""
     out = text_of([user()], [ToolDef("n.f", None, None, True)])
     assert '{"name": "n.f", "description": "", "parameters": {"type": "object", "properties": {}}}\n' in out
     assert "strict" not in out
 
 
 def test_6_5_reasoning_effort_mapping():
-    """chat-format 6.5: low/medium/high accepted; both given must agree; others → 400."""
+    """Low/medium/high accepted; both given must agree; others → 400."""
     assert reasoning_strength_from_request(None, None) is None
     assert reasoning_strength_from_request("low", None) == "low"
     assert reasoning_strength_from_request(None, {"effort": "medium"}) == "medium"
@@ -325,7 +325,7 @@ def test_6_5_reasoning_effort_mapping():
 
 
 def test_6_5_template_kwargs_validated():
-    """chat-format 6.5 / 2.2: chat_template_kwargs sets only the known variables."""
+    """Chat_template_kwargs sets only the known variables."""
     variables = TemplateVariables.from_kwargs({"current_date": "2031-01-01", "tool_namespace_descriptions": {"n": "N."}})
     assert "Current date: 2031-01-01." in text_of([user()], variables=variables)
     assert '{"name": "n", "description": "N."}' in text_of([user()], [tool("n.f")], variables=variables)
@@ -335,14 +335,14 @@ def test_6_5_template_kwargs_validated():
 
 
 def test_6_10_tool_choice_none_deactivates_tools():
-    """chat-format 6.10: tools inactive → no block, recipients self/user, no aliasing or collision check."""
+    """Tools inactive → no block, recipients self/user, no aliasing or collision check."""
     rendered = render([user()], [tool("f"), tool("f.f")], tools_active=False)
     assert "In this environment" not in rendered.text
     assert '# Valid recipients: "self", "user".' in rendered.text and rendered.tool_aliases == {}
 
 
 def test_client_text_is_never_special():
-    """chat-format 7 (founders): client text is special=False; template text special=True."""
+    """Client text is special=False; template text special=True."""
     rendered = render([Message("system", "<|eot|>"), user("<|start|>"), Message("tool", "t", name="<|eom|>")],
                       [tool("n.f", "<|message|>")])
     literal = "".join(s.text for s in rendered.segments if not s.special)
@@ -353,16 +353,34 @@ def test_client_text_is_never_special():
     assert "<|begin_of_text|><|start|>system<|message|>" in special and "Grüße" not in special
 
 
-def test_trailing_assistant_and_empty_conversation_rejected():
-    """chat-format 2.11 / brief: a final assistant message or no messages → 400."""
-    for messages in ([user(), Message("assistant", "x")], []):
-        with pytest.raises(ApiError) as info:
-            render(messages)
-        assert info.value.status == 400
+def test_empty_conversation_rejected():
+    """No messages → 400."""
+    with pytest.raises(ApiError) as info:
+        render([])
+    assert info.value.status == 400
+
+
+def test_2_11_trailing_assistant_renders_closed_then_generation_prompt():
+    """A final assistant message is closed
+    history, rendered as mid-conversation, then the generation prompt."""
+    out = text_of([user(), Message("assistant", "391")])
+    assert out.endswith("<|eot|><|start|>user<|message|>Hi<|eot|>"
+                        "<|start|>assistant to=user<|message|>391<|eot|><|start|>assistant")
+    # the same message followed by a user turn renders identically up to that turn
+    middle = text_of([user(), Message("assistant", "391"), user("More")])
+    assert middle.startswith(out.removesuffix("<|start|>assistant"))
+    # reasoning and a message to another recipient keep their own terminators
+    out = text_of([user(), Message("assistant", "w", reasoning_content="r", recipient="x.y")])
+    assert out.endswith("<|start|>assistant to=self<|message|>r<|eom|>"
+                        "<|start|>assistant to=x.y<|message|>w<|eom|><|start|>assistant")
+    # a final tool call: no assistant message follows, so it ends <|eot|>
+    call = (ToolCall("c", FunctionCall("n.f", {"a": 1})),)
+    out = text_of([user(), Message("assistant", None, tool_calls=call)])
+    assert out.endswith("</atem:function_calls><|eot|><|start|>assistant")
 
 
 def test_2_1_6_9_one_bos_string_and_one_bos_id():
-    """chat-format 2.1: the prompt text starts with the BOS string; 6.9: the
+    """The prompt text starts with the BOS string; 6.9: the
     tokenized prompt starts with exactly one BOS id (200000)."""
     from musegl_core.tiny import default_model_path
     from musegl_core.tokenizer import MuseTokenizer
@@ -375,15 +393,15 @@ def test_2_1_6_9_one_bos_string_and_one_bos_id():
 
 
 def test_2_5_recipients_line_lists_namespaces_in_first_appearance_order():
-    """chat-format 2.5 (with 6.3 aliasing of the flat name)."""
+    """Chat-format 2.5 (with 6.3 aliasing of the flat name)."""
     out = text_of([user()], [tool("b.x"), tool("flat"), tool("a.y"), tool("b.z")])
     assert '# Valid recipients: "self", "b.*", "flat.*", "a.*", "user".<|eot|>' in out
     assert '# Valid recipients: "self", "user".<|eot|>' in text_of([user()])
 
 
 def test_2_12_roles_outside_the_api_are_rejected():
-    """chat-format 2.12 / 6.1: developer renders as system (never dropped); a role
-    the API does not define is a 400 naming it (api.md 2.1), not silently dropped."""
+    """Developer renders as system (never dropped); a role
+    the API does not define is a 400 naming it, not silently dropped."""
     with pytest.raises(ApiError) as info:
         parse_messages([{"role": "narrator", "content": "x"}, {"role": "user", "content": "Hi"}])
     assert info.value.status == 400 and info.value.param.startswith("messages[0]")

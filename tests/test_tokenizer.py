@@ -40,7 +40,7 @@ TEXTS = [
 
 
 def write_tokenizer_gguf(path: Path, data: GGUFTokenizerData) -> Path:
-    """A GGUF holding only tokenizer metadata (spec/gguf.md 2.4)."""
+    """A GGUF holding only tokenizer metadata."""
     writer = gguf.GGUFWriter(str(path), "muse-glimmer")
     add_tokenizer_metadata(writer, data)
     writer.write_header_to_file()

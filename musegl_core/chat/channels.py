@@ -1,6 +1,6 @@
 '''The channel parser: model output → reasoning, content and tool messages.
 
-Implements output-grammar.md sections 0–2 and 5–7 (everything that does not
+Implements the output grammar (everything that does not
 need a tool parser). The model's output is a sequence of messages
 ``[<|start|>assistant][ to=R]<|message|>body<|eom|>``; the parser scans it left
 to right and emits events:
@@ -24,7 +24,7 @@ to right and emits events:
 
 The parser understands just enough ATEM (:class:`AtemBlockScanner`) to keep
 parameter values opaque: a terminator or header inside a value never ends a
-message, with or without tools (2.2.7, R15).
+message, with or without tools.
 
 Streaming and buffered parsing agree for every chunking of the text:
 :func:`parse_output` is ``feed(text)`` + ``finish(end)``. The parser holds back
@@ -48,7 +48,7 @@ MESSAGE = "<|message|>"
 EOM = "<|eom|>"
 EOT = "<|eot|>"
 TERMINATORS = (EOM, EOT)
-#: Known control tokens (output-grammar.md section 0).
+#: Known control tokens.
 CONTROL_TOKENS = (START, MESSAGE, EOM, EOT, "<|begin_of_text|>", "<|end_of_text|>")
 ATEM_OPEN = "<atem:function_calls>"
 ATEM_CLOSE = "</atem:function_calls>"
@@ -143,7 +143,7 @@ def _literal(buf: str, pos: int, lit: str) -> str:
 
 
 def match_header(buf: str, pos: int) -> tuple[str, str | None, int]:
-    """Match a message header at ``pos`` (output-grammar.md section 1).
+    """Match a message header at ``pos``.
 
     Returns ``(kind, recipient, end)``: kind ``full`` with the recipient
     (``None`` for an unaddressed header) and the index after ``<|message|>``;
@@ -201,7 +201,7 @@ _TILDE_OPEN = re.compile(r" {0,3}(~{3,}).*", re.S)
 
 
 def _opening_fence(line: str) -> tuple[str, int] | None:
-    """The fence a delimiter line opens (2.3), as (character, run length)."""
+    """The fence a delimiter line opens, as (character, run length)."""
     match = _BACKTICK_OPEN.fullmatch(line) or _TILDE_OPEN.fullmatch(line)
     return (match.group(1)[0], len(match.group(1))) if match else None
 
@@ -216,7 +216,7 @@ def _closes_fence(line: str, fence: tuple[str, int]) -> bool:
 
 
 class AtemBlockScanner:
-    """Follows one ATEM block's framing (output-grammar.md section 3), from
+    """Follows one ATEM block's framing, from
     just after ``<atem:function_calls>`` to its closing tag.
 
     It tracks only the structure: where parameter values start and end (so
@@ -330,8 +330,8 @@ class ChannelParser:
         after the previous structural terminator, or at 0), so every character
         of the output belongs to exactly one message: leading whitespace and
         the header to the message they open, a terminator to the message it
-        ends, unexpected text after a terminator to the message it continues
-        (2.1.4). Used to attribute generated token ids (see :func:`channel_at`)."""
+        ends, unexpected text after a terminator to the message it continues.
+        Used to attribute generated token ids (see :func:`channel_at`)."""
 
     # -- public API ---------------------------------------------------------------
     def feed(self, text: str) -> list[ChannelEvent]:
@@ -355,7 +355,7 @@ class ChannelParser:
             self._base += cut
 
     def finish(self, end: EndReason) -> list[ChannelEvent]:
-        """End of generation: apply the end-of-output rules (section 5)."""
+        """End of generation: apply the end-of-output rules."""
         if end not in END_REASONS:
             raise ValueError(f"unknown end reason {end!r}")
         if self._mode == "done":
@@ -441,11 +441,11 @@ class ChannelParser:
         return _TOOL
 
     def _step_header(self, eof: bool) -> bool:
-        """At a header position (2.1)."""
+        """At a header position."""
         buf, pos = self._buf, self._pos
         match = _NOT_WS.search(buf, pos)
         if match is None:
-            if eof:  # trailing whitespace after the last terminator (5.5)
+            if eof:  # trailing whitespace after the last terminator
                 self._pos = len(buf)
             return False
         start = match.start()
@@ -466,7 +466,7 @@ class ChannelParser:
         if kind == _PARTIAL and "<|" in buf[start:]:  # 5.3: dropped
             self._pos = len(buf)
             return False
-        # Unexpected text (2.1.4) or a bare fragment at EOF (5.3): it opens the
+        # Unexpected text or a bare fragment at EOF: it opens the
         # implicit visible message, or continues the previous one.
         if self._msg is None:
             self._msg = _MessageState("user", _VISIBLE)
@@ -494,7 +494,7 @@ class ChannelParser:
         return self._msg.kind == _VISIBLE
 
     def _step_body(self, eof: bool) -> bool:
-        """Inside a reasoning or visible message (2.2)."""
+        """Inside a reasoning or visible message."""
         buf, pos, msg = self._buf, self._pos, self._msg
         char = buf[pos]
         if char == "\n":
@@ -541,7 +541,7 @@ class ChannelParser:
                     self._pos = len(buf)
                 return False
         # A control token that is not structural: literal in content, removed
-        # from reasoning (2.2.3, 2.2.4).
+        # from reasoning.
         self._body_text(token, shown=msg.kind != _REASONING)
         self._pos = end
         return True
@@ -555,7 +555,7 @@ class ChannelParser:
             self._emit(ToolDelta(self._msg.recipient, text))
 
     def _step_block(self, eof: bool) -> bool:
-        """Inside an ATEM block: values are opaque (2.2.5, 2.2.7, 2.4)."""
+        """Inside an ATEM block: values are opaque."""
         end, status = self._block.advance(self._buf, self._pos)
         self._hand_off_block(self._buf[self._pos : end])
         self._pos = end
@@ -574,7 +574,7 @@ class ChannelParser:
         return True
 
     def _step_tool(self, eof: bool) -> bool:
-        """Inside a tool-addressed message with tools active (2.4)."""
+        """Inside a tool-addressed message with tools active."""
         buf, pos = self._buf, self._pos
         char = buf[pos]
         if char in _WS:

@@ -6,7 +6,7 @@ turn raw JSON values into them and raise :class:`~musegl_core.errors.ApiError`
 (400 ``invalid_request_error``) naming the offending field in ``param``
 (``messages[2].content[0].text``).
 
-Normalisation done here (chat-format.md 6.6, 6.7):
+Normalisation done here:
 
 * ``tool_calls[].function.arguments`` arrive as a JSON string and are parsed
   into a mapping (key order kept; the empty string is ``{}``);
@@ -31,7 +31,7 @@ from musegl_core.errors import bad_request
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
-#: Data-URL prefixes accepted for images, with their media types (api.md 2.2).
+#: Data-URL prefixes accepted for images, with their media types.
 IMAGE_URL_PREFIXES = {
     "data:image/png;base64,": "image/png",
     "data:image/jpeg;base64,": "image/jpeg",
@@ -83,7 +83,7 @@ class Message:
     tool_call_id: str | None = None
     tool_calls: tuple[ToolCall, ...] = ()
     reasoning_content: str | None = None
-    # Not OpenAI fields; used internally by the template (chat-format.md 2.9).
+    # Not OpenAI fields; used internally by the template.
     recipient: str | None = None
     end_turn: bool | None = None
 
@@ -126,8 +126,7 @@ def _reject_constant(name: str) -> Any:
 
 def parse_json_arguments(raw: Any, param: str) -> dict[str, Any]:
     """Parse tool-call ``arguments`` (a JSON string, or already a mapping) into
-    a ``dict`` with the client's key order. The empty string counts as ``{}``
-    (chat-format.md 6.6); anything that is not a JSON object is a 400."""
+    a ``dict`` with the client's key order. The empty string counts as ``{}``; anything that is not a JSON object is a 400."""
     if isinstance(raw, dict):
         return raw
     _expect(raw, (str,), "a JSON string", param)
@@ -325,7 +324,7 @@ def parse_tools(raw: Any) -> list[ToolDef]:
     """Validate the request's ``tools`` array (``null`` and ``[]``: no tools).
 
     Name collisions after aliasing are checked by the template, which knows
-    whether tools are active (chat-format.md 6.3, 6.10).
+    whether tools are active.
     """
     if raw is None:
         return []

@@ -1,4 +1,4 @@
-'''The Muse Glimmer chat template (``muse``), as specified in chat-format.md.
+'''The Muse Glimmer chat template (``muse``): the official template's output, byte for byte.
 
 :class:`MuseTemplate` renders validated messages and tools into ordered
 :class:`~musegl_core.worker.messages.PromptSegment` objects. Everything the
@@ -6,9 +6,9 @@ template itself writes (headers, control tokens, the system preamble, the tool
 block text) is a ``special=True`` segment; every piece of text a client wrote
 (message content, names, ids, arguments, reasoning, tool descriptions and
 schemas) is a ``special=False`` segment, so that a client typing ``<|eot|>``
-never injects a control token (chat-format.md section 7, founders' answers).
+never injects a control token.
 
-The rendering is the official template's plus musegl's rules of section 6:
+The rendering is the official template's plus musegl's own rules:
 developer messages render as system messages, commentary next to tool calls is
 kept, flat tool names are aliased ``name.name``, tool definitions are
 normalised, and ``tool_choice: "none"`` makes the tools inactive.
@@ -39,7 +39,7 @@ REASONING_STRENGTHS = ("low", "medium", "high")
 DEFAULT_REASONING_STRENGTH = "high"
 DEFAULT_KNOWLEDGE_CUTOFF = "2026-01-04"
 
-#: The four casings that system-text normalisation rewrites (chat-format.md 2.6).
+#: The four casings that system-text normalisation rewrites.
 _EFFORT_CASINGS = (
     ("Reasoning effort", "Reasoning strength"),
     ("Reasoning Effort", "Reasoning Strength"),
@@ -85,12 +85,12 @@ _EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
 
 def to_json(value: Any) -> str:
     """JSON as the template writes it: Python ``json.dumps`` separators, the
-    client's key order, non-ASCII and HTML characters unescaped (2.4)."""
+    client's key order, non-ASCII and HTML characters unescaped."""
     return json.dumps(value, ensure_ascii=False)
 
 
 def render_value(value: Any) -> str:
-    """An ATEM parameter value (chat-format.md 2.9)."""
+    """An ATEM parameter value."""
     if isinstance(value, bool):
         return "true" if value else "false"
     if value is None:
@@ -121,9 +121,9 @@ class TemplateVariables:
     """The template variables a request may set (``chat_template_kwargs``).
 
     ``reasoning_strength`` is normally set from ``reasoning_effort`` /
-    ``reasoning.effort`` (6.5); ``None`` means the template default ``high``.
+    ``reasoning.effort``; ``None`` means the template default ``high``.
     ``current_date`` (``None``: today on the server's clock, ``%Y-%m-%d``) and
-    ``knowledge_cutoff`` appear in the default system block (6.8).
+    ``knowledge_cutoff`` appear in the default system block.
     ``tool_namespace_descriptions`` maps a namespace to its metadata line's
     description (default ``""``).
     """
@@ -168,7 +168,7 @@ class TemplateVariables:
 
 
 def reasoning_strength_from_request(reasoning_effort: Any = None, reasoning: Any = None) -> str | None:
-    """The ``reasoning_strength`` variable for a request (chat-format.md 6.5).
+    """The ``reasoning_strength`` variable for a request.
 
     ``reasoning_effort`` is the OpenAI field, ``reasoning`` the OpenRouter
     object (only its ``effort`` key is read here; the HTTP layer validates its
@@ -248,7 +248,7 @@ class _ToolSet:
 
     def prompt_name(self, name: str) -> str:
         """The prompt name for a name used in history: declared flat tools are
-        aliased; anything else renders unchanged (6.3)."""
+        aliased; anything else renders unchanged."""
         alias = prompt_name(name)
         return alias if self.aliases.get(alias) == name else name
 
@@ -271,7 +271,7 @@ def _tool_set(tools: Sequence[ToolDef]) -> _ToolSet:
 
 
 class MuseTemplate:
-    """The ``muse`` chat template (chat-format.md, musegl rules of section 6).
+    """The ``muse`` chat template (the official template plus musegl's rules).
 
     ``today`` returns the date written into the default system block when the
     request does not set ``current_date``; the default is the server's local
@@ -293,23 +293,21 @@ class MuseTemplate:
     ) -> RenderedPrompt:
         """Render a conversation, ending with the generation prompt.
 
-        ``tools_active=False`` is ``tool_choice: "none"`` (6.10): no tool
+        The generation prompt follows whatever the last message is: a final
+        assistant message is closed history (``<|eot|>``, or ``<|eom|>`` where
+        the same message mid-conversation would end so), as the official
+        template renders it. Continuing it in place is not offered.
+
+        ``tools_active=False`` is ``tool_choice: "none"``: no tool
         block, no aliasing, recipients ``"self", "user"`` only.
 
-        :raises ApiError: 400 for an empty conversation, a trailing assistant
-            message, tool-name collisions (``invalid_tool_schema``) or content
-            the template cannot render.
+        :raises ApiError: 400 for an empty conversation, tool-name collisions
+            (``invalid_tool_schema``) or content the template cannot render.
         """
         variables = variables or TemplateVariables()
         _check_reasoning_strength(variables.reasoning_strength, "reasoning_strength")
         if not messages:
             raise bad_request("'messages' must be a non-empty array.", param="messages")
-        if messages[-1].role == "assistant":
-            raise bad_request(
-                "The last message must not be an assistant message: continuing a final "
-                "assistant message is not supported.",
-                param=f"messages[{len(messages) - 1}]",
-            )
         toolset = _tool_set(tools) if tools and tools_active else _NO_TOOLS
         call_names = {
             call.id: call.function.name
@@ -453,7 +451,7 @@ class MuseTemplate:
             out.special(EOM if index < last or followed_by_assistant else EOT)
 
     def _content(self, out: _PromptWriter, content: Any, param: str) -> str:
-        """Render message content (2.10); returns the text it wrote."""
+        """Render message content; returns the text it wrote."""
         if content is None:
             return ""
         if isinstance(content, str):
@@ -484,7 +482,7 @@ def _normalise_text(text: str) -> str:
 
 
 def _normalise_effort(content: Any) -> Any:
-    """Rewrite the four "Reasoning effort" casings in system text (2.6)."""
+    """Rewrite the four "Reasoning effort" casings in system text."""
     if isinstance(content, str):
         return _normalise_text(content)
     if content is None:

@@ -1,9 +1,8 @@
 """Tool names in the prompt: flat-name aliases and namespaces.
 
 The model addresses tools as ``namespace.function``. A declared tool whose
-name has no dot is shown to the model as ``{name}.{name}`` (chat-format.md
-6.3) and mapped back to the declared name in responses (output-grammar.md
-section 4).
+name has no dot is shown to the model as ``{name}.{name}`` and mapped back to
+the declared name in responses.
 """
 
 from __future__ import annotations
@@ -54,7 +53,7 @@ def resolve_tool_name(invoked: str, aliases: Mapping[str, str]) -> str | None:
     """The declared name an invoke name selects, or ``None`` (undefined call).
 
     The prompt name (alias or dotted name) resolves, and so does the original
-    flat name itself (output-grammar.md 4.2).
+    flat name itself.
     """
     if invoked in aliases:
         return aliases[invoked]

@@ -1,4 +1,4 @@
-"""The Muse Glimmer text-decoder configuration (spec/model.md section 1)."""
+"""The Muse Glimmer text-decoder configuration."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ class TextConfig:
 
     ``sliding[i]`` is True for a sliding-window layer, ``rope[i]`` True where
     the layer applies RoPE (transformers: ``layer_rope_theta[i] != 0``). The
-    released layout has them equal; spec/model.md 1.2 says what to do when a
-    config.json decouples them.
+    released layout has them equal; a config.json may decouple them, and
+    both are kept.
     """
 
     vocab_size: int

@@ -1,4 +1,4 @@
-"""GGUF text checkpoints in llama.cpp's Muse Glimmer layout (spec/gguf.md 1, 2, 5).
+"""GGUF text checkpoints in llama.cpp's Muse Glimmer layout.
 
 The converter stores Q/K rows permuted for interleaved RoPE, bakes ``+1`` into
 the four per-layer norms and synthesizes ``attn_q_norm`` (all

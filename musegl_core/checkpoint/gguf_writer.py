@@ -1,4 +1,4 @@
-"""Write a Muse Glimmer text model as GGUF, in llama.cpp's converter layout (spec/gguf.md 2).
+"""Write a Muse Glimmer text model as GGUF, in llama.cpp's converter layout.
 
 Used by the tests to build the GGUF twin of a Hugging Face checkpoint and by
 ``musegl make-tiny``. The file is written tensor by tensor (tensor infos
@@ -134,7 +134,7 @@ def _add_metadata(writer: gguf.GGUFWriter, config: TextConfig, file_type: gguf.L
 
 def add_tokenizer_metadata(writer: gguf.GGUFWriter, tokenizer: GGUFTokenizerData,
                            vocab_size: int | None = None) -> None:
-    """Write the ``tokenizer.ggml.*`` keys (spec/gguf.md 2.4); ``vocab_size``, when
+    """Write the ``tokenizer.ggml.*`` keys; ``vocab_size``, when
     given, must equal the token list's length."""
     vocab_size = len(tokenizer.tokens) if vocab_size is None else vocab_size
     if len(tokenizer.tokens) != vocab_size or len(tokenizer.token_types) != vocab_size:
@@ -164,7 +164,7 @@ def write_text_gguf(
     path: str | os.PathLike[str],
     config: TextConfig,
     weights: Mapping[str, np.ndarray],
-    tokenizer: GGUFTokenizerData,
+    tokenizer: GGUFTokenizerData | None,
     *,
     file_type: str = "f32",
     name: str = "Muse Glimmer",
@@ -193,7 +193,8 @@ def write_text_gguf(
     writer = gguf.GGUFWriter(os.fspath(path), ARCH)
     try:
         _add_metadata(writer, config, ftype, name)
-        add_tokenizer_metadata(writer, tokenizer, config.vocab_size)
+        if tokenizer is not None:  # None: the tokenizer lives beside the file (tokenizer.json)
+            add_tokenizer_metadata(writer, tokenizer, config.vocab_size)
         plan = []
         for tensor_name, make, shape in _gguf_tensors(config, weights, fuse_qkv):
             qtype = _tensor_type(tensor_name, shape, matrix_type)

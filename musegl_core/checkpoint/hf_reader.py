@@ -21,7 +21,7 @@ import numpy as np
 
 from musegl_core.checkpoint.config import TextConfig
 
-# transformers' MuseGlimmerTextConfig class defaults (spec/model.md 1.1), used
+# transformers' MuseGlimmerTextConfig class defaults, used
 # for every field a config.json leaves out.
 TEXT_CONFIG_DEFAULTS: dict[str, Any] = {
     "vocab_size": 202048,
@@ -127,7 +127,7 @@ def text_config_dict(raw: dict[str, Any], where: str = "config.json") -> dict[st
 def text_config_from_dict(text: dict[str, Any]) -> TextConfig:
     """Build a :class:`TextConfig` from a transformers text-config dict.
 
-    Layer kinds follow spec/model.md 1.2-1.3: ``sliding[i]`` from
+    Layer kinds: ``sliding[i]`` from
     ``layer_types`` (default: full on every 4th layer counted back from the
     last), ``rope[i]`` from ``layer_rope_theta[i] != 0`` (same default pattern,
     independent of ``layer_types``, as transformers does). One global θ comes

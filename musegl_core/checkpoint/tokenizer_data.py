@@ -1,4 +1,4 @@
-"""The tokenizer as a GGUF file stores it (spec/gguf.md 2.4)."""
+"""The tokenizer as a GGUF file stores it."""
 
 from __future__ import annotations
 

@@ -53,7 +53,7 @@ class ParseOptions:
 def worker_output(text: str, stops: tuple[str, ...], *, ignore_eos: bool, finish: str) -> tuple[str, m.Done]:
     """The text and ``Done`` event the worker would report for raw output
     ``text``: cut at the first end-of-generation token (unless ``ignore_eos``),
-    then at the first request stop (spec/output-grammar.md section 0)."""
+    then at the first request stop."""
     ended = False
     if not ignore_eos:
         cuts = [text.find(token) for token in END_OF_GENERATION if token in text]

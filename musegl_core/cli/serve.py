@@ -49,10 +49,16 @@ def build_parser(plugins=None) -> OneLineParser:
     for field in ServeConfig.flag_fields():
         spec = field.metadata["flag"]
         group = groups.get(spec["group"]) or groups.setdefault(spec["group"], p.add_argument_group(spec["group"]))
-        name = "--" + field.name.replace("_", "-")
+        name = spec["name"] or "--" + field.name.replace("_", "-")
         default = os.environ.get(spec["env"], field.default) if spec["env"] else field.default
         if spec["kind"] == "switch":
             group.add_argument(name, action="store_true", default=default, help=spec["help"])
+        elif spec["kind"] == "append":
+            group.add_argument(name, dest=field.name, action="append", default=None, metavar=spec["metavar"],
+                               help=spec["help"])
+        elif spec["kind"] == "off-switch":
+            group.add_argument("--no-" + field.name.replace("_", "-"), dest=field.name, action="store_false",
+                               default=default, help=spec["help"])
         else:
             group.add_argument(name, type=KINDS[spec["kind"]], default=default, metavar=spec["metavar"],
                                choices=spec["choices"], help=spec["help"])
@@ -67,11 +73,18 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
         raise ConfigError("give the model once (positional MODEL or --model)")
     known = {a.dest for a in build_parser()._actions}
     extra = {k: v for k, v in vars(args).items() if k not in known}
+    values = {field.name: getattr(args, field.name) for field in ServeConfig.flag_fields()}
+    for field in ServeConfig.flag_fields():
+        if field.metadata["flag"]["kind"] == "append":
+            values[field.name] = tuple(dict.fromkeys(values[field.name] or ()))
+    names = values.pop("served_model_name")  # the first is the served id, the rest its aliases
     return ServeConfig(
         model=args.model or args.model_opt,
         plugins=tuple(args.plugins) if args.plugins else None,
         extra=extra,
-        **{field.name: getattr(args, field.name) for field in ServeConfig.flag_fields()},
+        served_model_name=names[0] if names else None,
+        served_model_aliases=names[1:],
+        **values,
     ).validate()
 
 
@@ -93,6 +106,11 @@ def prepare(argv: list[str]):
     plugins.choose_executor(config.executor)
     if config.model and not os.path.exists(config.model):
         raise ConfigError(f"model path {config.model!r} does not exist")
+    if config.model:
+        from musegl_core.checkpoint.validate import check_servable
+
+        check_servable(config.model)
+        check_speculators(config, plugins)  # a draft that does not fit, before the port is bound
     return config, plugins, args.log_level
 
 
@@ -129,25 +147,38 @@ def check_speculators(config: ServeConfig, plugins) -> None:
 def main(argv: list[str]) -> int:
     import attrs
 
+    from musegl_core.http.server import bind
+
     config, plugins, log_level = prepare(argv)
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
     log = logging.getLogger("musegl")
+    sock = bind(config.host, config.port)  # a port in use ends here, before anything is announced
+    host, port = sock.getsockname()[:2]
+    config = attrs.evolve(config, port=port)
     if config.model is None:
         from musegl_core.tiny import default_model_path
 
         path = default_model_path(progress=True)
         config = attrs.evolve(config, model=str(path), demo=True)
         log.warning("no model given: serving the built-in RANDOM-WEIGHT DEMO checkpoint %s (its output is noise)", path)
-
-    check_kv_memory(config, plugins)
-    check_speculators(config, plugins)
-    import uvicorn
+    check_kv_memory(config, plugins)  # before loading: a --kv-cache-memory that cannot hold the limits
+    if config.demo:  # a given model was checked in prepare()
+        check_speculators(config, plugins)
 
     from musegl_core.http.app import create_app
+    from musegl_core.http.server import GracefulServer
     from musegl_core.worker.client import WorkerClient
 
     worker = WorkerClient(config)
     app = create_app(config, plugins, worker)
-    log.info("listening on http://%s:%d (model loads in the worker; /health turns 200 when ready)", config.host, config.port)
-    uvicorn.run(app, host=config.host, port=config.port, log_level=log_level, timeout_graceful_shutdown=5)
+    shown = f"[{host}]" if ":" in host else host
+    log.info("listening on http://%s:%d (model loads in the worker; /health turns 200 when ready)", shown, port)
+    server = GracefulServer.create(app, shutdown_timeout=config.shutdown_timeout,
+                                   on_shutdown=app.state["front"].begin_shutdown, log_level=log_level)
+    # A worker that cannot load the model, or keeps dying, stops the server (exit status 1).
+    worker.on_fatal = lambda _reason: setattr(server, "should_exit", True)
+    server.run(sockets=[sock])
+    if worker.fatal:
+        print(f"musegl serve: error: {worker.fatal}", file=sys.stderr)
+        return 1
     return 0

@@ -38,7 +38,7 @@ from musegl_core.engine.randomness import random_seed
 from musegl_core.engine.replay import ReplayLog, ReplayPlan, Replayer
 from musegl_core.engine.request import Phase, PreparedRequest, SequenceState
 from musegl_core.engine.scheduler import Scheduler, SchedulerLimits
-from musegl_core.engine.sessions import CapacityError, Session, SessionTable
+from musegl_core.engine.sessions import CapacityError, Session, SessionBusy, SessionTable
 from musegl_core.engine.speculator import DraftRequest, NoSpeculator, Speculator, accept
 from musegl_core.engine.stops import StopMatcher
 from musegl_core.errors import ApiError
@@ -58,6 +58,8 @@ class EngineConfig:
     kv_blocks: int | None = None
     kv_cache_memory: int | None = None
     kv_cache_fraction: float = 0.9
+    prefix_caching: bool = True
+    session_idle_timeout: float | None = None
 
     @classmethod
     def from_serve(cls, config) -> "EngineConfig":
@@ -124,6 +126,8 @@ class Engine:
             max_context=config.max_context,
             snapshots=config.prefix_cache_entries,
             evict_idle=config.evict_idle_sessions,
+            prefix_caching=config.prefix_caching,
+            idle_timeout=config.session_idle_timeout,
         )
         limits = executor.limits
         drafts = config.max_decode_sequences * self.speculator.max_draft
@@ -155,6 +159,18 @@ class Engine:
 
     def stop(self) -> None:
         self._inbox.put(("stop", None))
+
+    def list_sessions(self, reply: Callable[[list], None]) -> None:
+        """``reply(infos)`` on the engine thread: every named session (``GET /v1/sessions``)."""
+        self._inbox.put(("sessions", reply))
+
+    def close_session(self, name: str, reply: Callable[[ApiError | None], None]) -> None:
+        """Close an idle named session; ``reply(None)`` or ``reply(error)`` (404, 409)."""
+        self._inbox.put(("close_session", (name, reply)))
+
+    def expire_idle_sessions(self) -> None:
+        """Apply ``--session-idle-timeout`` now (the worker calls this every second)."""
+        self._inbox.put(("expire", None))
 
     def stats(self) -> dict:
         """Pool and session counters (read by the worker between steps)."""
@@ -199,6 +215,13 @@ class Engine:
                 self._cancel(arg)
             elif kind == "call":
                 arg(self.stats())
+            elif kind == "sessions":
+                self.sessions.expire_idle()
+                arg(self.sessions.describe())
+            elif kind == "close_session":
+                self._close_session(*arg)
+            elif kind == "expire":
+                self.sessions.expire_idle()
             elif kind == "stop":
                 self._stopping = True
             try:
@@ -223,6 +246,17 @@ class Engine:
     def call(self, function: Callable[[dict], None]) -> None:
         """Run ``function(stats)`` on the engine thread between steps."""
         self._inbox.put(("call", function))
+
+    def _close_session(self, name: str, reply: Callable[[ApiError | None], None]) -> None:
+        try:
+            self.sessions.close(name)
+        except KeyError:
+            reply(ApiError(404, f"no session {name!r}", "not_found_error", "session_not_found", "session_id"))
+        except SessionBusy:
+            reply(ApiError(409, f"session {name!r} has a request running or queued; close it when idle",
+                           "invalid_request_error", "session_active", "session_id"))
+        else:
+            reply(None)
 
     # -- admission -------------------------------------------------------------------
     def _fail(self, request_id: str, error: ApiError) -> None:
@@ -350,6 +384,11 @@ class Engine:
                 self.executor.copy_blocks(copies)
                 self.speculator.copy_blocks(copies)
             output = self.executor.step(step)
+            for chunk in step.chunks:
+                got = len(output.tokens.get(chunk.seq, ()))
+                if got != chunk.sample:
+                    raise RuntimeError(f"the executor returned {got} sampled ids for sequence {chunk.seq}, "
+                                       f"expected {chunk.sample}")
         except Exception as exc:  # an executor failure fails this batch, not the worker
             log.exception("executor step failed")
             for seq, _ in plan:
@@ -404,6 +443,7 @@ class Engine:
     def _prefilled(self, seq: SequenceState) -> None:
         session = seq.session
         session.tokens = seq.keys[: seq.computed]
+        self.sessions.publish(session)
         self.sessions.snapshot(session)
         self.emit(ev.Started(seq.id, seq.prompt_len, seq.cached))
 
@@ -415,7 +455,9 @@ class Engine:
         seq.tokens.append(token)
         seq.keys.append(token)
         eos = token in self.end_ids and not request.ignore_eos
-        text, matched = seq.stops.push("" if eos else seq.detokenizer.push(token))
+        piece = "" if eos else seq.detokenizer.push(token)
+        seq.chars.append(len(piece))
+        text, matched = seq.stops.push(piece)
         at_end = eos or len(seq.generated) >= seq.max_new
         if matched is None and at_end:
             # End of generation: release held bytes and held stop prefixes.
@@ -452,6 +494,8 @@ class Engine:
         session.tokens = seq.keys[: seq.computed]
         if len(session.slot.blocks) > self.pool.blocks_for(seq.computed):
             session.slot.truncate(self.pool.blocks_for(seq.computed))
+        if reason is not None:  # not after an executor failure
+            self.sessions.publish(session)
         success = reason in ("stop", "length")
         if success:
             session.confirmed = True
@@ -483,6 +527,7 @@ class Engine:
                     len(seq.generated),
                     seq.cached,
                     None if matched_stop is not None else tuple(seq.generated),
+                    None if matched_stop is not None else tuple(seq.chars),
                     seq.drafted,
                     seq.accepted,
                 )

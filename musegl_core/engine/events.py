@@ -47,6 +47,8 @@ class Done:
     completion_tokens: int
     cached_tokens: int = 0
     generated_ids: tuple[int, ...] | None = None  # None when stop-trimmed
+    #: per generated id, the characters the detokenizer added when it arrived (None with generated_ids)
+    generated_chars: tuple[int, ...] | None = None
     drafted_tokens: int = 0  # speculative decoding: drafts proposed and accepted
     accepted_tokens: int = 0
 

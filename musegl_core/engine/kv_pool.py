@@ -5,9 +5,21 @@ Blocks are reference counted so that a prefix can be shared by several
 sequences (sessions, snapshots) and copied on write at the boundary.
 Reservations guarantee that an admitted request can always grow to the size
 it was admitted for: admission fails early instead of a step failing late.
+
+**Prefix caching.** A block may carry a *key*: the content hash of the token
+prefix whose K/V it holds (:mod:`musegl_core.engine.prefix_cache` computes
+it). A keyed block is immutable: writers copy it first (:meth:`immutable`).
+When the last holder releases a keyed block it is not wiped: it joins the
+*cached* blocks, kept in least-recently-released order, where a later request
+with the same prefix can pick it up again (:meth:`share`). Cached blocks are
+free blocks: they count as available for reservations and are evicted, oldest
+first, only when an allocation finds no never-cached free block, so caching
+never reduces capacity and reservations stay exact.
 """
 
 from __future__ import annotations
+
+import collections
 
 import attrs
 
@@ -20,24 +32,36 @@ class PoolExhausted(Exception):
 class KVPool:
     num_blocks: int
     block_size: int
-    _free: list[int] = attrs.field(init=False)
+    _free: list[int] = attrs.field(init=False)  # free blocks holding nothing reusable
+    _cached: collections.OrderedDict = attrs.field(init=False)  # free keyed blocks, LRU first
     _refs: list[int] = attrs.field(init=False)
     _reserved: int = attrs.field(init=False, default=0)
+    _key_of: dict[int, bytes] = attrs.field(init=False, factory=dict)
+    _block_of: dict[bytes, int] = attrs.field(init=False, factory=dict)
+    evicted: int = attrs.field(init=False, default=0)  # cached blocks reused for other content
 
     def __attrs_post_init__(self) -> None:
         if self.num_blocks < 1 or self.block_size < 1:
             raise ValueError("a KV pool needs at least one block of at least one position")
         self._free = list(range(self.num_blocks - 1, -1, -1))
+        self._cached = collections.OrderedDict()
         self._refs = [0] * self.num_blocks
 
     # -- accounting ------------------------------------------------------------------
     @property
     def free_blocks(self) -> int:
-        return len(self._free)
+        """Blocks nobody holds (cached ones included)."""
+        return len(self._free) + len(self._cached)
 
     @property
     def used_blocks(self) -> int:
-        return self.num_blocks - len(self._free)
+        """Blocks held by at least one session, snapshot or running request."""
+        return self.num_blocks - self.free_blocks
+
+    @property
+    def cached_blocks(self) -> int:
+        """Free blocks that still hold a keyed prefix (reusable until evicted)."""
+        return len(self._cached)
 
     @property
     def reserved_blocks(self) -> int:
@@ -46,7 +70,7 @@ class KVPool:
     @property
     def available_blocks(self) -> int:
         """Free blocks nobody has reserved."""
-        return len(self._free) - self._reserved
+        return self.free_blocks - self._reserved
 
     def blocks_for(self, positions: int) -> int:
         return -(-positions // self.block_size)
@@ -64,18 +88,29 @@ class KVPool:
 
     # -- blocks ----------------------------------------------------------------------
     def allocate(self, reserved: bool = False) -> int:
-        """Take one block (from the caller's reservation when ``reserved``)."""
+        """Take one block (from the caller's reservation when ``reserved``).
+
+        A never-cached free block is preferred; otherwise the least recently
+        released cached block is evicted (its key forgotten)."""
         if reserved:
             self.unreserve(1)
         elif self.available_blocks < 1:
             raise PoolExhausted("no free KV block")
-        block = self._free.pop()
+        if self._free:
+            block = self._free.pop()
+        else:
+            block, _ = self._cached.popitem(last=False)
+            self._forget(block)
+            self.evicted += 1
         self._refs[block] = 1
         return block
 
     def share(self, block: int) -> int:
+        """Add a holder to ``block``: an allocated block, or a cached one (revived)."""
         if self._refs[block] < 1:
-            raise ValueError(f"block {block} is not allocated")
+            if block not in self._cached:
+                raise ValueError(f"block {block} is not allocated")
+            del self._cached[block]
         self._refs[block] += 1
         return block
 
@@ -85,7 +120,38 @@ class KVPool:
             raise ValueError(f"block {block} released twice")
         self._refs[block] = refs - 1
         if refs == 1:
-            self._free.append(block)
+            if block in self._key_of:
+                self._cached[block] = None  # most recently released: evicted last
+            else:
+                self._free.append(block)
 
     def refcount(self, block: int) -> int:
         return self._refs[block]
+
+    def immutable(self, block: int) -> bool:
+        """Whether a writer must copy ``block`` first: shared, or keyed for reuse."""
+        return self._refs[block] > 1 or block in self._key_of
+
+    # -- prefix keys -----------------------------------------------------------------
+    def register(self, block: int, key: bytes) -> bool:
+        """Key a held block by the content hash of its prefix. False (and nothing
+        changes) when the block is keyed already or another block has this key."""
+        if self._refs[block] < 1:
+            raise ValueError(f"block {block} is not allocated")
+        if block in self._key_of or key in self._block_of:
+            return False
+        self._key_of[block] = key
+        self._block_of[key] = block
+        return True
+
+    def lookup(self, key: bytes) -> int | None:
+        """The block (held or cached) keyed ``key``, if any."""
+        return self._block_of.get(key)
+
+    def key(self, block: int) -> bytes | None:
+        return self._key_of.get(block)
+
+    def _forget(self, block: int) -> None:
+        key = self._key_of.pop(block, None)
+        if key is not None:
+            del self._block_of[key]

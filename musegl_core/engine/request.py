@@ -49,6 +49,9 @@ class GenerateRequest:
     add_bos: bool = True  # False: the prompt is used exactly as given (musegl generate)
     stream: bool = False  # a streamed request confirms a new session on its first output
     logprobs: int = -1  # top alternatives per generated token (-1: no logprobs)
+    #: an output constraint (llguidance Lark grammar of the whole raw output,
+    #: :mod:`musegl_core.constrain.grammar`), compiled by the worker's ``prepare``
+    grammar: str | None = None
 
 
 class LogitsProcessor(Protocol):
@@ -127,6 +130,7 @@ class SequenceState:
     computed: int = 0
     cached: int = 0
     generated: list[int] = attrs.field(factory=list)
+    chars: list[int] = attrs.field(factory=list)  # characters each generated id added to the text
     unreported: list[int] = attrs.field(factory=list)  # ids whose text is still held back
     unreported_logprobs: list = attrs.field(factory=list)
     phase: Phase = Phase.PREFILL

@@ -79,12 +79,15 @@ class Scheduler:
     def _prepare_blocks(self, seq: SequenceState, start: int, end: int, copies: list) -> None:
         """Make the block table cover positions ``start .. end-1`` for writing:
         new blocks come from the session's slot; a block shared with a snapshot
-        or another session is copied first (copy-on-write)."""
+        or another session, or keyed by the prefix cache, is copied first
+        (copy-on-write)."""
         slot = seq.session.slot
         size = self.pool.block_size
         for index in range(start // size, min(len(slot.blocks), self.pool.blocks_for(end))):
-            if self.pool.refcount(slot.blocks[index]) > 1:
-                copies.append(slot.copy_on_write(index))
+            if self.pool.immutable(slot.blocks[index]):  # shared, or keyed by the prefix cache
+                pair = slot.copy_on_write(index)
+                if pair is not None:
+                    copies.append(pair)
         while len(slot.blocks) < self.pool.blocks_for(end):
             slot.blocks.append(slot.take_block())
 

@@ -5,7 +5,9 @@ that one resident session owns. Named sessions keep their slot, transcript and
 KV between requests; an anonymous request borrows a temporary slot for its
 lifetime. ``--max-sessions`` bounds the slots; ``--prefix-cache-entries``
 adds one slot per **snapshot**: a frozen prefix (token ids and the blocks that
-hold their K/V) that any later request may share by reference.
+hold their K/V) that any later request may share by reference. Independently
+of both, the automatic prefix cache (:mod:`musegl_core.engine.prefix_cache`)
+lets any request adopt full blocks whose content hash matches its prompt.
 
 Block accounting is exact: a slot's ``reserved`` blocks plus the blocks it
 holds always equal its budget, and a block shared by several holders is
@@ -23,11 +25,32 @@ from typing import Sequence
 import attrs
 
 from musegl_core.engine.kv_pool import KVPool
+from musegl_core.engine.prefix_cache import PrefixCache
 from musegl_core.engine.replay import ReplayLog
 
 
 class CapacityError(Exception):
     """No session slot is free (and none may be evicted)."""
+
+
+class SessionBusy(Exception):
+    """The session has a running or queued request."""
+
+
+@attrs.frozen
+class SessionInfo:
+    """What ``GET /v1/sessions`` shows about one named session.
+
+    ``state`` is ``active`` (a request runs or waits on it) or ``idle``;
+    ``cached_tokens`` counts the positions whose K/V it keeps;
+    ``idle_seconds`` is the time since its last request ended (0 while active).
+    """
+
+    id: str
+    state: str
+    cached_tokens: int
+    idle_seconds: float
+    queued_requests: int = 0
 
 
 @attrs.define(eq=False)
@@ -58,24 +81,26 @@ class Slot:
         self.reserved -= 1
         self.blocks.append(self.pool.share(block))
 
-    def copy_on_write(self, index: int) -> tuple[int, int]:
-        """Replace shared block ``blocks[index]`` by a private copy; returns (src, dst)
-        for the executor to copy."""
+    def copy_on_write(self, index: int) -> tuple[int, int] | None:
+        """Replace immutable block ``blocks[index]`` (shared, or keyed by the prefix
+        cache) by a private copy; returns (src, dst) for the executor to copy, or
+        None when the pool handed the same block back (a cached block evicted for
+        its own copy: its contents are already in place)."""
         old = self.blocks[index]
-        if self.pool.refcount(old) < 2:
+        if not self.pool.immutable(old):
             raise RuntimeError("copy-on-write of a block nobody else holds")
-        self.pool.release(old)  # still held by its other owners, so its contents stay
+        self.pool.release(old)  # held elsewhere or cached, so its contents stay
         self.pool.reserve(1)
         self.reserved += 1
         new = self.take_block()
         self.blocks[index] = new
-        return old, new
+        return None if new == old else (old, new)
 
     def truncate(self, keep: int) -> None:
         """Release every block after the first ``keep``; the budget is kept."""
         dropped = self.blocks[keep:]
         del self.blocks[keep:]
-        for block in dropped:
+        for block in reversed(dropped):  # the tail first, so cached tails are evicted first
             self.pool.release(block)
         self.pool.reserve(len(dropped))
         self.reserved += len(dropped)
@@ -131,16 +156,21 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 class SessionTable:
     """Named sessions, anonymous temporary sessions and snapshots, with LRU eviction."""
 
-    def __init__(self, pool: KVPool, *, max_sessions: int, max_context: int, snapshots: int, evict_idle: bool):
+    def __init__(self, pool: KVPool, *, max_sessions: int, max_context: int, snapshots: int, evict_idle: bool,
+                 prefix_caching: bool = True, idle_timeout: float | None = None):
         self.pool = pool
         self.max_sessions = max_sessions
         self.budget = pool.blocks_for(max_context)
         self.snapshot_capacity = snapshots
         self.evict_idle = evict_idle
+        self.idle_timeout = idle_timeout
+        self.cache = PrefixCache(pool) if prefix_caching else None
         self.named: dict[str, Session] = {}
         self.anonymous: set[Session] = set()
         self.snapshots: list[Snapshot] = []
         self.evictions = 0
+        self.expired = 0
+        self.closed = 0
 
     @staticmethod
     def pool_blocks(block_size: int, *, max_sessions: int, max_context: int, snapshots: int) -> int:
@@ -169,6 +199,7 @@ class SessionTable:
 
     def open(self, name: str | None) -> tuple[Session, bool]:
         """The session for ``name`` (created when new), or a temporary one when None."""
+        self.expire_idle()
         if name is not None and name in self.named:
             return self.named[name], False
         self._free_a_slot()
@@ -188,6 +219,41 @@ class SessionTable:
         elif self.named.get(session.name) is session:
             del self.named[session.name]
 
+    # -- named sessions as a client manages them ------------------------------------
+    def describe(self, now: float | None = None) -> list[SessionInfo]:
+        """Every named session, most recently used first."""
+        now = time.monotonic() if now is None else now
+        return [
+            SessionInfo(
+                id=session.name,
+                state="idle" if session.idle else "active",
+                cached_tokens=len(session.tokens) if session.clean else 0,
+                idle_seconds=round(max(0.0, now - session.last_used), 3) if session.idle else 0.0,
+                queued_requests=len(session.waiting),
+            )
+            for session in sorted(self.named.values(), key=lambda s: s.last_used, reverse=True)
+        ]
+
+    def close(self, name: str) -> None:
+        """Close an idle named session (``DELETE /v1/sessions/{id}``): its slot and
+        KV are freed. KeyError when unknown, :class:`SessionBusy` while active."""
+        session = self.named[name]
+        if not session.idle:
+            raise SessionBusy(f"session {name!r} has a request running or queued")
+        self.drop(session)
+        self.closed += 1
+
+    def expire_idle(self, now: float | None = None) -> int:
+        """Close named sessions idle longer than ``--session-idle-timeout``; how many."""
+        if self.idle_timeout is None:
+            return 0
+        now = time.monotonic() if now is None else now
+        stale = [s for s in self.named.values() if s.idle and now - s.last_used > self.idle_timeout]
+        for session in stale:
+            self.drop(session)
+        self.expired += len(stale)
+        return len(stale)
+
     # -- prefix reuse ----------------------------------------------------------------
     def best_prefix(self, session: Session, prompt: Sequence[int]) -> tuple[int, Snapshot | None]:
         """How many prompt positions can be reused, and from which snapshot (None:
@@ -202,10 +268,22 @@ class SessionTable:
         return best, source
 
     def attach(self, session: Session, prompt: Sequence[int]) -> int:
-        """Point ``session``'s KV at the longest reusable prefix of ``prompt``; returns it."""
+        """Point ``session``'s KV at the longest reusable prefix of ``prompt``: its own
+        transcript, a snapshot or the prefix cache, whichever is longest; returns it."""
         reuse, snapshot = self.best_prefix(session, prompt)
         block_size = self.pool.block_size
-        if snapshot is None:
+        cached: list[int] | None = None
+        if self.cache is not None:
+            found, blocks = self.cache.lookup(prompt, len(prompt) - 1)
+            if found > reuse:
+                reuse, cached = found, blocks
+        if cached is not None:
+            session.slot.truncate(0)  # releases nothing the lookup found for good: no allocation between
+            for block in cached:
+                session.slot.adopt(block)
+            self.cache.hits += 1
+            self.cache.hit_tokens += reuse
+        elif snapshot is None:
             session.slot.truncate(self.pool.blocks_for(reuse))
         else:
             session.slot.truncate(0)
@@ -215,6 +293,11 @@ class SessionTable:
         session.tokens = list(prompt[:reuse])
         assert len(session.slot.blocks) * block_size >= reuse
         return reuse
+
+    def publish(self, session: Session) -> None:
+        """Key the session's computed full blocks in the prefix cache (when on)."""
+        if self.cache is not None:
+            self.cache.publish(session.tokens, session.slot.blocks)
 
     def snapshot(self, session: Session) -> None:
         """Keep the session's current prefix as a snapshot (LRU, ``--prefix-cache-entries``)."""
@@ -237,7 +320,26 @@ class SessionTable:
     def stats(self) -> dict:
         return {
             "named": len(self.named),
+            "idle": sum(1 for s in self.named.values() if s.idle),
             "anonymous": len(self.anonymous),
             "snapshots": len(self.snapshots),
             "evictions": self.evictions,
+            "expired": self.expired,
+            "closed": self.closed,
+            **(self.cache.stats() if self.cache is not None else {"kv_blocks_cached": 0}),
         }
+
+
+def session_policy(config) -> str:
+    """One line stating the session policy of a serve configuration (logged at start-up)."""
+    slots = f"{config.max_sessions} slots shared by named sessions and anonymous requests"
+    if config.session_idle_timeout is not None:
+        keep = f"named sessions are closed after {config.session_idle_timeout:g} s idle"
+    else:
+        keep = "named sessions persist until DELETE /v1/sessions/{id}"
+    if config.evict_idle_sessions:
+        keep += "; idle ones are evicted LRU when slots run out (--evict-idle-sessions)"
+    else:
+        keep += "; when every slot is taken, new sessions and anonymous requests get 503 session_capacity"
+    cache = "prefix caching on" if config.prefix_caching else "prefix caching off (--no-prefix-caching)"
+    return f"sessions: {slots}; {keep}; {cache}; snapshots: {config.prefix_cache_entries}"

@@ -1,7 +1,7 @@
 """The HTTP front: a Litestar application over one model worker.
 
-:func:`create_app` wires the routes of spec/api.md section 1, the error
-mapping of section 6 (every error, Litestar's own included, leaves in the
+:func:`create_app` wires the routes (docs/serving.md), the error
+mapping (every error, Litestar's own included, leaves in the
 dialect's error shape), optional bearer-token auth, the request size limit,
 and the worker's lifetime (started and stopped with the app).
 
@@ -19,21 +19,30 @@ import logging
 import time
 from typing import Any, AsyncIterator
 
+import attrs
+
 from litestar import Litestar, Request, Response, get, post
+from litestar.config.cors import CORSConfig
 from litestar.connection import ASGIConnection
 from litestar.exceptions import HTTPException
 from litestar.handlers.base import BaseRouteHandler
+from litestar.params import FromPath
 from litestar.response import Stream
+from litestar.types import Message, Scope
 
 from musegl_core.config import ServeConfig
-from musegl_core.errors import ApiError, server_error, unavailable
+from musegl_core.errors import ApiError, server_error, shutting_down, unavailable
+from musegl_core.http import openapi
 from musegl_core.http import schemas as s
 from musegl_core.http import sse
+from musegl_core.http import text_completions as tc
 from musegl_core.http.completions import ChatStream, ResponseMeta, complete, plan_chat
 from musegl_core.http.dialect import Dialect, ServedModel
 from musegl_core.http.front_tokenizer import FrontTokenizer
-from musegl_core.http.metrics import render as render_metrics
-from musegl_core.http.preflight import check_context
+from musegl_core.http.metrics import FrontMetrics, MeteredWorker
+from musegl_core.http.model_ids import ModelIds
+from musegl_core.http.sessions import session_routes
+from musegl_core.http.tokenize import detokenize, tokenize
 from musegl_core.plugins.manager import PluginManager
 from musegl_core.worker.client import WorkerClient
 
@@ -45,6 +54,7 @@ _HTTP_ERROR_TYPES = {
     403: "permission_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    409: "invalid_request_error",
     413: "invalid_request_error",
     415: "invalid_request_error",
     429: "rate_limit_error",
@@ -63,13 +73,48 @@ class Front:
         self.tool_parser = plugins.get("tool_parsers", config.tool_parser) if config.tool_parser else None
         self.tokenizer = FrontTokenizer()  # loaded at start-up (lifespan)
         self.created = int(time.time())
+        self.ids = ModelIds.resolve(config.served_model_name, config.served_model_aliases, None)
+        self.metrics = FrontMetrics()
+        self.shutting_down = False
+        self._deadline: asyncio.TimerHandle | None = None
+
+    async def load(self) -> None:
+        """Start-up work off the event loop: the tokenizer and the served id."""
+        await self.tokenizer.load(self.config)
+        if self.config.served_model_name is None:
+            self.ids = await asyncio.to_thread(
+                ModelIds.resolve, None, self.config.served_model_aliases, self.config.model
+            )
+
+    def metered(self, arrived: float) -> MeteredWorker:
+        return MeteredWorker(self.worker, self.metrics, arrived)
+
+    def begin_shutdown(self) -> None:
+        """Shutdown started (SIGINT/SIGTERM): refuse new requests; after
+        ``--shutdown-timeout`` end those still running with ``server_shutting_down``."""
+        if self.shutting_down:
+            return
+        self.shutting_down = True
+        self.worker.begin_shutdown()
+        log.info("shutting down: in-flight requests have %g s to finish", self.config.shutdown_timeout)
+        loop = asyncio.get_running_loop()
+        self._deadline = loop.call_later(self.config.shutdown_timeout, self._end_inflight)
+
+    def _end_inflight(self) -> None:
+        self.worker.fail_inflight(shutting_down())
+
+    def check_open(self) -> None:
+        if self.shutting_down:
+            raise shutting_down()
+
+    def model_entry(self, model_id: str) -> Any:
+        return self.dialect.model_entry(attrs.evolve(self.served_model, name=model_id))
 
     @property
     def served_model(self) -> ServedModel:
         info = self.worker.info.model if self.worker.info else None
-        name = self.config.served_model_name or (info.name if info else None) or self.config.model or "musegl"
         return ServedModel(
-            name=name,
+            name=self.ids.served,
             created=self.created,
             context_length=self.config.max_context,
             demo=self.config.demo or bool(info and info.demo),
@@ -104,31 +149,46 @@ def create_app(
         if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), config.api_key.encode()):
             raise ApiError(401, "a valid API key is required (Authorization: Bearer <key>)", "authentication_error", "invalid_api_key")
 
-    @get(["/v1/models", "/models"], guards=[require_key], sync_to_thread=False)
+    @get(["/v1/models", "/models"], guards=[require_key], sync_to_thread=False,
+         operation_class=openapi.operation(responses={200: s.ModelList, 401: s.ErrorBody}))
     def models() -> dict[str, Any]:
-        """The one served model and its context budget."""
-        return s.to_json(s.ModelList(data=[front.dialect.model_entry(front.served_model)]))
+        """The served model: its id, then its aliases, with the context budget."""
+        return s.to_json(s.ModelList(data=[front.model_entry(i) for i in front.ids.listed]))
 
-    @get(["/health", "/v1/health"], sync_to_thread=False)
+    @get(["/v1/models/{model_id:str}", "/models/{model_id:str}"], guards=[require_key], sync_to_thread=False,
+         operation_class=openapi.operation(responses={200: s.ModelEntry, 401: s.ErrorBody, 404: s.ErrorBody}))
+    def model(model_id: FromPath[str]) -> dict[str, Any]:
+        """One model by id: the served id, an alias, or ``musegl``; 404 ``model_not_found`` otherwise."""
+        if not front.ids.accepts(model_id):
+            raise ApiError(404, f"the model {model_id!r} is not served here; see /v1/models",
+                           "invalid_request_error", "model_not_found", "model")
+        return s.to_json(front.model_entry(model_id))
+
+    @get(["/health", "/v1/health"], sync_to_thread=False, security=[{}],
+         operation_class=openapi.operation(responses={200: s.HealthStatus, 503: s.ErrorBody}))
     def health() -> Response:
         """200 once the worker can generate, 503 ``unavailable_error`` before."""
         if not worker.ready:
             return front.error_response(unavailable("the model is loading or restarting", code="model_loading"))
         return Response(s.to_json(s.HealthStatus()), media_type="application/json")
 
-    @get("/metrics", guards=[require_key])
+    @get("/metrics", guards=[require_key], operation_class=openapi.operation(responses={200: openapi.TEXT, 401: s.ErrorBody}))
     async def metrics() -> Response:
-        """Prometheus text: engine counters (KV pool, sessions, steps) and worker state."""
+        """Prometheus text: engine counters, worker state, request and token counters, latencies."""
         values: dict = {}
         if worker.ready:
             with contextlib.suppress(ApiError, asyncio.TimeoutError):
                 values = await worker.stats()
-        body = render_metrics(values, ready=worker.ready, restarts=worker.restarts)
+        body = front.metrics.render(values, ready=worker.ready, restarts=worker.restarts)
         return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    @post(["/v1/chat/completions", "/chat/completions"], guards=[require_key], status_code=200)
+    @post(["/v1/chat/completions", "/chat/completions"], guards=[require_key], status_code=200,
+          operation_class=openapi.operation(body=s.ChatCompletionRequest, responses=openapi.GENERATION(s.ChatCompletion),
+                                            headers=(openapi.SESSION_HEADER,)))
     async def chat_completions(request: Request) -> Response:
         """Chat generation as one JSON object or an SSE stream."""
+        arrived = time.monotonic()
+        front.check_open()
         payload = front.dialect.adapt_request(s.parse_body(await request.body()))
         chat = s.structure_request(payload)
         meta_model = front.served_model
@@ -140,27 +200,68 @@ def create_app(
             template=front.template,
             tool_parser=front.tool_parser,
             header_session_id=request.headers.get("x-session-id"),
+            tokenizer=front.tokenizer.tokenizer,
         )
         if not worker.ready:
             raise unavailable("the model is loading or restarting", code="model_loading")
-        await check_context(plan, front.tokenizer.tokenizer, config.max_context)
+        metered = front.metered(arrived)
         if not plan.stream:
             result = await _unless_disconnected(
                 request,
-                complete(worker, plan, meta, front.dialect, front.tool_parser, front.tokenizer.tokenizer),
+                complete(metered, plan, meta, front.dialect, front.tool_parser),
             )
             return Response(s.to_json(result), media_type="application/json")
         stream = ChatStream(
-            worker,
+            metered,
             plan,
             meta,
             front.dialect,
             front.tool_parser,
             config.streaming_preflight_timeout,
-            tokenizer=front.tokenizer.tokenizer,
         )
         await _unless_disconnected(request, stream.open())
         return Stream(stream.events(), media_type=sse.MEDIA_TYPE, headers=sse.HEADERS)
+
+    @post(["/v1/completions", "/completions"], guards=[require_key], status_code=200,
+          operation_class=openapi.operation(body=s.CompletionRequest, responses=openapi.GENERATION(s.TextCompletion)))
+    async def completions(request: Request) -> Response:
+        """Raw-prompt generation (no chat template) as one JSON object or an SSE stream."""
+        arrived = time.monotonic()
+        front.check_open()
+        body = s.structure_body(s.parse_body(await request.body()), s.CompletionRequest)
+        meta_model = front.served_model
+        meta = tc.new_meta(meta_model.name, meta_model.backend or "unknown")
+        plan = tc.plan_completion(body, request_id=meta.id, config=config)
+        if not worker.ready:
+            raise unavailable("the model is loading or restarting", code="model_loading")
+        metered = front.metered(arrived)
+        if not plan.stream:
+            result = await _unless_disconnected(request, tc.complete_text(metered, plan, meta))
+            return Response(s.to_json(result), media_type="application/json")
+        stream = tc.TextStream(metered, plan, meta, front.dialect, config.streaming_preflight_timeout)
+        await _unless_disconnected(request, stream.open())
+        return Stream(stream.events(), media_type=sse.MEDIA_TYPE, headers=sse.HEADERS)
+
+    @post("/tokenize", guards=[require_key], status_code=200,
+          operation_class=openapi.operation(body=s.TokenizeRequest, responses=openapi.PLAIN(s.TokenizeResult)))
+    async def tokenize_text(request: Request) -> Response:
+        """Token ids of raw text, or of a conversation rendered with the chat template."""
+        body = s.structure_body(s.parse_body(await request.body()), s.TokenizeRequest)
+        result = await tokenize(body, tokenizer=front.tokenizer.tokenizer, template=front.template,
+                                tool_parser=front.tool_parser, config=config)
+        return Response(s.to_json(result), media_type="application/json")
+
+    @post("/detokenize", guards=[require_key], status_code=200,
+          operation_class=openapi.operation(body=s.DetokenizeRequest, responses=openapi.PLAIN(s.DetokenizeResult)))
+    async def detokenize_ids(request: Request) -> Response:
+        """The text of token ids, special tokens written out."""
+        body = s.structure_body(s.parse_body(await request.body()), s.DetokenizeRequest)
+        result = await detokenize(body, tokenizer=front.tokenizer.tokenizer)
+        return Response(s.to_json(result), media_type="application/json")
+
+    def count_response(message: Message, scope: Scope) -> None:
+        if message["type"] == "http.response.start" and scope["type"] == "http":
+            front.metrics.count(scope.get("path_template") or "unmatched", message["status"])
 
     def on_api_error(_: Request, error: ApiError) -> Response:
         return front.error_response(error)
@@ -182,25 +283,31 @@ def create_app(
 
     @contextlib.asynccontextmanager
     async def worker_lifespan(_: Litestar) -> AsyncIterator[None]:
-        await front.tokenizer.load(config)
+        await front.load()
         if manage_worker:
             await worker.start()
         try:
             yield
         finally:
+            if front._deadline is not None:
+                front._deadline.cancel()
             if manage_worker:
                 await worker.close()
 
+    cors = CORSConfig(allow_origins=list(config.cors_allow_origins)) if config.cors_allow_origins else None
     return Litestar(
-        route_handlers=[models, health, metrics, chat_completions],
+        route_handlers=[models, model, health, metrics, chat_completions, completions, tokenize_text,
+                        detokenize_ids, *session_routes(worker, [require_key])],
         exception_handlers={
             ApiError: on_api_error,
             HTTPException: on_http_error,
             Exception: on_unexpected,
         },
         lifespan=[worker_lifespan],
+        before_send=[count_response],
+        cors_config=cors,
         request_max_body_size=config.max_request_bytes,
-        openapi_config=None,
+        openapi_config=openapi.config(config.api_key is not None),
         state={"front": front},
     )
 

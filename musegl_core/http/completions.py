@@ -1,7 +1,7 @@
 """Chat completions: from a validated request to a worker ``Generate``, and from
 worker events to responses.
 
-:func:`plan_chat` applies every rule of spec/api.md section 2 that does not
+:func:`plan_chat` applies every request rule that does not
 need the model (ranges, contradictions, the reject list, tools without a
 parser), renders the conversation with the chat template and returns a
 :class:`ChatPlan`. Nothing is submitted before it returns, so every bad
@@ -10,8 +10,8 @@ request is a 400 that never reaches the worker.
 :class:`ResponseAssembler` turns the worker's ``Tokens``/``Done`` events into
 message text through the channel parser (and the tool parser, when one is
 active) and keeps the usage accounting. :func:`complete` builds the
-non-streaming object (section 3); :class:`ChatStream` produces the SSE
-events of section 4, sending nothing until the worker reports ``Started``.
+non-streaming object; :class:`ChatStream` produces the SSE
+events, sending nothing until the worker reports ``Started``.
 """
 
 from __future__ import annotations
@@ -34,6 +34,8 @@ from musegl_core.config import ServeConfig
 from musegl_core.engine.detokenize import IncrementalDetokenizer
 from musegl_core.engine.executor import SamplingParams
 from musegl_core.errors import ApiError, bad_request, unavailable
+from musegl_core.http import constraints
+from musegl_core.http.logprobs import MAX_TOP_LOGPROBS, LogprobTracker
 from musegl_core.http import schemas as s
 from musegl_core.http import sse
 from musegl_core.http.dialect import Dialect
@@ -66,7 +68,9 @@ class ChatPlan:
     #: What the tool parser's ``prepare`` returned in preflight (compiled
     #: schemas), handed to its ``create`` so that nothing is compiled twice.
     prepared_tools: Any = None
-    image_count: int = 0  # image parts in the prompt (they skip the front's context preflight)
+    image_count: int = 0  # image parts in the prompt
+    logprobs: int = -1  # top alternatives per token (-1: no logprobs)
+    tokenizer: Any = None  # the front's tokenizer (logprobs: the text of each id)
 
 
 def plan_chat(
@@ -77,12 +81,13 @@ def plan_chat(
     template: Any,
     tool_parser: Any = None,
     header_session_id: str | None = None,
+    tokenizer: Any = None,
 ) -> ChatPlan:
     """Validate ``request`` and render its prompt; raises :class:`ApiError` (400).
 
     ``template`` is a template plugin's object (``render``); ``tool_parser``
     the configured :class:`~musegl_core.plugins.specs.ToolParserSpec` or
-    ``None`` (spec 2.1: tools without ``--tool-parser`` are refused).
+    ``None`` (tools without ``--tool-parser`` are refused).
     """
     _check_fixed_choices(request)
     max_tokens = completion_limit(request)
@@ -95,6 +100,14 @@ def plan_chat(
     prepared_tools = prepare_tools(tool_parser, tools) if tools_active else None
     messages = parse_messages(request.messages)
     rendered = template.render(messages, tools, tools_active=tools_active, variables=variables)
+    top_logprobs = (request.top_logprobs or 0) if request.logprobs else -1
+    if top_logprobs >= 0 and tokenizer is None:
+        raise unavailable("logprobs need the served tokenizer, which the front could not load", code="model_loading")
+    mode, named = constraints.tool_choice_mode(request.tool_choice)
+    grammar = constraints.output_grammar(
+        request, config=config, mode=mode, named=named, tools_active=tools_active, tools=tools,
+        tool_parser=tool_parser, prepared_tools=prepared_tools, aliases=dict(rendered.tool_aliases),
+    )
     stream = bool(request.stream)
     include_usage = bool(request.stream_options and request.stream_options.include_usage)
     ignore_eos = bool(request.ignore_eos)
@@ -107,6 +120,8 @@ def plan_chat(
         ignore_eos=ignore_eos,
         session_id=session,
         stream=stream,
+        grammar=grammar,
+        logprobs=top_logprobs,
     )
     return ChatPlan(
         generate=generate,
@@ -119,35 +134,34 @@ def plan_chat(
         tool_aliases=dict(rendered.tool_aliases),
         prepared_tools=prepared_tools,
         image_count=rendered.image_count,
+        logprobs=top_logprobs,
+        tokenizer=tokenizer if top_logprobs >= 0 else None,
     )
 
 
 def _check_fixed_choices(request: s.ChatCompletionRequest) -> None:
-    """Parameters musegl accepts only at one value (spec 2.1, 2.3, 10)."""
+    """Parameters musegl accepts only at one value."""
     if request.n is not None and request.n != 1:
         raise unsupported("n", "only n=1 is supported")
-    if request.logprobs:
-        raise unsupported("logprobs", "logprobs are not supported by this server")
-    if request.top_logprobs:
-        raise unsupported("top_logprobs", "top_logprobs are not supported by this server")
-    if request.response_format is not None and request.response_format.type != "text":
-        raise unsupported(
-            "response_format",
-            f"response_format type {request.response_format.type!r} is not supported; only 'text'",
-        )
+    if request.top_logprobs is not None:
+        if not 0 <= request.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise bad_request(f"'top_logprobs' must be between 0 and {MAX_TOP_LOGPROBS}, got {request.top_logprobs}",
+                              param="top_logprobs")
+        if not request.logprobs:
+            raise bad_request("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
     if request.add_generation_prompt is not None and request.add_generation_prompt is not True:
         raise unsupported("add_generation_prompt", "add_generation_prompt must be true (or absent)")
     if request.continue_final_message is not None and request.continue_final_message is not False:
         raise unsupported("continue_final_message", "continue_final_message must be false (or absent)")
 
 
-def completion_limit(request: s.ChatCompletionRequest) -> int | None:
+def completion_limit(request: s.ChatCompletionRequest | s.CompletionRequest) -> int | None:
     """``max_completion_tokens`` or its deprecated twin ``max_tokens``; both must
     be positive and agree when both are given. ``None`` leaves the limit to the
     context budget."""
     limit = None
     for name in ("max_completion_tokens", "max_tokens"):
-        value = getattr(request, name)
+        value = getattr(request, name, None)  # /v1/completions has only max_tokens
         if value is None:
             continue
         if value < 1:
@@ -161,8 +175,12 @@ def completion_limit(request: s.ChatCompletionRequest) -> int | None:
     return limit
 
 
-def sampling_params(request: s.ChatCompletionRequest) -> SamplingParams:
-    """temperature in [0, 2], top_p in (0, 1], top_k >= 0, a 64-bit seed."""
+def sampling_params(request: s.ChatCompletionRequest | s.CompletionRequest) -> SamplingParams:
+    """temperature in [0, 2], top_p in (0, 1], top_k >= 0, a 64-bit seed, and
+    the processors of docs/constrained.md: ``presence_penalty`` and
+    ``frequency_penalty`` in [-2, 2], ``repetition_penalty`` > 0, ``min_p`` in
+    [0, 1], ``logit_bias`` (at most 300 token ids, each biased by -100..100).
+    Out of range is a 400 naming the parameter."""
     temperature = 1.0 if request.temperature is None else request.temperature
     top_p = 1.0 if request.top_p is None else request.top_p
     top_k = 0 if request.top_k is None else request.top_k
@@ -175,7 +193,48 @@ def sampling_params(request: s.ChatCompletionRequest) -> SamplingParams:
     seed = request.seed
     if seed is not None and not SEED_RANGE[0] <= seed <= SEED_RANGE[1]:
         raise bad_request("'seed' must fit in 64 bits", param="seed")
-    return SamplingParams(temperature=float(temperature), top_p=float(top_p), top_k=top_k, seed=seed)
+    penalties = {}
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(request, name, None)
+        if value is not None:
+            if not -2.0 <= value <= 2.0:
+                raise bad_request(f"'{name}' must be between -2 and 2, got {value}", param=name)
+            penalties[name] = float(value)
+    repetition = getattr(request, "repetition_penalty", None)
+    if repetition is not None:
+        if not 0.0 < repetition <= 1e6 or repetition != repetition:
+            raise bad_request(f"'repetition_penalty' must be greater than 0, got {repetition}",
+                              param="repetition_penalty")
+        penalties["repetition_penalty"] = float(repetition)
+    min_p = getattr(request, "min_p", None)
+    if min_p is not None:
+        if not 0.0 <= min_p <= 1.0:
+            raise bad_request(f"'min_p' must be between 0 and 1, got {min_p}", param="min_p")
+        penalties["min_p"] = float(min_p)
+    return SamplingParams(temperature=float(temperature), top_p=float(top_p), top_k=top_k, seed=seed,
+                          logit_bias=logit_bias(getattr(request, "logit_bias", None)), **penalties)
+
+
+MAX_LOGIT_BIAS = 300
+
+
+def logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+    """OpenAI's ``logit_bias``: token id (a decimal string) -> bias in [-100, 100],
+    at most 300 entries; sorted by id. The worker checks the ids against the vocabulary."""
+    if not bias:
+        return ()
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise bad_request(f"'logit_bias' takes at most {MAX_LOGIT_BIAS} entries, got {len(bias)}",
+                          param="logit_bias")
+    out = []
+    for key, value in bias.items():
+        if not key.isdigit() or len(key) > 9:
+            raise bad_request(f"'logit_bias' keys must be token ids, got {key!r}", param="logit_bias")
+        if not -100.0 <= value <= 100.0:
+            raise bad_request(f"'logit_bias' values must be between -100 and 100, got {value} for {key}",
+                              param="logit_bias")
+        out.append((int(key), float(value)))
+    return tuple(sorted(out))
 
 
 def stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
@@ -192,7 +251,7 @@ def stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
 
 
 def session_id(body: str | None, header: str | None) -> str | None:
-    """The session named by ``session_id`` or ``X-Session-Id`` (spec 10)."""
+    """The session named by ``session_id`` or ``X-Session-Id``."""
     for value, param in ((body, "session_id"), (header, "X-Session-Id")):
         if value is not None and not SESSION_ID.fullmatch(value):
             raise bad_request(
@@ -205,7 +264,7 @@ def session_id(body: str | None, header: str | None) -> str | None:
 
 def reasoning_controls(request: s.ChatCompletionRequest) -> tuple[str | None, bool]:
     """The template's ``reasoning_strength`` and whether to hide reasoning
-    (spec 2.4, chat-format 6.5). Disabling reasoning, unknown efforts and
+    (see docs/protocol.md). Disabling reasoning, unknown efforts and
     contradictions are 400s."""
     options = request.reasoning or s.ReasoningOptions()
     if options.enabled is False:
@@ -243,13 +302,11 @@ def template_variables(kwargs: s.ChatTemplateKwargs | None, strength: str | None
 
 
 def active_tools(request: s.ChatCompletionRequest, tool_parser: Any) -> tuple[bool, list[ToolDef]]:
-    """Whether tools are active, and the declared tools (spec 2.1, 2.5)."""
-    choice = request.tool_choice
-    if isinstance(choice, dict) or choice == "required":
-        raise unsupported("tool_choice", "tool_choice 'required' and named functions are not supported")
-    if choice not in (None, "auto", "none"):
-        raise bad_request("'tool_choice' must be 'auto' or 'none'", param="tool_choice")
+    """Whether tools are active, and the declared tools."""
+    choice, _ = constraints.tool_choice_mode(request.tool_choice)
     if not request.tools:
+        if choice in ("required", "named"):
+            raise bad_request("a 'tool_choice' that requires a call needs 'tools'", param="tool_choice")
         return False, []
     if choice == "none":
         return False, list(parse_tools(request.tools))
@@ -259,7 +316,7 @@ def active_tools(request: s.ChatCompletionRequest, tool_parser: Any) -> tuple[bo
 
 
 def prepare_tools(tool_parser: Any, tools: list[ToolDef]) -> Any:
-    """Run the tool parser's preflight (schema checks, TV-01) on the active
+    """Run the tool parser's preflight (schema checks) on the active
     tools; it raises :class:`ApiError` (400) and returns what ``create`` reuses."""
     return tool_parser.prepare(tools) if tool_parser.prepare is not None else None
 
@@ -287,46 +344,29 @@ class ResponseMeta:
         return s.ChatCompletionChunk(self.id, self.created, self.model, self.system_fingerprint, choices)
 
 
-class ReasoningTokenCounter:
-    """Counts the generated ids that belong to reasoning messages (spec 7).
+def reasoning_tokens(message_starts: list[tuple[int, str]], generated_chars: Sequence[int]) -> int:
+    """How many generated ids belong to reasoning messages (docs/protocol.md: reasoning tokens).
 
     Which ids count: every id of a ``to=self`` message, from the start of its
     header position (the whitespace and header that open it) through its
     structural terminator, including text that continues it after a
-    terminator (output-grammar.md 2.1.4) and, when generation ends inside it,
-    the end-of-generation id. Ids of visible and tool messages do not count;
-    neither do ids of an incomplete header at the end of the output (they
-    stay with the message before them).
+    terminator and, when generation ends inside it, the end-of-generation id.
+    Ids of visible and tool messages do not count; neither do ids of an
+    incomplete header at the end of the output (they stay with the message
+    before them).
 
-    How: the ids are decoded here, one by one, with the same incremental
-    detokenizer the worker uses, so the character offset at which each id
-    begins is known exactly (an id that starts a multi-byte character gets
-    the offset of that character). The worker's text up to those offsets is
-    the same text (it only delays text that may begin a stop, and when a stop
-    trims the output it reports no ids), so the channel parser's
-    :attr:`~musegl_core.chat.channels.ChannelParser.message_starts` tell each
-    id's message. The count is final once the parser has finished.
+    How: the worker reports, per generated id, how many characters its
+    detokenizer added when that id arrived (``Done.generated_chars``; the id
+    that starts a multi-byte character gets the character). The running sum
+    is the character offset at which each id begins in the worker's text, so
+    the channel parser's :attr:`~musegl_core.chat.channels.ChannelParser.message_starts`
+    tell each id's message. No id is detokenized twice.
     """
-
-    def __init__(self, tokenizer: Any) -> None:
-        self._detokenizer = IncrementalDetokenizer(tokenizer)
-        self._chars = 0
-        self._offsets: list[int] = []
-
-    def add(self, ids: Sequence[int]) -> None:
-        """Record the ids of one ``Tokens`` event, in generation order."""
-        for token_id in ids:
-            self._offsets.append(self._chars)
-            self._chars += len(self._detokenizer.push(token_id))
-
-    def count(self, message_starts: list[tuple[int, str]], generated_ids: Sequence[int]) -> int:
-        """The reasoning ids among ``generated_ids`` (``Done.generated_ids``),
-        which may add ids that no ``Tokens`` event carried (the final ids)."""
-        self.add(generated_ids[len(self._offsets) :])
-        return sum(
-            channels.channel_at(message_starts, offset) == "reasoning"
-            for offset in self._offsets[: len(generated_ids)]
-        )
+    count, offset = 0, 0
+    for chars in generated_chars:
+        count += channels.channel_at(message_starts, offset) == "reasoning"
+        offset += chars
+    return count
 
 
 @attrs.define
@@ -341,12 +381,12 @@ class ResponseAssembler:
     """Turns worker events into message text, tool calls and usage.
 
     The channel parser splits the output into reasoning, visible content and
-    tool-addressed text (output-grammar.md); tool-addressed text goes to the
+    tool-addressed text; tool-addressed text goes to the
     tool parser when tools are active. Hidden reasoning is still parsed (and
     counted), it is only not returned.
     """
 
-    def __init__(self, plan: ChatPlan, tool_parser: Any = None, tokenizer: Any = None):
+    def __init__(self, plan: ChatPlan, tool_parser: Any = None):
         self.plan = plan
         self.parser = channels.ChannelParser(tools_active=plan.tools_active, hide_reasoning=False)
         self.tools = (
@@ -354,22 +394,40 @@ class ResponseAssembler:
             if plan.tools_active and tool_parser is not None
             else None
         )
-        self.counter = ReasoningTokenCounter(tokenizer) if tokenizer is not None else None
         self.reasoning: list[str] = []
         self.content: list[str] = []
         self.tool_calls: list[s.ToolCall] = []
+        self.logprobs = (
+            LogprobTracker(plan.tokenizer, plan.tools_active, plan.logprobs)
+            if plan.logprobs >= 0 and plan.tokenizer is not None
+            else None
+        )
+        self._sent = (0, 0)  # logprob entries already streamed (content, reasoning)
 
     def feed(self, event: m.Tokens) -> Output:
         """Parse the text of one ``Tokens`` event; returns the visible deltas."""
-        out = self._route(self.parser.feed(event.text))
-        if self.counter is not None:
-            self.counter.add(event.ids)
-        return self._visible(out)
+        if self.logprobs is not None:
+            self.logprobs.feed(event.ids, event.logprobs, event.text, self.plan.ignore_eos)
+        return self._visible(self._route(self.parser.feed(event.text)))
+
+    def choice_logprobs(self, unsent: bool = False) -> s.ChoiceLogprobs | None:
+        """The ``logprobs`` of the choice (``unsent``: only entries not streamed yet)."""
+        if self.logprobs is None:
+            return None
+        content, reasoning = self.logprobs.content, self.logprobs.reasoning
+        if unsent:
+            sent_c, sent_r = self._sent
+            self._sent = (len(content), len(reasoning))
+            content, reasoning = content[sent_c:], reasoning[sent_r:]
+        hidden = self.plan.hide_reasoning
+        return s.ChoiceLogprobs(content=list(content), reasoning_content=None if hidden else list(reasoning))
 
     def finish(self, done: m.Done) -> tuple[Output, str]:
         """Flush the parsers at the end of generation; returns the last deltas
         and the finish reason. A failed tool-call set raises :class:`ApiError`."""
         end = _end_of_generation(done)
+        if self.logprobs is not None:
+            self.logprobs.finish(end)
         out = self._route(self.parser.finish(end), at_end=True)
         reason = "length" if done.finish_reason == "length" else "stop"
         if self.tools is not None:
@@ -380,13 +438,12 @@ class ResponseAssembler:
         return self._visible(out), reason
 
     def usage(self, done: m.Done) -> s.Usage:
-        """The usage object of spec 7. ``reasoning_tokens`` only from the exact
+        """The usage object. ``reasoning_tokens`` only from the exact
         generated ids: omitted when the worker did not report them (a
-        stop-trimmed turn), with ``ignore_eos``, and when the front has no
-        tokenizer to read them with."""
+        stop-trimmed turn) and with ``ignore_eos``."""
         details = None
-        if done.generated_ids is not None and not self.plan.ignore_eos and self.counter is not None:
-            reasoning = self.counter.count(self.parser.message_starts, done.generated_ids)
+        if done.generated_chars is not None and not self.plan.ignore_eos:
+            reasoning = reasoning_tokens(self.parser.message_starts, done.generated_chars)
             details = s.CompletionTokensDetails(reasoning_tokens=reasoning)
         return s.Usage(
             prompt_tokens=done.prompt_tokens,
@@ -415,7 +472,7 @@ class ResponseAssembler:
         return Output("", out.content) if self.plan.hide_reasoning else out
 
     def message(self, dialect: Dialect) -> s.AssistantMessage:
-        """The non-streaming message (spec 3)."""
+        """The non-streaming message."""
         reasoning = "".join(self.reasoning)
         content = "".join(self.content)
         hidden = self.plan.hide_reasoning or not reasoning
@@ -428,7 +485,7 @@ class ResponseAssembler:
 
 def _end_of_generation(done: m.Done) -> str:
     """The channel parser's end kind: ``eos``, ``stop`` (a request stop),
-    ``length`` or ``cancel`` (output-grammar.md, section 0)."""
+    ``length`` or ``cancel``."""
     if done.finish_reason == "length":
         return "length"
     if done.finish_reason == "cancelled":
@@ -449,11 +506,9 @@ async def complete(
     meta: ResponseMeta,
     dialect: Dialect,
     tool_parser: Any = None,
-    tokenizer: Any = None,
 ) -> s.ChatCompletion:
-    """Run ``plan`` to the end and build the non-streaming response (spec 3).
-    ``tokenizer`` (the front's, optional) enables the reasoning-token count."""
-    assembler = ResponseAssembler(plan, tool_parser, tokenizer)
+    """Run ``plan`` to the end and build the non-streaming response."""
+    assembler = ResponseAssembler(plan, tool_parser)
     async with worker.generate(plan.generate) as events:
         async for event in events:
             if isinstance(event, m.Tokens):
@@ -465,14 +520,15 @@ async def complete(
                     created=meta.created,
                     model=meta.model,
                     system_fingerprint=meta.system_fingerprint,
-                    choices=[s.Choice(message=assembler.message(dialect), finish_reason=reason)],
+                    choices=[s.Choice(message=assembler.message(dialect), finish_reason=reason,
+                                      logprobs=assembler.choice_logprobs())],
                     usage=assembler.usage(event),
                 )
     raise unavailable("the model worker ended the request without a result", code="worker_restarting")
 
 
 class ChatStream:
-    """One streaming response (spec 4).
+    """One streaming response.
 
     :meth:`open` submits the request and waits for ``Started`` (bounded by
     ``--streaming-preflight-timeout``); until then every error is an ordinary
@@ -490,13 +546,12 @@ class ChatStream:
         dialect: Dialect,
         tool_parser: Any = None,
         preflight_timeout: float | None = None,
-        tokenizer: Any = None,
     ):
         self.worker = worker
         self.plan = plan
         self.meta = meta
         self.dialect = dialect
-        self.assembler = ResponseAssembler(plan, tool_parser, tokenizer)
+        self.assembler = ResponseAssembler(plan, tool_parser)
         self.preflight_timeout = preflight_timeout
         self._context: contextlib.AbstractAsyncContextManager | None = None
         self._events: AsyncIterator[m.Event] | None = None
@@ -569,18 +624,24 @@ class ChatStream:
             ]
             items.append(self._chunk(s.ChunkChoice(delta=s.Delta(tool_calls=calls))))
         usage = self.assembler.usage(done) if self.plan.include_usage else None
-        finish = self.meta.chunk([s.ChunkChoice(delta=s.Delta(), finish_reason=reason)])
+        rest = self.assembler.choice_logprobs(unsent=True)
+        if rest is not None and not (rest.content or rest.reasoning_content):
+            rest = None
+        finish = self.meta.chunk([s.ChunkChoice(delta=s.Delta(), finish_reason=reason, logprobs=rest)])
         items += [sse.data_event(s.to_json(chunk)) for chunk in self.dialect.stream_tail(finish, usage)]
         items.append(sse.DONE)
         return items
 
     def _deltas(self, out: Output) -> list[bytes]:
-        """Reasoning then content deltas; never an empty one (spec 4.2)."""
+        """Reasoning then content deltas; never an empty one."""
         items = []
+        logprobs = self.assembler.choice_logprobs(unsent=True) if out.reasoning or out.content else None
         if out.reasoning:
-            items.append(self._chunk(s.ChunkChoice(delta=s.Delta(**self.dialect.reasoning_fields(out.reasoning)))))
+            items.append(self._chunk(s.ChunkChoice(delta=s.Delta(**self.dialect.reasoning_fields(out.reasoning)),
+                                                   logprobs=logprobs)))
+            logprobs = None
         if out.content:
-            items.append(self._chunk(s.ChunkChoice(delta=s.Delta(content=out.content))))
+            items.append(self._chunk(s.ChunkChoice(delta=s.Delta(content=out.content), logprobs=logprobs)))
         return items
 
     def _chunk(self, choice: s.ChunkChoice) -> bytes:

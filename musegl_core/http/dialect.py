@@ -1,17 +1,17 @@
 """API dialects: where the OpenAI and OpenRouter wire formats differ.
 
-:class:`Dialect` is the core's ``openai`` dialect. Everything that spec/api.md
-section 9 lists as a dialect difference goes through one of its methods, so
+:class:`Dialect` is the core's ``openai`` dialect. Everything where the OpenAI and
+OpenRouter wire formats differ goes through one of its methods, so
 the ``openrouter`` plugin subclasses it and overrides only those:
 
 * :meth:`adapt_request`: request fields only this dialect accepts (5.3's
   ``usage: {"include": true}``), rewritten into core fields;
-* :meth:`error_body`: the JSON body of an error response (6.1);
-* :meth:`stream_error`: the SSE events for an error after headers (4.3);
+* :meth:`error_body`: the JSON body of an error response;
+* :meth:`stream_error`: the SSE events for an error after headers;
 * :meth:`stream_tail`: where stream usage goes (5.2 / 5.3);
 * :meth:`reasoning_fields`: which field names carry reasoning text (9);
 * :meth:`model_entry`: the ``/v1/models`` entry (1);
-* :attr:`keepalive`: the SSE comment sent while a stream is idle (4.1).
+* :attr:`keepalive`: the SSE comment sent while a stream is idle.
 
 All methods build :mod:`musegl_core.http.schemas` objects or plain payloads
 that :func:`~musegl_core.http.schemas.to_json` turns into JSON.
@@ -54,7 +54,7 @@ class Dialect:
         extension is accepted only by the dialect that owns it and the core
         sees one vocabulary. Return the (possibly new) body, or raise
         :class:`~musegl_core.errors.ApiError` (400) for a malformed extension.
-        The openai dialect has none: unknown keys are ignored (spec 10).
+        The openai dialect has none: unknown keys are ignored.
         """
         return payload
 
@@ -72,7 +72,7 @@ class Dialect:
 
         ``chunk`` is an empty chunk of this stream (id, created, model) for
         dialects that wrap the error in one. The openai dialect sends
-        ``data: {"error": {...}}`` and then ``data: [DONE]`` (spec 10).
+        ``data: {"error": {...}}`` and then ``data: [DONE]``.
         """
         return [sse.data_event(self.error_body(error)), sse.DONE]
 
@@ -84,7 +84,7 @@ class Dialect:
 
         ``finish`` is the finish chunk (empty delta with ``finish_reason``);
         ``usage`` is set when the client asked for ``include_usage``. OpenAI
-        sends usage in a separate chunk with ``choices: []`` (spec 5.2).
+        sends usage in a separate chunk with ``choices: []``.
         """
         if usage is None:
             return [finish]
@@ -94,7 +94,7 @@ class Dialect:
     def reasoning_fields(self, text: str | None) -> dict[str, str | None]:
         """Keyword arguments that put reasoning ``text`` on a message or delta.
 
-        Both dialects use ``reasoning_content`` (spec 10); the openrouter
+        Both dialects use ``reasoning_content``; the openrouter
         dialect adds ``reasoning`` with the same text.
         """
         return {"reasoning_content": text}

@@ -1,16 +1,13 @@
 """The served model's tokenizer, loaded once by the front.
 
-The front never runs the model, but a few response details need token ids
-read as text: ``usage.completion_tokens_details.reasoning_tokens`` attributes
-every generated id to the message it belongs to, which needs the bytes of
-each id (see :class:`musegl_core.http.completions.ReasoningTokenCounter`).
+The front never runs the model and never tokenizes a generation request
+(the worker does that, once). It loads the tokenizer only for the
+``/tokenize`` and ``/detokenize`` endpoints.
 
 :class:`FrontTokenizer` loads the tokenizer of ``--model`` (GGUF or Hugging
 Face directory) once, at application start-up, off the event loop. When no
 model path is configured (tests that run the front without a model) or the
-tokenizer cannot be read, it stays empty and the features that need it step
-aside (reasoning-token details are then omitted, as when the worker does not
-report the generated ids).
+tokenizer cannot be read, it stays empty and those endpoints answer 503.
 """
 
 from __future__ import annotations
@@ -37,6 +34,6 @@ class FrontTokenizer:
         try:
             self.tokenizer = await asyncio.to_thread(MuseTokenizer.load, config.model)
         except (OSError, ValueError, TokenizerError) as exc:
-            log.warning("the front could not load the tokenizer of %s (%s); reasoning-token usage is omitted",
+            log.warning("the front could not load the tokenizer of %s (%s); /tokenize and /detokenize are unavailable",
                         config.model, exc)
         return self.tokenizer

@@ -9,13 +9,14 @@ JSON when they are ``None`` (``reasoning_content``, ``tool_calls``, ...),
 while ordinary ``None`` fields are written as ``null`` (the role chunk's
 ``content``, ``finish_reason`` of a delta chunk).
 
-Shapes follow spec/api.md sections 2, 3, 4, 6 and 7.
+The shapes are those of OpenAI's Chat Completions API with musegl's
+additions (docs/protocol.md).
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any, get_origin
+from typing import Any, TypeVar, get_origin
 
 import attrs
 import cattrs
@@ -24,8 +25,57 @@ from cattrs.gen import make_dict_structure_fn, make_dict_unstructure_fn
 
 from musegl_core.errors import ApiError, bad_request
 
-_OMIT_NONE = "musegl_omit_none"
-_FORBID_EXTRA = "__musegl_forbid_extra_keys__"
+T = TypeVar("T")
+_OMIT_NONE = OMIT_NONE = "musegl_omit_none"
+_FORBID_EXTRA = FORBID_EXTRA = "__musegl_forbid_extra_keys__"
+#: attrs field metadata: the field's JSON Schema where its type says too little (OpenAPI)
+JSON_SCHEMA = "musegl_json_schema"
+
+_TEXT_PART = {
+    "type": "object",
+    "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
+    "required": ["type", "text"],
+}
+_IMAGE_PART = {
+    "type": "object",
+    "properties": {
+        "type": {"const": "image_url"},
+        "image_url": {
+            "type": "object",
+            "properties": {"url": {"type": "string", "description": "data:image/png;base64,... or JPEG"}},
+            "required": ["url"],
+        },
+    },
+    "required": ["type", "image_url"],
+}
+#: The shape of ``messages`` (the chat package checks the rest and answers 400).
+MESSAGES_SCHEMA = {
+    "type": "array",
+    "minItems": 1,
+    "items": {
+        "type": "object",
+        "properties": {
+            "role": {"enum": ["system", "developer", "user", "assistant", "tool"]},
+            "content": {
+                "anyOf": [
+                    {"type": "string"},
+                    {"type": "null"},
+                    {"type": "array", "items": {"anyOf": [_TEXT_PART, _IMAGE_PART]}},
+                ]
+            },
+            "name": {"type": "string"},
+            "tool_call_id": {"type": "string"},
+            "reasoning_content": {"anyOf": [{"type": "string"}, {"type": "null"}]},
+            "tool_calls": {"anyOf": [{"type": "array", "items": {"type": "object"}}, {"type": "null"}]},
+        },
+        "required": ["role"],
+    },
+}
+
+
+def messages_field() -> Any:
+    """``messages``: raw JSON here, documented by :data:`MESSAGES_SCHEMA`."""
+    return attrs.field(default=None, metadata={JSON_SCHEMA: MESSAGES_SCHEMA})
 
 
 def omittable(default: Any = None) -> Any:
@@ -49,7 +99,7 @@ class StreamOptions:
 @closed
 @attrs.frozen
 class ReasoningOptions:
-    """OpenRouter's ``reasoning`` object as musegl accepts it (spec 2.4)."""
+    """OpenRouter's ``reasoning`` object as musegl accepts it."""
 
     effort: str | None = None
     exclude: bool | None = None
@@ -59,7 +109,7 @@ class ReasoningOptions:
 @closed
 @attrs.frozen
 class ChatTemplateKwargs:
-    """The template variables a client may set (chat-format.md 2.2-2.4)."""
+    """The template variables a client may set."""
 
     current_date: str | None = None
     knowledge_cutoff: str | None = None
@@ -69,7 +119,12 @@ class ChatTemplateKwargs:
 
 @attrs.frozen
 class ResponseFormat:
+    """``{"type": "text" | "json_object" | "json_schema", "json_schema": {...}}``;
+    ``json_schema`` (``name``, ``schema``, ``strict``, ``description``) stays raw
+    JSON here, :mod:`musegl_core.http.constraints` checks it."""
+
     type: str
+    json_schema: Any = None
 
 
 StopField = str | list[str] | None
@@ -81,12 +136,12 @@ class ChatCompletionRequest:
 
     ``messages``, ``tools`` and ``tool_choice`` stay raw JSON here: the chat
     package validates them with its own, more specific errors. Fields on the
-    reject list of spec 2.3 are checked on the raw body before structuring
+    reject list (:data:`REJECTED_FIELDS`) are checked on the raw body before structuring
     (:func:`structure_request`). Range and consistency rules live in
     :mod:`musegl_core.http.completions`.
     """
 
-    messages: Any = None
+    messages: Any = messages_field()
     model: str | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
@@ -110,11 +165,17 @@ class ChatCompletionRequest:
     logprobs: bool | None = None
     top_logprobs: int | None = None
     response_format: ResponseFormat | None = None
+    json_schema: Any = None  # llama.cpp's top-level spelling of response_format json_schema
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    min_p: float | None = None
+    logit_bias: dict[str, float] | None = None
     add_generation_prompt: Any = None
     continue_final_message: Any = None
 
 
-# Present with a non-null value → 400 unsupported_parameter (spec 2.3).
+# Present with a non-null value → 400 unsupported_parameter.
 REJECTED_FIELDS = (
     "thinking_token_budget",
     "grammar",
@@ -127,7 +188,68 @@ REJECTED_FIELDS = (
     "structured_outputs",
     "regex",
     "ebnf",
+    "grammar_lazy",
+    "grammar_triggers",
 )
+
+
+PromptField = str | list[str] | list[int] | list[list[int]] | None
+
+
+@attrs.frozen
+class CompletionRequest:
+    """A ``POST /v1/completions`` body after type checks.
+
+    ``prompt`` is raw text (special tokens written out) or token ids; one
+    prompt per request. ``echo``, ``best_of``, ``suffix``, ``logprobs``,
+    ``logit_bias`` and the penalties are typed here only so that a value the
+    engine cannot honour is refused by name (``musegl_core.http.text_completions``).
+    """
+
+    prompt: PromptField = None
+    model: str | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop: StopField = None
+    ignore_eos: bool | None = None
+    n: int | None = None
+    best_of: int | None = None
+    echo: bool | None = None
+    suffix: str | None = None
+    logprobs: int | None = None
+    logit_bias: dict[str, float] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    min_p: float | None = None
+    user: str | None = None
+
+
+@attrs.frozen
+class TokenizeRequest:
+    """``POST /tokenize``: ``prompt`` (raw text, as ``/v1/completions`` reads it)
+    or ``messages`` (rendered with the chat template, as a chat request would be;
+    the chat fields that shape the prompt may come along)."""
+
+    prompt: str | None = None
+    messages: Any = messages_field()
+    model: str | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    reasoning_effort: str | None = None
+    reasoning: ReasoningOptions | None = None
+    chat_template_kwargs: ChatTemplateKwargs | None = None
+
+
+@attrs.frozen
+class DetokenizeRequest:
+    tokens: list[int]
+    model: str | None = None
 
 
 # -- responses -------------------------------------------------------------------------
@@ -164,10 +286,21 @@ class AssistantMessage:
 
 
 @attrs.frozen
+class ChoiceLogprobs:
+    """``logprobs`` of a choice: ``content`` entries (their ``token`` texts
+    concatenate to the content) and, musegl's addition, ``reasoning_content``
+    entries for the reasoning (absent when reasoning is hidden)."""
+
+    content: list[Any] | None = None
+    reasoning_content: list[Any] | None = omittable()
+
+
+@attrs.frozen
 class Choice:
     message: AssistantMessage
     finish_reason: str
     index: int = 0
+    logprobs: ChoiceLogprobs | None = omittable()
 
 
 @attrs.frozen
@@ -202,7 +335,7 @@ class ChatCompletion:
 
 @attrs.frozen
 class RoleDelta:
-    """The first delta of a stream: ``content`` is present and ``null`` (spec 4.2)."""
+    """The first delta of a stream: ``content`` is present and ``null``."""
 
     role: str = "assistant"
     content: None = None
@@ -223,6 +356,7 @@ class ChunkChoice:
     delta: RoleDelta | Delta
     finish_reason: str | None = None
     index: int = 0
+    logprobs: ChoiceLogprobs | None = omittable()
 
 
 @attrs.frozen
@@ -237,9 +371,42 @@ class ChatCompletionChunk:
 
 
 @attrs.frozen
+class CompletionChoice:
+    text: str
+    finish_reason: str | None
+    index: int = 0
+    logprobs: None = None
+
+
+@attrs.frozen
+class TextCompletion:
+    """``/v1/completions`` (``object`` ``text_completion``, also for stream chunks)."""
+
+    id: str
+    created: int
+    model: str
+    system_fingerprint: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = omittable()
+    object: str = "text_completion"
+
+
+@attrs.frozen
+class TokenizeResult:
+    tokens: list[int]
+    count: int
+    max_model_len: int
+
+
+@attrs.frozen
+class DetokenizeResult:
+    prompt: str
+
+
+@attrs.frozen
 class ModelEntry:
     """One ``/v1/models`` entry. ``context_length`` and ``max_model_len`` are both
-    the runtime ``--max-context`` budget (spec 1); ``demo`` marks the built-in
+    the runtime ``--max-context`` budget; ``demo`` marks the built-in
     random-weight demo model."""
 
     id: str
@@ -268,7 +435,7 @@ class HealthStatus:
 
 @attrs.frozen
 class ErrorObject:
-    """OpenAI's error object (spec 6.1, openai dialect)."""
+    """OpenAI's error object (the openai dialect)."""
 
     message: str
     type: str
@@ -355,6 +522,22 @@ converter.register_structure_hook_factory(attrs.has, _strict_attrs)
 converter.register_structure_hook_func(lambda t: t is StopField, _structure_stop)
 
 
+def _structure_prompt(value: Any, _: Any) -> str | list[str] | list[int] | list[list[int]] | None:
+    """A string, token ids, or a list of either (``prompt`` of ``/v1/completions``)."""
+    if value is None or isinstance(value, str):
+        return value
+    if not isinstance(value, list):
+        raise TypeError("expected a string or an array")
+    if all(isinstance(item, str) for item in value):
+        return list(value)
+    if all(isinstance(item, list) for item in value):
+        return converter.structure(value, list[list[int]])
+    return converter.structure(value, list[int])
+
+
+converter.register_structure_hook_func(lambda t: t is PromptField, _structure_prompt)
+
+
 def _omitting_unstructure(cls: type, conv: cattrs.Converter) -> Any:
     base = make_dict_unstructure_fn(cls, conv)
     optional = [f.name for f in attrs.fields(cls) if f.metadata.get(_OMIT_NONE)]
@@ -386,10 +569,18 @@ def parse_body(body: bytes) -> dict[str, Any]:
     return payload
 
 
+def structure_body(payload: dict[str, Any], cls: type[T]) -> T:
+    """Type-check ``payload`` into ``cls``; the first bad field is named (400)."""
+    try:
+        return converter.structure(payload, cls)
+    except cattrs.BaseValidationError as exc:
+        raise _field_error(exc) from exc
+
+
 def structure_request(payload: dict[str, Any]) -> ChatCompletionRequest:
     """Type-check ``payload`` into a :class:`ChatCompletionRequest`.
 
-    Rejected fields (spec 2.3) come first; a ``null`` counts as absent
+    Rejected fields come first; a ``null`` counts as absent
     everywhere. The first offending field is named in the error's ``param``.
     """
     for name in REJECTED_FIELDS:

@@ -1,4 +1,4 @@
-"""Server-sent events: framing and idle keepalives (spec/api.md 4.1).
+"""Server-sent events: framing and idle keepalives.
 
 Each event is one ``data: <json>`` line and a blank line; the stream ends with
 ``data: [DONE]``. While a stream is idle for :data:`KEEPALIVE_INTERVAL`

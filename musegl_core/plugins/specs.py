@@ -102,12 +102,23 @@ class ToolParserSpec:
       declared name) and ``arguments`` (a dict or a JSON string) — or an
       empty list when a cut-off call set is suppressed; it raises
       ``ApiError`` (502 ``invalid_tool_output``) for an invalid call set.
+
+    * ``grammar(tools, options)`` (optional) makes constrained tool calling
+      possible (``tool_choice`` ``"required"`` or a named function,
+      ``docs/constrained.md``): it returns llguidance Lark rules that define
+      ``call_message``, one complete tool message of the raw output (header
+      `` to=NAME<|message|>`` and the call markup, no terminator) calling one
+      of ``options["names"]`` (declared names) with arguments that pass the
+      parser's validation. ``options`` also carries ``aliases`` and
+      ``prepared``. It raises ``ApiError`` (400) for a schema it cannot
+      express. Without it, those ``tool_choice`` values are refused.
     """
 
     name: str
     description: str
     create: Callable[..., Any]
     prepare: Callable[..., Any] | None = None
+    grammar: Callable[..., Any] | None = None
 
 
 @attrs.frozen

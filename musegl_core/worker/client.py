@@ -4,6 +4,15 @@
 lines over its stdin/stdout, routes events to the request that owns them, and
 restarts the worker when it dies. Requests in flight when the worker dies fail
 with 503 ``unavailable_error``; readiness is reported by :attr:`ready`.
+
+Restart policy: a worker that exits before it ever became ready could not load
+the model, and retrying would not help: the client gives up at once. After a
+successful load, a dead worker is restarted after ``restart_delay`` seconds,
+doubled for each consecutive failure (a worker that dies within
+``stable_after`` seconds of becoming ready, or never becomes ready again),
+up to ``max_restart_delay``; after ``max_failures`` consecutive failures the
+client gives up. Giving up logs one error line, sets :attr:`fatal` and calls
+``on_fatal`` (``musegl serve`` then shuts down with exit status 1).
 """
 
 from __future__ import annotations
@@ -14,12 +23,13 @@ import json
 import logging
 import os
 import sys
-from typing import AsyncIterator
+import time
+from typing import AsyncIterator, Callable
 
 import cattrs
 
 from musegl_core.config import ServeConfig
-from musegl_core.errors import ApiError, unavailable
+from musegl_core.errors import ApiError, shutting_down, unavailable
 from musegl_core.worker import messages as m
 
 log = logging.getLogger("musegl.front")
@@ -36,11 +46,20 @@ def worker_command(config: ServeConfig) -> list[str]:
 class WorkerClient:
     """Supervises one worker process and multiplexes requests over its pipes."""
 
-    def __init__(self, config: ServeConfig, *, restart_delay: float = 0.5):
+    def __init__(self, config: ServeConfig, *, restart_delay: float = 0.5, max_restart_delay: float = 30.0,
+                 max_failures: int = 5, stable_after: float = 60.0,
+                 on_fatal: Callable[[str], None] | None = None):
         self.config = config
         self.restart_delay = restart_delay
+        self.max_restart_delay = max_restart_delay
+        self.max_failures = max_failures
+        self.stable_after = stable_after
+        self.on_fatal = on_fatal
+        self.fatal: str | None = None  # why the client gave up on the worker
+        self.failures = 0  # consecutive failed starts
         self.info: m.Ready | None = None
         self.restarts = 0
+        self._ready_at: float | None = None  # when the current worker became ready
         self._proc: asyncio.subprocess.Process | None = None
         self._queues: dict[str, asyncio.Queue] = {}
         self._write_lock = asyncio.Lock()
@@ -92,12 +111,16 @@ class WorkerClient:
 
     async def _supervise(self) -> None:
         while not self._closing:
+            self._ready_at = None
             self._proc = await asyncio.create_subprocess_exec(
                 *worker_command(self.config),
                 stdin=asyncio.subprocess.PIPE,
                 stdout=asyncio.subprocess.PIPE,
                 limit=m.MAX_EVENT_FRAME + 1,
                 env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                # Its own session: a Ctrl-C in the terminal (SIGINT to the process group)
+                # reaches only the front, which stops the worker last, on its own terms.
+                start_new_session=True,
             )
             log.info("worker started (pid %d)", self._proc.pid)
             try:
@@ -106,15 +129,44 @@ class WorkerClient:
                 # The pipe closed: the worker is gone (or going). Fail its requests
                 # at once; reaping the process must not delay that.
                 self._ready.clear()
-                self._fail_all(unavailable("the model worker stopped; it is restarting", code="worker_restarting"))
+                self._fail_all(
+                    shutting_down()
+                    if self._closing
+                    else unavailable("the model worker stopped; it is restarting", code="worker_restarting")
+                )
                 if self._closing:
                     await self._stop_process()
             if self._closing:
                 return
             code = await self._reap(self._proc)
+            delay = self._next_delay(code)
+            if delay is None:
+                return
             self.restarts += 1
-            log.error("worker exited with status %s; restarting", code)
-            await asyncio.sleep(self.restart_delay)
+            log.error("worker exited with status %s; restarting in %.1f s (consecutive failures: %d of %d)",
+                      code, delay, self.failures, self.max_failures)
+            await asyncio.sleep(delay)
+
+    def _next_delay(self, code: int | None) -> float | None:
+        """Seconds to wait before restarting a worker that exited with ``code``;
+        None when the client gives up (see the module docstring)."""
+        if self.info is None:  # no worker has ever loaded the model
+            self._give_up(f"the model worker exited with status {code} before it finished loading "
+                          f"{self.config.model!r} (its error is above); not restarting")
+            return None
+        stable = self._ready_at is not None and time.monotonic() - self._ready_at >= self.stable_after
+        self.failures = 1 if stable else self.failures + 1
+        if self.failures > self.max_failures:
+            self._give_up(f"the model worker failed {self.max_failures} times in a row (last exit status {code}); "
+                          "giving up")
+            return None
+        return min(self.max_restart_delay, self.restart_delay * 2 ** (self.failures - 1))
+
+    def _give_up(self, reason: str) -> None:
+        self.fatal = reason
+        log.error("%s", reason)
+        if self.on_fatal is not None:
+            self.on_fatal(reason)
 
     @staticmethod
     async def _reap(proc: asyncio.subprocess.Process) -> int | None:
@@ -147,6 +199,7 @@ class WorkerClient:
                 continue
             if isinstance(event, m.Ready):
                 self.info = event
+                self._ready_at = time.monotonic()
                 self._ready.set()
                 log.info("worker ready: %s", event.model.name)
                 continue
@@ -156,12 +209,22 @@ class WorkerClient:
             elif isinstance(event, m.Failed) and event.id is None:
                 log.error("worker error: %s", event.message)
 
+    def begin_shutdown(self) -> None:
+        """The server is shutting down: a worker that exits from now on (a
+        service manager may signal it too) is not restarted, and its requests
+        fail with ``server_shutting_down`` rather than ``worker_restarting``."""
+        self._closing = True
+
+    def fail_inflight(self, error: ApiError) -> None:
+        """End every request in flight with ``error`` (shutdown's deadline passed)."""
+        self._fail_all(error)
+
     def _fail_all(self, error: ApiError) -> None:
         for queue in self._queues.values():
             queue.put_nowait(error)
 
     # -- requests ----------------------------------------------------------------------
-    async def _send(self, message: m.Generate | m.Cancel | m.Stats) -> None:
+    async def _send(self, message: m.Request) -> None:
         line = m.encode(message)
         if len(line) > self.config.max_request_bytes:
             raise ApiError(
@@ -181,19 +244,34 @@ class WorkerClient:
             except (BrokenPipeError, ConnectionResetError) as exc:
                 raise unavailable("the model worker stopped", code="worker_restarting") from exc
 
-    async def stats(self, timeout: float = 10) -> dict:
-        """The engine's counters (KV blocks, sessions, steps), read between steps."""
-        rid = f"stats-{os.urandom(6).hex()}"
+    async def _ask(self, kind: str, make, timeout: float):
+        """Send the control message ``make(rid)``; return its one answer (or raise
+        the :class:`ApiError` it failed with)."""
+        rid = f"{kind}-{os.urandom(6).hex()}"
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[rid] = queue
         try:
-            await self._send(m.Stats(rid))
+            await self._send(make(rid))
             item = await asyncio.wait_for(queue.get(), timeout)
         finally:
             self._queues.pop(rid, None)
         if isinstance(item, ApiError):
             raise item
-        return dict(item.values)
+        if isinstance(item, m.Failed):
+            raise ApiError(item.status, item.message, item.type, item.code, item.param, dict(item.metadata))
+        return item
+
+    async def stats(self, timeout: float = 10) -> dict:
+        """The engine's counters (KV blocks, sessions, steps), read between steps."""
+        return dict((await self._ask("stats", m.Stats, timeout)).values)
+
+    async def list_sessions(self, timeout: float = 10) -> tuple:
+        """The named sessions (:class:`~musegl_core.engine.sessions.SessionInfo`), most recent first."""
+        return (await self._ask("sessions", m.ListSessions, timeout)).sessions
+
+    async def close_session(self, session_id: str, timeout: float = 10) -> None:
+        """Close an idle named session; ApiError 404 (unknown) or 409 (active)."""
+        await self._ask("close", lambda rid: m.CloseSession(rid, session_id), timeout)
 
     @contextlib.asynccontextmanager
     async def generate(self, request: m.Generate) -> AsyncIterator[AsyncIterator[m.Event]]:

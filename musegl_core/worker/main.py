@@ -23,12 +23,15 @@ import logging
 import os
 import sys
 import threading
+import time
 from typing import BinaryIO
 
+from musegl_core.checkpoint.validate import one_line
 from musegl_core.config import ServeConfig
 from musegl_core.engine.engine import Engine, EngineConfig
 from musegl_core.engine.randomness import random_seed
 from musegl_core.engine.request import GenerateRequest, PreparedRequest
+from musegl_core.engine.sessions import session_policy
 from musegl_core.errors import ApiError, ConfigError
 from musegl_core.worker import messages as m
 from musegl_core.worker.client import config_converter
@@ -50,7 +53,7 @@ class EventWriter:
             if isinstance(event, m.Done):  # very long generations: drop the id list
                 import attrs
 
-                line = m.encode(attrs.evolve(event, generated_ids=None), m.MAX_EVENT_FRAME)
+                line = m.encode(attrs.evolve(event, generated_ids=None, generated_chars=None), m.MAX_EVENT_FRAME)
             else:
                 rid = getattr(event, "id", None)
                 line = m.encode(m.Failed(rid, 500, "an output frame exceeded 1 MiB", "server_error"))
@@ -59,10 +62,12 @@ class EventWriter:
             self.stream.flush()
 
 
-def prepare(request: GenerateRequest, tokenizer) -> PreparedRequest:
+def prepare(request: GenerateRequest, tokenizer, vocab_size: int = 0) -> PreparedRequest:
     """Prepare a request once, on the control thread: tokenize the prompt
     segments, check the ids, fix the seed (a random one when none was given,
-    so every draw is keyed by seed and position)."""
+    so every draw is keyed by seed and position), compile the output
+    constraint against the served vocabulary (``vocab_size``: the model's,
+    when larger than the tokenizer's)."""
     try:
         ids = tokenizer.encode_segments(request.prompt, add_bos=request.add_bos)
     except Exception as exc:
@@ -73,8 +78,18 @@ def prepare(request: GenerateRequest, tokenizer) -> PreparedRequest:
     if any(not 0 <= i < vocab for i in ids):
         raise ApiError(400, f"prompt token ids must be in [0, {vocab})", "invalid_request_error")
     sampling = request.sampling
+    limit = max(vocab, vocab_size)
+    for token, _ in sampling.logit_bias:
+        if not 0 <= token < limit:
+            raise ApiError(400, f"logit_bias names token {token}, outside the vocabulary [0, {limit})",
+                           "invalid_request_error", param="logit_bias")
     if sampling.seed is None:
         sampling = attrs.evolve(sampling, seed=random_seed())
+    processors = ()
+    if request.grammar is not None:
+        from musegl_core.constrain.matcher import compile_grammar
+
+        processors = (compile_grammar(request.grammar, tokenizer, vocab_size),)
     return PreparedRequest(
         id=request.id,
         prompt_ids=tuple(ids),
@@ -87,6 +102,7 @@ def prepare(request: GenerateRequest, tokenizer) -> PreparedRequest:
         add_bos=request.add_bos,
         stream=request.stream,
         logprobs=request.logprobs,
+        processors=processors,
     )
 
 
@@ -110,11 +126,29 @@ def control_loop(stdin: BinaryIO, engine: Engine, tokenizer, writer: EventWriter
             engine.cancel(message.id)
         elif isinstance(message, m.Stats):
             engine.call(lambda values, rid=message.id: writer(m.StatsReport(rid, values)))
+        elif isinstance(message, m.ListSessions):
+            engine.list_sessions(lambda infos, rid=message.id: writer(m.SessionList(rid, tuple(infos))))
+        elif isinstance(message, m.CloseSession):
+            engine.close_session(message.session_id, lambda error, msg=message: writer(_closed(msg, error)))
         elif isinstance(message, m.Generate):
             try:
-                engine.submit(engine.plan_replay(prepare(message, tokenizer)))
+                engine.submit(engine.plan_replay(prepare(message, tokenizer, engine.executor.info.vocab_size)))
             except ApiError as err:
                 writer(m.Failed(message.id, err.status, err.message, err.type, err.code, err.param, dict(err.metadata)))
+
+
+def _closed(message: m.CloseSession, error: ApiError | None):
+    if error is None:
+        return m.SessionClosed(message.id, message.session_id)
+    return m.Failed(message.id, error.status, error.message, error.type, error.code, error.param)
+
+
+def _expire_idle_sessions(engine: Engine, timeout: float) -> None:
+    """Apply --session-idle-timeout about once a second (or faster for short timeouts)."""
+    period = min(1.0, timeout / 4)
+    while True:
+        time.sleep(period)
+        engine.expire_idle_sessions()
 
 
 def load(config: ServeConfig):
@@ -143,11 +177,21 @@ def load(config: ServeConfig):
 
 
 def serve(config: ServeConfig, stdin: BinaryIO, stdout: BinaryIO) -> None:
-    tokenizer, executor, speculator = load(config)
+    try:
+        tokenizer, executor, speculator = load(config)
+    except ConfigError:
+        raise
+    except Exception as exc:  # one line, exit status 2: the front does not retry a model that cannot load
+        log.debug("model load failed", exc_info=True)
+        raise ConfigError(f"cannot load the model {config.model!r}: {one_line(exc)}") from None
     writer = EventWriter(stdout)
     engine = Engine(executor, tokenizer, EngineConfig.from_serve(config), writer, speculator)
     engine_thread = threading.Thread(target=engine.run_forever, name="musegl-engine", daemon=True)
     engine_thread.start()
+    if config.session_idle_timeout is not None:
+        threading.Thread(target=_expire_idle_sessions, args=(engine, config.session_idle_timeout),
+                         name="musegl-session-expiry", daemon=True).start()
+    log.info("%s", session_policy(config))
     writer(
         m.Ready(
             model=executor.info,

@@ -22,6 +22,7 @@ import cattrs
 from musegl_core.engine.events import Done, Failed, Started, Tokens
 from musegl_core.engine.executor import ModelInfo
 from musegl_core.engine.request import GenerateRequest, PromptSegment
+from musegl_core.engine.sessions import SessionInfo
 
 MAX_EVENT_FRAME = 1 << 20  # 1 MiB, newline included
 
@@ -41,6 +42,21 @@ class Stats:
     """Ask the worker for its engine counters (answered by a ``StatsReport``)."""
 
     id: str
+
+
+@attrs.frozen
+class ListSessions:
+    """Ask for the named sessions (answered by a ``SessionList``)."""
+
+    id: str
+
+
+@attrs.frozen
+class CloseSession:
+    """Close an idle named session (answered by ``SessionClosed`` or ``Failed``: 404, 409)."""
+
+    id: str
+    session_id: str
 
 
 # -- worker → front -----------------------------------------------------------------
@@ -65,11 +81,24 @@ class StatsReport:
     values: dict[str, Any] = attrs.field(factory=dict)
 
 
-Request = Union[Generate, Cancel, Stats]
-Event = Union[Ready, Started, Tokens, Done, Failed, StatsReport]
+@attrs.frozen
+class SessionList:
+    id: str
+    sessions: tuple[SessionInfo, ...] = ()
+
+
+@attrs.frozen
+class SessionClosed:
+    id: str
+    session_id: str
+
+
+Request = Union[Generate, Cancel, Stats, ListSessions, CloseSession]
+Event = Union[Ready, Started, Tokens, Done, Failed, StatsReport, SessionList, SessionClosed]
 _OPS: dict[str, type] = {
-    "generate": GenerateRequest, "cancel": Cancel, "stats": Stats, "ready": Ready, "started": Started,
-    "tokens": Tokens, "done": Done, "failed": Failed, "statsreport": StatsReport,
+    "generate": GenerateRequest, "cancel": Cancel, "stats": Stats, "listsessions": ListSessions,
+    "closesession": CloseSession, "ready": Ready, "started": Started, "tokens": Tokens, "done": Done,
+    "failed": Failed, "statsreport": StatsReport, "sessionlist": SessionList, "sessionclosed": SessionClosed,
 }
 _NAMES = {cls: op for op, cls in _OPS.items()}
 

@@ -14,7 +14,8 @@ and emitted one token per decode step, followed by EOS (unless the entry sets
 failures: ``"fail_after": N`` makes the step that would sample token N + 1
 raise (an executor failure after N generated tokens), and
 ``"prefill_delay": S`` sleeps S seconds before the first token (a slow
-prefill, for the streaming preflight timeout).
+prefill, for the streaming preflight timeout) and ``"token_delay": S``
+sleeps S seconds before every token (a slow generation, for shutdown).
 """
 
 from __future__ import annotations
@@ -95,6 +96,8 @@ class ScriptedExecutor:
             sampled = self._sampled.get(chunk.seq, 0)
             if sampled == 0 and entry.get("prefill_delay"):
                 time.sleep(entry["prefill_delay"])
+            if entry.get("token_delay"):
+                time.sleep(entry["token_delay"])
             if entry.get("fail_after") is not None and sampled >= entry["fail_after"]:
                 raise RuntimeError("scripted executor failure")
             self._sampled[chunk.seq] = sampled + 1

@@ -1,4 +1,4 @@
-"""Per-response work budgets (tool-validation.md TV-21, TV-43).
+"""Per-response work budgets: bounded work whatever the model wrote.
 
 Two budgets bound what one response may cost after generation, whatever the
 model wrote:

@@ -5,7 +5,7 @@
 receives the channel parser's tool events while the model generates, and at
 the end of generation returns the validated call set, an empty set when the
 call set was cut off (``length`` or a request ``stop``), or raises 502
-``invalid_tool_output`` (output-grammar.md section 4).
+``invalid_tool_output``.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from musegl_atem.validate import ToolValidator, ValidationRun, validation_run
 
 
 def invalid_tool_output(message: str) -> ApiError:
-    """The 502 ``invalid_tool_output`` error (api.md 6.2)."""
+    """The 502 ``invalid_tool_output`` error."""
     return ApiError(502, f"The model produced an invalid tool call: {message}", "server_error", "invalid_tool_output")
 
 
@@ -111,7 +111,7 @@ class AtemToolParser:
             piece.ended = True
             piece.closed = event.complete
             # An intent block that ends open before the output did broke off
-            # at a deviation the channel parser saw (output-grammar 3: malformed).
+            # at a deviation the channel parser saw (a malformed block).
             piece.broke_off = event.intent and not event.complete and not at_end
 
     def finish(self, end: str) -> list[ToolCall]:

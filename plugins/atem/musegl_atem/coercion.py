@@ -1,4 +1,4 @@
-"""Coercion of ATEM parameter bodies into an argument object (tool-validation.md section 6).
+"""Coercion of ATEM parameter bodies into an argument object.
 
 Every parameter body is a raw string. For each object alternative of the
 tool (in order), each parameter gets its *admissible types* from the

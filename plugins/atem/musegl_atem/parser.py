@@ -1,4 +1,4 @@
-"""ATEM markup: from the raw text of a tool message to invokes (output-grammar.md 2.4, 3).
+"""ATEM markup: from the raw text of a tool message to invokes.
 
 The channel parser (:mod:`musegl_core.chat.channels`) decides *where* tool
 text is: the body of a tool-addressed message, or a line-start

@@ -25,6 +25,12 @@ def _create(tools: Iterable[Any], options: Mapping[str, Any]) -> Any:
     return create(tools, options)
 
 
+def _grammar(tools: Iterable[Any], options: Mapping[str, Any]) -> str:
+    from musegl_atem.grammar import call_grammar
+
+    return call_grammar(tools, options)
+
+
 @hookimpl
 def musegl_tool_parsers() -> list[ToolParserSpec]:
     return [
@@ -33,5 +39,6 @@ def musegl_tool_parsers() -> list[ToolParserSpec]:
             description="ATEM tool calls (<atem:function_calls>) with JSON-Schema validation and coercion",
             create=_create,
             prepare=_prepare,
+            grammar=_grammar,
         )
     ]

@@ -1,6 +1,6 @@
 """Preflight: check and compile the active tools' schemas before generation.
 
-Implements tool-validation.md sections 1–5. Every active tool's
+Every active tool's
 ``function.parameters`` goes through :func:`compile_tools`, which raises
 :class:`~musegl_core.errors.ApiError` 400 ``invalid_tool_schema`` for
 
@@ -22,7 +22,7 @@ compiler see a schema, so hostile schemas fail in milliseconds; the
 metaschema check itself runs on predicates compiled from the metaschemas
 (:mod:`musegl_atem.metaschema`), a few microseconds per node in every
 dialect, so any schema within the limits is checked in a fraction of a
-second (TV-18).
+second.
 """
 
 from __future__ import annotations
@@ -97,14 +97,14 @@ def _shallow(node: dict) -> dict:
 
 
 def check_metaschema(tool: "CompiledTool") -> None:
-    """Validate every subschema against its dialect's metaschema (TV-08),
-    without a format checker (TV-09: patterns are not compiled with ``re``).
+    """Validate every subschema against its dialect's metaschema,
+    without a format checker (so patterns are not compiled with ``re``).
 
     Each node is checked on its own with its subschemas removed (they get
     their own check), and identical nodes are checked once: linear in the
     schema. Nodes go through the metaschema compiled to plain predicates
     (:mod:`musegl_atem.metaschema`, a few microseconds a node in every
-    dialect, TV-18); jsonschema itself only describes a node the predicate
+    dialect); jsonschema itself only describes a node the predicate
     rejects (and decides alone for a dialect that could not be compiled).
     Only the bundled metaschemas are used; nothing is ever retrieved.
     """
@@ -134,13 +134,13 @@ def check_metaschema(tool: "CompiledTool") -> None:
 
 
 def invalid_tool_schema(message: str, index: int | None = None) -> ApiError:
-    """The 400 ``invalid_tool_schema`` error of tool-validation.md."""
+    """The 400 ``invalid_tool_schema`` error."""
     param = "tools" if index is None else f"tools[{index}].function.parameters"
     return ApiError(400, message, "invalid_request_error", "invalid_tool_schema", param)
 
 
 def dialect_of(schema: Any) -> str:
-    """The dialect a root schema declares (TV-05, TV-06, TV-07)."""
+    """The dialect a root schema declares."""
     if not isinstance(schema, dict) or "$schema" not in schema:
         return DRAFT202012
     uri = schema["$schema"]
@@ -178,7 +178,7 @@ def subschemas(node: dict) -> Iterator[Any]:
 
 @attrs.define
 class References:
-    """Resolves the local references of one document (TV-11, TV-12, TV-14)."""
+    """Resolves the local references of one document."""
 
     root: Any
     base: str = ""
@@ -314,7 +314,7 @@ def _product(left: list[tuple], right: list[tuple]) -> list[tuple]:
 
 
 def object_alternatives(schema: Any, references: References) -> list[tuple[dict, ...]]:
-    """Expand the root into its object alternatives (tool-validation.md section 4):
+    """Expand the root into its object alternatives:
     ``$ref`` is replaced by its target, ``allOf`` multiplies, ``anyOf``/``oneOf``
     add, ``if``/``then``/``else`` gives two branches."""
 
@@ -388,7 +388,7 @@ def compile_tool(name: str, parameters: Any, visits_left: int) -> CompiledTool:
 def compile_tools(tools: list[Any]) -> list[CompiledTool]:
     """Preflight every active tool (``ToolDef`` objects); raises ApiError 400.
 
-    The preflight-visit budget is shared by all tools (TV-17). Structural
+    The preflight-visit budget is shared by all tools. Structural
     checks of every tool run before any metaschema check, so an oversized
     request is refused without compiling anything.
     """

@@ -1,4 +1,4 @@
-"""Validation of argument objects with bounded work (tool-validation.md section 7).
+"""Validation of argument objects with bounded work.
 
 Each dialect's ``jsonschema`` validator is extended so that
 
@@ -8,9 +8,9 @@ Each dialect's ``jsonschema`` validator is extended so that
   patterns for annotations) use the request's patterns compiled with
   ``regex`` and search under the response's
   :class:`~musegl_atem.budget.RegexBudget` — jsonschema's own versions use
-  Python's ``re`` without a timeout (TV-21, TV-22);
-* ``enum``, ``const`` and ``uniqueItems`` compare *canonical keys* (TV-41,
-  TV-42): a hashable normal form of a JSON value in which booleans differ
+  Python's ``re`` without a timeout;
+* ``enum``, ``const`` and ``uniqueItems`` compare *canonical keys*: a
+  hashable normal form of a JSON value in which booleans differ
   from numbers, ``1`` equals ``1.0`` and objects ignore key order. Computing
   a key costs one unit per nested value; ``uniqueItems`` is a set insertion
   per item, never a pairwise comparison.
@@ -285,7 +285,7 @@ def _refuse(uri: str) -> Any:
     raise referencing.exceptions.NoSuchResource(ref=uri)
 
 
-#: A registry that never retrieves anything (TV-04).
+#: A registry that never retrieves anything.
 OFFLINE_REGISTRY = referencing.Registry(retrieve=_refuse)
 
 

@@ -1,4 +1,4 @@
-"""Coercion and validation of arguments (tool-validation.md sections 6–9)."""
+"""Coercion and validation of arguments."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""ATEM markup and call-set rules (output-grammar.md sections 3 and 4, examples R13–R18)."""
+"""ATEM markup and call-set rules: block framing, values, call sets and their errors."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Preflight checks of tool schemas (tool-validation.md sections 1–5, 9)."""
+"""Preflight checks of tool schemas: dialects, references, metaschema, limits."""
 
 from __future__ import annotations
 

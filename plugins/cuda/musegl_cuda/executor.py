@@ -8,12 +8,16 @@ kv_heads, head_dim)``; ``k_cache[i]``/``v_cache[i]`` are per-layer views
 shaped ``(blocks, block_size, kv_heads, head_dim)``. The engine owns block
 ids; this class only stores and reads what they index.
 
-The same code runs on CUDA (bfloat16 by default) and on the CPU (float32 by
-default); there is no CUDA-only path.
+On the CPU (float32 by default) attention is a loop over the sequences of a
+step (the reference path, at parity with transformers). On CUDA (bfloat16 by
+default) a step is flattened once into a :class:`~musegl_cuda.plan.StepPlan`
+and runs through the Triton kernels of :mod:`musegl_cuda.kernels`: paged
+attention over every sequence at once, fused norms; decode-only steps whose
+width is one of ``step_sizes`` replay a captured CUDA graph
+(:mod:`musegl_cuda.graphs`), other steps run the same kernels eagerly.
 
 Every sampled row of a step is sampled in one batched call
-(:mod:`musegl_cuda.sampling`). The executor announces no ``step_sizes`` yet:
-every step runs eagerly at its own width.
+(:mod:`musegl_cuda.sampling`).
 """
 
 from __future__ import annotations
@@ -23,13 +27,25 @@ from typing import Sequence
 import torch
 
 from musegl_core.checkpoint.loader import Checkpoint
-from musegl_core.engine.executor import ExecutorLimits, ModelInfo, PromptImage, SeqChunk, Step, StepOutput
-from musegl_cuda.model import AttentionBatch, MuseGlimmerDecoder, SequenceAttention
+from musegl_core.engine.executor import GREEDY, ExecutorLimits, ModelInfo, PromptImage, SeqChunk, Step, StepOutput
+from musegl_cuda.model import AttentionBatch, MuseGlimmerDecoder, PagedMeta, SequenceAttention
+from musegl_cuda.plan import StepPlan, plan_step, rows_per_tile
 from musegl_cuda.sampling import SampleRows, sample
 
 DEFAULT_BLOCK_SIZE = 16
+#: Decode widths captured as CUDA graphs unless ``--forward-sizes`` says otherwise.
+DEFAULT_FORWARD_SIZES = (1, 2, 4, 8, 16, 32, 64)
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
           "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def plain_greedy(chunk: SeqChunk) -> bool:
+    """A chunk whose sampled rows are argmax of the raw logits (no bias, penalty,
+    mask) and that asks for nothing but the ids: a graph's own argmax serves it."""
+    p = chunk.sampling
+    return ((p is GREEDY or (p.greedy and not p.logit_bias and not p.penalized))
+            and chunk.logprobs < 0 and not chunk.want_logits and not chunk.logit_rows
+            and all(m is None for m in chunk.masks))
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
@@ -67,13 +83,25 @@ class TorchExecutor:
 
     def __init__(self, checkpoint: Checkpoint, device: str | torch.device | None = None,
                  dtype: str | torch.dtype | None = None, block_size: int = DEFAULT_BLOCK_SIZE,
-                 limits: ExecutorLimits | None = None) -> None:
+                 limits: ExecutorLimits | None = None, forward_sizes: Sequence[int] | None = None,
+                 dummy_seed: int | None = None) -> None:
+        """``forward_sizes``: decode widths to capture as CUDA graphs (None: the
+        defaults on CUDA; ignored on the CPU; empty: no graphs).
+        ``dummy_seed``: don't read weights, make random ones on the device
+        with this seed (``--load-format dummy``)."""
         if block_size <= 0:
             raise ValueError("block_size must be positive")
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         self.block_size = block_size
-        self.limits = limits or ExecutorLimits()
+        self.paged = self.device.type == "cuda"
+        sizes: tuple[int, ...] = ()
+        if self.paged:
+            sizes = tuple(sorted(set(DEFAULT_FORWARD_SIZES if forward_sizes is None else forward_sizes)))
+            if any(w <= 0 for w in sizes):
+                raise ValueError("forward sizes must be positive")
+        base = limits or ExecutorLimits()
+        self.limits = ExecutorLimits(base.max_step_tokens, sizes or base.step_sizes)
         self.config = config = checkpoint.config
         self.info = ModelInfo(
             name=checkpoint.name,
@@ -86,16 +114,26 @@ class TorchExecutor:
         )
         with torch.inference_mode():
             self.model = MuseGlimmerDecoder(config, self.dtype, self.device)
-            loaded = set()
-            for name, array in checkpoint.iter_weights():
-                self.model.load_weight(name, torch.from_numpy(array))
-                loaded.add(name)
-        missing = set(MuseGlimmerDecoder.weight_names(config)) - loaded
-        if missing:
-            raise ValueError(f"checkpoint did not provide {sorted(missing)[:5]}")
+            if dummy_seed is not None:
+                self.model.randomize(dummy_seed)
+            else:
+                loaded = set()
+                for name, array in checkpoint.iter_weights():
+                    self.model.load_weight(name, torch.from_numpy(array))
+                    loaded.add(name)
+                missing = set(MuseGlimmerDecoder.weight_names(config)) - loaded
+                if missing:
+                    raise ValueError(f"checkpoint did not provide {sorted(missing)[:5]}")
         self.model.eval()
         self.kv: torch.Tensor | None = None
         self.num_blocks = 0
+        self.graphs = None
+        group = config.num_heads // config.num_kv_heads
+        self.decode_block_m = max(16, 1 << (group - 1).bit_length())
+        self.prefill_block_m = max(self.decode_block_m, 64 if self.dtype == torch.float32 else 128)
+        self.table_cols = -(-config.max_position_embeddings // block_size)
+        self.sm_count = (torch.cuda.get_device_properties(self.device).multi_processor_count
+                         if self.paged else 1)
 
     # -- KV storage ------------------------------------------------------------
 
@@ -112,10 +150,22 @@ class TorchExecutor:
         return available_ram()
 
     def allocate_kv(self, num_blocks: int) -> None:
+        """The paged cache; on CUDA one more block (``num_blocks``: the scratch block
+        padding rows write) and the decode graphs, captured here."""
         c = self.config
-        self.kv = torch.zeros(c.num_layers, 2, num_blocks, self.block_size, c.num_kv_heads, c.head_dim,
+        extra = 1 if self.paged else 0
+        self.kv = torch.zeros(c.num_layers, 2, num_blocks + extra, self.block_size, c.num_kv_heads, c.head_dim,
                               dtype=self.dtype, device=self.device)
         self.num_blocks = num_blocks
+        if self.paged and self.limits.step_sizes:
+            from musegl_cuda.graphs import DecodeGraphs
+
+            from musegl_core.progress import loading_progress
+
+            self.graphs = DecodeGraphs(self.model, self.kv, self.limits.step_sizes, self.block_size,
+                                       self.table_cols, self.decode_block_m, self.sm_count)
+            with loading_progress("capturing CUDA graphs") as progress:
+                self.graphs.capture(num_blocks, progress)
 
     @property
     def k_cache(self) -> list[torch.Tensor]:
@@ -175,73 +225,139 @@ class TorchExecutor:
         return AttentionBatch(torch.cat(write), sequences)
 
     def step(self, step: Step) -> StepOutput:
-        """Run the real rows of ``step`` (the eager path runs no padding rows:
-        ``step.width`` matters only to captured graphs) and sample every
-        sampled row of every chunk in one batched call."""
+        """Run ``step`` and sample every sampled row of every chunk in one batched
+        call. On CUDA a decode-only step of a captured width replays its graph;
+        every other step runs at its own width (the CPU path runs no padding rows)."""
         if not step.chunks:
             return StepOutput()
         kv = self._require_kv()
+        for t in step.taps:
+            if not 0 <= t <= self.config.num_layers:
+                raise ValueError(f"tap {t} outside 0..{self.config.num_layers}")
+        with torch.inference_mode():
+            if self.paged:
+                head, hidden, starts = self._run_paged(step, kv)
+                if isinstance(head, StepOutput):  # a plain greedy graph step, answered by the graph's argmax
+                    return head
+            else:
+                head, hidden, starts = self._run_eager(step, kv)
+            return self._outputs(step, head, hidden, starts)
+
+    def _run_eager(self, step: Step, kv: torch.Tensor):
         vocab = self.config.vocab_size
         tokens = [t for c in step.chunks for t in c.tokens]
         if any(not 0 <= t < vocab for t in tokens):
             raise ValueError(f"token id outside the vocabulary 0..{vocab - 1}")
-        for t in step.taps:
-            if not 0 <= t <= self.config.num_layers:
-                raise ValueError(f"tap {t} outside 0..{self.config.num_layers}")
         batch = self._attention_batch(step)
-        with torch.inference_mode():
-            token_ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
-            positions = torch.tensor([p for c in step.chunks for p in c.positions], device=self.device)
-            embeds = self._embedding_rows(step, batch)
-            layers_kv = [(kv[i, 0], kv[i, 1]) for i in range(self.config.num_layers)]
-            normed, hidden = self.model(token_ids, positions, batch, layers_kv, tuple(step.taps), embeds)
+        token_ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
+        positions = torch.tensor([p for c in step.chunks for p in c.positions], device=self.device)
+        starts = [seq.rows.start for seq in batch.sequences]
+        embeds = self._embedding_rows(step, starts)
+        layers_kv = [(kv[i, 0], kv[i, 1]) for i in range(self.config.num_layers)]
+        normed, hidden = self.model(token_ids, positions, batch, layers_kv, tuple(step.taps), embeds)
+        return (lambda rows: self.model.logits(normed[rows])), hidden, starts
 
-            # The head runs only on rows somebody needs: sampled rows, the last row of chunks
-            # that want logits, every row of chunks that asked for per-row logits.
-            head_rows: list[int] = []
-            where: list[dict[int, int]] = []  # per chunk: chunk row -> index into head_rows
-            rows = SampleRows()
-            sampled_at: list[int] = []  # head_rows index of every sampled row, in order
-            for chunk, seq in zip(step.chunks, batch.sequences):
-                last = len(chunk.tokens) - 1
-                needed = set(range(last + 1)) if chunk.logit_rows else set(chunk.sampled_rows)
-                if chunk.want_logits:
-                    needed.add(last)
-                index = {r: len(head_rows) + k for k, r in enumerate(sorted(needed))}
-                where.append(index)
-                head_rows.extend(seq.rows.start + r for r in sorted(needed))
-                sampled_at.extend(index[r] for r in chunk.sampled_rows)
-                rows.add_chunk(chunk)
-            out = StepOutput()
-            logits = (self.model.logits(normed[torch.tensor(head_rows, device=self.device)])
-                      if head_rows else None)
-            ids, logprobs = (sample(logits[torch.tensor(sampled_at, device=self.device)], rows)
-                             if sampled_at else ([], []))
-            at = 0
-            for chunk, seq, index in zip(step.chunks, batch.sequences, where):
-                if chunk.logit_rows:
-                    out.logits[chunk.seq] = logits[index[0]:index[0] + len(chunk.tokens)]
-                elif chunk.want_logits:
-                    out.logits[chunk.seq] = logits[index[len(chunk.tokens) - 1]]
-                if chunk.sample:
-                    out.tokens[chunk.seq] = ids[at:at + chunk.sample]
-                    if chunk.logprobs >= 0:
-                        out.logprobs[chunk.seq] = logprobs[at:at + chunk.sample]
-                    at += chunk.sample
-                if hidden is not None:
-                    out.hidden[chunk.seq] = hidden[:, seq.rows]
+    def _run_paged(self, step: Step, kv: torch.Tensor):
+        c = self.config
+        graphs = self.graphs
+        chunks = step.chunks
+        if graphs is not None and not step.taps and step.width in graphs.graphs:
+            width = step.width
+            starts: list[int] | None = None
+            if all(len(ch.tokens) == 1 and ch.sample == 1 and not ch.embeds for ch in chunks):
+                # one decode row per sequence: staged without a plan, tables sent only where they changed
+                if graphs.stage_decode(chunks, width, self.num_blocks, c.vocab_size):
+                    starts = list(range(len(chunks)))
+            elif step.decode_only and not any(ch.embeds for ch in chunks):
+                plan = plan_step(step, self.block_size, self.num_blocks, c.vocab_size,
+                                 rows_per_tile(self.decode_block_m, c.num_heads // c.num_kv_heads),
+                                 width=width, scratch_block=self.num_blocks, num_tiles=width)
+                if graphs.fits(plan):
+                    graphs.stage_plan(plan)
+                    starts = plan.starts
+            if starts is not None:
+                graphs.replay(width)
+                if all(plain_greedy(ch) for ch in chunks):  # while the graph runs
+                    seqs = [ch.seq for ch in chunks]
+                    ids = graphs.greedy_ids(width, step.num_tokens)
+                    if len(ids) == len(chunks):
+                        return StepOutput(tokens={q: [t] for q, t in zip(seqs, ids)}), None, starts
+                    return StepOutput(tokens={ch.seq: ids[s:s + len(ch.tokens)]
+                                              for ch, s in zip(chunks, starts)}), None, starts
+                logits = graphs.logits[width]
+                return (lambda rows: logits[rows]), None, starts
+        decode = all(len(chunk.tokens) == 1 for chunk in step.chunks)
+        block_m = self.decode_block_m if decode else self.prefill_block_m
+        plan = plan_step(step, self.block_size, self.num_blocks, c.vocab_size,
+                         rows_per_tile(block_m, c.num_heads // c.num_kv_heads))
+        normed, hidden = self._forward_plan(plan, kv, block_m, tuple(step.taps),
+                                            self._embedding_rows(step, plan.starts))
+        return (lambda rows: self.model.logits(normed[rows])), hidden, plan.starts
+
+    def _forward_plan(self, plan: StepPlan, kv: torch.Tensor, block_m: int, taps: tuple[int, ...] = (),
+                      embeds: tuple[torch.Tensor, torch.Tensor] | None = None):
+        """The paged forward of ``plan`` outside any graph (prefill, mixed and wide steps)."""
+        from musegl_cuda.kernels import attention_splits
+
+        c = self.config
+        dev = self.device
+        tiles = len(plan.tiles)
+        meta = PagedMeta(torch.from_numpy(plan.slots).to(dev, non_blocking=True),
+                         torch.from_numpy(plan.tables).to(dev, non_blocking=True),
+                         torch.from_numpy(plan.tiles).to(dev, non_blocking=True), tiles,
+                         attention_splits(tiles, c.num_kv_heads, self.sm_count), block_m, self.block_size)
+        tokens = torch.from_numpy(plan.tokens).to(dev, non_blocking=True)
+        positions = torch.from_numpy(plan.positions).to(dev, non_blocking=True)
+        layers_kv = [(kv[i, 0], kv[i, 1]) for i in range(c.num_layers)]
+        return self.model.forward_paged(tokens, positions, meta, layers_kv, taps, embeds)
+
+    def _outputs(self, step: Step, head, hidden, starts: list[int]) -> StepOutput:
+        """Run the head on the rows somebody needs (sampled rows, the last row of
+        chunks that want logits, every row of chunks that asked for per-row
+        logits), sample, and pack the answer per sequence."""
+        head_rows: list[int] = []
+        where: list[dict[int, int]] = []  # per chunk: chunk row -> index into head_rows
+        rows = SampleRows()
+        sampled_at: list[int] = []  # head_rows index of every sampled row, in order
+        for chunk, start in zip(step.chunks, starts):
+            last = len(chunk.tokens) - 1
+            needed = set(range(last + 1)) if chunk.logit_rows else set(chunk.sampled_rows)
+            if chunk.want_logits:
+                needed.add(last)
+            index = {r: len(head_rows) + k for k, r in enumerate(sorted(needed))}
+            where.append(index)
+            head_rows.extend(start + r for r in sorted(needed))
+            sampled_at.extend(index[r] for r in chunk.sampled_rows)
+            rows.add_chunk(chunk)
+        out = StepOutput()
+        logits = head(torch.tensor(head_rows, device=self.device)) if head_rows else None
+        ids, logprobs = (sample(logits[torch.tensor(sampled_at, device=self.device)], rows)
+                         if sampled_at else ([], []))
+        at = 0
+        for chunk, start, index in zip(step.chunks, starts, where):
+            if chunk.logit_rows:
+                out.logits[chunk.seq] = logits[index[0]:index[0] + len(chunk.tokens)]
+            elif chunk.want_logits:
+                out.logits[chunk.seq] = logits[index[len(chunk.tokens) - 1]]
+            if chunk.sample:
+                out.tokens[chunk.seq] = ids[at:at + chunk.sample]
+                if chunk.logprobs >= 0:
+                    out.logprobs[chunk.seq] = logprobs[at:at + chunk.sample]
+                at += chunk.sample
+            if hidden is not None:
+                out.hidden[chunk.seq] = hidden[:, start:start + len(chunk.tokens)]
         return out
 
-    def _embedding_rows(self, step: Step, batch: AttentionBatch) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def _embedding_rows(self, step: Step, starts: list[int]) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(packed row indices, their input rows) of every embedding span of the step."""
         index, values = [], []
-        for chunk, seq in zip(step.chunks, batch.sequences):
+        for chunk, first_row in zip(step.chunks, starts):
             for span in chunk.embeds:
                 rows = torch.as_tensor(span.embedding)[span.first:span.first + span.count]
                 if rows.shape != (span.count, self.config.hidden_size):
                     raise ValueError(f"sequence {chunk.seq}: embedding rows must be ({span.count}, "
                                      f"{self.config.hidden_size}), got {tuple(rows.shape)}")
-                start = seq.rows.start + span.offset
+                start = first_row + span.offset
                 index.extend(range(start, start + span.count))
                 values.append(rows.to(self.device, self.dtype))
         if not index:
@@ -255,6 +371,7 @@ class TorchExecutor:
         pass  # no per-sequence state: sampling is keyed by (seed, position)
 
     def close(self) -> None:
+        self.graphs = None
         self.kv = None
         self.num_blocks = 0
         self.model = None  # type: ignore[assignment]

@@ -1,4 +1,4 @@
-"""The Muse Glimmer text decoder in PyTorch (spec/model.md 3-5), over packed rows.
+"""The Muse Glimmer text decoder in PyTorch, over packed rows.
 
 Every module works on a flat ``(rows, ...)`` batch: the rows of many
 sequences packed together. Projections and the MLP run over all rows at once;
@@ -21,6 +21,10 @@ from torch import nn
 
 from musegl_core.checkpoint.config import TextConfig
 from musegl_core.checkpoint.hf_reader import CENTERED_NORMS, text_weight_names
+
+
+#: On CUDA the head's multiplier and softcap run as one Triton pass (kernels.softcap_logits).
+FUSED_SOFTCAP = True
 
 
 def plain_rms_norm(x: torch.Tensor, eps: float, weight: torch.Tensor | None = None) -> torch.Tensor:
@@ -63,6 +67,15 @@ class Linear(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype, device=device),
                                    requires_grad=False)
+
+    @classmethod
+    def rows_of(cls, fused: nn.Parameter, start: int, stop: int) -> "Linear":
+        """A linear layer whose weight is rows ``start:stop`` of ``fused`` (shared storage:
+        loading either fills both)."""
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        layer.weight = nn.Parameter(fused.data[start:stop], requires_grad=False)
+        return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.device.type == "cpu" and x.dim() == 2 and x.shape[0] <= SMALL_BATCH_ROWS:
@@ -120,6 +133,21 @@ class AttentionBatch:
     sequences: list[SequenceAttention] = attrs.field(factory=list)
 
 
+@attrs.define
+class PagedMeta:
+    """Attention metadata of one step on the CUDA path (device tensors of a
+    :class:`musegl_cuda.plan.StepPlan`): the kernels read the paged cache
+    through it, for every sequence of the step at once."""
+
+    slots: torch.Tensor  # (rows,) int64 cache slot each row writes
+    tables: torch.Tensor  # (seqs, cols) int32 block tables
+    tiles: torch.Tensor  # (>= num_tiles, 4) int32
+    num_tiles: int
+    splits: int  # key splits of the attention kernel
+    block_m: int  # query vectors per attention program
+    block_size: int
+
+
 class Attention(nn.Module):
     """Gated GQA attention with the scale-less QK norm; RoPE and the window per layer."""
 
@@ -133,10 +161,15 @@ class Attention(nn.Module):
         self.eps = config.rms_norm_eps
         self.qk_scale = config.qk_scale_factor
         self.scaling = hd ** -0.5
-        self.q_proj = Linear(h, config.num_heads * hd, dtype, device)
-        self.k_proj = Linear(h, config.num_kv_heads * hd, dtype, device)
-        self.v_proj = Linear(h, config.num_kv_heads * hd, dtype, device)
-        self.gate_proj = Linear(h, config.num_heads * hd, dtype, device)
+        # q, k, v and the output gate are one matrix (one product on the CUDA path);
+        # the four projections are row views of it.
+        nq, nkv = config.num_heads * hd, config.num_kv_heads * hd
+        self.qkvg = nn.Parameter(torch.empty(2 * nq + 2 * nkv, h, dtype=dtype, device=device), requires_grad=False)
+        self.q_proj = Linear.rows_of(self.qkvg, 0, nq)
+        self.k_proj = Linear.rows_of(self.qkvg, nq, nq + nkv)
+        self.v_proj = Linear.rows_of(self.qkvg, nq + nkv, nq + 2 * nkv)
+        self.gate_proj = Linear.rows_of(self.qkvg, nq + 2 * nkv, 2 * nq + 2 * nkv)
+        self.gate_offset = nq + 2 * nkv
         self.o_proj = Linear(config.num_heads * hd, h, dtype, device)
 
     def forward(self, a: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], batch: AttentionBatch,
@@ -184,8 +217,9 @@ class MLP(nn.Module):
     def __init__(self, config: TextConfig, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
         h, f = config.hidden_size, config.intermediate_size
-        self.gate_proj = Linear(h, f, dtype, device)
-        self.up_proj = Linear(h, f, dtype, device)
+        self.gate_up = nn.Parameter(torch.empty(2 * f, h, dtype=dtype, device=device), requires_grad=False)
+        self.gate_proj = Linear.rows_of(self.gate_up, 0, f)
+        self.up_proj = Linear.rows_of(self.gate_up, f, 2 * f)
         self.down_proj = Linear(f, h, dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -239,25 +273,44 @@ class MuseGlimmerDecoder(nn.Module):
         """
         if value.ndim == 1:
             value = value.to(self.norm.device, self.dtype).float()
+        target = self._target(name)
+        if isinstance(target, CenteredRMSNorm):
+            target.load(value)
+        else:
+            target.copy_(value)
+
+    def _target(self, name: str) -> torch.Tensor | CenteredRMSNorm:
+        """The tensor (or centered norm) a checkpoint weight name fills."""
         if name == "embed_tokens.weight":
-            self.embed_tokens.copy_(value)
-        elif name == "norm.weight":
-            self.norm.copy_(value)
-        elif name == "lm_head.weight":
-            self.lm_head.weight.copy_(value)
-        elif name.startswith("layers."):
+            return self.embed_tokens
+        if name == "norm.weight":
+            return self.norm
+        if name == "lm_head.weight":
+            return self.lm_head.weight
+        if name.startswith("layers."):
             _, index, suffix = name.split(".", 2)
             layer = self.layers[int(index)]
             if suffix in CENTERED_NORMS:
-                getattr(layer, suffix.removesuffix(".weight")).load(value)
+                return getattr(layer, suffix.removesuffix(".weight"))
+            module = layer
+            for part in suffix.removesuffix(".weight").split("."):
+                module = getattr(module, part)
+            return module.weight
+        raise KeyError(f"unknown weight {name!r}")
+
+    def randomize(self, seed: int = 0, std: float = 0.02) -> None:
+        """Random weights made on the model's device (``--load-format dummy``), seeded:
+        matrices ~ N(0, std²), the embedding ~ N(0, 1), norms at their identity
+        (centered weights 0, the final norm's weight 1)."""
+        generator = torch.Generator(self.norm.device).manual_seed(seed)
+        for name in self.weight_names(self.config):
+            target = self._target(name)
+            if isinstance(target, CenteredRMSNorm):
+                target.scale.fill_(1.0)
+            elif name == "norm.weight":
+                target.fill_(1.0)
             else:
-                module_path = suffix.removesuffix(".weight").split(".")
-                module = layer
-                for part in module_path:
-                    module = getattr(module, part)
-                module.weight.copy_(value)
-        else:
-            raise KeyError(f"unknown weight {name!r}")
+                target.normal_(0.0, 1.0 if name == "embed_tokens.weight" else std, generator=generator)
 
     @staticmethod
     def weight_names(config: TextConfig) -> tuple[str, ...]:
@@ -295,10 +348,62 @@ class MuseGlimmerDecoder(nn.Module):
         hidden = torch.stack([tapped[t] for t in taps]) if taps else None
         return plain_rms_norm(h, self.config.rms_norm_eps, self.norm), hidden
 
+    def forward_paged(self, tokens: torch.Tensor, positions: torch.Tensor, meta: PagedMeta,
+                      kv: list[tuple[torch.Tensor, torch.Tensor]], taps: tuple[int, ...] = (),
+                      embeds: tuple[torch.Tensor, torch.Tensor] | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """:meth:`forward` on a GPU, through the Triton kernels of
+        :mod:`musegl_cuda.kernels`: one product for q/k/v/gate and one for
+        gate/up, QK norm + RoPE + cache write in one launch, paged attention
+        over every sequence at once, and the sandwich norms fused with the
+        residual adds. Same inputs and results (up to float rounding order)."""
+        from musegl_cuda import kernels
+
+        c = self.config
+        heads, kv_heads, hd = c.num_heads, c.num_kv_heads, c.head_dim
+        h = self.embed(tokens)
+        if embeds is not None:
+            h = h.index_copy(0, embeds[0], embeds[1].to(h.dtype))
+        cos, sin = self.rotary(positions, h.dtype)
+        layers = self.layers
+        first = layers[0].input_layernorm
+        _, x = kernels.add_norm(None, h, None, 0.0, first.scale, first.eps)
+        tapped: dict[int, torch.Tensor] = {}
+        for i, layer in enumerate(layers):
+            if i in taps:
+                tapped[i] = h
+            attn = layer.self_attn
+            k_flat = kv[i][0].view(-1, kv_heads, hd)
+            v_flat = kv[i][1].view(-1, kv_heads, hd)
+            qkvg = F.linear(x, attn.qkvg)
+            q = kernels.qk_norm_rope_store(qkvg, cos, sin, meta.slots, k_flat, v_flat, heads, kv_heads, hd,
+                                           attn.eps, attn.qk_scale, attn.use_rope)
+            acc, m, l = kernels.paged_attention(q, k_flat, v_flat, meta.block_size, meta.tables, meta.tiles,
+                                                meta.num_tiles, meta.splits, meta.block_m, c.sliding_window,
+                                                attn.sliding, attn.scaling)
+            y = kernels.combine_gate(acc, m, l, qkvg, attn.gate_offset, h.dtype)
+            o = F.linear(y, attn.o_proj.weight)
+            post, pre = layer.post_attention_layernorm, layer.pre_feedforward_layernorm
+            h, x = kernels.add_norm(o, h, post.scale, post.eps, pre.scale, pre.eps)
+            mlp = layer.mlp
+            down = F.linear(kernels.silu_mul(F.linear(x, mlp.gate_up)), mlp.down_proj.weight)
+            post = layer.post_feedforward_layernorm
+            nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else None
+            h, x = kernels.add_norm(down, h, post.scale, post.eps, nxt.scale if nxt is not None else None,
+                                    nxt.eps if nxt is not None else 0.0)
+        if len(layers) in taps:
+            tapped[len(layers)] = h
+        hidden = torch.stack([tapped[t] for t in taps]) if taps else None
+        return plain_rms_norm(h, c.rms_norm_eps, self.norm), hidden
+
     def logits(self, normed: torch.Tensor) -> torch.Tensor:
         """Softcapped logits (float32) of final-normed rows: ``×mult, ÷cap, tanh, ×cap``."""
-        z = self.lm_head(normed) * self.config.output_multiplier
         cap = self.config.final_logit_softcapping
+        if normed.is_cuda and FUSED_SOFTCAP:
+            from musegl_cuda import kernels
+
+            return kernels.softcap_logits(self.lm_head(normed), self.config.output_multiplier, cap)
+        z = self.lm_head(normed) * self.config.output_multiplier
         if cap is not None:
             z = torch.tanh(z / cap) * cap
         return z.float()

@@ -7,8 +7,13 @@ functions so that ``musegl plugins`` and the front stay fast.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
+import attrs
+
+from musegl_core.errors import ConfigError
 from musegl_core.plugins.hookspecs import hookimpl
 from musegl_core.plugins.specs import ExecutorOptions, ExecutorSpec
 
@@ -25,13 +30,84 @@ def cuda_available() -> bool:
     return bool(torch.cuda.is_available())
 
 
+LOAD_FORMATS = ("auto", "dummy")
+
+
+@hookimpl
+def musegl_serve_options(group) -> None:
+    group.add_argument("--forward-sizes", default=None, metavar="N,N,...",
+                       help="decode step widths captured as CUDA graphs at start-up (default 1,2,4,8,16,32,64; "
+                            "'none': no graphs); the cuda executor only")
+    group.add_argument("--load-format", default="auto", metavar="FORMAT",
+                       help="auto: read the checkpoint's weights; dummy: random weights made on the device "
+                            "(seeded, repeatable), --model needs only a config.json")
+
+
+def parse_forward_sizes(text: str | None) -> tuple[int, ...] | None:
+    """``--forward-sizes``: None (the defaults), ``none`` (no graphs) or ascending positive widths."""
+    if text is None:
+        return None
+    if text.strip().lower() == "none":
+        return ()
+    try:
+        sizes = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise ConfigError(f"--forward-sizes must be comma-separated integers or 'none', got {text!r}") from None
+    if not sizes or any(s <= 0 or s > 4096 for s in sizes):
+        raise ConfigError(f"--forward-sizes must list widths between 1 and 4096, got {text!r}")
+    return tuple(sorted(set(sizes)))
+
+
+def load_format(options: ExecutorOptions) -> str:
+    value = options.extra.get("load_format") or "auto"
+    if value not in LOAD_FORMATS:
+        raise ConfigError(f"--load-format must be one of {', '.join(LOAD_FORMATS)}, got {value!r}")
+    return value
+
+
+@attrs.define
+class ConfigOnly:
+    """A checkpoint with a config and no weights (``--load-format dummy``)."""
+
+    config: Any
+    name: str
+
+    def close(self) -> None:
+        pass
+
+
+def read_config_only(model: str) -> ConfigOnly:
+    """The text config of a Hugging Face directory's ``config.json`` (or of a GGUF's
+    metadata), without looking for weights."""
+    from musegl_core.checkpoint.hf_reader import text_config_dict, text_config_from_dict
+
+    path = Path(model)
+    if path.is_dir() or path.name == "config.json":
+        config_path = path / "config.json" if path.is_dir() else path
+        if not config_path.is_file():
+            raise ConfigError(f"{path}: no config.json for --load-format dummy")
+        raw = json.loads(config_path.read_text())
+        config = text_config_from_dict(text_config_dict(raw, str(config_path)))
+        return ConfigOnly(config, config_path.parent.name)
+    from musegl_core.checkpoint.loader import load_checkpoint
+
+    checkpoint = load_checkpoint(model)
+    checkpoint.close()
+    return ConfigOnly(checkpoint.config, checkpoint.name)
+
+
 def _create(options: ExecutorOptions, default_device: str) -> "TorchExecutor":
     from musegl_core.checkpoint.loader import load_checkpoint
     from musegl_cuda.executor import TorchExecutor
 
+    sizes = parse_forward_sizes(options.extra.get("forward_sizes"))
+    if load_format(options) == "dummy":
+        return TorchExecutor(read_config_only(options.model), device=options.device or default_device,  # type: ignore[arg-type]
+                             dtype=options.dtype, forward_sizes=sizes, dummy_seed=0)
     checkpoint = load_checkpoint(options.model, progress=options.progress)
     try:
-        return TorchExecutor(checkpoint, device=options.device or default_device, dtype=options.dtype)
+        return TorchExecutor(checkpoint, device=options.device or default_device, dtype=options.dtype,
+                             forward_sizes=sizes)
     finally:
         checkpoint.close()
 
@@ -40,14 +116,9 @@ def kv_layout(options: ExecutorOptions, default_device: str) -> tuple[int, int]:
     """``(bytes per KV block, block size)`` from the checkpoint's config, no weights read."""
     import torch
 
-    from musegl_core.checkpoint.loader import load_checkpoint
     from musegl_cuda.executor import DEFAULT_BLOCK_SIZE, resolve_dtype
 
-    checkpoint = load_checkpoint(options.model)
-    try:
-        c = checkpoint.config
-    finally:
-        checkpoint.close()
+    c = read_config_only(options.model).config
     dtype = resolve_dtype(options.dtype, torch.device(options.device or default_device))
     size = torch.empty((), dtype=dtype).element_size()
     return c.num_layers * 2 * DEFAULT_BLOCK_SIZE * c.num_kv_heads * c.head_dim * size, DEFAULT_BLOCK_SIZE

@@ -3,7 +3,7 @@
 Enable it with ``musegl serve --api-dialect openrouter``. The dialect reaches
 the core only through the ``musegl_dialects`` hook (:mod:`musegl_openrouter.plugin`);
 :class:`~musegl_openrouter.dialect.OpenRouterDialect` overrides the places
-where OpenRouter's wire format differs from OpenAI's (spec/api.md section 9).
+where OpenRouter's wire format differs from OpenAI's.
 """
 
 __version__ = "0.1.0"

@@ -1,18 +1,18 @@
 """The ``openrouter`` dialect: OpenRouter's wire format, tuned for Muse agent clients.
 
 :class:`OpenRouterDialect` subclasses the core's ``openai``
-:class:`~musegl_core.http.dialect.Dialect` and overrides only what
-spec/api.md section 9 lists as different:
+:class:`~musegl_core.http.dialect.Dialect` and overrides only where
+the two wire formats differ:
 
 * requests: the legacy switch ``usage: {"include": true}`` is an alias of
-  ``stream_options.include_usage`` (5.3);
+  ``stream_options.include_usage``;
 * stream usage rides on the finish chunk, exactly once, with no usage-only
-  chunk after it: the Muse provider stops reading at the finish chunk (5.3);
+  chunk after it: the Muse provider stops reading at the finish chunk;
 * errors: ``{"error": {"code": <HTTP status>, "message", "metadata":
-  {"error_code", ...}}}`` (6.1, 10); after headers, a chunk with a top-level
-  ``error`` and ``finish_reason: "error"`` that ends the stream (4.3);
+  {"error_code", ...}}}``; after headers, a chunk with a top-level
+  ``error`` and ``finish_reason: "error"`` that ends the stream;
 * context overflows: a message that reactive-compaction clients parse, with
-  the counts in ``metadata`` (6.3; see :mod:`musegl_openrouter.overflow`);
+  the counts in ``metadata`` (see :mod:`musegl_openrouter.overflow`);
 * reasoning text is returned as ``reasoning_content`` and as ``reasoning``;
 * ``/v1/models``: OpenRouter's model shape (:mod:`musegl_openrouter.models`);
 * keepalives read ``: OPENROUTER PROCESSING`` as OpenRouter's own do.

@@ -1,4 +1,4 @@
-"""The ``/v1/models`` entry in OpenRouter's model shape (spec/api.md 1 and 9).
+"""The ``/v1/models`` entry in OpenRouter's model shape.
 
 OpenRouter describes a model with ``context_length``, ``architecture``,
 ``top_provider``, ``pricing`` and ``supported_parameters``. musegl's entry
@@ -15,7 +15,7 @@ import attrs
 from musegl_core.http.dialect import ServedModel
 from musegl_core.http.schemas import ModelEntry, omittable
 
-#: Request parameters every musegl server honours (spec/api.md 2.1).
+#: Request parameters every musegl server honours.
 SUPPORTED_PARAMETERS = (
     "max_tokens",
     "temperature",

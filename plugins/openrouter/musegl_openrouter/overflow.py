@@ -1,4 +1,4 @@
-"""Context-overflow messages that OpenRouter clients can act on (spec/api.md 6.3).
+"""Context-overflow messages that OpenRouter clients can act on.
 
 OpenRouter reports an oversized request as::
 

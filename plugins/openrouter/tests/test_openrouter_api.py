@@ -31,7 +31,7 @@ MAX_CONTEXT = 1024
 SERVED_NAME = "muse-tiny"
 #: A history of this many notes (about 100 tokens each) overflows MAX_CONTEXT.
 OVERFLOWING_NOTES = 12
-#: How OpenRouter agent clients read a recoverable overflow (spec/api.md 6.3).
+#: How OpenRouter agent clients read a recoverable overflow.
 CLIENT_PATTERN = re.compile(r"maximum context length is (\d+) tokens.*?(\d+) of text input.*?(\d+) in the output")
 QUESTION = {"role": "user", "content": "Add two and two."}
 SCRIPT = [
@@ -283,11 +283,12 @@ def test_raw_stream_ends_with_the_finish_chunk_then_done(urls):
 @pytest.mark.parametrize("stream", [False, True])
 def test_errors_before_headers_have_the_openrouter_shape(client, stream):
     with pytest.raises(openai.BadRequestError) as info:
-        client.chat.completions.create(model="muse", messages=[QUESTION], logprobs=True, stream=stream)
+        client.chat.completions.create(model="muse", messages=[QUESTION], stream=stream,
+                                       extra_body={"grammar": 'root ::= "a"'})
     body = info.value.body
     assert body["code"] == 400 and isinstance(body["message"], str)
     assert body["metadata"]["error_code"] == "unsupported_parameter"
-    assert body["metadata"]["param"] == "logprobs"
+    assert body["metadata"]["param"] == "grammar"
 
 
 def test_malformed_legacy_usage_switch_is_a_400(client):
@@ -327,7 +328,7 @@ def test_the_same_failure_without_streaming_is_a_502(client):
 
 
 # -- context overflow and reactive compaction ---------------------------------------------------
-def test_text_overflow_is_found_by_the_front_and_compaction_recovers(client):
+def test_text_overflow_is_found_before_admission_and_compaction_recovers(client):
     reply, overflows = create_with_compaction(client, notes(OVERFLOWING_NOTES) + [QUESTION])
     assert reply.choices[0].message.content == "4"
     assert overflows and all(budget == MAX_CONTEXT - 1 and output == 0 for budget, _, output in overflows)
@@ -345,7 +346,7 @@ def test_text_overflow_is_found_by_the_front_and_compaction_recovers(client):
         "prompt_tokens": overflows[0][1],
         "max_prompt_tokens": MAX_CONTEXT - 1,  # no max_tokens: one token is reserved
         "completion_reservation": 1,
-        "source": "front",
+        "source": "worker",
     }
 
 
@@ -373,13 +374,13 @@ def test_image_prompts_are_counted_by_the_worker_and_compaction_recovers(client)
     assert overflows and reply.choices[0].message.content == "4"
 
 
-def test_front_and_worker_count_prompts_alike_bos_included(client):
+def test_prompts_are_counted_once_bos_included(client):
     fitting = client.chat.completions.create(model="muse", messages=[QUESTION])
     prompt = fitting.usage.prompt_tokens
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model="muse", messages=[QUESTION], max_tokens=MAX_CONTEXT - prompt + 1)
     metadata = info.value.body["metadata"]
-    assert metadata["source"] == "front" and metadata["prompt_tokens"] == prompt
+    assert metadata["source"] == "worker" and metadata["prompt_tokens"] == prompt
     assert CLIENT_PATTERN.search(info.value.body["message"]).groups() == (str(prompt - 1), str(prompt), "0")
 
 
@@ -413,7 +414,7 @@ def test_openai_dialect_keeps_its_usage_chunk_and_ignores_the_legacy_switch(open
     assert all("reasoning" not in (chunk.choices[0].delta.model_extra or {}) for chunk in legacy)
 
 
-def test_openai_dialect_errors_and_front_preflight(openai_client):
+def test_openai_dialect_errors_on_overflow(openai_client):
     with pytest.raises(openai.BadRequestError) as info:
         openai_client.chat.completions.create(model="muse", messages=notes(OVERFLOWING_NOTES) + [QUESTION])
     body = info.value.body

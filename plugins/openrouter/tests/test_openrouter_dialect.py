@@ -17,7 +17,7 @@ from musegl_core.plugins.manager import PluginManager
 from musegl_openrouter.dialect import OpenRouterDialect
 from musegl_openrouter.overflow import RECOVERABLE_PATTERN, OverflowCounts, overflow_message
 
-#: The pattern OpenRouter clients use to read a recoverable overflow (spec/api.md 6.3).
+#: The pattern OpenRouter clients use to read a recoverable overflow.
 CLIENT_PATTERN = re.compile(r"maximum context length is (\d+) tokens.*?(\d+) of text input.*?(\d+) in the output")
 
 dialect = OpenRouterDialect()

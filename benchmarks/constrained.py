@@ -1,0 +1,76 @@
+"""Decode speed with and without a JSON-Schema constraint, on one server in one run.
+
+Starts ``musegl serve`` on the bench checkpoint (decode width 8) and sends the
+same chat requests with and without ``response_format`` json_schema, at
+concurrency 1 and 8, each generating exactly ``--max-tokens`` tokens
+(``ignore_eos``; the schema is an open array of strings, which the
+random-weight model never closes, so every token is generated under the
+grammar). Reports aggregate completion tokens per second for each case and
+the constrained/free ratio: the cost of computing the masks between steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+
+import httpx
+
+from common import bench_checkpoint, serve
+
+SCHEMA = {"type": "object", "properties": {"items": {"type": "array", "items": {"type": "string"}}},
+          "required": ["items"]}
+
+
+async def run(url: str, concurrency: int, requests: int, max_tokens: int, constrained: bool) -> float:
+    body = {"model": "m", "messages": [{"role": "user", "content": "List things. " * 8}], "max_tokens": max_tokens,
+            "ignore_eos": True, "temperature": 0.8}
+    if constrained:
+        body["response_format"] = {"type": "json_schema", "json_schema": {"name": "list", "schema": SCHEMA}}
+    queue = list(range(requests))
+    tokens = 0
+
+    async def client(http: httpx.AsyncClient) -> None:
+        nonlocal tokens
+        while queue:
+            i = queue.pop()
+            response = await http.post(f"{url}/v1/chat/completions", json={**body, "seed": i}, timeout=600)
+            response.raise_for_status()
+            tokens += response.json()["usage"]["completion_tokens"]
+
+    started = time.perf_counter()
+    async with httpx.AsyncClient() as http:
+        await asyncio.gather(*(client(http) for _ in range(concurrency)))
+    return tokens / (time.perf_counter() - started)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--max-tokens", type=int, default=96)
+    p.add_argument("--requests-per-client", type=int, default=2)
+    p.add_argument("--batched", type=int, default=8)
+    args = p.parse_args()
+    width = str(args.batched)
+    flags = ("--max-decode-sequences", width, "--max-inflight-requests", width, "--max-sessions", width,
+             "--max-context", "2048", "--constrained-reasoning-tokens", "0")
+    figures = {}
+    with serve(bench_checkpoint(), *flags) as url:
+        asyncio.run(run(url, 1, 1, 8, True))  # warm-up: the worker builds the llguidance vocabulary once
+        for concurrency in (1, args.batched):
+            for constrained in (False, True):
+                rate = asyncio.run(run(url, concurrency, args.requests_per_client * concurrency, args.max_tokens,
+                                       constrained))
+                figures[f"c{concurrency}_{'json_schema' if constrained else 'free'}_tok_s"] = round(rate, 2)
+                print(f"concurrency {concurrency:2d} {'json_schema' if constrained else 'free':11s} "
+                      f"{rate:8.2f} completion tok/s", flush=True)
+    for concurrency in (1, args.batched):
+        free, bound = figures[f"c{concurrency}_free_tok_s"], figures[f"c{concurrency}_json_schema_tok_s"]
+        figures[f"c{concurrency}_ratio"] = round(bound / free, 3) if free else None
+    print(json.dumps(figures, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

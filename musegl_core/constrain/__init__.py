@@ -1,0 +1,1 @@
+"""Constrained decoding: output grammars (front) and grammar processors (worker)."""

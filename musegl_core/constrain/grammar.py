@@ -1,0 +1,100 @@
+"""Grammars for constrained decoding, written in llguidance's Lark dialect.
+
+A constraint describes the model's **whole raw output** after the generation
+prompt ``<|start|>assistant``, channel headers and control tokens included
+(``docs/constrained.md``), so the channel parser of the front sees exactly
+the structure it expects:
+
+* at most one reasoning message, free text of at most ``reasoning_tokens``
+  tokens: `` to=self<|message|>…<|eom|><|start|>assistant``; its text never
+  contains ``<|`` (which would spell a control token in plain characters) nor
+  a run of three backticks or tildes (a Markdown fence would make the
+  following terminator literal, output-grammar 2.3);
+* then the constrained part: the final answer `` to=user<|message|>ANSWER<|eot|>``
+  (``response_format``), or one or more ATEM tool messages (``tool_choice``
+  ``"required"`` or a named function), built by the tool parser plugin.
+
+Special tokens are written ``<|name|>``: llguidance matches them only as the
+single special id, never as the characters. JSON answers use llguidance's
+JSON-Schema compiler with compact separators (``", "`` and ``": "``, no
+other whitespace), so a generation cannot wander off into whitespace.
+
+This module only writes text; :mod:`musegl_core.constrain.matcher` compiles
+it (in the worker, against the served vocabulary) and :func:`check` lets the
+front refuse a grammar llguidance cannot compile with a 400 before anything runs.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+#: llguidance's JSON options for every schema: canonical, compact separators.
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+#: Free reasoning text: anything but ``<|`` and fence runs.
+REASONING_TEXT = r"/(?s:.*)/ & ~/(?s:.*(```|~~~|<\|).*)/"
+
+
+def json_rule(schema: Any) -> str:
+    """``%json{...}`` for ``schema`` with :data:`JSON_OPTIONS` (the schema's own
+    ``x-guidance`` is replaced: the output format is the server's decision)."""
+    if isinstance(schema, dict):
+        schema = {**schema, "x-guidance": JSON_OPTIONS}
+    elif schema is True:
+        schema = {"x-guidance": JSON_OPTIONS}
+    return "%json" + json.dumps(schema, ensure_ascii=False)
+
+
+def reasoning_rules(reasoning_tokens: int) -> str:
+    """``reasoning`` (optional in ``start``): one free reasoning message."""
+    if reasoning_tokens <= 0:
+        return ""
+    return (
+        'reasoning: " to=self" <|message|> reasoning_text <|eom|> <|start|> "assistant"\n'
+        f"reasoning_text[max_tokens={reasoning_tokens}]: REASONING_TEXT\n"
+        f"REASONING_TEXT: {REASONING_TEXT}\n"
+    )
+
+
+def answer_grammar(schema: Any, reasoning_tokens: int) -> str:
+    """The whole output: optional reasoning, then a final answer that is JSON
+    valid against ``schema`` (``True``: any JSON object, ``json_object``)."""
+    if schema is True:
+        schema = {"type": "object"}
+    start = "start: reasoning? answer\n" if reasoning_tokens > 0 else "start: answer\n"
+    return (
+        start
+        + reasoning_rules(reasoning_tokens)
+        + 'answer: " to=user" <|message|> answer_json <|eot|>\n'
+        + f"answer_json: {json_rule(schema)}\n"
+    )
+
+
+def calls_grammar(call_rules: str, reasoning_tokens: int) -> str:
+    """The whole output: optional reasoning, then one or more tool messages.
+
+    ``call_rules`` must define ``call_message``: one complete tool message
+    without its terminator (header, ``<|message|>``, ATEM block), as the tool
+    parser plugin writes it. Messages are joined by ``<|eom|><|start|>assistant``
+    and the last ends the turn with ``<|eot|>``."""
+    start = "start: reasoning? calls\n" if reasoning_tokens > 0 else "start: calls\n"
+    return (
+        start
+        + reasoning_rules(reasoning_tokens)
+        + 'calls: call_message (<|eom|> <|start|> "assistant" call_message)* <|eot|>\n'
+        + call_rules
+    )
+
+
+def lark_string(text: str) -> str:
+    """A Lark string literal for ``text``."""
+    return json.dumps(text, ensure_ascii=False)
+
+
+def check(grammar: str) -> str | None:
+    """None when llguidance compiles ``grammar`` (without a vocabulary), else its error."""
+    import llguidance
+
+    error = llguidance.LLMatcher.validate_grammar(llguidance.LLMatcher.grammar_from_lark(grammar))
+    return error or None

@@ -1,0 +1,143 @@
+"""Output constraints of a chat request: ``response_format``, llama.cpp's
+top-level ``json_schema`` and ``tool_choice`` ``"required"`` / a named function.
+
+:func:`tool_choice_mode` reads ``tool_choice``; :func:`output_grammar` turns
+the request into the grammar of its whole raw output
+(:mod:`musegl_core.constrain.grammar`) or None. Everything runs in preflight:
+a schema that fails the tool parser's schema preflight, or that llguidance
+cannot express, is a 400 before anything reaches the worker — a constraint is
+never silently dropped. See ``docs/constrained.md``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from musegl_core.chat.messages import ToolDef
+from musegl_core.constrain import grammar as g
+from musegl_core.errors import ApiError, bad_request
+from musegl_core.http import schemas as s
+
+
+def unsupported(param: str, message: str) -> ApiError:
+    return bad_request(message, code="unsupported_parameter", param=param)
+
+
+def tool_choice_mode(choice: Any) -> tuple[str, str | None]:
+    """``("auto" | "none" | "required" | "named", function name or None)``."""
+    if choice is None or choice in ("auto", "none", "required"):
+        return choice or "auto", None
+    if isinstance(choice, dict):
+        function = choice.get("function")
+        name = function.get("name") if isinstance(function, dict) else None
+        if choice.get("type") != "function" or not isinstance(name, str) or not name:
+            raise bad_request("a named 'tool_choice' must be {\"type\": \"function\", \"function\": {\"name\": ...}}",
+                              param="tool_choice")
+        return "named", name
+    raise bad_request("'tool_choice' must be 'auto', 'none', 'required' or a named function", param="tool_choice")
+
+
+def answer_schema(request: s.ChatCompletionRequest) -> tuple[Any, str] | None:
+    """The JSON schema the final answer must satisfy (``True``: any JSON object)
+    and the parameter that asked for it; None for free text."""
+    found = None
+    fmt = request.response_format
+    if fmt is not None:
+        if fmt.type == "json_object":
+            found = (True, "response_format")
+        elif fmt.type == "json_schema":
+            spec = fmt.json_schema
+            if not isinstance(spec, dict):
+                raise bad_request("response_format json_schema needs a 'json_schema' object",
+                                  param="response_format.json_schema")
+            unknown = set(spec) - {"name", "schema", "strict", "description"}
+            if unknown:
+                raise unsupported(f"response_format.json_schema.{sorted(unknown)[0]}",
+                                  f"unknown key {sorted(unknown)[0]!r} in response_format.json_schema")
+            if "name" in spec and not isinstance(spec["name"], str):
+                raise bad_request("'response_format.json_schema.name' must be a string",
+                                  param="response_format.json_schema.name")
+            if spec.get("strict") is not None and not isinstance(spec["strict"], bool):
+                raise bad_request("'response_format.json_schema.strict' must be a boolean",
+                                  param="response_format.json_schema.strict")
+            schema = spec.get("schema", True)  # OpenAI: a missing schema means any JSON
+            found = (schema, "response_format.json_schema.schema")
+        elif fmt.type != "text":
+            raise unsupported("response_format",
+                              f"response_format type {fmt.type!r} is not supported; use text, json_object or json_schema")
+    if request.json_schema is not None:
+        if found is not None:
+            raise bad_request("send either 'response_format' or 'json_schema', not both", param="json_schema")
+        found = (request.json_schema, "json_schema")
+    if found is not None and not isinstance(found[0], (dict, bool)):
+        raise bad_request(f"'{found[1]}' must be a JSON Schema (an object or a boolean)", param=found[1])
+    if found is not None and found[0] is False:
+        raise bad_request(f"'{found[1]}' is the schema false: no answer can satisfy it", param=found[1])
+    return found
+
+
+def preflight_schema(schema: Any, param: str, tool_parser: Any) -> None:
+    """The tool parser's schema preflight (dialects, references, size budgets,
+    tool-validation.md) for an answer schema; its 400 names ``param``."""
+    if schema is True or tool_parser is None or tool_parser.prepare is None:
+        return
+    try:
+        tool_parser.prepare([ToolDef(name="response_format", parameters=schema)])
+    except ApiError as error:
+        message = error.message.replace("Tool 'response_format' has an invalid parameters schema", "invalid schema")
+        raise bad_request(message, code="invalid_json_schema", param=param) from None
+
+
+def output_grammar(
+    request: s.ChatCompletionRequest,
+    *,
+    config: Any,
+    mode: str,
+    named: str | None,
+    tools_active: bool,
+    tools: list[ToolDef],
+    tool_parser: Any,
+    prepared_tools: Any,
+    aliases: dict[str, str],
+) -> str | None:
+    """The grammar of the whole raw output, or None when nothing is constrained."""
+    answer = answer_schema(request)
+    forced_calls = mode in ("required", "named")
+    if answer is None and not forced_calls:
+        return None
+    reasoning = config.constrained_reasoning_tokens
+    call_rules = None
+    if forced_calls or (answer is not None and tools_active):
+        if not tools_active:
+            raise bad_request(f"tool_choice {mode!r} needs tools", param="tool_choice")
+        if tool_parser is None or getattr(tool_parser, "grammar", None) is None:
+            raise unsupported("tool_choice", f"the tool parser {getattr(tool_parser, 'name', None)!r} "
+                                             "cannot constrain tool calls")
+        names = [t.name for t in tools]
+        if mode == "named":
+            if named not in names:
+                raise bad_request(f"tool_choice names {named!r}, which is not among the declared tools",
+                                  param="tool_choice")
+            names = [named]
+        call_rules = tool_parser.grammar(tools, {"aliases": aliases, "prepared": prepared_tools, "names": names})
+    if forced_calls:
+        text = g.calls_grammar(call_rules, reasoning)
+        param = "tool_choice"
+    else:
+        schema, param = answer
+        preflight_schema(schema, param, tool_parser)
+        text = g.answer_grammar(schema, reasoning)
+        if call_rules is not None:  # tools stay callable next to a JSON answer
+            text = text.replace("start: reasoning? answer\n", "start: reasoning? (answer | calls)\n", 1)
+            text = text.replace("start: answer\n", "start: answer | calls\n", 1)
+            text += 'calls: call_message (<|eom|> <|start|> "assistant" call_message)* <|eot|>\n' + call_rules
+    error = g.check(text)
+    if error is not None:
+        raise bad_request(f"the output constraint cannot be enforced: {_first_line(error)}",
+                          code="unsupported_schema", param=param)
+    return text
+
+
+def _first_line(error: str) -> str:
+    line = error.strip().splitlines()[0] if error.strip() else error
+    return line.split("failed to compile JSON schema: ", 1)[-1]

@@ -1,0 +1,238 @@
+"""Captured CUDA graphs of decode steps, one per width in ``step_sizes``.
+
+Every graph reads the same static device buffers (tokens, positions, cache
+slots, attention tiles: four views of one device buffer; block tables), sized
+for the widest graph. A graph runs the whole decoder and the head over every
+row, leaves float32 logits ``(width, vocab)`` in a static output and their
+argmax ``(width,)`` beside them; graphs share one memory pool and are
+captured widest first.
+
+A step of a captured width is staged on the host in one pinned buffer
+(tokens, positions, slots, tiles) and sent with one copy. Block tables stay
+on the device between steps: a host mirror remembers which block ids each
+table row holds, and only rows that changed (a new block, another sequence
+in that row) are sent. Decode steps of one row per sequence are staged by
+:meth:`DecodeGraphs.stage_decode` (no :class:`~musegl_cuda.plan.StepPlan`);
+other decode-only steps (draft verification rows) by :meth:`stage_plan`.
+Padding rows use the last table row (the scratch block) and write nothing
+real. The pinned buffers are rewritten by the next step without waiting on
+the copies out of them: every graph step ends with a host sync (the ids'
+copy, or the sampler's), so those copies are done by then.
+
+When every row of a step is plain greedy, :meth:`DecodeGraphs.greedy_ids`
+copies back only the ``width`` argmax ids (the tokens the sampler's argmax
+would pick from the same logits); other steps sample from :meth:`logits`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+
+from musegl_cuda.kernels import attention_splits
+from musegl_cuda.model import MuseGlimmerDecoder, PagedMeta
+from musegl_cuda.plan import StepPlan
+
+log = logging.getLogger("musegl.cuda")
+
+
+class DecodeGraphs:
+    """The decode graphs of one executor (see the module docstring)."""
+
+    def __init__(self, model: MuseGlimmerDecoder, kv: torch.Tensor, sizes: tuple[int, ...], block_size: int,
+                 cols: int, block_m: int, sm_count: int) -> None:
+        self.model = model
+        self.kv = kv
+        self.sizes = tuple(sorted(sizes))
+        self.block_size = block_size
+        self.cols = cols
+        self.block_m = block_m
+        self.sm_count = sm_count
+        device = kv.device
+        self.widest = widest = self.sizes[-1]
+        # one int64 buffer: tokens | positions | slots | tiles (widest x 4 int32); its pinned twin
+        words = 5 * widest
+        self._device_in = torch.zeros(words, dtype=torch.long, device=device)
+        self.tokens = self._device_in[:widest]
+        self.positions = self._device_in[widest:2 * widest]
+        self.slots = self._device_in[2 * widest:3 * widest]
+        self.tiles = self._device_in[3 * widest:].view(torch.int32).view(widest, 4)
+        self._host_in = torch.zeros(words, dtype=torch.long, pin_memory=True)
+        host = self._host_in.numpy()
+        self._h_tokens = host[:widest]
+        self._h_positions = host[widest:2 * widest]
+        self._h_slots = host[2 * widest:3 * widest]
+        self._h_tiles = host[3 * widest:].view(np.int32).reshape(widest, 4)
+        self._arange = np.arange(widest, dtype=np.int32)
+        # block tables: row widest is the padding rows' table (the scratch block)
+        self.tables = torch.zeros(widest + 1, cols, dtype=torch.int32, device=device)
+        self._host_tables = torch.zeros((widest + 1) * cols, dtype=torch.int32, pin_memory=True)
+        self._host_tables_np = self._host_tables.numpy()
+        # the host mirror of the tables: each row's block list, and how many of its ids the device row holds
+        self._rows: list[list[int] | None] = [None] * (widest + 1)
+        self._sent = [0] * (widest + 1)
+        self._ids_host = torch.zeros(widest, dtype=torch.long, pin_memory=True)
+        self._ids_np = self._ids_host.numpy()
+        self.scratch_block = -1
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.logits: dict[int, torch.Tensor] = {}
+        self.ids: dict[int, torch.Tensor] = {}
+
+    def _run(self, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        config = self.model.config
+        meta = PagedMeta(self.slots[:width], self.tables, self.tiles[:width], width,
+                         attention_splits(width, config.num_kv_heads, self.sm_count), self.block_m,
+                         self.block_size)
+        layers = [(self.kv[i, 0], self.kv[i, 1]) for i in range(config.num_layers)]
+        normed, _ = self.model.forward_paged(self.tokens[:width], self.positions[:width], meta, layers)
+        logits = self.model.logits(normed)
+        return logits, torch.argmax(logits, dim=-1)
+
+    def capture(self, scratch_block: int, progress: Callable[[int, int, str], None] | None = None) -> float:
+        """Capture every width (rows all padding, writing ``scratch_block``); returns seconds."""
+        start = time.perf_counter()
+        self.scratch_block = scratch_block
+        self.slots.fill_(scratch_block * self.block_size)
+        self.tables.zero_()
+        self.tables[:, 0] = scratch_block
+        self._rows = [None] * (self.widest + 1)
+        self._sent = [0] * (self.widest + 1)
+        self.tiles.zero_()
+        widest = self.widest
+        self.tiles[:, 0] = widest  # the padding table row
+        self.tiles[:, 1] = torch.arange(widest, dtype=torch.int32, device=self.tiles.device)
+        self.tiles[:, 2] = 1
+        # the pinned twin of the tiles: columns 1 and 2 never change
+        self._h_tiles[:, 0] = widest
+        self._h_tiles[:, 1] = self._arange
+        self._h_tiles[:, 2] = 1
+        self._h_tiles[:, 3] = 0
+        pool = None
+        with torch.inference_mode():
+            for done, width in enumerate(reversed(self.sizes)):
+                if progress is not None:
+                    progress(done, len(self.sizes), f"decode graph width {width}")
+                stream = torch.cuda.Stream()
+                stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(stream):
+                    for _ in range(2):  # compile the kernels, settle the allocator
+                        self._run(width)
+                torch.cuda.current_stream().wait_stream(stream)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self.logits[width], self.ids[width] = self._run(width)
+                pool = graph.pool()
+                self.graphs[width] = graph
+            torch.cuda.synchronize()
+        if progress is not None:
+            progress(len(self.sizes), len(self.sizes), "decode graphs captured")
+        elapsed = time.perf_counter() - start
+        log.info("captured %d decode graphs (widths %s) in %.1f s", len(self.sizes),
+                 ",".join(map(str, self.sizes)), elapsed)
+        return elapsed
+
+    def fits(self, plan: StepPlan) -> bool:
+        return plan.width in self.graphs and plan.tables.shape[1] <= self.cols
+
+    # -- staging -------------------------------------------------------------------
+
+    def _send_tables(self, changed: list[int], ncols: int) -> None:
+        """Copy the mirror rows ``min(changed) .. max(changed)`` (first ``ncols``
+        columns) to the device in one copy."""
+        r0, r1 = min(changed), max(changed) + 1
+        compact = self._host_tables_np[:(r1 - r0) * ncols].reshape(r1 - r0, ncols)
+        for k in range(r1 - r0):
+            blocks, cols = self._rows[r0 + k], min(self._sent[r0 + k], ncols)
+            if blocks is not None and cols:
+                compact[k, :cols] = blocks[:cols]
+        self.tables[r0:r1, :ncols].copy_(self._host_tables[:(r1 - r0) * ncols].view(r1 - r0, ncols),
+                                         non_blocking=True)
+
+    def stage_decode(self, chunks: Sequence, width: int, num_blocks: int, vocab: int) -> bool:
+        """Check and stage a decode step of one row per chunk, padded to ``width``
+        (a captured width): the inputs of :meth:`replay`. False (nothing sent)
+        when a block table is wider than the graphs' tables; raises
+        ``ValueError`` (nothing sent) for a step that cannot run."""
+        n = len(chunks)
+        bs = self.block_size
+        tokens = [c.tokens[0] for c in chunks]
+        positions = [c.positions[0] for c in chunks]
+        if max(positions) // bs >= self.cols:
+            return False
+        if min(positions) < 0:
+            bad = next(c for c in chunks if c.positions[0] < 0)
+            raise ValueError(f"sequence {bad.seq}: chunk positions must be consecutive and >= 0")
+        rows, sent = self._rows, self._sent
+        changed: list[int] = []
+        slots: list[int] = []
+        ncols = 1
+        for i, c in enumerate(chunks):
+            p = positions[i]
+            need = p // bs + 1
+            blocks = c.blocks
+            if type(blocks) is not list:
+                blocks = list(blocks)
+            if need > sent[i] or blocks != rows[i]:  # the device row lacks blocks, or holds others
+                if need > len(blocks):
+                    raise ValueError(f"sequence {c.seq}: position {p} needs block {need - 1} "
+                                     f"but its block table has {len(blocks)} blocks")
+                head = blocks[:need]
+                if min(head) < 0 or max(head) >= num_blocks:
+                    raise ValueError(f"sequence {c.seq}: block ids must lie in 0..{num_blocks - 1}")
+                changed.append(i)
+                ncols = max(ncols, need)
+            slots.append(blocks[p // bs] * bs + p % bs)
+        h_tokens = self._h_tokens
+        h_tokens[:n] = tokens
+        if n and (h_tokens[:n].min() < 0 or h_tokens[:n].max() >= vocab):
+            raise ValueError(f"token id outside the vocabulary 0..{vocab - 1}")
+        if changed:
+            for i in changed:
+                rows[i] = list(chunks[i].blocks)  # a copy: the engine extends its lists in place
+                sent[i] = positions[i] // bs + 1
+            self._send_tables(changed, ncols)
+        h_tokens[n:width] = 0
+        self._h_positions[:n] = positions
+        self._h_positions[n:width] = 0
+        self._h_slots[:n] = slots
+        self._h_slots[n:width] = self.scratch_block * bs
+        tiles = self._h_tiles
+        tiles[:n, 0] = self._arange[:n]
+        tiles[n:width, 0] = self.widest
+        tiles[:n, 3] = positions
+        tiles[n:width, 3] = 0
+        self._device_in.copy_(self._host_in, non_blocking=True)
+        return True
+
+    def stage_plan(self, plan: StepPlan) -> None:
+        """Stage a planned decode-only step (tiles padded to its width; table row
+        ``len(chunks)`` is its padding rows' table): every table row it uses is sent."""
+        width = plan.width
+        self._h_tokens[:width] = plan.tokens
+        self._h_positions[:width] = plan.positions
+        self._h_slots[:width] = plan.slots
+        self._h_tiles[:width] = plan.tiles
+        seqs, cols = plan.tables.shape
+        compact = self._host_tables_np[:seqs * cols].reshape(seqs, cols)
+        compact[:] = plan.tables
+        self.tables[:seqs, :cols].copy_(self._host_tables[:seqs * cols].view(seqs, cols), non_blocking=True)
+        for i in range(seqs):
+            self._rows[i], self._sent[i] = None, 0  # holds the plan's row now, not a mirrored table
+        self._device_in.copy_(self._host_in, non_blocking=True)
+        # the next stage_decode rewrites every column of the tiles it uses but 1 and 2
+        self._h_tiles[:width, 1] = self._arange[:width]
+        self._h_tiles[:width, 2] = 1
+
+    def replay(self, width: int) -> None:
+        """Replay the graph of ``width`` over what was staged last."""
+        self.graphs[width].replay()
+
+    def greedy_ids(self, width: int, rows: int) -> list[int]:
+        """The argmax ids of the first ``rows`` rows of the last replay (waits for it)."""
+        self._ids_host[:width].copy_(self.ids[width], non_blocking=True)
+        torch.cuda.current_stream().synchronize()
+        return self._ids_np[:rows].tolist()

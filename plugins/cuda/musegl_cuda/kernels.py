@@ -1,0 +1,328 @@
+"""Triton kernels of the CUDA path (imported only when the executor runs on a GPU).
+
+* :func:`paged_attention`: attention of packed query rows over the paged KV
+  cache, for prefill and decode alike, GQA-packed (one program serves every
+  query head of a KV head), with the sliding window, split over the keys
+  (flash-decoding) so that a batch-1 decode still fills the GPU. It writes
+  unnormalized partial results; :func:`combine_gate` merges the splits,
+  normalizes and applies the attention output gate.
+* :func:`qk_norm_rope_store`: the scale-less QK norm, ``×qk_scale``, RoPE and
+  the K/V cache write of one layer in one launch.
+* :func:`add_norm`: ``h + CenteredNorm(o)`` followed by the next
+  ``CenteredNorm`` (the sandwich norms between the blocks), one launch.
+* :func:`silu_mul`: ``silu(gate)·up`` of the fused gate/up projection.
+
+Rounding follows the eager torch path (``musegl_cuda.model``): every value
+the eager path materializes in the activation dtype is rounded to it here
+too; reductions run in float32.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# ---------------------------------------------------------------------------
+# attention
+
+
+@triton.jit
+def _paged_attention_kernel(
+    Q, K, V, Acc, M, L, Tables, Tiles,
+    stride_q_row, stride_q_head,
+    stride_kv_slot, stride_kv_head,
+    stride_table,
+    stride_acc_split, stride_acc_row, stride_acc_head,
+    stride_ml_split, stride_ml_row,
+    scale, window,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    KV_BLOCK: tl.constexpr, SPLITS: tl.constexpr, SLIDING: tl.constexpr, PRECISION: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    seq = tl.load(Tiles + tile * 4)
+    row0 = tl.load(Tiles + tile * 4 + 1)
+    nrows = tl.load(Tiles + tile * 4 + 2)
+    pos0 = tl.load(Tiles + tile * 4 + 3)
+
+    offs_m = tl.arange(0, BLOCK_M)
+    r = offs_m // GROUP
+    head = kvh * GROUP + offs_m % GROUP
+    valid_m = r < nrows
+    pos_m = pos0 + r
+    rows = (row0 + r).to(tl.int64)
+    offs_d = tl.arange(0, HEAD_DIM)
+    q = tl.load(Q + rows[:, None] * stride_q_row + head[:, None] * stride_q_head + offs_d[None, :],
+                mask=valid_m[:, None], other=0.0)
+
+    hi = pos0 + nrows  # keys lo .. hi-1
+    lo = 0
+    if SLIDING:
+        lo = tl.maximum(pos0 - window + 1, 0)
+    per = tl.cdiv(tl.cdiv(tl.maximum(hi - lo, 0), SPLITS), BLOCK_N) * BLOCK_N
+    start = lo + split * per
+    end = tl.minimum(hi, start + per)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    table = Tables + seq.to(tl.int64) * stride_table
+    for j0 in range(start, end, BLOCK_N):
+        offs_n = j0 + tl.arange(0, BLOCK_N)
+        kmask = offs_n < end
+        block = tl.load(table + offs_n // KV_BLOCK, mask=kmask, other=0)
+        slot = block.to(tl.int64) * KV_BLOCK + offs_n % KV_BLOCK
+        kv_off = slot[:, None] * stride_kv_slot + kvh * stride_kv_head + offs_d[None, :]
+        k = tl.load(K + kv_off, mask=kmask[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+        visible = kmask[None, :] & (offs_n[None, :] <= pos_m[:, None])
+        if SLIDING:
+            visible = visible & ((pos_m[:, None] - offs_n[None, :]) < window)
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(V + kv_off, mask=kmask[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+
+    acc_ptr = (Acc + split * stride_acc_split + rows[:, None] * stride_acc_row
+               + head[:, None] * stride_acc_head + offs_d[None, :])
+    tl.store(acc_ptr, acc, mask=valid_m[:, None])
+    ml = split * stride_ml_split + rows * stride_ml_row + head
+    tl.store(M + ml, m_i, mask=valid_m)
+    tl.store(L + ml, l_i, mask=valid_m)
+
+
+@triton.jit
+def _combine_gate_kernel(Acc, M, L, QKVG, Out,
+                         stride_acc_split, stride_acc_row, stride_ml_split, stride_ml_row,
+                         stride_g_row, gate_offset, stride_out_row,
+                         HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    offs_d = tl.arange(0, HEAD_DIM)
+    m_max = tl.load(M + row * stride_ml_row + head)
+    for s in tl.static_range(1, SPLITS):
+        m_max = tl.maximum(m_max, tl.load(M + s * stride_ml_split + row * stride_ml_row + head))
+    total = 0.0
+    out = tl.zeros([HEAD_DIM], tl.float32)
+    for s in tl.static_range(SPLITS):
+        w = tl.exp(tl.load(M + s * stride_ml_split + row * stride_ml_row + head) - m_max)
+        total += w * tl.load(L + s * stride_ml_split + row * stride_ml_row + head)
+        out += w * tl.load(Acc + s * stride_acc_split + row * stride_acc_row + head * HEAD_DIM + offs_d)
+    y = (out / total).to(Out.dtype.element_ty)
+    g = tl.load(QKVG + row * stride_g_row + gate_offset + head * HEAD_DIM + offs_d).to(tl.float32)
+    gate = (1.0 / (1.0 + tl.exp(-g))).to(Out.dtype.element_ty)
+    res = (y.to(tl.float32) * gate.to(tl.float32)).to(Out.dtype.element_ty)
+    tl.store(Out + row * stride_out_row + head * HEAD_DIM + offs_d, res)
+
+
+def attention_splits(tiles: int, kv_heads: int, sm_count: int = 132, most: int = 16) -> int:
+    """How many key splits keep about two programs per multiprocessor busy."""
+    want = -(-2 * sm_count // max(1, tiles * kv_heads))
+    return max(1, min(most, want))
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_block: int,
+                    tables: torch.Tensor, tiles: torch.Tensor, num_tiles: int, splits: int, block_m: int,
+                    window: int, sliding: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Partial attention of ``q (rows, heads, hd)`` over the paged cache.
+
+    ``k_cache``/``v_cache`` are ``(slots, kv_heads, hd)`` views of blocks of
+    ``kv_block`` slots; ``tables``
+    ``(seqs, cols)`` int32 block ids; ``tiles`` ``(>= num_tiles, 4)`` int32
+    rows ``(seq, first row, rows, first position)``. Returns ``(acc, m, l)``
+    per split, for :func:`combine_gate`.
+    """
+    rows, heads, hd = q.shape
+    kv_heads = k_cache.shape[1]
+    group = heads // kv_heads
+    acc = torch.empty(splits, rows, heads, hd, dtype=torch.float32, device=q.device)
+    m = torch.empty(splits, rows, heads, dtype=torch.float32, device=q.device)
+    l = torch.empty_like(m)
+    fp32 = q.dtype == torch.float32
+    block_n = 32 if fp32 else 64
+    _paged_attention_kernel[(num_tiles, kv_heads, splits)](
+        q, k_cache, v_cache, acc, m, l, tables, tiles,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), tables.stride(0),
+        acc.stride(0), acc.stride(1), acc.stride(2), m.stride(0), m.stride(1),
+        scale, window,
+        GROUP=group, HEAD_DIM=hd, BLOCK_M=block_m, BLOCK_N=block_n, KV_BLOCK=kv_block,
+        SPLITS=splits, SLIDING=sliding, PRECISION="ieee" if fp32 else "tf32",
+        num_warps=4 if block_m <= 64 else 8, num_stages=2,
+    )
+    return acc, m, l
+
+
+def combine_gate(acc: torch.Tensor, m: torch.Tensor, l: torch.Tensor, qkvg: torch.Tensor, gate_offset: int,
+                 out_dtype: torch.dtype) -> torch.Tensor:
+    """Merge the splits, normalize, and multiply by ``sigmoid(gate)``: ``(rows, heads·hd)``."""
+    splits, rows, heads, hd = acc.shape
+    out = torch.empty(rows, heads * hd, dtype=out_dtype, device=acc.device)
+    _combine_gate_kernel[(rows, heads)](
+        acc, m, l, qkvg, out, acc.stride(0), acc.stride(1), m.stride(0), m.stride(1),
+        qkvg.stride(0), gate_offset, out.stride(0), HEADS=heads, HEAD_DIM=hd, SPLITS=splits, num_warps=1,
+    )
+    return out
+
+
+# ---------------------------------------------------------------------------
+# QK norm + RoPE + cache write
+
+
+@triton.jit
+def _qk_norm_rope_store_kernel(QKVG, Cos, Sin, Slots, Qout, Kc, Vc,
+                               stride_row, stride_cos, stride_q_row, stride_kv_slot,
+                               eps, qk_scale,
+                               HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                               ROPE: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)  # 0..HEADS-1: q heads; then KV_HEADS k heads
+    half: tl.constexpr = HEAD_DIM // 2
+    offs = tl.arange(0, HEAD_DIM)
+    rot = (offs + half) % HEAD_DIM
+    base = QKVG + row * stride_row + h * HEAD_DIM
+    x = tl.load(base + offs).to(tl.float32)
+    xr = tl.load(base + rot).to(tl.float32)
+    inv = 1.0 / tl.sqrt(tl.sum(x * x, 0) / HEAD_DIM + eps)
+    dtype = Qout.dtype.element_ty
+    n = (x * inv).to(dtype)
+    nr = (xr * inv).to(dtype)
+    if h < HEADS:
+        n = (n.to(tl.float32) * qk_scale).to(dtype)
+        nr = (nr.to(tl.float32) * qk_scale).to(dtype)
+    if ROPE:
+        cos = tl.load(Cos + row * stride_cos + offs).to(tl.float32)
+        sin = tl.load(Sin + row * stride_cos + offs).to(tl.float32)
+        rh = tl.where(offs < half, -nr.to(tl.float32), nr.to(tl.float32))
+        a = (n.to(tl.float32) * cos).to(dtype)
+        b = (rh * sin).to(dtype)
+        n = (a.to(tl.float32) + b.to(tl.float32)).to(dtype)
+    if h < HEADS:
+        tl.store(Qout + row * stride_q_row + h * HEAD_DIM + offs, n)
+    else:
+        kvh = h - HEADS
+        slot = tl.load(Slots + row).to(tl.int64)
+        tl.store(Kc + slot * stride_kv_slot + kvh * HEAD_DIM + offs, n)
+        v = tl.load(QKVG + row * stride_row + (HEADS + KV_HEADS + kvh) * HEAD_DIM + offs)
+        tl.store(Vc + slot * stride_kv_slot + kvh * HEAD_DIM + offs, v)
+
+
+def qk_norm_rope_store(qkvg: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
+                       k_cache: torch.Tensor, v_cache: torch.Tensor, heads: int, kv_heads: int, head_dim: int,
+                       eps: float, qk_scale: float, rope: bool) -> torch.Tensor:
+    """Normed, scaled and rotated queries ``(rows, heads, hd)``; K and V written to ``slots``."""
+    rows = qkvg.shape[0]
+    q = torch.empty(rows, heads, head_dim, dtype=qkvg.dtype, device=qkvg.device)
+    _qk_norm_rope_store_kernel[(rows, heads + kv_heads)](
+        qkvg, cos, sin, slots, q, k_cache, v_cache,
+        qkvg.stride(0), cos.stride(0), q.stride(0), k_cache.stride(0), eps, qk_scale,
+        HEADS=heads, KV_HEADS=kv_heads, HEAD_DIM=head_dim, ROPE=rope, num_warps=1,
+    )
+    return q
+
+
+# ---------------------------------------------------------------------------
+# norms and the MLP activation
+
+
+@triton.jit
+def _add_norm_kernel(O, H, ScalePost, ScaleNext, Hout, Xout, N, eps_post, eps_next,
+                     HAS_RES: tl.constexpr, HAS_NEXT: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < N
+    dtype = Hout.dtype.element_ty
+    if HAS_RES:
+        o = tl.load(O + row * N + offs, mask=mask, other=0.0).to(tl.float32)
+        inv = 1.0 / tl.sqrt(tl.sum(o * o, 0) / N + eps_post)
+        w = tl.load(ScalePost + offs, mask=mask, other=0.0)
+        normed = (o * inv * w).to(dtype)
+        h = tl.load(H + row * N + offs, mask=mask, other=0.0).to(tl.float32)
+        h = (h + normed.to(tl.float32)).to(dtype)
+        tl.store(Hout + row * N + offs, h, mask=mask)
+        hf = h.to(tl.float32)
+    else:
+        hf = tl.load(H + row * N + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_NEXT:
+        inv2 = 1.0 / tl.sqrt(tl.sum(hf * hf, 0) / N + eps_next)
+        w2 = tl.load(ScaleNext + offs, mask=mask, other=0.0)
+        tl.store(Xout + row * N + offs, (hf * inv2 * w2).to(dtype), mask=mask)
+
+
+#: Warps of :func:`add_norm` (None: 8 for rows of 4096+ elements, else 4); benchmarks try others.
+ADD_NORM_WARPS: int | None = None
+
+
+def add_norm(o: torch.Tensor | None, h: torch.Tensor, scale_post: torch.Tensor | None, eps_post: float,
+             scale_next: torch.Tensor | None, eps_next: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``h' = h + CenteredNorm(o)`` (``o`` None: ``h' = h``) and ``CenteredNorm(h')`` with
+    ``scale_next`` (None: not computed). Scales hold ``1+w`` in float32."""
+    rows, n = h.shape
+    h_out = torch.empty_like(h) if o is not None else h
+    x = torch.empty_like(h) if scale_next is not None else None
+    block = triton.next_power_of_2(n)
+    _add_norm_kernel[(rows,)](
+        o if o is not None else h, h, scale_post if scale_post is not None else h,
+        scale_next if scale_next is not None else h, h_out, x if x is not None else h,
+        n, eps_post, eps_next, HAS_RES=o is not None, HAS_NEXT=scale_next is not None, BLOCK=block,
+        num_warps=ADD_NORM_WARPS or (8 if block >= 4096 else 4),
+    )
+    return h_out, x
+
+
+@triton.jit
+def _silu_mul_kernel(GU, Out, F, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < F
+    dtype = Out.dtype.element_ty
+    g = tl.load(GU + row * 2 * F + offs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(GU + row * 2 * F + F + offs, mask=mask, other=0.0).to(tl.float32)
+    s = (g / (1.0 + tl.exp(-g))).to(dtype)
+    tl.store(Out + row * F + offs, (s.to(tl.float32) * u).to(dtype), mask=mask)
+
+
+def silu_mul(gu: torch.Tensor) -> torch.Tensor:
+    """``silu(gu[:, :F]) · gu[:, F:]`` of the fused gate/up product ``(rows, 2F)``."""
+    rows, two_f = gu.shape
+    f = two_f // 2
+    out = torch.empty(rows, f, dtype=gu.dtype, device=gu.device)
+    block = 1024
+    _silu_mul_kernel[(rows, triton.cdiv(f, block))](gu, out, f, BLOCK=block, num_warps=4)
+    return out
+
+
+# ---------------------------------------------------------------------------
+# the head's softcap
+
+
+@triton.jit
+def _softcap_kernel(Z, Out, N, mult, cap, HAS_CAP: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < N
+    dtype = Z.dtype.element_ty
+    z = (tl.load(Z + offs, mask=mask, other=0.0).to(tl.float32) * mult).to(dtype).to(tl.float32)
+    if HAS_CAP:
+        t = (z / cap).to(dtype).to(tl.float32)
+        e = tl.exp(2.0 * t)
+        th = (1.0 - 2.0 / (e + 1.0)).to(dtype).to(tl.float32)
+        z = (th * cap).to(dtype).to(tl.float32)
+    tl.store(Out + offs, z, mask=mask)
+
+
+def softcap_logits(z: torch.Tensor, mult: float, cap: float | None) -> torch.Tensor:
+    """``tanh(z·mult / cap)·cap`` as float32 in one pass over the head's output
+    (each intermediate rounded to ``z``'s dtype, as the eager chain rounds it)."""
+    z = z.contiguous()
+    out = torch.empty(z.shape, dtype=torch.float32, device=z.device)
+    n = z.numel()
+    block = 2048
+    _softcap_kernel[(triton.cdiv(n, block),)](z, out, n, float(mult), float(cap or 1.0), HAS_CAP=cap is not None,
+                                              BLOCK=block, num_warps=8)
+    return out

@@ -1,0 +1,226 @@
+"""Constrained decoding, logprobs and the sampling fields through the HTTP API
+on the random-weight demo model (whose free output is noise)."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import jsonschema
+import numpy as np
+import pytest
+
+from musegl_core.config import ServeConfig
+from tests.support.server import running_server
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "score": {"type": "number", "minimum": -5, "maximum": 5},
+        "kind": {"enum": ["cat", "dog", "bird"]},
+        "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 3},
+        "address": {
+            "type": "object",
+            "properties": {"zip": {"type": "integer", "minimum": 10000, "maximum": 99999},
+                           "ok": {"type": "boolean"}},
+            "required": ["zip", "ok"],
+            "additionalProperties": False,
+        },
+    },
+    "required": ["name", "age", "kind", "address"],
+    "additionalProperties": False,
+}
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 10}, "days": {"type": "integer", "minimum": 1,
+                                                                              "maximum": 7},
+                       "unit": {"enum": ["c", "f"]}},
+        "required": ["city", "unit"]}}},
+    {"type": "function", "function": {"name": "ns.lookup", "parameters": {
+        "type": "object", "properties": {"ids": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 99}, "maxItems": 2}},
+        "required": ["ids"]}}},
+]
+
+
+@pytest.fixture(scope="module")
+def server():
+    from musegl_core.tiny import default_model_path
+
+    config = ServeConfig(model=str(default_model_path()), port=0, max_context=2048, tool_parser="atem",
+                         constrained_reasoning_tokens=4, max_inflight_requests=8, max_sessions=8)
+    with running_server(config) as running:
+        yield running
+
+
+def chat(server, **extra):
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 200, **extra}
+    return httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=300)
+
+
+def stream(server, **extra):
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 200, "stream": True, **extra}
+    content, reasoning, calls, logprobs = "", "", [], []
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body, timeout=300) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            for choice in json.loads(line[6:])["choices"]:
+                delta = choice["delta"]
+                content += delta.get("content") or ""
+                reasoning += delta.get("reasoning_content") or ""
+                calls += delta.get("tool_calls") or []
+                logprobs += (choice.get("logprobs") or {}).get("content") or []
+    return content, reasoning, calls, logprobs
+
+
+def test_json_schema_answers_validate_and_stream_identically(server):
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA, "strict": True}}
+    for seed in range(4):
+        response = chat(server, response_format=fmt, seed=seed, temperature=1.0)
+        assert response.status_code == 200, response.text
+        choice = response.json()["choices"][0]
+        assert choice["finish_reason"] == "stop"
+        jsonschema.validate(json.loads(choice["message"]["content"]), SCHEMA)
+        content, reasoning, _, _ = stream(server, response_format=fmt, seed=seed, temperature=1.0)
+        assert content == choice["message"]["content"]
+        assert reasoning == (choice["message"].get("reasoning_content") or "")
+
+
+def test_greedy_constrained_runs_are_reproducible_and_top_level_json_schema_is_the_same(server):
+    first = chat(server, json_schema=SCHEMA, temperature=0).json()["choices"][0]["message"]["content"]
+    fmt = {"type": "json_schema", "json_schema": {"name": "p", "schema": SCHEMA}}
+    second = chat(server, response_format=fmt, temperature=0).json()["choices"][0]["message"]["content"]
+    assert first == second
+    jsonschema.validate(json.loads(first), SCHEMA)
+
+
+def test_json_object_answers_parse(server):
+    # Random weights never end a free string on their own; favouring the quote
+    # token (logit_bias) makes every string short, so answers end within max_tokens.
+    quote = httpx.post(f"{server.url}/tokenize", json={"prompt": '"'}, timeout=30).json()["tokens"][0]
+    for seed in range(3):
+        response = chat(server, response_format={"type": "json_object"}, seed=seed, logit_bias={str(quote): 30})
+        assert response.status_code == 200, response.text
+        assert isinstance(json.loads(response.json()["choices"][0]["message"]["content"]), dict)
+
+
+def test_tool_choice_required_and_named_always_yield_valid_calls(server):
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+    for seed in range(3):
+        for choice, allowed in (("required", set(schemas)),
+                                ({"type": "function", "function": {"name": "ns.lookup"}}, {"ns.lookup"})):
+            response = chat(server, tools=TOOLS, tool_choice=choice, seed=seed, max_tokens=400)
+            assert response.status_code == 200, response.text
+            result = response.json()["choices"][0]
+            assert result["finish_reason"] == "tool_calls"
+            assert result["message"]["tool_calls"]
+            for call in result["message"]["tool_calls"]:
+                assert call["function"]["name"] in allowed
+                jsonschema.validate(json.loads(call["function"]["arguments"]), schemas[call["function"]["name"]])
+            _, _, calls, _ = stream(server, tools=TOOLS, tool_choice=choice, seed=seed, max_tokens=400)
+            assert [c["function"] for c in calls] == [c["function"] for c in result["message"]["tool_calls"]]
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"not": {"type": "string"}}}}},
+     "response_format.json_schema.schema"),
+    ({"response_format": {"type": "json_object"}, "json_schema": {"type": "object"}}, "json_schema"),
+    ({"json_schema": {"$schema": "http://json-schema.org/draft-04/schema#", "type": "object"}}, "json_schema"),
+    ({"grammar_lazy": True}, "grammar_lazy"),
+    ({"grammar_triggers": [{"type": "word", "value": "x"}]}, "grammar_triggers"),
+    ({"grammar": "root ::= \"a\""}, "grammar"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"s": {"type": "string", "pattern": "^a+$"}}}}}],
+      "tool_choice": "required"}, "tool_choice"),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"top_logprobs": 2}, "top_logprobs"),
+    ({"presence_penalty": 2.5}, "presence_penalty"),
+    ({"frequency_penalty": -3}, "frequency_penalty"),
+    ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"min_p": 1.5}, "min_p"),
+    ({"logit_bias": {"5": 101}}, "logit_bias"),
+    ({"logit_bias": {"x": 1}}, "logit_bias"),
+    ({"logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias"),
+    ({"logit_bias": {"999999999": 1}}, "logit_bias"),
+])
+def test_constraints_and_sampling_fields_it_cannot_honour_are_400(server, extra, param):
+    response = chat(server, max_tokens=4, **extra)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param
+
+
+def test_logprobs_concatenate_to_content_and_are_sorted(server):
+    for stream_it in (False, True):
+        body = dict(logprobs=True, top_logprobs=3, max_tokens=30, temperature=0.9, seed=7)
+        if stream_it:
+            content, _, _, entries = stream(server, **body)
+        else:
+            choice = chat(server, **body).json()["choices"][0]
+            content, entries = choice["message"]["content"], choice["logprobs"]["content"]
+            reasoning = choice["message"].get("reasoning_content") or ""
+            assert "".join(e["token"] for e in choice["logprobs"]["reasoning_content"]) == reasoning
+        assert entries and "".join(e["token"] for e in entries) == content
+        for entry in entries:
+            tops = [t["logprob"] for t in entry["top_logprobs"]]
+            assert len(tops) == 3 and tops == sorted(tops, reverse=True)
+            assert entry["logprob"] <= tops[0] + 1e-5
+            assert bytes(entry["bytes"]) == entry["token"].encode()
+    greedy = chat(server, logprobs=True, top_logprobs=1, max_tokens=10, temperature=0).json()["choices"][0]
+    for entry in greedy["logprobs"]["content"]:  # greedy picks the most likely id
+        assert entry["logprob"] == pytest.approx(entry["top_logprobs"][0]["logprob"], abs=1e-5)
+
+
+def completion(server, **extra):
+    body = {"model": "m", "prompt": "<|start|>user<|message|>hello<|eot|><|start|>assistant", "max_tokens": 12,
+            "temperature": 0, **extra}
+    response = httpx.post(f"{server.url}/v1/completions", json=body, timeout=120)
+    assert response.status_code == 200, response.text
+    return response.json()["choices"][0]["text"]
+
+
+def test_each_sampling_field_has_an_effect(server):
+    base = completion(server)
+    x = httpx.post(f"{server.url}/tokenize", json={"prompt": "x"}, timeout=30).json()["tokens"]
+    assert len(x) == 1
+    assert completion(server, logit_bias={str(x[0]): 100}, max_tokens=5) == "xxxxx"  # a large bias forces an id
+    # A moderate bias makes greedy decoding repeat "x"; each penalty breaks the repetition.
+    favour = {str(x[0]): 4.0}
+    assert completion(server, logit_bias=favour, max_tokens=8) == "x" * 8
+    assert completion(server, logit_bias=favour, frequency_penalty=2.0, max_tokens=8) != "x" * 8
+    assert completion(server, logit_bias={str(x[0]): 1.5}, presence_penalty=2.0, max_tokens=8) != "x" * 8
+    # min_p 1 keeps only the most likely id: sampling at temperature 1 becomes greedy.
+    assert completion(server, temperature=1.0, min_p=1.0, seed=3, max_tokens=20) == completion(server, max_tokens=20)
+    assert completion(server, temperature=1.0, seed=3, max_tokens=20) != completion(server, max_tokens=20)
+
+
+def test_sampler_logprob_matches_an_independent_computation():
+    torch = pytest.importorskip("torch")
+    from musegl_core.engine.executor import SamplingParams, SeqChunk
+    from musegl_cuda.sampling import SampleRows, sample
+
+    rng = np.random.default_rng(0)
+    vocab = 100
+    logits = torch.tensor(rng.normal(size=(1, vocab)) * 3, dtype=torch.float32)
+    mask = np.zeros(-(-vocab // 32), dtype=np.uint32)
+    for i in (3, 17, 40, 99):
+        mask[i // 32] |= np.uint32(1 << (i % 32))
+    params = SamplingParams(temperature=0.7, seed=1, logit_bias=((17, 2.0),))
+    rows = SampleRows()
+    rows.add_chunk(SeqChunk(seq=0, tokens=[1], positions=[0], blocks=[0], sample=1, sampling=params,
+                            uniforms=[0.3], masks=[mask], logprobs=2))
+    ids, lps = sample(logits.clone(), rows)
+    z = logits[0].numpy().astype(np.float64).copy()
+    z[17] += 2.0
+    allowed = np.array([3, 17, 40, 99])
+    masked = np.full(vocab, -np.inf)
+    masked[allowed] = z[allowed] / 0.7
+    expected = masked - np.log(np.exp(masked[allowed]).sum())
+    assert ids[0] in allowed
+    assert lps[0].logprob == pytest.approx(expected[ids[0]], abs=1e-4)
+    assert list(lps[0].top_ids) == list(allowed[np.argsort(-expected[allowed])][:2])

@@ -1,0 +1,141 @@
+"""Managing named sessions over HTTP (GET/DELETE /v1/sessions, --session-idle-timeout,
+API key) and automatic prefix caching with default flags."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import pytest
+
+from musegl_core.config import ServeConfig
+from musegl_core.engine.sessions import session_policy
+from tests.support.server import running_server
+from tests.test_engine_http import chat, metric, wait_idle
+
+SHORT = [{"role": "user", "content": "hi"}]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    from musegl_core.tiny import default_model_path
+
+    return str(default_model_path())
+
+
+@pytest.fixture(scope="module")
+def default(tiny):
+    """Default serving flags (4 slots, persistent sessions, prefix caching on)."""
+    with running_server(ServeConfig(model=tiny, port=0)) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def variant(tiny):
+    config = ServeConfig(model=tiny, port=0, max_context=512, max_sessions=2, api_key="sekrit",
+                         prefix_caching=False, session_idle_timeout=1.0)
+    with running_server(config) as running:
+        yield running
+
+
+KEY = {"Authorization": "Bearer sekrit"}
+
+
+def sessions(url, headers=None) -> dict:
+    r = httpx.get(f"{url}/v1/sessions", headers=headers, timeout=30)
+    assert r.status_code == 200, r.text
+    return {s["id"]: s for s in r.json()["data"]}
+
+
+def test_identical_anonymous_requests_reuse_the_cached_prefix(default):
+    messages = [{"role": "user", "content": "prefix caching " * 8}]
+    first = chat(default.url, messages, max_tokens=6).json()
+    wait_idle(default.url)
+    assert metric(default.url, "musegl_kv_blocks_used") == 0  # nothing held, but ...
+    assert metric(default.url, "musegl_kv_blocks_cached") > 0  # ... its blocks are kept
+    second = chat(default.url, messages, max_tokens=6).json()
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert 0 < cached < second["usage"]["prompt_tokens"]
+    assert second["choices"][0]["message"]["content"] == first["choices"][0]["message"]["content"]
+    assert metric(default.url, "musegl_prefix_cache_hit_tokens") >= cached
+
+
+def test_four_sessions_fill_a_default_server_until_one_is_deleted(default):
+    wait_idle(default.url)
+    for name in ("s1", "s2", "s3", "s4"):
+        assert chat(default.url, SHORT, session_id=name).status_code == 200
+    listed = sessions(default.url)
+    assert set(listed) >= {"s1", "s2", "s3", "s4"}
+    entry = listed["s4"]
+    assert entry["object"] == "session" and entry["state"] == "idle"
+    assert entry["cached_tokens"] > 0 and entry["idle_seconds"] >= 0 and entry["queued_requests"] == 0
+    refused = chat(default.url, SHORT)  # anonymous: no slot left
+    assert refused.status_code == 503 and refused.json()["error"]["code"] == "session_capacity"
+    r = httpx.delete(f"{default.url}/v1/sessions/s1", timeout=30)
+    assert r.status_code == 200 and r.json() == {"id": "s1", "object": "session", "deleted": True}
+    assert "s1" not in sessions(default.url)
+    assert chat(default.url, SHORT).status_code == 200
+    gone = httpx.delete(f"{default.url}/v1/sessions/s1", timeout=30)
+    assert gone.status_code == 404
+    assert gone.json()["error"]["type"] == "not_found_error" and gone.json()["error"]["code"] == "session_not_found"
+    bad = httpx.delete(f"{default.url}/v1/sessions/no%20spaces", timeout=30)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "session_id"
+    assert metric(default.url, "musegl_sessions_closed") == 1
+    for name in ("s2", "s3", "s4"):
+        assert httpx.delete(f"{default.url}/v1/sessions/{name}", timeout=30).status_code == 200
+    assert metric(default.url, "musegl_kv_blocks_used") == 0
+    assert metric(default.url, "musegl_kv_blocks_reserved") == 0
+
+
+def test_an_active_session_cannot_be_deleted(default):
+    wait_idle(default.url)
+    body = {"model": "m", "messages": SHORT, "max_tokens": 300, "ignore_eos": True, "session_id": "busy"}
+    done = {}
+    thread = threading.Thread(
+        target=lambda: done.setdefault("r", httpx.post(f"{default.url}/v1/chat/completions", json=body, timeout=120)))
+    thread.start()
+    deadline = time.monotonic() + 30
+    while sessions(default.url).get("busy", {}).get("state") != "active":
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    r = httpx.delete(f"{default.url}/v1/sessions/busy", timeout=30)
+    assert r.status_code == 409
+    assert r.json()["error"]["code"] == "session_active"
+    thread.join()
+    assert done["r"].status_code == 200  # the running request was not disturbed
+    assert httpx.delete(f"{default.url}/v1/sessions/busy", timeout=30).status_code == 200
+
+
+def test_sessions_api_takes_the_api_key(variant):
+    assert httpx.get(f"{variant.url}/v1/sessions", timeout=30).status_code == 401
+    assert httpx.delete(f"{variant.url}/v1/sessions/x", timeout=30).status_code == 401
+    assert httpx.get(f"{variant.url}/v1/sessions", headers=KEY, timeout=30).json() == {"object": "list", "data": []}
+    assert httpx.delete(f"{variant.url}/v1/sessions/x", headers=KEY, timeout=30).status_code == 404
+
+
+def test_idle_sessions_expire_after_the_timeout(variant):
+    assert chat(variant.url, SHORT, headers=KEY, session_id="brief").status_code == 200
+    assert "brief" in sessions(variant.url, KEY)
+    deadline = time.monotonic() + 10
+    while "brief" in sessions(variant.url, KEY):
+        assert time.monotonic() < deadline, "the idle session was not closed"
+        time.sleep(0.1)
+    text = httpx.get(f"{variant.url}/metrics", headers=KEY, timeout=30).text
+    assert "musegl_sessions_expired_total 1.0" in text
+
+
+def test_no_prefix_caching_reuses_nothing_across_requests(variant):
+    messages = [{"role": "user", "content": "no caching " * 8}]
+    for _ in range(2):
+        r = chat(variant.url, messages, headers=KEY)
+        assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert "musegl_kv_blocks_cached 0.0" in httpx.get(f"{variant.url}/metrics", headers=KEY, timeout=30).text
+
+
+def test_the_startup_policy_line_names_the_session_rules():
+    line = session_policy(ServeConfig())
+    assert "4 slots" in line and "persist until DELETE /v1/sessions/{id}" in line and "503 session_capacity" in line
+    line = session_policy(ServeConfig(session_idle_timeout=30, evict_idle_sessions=True, prefix_caching=False))
+    assert "closed after 30 s idle" in line and "evicted LRU" in line and "prefix caching off" in line

@@ -1,0 +1,30 @@
+"""The 2-minute soak (benchmarks/soak.py): mixed load, then no unexpected error,
+no leaked KV block, flat RSS. Marked slow."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SOAK = Path(__file__).resolve().parent.parent / "benchmarks" / "soak.py"
+
+
+@pytest.mark.slow
+def test_two_minute_soak_leaks_nothing():
+    done = subprocess.run([sys.executable, str(SOAK), "--duration", "120", "--warmup", "20", "--json"],
+                          capture_output=True, text=True, timeout=900, cwd=SOAK.parent)
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    print(json.dumps({k: report[k] for k in ("requests", "outcomes", "errors", "error_examples", "rss_mib", "kv_end",
+                                             "kv_leaked")}))
+    assert report["errors"] == {}, report["error_examples"]
+    assert report["kv_leaked"] == {"kv_blocks_used": 0.0, "kv_blocks_reserved": 0.0}
+    assert not report["worker_restarted"]
+    for process in ("front", "worker"):
+        assert abs(report["rss_mib"][process]["growth"]) <= 0.10, report["rss_mib"]
+    kinds = {key.split()[0] for key in report["outcomes"]}
+    assert kinds >= {"stream", "cancel", "plain", "session", "bad", "oversize", "delete"}
+    assert done.returncode == 0
