@@ -74,7 +74,8 @@ def scenario(url: str, plan: dict) -> dict:
         if f"stop{i}" not in plan:  # stop strings from the plain answer's middle
             message = out[f"greedy{i}"]["message"]
             text = message.get("content") or message.get("reasoning_content") or ""
-            plan[f"stop{i}"] = [text[len(text) // 2:len(text) // 2 + 2] or "zz", text[-4:-2] or "yy"]
+            # Two spaces too: this briefly trained target often answers with runs of spaces.
+            plan[f"stop{i}"] = [text[len(text) // 2:len(text) // 2 + 2] or "zz", text[-4:-2] or "yy", "  "]
         for j, stop in enumerate(plan[f"stop{i}"]):
             out[f"stop{i}_{j}"] = chat(url, question, stop=[stop])
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
@@ -154,7 +155,7 @@ def test_max_tokens_and_stops_inside_blocks(runs):
     spec = results["dflash"]
     lengths = [spec[f"max{i}_{n}"]["usage"]["completion_tokens"] for i in range(4) for n in (2, 5, 9, 13)]
     assert lengths.count(2) == 4 and max(lengths) == 13
-    assert any(spec[f"stop{i}_{j}"]["finish"] == "stop" for i in range(4) for j in range(2))
+    assert any(spec[f"stop{i}_{j}"]["finish"] == "stop" for i in range(4) for j in range(3))
 
 
 def test_seeded_sampling_has_the_targets_distribution(runs):
