@@ -73,6 +73,10 @@ def test_chat_report_counts_add_up(server):
     assert 60 <= report.prompt_tokens / 5 <= 240  # about --prompt-tokens, after calibration
     assert report.requests_per_s > 0 and report.output_tokens_per_s > 0
     assert report.turns == () and report.sessions is None
+    spec = report.speculation  # from /metrics: no speculator here, so no drafts
+    assert spec is not None and spec.drafted_tokens == spec.verify_blocks == 0 and spec.acceptance_length is None
+    assert spec.target_steps >= MAX_TOKENS  # batched decoding shares steps between the 3 clients
+    assert spec.tokens_per_target_step == round(report.output_tokens / spec.target_steps, 3)
 
 
 def test_agent_report_turns_and_baseline(server):
@@ -113,3 +117,17 @@ def test_cli_reports_unreachable_server(capsys):
 def test_cli_rejects_bad_values(capsys):
     assert cli_main(["bench", "--concurrency", "0"]) == 2
     assert "concurrency" in capsys.readouterr().err
+
+
+def test_speculation_figures_from_counter_deltas():
+    from musegl_core.bench.report import build_report
+    from musegl_core.bench.client import RequestResult
+
+    results = [RequestResult("chat", output_tokens=30, ttft=0.1, latency=1.0)]
+    before = {"engine_steps": 100, "spec_drafted_tokens": 40, "spec_accepted_tokens": 10, "spec_verify_blocks": 10}
+    after = {"engine_steps": 110, "spec_drafted_tokens": 80, "spec_accepted_tokens": 30, "spec_verify_blocks": 20}
+    report = build_report(results, url="u", workload="chat", concurrency=1, max_tokens=30, tokens_per_word=1.0,
+                          prompt_overhead=0, duration_s=1.0, counters=(before, after))
+    spec = report.speculation
+    assert (spec.target_steps, spec.drafted_tokens, spec.accepted_tokens, spec.verify_blocks) == (10, 40, 20, 10)
+    assert spec.acceptance_length == 3.0 and spec.tokens_per_target_step == 3.0

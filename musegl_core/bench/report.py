@@ -72,6 +72,23 @@ class SessionComparison:
 
 
 @attrs.frozen
+class SpeculationStats:
+    """Speculative decoding over the measured phase, from the server's ``/metrics``
+    before and after it (other clients of the same server would count too).
+
+    ``acceptance_length`` is tokens committed per verified block (accepted drafts
+    + 1); ``tokens_per_target_step`` is output tokens per executor step (prefill
+    steps included)."""
+
+    target_steps: int
+    drafted_tokens: int
+    accepted_tokens: int
+    verify_blocks: int
+    acceptance_length: float | None
+    tokens_per_target_step: float | None
+
+
+@attrs.frozen
 class BenchReport:
     """Everything one ``musegl bench`` run measured."""
 
@@ -98,6 +115,7 @@ class BenchReport:
     latency: LatencyStats
     turns: tuple[TurnStats, ...] = ()
     sessions: SessionComparison | None = None
+    speculation: SpeculationStats | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict (what ``musegl bench --json`` prints)."""
@@ -119,6 +137,7 @@ def build_report(
     prompt_overhead: int,
     duration_s: float,
     baselines: Sequence[RequestResult] = (),
+    counters: tuple[dict[str, float], dict[str, float]] | None = None,
 ) -> BenchReport:
     """Aggregate the measured ``results`` (and the agent ``baselines``) of one run."""
     ok = [r for r in results if r.ok]
@@ -171,6 +190,25 @@ def build_report(
         latency=LatencyStats.of(r.latency for r in ok if r.latency is not None),
         turns=turns,
         sessions=comparison,
+        speculation=_speculation(counters, output),
+    )
+
+
+def _speculation(counters: tuple[dict[str, float], dict[str, float]] | None, output: int) -> SpeculationStats | None:
+    """The deltas of the engine counters (``/metrics`` before and after), or None."""
+    if counters is None:
+        return None
+    before, after = counters
+    delta = {k: int(after.get(k, 0) - before.get(k, 0)) for k in after}
+    steps, blocks, accepted = delta.get("engine_steps", 0), delta.get("spec_verify_blocks", 0), delta.get(
+        "spec_accepted_tokens", 0)
+    return SpeculationStats(
+        target_steps=steps,
+        drafted_tokens=delta.get("spec_drafted_tokens", 0),
+        accepted_tokens=accepted,
+        verify_blocks=blocks,
+        acceptance_length=round((accepted + blocks) / blocks, 3) if blocks else None,
+        tokens_per_target_step=round(output / steps, 3) if steps else None,
     )
 
 
@@ -192,6 +230,12 @@ def render(report: BenchReport, console: Console) -> None:
     summary.add_row("cached-token ratio", f"{report.cached_ratio:.1%}")
     for name, stats in (("TTFT", report.ttft), ("inter-token latency", report.itl), ("request latency", report.latency)):
         summary.add_row(f"{name} p50 / p95", f"{_ms(stats.p50)} / {_ms(stats.p95)}")
+    spec = report.speculation
+    if spec is not None and spec.target_steps:
+        summary.add_row("output tokens per target step", f"{spec.tokens_per_target_step:.2f}")
+        if spec.verify_blocks:
+            summary.add_row("drafts accepted / drafted", f"{spec.accepted_tokens} / {spec.drafted_tokens}")
+            summary.add_row("mean acceptance length", f"{spec.acceptance_length:.2f}")
     for kind, count in report.error_kinds.items():
         summary.add_row(f"error: {kind}", str(count), style="red")
     console.print(summary)

@@ -236,6 +236,27 @@ async def _run_baselines(
     return list(await asyncio.gather(*(replay(*entry) for entry in sorted(histories))))
 
 
+COUNTERS = ("engine_steps", "spec_drafted_tokens", "spec_accepted_tokens", "spec_verify_blocks")
+
+
+async def engine_counters(client: httpx.AsyncClient, config: BenchConfig) -> dict[str, float] | None:
+    """The engine counters of the server's ``/metrics`` (None when it has none)."""
+    base = config.url.rstrip("/").removesuffix("/v1")
+    try:
+        response = await client.get(f"{base}/metrics")
+    except httpx.HTTPError:
+        return None
+    if response.status_code != 200:
+        return None
+    values = {}
+    for line in response.text.splitlines():
+        name, _, value = line.partition(" ")
+        key = name.removeprefix("musegl_").removesuffix("_total")
+        if name.startswith("musegl_") and key in COUNTERS:
+            values[key] = float(value)
+    return values or None
+
+
 async def run_bench_async(config: BenchConfig, *, progress: bool = True) -> BenchReport:
     """Run ``config`` against its server and return the report."""
     headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
@@ -247,6 +268,7 @@ async def run_bench_async(config: BenchConfig, *, progress: bool = True) -> Benc
             calibration = await calibrate(client, config)
             words = calibration.words(config.prompt_tokens, whole_prompt=config.workload == "chat")
             bar.phase(f"{config.workload} x{config.concurrency}", config.measured_requests)
+            before = await engine_counters(client, config)
             started = time.perf_counter()
             histories: list = []
             if config.workload == "chat":
@@ -254,6 +276,7 @@ async def run_bench_async(config: BenchConfig, *, progress: bool = True) -> Benc
             else:
                 results, histories = await _run_agent(client, config, words, bar)
             duration = time.perf_counter() - started
+            after = await engine_counters(client, config)
             baselines: list[RequestResult] = []
             if config.workload == "agent" and config.baseline and histories:
                 bar.phase("anonymous baseline", len(histories))
@@ -268,6 +291,7 @@ async def run_bench_async(config: BenchConfig, *, progress: bool = True) -> Benc
         prompt_overhead=calibration.overhead,
         duration_s=duration,
         baselines=baselines,
+        counters=(before, after) if before is not None and after is not None else None,
     )
 
 

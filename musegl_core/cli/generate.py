@@ -64,6 +64,13 @@ def read_image(path: str) -> ImageInput:
 
 
 def main(argv: list[str]) -> int:
+    import argparse
+
+    from musegl_core.plugins.manager import PluginManager
+
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--plugin", action="append", dest="plugins")
+    plugins = PluginManager(only=pre.parse_known_args(argv)[0].plugins)
     p = OneLineParser(prog="musegl generate", description=__doc__.split("\n\n")[0])
     p.add_argument("prompt", nargs="?", help="raw prompt text, a JSON list of ids, or - for stdin")
     p.add_argument("--model", help="GGUF file or HF directory (default: the built-in tiny demo)")
@@ -83,7 +90,10 @@ def main(argv: list[str]) -> int:
     p.add_argument("--mmproj", metavar="MMPROJ", help="vision projector GGUF for a GGUF --model")
     p.add_argument("--image", metavar="FILE", help="a PNG or JPEG for the prompt's one <|patch|> placeholder")
     p.add_argument("--max-vision-patches", type=int, default=4096, help="vision patch cap (default %(default)s)")
+    known = {a.dest for a in p._actions}
+    plugins.add_serve_options(p)  # the plugins' own flags, as `musegl serve` takes them
     args = p.parse_args(argv)
+    extra = {k: v for k, v in vars(args).items() if k not in known}
     if args.max_tokens < 1:
         raise ConfigError("--max-tokens must be at least 1")
     if args.temperature < 0:
@@ -100,7 +110,8 @@ def main(argv: list[str]) -> int:
     segment = parse_prompt(args.prompt, args.token_ids)
     images = (read_image(args.image),) if args.image else ()
     config = ServeConfig(model=model, executor=args.executor, device=args.device, dtype=args.dtype,
-                         plugins=tuple(args.plugins) if args.plugins else None, demo=demo, mmproj=args.mmproj)
+                         plugins=tuple(args.plugins) if args.plugins else None, demo=demo, mmproj=args.mmproj,
+                         extra=extra)
     tokenizer, executor, speculator = load(config)
     events: list = []
     request = GenerateRequest(
@@ -141,11 +152,15 @@ def main(argv: list[str]) -> int:
             "finish_reason": done.finish_reason,
             "matched_stop": done.matched_stop,
             "usage": {"prompt_tokens": done.prompt_tokens, "completion_tokens": done.completion_tokens},
+            "speculation": {"drafted_tokens": done.drafted_tokens, "accepted_tokens": done.accepted_tokens,
+                            "target_steps": engine.steps},
         }, ensure_ascii=False))
     else:
         print(f"prompt tokens: {len(prepared.prompt_ids)}")
         print(f"token ids: {' '.join(map(str, generated))}")
         print(f"finish: {done.finish_reason}" + (f" (stop {done.matched_stop!r})" if done.matched_stop else ""))
+        if done.drafted_tokens:
+            print(f"drafts: {done.accepted_tokens} of {done.drafted_tokens} accepted in {engine.steps} target steps")
         print("text:")
         print(text)
     executor.close()

@@ -112,6 +112,7 @@ def prepare(argv: list[str]):
         from musegl_core.checkpoint.validate import check_servable
 
         check_servable(config.model)
+        check_speculators(config, plugins)  # a draft that does not fit, before the port is bound
     return config, plugins, args.log_level
 
 
@@ -133,6 +134,18 @@ def check_kv_memory(config: ServeConfig, plugins) -> None:
                snapshots=config.prefix_cache_entries)
 
 
+def check_speculators(config: ServeConfig, plugins) -> None:
+    """Let speculator plugins refuse their flags (a draft that does not fit the
+    target) before the worker starts, from the checkpoints' configs alone."""
+    from musegl_core.plugins.specs import ExecutorOptions
+
+    options = ExecutorOptions(model=config.model, device=config.device, dtype=config.dtype, demo=config.demo,
+                              extra=dict(config.extra))
+    for spec in plugins.specs("speculators").values():
+        if spec.check is not None:
+            spec.check(options)
+
+
 def main(argv: list[str]) -> int:
     import attrs
 
@@ -151,6 +164,8 @@ def main(argv: list[str]) -> int:
         config = attrs.evolve(config, model=str(path), demo=True, mmproj=config.mmproj or demo_mmproj_path(path))
         log.warning("no model given: serving the built-in RANDOM-WEIGHT DEMO checkpoint %s (its output is noise)", path)
     check_kv_memory(config, plugins)  # before loading: a --kv-cache-memory that cannot hold the limits
+    if config.demo:  # a given model was checked in prepare()
+        check_speculators(config, plugins)
 
     from musegl_core.http.app import create_app
     from musegl_core.http.server import GracefulServer

@@ -148,6 +148,7 @@ class Engine:
         self.steps = 0
         self.drafted_tokens = 0
         self.accepted_tokens = 0
+        self.verify_blocks = 0  # decode chunks that carried drafts
 
     # -- thread-safe commands ---------------------------------------------------------
     def submit(self, request: PreparedRequest) -> None:
@@ -182,6 +183,7 @@ class Engine:
             "steps": self.steps,
             "drafted_tokens": self.drafted_tokens,
             "accepted_tokens": self.accepted_tokens,
+            "verify_blocks": self.verify_blocks,
             **self.sessions.stats(),
         }
 
@@ -411,6 +413,7 @@ class Engine:
             committed = accept(drafts, sampled) if drafts else list(sampled[-1:])
             self.drafted_tokens += len(drafts)
             self.accepted_tokens += len(committed) - 1
+            self.verify_blocks += bool(drafts)
             seq.drafted += len(drafts)
             seq.accepted += len(committed) - 1
             committed_rows[seq.handle] = self._commit(seq, committed, output.logprobs.get(seq.handle, []))

@@ -49,6 +49,7 @@ SERIES = {
     "steps": ("engine_steps", "executor steps run", "counter"),
     "drafted_tokens": ("spec_drafted_tokens", "draft tokens a speculator proposed and the target verified", "counter"),
     "accepted_tokens": ("spec_accepted_tokens", "draft tokens the target accepted", "counter"),
+    "verify_blocks": ("spec_verify_blocks", "decode steps of a sequence that verified drafts", "counter"),
 }
 
 
@@ -67,6 +68,12 @@ class _Snapshot:
             if key in self.values:
                 family = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
                 yield family(f"musegl_{name}", help_text, value=float(self.values[key]))
+        blocks = self.values.get("verify_blocks")
+        if blocks:
+            accepted = self.values.get("accepted_tokens", 0)
+            yield GaugeMetricFamily("musegl_spec_mean_acceptance_length",
+                                    "tokens committed per verified block (accepted drafts + 1), since start",
+                                    value=(accepted + blocks) / blocks)
 
 
 class FrontMetrics:

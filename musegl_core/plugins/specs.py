@@ -62,11 +62,17 @@ class SpeculatorSpec:
     user did not enable it (its flag is unset). Raise
     :class:`musegl_core.errors.ConfigError` with one line when the flags ask
     for something impossible (a draft that does not fit the target).
+
+    ``check(options)`` (optional) validates the plugin's flags in the front,
+    before the worker starts and before any weight is loaded (read configs
+    only); ``musegl serve`` turns its ConfigError into exit status 2. It is
+    called whether or not the plugin's flag is set.
     """
 
     name: str
     description: str
     create: Callable[..., Any]
+    check: Callable[[ExecutorOptions], None] | None = None
 
 
 @attrs.frozen

@@ -1,0 +1,1 @@
+"""musegl-dflash: DFlash speculative decoding with the Muse Glimmer assistant draft model."""

@@ -1,0 +1,149 @@
+"""``DFlashSpeculator``: the engine's speculator contract over the DFlash draft.
+
+Per step the engine asks :meth:`propose` for drafts for its decoding
+sequences; every sequence contributes one block ``[anchor, MASK × n]`` at
+positions ``P .. P+n`` (``P = len(tokens) − 1``, the anchor being the pending
+token) and all blocks run in **one** draft forward. The drafts are the argmax
+of the target's raw lm_head over the final-normed mask rows (greedy), so the
+engine's sample-and-match verification keeps the output exactly the target's
+under any sampling settings.
+
+The draft's context K/V live in the engine's KV block ids, like the target's:
+:meth:`observe` receives the tapped target rows of every step (prefill chunks
+and verify blocks) and writes the context K/V of the rows the engine kept
+(``committed[seq]`` leading rows) at their positions; rejected rows never
+enter the store. Copy-on-write (:meth:`copy_blocks`) mirrors the target's, so
+sessions, prefix snapshots, rewinds and cancellation need nothing else: a
+sequence's store holds exactly the positions its target KV holds.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from musegl_core.engine.executor import Step, StepOutput
+from musegl_core.engine.speculator import DraftRequest
+from musegl_dflash.model import DFlashDraft, DraftBatch, gather_context, linear
+
+log = logging.getLogger("musegl.dflash")
+
+
+def as_tensor(array: Any, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """A backend-native array (torch, numpy, anything ``np.asarray`` reads) as a tensor."""
+    if not isinstance(array, torch.Tensor):
+        array = torch.from_numpy(np.asarray(array, dtype=np.float32))
+    return array.to(device, dtype)
+
+
+class DFlashSpeculator:
+    """Block drafting with a DFlash draft over a target executor (any backend)."""
+
+    def __init__(self, draft: DFlashDraft, embed_tokens: torch.Tensor, lm_head: torch.Tensor, n_draft: int,
+                 block_size: int) -> None:
+        config = draft.config
+        if not 1 <= n_draft < config.block_size:
+            raise ValueError(f"n_draft must be in 1..{config.block_size - 1}")
+        self.draft = draft
+        self.config = config
+        self.embed_tokens = embed_tokens
+        self.lm_head = lm_head
+        self.block_size = block_size  # the engine's KV block size (positions per block)
+        self.taps = config.taps
+        self.max_draft = n_draft
+        self.kv: torch.Tensor | None = None
+        self.num_blocks = 0
+        # Counters for the log line and tests: verify blocks seen and the tokens they committed.
+        self.blocks = 0
+        self.committed_tokens = 0
+
+    # -- per-block state ---------------------------------------------------------------
+    def kv_bytes_per_block(self) -> int:
+        size = torch.empty((), dtype=self.draft.dtype).element_size()
+        return self.block_size * self.config.kv_bytes_per_position(size)
+
+    def allocate_kv(self, num_blocks: int) -> None:
+        c = self.config
+        self.kv = torch.zeros(c.num_layers, 2, num_blocks * self.block_size, c.num_kv_heads, c.head_dim,
+                              dtype=self.draft.dtype, device=self.draft.device)
+        self.num_blocks = num_blocks
+
+    def _require_kv(self) -> torch.Tensor:
+        if self.kv is None:
+            raise RuntimeError("allocate_kv() must be called before drafting")
+        return self.kv
+
+    def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
+        if not pairs:
+            return
+        kv = self._require_kv()
+        c = self.config
+        paged = kv.view(c.num_layers, 2, self.num_blocks, self.block_size, c.num_kv_heads, c.head_dim)
+        src = torch.tensor([s for s, _ in pairs], dtype=torch.long, device=kv.device)
+        dst = torch.tensor([d for _, d in pairs], dtype=torch.long, device=kv.device)
+        with torch.inference_mode():
+            paged[:, :, dst] = paged[:, :, src]
+
+    def release_sequence(self, seq: int) -> None:
+        pass  # no per-sequence state: the context lives in the sequence's blocks
+
+    def close(self) -> None:
+        self.kv = None
+        self.num_blocks = 0
+
+    # -- drafting ----------------------------------------------------------------------
+    def propose(self, requests: Sequence[DraftRequest]) -> dict[int, list[int]]:
+        kv = self._require_kv()
+        requests = [r for r in requests if r.max_draft > 0 and r.tokens]
+        if not requests:
+            return {}
+        c, n, device = self.config, self.max_draft, self.draft.device
+        starts = [len(r.tokens) - 1 for r in requests]
+        for r, start in zip(requests, starts):
+            if start > 0 and (start - 1) // self.block_size >= len(r.blocks):
+                raise ValueError(f"sequence {r.seq}: its block table does not cover position {start - 1}")
+        with torch.inference_mode():
+            ids = torch.full((len(requests), n + 1), c.mask_token_id, dtype=torch.long, device=device)
+            ids[:, 0] = torch.tensor([r.tokens[-1] for r in requests], dtype=torch.long, device=device)
+            slots, positions, valid = gather_context(c, self.block_size, starts, [r.blocks for r in requests], device)
+            batch = DraftBatch(ids[:, 0], torch.tensor(starts, dtype=torch.long, device=device), slots, positions, valid)
+            embeddings = self.embed_tokens[ids].to(self.draft.dtype)  # raw rows: no embedding norm
+            hidden = self.draft.hidden(embeddings, batch, kv)[:, 1:]  # the mask rows
+            logits = linear(hidden.reshape(-1, c.hidden_size), self.lm_head.to(self.draft.dtype))
+            drafts = logits.float().argmax(dim=-1).view(len(requests), n).tolist()
+        return {r.seq: drafts[b][:r.max_draft] for b, r in enumerate(requests)}
+
+    def observe(self, step: Step, output: StepOutput, committed: dict[int, int]) -> None:
+        """Store the context K/V of every committed row of the step."""
+        kv = self._require_kv()
+        device, dtype = self.draft.device, self.draft.dtype
+        features, positions, slots = [], [], []
+        for chunk in step.chunks:
+            kept = committed.get(chunk.seq, 0)
+            hidden = output.hidden.get(chunk.seq)
+            if kept <= 0 or hidden is None:
+                continue
+            if chunk.sample > 1:  # a verify block: ``sample - 1`` drafts
+                self.blocks += 1
+                self.committed_tokens += kept
+            rows = as_tensor(hidden, device, dtype)[:, :kept]  # (taps, kept, H)
+            features.append(rows.permute(1, 0, 2).reshape(kept, -1))
+            pos = list(chunk.positions[:kept])
+            blocks = chunk.blocks
+            if pos[-1] // self.block_size >= len(blocks):
+                raise ValueError(f"sequence {chunk.seq}: its block table does not cover position {pos[-1]}")
+            positions.extend(pos)
+            slots.extend(blocks[p // self.block_size] * self.block_size + p % self.block_size for p in pos)
+        if not features:
+            return
+        with torch.inference_mode():
+            self.draft.write_context(torch.cat(features), torch.tensor(positions, device=device),
+                                     torch.tensor(slots, dtype=torch.long, device=device), kv)
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Mean tokens committed per verify block (accepted drafts + the target's own token)."""
+        return self.committed_tokens / self.blocks if self.blocks else 0.0
