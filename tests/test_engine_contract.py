@@ -232,3 +232,13 @@ def test_generated_token_replay_is_planned_off_the_engine_thread(tokenizer):
     engine.run_until_idle()
     _, done = generated(events, "t2")
     assert done.cached_tokens >= len(prompt) + len(answer) - 1  # the generated ids were reused
+
+
+def test_the_same_image_twice_keeps_both_placements():
+    img = image(4, rows=2)
+    req = PreparedRequest(id="x", prompt_ids=(5, PATCH, PATCH, 6, PATCH, PATCH, 7),
+                          images=(PlacedImage(1, img), PlacedImage(4, img)))
+    keys = prompt_keys(req.prompt_ids, req.images)
+    ids, placed = split_keys([9, *keys], req)  # shifted by one position
+    assert ids == [9, 5, PATCH, PATCH, 6, PATCH, PATCH, 7]
+    assert [p.start for p in placed] == [2, 5]

@@ -41,25 +41,28 @@ def prompt_keys(prompt_ids: Sequence[int], images: Sequence[PlacedImage]) -> lis
 
 def split_keys(keys: Sequence[int], request: PreparedRequest) -> tuple[list[int], tuple[PlacedImage, ...]]:
     """The ids to feed and the image placements of ``keys`` (which may have
-    moved, when generated-token replay changed the length of earlier turns)."""
+    moved, when generated-token replay changed the length of earlier turns).
+    Images are matched to their rows in order, so the same image twice in a
+    prompt keeps two placements."""
     if not request.images:
         return list(keys), ()
-    owner: dict[int, tuple[int, int]] = {}  # key -> (image index, placeholder id)
+    placeholders: dict[int, int] = {}  # image row key -> placeholder id
+    pending: dict[int, list[int]] = {}  # key of an image's first row -> its indices, in prompt order
     for index, placed in enumerate(request.images):
         base = _base(placed.image.digest)
         placeholder = request.prompt_ids[placed.start]
-        owner[-(1 + base % _SPAN)] = (index, placeholder)
-        for row in range(1, placed.image.rows):
-            owner.setdefault(-(1 + (base + row) % _SPAN), (-1, placeholder))
+        for row in range(placed.image.rows):
+            placeholders[-(1 + (base + row) % _SPAN)] = placeholder
+        pending.setdefault(-(1 + base % _SPAN), []).append(index)
     ids: list[int] = []
     starts: dict[int, int] = {}
     for position, key in enumerate(keys):
         if key >= 0:
             ids.append(key)
             continue
-        index, placeholder = owner[key]
-        ids.append(placeholder)
-        if index >= 0 and index not in starts:
-            starts[index] = position
+        ids.append(placeholders[key])
+        queue = pending.get(key)
+        if queue:
+            starts[queue.pop(0)] = position
     placed = tuple(attrs.evolve(p, start=starts.get(i, p.start)) for i, p in enumerate(request.images))
     return ids, placed
