@@ -21,7 +21,7 @@ MESSAGES = [{"role": "user", "content": "pick a number " * 20}]
 # differences between batch shapes (a prefix-cache hit, another choice in the
 # step) would move the seeded draw across one of 200k close boundaries; among
 # five the boundaries are far apart. Same seed, same tokens, as for n=1 (not
-# promised across batch composition bit for bit, spec 2.1).
+# promised across batch composition bit for bit).
 SAMPLED = {"temperature": 1.0, "top_k": 5}
 
 

@@ -35,7 +35,7 @@ def as_input(data: bytes, media_type: str = "image/png") -> ImageInput:
     return ImageInput(media_type, base64.b64encode(data).decode())
 
 
-# spec/vision.md 2.6 (computed with the transformers function, cap 4096 merged cells)
+# token costs of image sizes (computed with the transformers function, cap 4096 merged cells)
 SPEC_TABLE = [
     ((224, 224), (8, 8)), ((300, 300), (10, 10)), ((640, 480), (17, 23)), ((480, 640), (23, 17)),
     ((896, 896), (32, 32)), ((1024, 1024), (37, 37)), ((1280, 720), (26, 46)), ((1920, 1080), (39, 69)),

@@ -1,4 +1,4 @@
-"""The vision tower, adapter and projection of a checkpoint (spec/vision.md 4, spec/gguf.md 3).
+"""The vision tower, adapter and projection of a checkpoint.
 
 Two sources, numpy only, the same weights under the same names:
 
@@ -264,7 +264,7 @@ def _rope_rows(array: np.ndarray, heads: int, inverse: bool) -> np.ndarray:
 
 
 class MMProjReader(VisionWeights):
-    """A ``clip`` GGUF with projector type ``muse-glimmer`` (spec/gguf.md 3)."""
+    """A ``clip`` GGUF with projector type ``muse-glimmer``."""
 
     source = "gguf"
 

@@ -1,4 +1,4 @@
-"""Image preprocessing (spec/vision.md 2) and placement in the prompt (3).
+"""Image preprocessing and placement in the prompt.
 
 Runs on the worker's control thread, once per request, with numpy and
 pillow only:
@@ -66,7 +66,7 @@ def smart_resize(height: int, width: int, max_cells: int, unit: int = UNIT) -> t
     the floor/ceil pair of ``(height/unit, width/unit)`` (scaled down first to
     keep the product within ``max_cells``) whose ratio is closest to the
     image's. The candidates are built as a Python set exactly as transformers
-    does, so ties resolve the same way (spec/vision.md 2.2)."""
+    does, so ties resolve the same way."""
     a, b = height / unit, width / unit
     ratio = b / a if a > 0 else 1.0
     if a * b > max_cells:

@@ -1,4 +1,4 @@
-"""The Muse Glimmer vision tower, pixel shuffle, adapter and projection in PyTorch (spec/vision.md 4).
+"""The Muse Glimmer vision tower, pixel shuffle, adapter and projection in PyTorch.
 
 :class:`VisionEncoder` turns one preprocessed image (patch rows of one frame,
 ``(gh·gw, 588)``, raster order; :mod:`musegl_core.vision.preprocess`) into

@@ -109,7 +109,7 @@ def test_text_only_load_cannot_embed(small_vl):
 
 def test_pillow_resize_is_close_to_transformers_torch_lanczos():
     """transformers resizes uint8 with torch's antialiased lanczos; musegl uses pillow's
-    LANCZOS: a few levels apart on a small share of pixels (spec/vision.md 2.3)."""
+    LANCZOS: a few levels apart on a small share of pixels."""
     import torch.nn.functional as F
 
     data = png(400, 300, 11)

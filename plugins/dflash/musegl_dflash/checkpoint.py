@@ -1,5 +1,5 @@
 """The DFlash draft checkpoint: its configuration and weights, from a Hugging Face
-directory or a DFlash GGUF (spec/dflash.md 1, spec/gguf.md 4), numpy only.
+directory or a DFlash GGUF, numpy only.
 
 Both sources give the same float32 weights under transformers'
 ``MuseGlimmerAssistantModel`` names (``encoder.fc.weight``,
@@ -24,7 +24,7 @@ import numpy as np
 ARCH = "dflash"
 DEFAULT_THETA = 500000.0  # MuseGlimmerAssistantConfig.default_theta
 
-# transformers' MuseGlimmerAssistantConfig class defaults (spec/dflash.md 1).
+# transformers' MuseGlimmerAssistantConfig class defaults.
 CONFIG_DEFAULTS: dict[str, Any] = {
     "hidden_size": 6656,
     "intermediate_size": 19968,
@@ -53,7 +53,7 @@ LAYER_WEIGHTS = (
     "mlp.up_proj.weight",
     "mlp.down_proj.weight",
 )
-# transformers name (global, or per-layer suffix) -> GGUF name (suffix after ``blk.N.``), spec/gguf.md 4.2.
+# transformers name (global, or per-layer suffix) -> GGUF name (suffix after ``blk.N.``)
 GGUF_NAMES = {
     "encoder.fc.weight": "fc.weight",
     "encoder.output_norm_enc.weight": "enc.output_norm.weight",
@@ -340,7 +340,7 @@ def read_draft_config(path: str | os.PathLike[str]) -> DraftConfig:
 
 def write_draft_gguf(path: str | os.PathLike[str], config: DraftConfig, weights: Mapping[str, np.ndarray],
                      tokenizer=None, *, file_type: str = "f32", name: str = "DFlash draft") -> None:
-    """Write a draft as llama.cpp's converter lays out a DFlash GGUF (spec/gguf.md 4).
+    """Write a draft as llama.cpp's converter lays out a DFlash GGUF.
 
     ``weights`` uses transformers names; ``tokenizer`` (a
     :class:`~musegl_core.checkpoint.tokenizer_data.GGUFTokenizerData` of the

@@ -1,4 +1,4 @@
-"""The DFlash draft model in PyTorch (spec/dflash.md 1-3), over a paged context store.
+"""The DFlash draft model in PyTorch, over a paged context store.
 
 The draft has two entry points, both batched over sequences:
 
