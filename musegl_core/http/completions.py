@@ -37,7 +37,7 @@ from musegl_core.engine.executor import SamplingParams
 from musegl_core.engine.request import ImageInput
 from musegl_core.errors import ApiError, bad_request, unavailable
 from musegl_core.http import constraints
-from musegl_core.http.choices import ChoiceGroup, choice_requests
+from musegl_core.http.choices import ChoiceGroup, GroupStream, choice_requests
 from musegl_core.http.logprobs import MAX_TOP_LOGPROBS, LogprobTracker
 from musegl_core.http import schemas as s
 from musegl_core.http import sse
@@ -613,7 +613,7 @@ async def complete(
     )
 
 
-class ChatStream:
+class ChatStream(GroupStream):
     """One streaming response.
 
     :meth:`open` submits the request's choices and waits until each has
@@ -636,32 +636,17 @@ class ChatStream:
         tool_parser: Any = None,
         preflight_timeout: float | None = None,
     ):
+        super().__init__(worker, plan.requests(), dialect, preflight_timeout)
         self.worker = worker
         self.plan = plan
         self.meta = meta
-        self.dialect = dialect
         self.assemblers = [ResponseAssembler(plan, tool_parser) for _ in range(plan.n)]
-        self.preflight_timeout = preflight_timeout
-        self.group = ChoiceGroup(worker, plan.requests())
         self._usages: list[s.Usage | None] = [None] * plan.n
 
     @property
     def assembler(self) -> ResponseAssembler:
         """Choice 0's assembler."""
         return self.assemblers[0]
-
-    async def open(self) -> None:
-        """Submit and wait until generation is ready; raises :class:`ApiError`."""
-        await self.group.open(self.preflight_timeout)
-
-    async def close(self) -> None:
-        """Leave the worker requests (cancelling those not done)."""
-        await self.group.close()
-
-    async def events(self) -> AsyncIterator[bytes]:
-        """The SSE body, keepalives included."""
-        async for item in sse.with_keepalive(self._body(), self.dialect.keepalive):
-            yield item
 
     async def _body(self) -> AsyncIterator[bytes]:
         try:

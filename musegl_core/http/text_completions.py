@@ -28,7 +28,7 @@ from musegl_core.config import ServeConfig
 from musegl_core.errors import ApiError, bad_request, unavailable
 from musegl_core.http import schemas as s
 from musegl_core.http import sse
-from musegl_core.http.choices import ChoiceGroup, choice_requests
+from musegl_core.http.choices import ChoiceGroup, GroupStream, choice_requests
 from musegl_core.http.completions import (
     ResponseMeta,
     choice_count,
@@ -148,28 +148,16 @@ async def complete_text(worker: Any, plan: CompletionPlan, meta: ResponseMeta) -
     return _object(meta, list(choices), combined_usage(usages))
 
 
-class TextStream:
+class TextStream(GroupStream):
     """One streaming ``/v1/completions`` response; :meth:`open` waits until
     every choice has started (errors before that are ordinary HTTP errors)."""
 
     def __init__(self, worker: Any, plan: CompletionPlan, meta: ResponseMeta, dialect: Dialect,
                  preflight_timeout: float | None = None):
+        super().__init__(worker, plan.requests(), dialect, preflight_timeout)
         self.worker = worker
         self.plan = plan
         self.meta = meta
-        self.dialect = dialect
-        self.preflight_timeout = preflight_timeout
-        self.group = ChoiceGroup(worker, plan.requests())
-
-    async def open(self) -> None:
-        await self.group.open(self.preflight_timeout)
-
-    async def close(self) -> None:
-        await self.group.close()
-
-    async def events(self) -> AsyncIterator[bytes]:
-        async for item in sse.with_keepalive(self._body(), self.dialect.keepalive):
-            yield item
 
     def _chunk(self, index: int, text: str, finish_reason: str | None = None) -> bytes:
         choice = s.CompletionChoice(text=text, finish_reason=finish_reason, index=index)
