@@ -14,7 +14,13 @@ and prints one JSON line per figure:
   ids to the host included), each sequence at ``--context`` positions;
 * the same ``prefill``/``decode`` figures for transformers (``generate``,
   greedy, ``min_new_tokens`` = ``max_new_tokens``) on the same weights in
-  the same run (``engine: transformers``), unless ``--no-baseline``.
+  the same run (``engine: transformers``), unless ``--no-baseline``;
+* ``serve``: then the same config through ``musegl serve --load-format
+  dummy`` (a bare config.json, so the demo tokenizer) and ``musegl bench``
+  at each ``--serve-concurrency`` (default 1,64), unless ``--no-serve``:
+  output tok/s, TTFT and inter-token p50, and ``decode_tok_s`` =
+  concurrency / inter-token p50 next to the executor-level decode tok/s at
+  that batch (``vs_executor``: their ratio).
 
 Needs a CUDA GPU and transformers with Muse Glimmer.
 """
@@ -23,8 +29,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import socket
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -82,7 +92,7 @@ def timed(fn, repeat: int) -> list[float]:
     return out
 
 
-def run_musegl(args, checkpoint, rng):
+def run_musegl(args, checkpoint, rng, tok_s: dict[int, float]):
     c = checkpoint.config
     executor = TorchExecutor(checkpoint, device="cuda", dtype="bfloat16", dummy_seed=0,
                              forward_sizes=tuple(int(x) for x in args.forward_sizes.split(",")))
@@ -137,6 +147,7 @@ def run_musegl(args, checkpoint, rng):
         torch.cuda.synchronize()
         ms = (time.perf_counter() - t0) / args.steps * 1e3
         results[b] = ms
+        tok_s[b] = round(b / ms * 1e3, 1)
         graph_ms = None
         if executor.graphs is not None and width in executor.graphs.graphs:  # the replay alone, no host work
             graph = executor.graphs.graphs[width]
@@ -249,6 +260,74 @@ def run_transformers(args, checkpoint, holder: list, rng):
              tok_s=round(b / ms * 1e3, 1))
 
 
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run_serve(args, executor_tok_s: dict[int, float]) -> None:
+    """The HTTP path at the same shape: ``musegl serve --load-format dummy`` + ``musegl bench``."""
+    import httpx
+
+    levels = [int(x) for x in args.serve_concurrency.split(",")]
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.config:
+            src = Path(args.config) / "config.json" if Path(args.config).is_dir() else Path(args.config)
+            raw = json.loads(src.read_text())
+        else:
+            from transformers import MuseGlimmerTextConfig
+
+            raw = MuseGlimmerTextConfig().to_dict()
+        (Path(tmp) / "config.json").write_text(json.dumps(raw))
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "plugins" / "cuda"),
+                                                            os.environ.get("PYTHONPATH", "")])}
+        command = [sys.executable, "-m", "musegl_core.cli.main", "serve", "--load-format", "dummy",
+                   "--model", tmp, "--executor", "cuda", "--port", str(port),
+                   "--max-sessions", str(max(levels)), "--max-inflight-requests", str(max(levels)),
+                   "--max-decode-sequences", str(max(levels)), "--max-context", str(args.serve_context),
+                   "--forward-sizes", args.forward_sizes]
+        t0 = time.perf_counter()
+        server = subprocess.Popen(command, env=env, stdout=sys.stderr, stderr=sys.stderr)
+        try:
+            while True:
+                if server.poll() is not None:
+                    emit(engine="musegl-serve", figure="serve", error=f"musegl serve exited {server.returncode}")
+                    return
+                try:
+                    if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                time.sleep(1)
+            emit(engine="musegl-serve", figure="serve_startup", s=round(time.perf_counter() - t0, 1))
+            for c in levels:
+                bench = [sys.executable, "-m", "musegl_core.cli.main", "bench", "--url", url, "-c", str(c),
+                         "-n", str(max(2 * c, 8)), "--max-tokens", str(args.serve_max_tokens),
+                         "--prompt-tokens", str(args.serve_prompt_tokens), "--json", "--no-progress"]
+                done = subprocess.run(bench, env=env, capture_output=True, text=True, timeout=1800)
+                if done.returncode != 0:
+                    emit(engine="musegl-serve", figure="serve", concurrency=c, error=done.stderr[-400:])
+                    continue
+                report = json.loads(done.stdout)
+                itl = report["itl"]["p50"]
+                decode_tok_s = c / itl if itl else None
+                base = executor_tok_s.get(c)
+                emit(engine="musegl-serve", figure="serve", concurrency=c, requests=report["requests"],
+                     errors=report["errors"], output_tok_s=round(report["output_tokens_per_s"], 1),
+                     ttft_p50_ms=round(report["ttft"]["p50"] * 1e3, 1), itl_p50_ms=round(itl * 1e3, 2),
+                     decode_tok_s=round(decode_tok_s, 1) if decode_tok_s else None, executor_tok_s=base,
+                     vs_executor=round(decode_tok_s / base, 3) if decode_tok_s and base else None)
+        finally:
+            server.terminate()
+            try:
+                server.wait(60)
+            except subprocess.TimeoutExpired:
+                server.kill()
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", help="a Hugging Face directory or config.json (default: MuseGlimmerTextConfig())")
@@ -262,6 +341,12 @@ def main() -> int:
     p.add_argument("--profile", action="store_true", help="print torch.profiler's top kernels of 4 decode steps")
     p.add_argument("--baseline-steps", type=int, default=16)
     p.add_argument("--blas", choices=("cublas", "cublaslt"), help="torch's preferred BLAS library (default: torch's)")
+    p.add_argument("--no-serve", action="store_true", help="skip musegl serve + musegl bench")
+    p.add_argument("--serve-only", action="store_true", help="only musegl serve + musegl bench")
+    p.add_argument("--serve-concurrency", default="1,64")
+    p.add_argument("--serve-max-tokens", type=int, default=128)
+    p.add_argument("--serve-prompt-tokens", type=int, default=256)
+    p.add_argument("--serve-context", type=int, default=2048, help="--max-context of the server")
     args = p.parse_args()
     if not torch.cuda.is_available():
         print("gpu_decode.py needs a CUDA GPU", file=sys.stderr)
@@ -272,9 +357,17 @@ def main() -> int:
     checkpoint = text_config(args)
     emit(figure="setup", device=torch.cuda.get_device_name(), torch=torch.__version__, model=checkpoint.name,
          layers=checkpoint.config.num_layers, hidden=checkpoint.config.hidden_size)
-    holder = [run_musegl(args, checkpoint, rng)]
-    if not args.no_baseline:
-        run_transformers(args, checkpoint, holder, rng)
+    executor_tok_s: dict[int, float] = {}
+    if not args.serve_only:
+        holder = [run_musegl(args, checkpoint, rng, executor_tok_s)]
+        if not args.no_baseline:
+            run_transformers(args, checkpoint, holder, rng)
+        else:
+            holder.pop().close()
+        holder.clear()
+        torch.cuda.empty_cache()
+    if not args.no_serve:
+        run_serve(args, executor_tok_s)
     return 0
 
 

@@ -23,6 +23,7 @@ import re
 
 import functools
 import json
+import logging
 import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence
@@ -36,6 +37,8 @@ from musegl_core.checkpoint.tokenizer_data import (
     USER_DEFINED,
     GGUFTokenizerData,
 )
+
+log = logging.getLogger("musegl.tokenizer")
 
 if TYPE_CHECKING:
     from gguf import GGUFReader
@@ -413,6 +416,9 @@ class MuseTokenizer:
         A GGUF without tokenizer metadata uses the ``tokenizer.json`` beside it.
         """
         path = Path(model_path)
+        demo = _weightless_config(path)
+        if demo is not None:
+            return demo
         if path.is_dir():
             return cls.from_file(path)
         if path.suffix == ".json":
@@ -747,3 +753,34 @@ class MuseTokenizer:
             f"MuseTokenizer(vocab_size={self.vocab_size}, added={len(self._added)}, "
             f"merges={len(self._merges)}, pre={self.pre!r})"
         )
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt", ".pth")
+
+
+def _weightless_config(path: Path) -> MuseTokenizer | None:
+    """The demo tokenizer for a bare ``config.json`` (or a directory holding only a
+    config): no tokenizer files and no weight files beside it, which only serves with
+    random weights (``--load-format dummy``). Sized to the config's vocabulary so
+    every id the model can emit decodes. None for anything else."""
+    directory = path if path.is_dir() else path.parent
+    config = directory / "config.json"
+    if path.is_file() and path.name != "config.json":
+        return None
+    if not config.is_file() or any((directory / name).is_file() for name in TOKENIZER_FILES):
+        return None
+    if any(child.suffix in WEIGHT_SUFFIXES for child in directory.iterdir()):
+        return None
+    raw = _read_json(config)
+    vocab_size = int((raw.get("text_config") or raw).get("vocab_size") or 0)
+    if vocab_size <= 0:
+        raise TokenizerError(f"{config} declares no vocab_size")
+    from musegl_core.tiny import SPECIAL_RANGE, build_tiny_tokenizer
+
+    if vocab_size < SPECIAL_RANGE.stop:
+        raise TokenizerError(f"{config}: vocab_size {vocab_size} is smaller than the Muse special ids "
+                             f"(up to {SPECIAL_RANGE.stop - 1}); add a tokenizer.json beside it")
+    log.warning("%s has no tokenizer files: using the built-in demo tokenizer (%d ids); its text is made-up words",
+                directory, vocab_size)
+    return build_tiny_tokenizer(vocab_size=vocab_size)

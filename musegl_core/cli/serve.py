@@ -103,15 +103,20 @@ def prepare(argv: list[str]):
     plugins.get("templates", config.template)
     if config.tool_parser:
         plugins.get("tool_parsers", config.tool_parser)
-    plugins.choose_executor(config.executor)
+    executor = plugins.choose_executor(config.executor)
     if config.model and not os.path.exists(config.model):
         raise ConfigError(f"model path {config.model!r} does not exist")
     if config.mmproj and not os.path.isfile(config.mmproj):
         raise ConfigError(f"--mmproj {config.mmproj!r} is not a file")
     if config.model:
         from musegl_core.checkpoint.validate import check_servable
+        from musegl_core.plugins.specs import ExecutorOptions
 
-        check_servable(config.model)
+        if executor.check_model is not None:
+            executor.check_model(ExecutorOptions(model=config.model, device=config.device, dtype=config.dtype,
+                                                 mmproj=config.mmproj, extra=dict(config.extra)))
+        else:
+            check_servable(config.model)
         check_speculators(config, plugins)  # a draft that does not fit, before the port is bound
     return config, plugins, args.log_level
 

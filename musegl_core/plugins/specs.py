@@ -41,6 +41,14 @@ class ExecutorSpec:
     weight is loaded, ``(bytes_per_block, block_size)`` of the KV cache the
     executor would allocate for ``options``; ``musegl serve`` uses it to
     refuse a ``--kv-cache-memory`` that cannot hold the limits before loading.
+    ``check_model`` (optional) checks, in the front before any weight is read,
+    that ``options.model`` (with the plugin's flags in ``options.extra``) is
+    something this executor can serve, raising
+    :class:`musegl_core.errors.ConfigError` with one line if not; ``musegl
+    serve`` turns it into exit status 2. Without it the core's check applies
+    (a GGUF file or Hugging Face directory with weights and a tokenizer:
+    :func:`musegl_core.checkpoint.validate.check_servable`), which is also
+    what a plugin calls for the paths it does not treat specially.
     """
 
     name: str
@@ -49,6 +57,7 @@ class ExecutorSpec:
     available: Callable[[], bool] = lambda: True
     priority: int = 0
     kv_layout: Callable[[ExecutorOptions], tuple[int, int]] | None = None
+    check_model: Callable[[ExecutorOptions], None] | None = None
 
 
 @attrs.frozen

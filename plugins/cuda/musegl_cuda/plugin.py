@@ -96,6 +96,22 @@ def read_config_only(model: str) -> ConfigOnly:
     return ConfigOnly(checkpoint.config, checkpoint.name)
 
 
+def check_model(options: ExecutorOptions) -> None:
+    """``musegl serve``'s check before loading: with ``--load-format dummy`` only a
+    config (and a tokenizer, or the demo one for a bare config.json) is needed."""
+    from musegl_core.checkpoint.validate import check_servable, one_line
+    from musegl_core.tokenizer import MuseTokenizer
+
+    if load_format(options) != "dummy":
+        check_servable(options.model)
+        return
+    read_config_only(options.model)
+    try:
+        MuseTokenizer.load(options.model)
+    except Exception as exc:
+        raise ConfigError(f"cannot serve {options.model!r}: {one_line(exc)}") from None
+
+
 def _create(options: ExecutorOptions, default_device: str) -> "TorchExecutor":
     from musegl_core.checkpoint.loader import load_checkpoint
     from musegl_core.checkpoint.vision import load_vision
@@ -144,8 +160,8 @@ def musegl_executors() -> list[ExecutorSpec]:
     return [
         ExecutorSpec(name="cuda", description="Muse Glimmer decoder in PyTorch on an NVIDIA GPU",
                      create=create_cuda, available=cuda_available, priority=100,
-                     kv_layout=lambda options: kv_layout(options, "cuda")),
+                     kv_layout=lambda options: kv_layout(options, "cuda"), check_model=check_model),
         ExecutorSpec(name="torch-cpu", description="Muse Glimmer decoder in PyTorch on the CPU",
                      create=create_torch_cpu, available=lambda: True, priority=10,
-                     kv_layout=lambda options: kv_layout(options, "cpu")),
+                     kv_layout=lambda options: kv_layout(options, "cpu"), check_model=check_model),
     ]
