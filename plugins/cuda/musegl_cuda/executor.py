@@ -22,6 +22,8 @@ Every sampled row of a step is sampled in one batched call
 
 from __future__ import annotations
 
+import logging
+import os
 from typing import Sequence
 
 import torch
@@ -48,6 +50,24 @@ def plain_greedy(chunk: SeqChunk) -> bool:
     return ((p is GREEDY or (p.greedy and not p.logit_bias and not p.penalized))
             and chunk.logprobs < 0 and not chunk.want_logits and not chunk.logit_rows
             and all(m is None for m in chunk.masks))
+
+
+log = logging.getLogger("musegl.cuda")
+
+#: cuBLAS workspace used on CUDA unless ``CUBLAS_WORKSPACE_CONFIG`` is set: none.
+#: Without a workspace cuBLAS picks products without split-K, so a small-row decode
+#: step launches no reduce and memset kernels: on an H200 at the 30B shape batch 1
+#: went from 14.75 to 14.42 ms/token and batch 64 from 16.57 to 16.45 ms/step
+#: (benchmarks/README.md, round 3).
+CUBLAS_WORKSPACE = ":0:0"
+
+
+def unsplit_cublas_products() -> None:
+    """Use :data:`CUBLAS_WORKSPACE` unless the user chose a workspace; must run
+    before the process's first cuBLAS call (torch reads the variable once)."""
+    if "CUBLAS_WORKSPACE_CONFIG" not in os.environ:
+        os.environ["CUBLAS_WORKSPACE_CONFIG"] = CUBLAS_WORKSPACE
+        log.debug("CUBLAS_WORKSPACE_CONFIG=%s (products without split-K)", CUBLAS_WORKSPACE)
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
@@ -98,6 +118,8 @@ class TorchExecutor:
         self.dtype = resolve_dtype(dtype, self.device)
         self.block_size = block_size
         self.paged = self.device.type == "cuda"
+        if self.paged:
+            unsplit_cublas_products()
         sizes: tuple[int, ...] = ()
         if self.paged:
             sizes = tuple(sorted(set(DEFAULT_FORWARD_SIZES if forward_sizes is None else forward_sizes)))
