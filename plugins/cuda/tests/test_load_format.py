@@ -1,4 +1,5 @@
-"""``--load-format dummy``: serving a bare config.json end to end (random weights, demo tokenizer)."""
+"""Start-up options of the cuda plugin: `--load-format dummy` serving a bare config.json end to end
+(random weights, demo tokenizer), and the cuBLAS workspace default."""
 
 from __future__ import annotations
 
@@ -65,3 +66,14 @@ def test_serving_a_bare_config_end_to_end_repeats(bare_config):
             assert data["usage"]["completion_tokens"] >= 1
             answers.append(data["choices"][0]["message"])
     assert answers[0] == answers[1]
+
+
+def test_cuda_uses_no_cublas_workspace_unless_the_user_chose_one(monkeypatch):
+    from musegl_cuda import executor
+
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    executor.unsplit_cublas_products()
+    assert executor.os.environ["CUBLAS_WORKSPACE_CONFIG"] == executor.CUBLAS_WORKSPACE
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    executor.unsplit_cublas_products()
+    assert executor.os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
