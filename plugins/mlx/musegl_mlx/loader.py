@@ -1,0 +1,130 @@
+"""Fill a :class:`~musegl_mlx.model.MuseGlimmerDecoder` from a checkpoint, tensor by tensor.
+
+The core's readers (GGUF and Hugging Face) yield every weight as a float32
+numpy array in transformers' layout and names (GGUF Q/K rows already
+un-permuted), so this module only converts: dense matrices to the model
+dtype, norm weights rounded to the model dtype and then kept in float32
+(``1+w`` for the centered ones), as transformers does when it loads a
+checkpoint in that dtype. q/k/v/gate are fused into one matrix and the MLP's
+gate/up into another, so each runs as one product.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Iterable
+
+import mlx.core as mx
+import numpy as np
+
+from musegl_core.checkpoint.config import TextConfig
+from musegl_core.checkpoint.hf_reader import CENTERED_NORMS, text_weight_names
+from musegl_mlx.model import Linear, MuseGlimmerDecoder
+
+log = logging.getLogger("musegl.mlx")
+
+QKVG = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+        "self_attn.gate_proj.weight")
+GATE_UP = ("mlp.gate_proj.weight", "mlp.up_proj.weight")
+
+def dense(array: np.ndarray, dtype: mx.Dtype) -> Linear:
+    return Linear(converted(array, dtype))
+
+
+def converted(array: np.ndarray, dtype: mx.Dtype) -> mx.array:
+    """``array`` as an MLX array of ``dtype``, evaluated now (so the float32 copy is freed)."""
+    out = mx.array(array).astype(dtype)
+    mx.eval(out)
+    return out
+
+
+def norm_weight(array: np.ndarray, dtype: mx.Dtype) -> mx.array:
+    """A norm weight rounded to the model dtype, then float32."""
+    return converted(np.asarray(array, dtype=np.float32), dtype).astype(mx.float32)
+
+
+def fuse(parts: list[Linear], dtype: mx.Dtype) -> Linear:
+    """Stack the rows of several projections into one (quantized parts stay
+    quantized when they share a layout; otherwise everything is dense)."""
+    if all(p.quantized for p in parts) and len({(p.group_size, p.bits) for p in parts}) == 1:
+        return Linear(mx.concatenate([p.weight for p in parts]), mx.concatenate([p.scales for p in parts]),
+                      mx.concatenate([p.biases for p in parts]), parts[0].group_size, parts[0].bits)
+    return Linear(mx.concatenate([as_dense(p, dtype) for p in parts]))
+
+
+def as_dense(linear: Linear, dtype: mx.Dtype) -> mx.array:
+    if not linear.quantized:
+        return linear.weight
+    return mx.dequantize(linear.weight, linear.scales, linear.biases, group_size=linear.group_size,
+                         bits=linear.bits).astype(dtype)
+
+
+def load_weights(model: MuseGlimmerDecoder, weights: Iterable[tuple[str, object]]) -> None:
+    """Convert every ``(name, weight)`` into ``model``. A weight is a float numpy
+    array, or a callable ``f(dtype) -> Linear`` for a matrix kept in a
+    quantized form. Raises ValueError when one is missing, unknown or of the
+    wrong shape."""
+    config, dtype = model.config, model.dtype
+    pending: dict[tuple[int, str], Linear] = {}
+    loaded: set[str] = set()
+    for name, value in weights:
+        linear = value(dtype) if callable(value) else None
+        if linear is None:
+            array = np.asarray(value)
+            check_shape(config, name, array.shape)
+        loaded.add(name)
+        if name == "embed_tokens.weight":
+            model.embed_tokens = as_dense(linear, dtype) if linear is not None else converted(array, dtype)
+            continue
+        if name == "norm.weight":
+            model.norm = norm_weight(array, dtype)
+            continue
+        if name == "lm_head.weight":
+            model.lm_head = linear or dense(array, dtype)
+            continue
+        if not name.startswith("layers."):
+            raise ValueError(f"unknown weight {name!r}")
+        _, index, suffix = name.split(".", 2)
+        layer = model.layers[int(index)]
+        if suffix in CENTERED_NORMS:
+            layer.norms[suffix.removesuffix(".weight")] = 1.0 + norm_weight(array, dtype)
+        elif suffix == "self_attn.o_proj.weight":
+            layer.o_proj = linear or dense(array, dtype)
+        elif suffix == "mlp.down_proj.weight":
+            layer.down_proj = linear or dense(array, dtype)
+        elif suffix in QKVG or suffix in GATE_UP:
+            pending[(int(index), suffix)] = linear or dense(array, dtype)
+            group = QKVG if suffix in QKVG else GATE_UP
+            if all((int(index), s) in pending for s in group):
+                fused = fuse([pending.pop((int(index), s)) for s in group], dtype)
+                mx.eval([a for a in (fused.weight, fused.scales, fused.biases) if a is not None])
+                if group is QKVG:
+                    layer.qkvg = fused
+                else:
+                    layer.gate_up = fused
+        else:
+            raise ValueError(f"unknown weight {name!r}")
+    missing = set(text_weight_names(config)) - loaded
+    if missing:
+        raise ValueError(f"checkpoint did not provide {sorted(missing)[:5]}")
+    mx.eval(model_arrays(model))
+
+
+def model_arrays(model: MuseGlimmerDecoder) -> list[mx.array]:
+    """Every array of the model (to evaluate them once, after loading)."""
+    out = [model.embed_tokens, model.norm, model.inv_freq]
+    linears = [model.lm_head]
+    for layer in model.layers:
+        out.extend(layer.norms.values())
+        linears.extend((layer.qkvg, layer.o_proj, layer.gate_up, layer.down_proj))
+    for linear in linears:
+        out.extend(a for a in (linear.weight, linear.scales, linear.biases) if a is not None)
+    return out
+
+
+def check_shape(config: TextConfig, name: str, shape: tuple[int, ...]) -> None:
+    from musegl_core.checkpoint.hf_reader import expected_shape
+
+    want = expected_shape(config, name)
+    if tuple(shape) != tuple(want):
+        raise ValueError(f"{name}: shape {tuple(shape)}, the config says {tuple(want)}")
