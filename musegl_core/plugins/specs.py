@@ -41,6 +41,9 @@ class ExecutorSpec:
     weight is loaded, ``(bytes_per_block, block_size)`` of the KV cache the
     executor would allocate for ``options``; ``musegl serve`` uses it to
     refuse a ``--kv-cache-memory`` that cannot hold the limits before loading.
+    ``unavailable_reason`` (optional) says in one line why ``available()`` is
+    False (a missing library and how to install it); ``--executor NAME``
+    then stops with that line instead of a generic one.
     """
 
     name: str
@@ -49,6 +52,7 @@ class ExecutorSpec:
     available: Callable[[], bool] = lambda: True
     priority: int = 0
     kv_layout: Callable[[ExecutorOptions], tuple[int, int]] | None = None
+    unavailable_reason: Callable[[], str | None] | None = None
 
 
 @attrs.frozen

@@ -27,6 +27,12 @@ QKVG = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.
         "self_attn.gate_proj.weight")
 GATE_UP = ("mlp.gate_proj.weight", "mlp.up_proj.weight")
 
+def checkpoint_weights(checkpoint) -> Iterable[tuple[str, object]]:
+    """The weights of an open :class:`~musegl_core.checkpoint.loader.Checkpoint`,
+    one at a time, as :func:`load_weights` takes them (float32 arrays)."""
+    return checkpoint.iter_weights()
+
+
 def dense(array: np.ndarray, dtype: mx.Dtype) -> Linear:
     return Linear(converted(array, dtype))
 
