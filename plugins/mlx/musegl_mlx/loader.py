@@ -12,14 +12,15 @@ gate/up into another, so each runs as one product.
 from __future__ import annotations
 
 import logging
-from typing import Iterable
+from typing import Iterable, Iterator
 
 import mlx.core as mx
 import numpy as np
 
 from musegl_core.checkpoint.config import TextConfig
 from musegl_core.checkpoint.hf_reader import CENTERED_NORMS, text_weight_names
-from musegl_mlx.model import Linear, MuseGlimmerDecoder
+from musegl_mlx.model import Embedding, Linear, MuseGlimmerDecoder
+from musegl_mlx.quant import QuantizedWeight
 
 log = logging.getLogger("musegl.mlx")
 
@@ -27,26 +28,48 @@ QKVG = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.
         "self_attn.gate_proj.weight")
 GATE_UP = ("mlp.gate_proj.weight", "mlp.up_proj.weight")
 
-def checkpoint_weights(checkpoint) -> Iterable[tuple[str, object]]:
+def checkpoint_weights(checkpoint) -> Iterator[tuple[str, object]]:
     """The weights of an open :class:`~musegl_core.checkpoint.loader.Checkpoint`,
-    one at a time, as :func:`load_weights` takes them (float32 arrays)."""
-    return checkpoint.iter_weights()
+    one at a time, as :func:`load_weights` takes them, read in their stored
+    form (:meth:`~musegl_core.checkpoint.loader.Checkpoint.iter_stored`):
+    f32/f16 as numpy arrays, bf16 as MLX bfloat16 arrays (no float32 copy),
+    GGUF Q8_0/Q4_0/Q4_1 as :class:`~musegl_mlx.quant.QuantizedWeight` (kept
+    quantized); any other quantized type is dequantized, and the log says so
+    once per type."""
+    from musegl_mlx.quant import quantized_weight
+
+    told: set[str] = set()
+    for stored in checkpoint.iter_stored():
+        if stored.dtype in ("f32", "f16"):
+            yield stored.name, stored.data
+        elif stored.dtype == "bf16":
+            yield stored.name, mx.array(stored.data).view(mx.bfloat16)
+        else:
+            weight = quantized_weight(stored)
+            if weight is None:
+                if stored.dtype not in told:
+                    log.warning("GGUF type %s has no MLX quantized layout: its tensors are dequantized "
+                                "(first: %s)", stored.dtype.upper(), stored.name)
+                    told.add(stored.dtype)
+                yield stored.name, stored.to_float32()
+            else:
+                yield stored.name, weight
 
 
 def dense(array: np.ndarray, dtype: mx.Dtype) -> Linear:
     return Linear(converted(array, dtype))
 
 
-def converted(array: np.ndarray, dtype: mx.Dtype) -> mx.array:
+def converted(array: np.ndarray | mx.array, dtype: mx.Dtype) -> mx.array:
     """``array`` as an MLX array of ``dtype``, evaluated now (so the float32 copy is freed)."""
-    out = mx.array(array).astype(dtype)
+    out = (array if isinstance(array, mx.array) else mx.array(array)).astype(dtype)
     mx.eval(out)
     return out
 
 
 def norm_weight(array: np.ndarray, dtype: mx.Dtype) -> mx.array:
     """A norm weight rounded to the model dtype, then float32."""
-    return converted(np.asarray(array, dtype=np.float32), dtype).astype(mx.float32)
+    return converted(array, dtype).astype(mx.float32)
 
 
 def fuse(parts: list[Linear], dtype: mx.Dtype) -> Linear:
@@ -66,21 +89,26 @@ def as_dense(linear: Linear, dtype: mx.Dtype) -> mx.array:
 
 
 def load_weights(model: MuseGlimmerDecoder, weights: Iterable[tuple[str, object]]) -> None:
-    """Convert every ``(name, weight)`` into ``model``. A weight is a float numpy
-    array, or a callable ``f(dtype) -> Linear`` for a matrix kept in a
-    quantized form. Raises ValueError when one is missing, unknown or of the
-    wrong shape."""
+    """Convert every ``(name, weight)`` into ``model``. A weight is a float array
+    (numpy or MLX), or a :class:`~musegl_mlx.quant.QuantizedWeight` for a
+    matrix kept quantized. Raises ValueError when one is missing, unknown or
+    of the wrong shape."""
     config, dtype = model.config, model.dtype
     pending: dict[tuple[int, str], Linear] = {}
     loaded: set[str] = set()
     for name, value in weights:
-        linear = value(dtype) if callable(value) else None
-        if linear is None:
-            array = np.asarray(value)
+        linear = None
+        if isinstance(value, QuantizedWeight):
+            check_shape(config, name, value.shape)
+            if name in ("norm.weight",) or len(value.shape) != 2:
+                raise ValueError(f"{name}: a quantized 1-D weight")
+            linear = value.linear(dtype)
+        else:
+            array = value
             check_shape(config, name, array.shape)
         loaded.add(name)
         if name == "embed_tokens.weight":
-            model.embed_tokens = as_dense(linear, dtype) if linear is not None else converted(array, dtype)
+            model.embed_tokens = Embedding(linear) if linear is not None else Embedding(Linear(converted(array, dtype)))
             continue
         if name == "norm.weight":
             model.norm = norm_weight(array, dtype)
@@ -118,8 +146,8 @@ def load_weights(model: MuseGlimmerDecoder, weights: Iterable[tuple[str, object]
 
 def model_arrays(model: MuseGlimmerDecoder) -> list[mx.array]:
     """Every array of the model (to evaluate them once, after loading)."""
-    out = [model.embed_tokens, model.norm, model.inv_freq]
-    linears = [model.lm_head]
+    out = [model.norm, model.inv_freq]
+    linears = [model.lm_head, model.embed_tokens.table]
     for layer in model.layers:
         out.extend(layer.norms.values())
         linears.extend((layer.qkvg, layer.o_proj, layer.gate_up, layer.down_proj))

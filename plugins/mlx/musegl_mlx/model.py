@@ -71,6 +71,21 @@ class Linear:
 
 
 @attrs.define
+class Embedding:
+    """The token embedding: rows of a dense table, or of a quantized one
+    (the looked-up rows are dequantized)."""
+
+    table: Linear
+
+    def __call__(self, tokens: mx.array, dtype: mx.Dtype) -> mx.array:
+        t = self.table
+        if not t.quantized:
+            return t.weight[tokens]
+        return mx.dequantize(t.weight[tokens], t.scales[tokens], t.biases[tokens], group_size=t.group_size,
+                             bits=t.bits).astype(dtype)
+
+
+@attrs.define
 class StepLayout:
     """Where one packed step's rows write and what they read (built by the executor).
 
@@ -198,7 +213,7 @@ class MuseGlimmerDecoder:
         self.config = config
         self.dtype = dtype
         self.layers = [Layer(config, i) for i in range(config.num_layers)]
-        self.embed_tokens: mx.array | None = None
+        self.embed_tokens: Embedding | None = None
         self.norm: mx.array | None = None  # final norm weight, float32
         self.lm_head: Linear | None = None
         hd = config.head_dim
@@ -212,7 +227,7 @@ class MuseGlimmerDecoder:
         return mx.cos(emb).astype(self.dtype), mx.sin(emb).astype(self.dtype)
 
     def embed(self, tokens: mx.array) -> mx.array:
-        return plain_rms_norm(self.embed_tokens[tokens], self.config.rms_norm_eps)
+        return plain_rms_norm(self.embed_tokens(tokens, self.dtype), self.config.rms_norm_eps)
 
     def __call__(self, tokens: mx.array, positions: mx.array, layout: StepLayout,
                  kv: list[list[mx.array]], taps: Sequence[int] = (),

@@ -164,3 +164,35 @@ def test_musegl_generate_with_executor_mlx_matches_transformers(tiny_hf, tiny_gg
     result = json.loads(out.stdout)
     assert result["backend"] == "mlx"
     assert result["token_ids"] == expected
+
+
+@pytest.fixture(scope="module", params=["q8_0", "q4_0"])
+def quantized_gguf(request, tiny_hf, tmp_path_factory):
+    from musegl_core.checkpoint.gguf_writer import write_text_gguf
+    from tests.support.tiny_models import tiny_tokenizer_data
+
+    checkpoint = load_checkpoint(tiny_hf.path)
+    path = tmp_path_factory.mktemp("quantized") / f"model-{request.param}.gguf"
+    write_text_gguf(path, checkpoint.config, dict(checkpoint.iter_weights()), tiny_tokenizer_data(),
+                    file_type=request.param)
+    return path
+
+
+def test_quantized_gguf_stays_quantized_and_matches_its_dequantized_weights(quantized_gguf):
+    """Q8_0/Q4_0 matrices run as MLX quantized matmuls; the logits equal (to float
+    rounding) those of the torch executor over the same file dequantized to float32."""
+    from musegl_cuda.executor import TorchExecutor
+
+    ex = executor_for(quantized_gguf)
+    layer = ex.model.layers[0]
+    bits = 8 if "q8_0" in quantized_gguf.name else 4
+    assert layer.qkvg.quantized and layer.gate_up.quantized and layer.down_proj.quantized
+    assert (layer.qkvg.bits, layer.qkvg.group_size) == (bits, 32)
+    torch_ex = TorchExecutor(load_checkpoint(quantized_gguf), device="cpu", dtype="float32", block_size=BLOCK)
+    torch_ex.allocate_kv(32)
+    ids = prompt(9, 40)
+    chunk = dict(seq=0, tokens=ids, positions=list(range(40)), blocks=blocks_for(0, 40), logit_rows=True,
+                 sample=True)
+    ours, theirs = ex.step(Step([SeqChunk(**chunk)])), torch_ex.step(Step([SeqChunk(**chunk)]))
+    assert maxdiff(ours.logits[0], theirs.logits[0].numpy()) <= LOGIT_TOL
+    assert ours.tokens[0] == theirs.tokens[0]
