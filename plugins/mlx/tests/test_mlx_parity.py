@@ -24,9 +24,20 @@ def reference_logits(model, ids: list[int]) -> np.ndarray:
         return model(input_ids=torch.tensor([ids])).logits[0].float().numpy()
 
 
+_GREEDY: dict[tuple[int, tuple[int, ...], int], list[int]] = {}
+
+
 def reference_greedy(model, ids: list[int], n: int) -> list[int]:
-    """transformers' greedy continuation. The attention mask is explicit: without it
-    generate() would take id 0 (the tiny model's pad id) in a random prompt for padding."""
+    """transformers' greedy continuation (remembered: the HF and GGUF runs share it). The
+    attention mask is explicit: without it generate() would take id 0 (the tiny model's
+    pad id) in a random prompt for padding."""
+    key = (id(model), tuple(ids), n)
+    if key not in _GREEDY:
+        _GREEDY[key] = _generate(model, ids, n)
+    return _GREEDY[key]
+
+
+def _generate(model, ids: list[int], n: int) -> list[int]:
     with torch.no_grad():
         out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
                              max_new_tokens=n, do_sample=False)
