@@ -79,8 +79,11 @@ class MLXExecutor:
     :class:`~musegl_core.engine.executor.Executor` protocol."""
 
     def __init__(self, config: TextConfig, weights, name: str, dtype: str | None = None,
-                 block_size: int = DEFAULT_BLOCK_SIZE, limits: ExecutorLimits | None = None) -> None:
-        """``weights`` yields ``(name, weight)`` pairs (see :func:`musegl_mlx.loader.load_weights`)."""
+                 block_size: int = DEFAULT_BLOCK_SIZE, limits: ExecutorLimits | None = None,
+                 vision=None) -> None:
+        """``weights`` yields ``(name, weight)`` pairs (see :func:`musegl_mlx.loader.load_weights`);
+        ``vision``: opened vision weights (:mod:`musegl_core.checkpoint.vision`), or None
+        for a text-only load."""
         if block_size <= 0:
             raise ValueError("block_size must be positive")
         self.config = config
@@ -89,9 +92,14 @@ class MLXExecutor:
         self.limits = limits or ExecutorLimits()
         self.info = ModelInfo(name=name, vocab_size=config.vocab_size, hidden_size=config.hidden_size,
                               num_layers=config.num_layers, native_context=config.max_position_embeddings,
-                              dtype=DTYPE_NAMES[self.dtype], backend="mlx", vision=False)
+                              dtype=DTYPE_NAMES[self.dtype], backend="mlx", vision=vision is not None)
         self.model = MuseGlimmerDecoder(config, self.dtype)
         load_weights(self.model, weights)
+        self.vision = None
+        if vision is not None:
+            from musegl_mlx.vision import load_vision_encoder
+
+            self.vision = load_vision_encoder(vision, config, self.dtype)
         self.kv: list[list[mx.array]] | None = None  # [K per layer, V per layer], each (slots, kv_heads, hd)
         self.num_blocks = 0
         log.info("MLX %s on %s (%s), %s", mx.__version__, "Metal" if metal() else "the CPU",
@@ -286,7 +294,15 @@ class MLXExecutor:
         return mx.array(np.asarray(index, dtype=np.int32)), mx.concatenate(values)
 
     def embed_image(self, image: PromptImage):
-        raise ValueError("the MLX executor has no vision tower yet; it cannot encode images")
+        """The image's decoder input rows ``(rows, hidden)`` as an MLX array (vision
+        tower, adapter, projection, perception norm; :mod:`musegl_mlx.vision`)."""
+        if self.vision is None:
+            raise ValueError("this model was loaded without a vision projector; it cannot encode images")
+        rows = self.vision(image.pixels, tuple(image.grid))
+        mx.eval(rows)
+        if rows.shape[0] != image.rows:
+            raise ValueError(f"the image became {rows.shape[0]} rows, its prompt holds {image.rows}")
+        return rows
 
     def release_sequence(self, seq: int) -> None:
         pass  # no per-sequence state: sampling is keyed by (seed, position)
@@ -295,6 +311,7 @@ class MLXExecutor:
         self.kv = None
         self.num_blocks = 0
         self.model = None  # type: ignore[assignment]
+        self.vision = None
         if metal():
             mx.clear_cache()
 

@@ -63,19 +63,23 @@ def create_mlx(options: ExecutorOptions) -> "MLXExecutor":
         raise ConfigError(f"the mlx executor takes --device cpu or gpu (MLX's devices), got {options.device!r}")
     if options.dtype is not None and options.dtype not in DTYPES:
         raise ConfigError(f"--dtype {options.dtype!r} is not one of float32, float16, bfloat16")
-    if options.mmproj is not None:
-        raise ConfigError("the mlx executor has no vision tower yet; drop --mmproj or use --executor torch-cpu/cuda")
     if options.device in ("cpu", "gpu"):
         import mlx.core as mx
 
         mx.set_default_device(mx.cpu if options.device == "cpu" else mx.gpu)
-    checkpoint = load_checkpoint(options.model, progress=options.progress)
-    try:
-        from musegl_mlx.loader import checkpoint_weights
+    from musegl_core.checkpoint.vision import load_vision
+    from musegl_mlx.loader import checkpoint_weights
 
-        return MLXExecutor(checkpoint.config, checkpoint_weights(checkpoint), checkpoint.name, dtype=options.dtype)
+    checkpoint = load_checkpoint(options.model, progress=options.progress)
+    vision = None
+    try:
+        vision = load_vision(options.model, options.mmproj, checkpoint.config.hidden_size)
+        return MLXExecutor(checkpoint.config, checkpoint_weights(checkpoint), checkpoint.name, dtype=options.dtype,
+                           vision=vision)
     finally:
         checkpoint.close()
+        if vision is not None:
+            vision.close()
 
 
 def kv_layout(options: ExecutorOptions) -> tuple[int, int]:

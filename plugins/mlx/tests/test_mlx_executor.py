@@ -170,7 +170,7 @@ def test_bad_steps_are_rejected(ex):
         ex.step(Step([chunk(50, [600], 0, [1])]))
     with pytest.raises(ValueError, match="block ids"):
         ex.step(Step([chunk(50, [1], 0, [64])]))
-    with pytest.raises(ValueError, match="vision"):
+    with pytest.raises(ValueError, match="without a vision projector"):
         ex.embed_image(None)
 
 
