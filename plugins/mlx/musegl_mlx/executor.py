@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import logging
 import platform
-import sys
 from typing import Sequence
 
 import mlx.core as mx
@@ -138,7 +137,7 @@ class MLXExecutor:
         src = mx.array((np.array([s for s, _ in pairs])[:, None] * bs + offsets).reshape(-1).astype(np.int32))
         dst = mx.array((np.array([d for _, d in pairs])[:, None] * bs + offsets).reshape(-1).astype(np.int32))
         for cache in kv:
-            for i, layer in enumerate(cache):
+            for layer in cache:
                 layer[dst] = layer[src]
         mx.eval(kv)
 
@@ -314,8 +313,3 @@ class MLXExecutor:
         self.vision = None
         if metal():
             mx.clear_cache()
-
-
-def platform_default() -> bool:
-    """macOS on Apple silicon: where MLX is the natural backend."""
-    return sys.platform == "darwin" and platform.machine() == "arm64"

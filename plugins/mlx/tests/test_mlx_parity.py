@@ -177,7 +177,7 @@ def test_musegl_generate_with_executor_mlx_matches_transformers(tiny_hf, tiny_gg
     assert result["token_ids"] == expected
 
 
-@pytest.fixture(scope="module", params=["q8_0", "q4_0"])
+@pytest.fixture(scope="module", params=["q8_0", "q4_0", "bf16"])
 def quantized_gguf(request, tiny_hf, tmp_path_factory):
     from musegl_core.checkpoint.gguf_writer import write_text_gguf
     from tests.support.tiny_models import tiny_tokenizer_data
@@ -189,16 +189,20 @@ def quantized_gguf(request, tiny_hf, tmp_path_factory):
     return path
 
 
-def test_quantized_gguf_stays_quantized_and_matches_its_dequantized_weights(quantized_gguf):
-    """Q8_0/Q4_0 matrices run as MLX quantized matmuls; the logits equal (to float
-    rounding) those of the torch executor over the same file dequantized to float32."""
+def test_stored_forms_match_the_torch_executor_on_the_same_file(quantized_gguf):
+    """Q8_0/Q4_0 matrices (the embedding and the head too) run as MLX quantized
+    matrices; bf16 ones are read as bf16 bits. The logits equal (to float rounding)
+    those of the torch executor over the same file read as float32."""
     from musegl_cuda.executor import TorchExecutor
 
     ex = executor_for(quantized_gguf)
     layer = ex.model.layers[0]
-    bits = 8 if "q8_0" in quantized_gguf.name else 4
-    assert layer.qkvg.quantized and layer.gate_up.quantized and layer.down_proj.quantized
-    assert (layer.qkvg.bits, layer.qkvg.group_size) == (bits, 32)
+    if "bf16" in quantized_gguf.name:
+        assert not layer.qkvg.quantized
+    else:
+        bits = 8 if "q8_0" in quantized_gguf.name else 4
+        linears = (layer.qkvg, layer.gate_up, layer.down_proj, layer.o_proj, ex.model.lm_head, ex.model.embed_tokens.table)
+        assert all(linear.quantized and (linear.bits, linear.group_size) == (bits, 32) for linear in linears)
     torch_ex = TorchExecutor(load_checkpoint(quantized_gguf), device="cpu", dtype="float32", block_size=BLOCK)
     torch_ex.allocate_kv(32)
     ids = prompt(9, 40)
