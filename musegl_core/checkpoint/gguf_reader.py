@@ -20,6 +20,7 @@ import numpy as np
 from musegl_core.checkpoint.config import TextConfig
 from musegl_core.checkpoint.gguf_file import GGUFFile
 from musegl_core.checkpoint.hf_reader import CENTERED_NORMS, expected_shape, text_weight_names
+from musegl_core.checkpoint.stored import StoredTensor, stored_from_gguf, unpermute_stored_rows
 from musegl_core.checkpoint.tokenizer_data import GGUFTokenizerData
 
 ARCH = "muse-glimmer"
@@ -234,6 +235,38 @@ class GGUFTextReader:
                 raise ValueError(f"{self.path}: blk.{i}.attn_k_norm.weight is not all ones")
         assert scale is not None
         return scale
+
+    def read_stored(self, name: str) -> StoredTensor:
+        """One weight in its stored dtype (f16/bf16/quantized blocks), transformers layout;
+        1-D tensors (norms) as float32 through :meth:`read`."""
+        config = self.config
+        want = expected_shape(config, name)
+        if len(want) == 1:
+            return StoredTensor(name, "f32", want, self.read(name))
+        if not name.startswith("layers."):
+            stored = stored_from_gguf(name, self._tensor(gguf_name(name)))
+        else:
+            _, index, suffix = name.split(".", 2)
+            fused = self._fused_rows(suffix)
+            if self.fused_qkv and fused is not None:
+                stored = stored_from_gguf(name, self._tensor(f"blk.{index}.{FUSED_QKV}"), fused)
+            else:
+                stored = stored_from_gguf(name, self._tensor(gguf_name(name)))
+            if suffix == "self_attn.q_proj.weight":
+                stored = unpermute_stored_rows(stored, config.num_heads)
+            elif suffix == "self_attn.k_proj.weight":
+                stored = unpermute_stored_rows(stored, config.num_kv_heads)
+        if stored.shape != want:
+            raise ValueError(f"{self.path}: {name} has shape {stored.shape}, expected {want}")
+        return stored
+
+    def _fused_rows(self, suffix: str) -> slice | None:
+        config = self.config
+        q_rows = config.num_heads * config.head_dim
+        kv_rows = config.num_kv_heads * config.head_dim
+        return {"self_attn.q_proj.weight": slice(0, q_rows),
+                "self_attn.k_proj.weight": slice(q_rows, q_rows + kv_rows),
+                "self_attn.v_proj.weight": slice(q_rows + kv_rows, q_rows + 2 * kv_rows)}.get(suffix)
 
     def read(self, name: str) -> np.ndarray:
         config = self.config

@@ -27,6 +27,7 @@ FILE_TYPES = {
     "f16": (gguf.LlamaFileType.MOSTLY_F16, gguf.GGMLQuantizationType.F16),
     "bf16": (gguf.LlamaFileType.MOSTLY_BF16, gguf.GGMLQuantizationType.BF16),
     "q8_0": (gguf.LlamaFileType.MOSTLY_Q8_0, gguf.GGMLQuantizationType.Q8_0),
+    "q4_0": (gguf.LlamaFileType.MOSTLY_Q4_0, gguf.GGMLQuantizationType.Q4_0),
 }
 
 
@@ -175,7 +176,7 @@ def write_text_gguf(
 
     ``weights`` maps the names of :func:`~musegl_core.checkpoint.hf_reader.text_weight_names`
     to arrays; it may be lazy (each value is read once, when its tensor is written).
-    ``file_type`` picks the matrix dtype (``f32``, ``f16``, ``bf16``, ``q8_0``); norms and
+    ``file_type`` picks the matrix dtype (``f32``, ``f16``, ``bf16``, ``q8_0``, ``q4_0``); norms and
     1-D tensors are always F32. ``fuse_qkv`` writes ``attn_qkv`` instead of
     ``attn_q/k/v``. ``progress(done, total, name)`` is called after each tensor.
     """

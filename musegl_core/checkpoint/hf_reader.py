@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from musegl_core.checkpoint.config import TextConfig
+from musegl_core.checkpoint.stored import StoredTensor
 
 # transformers' MuseGlimmerTextConfig class defaults, used
 # for every field a config.json leaves out.
@@ -234,6 +235,25 @@ class SafetensorsFile:
             return (values.astype(np.uint32) << 16).view(np.float32)
         return values.astype(np.float32)  # astype copies: nothing points into the map
 
+    def read_stored(self, name: str) -> tuple[str, np.ndarray]:
+        """``(dtype tag, array)`` without widening: ``f16`` as float16, ``bf16`` as the
+        uint16 bit patterns, ``f32`` as float32 (F64 narrowed to float32). Copies."""
+        entry = self.entries[name]
+        kind = entry["dtype"]
+        if kind == "F16":
+            return "f16", self._raw(name, np.float16).copy()
+        if kind == "BF16":
+            return "bf16", self._raw(name, np.uint16).copy()
+        return "f32", self.read(name)
+
+    def _raw(self, name: str, dtype: Any) -> np.ndarray:
+        entry = self.entries[name]
+        if self._map is None:
+            self._map = np.memmap(self.path, dtype=np.uint8, mode="r")
+        begin, end = entry["data_offsets"]
+        raw = self._map[self._data_start + begin:self._data_start + end]
+        return raw.view(np.dtype(dtype).newbyteorder("<")).reshape(tuple(entry["shape"]))
+
     def close(self) -> None:
         self._map = None
 
@@ -317,6 +337,17 @@ class HFTextReader:
         if array.shape != want:
             raise ValueError(f"{self.path}: {stored} has shape {array.shape}, expected {want}")
         return array
+
+    def read_stored(self, name: str) -> StoredTensor:
+        """One weight as stored (``f16``, ``bf16`` or ``f32``); 1-D tensors always ``f32``."""
+        want = expected_shape(self.config, name)
+        if len(want) == 1:
+            return StoredTensor(name, "f32", want, self.read(name))
+        fname, stored = self._located[name]
+        dtype, array = self._files[fname].read_stored(stored)
+        if array.shape != want:
+            raise ValueError(f"{self.path}: {stored} has shape {array.shape}, expected {want}")
+        return StoredTensor(name, dtype, want, array)
 
     def close(self) -> None:
         for f in self._files.values():

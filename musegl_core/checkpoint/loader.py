@@ -15,6 +15,7 @@ import attrs
 import numpy as np
 
 from musegl_core.checkpoint.config import TextConfig
+from musegl_core.checkpoint.stored import StoredTensor
 from musegl_core.checkpoint.tokenizer_data import GGUFTokenizerData
 
 Progress = Callable[[int, int, str], None]
@@ -31,6 +32,9 @@ class WeightReader(Protocol):
     tokenizer: GGUFTokenizerData | None
 
     def read(self, name: str) -> np.ndarray: ...
+
+    # Optional: ``read_stored(name) -> StoredTensor`` (the weight in its stored dtype).
+    # Readers without it are read in float32 by :meth:`Checkpoint.read_stored`.
 
     def close(self) -> None: ...
 
@@ -66,6 +70,26 @@ class Checkpoint:
     def read(self, name: str) -> np.ndarray:
         """One weight as float32, transformers layout."""
         return self.reader.read(name)
+
+    def read_stored(self, name: str) -> StoredTensor:
+        """One weight in its stored form, transformers layout, not upcast: ``f16``/``bf16``
+        matrices in 2 bytes per value, GGUF quantized matrices as their raw blocks
+        (see :mod:`musegl_core.checkpoint.stored`); 1-D weights as ``f32``. A reader
+        without ``read_stored`` yields its float32 ``read``."""
+        read_stored = getattr(self.reader, "read_stored", None)
+        if read_stored is None:
+            array = self.reader.read(name)
+            return StoredTensor(name, "f32", tuple(array.shape), array)
+        return read_stored(name)
+
+    def iter_stored(self) -> Iterator[StoredTensor]:
+        """:meth:`read_stored` for every text weight, one at a time, reporting progress."""
+        total = self.num_tensors
+        for done, name in enumerate(self.reader.tensor_names, start=1):
+            stored = self.read_stored(name)
+            if self.progress is not None:
+                self.progress(done, total, name)
+            yield stored
 
     def iter_weights(self) -> Iterator[tuple[str, np.ndarray]]:
         """``(name, float32 array)`` for every text weight, one at a time."""

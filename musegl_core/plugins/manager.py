@@ -110,7 +110,8 @@ class PluginManager:
         if name:
             spec = self.get("executors", name)
             if not spec.available():
-                raise ConfigError(f"executor {name!r} cannot run on this machine")
+                reason = spec.unavailable_reason() if spec.unavailable_reason is not None else None
+                raise ConfigError(f"executor {name!r} cannot run on this machine" + (f": {reason}" if reason else ""))
             return spec
         candidates = [s for s in self.specs("executors").values() if s.available()]
         if not candidates:

@@ -49,6 +49,9 @@ class ExecutorSpec:
     (a GGUF file or Hugging Face directory with weights and a tokenizer:
     :func:`musegl_core.checkpoint.validate.check_servable`), which is also
     what a plugin calls for the paths it does not treat specially.
+    ``unavailable_reason`` (optional) says in one line why ``available()`` is
+    False (a missing library and how to install it); ``--executor NAME``
+    then stops with that line instead of a generic one.
     """
 
     name: str
@@ -58,6 +61,7 @@ class ExecutorSpec:
     priority: int = 0
     kv_layout: Callable[[ExecutorOptions], tuple[int, int]] | None = None
     check_model: Callable[[ExecutorOptions], None] | None = None
+    unavailable_reason: Callable[[], str | None] | None = None
 
 
 @attrs.frozen

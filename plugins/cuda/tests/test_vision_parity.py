@@ -168,7 +168,7 @@ def test_chat_with_an_image_continues_like_transformers(chat_vl, source):
 
     model, hf, gguf_path, mmproj = chat_vl
     tokenizer = MuseTokenizer.load(hf)
-    image = png(150, 100, 7)
+    image = png(150, 100, 10)  # seeds 7-9 make transformers emit special ids (not comparable as text)
     body = chat_body(image)
     ids, expected = reference_continuation(model, body, tokenizer, image)
     assert ids.count(tokenizer.patch_id) == 24  # 150x100 px -> 4x6 merged cells

@@ -1,0 +1,315 @@
+"""``MLXExecutor``: the engine's executor contract (v2) over the MLX decoder.
+
+The KV cache is paged and owned by block id, as the engine expects: per
+layer one flat K and one flat V array of ``blocks·block_size`` slots
+(``(slots, kv_heads, head_dim)``); position ``p`` of a chunk lives in slot
+``blocks[p // block_size]·block_size + p % block_size``. Sessions, prefix
+snapshots and copy-on-write therefore work unchanged: :meth:`copy_blocks`
+copies slots, and a chunk that continues a sequence reads the slots earlier
+steps (or a sharing sequence) wrote.
+
+A step packs every row of every chunk: projections and MLPs run over all
+rows at once, attention over all sequences at once (padded to the longest
+chunk and context of the step, see :class:`~musegl_mlx.model.StepLayout`),
+and every sampled row is sampled in one batched call
+(:mod:`musegl_mlx.sampling`). MLX is lazy: one ``mx.eval`` per step runs
+the whole graph (the cache writes included).
+"""
+
+from __future__ import annotations
+
+import logging
+import platform
+from typing import Sequence
+
+import mlx.core as mx
+import numpy as np
+
+from musegl_core.checkpoint.config import TextConfig
+from musegl_core.engine.executor import ExecutorLimits, ModelInfo, PromptImage, SeqChunk, Step, StepOutput
+from musegl_mlx.loader import load_weights
+from musegl_mlx.model import MuseGlimmerDecoder, StepLayout
+from musegl_mlx.sampling import SampleRows, sample
+
+log = logging.getLogger("musegl.mlx")
+
+DEFAULT_BLOCK_SIZE = 16
+DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16,
+          "fp32": mx.float32, "fp16": mx.float16, "bf16": mx.bfloat16}
+DTYPE_NAMES = {mx.float32: "float32", mx.float16: "float16", mx.bfloat16: "bfloat16"}
+
+
+def metal() -> bool:
+    """True when MLX runs on Apple's GPU (Metal), False on the CPU build."""
+    try:
+        return bool(mx.metal.is_available())
+    except AttributeError:
+        return False
+
+
+def resolve_dtype(dtype: str | None) -> mx.Dtype:
+    """``None`` means bfloat16 (the checkpoints' own precision); ``float32`` is the
+    parity mode."""
+    if dtype is None:
+        return mx.bfloat16
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not one of float32, float16, bfloat16")
+    return DTYPES[dtype]
+
+
+def available_ram() -> int | None:
+    """MemAvailable on Linux, the recommended working set on Metal, else None."""
+    if metal():
+        info = mx.metal.device_info()
+        limit = int(info.get("max_recommended_working_set_size", 0))
+        return max(0, limit - int(mx.get_active_memory())) if limit else None
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+class MLXExecutor:
+    """The Muse Glimmer text decoder in MLX behind the
+    :class:`~musegl_core.engine.executor.Executor` protocol."""
+
+    def __init__(self, config: TextConfig, weights, name: str, dtype: str | None = None,
+                 block_size: int = DEFAULT_BLOCK_SIZE, limits: ExecutorLimits | None = None,
+                 vision=None) -> None:
+        """``weights`` yields ``(name, weight)`` pairs (see :func:`musegl_mlx.loader.load_weights`);
+        ``vision``: opened vision weights (:mod:`musegl_core.checkpoint.vision`), or None
+        for a text-only load."""
+        if block_size <= 0:
+            raise ValueError("block_size must be positive")
+        self.config = config
+        self.dtype = resolve_dtype(dtype)
+        self.block_size = block_size
+        self.limits = limits or ExecutorLimits()
+        self.info = ModelInfo(name=name, vocab_size=config.vocab_size, hidden_size=config.hidden_size,
+                              num_layers=config.num_layers, native_context=config.max_position_embeddings,
+                              dtype=DTYPE_NAMES[self.dtype], backend="mlx", vision=vision is not None)
+        self.model = MuseGlimmerDecoder(config, self.dtype)
+        load_weights(self.model, weights)
+        self.vision = None
+        if vision is not None:
+            from musegl_mlx.vision import load_vision_encoder
+
+            self.vision = load_vision_encoder(vision, config, self.dtype)
+        self.kv: list[list[mx.array]] | None = None  # [K per layer, V per layer], each (slots, kv_heads, hd)
+        self.num_blocks = 0
+        log.info("MLX %s on %s (%s), %s", mx.__version__, "Metal" if metal() else "the CPU",
+                 f"{platform.system()} {platform.machine()}", self.info.dtype)
+
+    # -- KV storage ------------------------------------------------------------
+
+    def kv_bytes_per_block(self) -> int:
+        c = self.config
+        return c.num_layers * 2 * self.block_size * c.num_kv_heads * c.head_dim * self.dtype.size
+
+    def kv_memory_available(self) -> int | None:
+        return available_ram()
+
+    def allocate_kv(self, num_blocks: int) -> None:
+        c = self.config
+        shape = (num_blocks * self.block_size, c.num_kv_heads, c.head_dim)
+        self.kv = [[mx.zeros(shape, dtype=self.dtype) for _ in range(c.num_layers)] for _ in range(2)]
+        mx.eval(self.kv)
+        self.num_blocks = num_blocks
+
+    def _require_kv(self) -> list[list[mx.array]]:
+        if self.kv is None:
+            raise RuntimeError("allocate_kv() must be called before the KV cache is used")
+        return self.kv
+
+    def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
+        if not pairs:
+            return
+        kv = self._require_kv()
+        bs = self.block_size
+        for src, dst in pairs:
+            if not (0 <= src < self.num_blocks and 0 <= dst < self.num_blocks):
+                raise ValueError(f"block ids must lie in 0..{self.num_blocks - 1}")
+        offsets = np.arange(bs)
+        src = mx.array((np.array([s for s, _ in pairs])[:, None] * bs + offsets).reshape(-1).astype(np.int32))
+        dst = mx.array((np.array([d for _, d in pairs])[:, None] * bs + offsets).reshape(-1).astype(np.int32))
+        for cache in kv:
+            for layer in cache:
+                layer[dst] = layer[src]
+        mx.eval(kv)
+
+    # -- stepping ----------------------------------------------------------------
+
+    def _slots(self, chunk: SeqChunk) -> np.ndarray:
+        """The cache slot of every position ``0 .. last`` of the chunk, checked."""
+        bs, last = self.block_size, chunk.positions[-1]
+        first = chunk.positions[0]
+        if first < 0 or list(chunk.positions) != list(range(first, first + len(chunk.positions))):
+            raise ValueError(f"sequence {chunk.seq}: chunk positions must be consecutive and >= 0")
+        if last // bs >= len(chunk.blocks):
+            raise ValueError(f"sequence {chunk.seq}: position {last} needs block {last // bs} "
+                             f"but its block table has {len(chunk.blocks)} blocks")
+        table = np.asarray(chunk.blocks[:last // bs + 1], dtype=np.int64)
+        if table.min() < 0 or table.max() >= self.num_blocks:
+            raise ValueError(f"sequence {chunk.seq}: block ids must lie in 0..{self.num_blocks - 1}")
+        p = np.arange(last + 1)
+        return table[p // bs] * bs + p % bs
+
+    def _layout(self, step: Step) -> StepLayout:
+        """Write slots, query padding and the key gathers and masks of both layer kinds."""
+        window = self.config.sliding_window
+        chunks = step.chunks
+        b = len(chunks)
+        lq = max(len(c.tokens) for c in chunks)
+        write, slots = [], []
+        for chunk in chunks:
+            s = self._slots(chunk)
+            slots.append(s)
+            write.append(s[chunk.positions[0]:])
+        decode = lq == 1
+        pad_index = unpad_index = None
+        if not decode:
+            pad = np.zeros((b, lq), dtype=np.int32)  # padding query rows read packed row 0
+            unpad, start = [], 0
+            for i, chunk in enumerate(chunks):
+                n = len(chunk.tokens)
+                pad[i, :n] = np.arange(start, start + n)
+                unpad.extend(i * lq + np.arange(n))
+                start += n
+            pad_index = mx.array(pad.reshape(-1))
+            unpad_index = mx.array(np.asarray(unpad, dtype=np.int32))
+
+        def keys(lo_of) -> tuple[mx.array, mx.array]:
+            los = [lo_of(c) for c in chunks]
+            width = max(len(s) - lo for s, lo in zip(slots, los))
+            gather = np.zeros((b, width), dtype=np.int32)
+            mask = np.zeros((b, 1, lq, width), dtype=np.bool_)
+            for i, (chunk, s, lo) in enumerate(zip(chunks, slots, los)):
+                k_pos = np.arange(lo, len(s))
+                gather[i, :len(k_pos)] = s[lo:]
+                q_pos = np.asarray(chunk.positions)
+                visible = (k_pos[None, :] <= q_pos[:, None])
+                if lo_of is sliding_lo:
+                    visible &= (q_pos[:, None] - k_pos[None, :]) < window
+                mask[i, 0, :len(q_pos), :len(k_pos)] = visible
+                mask[i, 0, len(q_pos):, 0] = True  # padding query rows see one key (no empty softmax)
+            return mx.array(gather), mx.array(mask)
+
+        def full_lo(chunk: SeqChunk) -> int:
+            return 0
+
+        def sliding_lo(chunk: SeqChunk) -> int:
+            return max(0, chunk.positions[0] - window + 1)
+
+        full_slots, full_mask = keys(full_lo)
+        if any(self.config.sliding):
+            sliding_slots, sliding_mask = keys(sliding_lo)
+        else:
+            sliding_slots, sliding_mask = full_slots, full_mask
+        return StepLayout(mx.array(np.concatenate(write).astype(np.int32)), b, lq, pad_index, unpad_index,
+                          full_slots, full_mask, sliding_slots, sliding_mask)
+
+    def step(self, step: Step) -> StepOutput:
+        """Run ``step`` at its own width (no padding rows) and sample every sampled
+        row of every chunk in one batched call."""
+        if not step.chunks:
+            return StepOutput()
+        kv = self._require_kv()
+        c = self.config
+        for t in step.taps:
+            if not 0 <= t <= c.num_layers:
+                raise ValueError(f"tap {t} outside 0..{c.num_layers}")
+        tokens = [t for chunk in step.chunks for t in chunk.tokens]
+        if any(not 0 <= t < c.vocab_size for t in tokens):
+            raise ValueError(f"token id outside the vocabulary 0..{c.vocab_size - 1}")
+        layout = self._layout(step)
+        starts = list(np.cumsum([0] + [len(ch.tokens) for ch in step.chunks[:-1]]))
+        positions = [p for chunk in step.chunks for p in chunk.positions]
+        normed, hidden = self.model(mx.array(np.asarray(tokens, dtype=np.int32)),
+                                    mx.array(np.asarray(positions, dtype=np.int32)), layout, kv,
+                                    tuple(step.taps), self._embedding_rows(step, starts))
+        return self._outputs(step, normed, hidden, starts, kv)
+
+    def _outputs(self, step: Step, normed: mx.array, hidden: mx.array | None, starts: list[int],
+                 kv: list[list[mx.array]]) -> StepOutput:
+        """Run the head on the rows somebody needs (sampled rows, the last row of
+        chunks that want logits, every row of chunks that asked for per-row
+        logits), sample, and pack the answer per sequence."""
+        head_rows: list[int] = []
+        where: list[dict[int, int]] = []
+        rows = SampleRows()
+        sampled_at: list[int] = []
+        for chunk, start in zip(step.chunks, starts):
+            last = len(chunk.tokens) - 1
+            needed = set(range(last + 1)) if chunk.logit_rows else set(chunk.sampled_rows)
+            if chunk.want_logits:
+                needed.add(last)
+            index = {r: len(head_rows) + k for k, r in enumerate(sorted(needed))}
+            where.append(index)
+            head_rows.extend(int(start) + r for r in sorted(needed))
+            sampled_at.extend(index[r] for r in chunk.sampled_rows)
+            rows.add_chunk(chunk)
+        out = StepOutput()
+        logits = self.model.logits(normed[mx.array(np.asarray(head_rows, dtype=np.int32))]) if head_rows else None
+        # One evaluation for the whole step: the forward, every cache write, the head.
+        mx.eval(kv, *(a for a in (logits, hidden) if a is not None))
+        ids, logprobs = (sample(logits[mx.array(np.asarray(sampled_at, dtype=np.int32))], rows)
+                         if sampled_at else ([], []))
+        want = any(chunk.logit_rows or chunk.want_logits for chunk in step.chunks)
+        host = np.array(logits) if want else None
+        at = 0
+        for chunk, start, index in zip(step.chunks, starts, where):
+            if chunk.logit_rows:
+                out.logits[chunk.seq] = host[index[0]:index[0] + len(chunk.tokens)]
+            elif chunk.want_logits:
+                out.logits[chunk.seq] = host[index[len(chunk.tokens) - 1]]
+            if chunk.sample:
+                out.tokens[chunk.seq] = ids[at:at + chunk.sample]
+                if chunk.logprobs >= 0:
+                    out.logprobs[chunk.seq] = logprobs[at:at + chunk.sample]
+                at += chunk.sample
+            if hidden is not None:
+                out.hidden[chunk.seq] = hidden[:, int(start):int(start) + len(chunk.tokens)]
+        return out
+
+    def _embedding_rows(self, step: Step, starts: list[int]) -> tuple[mx.array, mx.array] | None:
+        """(packed row indices, their input rows) of every embedding span of the step."""
+        index, values = [], []
+        for chunk, first_row in zip(step.chunks, starts):
+            for span in chunk.embeds:
+                rows = mx.array(np.asarray(span.embedding)[span.first:span.first + span.count]) \
+                    if not isinstance(span.embedding, mx.array) else span.embedding[span.first:span.first + span.count]
+                if tuple(rows.shape) != (span.count, self.config.hidden_size):
+                    raise ValueError(f"sequence {chunk.seq}: embedding rows must be ({span.count}, "
+                                     f"{self.config.hidden_size}), got {tuple(rows.shape)}")
+                start = int(first_row) + span.offset
+                index.extend(range(start, start + span.count))
+                values.append(rows.astype(self.dtype))
+        if not index:
+            return None
+        return mx.array(np.asarray(index, dtype=np.int32)), mx.concatenate(values)
+
+    def embed_image(self, image: PromptImage):
+        """The image's decoder input rows ``(rows, hidden)`` as an MLX array (vision
+        tower, adapter, projection, perception norm; :mod:`musegl_mlx.vision`)."""
+        if self.vision is None:
+            raise ValueError("this model was loaded without a vision projector; it cannot encode images")
+        rows = self.vision(image.pixels, tuple(image.grid))
+        mx.eval(rows)
+        if rows.shape[0] != image.rows:
+            raise ValueError(f"the image became {rows.shape[0]} rows, its prompt holds {image.rows}")
+        return rows
+
+    def release_sequence(self, seq: int) -> None:
+        pass  # no per-sequence state: sampling is keyed by (seed, position)
+
+    def close(self) -> None:
+        self.kv = None
+        self.num_blocks = 0
+        self.model = None  # type: ignore[assignment]
+        self.vision = None
+        if metal():
+            mx.clear_cache()

@@ -1,0 +1,264 @@
+"""The Muse Glimmer text decoder in MLX, over packed rows and a paged KV cache.
+
+One readable file, the model math of ``docs/executor.md`` and the spec:
+an embedding with a weight-less RMS norm, decoder layers in the Gemma-2
+sandwich (centered ``1+w`` norms before and after attention and the MLP),
+gated GQA attention with a scale-less QK norm (``×qk_scale_factor``), RoPE
+on sliding-window layers and none on full layers (per layer, as the config
+says), a plain scaled final norm and a softcapped head.
+
+Numerics follow transformers (and the torch executor): every norm runs in
+float32 (plain norms as ``pow(ms+ε, -0.5)``, centered ones with ``rsqrt``
+and ``1+w`` kept in float32), the QK norm is cast to the activation dtype
+before ``×qk_scale_factor``, cos/sin are built in float32 and cast, softmax
+runs in float32, and the softcap chain runs in the activation dtype.
+
+Rows of many sequences are packed into one ``(rows, hidden)`` batch: the
+projections and the MLP run over all of them at once. Attention reads the
+keys and values of every sequence of the step through :class:`StepLayout`
+(gather indices into the flat per-layer cache, built by the executor from
+the block tables) in one batched product per layer: queries are padded to
+``(sequences, longest chunk)``, keys to ``(sequences, longest context)``,
+and the mask hides padding, the future and (on sliding layers) what lies
+outside the window.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import attrs
+import mlx.core as mx
+
+from musegl_core.checkpoint.config import TextConfig
+
+
+def plain_rms_norm(x: mx.array, eps: float, weight: mx.array | None = None) -> mx.array:
+    """``x·(mean(x²)+ε)^-½ [·w]`` in float32 (embedding and QK norm, final norm)."""
+    xf = x.astype(mx.float32)
+    out = xf * mx.power(mx.mean(xf * xf, axis=-1, keepdims=True) + eps, -0.5)
+    if weight is not None:
+        out = out * weight
+    return out.astype(x.dtype)
+
+
+def centered_rms_norm(x: mx.array, scale: mx.array, eps: float) -> mx.array:
+    """``x·rsqrt(mean(x²)+ε)·(1+w)`` in float32; ``scale`` holds ``1+w`` in float32."""
+    xf = x.astype(mx.float32)
+    return (xf * mx.rsqrt(mx.mean(xf * xf, axis=-1, keepdims=True) + eps) * scale).astype(x.dtype)
+
+
+@attrs.define
+class Linear:
+    """``x @ W^T`` without bias: a dense weight ``(out, in)``, or an MLX-quantized one
+    (``weight`` packed, ``scales``/``biases`` per group of ``group_size``)."""
+
+    weight: mx.array
+    scales: mx.array | None = None
+    biases: mx.array | None = None
+    group_size: int = 32
+    bits: int = 8
+
+    @property
+    def quantized(self) -> bool:
+        return self.scales is not None
+
+    def __call__(self, x: mx.array) -> mx.array:
+        if self.scales is None:
+            return x @ self.weight.T
+        return mx.quantized_matmul(x, self.weight, self.scales, self.biases, transpose=True,
+                                   group_size=self.group_size, bits=self.bits)
+
+
+@attrs.define
+class Embedding:
+    """The token embedding: rows of a dense table, or of a quantized one
+    (the looked-up rows are dequantized)."""
+
+    table: Linear
+
+    def __call__(self, tokens: mx.array, dtype: mx.Dtype) -> mx.array:
+        t = self.table
+        if not t.quantized:
+            return t.weight[tokens]
+        return mx.dequantize(t.weight[tokens], t.scales[tokens], t.biases[tokens], group_size=t.group_size,
+                             bits=t.bits).astype(dtype)
+
+
+@attrs.define
+class StepLayout:
+    """Where one packed step's rows write and what they read (built by the executor).
+
+    ``write_slots[r]`` is the flat cache slot (``block·block_size + offset``)
+    row ``r`` writes. Attention runs over ``seqs × queries`` padded query
+    rows: ``pad_index`` picks, for each of them, a packed row (None when
+    every sequence has exactly one row: decode), ``unpad_index`` maps every
+    packed row back. ``full_slots``/``full_mask`` are the keys of full
+    layers (``(seqs, keys)`` slots, ``(seqs, 1, queries, keys)`` bool
+    visibility); ``sliding_*`` the same for sliding layers, starting at the
+    oldest key a window can reach.
+    """
+
+    write_slots: mx.array
+    seqs: int
+    queries: int
+    pad_index: mx.array | None
+    unpad_index: mx.array | None
+    full_slots: mx.array
+    full_mask: mx.array
+    sliding_slots: mx.array
+    sliding_mask: mx.array
+
+
+class Layer:
+    """One decoder layer: weights and the sandwich order."""
+
+    def __init__(self, config: TextConfig, index: int) -> None:
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        self.use_rope = config.rope[index]
+        self.sliding = config.sliding[index]
+        self.eps = config.rms_norm_eps
+        self.post_eps = config.post_norm_eps
+        self.qk_scale = config.qk_scale_factor
+        self.scaling = config.head_dim ** -0.5
+        # Filled by the loader: q/k/v/gate as one product (rows q | k | v | gate), gate/up as one.
+        self.qkvg: Linear | None = None
+        self.o_proj: Linear | None = None
+        self.gate_up: Linear | None = None
+        self.down_proj: Linear | None = None
+        self.norms: dict[str, mx.array] = {}  # centered-norm name -> 1+w (float32)
+
+    def attention(self, a: mx.array, rope: tuple[mx.array, mx.array], layout: StepLayout,
+                  k_cache: mx.array, v_cache: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        """Gated attention of the normed rows ``a``; returns ``(o, k_cache, v_cache)``
+        with this step's K/V written into the caches."""
+        rows = a.shape[0]
+        nh, nkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
+        qkvg = self.qkvg(a)
+        nq, nk = nh * hd, nkv * hd
+        q = qkvg[:, :nq].reshape(rows, nh, hd)
+        k = qkvg[:, nq:nq + nk].reshape(rows, nkv, hd)
+        v = qkvg[:, nq + nk:nq + 2 * nk].reshape(rows, nkv, hd)
+        gate = qkvg[:, nq + 2 * nk:]
+        q = plain_rms_norm(q, self.eps) * self.qk_scale
+        k = plain_rms_norm(k, self.eps)
+        if self.use_rope:
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        # Write first, so a chunk reads its own keys as well as every earlier step's.
+        k_cache[layout.write_slots] = k.astype(k_cache.dtype)
+        v_cache[layout.write_slots] = v.astype(v_cache.dtype)
+
+        slots, mask = ((layout.sliding_slots, layout.sliding_mask) if self.sliding
+                       else (layout.full_slots, layout.full_mask))
+        b, lq = layout.seqs, layout.queries
+        qp = q if layout.pad_index is None else q[layout.pad_index]
+        qp = qp.reshape(b, lq, nh, hd).transpose(0, 2, 1, 3)  # (seqs, heads, queries, hd)
+        keys = k_cache[slots].transpose(0, 2, 1, 3)  # (seqs, kv_heads, keys, hd)
+        values = v_cache[slots].transpose(0, 2, 1, 3)
+        y = attend(qp, keys, values, mask, self.scaling)  # (seqs, heads, queries, hd)
+        y = y.transpose(0, 2, 1, 3).reshape(b * lq, nh * hd)
+        if layout.unpad_index is not None:
+            y = y[layout.unpad_index]
+        y = y * mx.sigmoid(gate)
+        return self.o_proj(y), k_cache, v_cache
+
+    def mlp(self, x: mx.array) -> mx.array:
+        gate_up = self.gate_up(x)
+        f = gate_up.shape[-1] // 2
+        g, u = gate_up[:, :f], gate_up[:, f:]
+        return self.down_proj(g * mx.sigmoid(g) * u)
+
+    def __call__(self, h: mx.array, rope: tuple[mx.array, mx.array], layout: StepLayout,
+                 k_cache: mx.array, v_cache: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        n = self.norms
+        o, k_cache, v_cache = self.attention(centered_rms_norm(h, n["input_layernorm"], self.eps), rope, layout,
+                                             k_cache, v_cache)
+        h = h + centered_rms_norm(o, n["post_attention_layernorm"], self.post_eps)
+        m = self.mlp(centered_rms_norm(h, n["pre_feedforward_layernorm"], self.eps))
+        return h + centered_rms_norm(m, n["post_feedforward_layernorm"], self.post_eps), k_cache, v_cache
+
+
+def attend(q: mx.array, k: mx.array, v: mx.array, mask: mx.array, scaling: float) -> mx.array:
+    """Softmax attention with GQA, without repeating K/V: ``q (B, heads, L, hd)``,
+    ``k, v (B, kv_heads, S, hd)``, ``mask (B, 1, L, S)`` True where visible.
+    Scores and softmax in float32, as transformers' eager path."""
+    b, nh, lq, hd = q.shape
+    nkv = k.shape[1]
+    g = nh // nkv
+    qg = q.reshape(b, nkv, g * lq, hd)  # head h = kv·g + j: each KV head's group is contiguous
+    scores = (qg @ k.swapaxes(-1, -2)).astype(mx.float32).reshape(b, nkv, g, lq, -1) * scaling
+    scores = mx.where(mask[:, :, None], scores, -mx.inf)
+    probs = mx.softmax(scores, axis=-1).astype(q.dtype).reshape(b, nkv, g * lq, -1)
+    return (probs @ v).reshape(b, nh, lq, hd)
+
+
+def rotate_half(x: mx.array) -> mx.array:
+    half = x.shape[-1] // 2
+    return mx.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+
+
+def apply_rope(x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
+    """Rotate ``x (rows, heads, hd)`` (transformers' rotate_half layout)."""
+    return x * cos[:, None, :] + rotate_half(x) * sin[:, None, :]
+
+
+class MuseGlimmerDecoder:
+    """Embedding (+ weight-less norm), decoder layers, final norm and softcapped head.
+
+    The weights are filled by :mod:`musegl_mlx.loader`; ``dtype`` is the
+    activation (and dense weight) dtype.
+    """
+
+    def __init__(self, config: TextConfig, dtype: mx.Dtype) -> None:
+        self.config = config
+        self.dtype = dtype
+        self.layers = [Layer(config, i) for i in range(config.num_layers)]
+        self.embed_tokens: Embedding | None = None
+        self.norm: mx.array | None = None  # final norm weight, float32
+        self.lm_head: Linear | None = None
+        hd = config.head_dim
+        self.inv_freq = 1.0 / mx.power(mx.array(config.rope_theta, mx.float32),
+                                       mx.arange(0, hd, 2, dtype=mx.float32) / hd)
+
+    def rope(self, positions: mx.array) -> tuple[mx.array, mx.array]:
+        """``(cos, sin)`` of shape ``(rows, head_dim)``, computed in float32, cast to the dtype."""
+        freqs = positions.astype(mx.float32)[:, None] * self.inv_freq[None, :]
+        emb = mx.concatenate([freqs, freqs], axis=-1)
+        return mx.cos(emb).astype(self.dtype), mx.sin(emb).astype(self.dtype)
+
+    def embed(self, tokens: mx.array) -> mx.array:
+        return plain_rms_norm(self.embed_tokens(tokens, self.dtype), self.config.rms_norm_eps)
+
+    def __call__(self, tokens: mx.array, positions: mx.array, layout: StepLayout,
+                 kv: list[list[mx.array]], taps: Sequence[int] = (),
+                 embeds: tuple[mx.array, mx.array] | None = None) -> tuple[mx.array, mx.array | None]:
+        """Run every packed row through the decoder, writing K/V into ``kv``
+        (``kv[0][i]``/``kv[1][i]``: layer ``i``'s flat caches, replaced in the lists).
+
+        ``embeds`` (packed row indices, rows) replaces the input of those rows
+        (image features, already normed). Returns the final-normed rows
+        ``(rows, H)`` and, when ``taps`` is non-empty, the input residual of
+        each tapped layer stacked ``(len(taps), rows, H)`` (tap ``num_layers``:
+        the last layer's output).
+        """
+        h = self.embed(tokens)
+        if embeds is not None:
+            h[embeds[0]] = embeds[1].astype(h.dtype)
+        rope = self.rope(positions)
+        tapped: dict[int, mx.array] = {}
+        for i, layer in enumerate(self.layers):
+            if i in taps:
+                tapped[i] = h
+            h, kv[0][i], kv[1][i] = layer(h, rope, layout, kv[0][i], kv[1][i])
+        if len(self.layers) in taps:
+            tapped[len(self.layers)] = h
+        hidden = mx.stack([tapped[t] for t in taps]) if taps else None
+        return plain_rms_norm(h, self.config.rms_norm_eps, self.norm), hidden
+
+    def logits(self, normed: mx.array) -> mx.array:
+        """Softcapped logits (float32) of final-normed rows: ``×mult, ÷cap, tanh, ×cap``."""
+        cap = self.config.final_logit_softcapping
+        z = self.lm_head(normed) * self.config.output_multiplier
+        if cap is not None:
+            z = mx.tanh(z / cap) * cap
+        return z.astype(mx.float32)

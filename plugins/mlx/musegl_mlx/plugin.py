@@ -1,0 +1,104 @@
+"""Hook implementations of the musegl-mlx plugin (entry point ``mlx``).
+
+One executor, ``mlx``: the Muse Glimmer decoder in MLX. On macOS with Apple
+silicon it is the default when installed (its priority is above every other
+backend there); elsewhere (the CPU build of MLX on Linux) it runs only when
+asked for with ``--executor mlx``. MLX is imported inside the functions, so
+``musegl plugins`` and the front stay fast, and a machine without a usable
+MLX only hears about it when ``--executor mlx`` is asked for.
+"""
+
+from __future__ import annotations
+
+import functools
+import platform
+import sys
+from typing import TYPE_CHECKING
+
+from musegl_core.errors import ConfigError
+from musegl_core.plugins.hookspecs import hookimpl
+from musegl_core.plugins.specs import ExecutorOptions, ExecutorSpec
+
+if TYPE_CHECKING:
+    from musegl_mlx.executor import MLXExecutor
+
+#: Above cuda (100) and torch-cpu (10): the default on Apple silicon.
+APPLE_PRIORITY = 200
+#: Below torch-cpu: on Linux the torch executor stays the default.
+OTHER_PRIORITY = 5
+
+
+def apple_silicon() -> bool:
+    return sys.platform == "darwin" and platform.machine() == "arm64"
+
+
+@functools.cache
+def unavailable_reason() -> str | None:
+    """Why MLX cannot run here (one line), or None when it can."""
+    try:
+        import mlx.core as mx
+    except ImportError as exc:
+        wanted = "mlx" if sys.platform == "darwin" else "mlx[cpu]"
+        return f"MLX is not usable here ({exc}); install it with: pip install '{wanted}>=0.32,<0.33'"
+    try:
+        mx.eval(mx.array([1.0]) + 1)
+    except Exception as exc:  # a broken install or no usable device
+        return f"MLX is installed but cannot run ({type(exc).__name__}: {exc})"
+    return None
+
+
+def mlx_available() -> bool:
+    return unavailable_reason() is None
+
+
+def create_mlx(options: ExecutorOptions) -> "MLXExecutor":
+    """The decoder in MLX, bfloat16 unless ``options.dtype`` says otherwise."""
+    reason = unavailable_reason()
+    if reason is not None:
+        raise ConfigError(reason)
+    from musegl_core.checkpoint.loader import load_checkpoint
+    from musegl_mlx.executor import DTYPES, MLXExecutor
+
+    if options.device not in (None, "cpu", "gpu", "mlx"):
+        raise ConfigError(f"the mlx executor takes --device cpu or gpu (MLX's devices), got {options.device!r}")
+    if options.dtype is not None and options.dtype not in DTYPES:
+        raise ConfigError(f"--dtype {options.dtype!r} is not one of float32, float16, bfloat16")
+    if options.device in ("cpu", "gpu"):
+        import mlx.core as mx
+
+        mx.set_default_device(mx.cpu if options.device == "cpu" else mx.gpu)
+    from musegl_core.checkpoint.vision import load_vision
+    from musegl_mlx.loader import checkpoint_weights
+
+    checkpoint = load_checkpoint(options.model, progress=options.progress)
+    vision = None
+    try:
+        vision = load_vision(options.model, options.mmproj, checkpoint.config.hidden_size)
+        return MLXExecutor(checkpoint.config, checkpoint_weights(checkpoint), checkpoint.name, dtype=options.dtype,
+                           vision=vision)
+    finally:
+        checkpoint.close()
+        if vision is not None:
+            vision.close()
+
+
+def kv_layout(options: ExecutorOptions) -> tuple[int, int]:
+    """``(bytes per KV block, block size)`` from the checkpoint's config, no weights read."""
+    from musegl_core.checkpoint.loader import load_checkpoint
+    from musegl_mlx.executor import DEFAULT_BLOCK_SIZE
+
+    checkpoint = load_checkpoint(options.model)
+    checkpoint.close()
+    c = checkpoint.config
+    size = 4 if options.dtype == "float32" else 2
+    return c.num_layers * 2 * DEFAULT_BLOCK_SIZE * c.num_kv_heads * c.head_dim * size, DEFAULT_BLOCK_SIZE
+
+
+@hookimpl
+def musegl_executors() -> list[ExecutorSpec]:
+    return [
+        ExecutorSpec(name="mlx", description="Muse Glimmer decoder in MLX (Apple silicon; MLX's CPU build elsewhere)",
+                     create=create_mlx, available=mlx_available,
+                     priority=APPLE_PRIORITY if apple_silicon() else OTHER_PRIORITY,
+                     kv_layout=kv_layout, unavailable_reason=unavailable_reason),
+    ]
