@@ -242,3 +242,25 @@ def test_the_same_image_twice_keeps_both_placements():
     ids, placed = split_keys([9, *keys], req)  # shifted by one position
     assert ids == [9, 5, PATCH, PATCH, 6, PATCH, PATCH, 7]
     assert [p.start for p in placed] == [2, 5]
+
+
+def test_an_image_the_executor_cannot_encode_fails_only_its_request(tokenizer):
+    class Failing(ExampleExecutor):
+        def embed_image(self, image):
+            if image.digest == bad.digest:
+                raise ValueError("unsupported pixels")
+            return super().embed_image(image)
+
+    good, bad = image(1), image(2)
+    executor = Failing(tokenizer.vocab_size)
+    engine, events = engine_for(executor, tokenizer)
+    prompt, images = image_prompt(good)
+    engine.submit(request("good", prompt, images=images))
+    engine.submit(request("bad", prompt, images=(PlacedImage(2, bad),)))
+    engine.submit(request("text", [100, 101, 102]))
+    engine.run_until_idle()
+    failed = [e for e in events if isinstance(e, ev.Failed)]
+    assert [(e.id, e.status) for e in failed] == [("bad", 500)]
+    assert "image encoding failed: unsupported pixels" in failed[0].message
+    assert generated(events, "good")[0] and generated(events, "text")[0]
+    assert engine.scheduler.idle

@@ -373,8 +373,25 @@ class Engine:
             if request is not None:
                 seq.drafts = list(proposed.get(seq.handle, ()))[: request.max_draft]
 
+    def _encode_images(self) -> None:
+        """Encode the images of prompts still prefilling, before the step is planned:
+        an image the executor cannot encode fails its own request (500) and nothing
+        else, and planning never stops halfway through (block copies promised)."""
+        for seq in list(self._running.values()):
+            if seq.phase is not Phase.PREFILL or not seq.request.images:
+                continue
+            try:
+                for index, placed in enumerate(seq.request.images):
+                    if placed.start + placed.image.rows > seq.computed:  # rows a cached prefix does not cover
+                        self._embedding(seq, index)
+            except Exception as exc:
+                log.exception("image encoding failed")
+                self._finish(seq, None, None)
+                self._fail(seq.id, ApiError(500, f"image encoding failed: {exc}", "server_error"))
+
     def step(self) -> None:
         self._propose_drafts()
+        self._encode_images()
         planned = self.scheduler.schedule()
         if planned is None:
             return
