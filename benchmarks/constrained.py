@@ -6,7 +6,10 @@ concurrency 1 and 8, each generating exactly ``--max-tokens`` tokens
 (``ignore_eos``; the schema is an open array of strings, which the
 random-weight model never closes, so every token is generated under the
 grammar). Reports aggregate completion tokens per second for each case and
-the constrained/free ratio: the cost of computing the masks between steps.
+the constrained/free ratio: the cost of the masks. With ``--grammar-threads``
+values (default ``0,2``) it runs one server per value in the same run: 0
+computes the masks on the engine thread between steps, N > 0 on N threads
+while the forward pass runs (``musegl_core/engine/masks.py``).
 """
 
 from __future__ import annotations
@@ -51,23 +54,29 @@ def main() -> int:
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--requests-per-client", type=int, default=2)
     p.add_argument("--batched", type=int, default=8)
+    p.add_argument("--grammar-threads", default="0,2",
+                   help="comma-separated --grammar-threads values, one server each (0: masks on the engine "
+                        "thread between steps; N: N threads overlapping the forward); default %(default)s")
     args = p.parse_args()
     width = str(args.batched)
-    flags = ("--max-decode-sequences", width, "--max-inflight-requests", width, "--max-sessions", width,
-             "--max-context", "2048", "--constrained-reasoning-tokens", "0")
     figures = {}
-    with serve(bench_checkpoint(), *flags) as url:
-        asyncio.run(run(url, 1, 1, 8, True))  # warm-up: the worker builds the llguidance vocabulary once
+    for threads in [int(t) for t in args.grammar_threads.split(",")]:
+        flags = ("--max-decode-sequences", width, "--max-inflight-requests", width, "--max-sessions", width,
+                 "--max-context", "2048", "--constrained-reasoning-tokens", "0", "--grammar-threads", str(threads))
+        with serve(bench_checkpoint(), *flags) as url:
+            asyncio.run(run(url, 1, 1, 8, True))  # warm-up: the worker builds the llguidance vocabulary once
+            for concurrency in (1, args.batched):
+                for constrained in (False, True):
+                    rate = asyncio.run(run(url, concurrency, args.requests_per_client * concurrency,
+                                           args.max_tokens, constrained))
+                    kind = "json_schema" if constrained else "free"
+                    figures[f"threads{threads}_c{concurrency}_{kind}_tok_s"] = round(rate, 2)
+                    print(f"grammar threads {threads} concurrency {concurrency:2d} {kind:11s} "
+                          f"{rate:8.2f} completion tok/s", flush=True)
         for concurrency in (1, args.batched):
-            for constrained in (False, True):
-                rate = asyncio.run(run(url, concurrency, args.requests_per_client * concurrency, args.max_tokens,
-                                       constrained))
-                figures[f"c{concurrency}_{'json_schema' if constrained else 'free'}_tok_s"] = round(rate, 2)
-                print(f"concurrency {concurrency:2d} {'json_schema' if constrained else 'free':11s} "
-                      f"{rate:8.2f} completion tok/s", flush=True)
-    for concurrency in (1, args.batched):
-        free, bound = figures[f"c{concurrency}_free_tok_s"], figures[f"c{concurrency}_json_schema_tok_s"]
-        figures[f"c{concurrency}_ratio"] = round(bound / free, 3) if free else None
+            free = figures[f"threads{threads}_c{concurrency}_free_tok_s"]
+            bound = figures[f"threads{threads}_c{concurrency}_json_schema_tok_s"]
+            figures[f"threads{threads}_c{concurrency}_ratio"] = round(bound / free, 3) if free else None
     print(json.dumps(figures, indent=2))
     return 0
 
