@@ -187,6 +187,8 @@ class Engine:
             "drafted_tokens": self.drafted_tokens,
             "accepted_tokens": self.accepted_tokens,
             "verify_blocks": self.verify_blocks,
+            "mask_seconds": self.scheduler.mask_clock.compute,
+            "mask_blocked_seconds": self.scheduler.mask_clock.blocked,
             **self.sessions.stats(),
         }
 

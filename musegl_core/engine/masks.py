@@ -20,9 +20,27 @@ task of a step before it commits the step's tokens
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable
+
+
+class MaskClock:
+    """Seconds spent on masks: ``compute`` (all mask work, on any thread) and
+    ``blocked`` (the engine thread computing masks inline, or waiting for a
+    mask not ready yet: the part on the critical path). The worker exports
+    both (``musegl_grammar_mask_seconds``, ``musegl_grammar_mask_blocked_seconds``)."""
+
+    def __init__(self) -> None:
+        self.compute = 0.0
+        self.blocked = 0.0
+        self._lock = threading.Lock()
+
+    def add(self, compute: float = 0.0, blocked: float = 0.0) -> None:
+        with self._lock:
+            self.compute += compute
+            self.blocked += blocked
 
 
 class PendingMasks(Sequence):
@@ -32,26 +50,35 @@ class PendingMasks(Sequence):
     chunk's task. Executors should read masks after their forward pass, right
     before sampling, for the overlap to pay (``docs/executor.md`` 4)."""
 
-    def __init__(self, future: Future, rows: int):
+    def __init__(self, future: Future, rows: int, clock: MaskClock):
         self._future = future
         self._rows = rows
+        self._clock = clock
 
     def __len__(self) -> int:
         return self._rows
 
     def __getitem__(self, index):
+        self._block()
         return self._future.result()[index]
 
     def wait(self) -> None:
         """Block until the task ended (its error, if any, is raised by item access)."""
-        self._future.exception()
+        self._block()
+
+    def _block(self) -> None:
+        if not self._future.done():
+            started = time.perf_counter()
+            self._future.exception()
+            self._clock.add(blocked=time.perf_counter() - started)
 
 
 class MaskWorkers:
     """Threads that compute grammar masks (``--grammar-threads``), started on first use."""
 
-    def __init__(self, threads: int):
+    def __init__(self, threads: int, clock: MaskClock):
         self.threads = threads
+        self.clock = clock
         self._pool: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
 
@@ -59,7 +86,15 @@ class MaskWorkers:
         with self._lock:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="masks")
-        return PendingMasks(self._pool.submit(compute), rows)
+
+        def timed() -> list[Any]:
+            started = time.perf_counter()
+            try:
+                return compute()
+            finally:
+                self.clock.add(compute=time.perf_counter() - started)
+
+        return PendingMasks(self._pool.submit(timed), rows, self.clock)
 
     def close(self) -> None:
         if self._pool is not None:

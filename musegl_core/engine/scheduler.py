@@ -23,13 +23,14 @@ of images the chunk covers.
 
 from __future__ import annotations
 
+import time
 from typing import Any, Callable
 
 import attrs
 
 from musegl_core.engine.executor import EmbeddingSpan, ExecutorLimits, SeqChunk, Step
 from musegl_core.engine.kv_pool import KVPool
-from musegl_core.engine.masks import MaskWorkers
+from musegl_core.engine.masks import MaskClock, MaskWorkers
 from musegl_core.engine.randomness import uniform
 from musegl_core.engine.request import Phase, SequenceState
 
@@ -58,8 +59,9 @@ class Scheduler:
         self.embed = embed
         self.taps = taps
         self.running: list[SequenceState] = []
+        self.mask_clock = MaskClock()
         #: grammar masks computed while the forward runs (None: inline, here)
-        self.mask_workers = MaskWorkers(mask_threads) if mask_threads > 0 else None
+        self.mask_workers = MaskWorkers(mask_threads, self.mask_clock) if mask_threads > 0 else None
 
     # -- membership ------------------------------------------------------------------
     def add(self, seq: SequenceState) -> None:
@@ -121,7 +123,10 @@ class Scheduler:
             # row j's mask follows the generated ids and the drafts before row j
             befores = [tokens[count - sample + 1 : first_sampled + j + 1] for j in range(sample)]
             if self.mask_workers is None:
+                started = time.perf_counter()
                 masks = [self._mask(seq.request.processors, seq.generated, b) for b in befores]
+                spent = time.perf_counter() - started
+                self.mask_clock.add(compute=spent, blocked=spent)
             else:
                 generated = list(seq.generated)  # a snapshot: the task runs while the engine goes on
                 processors = request.processors
