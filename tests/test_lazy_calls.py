@@ -95,3 +95,23 @@ def test_masks_follow_rollbacks_and_a_second_call(tokenizer):
         again = proc.mask(ids[:keep])
         assert (again is None and masks[keep] is None) or np.array_equal(again, masks[keep])
         proc.mask(ids)
+
+
+def test_a_raw_string_value_ends_at_its_closing_tag_in_the_forced_call_grammar_too(tokenizer):
+    # A value lexeme followed by the closing tag as a second lexeme (greedy
+    # lexing) took "</atem" as value text and refused ":parameter".
+    import llguidance
+
+    from musegl_core.constrain.grammar import calls_grammar
+    from musegl_core.constrain.matcher import ll_tokenizer
+
+    grammar = calls_grammar(call_grammar(TOOLS, {"names": ["get_weather"]}), 0)
+    compiled = llguidance.LLMatcher(ll_tokenizer(tokenizer), llguidance.LLMatcher.grammar_from_lark(grammar),
+                                    log_level=0)
+    for value in ("Oslo", "a</atem b", "ten chars!"):
+        matcher = compiled.deep_copy()
+        text = " to=get_weather.get_weather<|message|>" + CALL.replace(">Oslo<", f">{value}<") + "<|eot|>"
+        assert matcher.consume_tokens(tokenizer.encode(text, special=True)) and matcher.is_accepting(), value
+    matcher = compiled.deep_copy()
+    too_long = " to=get_weather.get_weather<|message|>" + CALL.replace(">Oslo<", ">eleven char<")
+    assert not matcher.consume_tokens(tokenizer.encode(too_long, special=True))

@@ -38,6 +38,7 @@ _ROOT_KEYS = {"type", "properties", "required", "additionalProperties", "$defs",
 _STRING_KEYS = {"type", "enum", "const", "minLength", "maxLength", "description", "title", "format", "examples",
                 "default", "$comment"}
 CLOSE_PARAMETER = "</atem:parameter>\n"
+_NO_CLOSE = r"~/(?s:.*<\/atem:parameter>.*)/"
 OPEN_BLOCK = "<atem:function_calls>"
 CLOSE_INVOKE = "</atem:invoke>"
 CLOSE_BLOCK = "</atem:function_calls>"
@@ -77,7 +78,8 @@ def _admits_string(node: Any) -> bool:
         k in node for k in ("anyOf", "oneOf", "allOf", "$ref"))
 
 
-def _string_value(tool: str, name: str, node: dict, rule: str) -> str:
+def _string_value(tool: str, name: str, node: dict, rule: str) -> tuple[str, bool]:
+    """The rules of a raw string value, and whether they include the closing tag."""
     extra = set(node) - _STRING_KEYS
     if extra:
         raise unsupported_schema(tool, f"parameter {name!r} uses {sorted(extra)[0]!r} on a string")
@@ -85,13 +87,15 @@ def _string_value(tool: str, name: str, node: dict, rule: str) -> str:
     if values is not None:
         if not values or not all(isinstance(v, str) for v in values):
             raise unsupported_schema(tool, f"parameter {name!r} mixes strings with other values")
-        return f"{rule}: " + " | ".join(lark_string(v) for v in values) + "\n"
+        return f"{rule}: " + " | ".join(lark_string(v) for v in values) + "\n", False
     low, high = node.get("minLength", 0), node.get("maxLength")
     span = f"{{{int(low)},{'' if high is None else int(high)}}}"
-    # One lazy lexeme for the text *and* its closing tag: it ends at the first
-    # closing tag. (A greedy value lexeme followed by the tag as a second
-    # lexeme would keep "</atem" as value text and then refuse ":parameter".)
-    return f"{rule}[lazy]: /(?s:.{span})<\\/atem:parameter>\\n/\n"
+    # One lazy lexeme for the text *and* its closing tag, so it ends at the
+    # first closing tag. (llguidance's lexemes are greedy otherwise: a value
+    # lexeme followed by the tag as a second lexeme would take "</atem" as
+    # value text and then refuse ":parameter".)
+    return (f"{rule}[lazy]: {rule.upper()}\n{rule.upper()}: (/(?s:.{span})/ & {_NO_CLOSE}) "
+            f"{lark_string(CLOSE_PARAMETER)}\n"), True
 
 
 def _tool_rules(tool: str, alias: str, schema: Any, index: int) -> str:
@@ -116,9 +120,9 @@ def _tool_rules(tool: str, alias: str, schema: Any, index: int) -> str:
         value = f"v{index}_{j}"
         close = lark_string(CLOSE_PARAMETER)
         if _string_only(node):
-            rules.append(_string_value(tool, name, node, value))
-            if "[lazy]" in rules[-1]:
-                close = ""  # the value's lexeme ends with the closing tag
+            text, closed = _string_value(tool, name, node, value)
+            rules.append(text)
+            close = "" if closed else close
         elif isinstance(node, dict) and node and _admits_string(node) and not _untyped(node):
             raise unsupported_schema(tool, f"parameter {name!r} mixes strings with other types")
         else:
@@ -173,8 +177,9 @@ def lazy_call_grammar(tools: Iterable[Any], options: Mapping[str, Any]) -> dict[
     ``<atem:function_calls>`` (the trigger): ``lazy_call`` is the rest of the
     block, one invoke of a tool of ``options["names"]`` (``strict: true``)
     whose parameters satisfy its schema, then the closing tag and the core's
-    ``lazy_end`` (what must follow the markup); or the opening tag of an invoke of a tool of ``options["free_names"]`` (not strict), after
-    which the rule ends and the call is free text again."""
+    ``lazy_end`` (what must follow the markup); or the opening tag of an
+    invoke of a tool of ``options["free_names"]`` (not strict), after which
+    the rule ends and the call is free text again."""
     strict = set(options.get("names") or ())
     free = set(options.get("free_names") or ())
     rules, alternatives, opens = [], [], []
