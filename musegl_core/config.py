@@ -96,6 +96,9 @@ class ServeConfig:
         1024, "under an output constraint (response_format json, tool_choice required/named), the reasoning "
         "message may take at most this many tokens before the constrained part must begin; 0: no reasoning "
         "(default %(default)s)", PROTO, kind="int", metavar="N")
+    grammar_threads: int = flag(
+        2, "threads that compute grammar masks while the forward pass runs (overlapped with it); 0: on the "
+        "engine thread between steps (default %(default)s)", PROTO, kind="int", metavar="N")
     tool_parser: str | None = flag(None, "tool-call parser (e.g. atem, from musegl-atem)", PROTO, metavar="NAME")
     api_dialect: str = flag("openai", "API dialect: openai (default) or a plugin's (openrouter)", PROTO,
                             metavar="NAME")
@@ -130,6 +133,7 @@ class ServeConfig:
         int_range("--max-prefill-chunk", self.max_prefill_chunk, 1)
         int_range("--max-n", self.max_n, 1, 128)
         int_range("--constrained-reasoning-tokens", self.constrained_reasoning_tokens, 0)
+        int_range("--grammar-threads", self.grammar_threads, 0, 64)
         int_range("--max-image-bytes", self.max_image_bytes, 1, MAX_IMAGE_BYTES_CAP)
         int_range("--max-request-bytes", self.max_request_bytes, 1, MAX_REQUEST_BYTES_CAP)
         floor = min_request_bytes(self.max_image_bytes)

@@ -194,6 +194,15 @@ def test_each_sampling_field_has_an_effect(server):
     assert completion(server, logit_bias=favour, max_tokens=8) == "x" * 8
     assert completion(server, logit_bias=favour, frequency_penalty=2.0, max_tokens=8) != "x" * 8
     assert completion(server, logit_bias={str(x[0]): 1.5}, presence_penalty=2.0, max_tokens=8) != "x" * 8
+    slight = {str(x[0]): 1.0}
+    assert completion(server, logit_bias=slight, max_tokens=8) == "x" * 8
+    assert completion(server, logit_bias=slight, repetition_penalty=10.0, max_tokens=8).startswith("x")
+    assert completion(server, logit_bias=slight, repetition_penalty=10.0, max_tokens=8) != "x" * 8
+    # repetition_penalty also counts the prompt's ids: a favoured id of the prompt ("he" of "hello") loses
+    he = httpx.post(f"{server.url}/tokenize", json={"prompt": "hello"}, timeout=30).json()["tokens"][0]
+    first = completion(server, logit_bias={str(he): 1.0}, max_tokens=1)
+    assert first == httpx.post(f"{server.url}/detokenize", json={"tokens": [he]}, timeout=30).json()["prompt"]
+    assert completion(server, logit_bias={str(he): 1.0}, repetition_penalty=10.0, max_tokens=1) != first
     # min_p 1 keeps only the most likely id: sampling at temperature 1 becomes greedy.
     assert completion(server, temperature=1.0, min_p=1.0, seed=3, max_tokens=20) == completion(server, max_tokens=20)
     assert completion(server, temperature=1.0, seed=3, max_tokens=20) != completion(server, max_tokens=20)
@@ -224,3 +233,15 @@ def test_sampler_logprob_matches_an_independent_computation():
     assert ids[0] in allowed
     assert lps[0].logprob == pytest.approx(expected[ids[0]], abs=1e-4)
     assert list(lps[0].top_ids) == list(allowed[np.argsort(-expected[allowed])][:2])
+
+
+def test_strict_tools_leave_output_without_a_call_free(server):
+    # The noise model never opens a tool call here: with strict tools the
+    # (lazily activated) call grammar never starts and greedy output is unchanged.
+    def greedy(strict):
+        tools = [{**t, "function": {**t["function"], "strict": strict}} for t in TOOLS]
+        response = chat(server, tools=tools, temperature=0, max_tokens=40)
+        assert response.status_code == 200, response.text
+        return response.json()["choices"][0]["message"]
+
+    assert greedy(True) == greedy(False)

@@ -110,3 +110,46 @@ def test_writing_into_a_shared_block_copies_it_first():
     table.drop(first.session)
     table.snapshots[0].slot.close()
     assert pool.used_blocks == 0 and pool.reserved_blocks == 0
+
+
+def test_masks_computed_beside_the_forward_equal_the_inline_ones():
+    """--grammar-threads: the masks a step carries (PendingMasks, computed by
+    worker threads) are the inline ones, verify blocks with drafts included."""
+    import numpy as np
+
+    from musegl_core.constrain.grammar import answer_grammar
+    from musegl_core.constrain.matcher import compile_grammar
+    from musegl_core.engine.masks import PendingMasks
+    from musegl_core.tiny import default_model_path
+    from musegl_core.tokenizer import MuseTokenizer
+
+    tokenizer = MuseTokenizer.load(default_model_path())
+    grammar = answer_grammar({"type": "object", "properties": {"a": {"type": "integer"}}}, 0)
+    output = tokenizer.encode(' to=user<|message|>{"a": 12345}<|eot|>', special=True)
+    steps = []
+    for threads in (0, 2):
+        pool = KVPool(64, 16)
+        table = make_table(pool)
+        sched = Scheduler(pool, SchedulerLimits(4, 64, 68), mask_threads=threads)
+        request = PreparedRequest(id="r", prompt_ids=(1, 2, 3, 4, 5), max_tokens=64,
+                                  processors=(compile_grammar(grammar, tokenizer, tokenizer.vocab_size),))
+        seq = SequenceState(request=request, handle=0, max_new=64, tokens=list(request.prompt_ids),
+                            session=table.open(None)[0])
+        sched.add(seq)
+        masks = []
+        for i in range(len(output) - 2):
+            seq.drafts = list(output[i + 1:i + 3]) if seq.phase is Phase.DECODE and i % 3 == 0 else []
+            step, plan, _ = sched.schedule()
+            chunk = step.chunks[0]
+            assert isinstance(chunk.masks, PendingMasks) == (threads > 0)
+            masks.append([np.array(m) for m in chunk.masks])
+            for s, rows in plan:  # commit one id of the output (drafts: only the first row)
+                s.computed += 1 if s.phase is Phase.DECODE else rows
+                s.phase = Phase.DECODE
+                s.tokens.append(output[i])
+                s.generated.append(output[i])
+        steps.append(masks)
+    inline, overlapped = steps
+    assert len(inline) == len(overlapped) and any(len(m) > 1 for m in inline)
+    for a, b in zip(inline, overlapped):
+        assert len(a) == len(b) and all(np.array_equal(x, y) for x, y in zip(a, b))

@@ -87,6 +87,36 @@ def calls_grammar(call_rules: str, reasoning_tokens: int) -> str:
     )
 
 
+#: The terminators that end a tool message after its call markup.
+TERMINATORS = "(<|eom|> | <|eot|>)"
+
+
+def lazy_grammars(trigger: str, rules: str):
+    """The two grammars of a lazily activated call constraint
+    (:class:`~musegl_core.engine.request.LazyGrammar`) from the tool parser's
+    lazy rules: ``rules`` define ``lazy_call``, everything after ``trigger``
+    up to the end of the call markup followed by ``lazy_end``, which this
+    function defines (``ToolParserSpec.grammar``).
+
+    * in a tool message the body must be the call: ``trigger lazy_call``, then
+      a terminator (text after the markup would make the tool message
+      malformed, output-grammar 2.4) — unless ``lazy_call`` ended early on a
+      non-strict tool's opening tag, after which everything is free;
+    * in a visible message the constraint starts at the token where the
+      trigger begins: a lazy lead (any text ending with the first
+      ``trigger``) takes that token's text, then ``lazy_call``; the message
+      continues freely after the markup (output-grammar 2.2 rule 5).
+    """
+    from musegl_core.engine.request import LazyGrammar
+
+    import re
+
+    lead = "/(?s:.*)" + re.escape(trigger).replace("/", "\\/") + "/"
+    tool = f"start: {lark_string(trigger)} lazy_call\nlazy_end: {TERMINATORS}\n" + rules
+    visible = f"start: lazy_lead lazy_call\nlazy_lead[lazy]: {lead}\nlazy_end: \"\"\n" + rules
+    return LazyGrammar(trigger=trigger, in_tool_message=tool, in_visible_message=visible)
+
+
 def lark_string(text: str) -> str:
     """A Lark string literal for ``text``."""
     return json.dumps(text, ensure_ascii=False)

@@ -87,9 +87,8 @@ class GrammarProcessor:
         return packed[: self.words]
 
 
-def compile_grammar(grammar: str, tokenizer, vocab_size: int) -> GrammarProcessor:
-    """The processor of ``grammar`` (llguidance Lark) for the served vocabulary;
-    a grammar that does not compile is a 400."""
+def _matcher(grammar: str, tokenizer) -> Any:
+    """An llguidance matcher of ``grammar`` (Lark); one that does not compile is a 400."""
     import llguidance
 
     matcher = llguidance.LLMatcher(ll_tokenizer(tokenizer), llguidance.LLMatcher.grammar_from_lark(grammar),
@@ -97,4 +96,20 @@ def compile_grammar(grammar: str, tokenizer, vocab_size: int) -> GrammarProcesso
     if matcher.is_error():
         raise ApiError(400, f"the output constraint cannot be compiled: {matcher.get_error()}",
                        "invalid_request_error", "invalid_constraint")
-    return GrammarProcessor(matcher, -(-max(vocab_size, tokenizer.vocab_size) // 32))
+    return matcher
+
+
+def compile_grammar(grammar: str, tokenizer, vocab_size: int) -> GrammarProcessor:
+    """The processor of ``grammar`` (llguidance Lark) for the served vocabulary;
+    a grammar that does not compile is a 400."""
+    return GrammarProcessor(_matcher(grammar, tokenizer), -(-max(vocab_size, tokenizer.vocab_size) // 32))
+
+
+def compile_lazy(lazy: Any, tokenizer, vocab_size: int) -> Any:
+    """The processor of a :class:`~musegl_core.engine.request.LazyGrammar`
+    (:class:`~musegl_core.constrain.lazy.LazyCallProcessor`)."""
+    from musegl_core.constrain.lazy import LazyCallProcessor
+
+    return LazyCallProcessor(_matcher(lazy.in_tool_message, tokenizer), _matcher(lazy.in_visible_message, tokenizer),
+                             lazy.trigger, tokenizer, ll_tokenizer(tokenizer),
+                             -(-max(vocab_size, tokenizer.vocab_size) // 32))

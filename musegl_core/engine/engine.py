@@ -37,6 +37,7 @@ from musegl_core.engine.kv_sizing import plan_pool
 from musegl_core.engine.randomness import random_seed
 from musegl_core.engine.replay import ReplayLog, ReplayPlan, Replayer
 from musegl_core.engine.request import Phase, PreparedRequest, SequenceState
+from musegl_core.engine.masks import PendingMasks
 from musegl_core.engine.scheduler import Scheduler, SchedulerLimits
 from musegl_core.engine.sessions import CapacityError, Session, SessionBusy, SessionTable
 from musegl_core.engine.speculator import DraftRequest, NoSpeculator, Speculator, accept
@@ -60,6 +61,7 @@ class EngineConfig:
     kv_cache_fraction: float = 0.9
     prefix_caching: bool = True
     session_idle_timeout: float | None = None
+    grammar_threads: int = 2
 
     @classmethod
     def from_serve(cls, config) -> "EngineConfig":
@@ -137,6 +139,7 @@ class Engine:
             SchedulerLimits(config.max_decode_sequences, config.max_prefill_chunk, max_step, tuple(limits.step_sizes)),
             embed=self._embedding,
             taps=tuple(self.speculator.taps),
+            mask_threads=config.grammar_threads,
         )
         self.end_ids = frozenset(tokenizer.end_of_generation_ids)
         self.replayer = Replayer(tokenizer, self.end_ids)
@@ -184,6 +187,8 @@ class Engine:
             "drafted_tokens": self.drafted_tokens,
             "accepted_tokens": self.accepted_tokens,
             "verify_blocks": self.verify_blocks,
+            "mask_seconds": self.scheduler.mask_clock.compute,
+            "mask_blocked_seconds": self.scheduler.mask_clock.blocked,
             **self.sessions.stats(),
         }
 
@@ -193,6 +198,8 @@ class Engine:
             self._drain(block=self.scheduler.idle)
             if not self.scheduler.idle:
                 self.step()
+        if self.scheduler.mask_workers is not None:
+            self.scheduler.mask_workers.close()
 
     def run_until_idle(self) -> None:
         """Run until every submitted request has finished (tools and tests)."""
@@ -400,7 +407,12 @@ class Engine:
             if copies:
                 self.executor.copy_blocks(copies)
                 self.speculator.copy_blocks(copies)
-            output = self.executor.step(step)
+            try:
+                output = self.executor.step(step)
+            finally:  # no mask computation of this step outlives it
+                for chunk in step.chunks:
+                    if isinstance(chunk.masks, PendingMasks):
+                        chunk.masks.wait()
             for chunk in step.chunks:
                 got = len(output.tokens.get(chunk.seq, ()))
                 if got != chunk.sample:

@@ -138,7 +138,9 @@ class SeqChunk:
     (counting from the first sampled row), ``uniforms[j]`` is its random number
     in [0, 1), ``masks[j]`` its allowed-token bitmask or None (a numpy uint32
     array of ``ceil(vocab/32)`` words: bit ``i % 32`` of word ``i // 32`` set
-    means id ``i`` is allowed), and ``history`` plus the chunk's own tokens up
+    means id ``i`` is allowed; ``masks`` may be a
+    :class:`~musegl_core.engine.masks.PendingMasks` computed while the forward
+    runs, so read it after the forward), and ``history`` plus the chunk's own tokens up
     to that row are the ids the penalties count (``prompt_len`` of them are
     the prompt, counted only by the repetition penalty).
 

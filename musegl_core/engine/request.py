@@ -45,6 +45,25 @@ class ImageInput:
 
 
 @attrs.frozen
+class LazyGrammar:
+    """An output constraint that starts when the model opens a tool call
+    (``tool_choice`` ``"auto"`` with ``strict: true`` tools,
+    ``docs/constrained.md``): free output until then, and free again after the
+    call. Both grammars are llguidance Lark
+    (:func:`musegl_core.constrain.grammar.lazy_grammars`).
+
+    ``in_tool_message`` applies from the first body token of a message whose
+    header names a tool recipient (`` to=NAME<|message|>``, NAME neither
+    ``self`` nor ``user``); ``in_visible_message`` from the token where
+    ``trigger`` begins at a line start of a visible message's body, its lead
+    rule absorbing the text of that token before the trigger."""
+
+    trigger: str
+    in_tool_message: str
+    in_visible_message: str
+
+
+@attrs.frozen
 class GenerateRequest:
     """A generation request as the front sends it to the worker."""
 
@@ -62,6 +81,8 @@ class GenerateRequest:
     #: an output constraint (llguidance Lark grammar of the whole raw output,
     #: :mod:`musegl_core.constrain.grammar`), compiled by the worker's ``prepare``
     grammar: str | None = None
+    #: a constraint activated when a tool call opens (exclusive with ``grammar``)
+    lazy_grammar: LazyGrammar | None = None
     #: the images of the prompt, in order: the i-th fills the i-th ``<|patch|>`` placeholder
     images: tuple[ImageInput, ...] = ()
 

@@ -15,18 +15,22 @@ row. A step that only decodes is padded up to the executor's next
 captured for that width.
 
 The scheduler also fills in what the executor's sampler needs per sampled
-row: the position-keyed random number, the processors' masks, the penalty
-history, and the embedding rows of images the chunk covers.
+row: the position-keyed random number, the processors' masks (computed by
+:class:`~musegl_core.engine.masks.MaskWorkers` while the forward runs, or
+inline with ``mask_threads=0``), the penalty history, and the embedding rows
+of images the chunk covers.
 """
 
 from __future__ import annotations
 
+import time
 from typing import Any, Callable
 
 import attrs
 
 from musegl_core.engine.executor import EmbeddingSpan, ExecutorLimits, SeqChunk, Step
 from musegl_core.engine.kv_pool import KVPool
+from musegl_core.engine.masks import MaskClock, MaskWorkers
 from musegl_core.engine.randomness import uniform
 from musegl_core.engine.request import Phase, SequenceState
 
@@ -49,12 +53,15 @@ EmbedFn = Callable[[SequenceState, int], Any]
 
 class Scheduler:
     def __init__(self, pool: KVPool, limits: SchedulerLimits, embed: EmbedFn | None = None,
-                 taps: tuple[int, ...] = ()):
+                 taps: tuple[int, ...] = (), mask_threads: int = 0):
         self.pool = pool
         self.limits = limits
         self.embed = embed
         self.taps = taps
         self.running: list[SequenceState] = []
+        self.mask_clock = MaskClock()
+        #: grammar masks computed while the forward runs (None: inline, here)
+        self.mask_workers = MaskWorkers(mask_threads, self.mask_clock) if mask_threads > 0 else None
 
     # -- membership ------------------------------------------------------------------
     def add(self, seq: SequenceState) -> None:
@@ -109,12 +116,22 @@ class Scheduler:
         tokens = seq.tokens[start : start + count - len(drafts)] + list(drafts)
         params = request.sampling
         first_sampled = count - sample
-        uniforms, masks = [], []
-        for j in range(sample):
-            row = first_sampled + j
-            uniforms.append(uniform(params.seed or 0, start + row + 1))  # keyed by the drawn position
-            if request.processors:
-                masks.append(self._mask(seq, tokens[count - sample + 1 : row + 1]))
+        uniforms = [uniform(params.seed or 0, start + first_sampled + j + 1)  # keyed by the drawn position
+                    for j in range(sample)]
+        masks: Any = ()
+        if request.processors and sample:
+            # row j's mask follows the generated ids and the drafts before row j
+            befores = [tokens[count - sample + 1 : first_sampled + j + 1] for j in range(sample)]
+            if self.mask_workers is None:
+                started = time.perf_counter()
+                masks = [self._mask(seq.request.processors, seq.generated, b) for b in befores]
+                spent = time.perf_counter() - started
+                self.mask_clock.add(compute=spent, blocked=spent)
+            else:
+                generated = list(seq.generated)  # a snapshot: the task runs while the engine goes on
+                processors = request.processors
+                masks = self.mask_workers.submit(
+                    lambda: [self._mask(processors, generated, b) for b in befores], sample)
         return SeqChunk(
             seq=seq.handle,
             tokens=tokens,
@@ -131,11 +148,11 @@ class Scheduler:
         )
 
     @staticmethod
-    def _mask(seq: SequenceState, drafts_before: list[int]) -> Any:
+    def _mask(processors, generated: list[int], drafts_before: list[int]) -> Any:
         """The AND of the processors' masks for the next token after ``drafts_before``."""
-        generated = seq.generated + list(drafts_before) if drafts_before else seq.generated
+        generated = generated + list(drafts_before) if drafts_before else generated
         combined = None
-        for processor in seq.request.processors:
+        for processor in processors:
             mask = processor.mask(generated)
             if mask is not None:
                 combined = mask if combined is None else combined & mask

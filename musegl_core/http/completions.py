@@ -118,6 +118,10 @@ def plan_chat(
         request, config=config, mode=mode, named=named, tools_active=tools_active, tools=tools,
         tool_parser=tool_parser, prepared_tools=prepared_tools, aliases=dict(rendered.tool_aliases),
     )
+    lazy_grammar = None if grammar is not None else constraints.lazy_call_grammar(
+        mode=mode, tools_active=tools_active, tools=tools, tool_parser=tool_parser, prepared_tools=prepared_tools,
+        aliases=dict(rendered.tool_aliases),
+    )
     images = prompt_images(messages, config.max_image_bytes)
     stream = bool(request.stream)
     include_usage = bool(request.stream_options and request.stream_options.include_usage)
@@ -132,6 +136,7 @@ def plan_chat(
         session_id=session,
         stream=stream,
         grammar=grammar,
+        lazy_grammar=lazy_grammar,
         logprobs=top_logprobs,
         images=images,
     )

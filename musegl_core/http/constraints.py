@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import attrs
+
 from musegl_core.chat.messages import ToolDef
 from musegl_core.constrain import grammar as g
 from musegl_core.errors import ApiError, bad_request
@@ -136,6 +138,44 @@ def output_grammar(
         raise bad_request(f"the output constraint cannot be enforced: {_first_line(error)}",
                           code="unsupported_schema", param=param)
     return text
+
+
+def lazy_call_grammar(
+    *,
+    mode: str,
+    tools_active: bool,
+    tools: list[ToolDef],
+    tool_parser: Any,
+    prepared_tools: Any,
+    aliases: dict[str, str],
+) -> Any:
+    """``tool_choice`` ``"auto"`` with ``strict: true`` tools: the grammar the
+    worker activates when the model opens a tool call
+    (:class:`~musegl_core.engine.request.LazyGrammar`), or None.
+
+    Calls to strict tools satisfy their schemas; calls to the other tools of
+    the same request stay free after their opening tag (validated after
+    generation, as without ``strict``). A strict tool the call grammar
+    cannot express is a 400, never silently unconstrained."""
+    strict = [t.name for t in tools if t.strict]
+    if mode != "auto" or not tools_active or not strict:
+        return None
+    if tool_parser is None or getattr(tool_parser, "grammar", None) is None:
+        raise unsupported("tools", f"the tool parser {getattr(tool_parser, 'name', None)!r} cannot constrain "
+                                   "tool calls, so 'strict: true' cannot be honoured")
+    free = [t.name for t in tools if not t.strict]
+    try:
+        found = tool_parser.grammar(tools, {"aliases": aliases, "prepared": prepared_tools, "names": strict,
+                                            "free_names": free, "lazy": True})
+    except ApiError as error:  # the parser names tool_choice; here the strict tools ask for it
+        raise attrs.evolve(error, param="tools") from None
+    lazy = g.lazy_grammars(found["trigger"], found["rules"])
+    for text in (lazy.in_tool_message, lazy.in_visible_message):
+        error = g.check(text)
+        if error is not None:
+            raise bad_request(f"the strict tools cannot be enforced: {_first_line(error)}",
+                              code="unsupported_schema", param="tools")
+    return lazy
 
 
 def _first_line(error: str) -> str:

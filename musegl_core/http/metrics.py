@@ -50,6 +50,9 @@ SERIES = {
     "drafted_tokens": ("spec_drafted_tokens", "draft tokens a speculator proposed and the target verified", "counter"),
     "accepted_tokens": ("spec_accepted_tokens", "draft tokens the target accepted", "counter"),
     "verify_blocks": ("spec_verify_blocks", "decode steps of a sequence that verified drafts", "counter"),
+    "mask_seconds": ("grammar_mask_seconds", "seconds spent computing grammar masks (any thread)", "counter"),
+    "mask_blocked_seconds": ("grammar_mask_blocked_seconds", "seconds the engine thread spent computing grammar "
+                             "masks or waiting for them (the part on the critical path)", "counter"),
 }
 
 

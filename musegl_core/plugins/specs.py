@@ -129,6 +129,16 @@ class ToolParserSpec:
       parser's validation. ``options`` also carries ``aliases`` and
       ``prepared``. It raises ``ApiError`` (400) for a schema it cannot
       express. Without it, those ``tool_choice`` values are refused.
+      With ``options["lazy"]`` true (``tool_choice`` ``"auto"`` with
+      ``strict: true`` tools) it returns ``{"trigger": TEXT, "rules": LARK}``
+      instead: ``trigger`` is the text that opens a call inside a message
+      body (ATEM: ``<atem:function_calls>``), and ``rules`` define
+      ``lazy_call``, everything after the trigger: one call of a tool of
+      ``options["names"]`` (the strict ones) whose arguments pass validation,
+      followed by ``lazy_end`` (defined by the core: what must follow the
+      markup), or the opening text of a call of a tool of
+      ``options["free_names"]``, where the rule ends (the rest of that call
+      is free). ``docs/constrained.md`` 2.1.
     """
 
     name: str

@@ -94,6 +94,10 @@ def prepare(request: GenerateRequest, tokenizer, vocab_size: int = 0,
         from musegl_core.constrain.matcher import compile_grammar
 
         processors = (compile_grammar(request.grammar, tokenizer, vocab_size),)
+    elif request.lazy_grammar is not None:
+        from musegl_core.constrain.matcher import compile_lazy
+
+        processors = (compile_lazy(request.lazy_grammar, tokenizer, vocab_size),)
     return PreparedRequest(
         id=request.id,
         prompt_ids=tuple(ids),

@@ -16,6 +16,13 @@ raise (an executor failure after N generated tokens), and
 ``"prefill_delay": S`` sleeps S seconds before the first token (a slow
 prefill, for the streaming preflight timeout) and ``"token_delay": S``
 sleeps S seconds before every token (a slow generation, for shutdown).
+
+Grammar masks (constrained decoding) are honoured like a sampler would: when
+a row's mask forbids the scripted token, the executor draws an allowed id
+with the row's uniform number instead and leaves the script for good; off
+script it draws allowed ids while masks come and ends with EOS at the first
+unmasked row. A test can so script the free part of an output (the text
+before a tool call opens) and let the grammar alone shape the rest.
 """
 
 from __future__ import annotations
@@ -106,8 +113,25 @@ class ScriptedExecutor:
                 raise RuntimeError("scripted executor failure")
             self._sampled[chunk.seq] = sampled + 1
             reply = self._replies[chunk.seq]
+            mask = chunk.masks[0] if len(chunk.masks) else None
+            if reply is None:  # off script: masked draws, EOS once free
+                out.tokens[chunk.seq] = [self._draw(mask, chunk) if mask is not None else self.tokenizer.eos_id]
+                continue
+            token = reply[0]
+            if mask is not None and not (int(mask[token // 32]) >> (token % 32)) & 1:
+                self._replies[chunk.seq] = None
+                out.tokens[chunk.seq] = [self._draw(mask, chunk)]
+                continue
             out.tokens[chunk.seq] = [reply.pop(0) if len(reply) > 1 else reply[0]]
         return out
+
+    def _draw(self, mask, chunk) -> int:
+        import numpy as np
+
+        bits = np.unpackbits(np.asarray(mask, dtype=np.uint32).view(np.uint8), bitorder="little")
+        allowed = np.flatnonzero(bits[: self.info.vocab_size])
+        u = chunk.uniforms[0] if len(chunk.uniforms) else 0.5
+        return int(allowed[min(int(u * len(allowed)), len(allowed) - 1)])
 
     def copy_blocks(self, pairs) -> None:
         for src, dst in pairs:

@@ -37,8 +37,11 @@ _ROOT_KEYS = {"type", "properties", "required", "additionalProperties", "$defs",
 #: Keywords of a string parameter written as raw text.
 _STRING_KEYS = {"type", "enum", "const", "minLength", "maxLength", "description", "title", "format", "examples",
                 "default", "$comment"}
-_VALUE_END = r"~/(?s:.*<\/atem:parameter>.*)/"
 CLOSE_PARAMETER = "</atem:parameter>\n"
+_NO_CLOSE = r"~/(?s:.*<\/atem:parameter>.*)/"
+OPEN_BLOCK = "<atem:function_calls>"
+CLOSE_INVOKE = "</atem:invoke>"
+CLOSE_BLOCK = "</atem:function_calls>"
 
 
 def unsupported_schema(tool: str, message: str) -> ApiError:
@@ -75,7 +78,8 @@ def _admits_string(node: Any) -> bool:
         k in node for k in ("anyOf", "oneOf", "allOf", "$ref"))
 
 
-def _string_value(tool: str, name: str, node: dict, rule: str) -> str:
+def _string_value(tool: str, name: str, node: dict, rule: str) -> tuple[str, bool]:
+    """The rules of a raw string value, and whether they include the closing tag."""
     extra = set(node) - _STRING_KEYS
     if extra:
         raise unsupported_schema(tool, f"parameter {name!r} uses {sorted(extra)[0]!r} on a string")
@@ -83,10 +87,15 @@ def _string_value(tool: str, name: str, node: dict, rule: str) -> str:
     if values is not None:
         if not values or not all(isinstance(v, str) for v in values):
             raise unsupported_schema(tool, f"parameter {name!r} mixes strings with other values")
-        return f"{rule}: " + " | ".join(lark_string(v) for v in values) + "\n"
+        return f"{rule}: " + " | ".join(lark_string(v) for v in values) + "\n", False
     low, high = node.get("minLength", 0), node.get("maxLength")
     span = f"{{{int(low)},{'' if high is None else int(high)}}}"
-    return f"{rule}: {rule.upper()}\n{rule.upper()}: /(?s:.{span})/ & {_VALUE_END}\n"
+    # One lazy lexeme for the text *and* its closing tag, so it ends at the
+    # first closing tag. (llguidance's lexemes are greedy otherwise: a value
+    # lexeme followed by the tag as a second lexeme would take "</atem" as
+    # value text and then refuse ":parameter".)
+    return (f"{rule}[lazy]: {rule.upper()}\n{rule.upper()}: (/(?s:.{span})/ & {_NO_CLOSE}) "
+            f"{lark_string(CLOSE_PARAMETER)}\n"), True
 
 
 def _tool_rules(tool: str, alias: str, schema: Any, index: int) -> str:
@@ -109,8 +118,11 @@ def _tool_rules(tool: str, alias: str, schema: Any, index: int) -> str:
             raise unsupported_schema(tool, f"the parameter name {name!r} cannot be written in ATEM")
         node = _resolve(properties.get(name, True), schema)
         value = f"v{index}_{j}"
+        close = lark_string(CLOSE_PARAMETER)
         if _string_only(node):
-            rules.append(_string_value(tool, name, node, value))
+            text, closed = _string_value(tool, name, node, value)
+            rules.append(text)
+            close = "" if closed else close
         elif isinstance(node, dict) and node and _admits_string(node) and not _untyped(node):
             raise unsupported_schema(tool, f"parameter {name!r} mixes strings with other types")
         else:
@@ -118,33 +130,69 @@ def _tool_rules(tool: str, alias: str, schema: Any, index: int) -> str:
             rules.append(f"{value}: {json_rule(body)}\n")
         param = f"p{index}_{j}"
         open_tag = lark_string('<atem:parameter name="' + name + '">')
-        rules.append(f"{param}: {open_tag} {value} {lark_string(CLOSE_PARAMETER)}\n")
+        rules.append(f"{param}: {open_tag} {value} {close}\n")
         parts.append(param if name in required else f"{param}?")
     head = f" to={alias}"
-    opening = f'<atem:function_calls>\n<atem:invoke name="{alias}">\n'
-    closing = "</atem:invoke>\n</atem:function_calls>"
-    rules.insert(0, f"call{index}: {lark_string(head)} <|message|> {lark_string(opening)} {' '.join(parts)} "
-                    f"{lark_string(closing)}\n")
+    rules.insert(0, f"call{index}: {lark_string(head)} <|message|> {lark_string(OPEN_BLOCK + chr(10))} "
+                    f"invoke{index} {lark_string(chr(10) + CLOSE_BLOCK)}\n")
+    rules.insert(1, f"invoke{index}: {lark_string(_open_invoke(alias) + chr(10))} {' '.join(parts)} "
+                    f"{lark_string(CLOSE_INVOKE)}\n")
     return "".join(rules)
+
+
+def _open_invoke(alias: str) -> str:
+    return f'<atem:invoke name="{alias}">'
 
 
 def _untyped(node: dict) -> bool:
     return not any(k in node for k in ("type", "enum", "const", "anyOf", "oneOf", "allOf", "$ref"))
 
 
-def call_grammar(tools: Iterable[Any], options: Mapping[str, Any]) -> str:
-    """``call_message`` and its rules for the tools named in ``options["names"]``."""
+def _alias(tool: Any) -> str:
+    alias = prompt_name(tool.name)
+    if any(c in alias for c in '"<>\r\n'):
+        raise unsupported_schema(tool.name, "its name cannot be written in ATEM")
+    return alias
+
+
+def call_grammar(tools: Iterable[Any], options: Mapping[str, Any]) -> Any:
+    """``call_message`` and its rules for the tools named in ``options["names"]``;
+    with ``options["lazy"]``, the lazily activated form (:func:`lazy_call_grammar`)."""
+    if options.get("lazy"):
+        return lazy_call_grammar(tools, options)
     allowed = set(options.get("names") or ())
     rules, alternatives = [], []
     for index, tool in enumerate(tools):
         if tool.name not in allowed:
             continue
-        alias = prompt_name(tool.name)
-        if any(c in alias for c in '"<>\r\n'):
-            raise unsupported_schema(tool.name, "its name cannot be written in ATEM")
-        rules.append(_tool_rules(tool.name, alias, tool.parameters, index))
+        rules.append(_tool_rules(tool.name, _alias(tool), tool.parameters, index))
         alternatives.append(f"call{index}")
     if not alternatives:
         raise ApiError(400, "no declared tool can be called", "invalid_request_error", param="tool_choice")
     return f"call_message: {' | '.join(alternatives)}\n" + "".join(rules)
+
+
+def lazy_call_grammar(tools: Iterable[Any], options: Mapping[str, Any]) -> dict[str, str]:
+    """The call grammar that starts once the model has written the block opener
+    ``<atem:function_calls>`` (the trigger): ``lazy_call`` is the rest of the
+    block, one invoke of a tool of ``options["names"]`` (``strict: true``)
+    whose parameters satisfy its schema, then the closing tag and the core's
+    ``lazy_end`` (what must follow the markup); or the opening tag of an
+    invoke of a tool of ``options["free_names"]`` (not strict), after which
+    the rule ends and the call is free text again."""
+    strict = set(options.get("names") or ())
+    free = set(options.get("free_names") or ())
+    rules, alternatives, opens = [], [], []
+    for index, tool in enumerate(tools):
+        if tool.name in strict:
+            rules.append(_tool_rules(tool.name, _alias(tool), tool.parameters, index))
+            alternatives.append(f"invoke{index}")
+        elif tool.name in free:
+            opens.append(lark_string(_open_invoke(_alias(tool))))
+    if not alternatives:
+        raise ApiError(400, "no declared tool can be called", "invalid_request_error", param="tools")
+    body = f"lazy_call: {lark_string(chr(10))} (lazy_strict {lark_string(chr(10) + CLOSE_BLOCK)} lazy_end"
+    body += f" | {' | '.join(opens)})\n" if opens else ")\n"
+    return {"trigger": OPEN_BLOCK,
+            "rules": body + f"lazy_strict: {' | '.join(alternatives)}\n" + "".join(rules)}
 

@@ -25,7 +25,7 @@ def _create(tools: Iterable[Any], options: Mapping[str, Any]) -> Any:
     return create(tools, options)
 
 
-def _grammar(tools: Iterable[Any], options: Mapping[str, Any]) -> str:
+def _grammar(tools: Iterable[Any], options: Mapping[str, Any]) -> Any:
     from musegl_atem.grammar import call_grammar
 
     return call_grammar(tools, options)

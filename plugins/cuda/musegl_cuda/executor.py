@@ -355,9 +355,10 @@ class TorchExecutor:
             where.append(index)
             head_rows.extend(start + r for r in sorted(needed))
             sampled_at.extend(index[r] for r in chunk.sampled_rows)
-            rows.add_chunk(chunk)
         out = StepOutput()
         logits = head(torch.tensor(head_rows, device=self.device)) if head_rows else None
+        for chunk in step.chunks:  # after the head: the engine's masks are computed meanwhile
+            rows.add_chunk(chunk)
         ids, logprobs = (sample(logits[torch.tensor(sampled_at, device=self.device)], rows)
                          if sampled_at else ([], []))
         at = 0
