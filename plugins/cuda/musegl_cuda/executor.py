@@ -26,15 +26,17 @@ Every sampled row of a step is sampled in one batched call
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import torch
 
 from musegl_core.checkpoint.loader import Checkpoint
 from musegl_core.checkpoint.vision import VisionWeights
 from musegl_core.engine.executor import GREEDY, ExecutorLimits, ModelInfo, PromptImage, SeqChunk, Step, StepOutput
-from musegl_cuda.model import AttentionBatch, MuseGlimmerDecoder, PagedMeta, SequenceAttention
+from musegl_cuda.model import AttentionBatch, DecodeAttention, MuseGlimmerDecoder, PagedMeta, SequenceAttention
+from musegl_cuda.cpu.stored_matrix import DIRECT_ROWS
 from musegl_cuda.plan import StepPlan, plan_step, rows_per_tile
 from musegl_cuda.vision import load_vision_encoder
 from musegl_cuda.sampling import SampleRows, sample
@@ -91,6 +93,20 @@ def resolve_weights(weights: str | None, device: torch.device, dtype: torch.dtyp
 
 def format_bytes(n: int) -> str:
     return f"{n / 2**20:.1f} MiB" if n < 2**30 else f"{n / 2**30:.2f} GiB"
+
+
+@contextlib.contextmanager
+def single_threaded() -> Iterator[None]:
+    """torch's intra-op threads set to 1 for the block, then restored."""
+    threads = torch.get_num_threads()
+    if threads == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def available_ram() -> int | None:
@@ -272,7 +288,10 @@ class TorchExecutor:
             rows = slice(start, start + len(q_pos))
             sequences.append(SequenceAttention(rows, slots, causal, slots[lo:], causal[:, lo:] & in_window))
             start = rows.stop
-        return AttentionBatch(torch.cat(write), sequences)
+        batch = AttentionBatch(torch.cat(write), sequences)
+        if self.model.stored and all(len(chunk.tokens) == 1 for chunk in step.chunks):
+            batch.decode = DecodeAttention.of(sequences)
+        return batch
 
     def step(self, step: Step) -> StepOutput:
         """Run ``step`` and sample every sampled row of every chunk in one batched
@@ -289,6 +308,13 @@ class TorchExecutor:
                 head, hidden, starts = self._run_paged(step, kv)
                 if isinstance(head, StepOutput):  # a plain greedy graph step, answered by the graph's argmax
                     return head
+            elif self.model.stored and step.num_tokens <= DIRECT_ROWS:
+                # A decode-sized step: its torch ops are tiny and gain nothing from
+                # intra-op threads but the cost of waking them; the weight products
+                # (the C kernels) keep their own threads.
+                with single_threaded():
+                    head, hidden, starts = self._run_eager(step, kv)
+                    return self._outputs(step, head, hidden, starts)
             else:
                 head, hidden, starts = self._run_eager(step, kv)
             return self._outputs(step, head, hidden, starts)

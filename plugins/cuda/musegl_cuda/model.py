@@ -138,11 +138,42 @@ class SequenceAttention:
 
 
 @attrs.define
+class DecodeAttention:
+    """A decode-only step (one row per sequence) as padded tensors, so attention runs
+    for every sequence at once: ``*_slots (seqs, keys)`` (padding reads slot 0),
+    ``*_mask (seqs, keys)`` True on real keys. Built in stored mode (see
+    :meth:`MuseGlimmerDecoder.__init__`)."""
+
+    full_slots: torch.Tensor
+    full_mask: torch.Tensor
+    sliding_slots: torch.Tensor
+    sliding_mask: torch.Tensor
+
+    @staticmethod
+    def _pad(rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        width = max(len(r) for r in rows)
+        slots = torch.zeros(len(rows), width, dtype=torch.long)
+        mask = torch.zeros(len(rows), width, dtype=torch.bool)
+        for i, r in enumerate(rows):
+            slots[i, :len(r)] = r
+            mask[i, :len(r)] = True
+        return slots, mask
+
+    @classmethod
+    def of(cls, sequences: list[SequenceAttention]) -> "DecodeAttention":
+        """From one-row sequences, whose masks are all True (every key up to the row)."""
+        full = cls._pad([s.full_slots for s in sequences])
+        sliding = cls._pad([s.sliding_slots for s in sequences])
+        return cls(full[0], full[1], sliding[0], sliding[1])
+
+
+@attrs.define
 class AttentionBatch:
     """Attention metadata of one packed step: where to write and what to read."""
 
     write_slots: torch.Tensor  # (rows,) cache slot of each packed row
     sequences: list[SequenceAttention] = attrs.field(factory=list)
+    decode: DecodeAttention | None = None
 
 
 @attrs.define
@@ -215,6 +246,10 @@ class Attention(nn.Module):
         k_flat.index_copy_(0, batch.write_slots, k.to(k_flat.dtype))
         v_flat.index_copy_(0, batch.write_slots, v.to(v_flat.dtype))
 
+        if batch.decode is not None:
+            y = self._decode_attention(q, k_flat, v_flat, batch.decode)
+            y = y.reshape(rows, -1) * torch.sigmoid(self.gate_proj(a) if gate is None else gate)
+            return self.o_proj(y)
         y = torch.empty_like(q)
         for seq in batch.sequences:
             slots, mask = ((seq.sliding_slots, seq.sliding_mask) if self.sliding
@@ -224,6 +259,23 @@ class Attention(nn.Module):
             y[seq.rows] = sdpa_rows(q[seq.rows], keys, values, mask, self.scaling)
         y = y.reshape(rows, -1) * torch.sigmoid(self.gate_proj(a) if gate is None else gate)
         return self.o_proj(y)
+
+
+    def _decode_attention(self, q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor,
+                          decode: DecodeAttention) -> torch.Tensor:
+        """One query row per sequence against its keys, every sequence in one batched
+        product; query head ``h`` reads KV head ``h // group`` (no repeated K/V)."""
+        slots, mask = ((decode.sliding_slots, decode.sliding_mask) if self.sliding
+                       else (decode.full_slots, decode.full_mask))
+        seqs, width = slots.shape
+        kvh, hd = self.num_kv_heads, self.head_dim
+        flat = slots.reshape(-1)
+        keys = k_flat.index_select(0, flat).view(seqs, width, kvh, hd).permute(0, 2, 3, 1)
+        values = v_flat.index_select(0, flat).view(seqs, width, kvh, hd).transpose(1, 2)
+        scores = torch.matmul(q.view(seqs, kvh, self.group, hd), keys) * self.scaling  # (seqs, kvh, group, keys)
+        scores = scores.masked_fill(~mask[:, None, None, :], float("-inf"))
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        return torch.matmul(probs, values).reshape(seqs, self.num_heads, hd)
 
 
 def sdpa_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
