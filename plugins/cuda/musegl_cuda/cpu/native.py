@@ -1,13 +1,13 @@
 """Build and load ``weight_kernels.c`` (the stored-weight matrix products) with ctypes.
 
 The C file is compiled once per machine with the system C compiler
-(``cc -O3 -march=native -fopenmp``) into ``$MUSEGL_CACHE`` (default
-``~/.cache/musegl``)/kernels, named by a hash of the source and the compiler
-flags, and loaded after torch so that its OpenMP calls run on the libgomp torch
-already loaded (one thread pool, no spinning pools fighting for the cores).
+(``cc -O3 -march=native -pthread``) into the musegl cache (``$MUSEGL_CACHE_DIR``,
+default the user cache dir)/kernels, named by a hash of the source and the compiler
+flags. The kernels split rows over their own small thread pool (pthreads; see
+the C file), sized by ``threads`` on the first call.
 :func:`load` returns None, with :func:`unavailable_reason` saying why, on a
-machine without a C compiler or without AVX-512 (F, BW, F16C): the executor then
-falls back to float32 weights.
+machine without a C compiler or without AVX-512 (F, BW, F16C, FMA): the executor
+then decodes the matrices to float32 at load.
 """
 
 from __future__ import annotations
@@ -20,10 +20,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-import torch  # noqa: F401  (loaded first: its libgomp serves the kernels' OpenMP)
-
 SOURCE = Path(__file__).with_name("weight_kernels.c")
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
+FLAGS = ("-O3", "-march=native", "-pthread", "-shared", "-fPIC")
 REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "f16c", "fma")
 
 _lib: ctypes.CDLL | None = None
@@ -42,8 +40,9 @@ def cpu_flags() -> set[str]:
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("MUSEGL_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "musegl")
-    return Path(root) / "kernels"
+    from musegl_core.tiny import _cache_root  # the cache the tiny checkpoints use
+
+    return _cache_root() / "kernels"
 
 
 def _compile(compiler: str, target: Path) -> None:

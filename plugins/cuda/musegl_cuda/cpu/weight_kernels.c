@@ -5,8 +5,8 @@
  * weight row is decoded 16 values at a time in registers and multiplied into
  * every activation row, so the weight is read from memory once per call, at
  * its stored size: decode is bound by weight bytes, which is what halving or
- * quartering them buys. Rows are split across threads with OpenMP (the
- * libgomp that torch already loaded).
+ * quartering them buys. Rows are split in chunks over a small pool of threads
+ * (see "Thread pool" below).
  *
  * mw_dequant_rows decodes whole rows to float32 (embedding lookups, prefill).
  *
@@ -18,6 +18,8 @@
  *         nibbles the first 32 (sub-block 2i), high nibbles the next 32 (2i+1);
  *         v = d*scale*nibble - dmin*min.
  */
+#include <pthread.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <string.h>
 #include <immintrin.h>
@@ -147,20 +149,147 @@ static void row_dot(int type, const uint8_t *wrow, long k, const float *x, long 
     for (int m = 0; m < mt; ++m) out[m] = _mm512_reduce_add_ps(_mm512_add_ps(acc[m], acc2[m]));
 }
 
-/* y (m x n, row stride ldy) = x (m x k, row stride ldx) @ W^T, W (n rows of row_bytes(type, k)).
- * k must be a multiple of the type's block (32 for f32/f16/bf16). */
-void mw_matmul(int type, const uint8_t *w, long n, long k, const float *x, long ldx, long m, float *y,
-               long ldy, int threads) {
-    const long rb = mw_row_bytes(type, k);
-    #pragma omp parallel for schedule(static) num_threads(threads)
-    for (long r = 0; r < n; ++r) {
-        float out[MAX_TILE];
-        for (long m0 = 0; m0 < m; m0 += MAX_TILE) {
-            int mt = (int)(m - m0 < MAX_TILE ? m - m0 : MAX_TILE);
-            row_dot(type, w + r * rb, k, x + m0 * ldx, ldx, mt, out);
-            for (int i = 0; i < mt; ++i) y[(m0 + i) * ldy + r] = out[i];
+
+/* ---- Thread pool ------------------------------------------------------------------
+ * A call is cut into chunks of rows; the calling thread and the helper threads
+ * claim chunks with one atomic compare-and-swap on (job generation, next chunk),
+ * and the caller waits only for chunks a helper has claimed and not finished.
+ * Unlike an OpenMP region, which ends at a barrier every team thread must reach,
+ * a call never waits for a helper the OS has not scheduled yet: on a loaded
+ * machine the caller then simply does all the chunks. Idle helpers spin briefly
+ * and then sleep on a condition variable. */
+
+typedef void (*chunk_fn)(long begin, long end, const void *arg);
+
+#define CLOSED 0xFFFFFFFFu
+static struct {
+    chunk_fn fn;
+    const void *arg;
+    long rows, chunk_rows;
+    uint32_t chunks;
+} job;
+static _Atomic uint64_t state;           /* generation << 32 | next chunk (CLOSED between jobs) */
+static _Atomic uint32_t finished;        /* chunks done in the current generation */
+static _Atomic uint32_t posted;          /* the latest generation (helpers wait for a change) */
+static _Atomic int sleepers;
+static pthread_mutex_t pool_mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t pool_cv = PTHREAD_COND_INITIALIZER;
+static int pool_threads = 0;             /* helpers + the caller */
+static pthread_mutex_t call_mu = PTHREAD_MUTEX_INITIALIZER;
+
+static void run_chunks(uint32_t gen) {
+    for (;;) {
+        uint64_t s = atomic_load(&state);
+        if ((uint32_t)(s >> 32) != gen) return;
+        uint32_t idx = (uint32_t)s;
+        if (idx == CLOSED || idx >= job.chunks) return;
+        if (!atomic_compare_exchange_weak(&state, &s, s + 1)) continue;
+        /* Claimed: the job cannot finish (nor its parameters change) before we count it. */
+        long begin = (long)idx * job.chunk_rows;
+        long end = begin + job.chunk_rows < job.rows ? begin + job.chunk_rows : job.rows;
+        job.fn(begin, end, job.arg);
+        atomic_fetch_add(&finished, 1);
+    }
+}
+
+static void *helper_main(void *unused) {
+    (void)unused;
+    uint32_t seen = atomic_load(&posted);
+    for (;;) {
+        int spins = 0;
+        while (atomic_load(&posted) == seen) {
+            if (++spins < 20000) {
+                _mm_pause();
+                continue;
+            }
+            pthread_mutex_lock(&pool_mu);
+            atomic_fetch_add(&sleepers, 1);
+            while (atomic_load(&posted) == seen) pthread_cond_wait(&pool_cv, &pool_mu);
+            atomic_fetch_sub(&sleepers, 1);
+            pthread_mutex_unlock(&pool_mu);
+        }
+        seen = atomic_load(&posted);
+        run_chunks(seen);
+    }
+    return NULL;
+}
+
+static void start_pool(int threads) {
+    if (pool_threads) return;
+    pool_threads = threads < 1 ? 1 : threads;
+    atomic_store(&state, (uint64_t)CLOSED);
+    for (int i = 1; i < pool_threads; ++i) {
+        pthread_t t;
+        if (pthread_create(&t, NULL, helper_main, NULL) != 0) {
+            pool_threads = i;
+            break;
+        }
+        pthread_detach(t);
+    }
+}
+
+/* fn(begin, end, arg) over rows 0 .. rows-1 in chunks of at least min_rows. */
+static void parallel_rows(long rows, long min_rows, chunk_fn fn, const void *arg, int threads) {
+    pthread_mutex_lock(&call_mu);  /* one job at a time */
+    start_pool(threads);
+    long chunks = pool_threads * 8L;
+    long chunk_rows = (rows + chunks - 1) / chunks;
+    if (chunk_rows < min_rows) chunk_rows = min_rows;
+    if (pool_threads == 1 || chunk_rows >= rows) {
+        fn(0, rows, arg);
+        pthread_mutex_unlock(&call_mu);
+        return;
+    }
+    static uint32_t gen = 0;
+    job.fn = fn;
+    job.arg = arg;
+    job.rows = rows;
+    job.chunk_rows = chunk_rows;
+    job.chunks = (uint32_t)((rows + chunk_rows - 1) / chunk_rows);
+    atomic_store(&finished, 0);
+    ++gen;
+    atomic_store(&state, (uint64_t)gen << 32);
+    atomic_store(&posted, gen);
+    if (atomic_load(&sleepers) > 0) {
+        pthread_mutex_lock(&pool_mu);
+        pthread_cond_broadcast(&pool_cv);
+        pthread_mutex_unlock(&pool_mu);
+    }
+    run_chunks(gen);
+    while (atomic_load(&finished) < job.chunks) _mm_pause();
+    atomic_store(&state, (uint64_t)gen << 32 | CLOSED);
+    pthread_mutex_unlock(&call_mu);
+}
+
+typedef struct {
+    int type;
+    const uint8_t *w;
+    long k, rb, m, ldx, ldy;
+    const float *x;
+    float *y;
+    const int64_t *rows;
+    float *out;
+} args_t;
+
+static void matmul_chunk(long begin, long end, const void *p) {
+    const args_t *a = (const args_t *)p;
+    float out[MAX_TILE];
+    for (long r = begin; r < end; ++r) {
+        for (long m0 = 0; m0 < a->m; m0 += MAX_TILE) {
+            int mt = (int)(a->m - m0 < MAX_TILE ? a->m - m0 : MAX_TILE);
+            row_dot(a->type, a->w + r * a->rb, a->k, a->x + m0 * a->ldx, a->ldx, mt, out);
+            for (int i = 0; i < mt; ++i) a->y[(m0 + i) * a->ldy + r] = out[i];
         }
     }
+}
+
+/* y (m x n, row stride ldy) = x (m x k, row stride ldx) @ W^T, W (n rows of row_bytes(type, k)).
+ * k must be a multiple of the type's block (32 for f32/f16/bf16). ``threads`` sizes the
+ * pool on the first call. */
+void mw_matmul(int type, const uint8_t *w, long n, long k, const float *x, long ldx, long m, float *y,
+               long ldy, int threads) {
+    args_t a = {type, w, k, mw_row_bytes(type, k), m, ldx, ldy, x, y, NULL, NULL};
+    parallel_rows(n, 64, matmul_chunk, &a, threads);
 }
 
 static void dequant_row(int type, const uint8_t *wrow, long k, float *out) {
@@ -218,12 +347,16 @@ static void dequant_row(int type, const uint8_t *wrow, long k, float *out) {
     }
 }
 
+static void dequant_chunk(long begin, long end, const void *p) {
+    const args_t *a = (const args_t *)p;
+    for (long i = begin; i < end; ++i) {
+        long r = a->rows ? (long)a->rows[i] : i;
+        dequant_row(a->type, a->w + r * a->rb, a->k, a->out + i * a->k);
+    }
+}
+
 /* out (count x k) = rows of W; rows == NULL means rows 0 .. count-1. */
 void mw_dequant_rows(int type, const uint8_t *w, long k, const int64_t *rows, long count, float *out, int threads) {
-    const long rb = mw_row_bytes(type, k);
-    #pragma omp parallel for schedule(static) num_threads(threads)
-    for (long i = 0; i < count; ++i) {
-        long r = rows ? (long)rows[i] : i;
-        dequant_row(type, w + r * rb, k, out + i * k);
-    }
+    args_t a = {type, w, k, mw_row_bytes(type, k), 0, 0, 0, NULL, NULL, rows, out};
+    parallel_rows(count, 16, dequant_chunk, &a, threads);
 }
