@@ -288,10 +288,32 @@ class TorchExecutor:
             rows = slice(start, start + len(q_pos))
             sequences.append(SequenceAttention(rows, slots, causal, slots[lo:], causal[:, lo:] & in_window))
             start = rows.stop
-        batch = AttentionBatch(torch.cat(write), sequences)
-        if self.model.stored and all(len(chunk.tokens) == 1 for chunk in step.chunks):
-            batch.decode = DecodeAttention.of(sequences)
-        return batch
+        return AttentionBatch(torch.cat(write), sequences)
+
+    def _decode_batch(self, step: Step) -> AttentionBatch:
+        """:meth:`_attention_batch` of a step of one row per sequence, as the padded
+        tensors of :class:`DecodeAttention` (stored mode): no per-sequence masks."""
+        bs = self.block_size
+        tables, last = [], []
+        for chunk in step.chunks:
+            pos = chunk.positions[0]
+            if pos < 0:
+                raise ValueError(f"sequence {chunk.seq}: chunk positions must be consecutive and >= 0")
+            if pos // bs >= len(chunk.blocks):
+                raise ValueError(f"sequence {chunk.seq}: position {pos} needs block {pos // bs} "
+                                 f"but its block table has {len(chunk.blocks)} blocks")
+            needed = list(chunk.blocks[:pos // bs + 1])
+            if min(needed) < 0 or max(needed) >= self.num_blocks:
+                raise ValueError(f"sequence {chunk.seq}: block ids must lie in 0..{self.num_blocks - 1}")
+            tables.append(needed)
+            last.append(pos)
+        decode = DecodeAttention.of(tables, last, bs, self.config.sliding_window)
+        rows = torch.arange(len(last))
+        write = decode.full_slots[rows, torch.tensor(last)]
+        sequences = [SequenceAttention(slice(i, i + 1), decode.full_slots[i], decode.full_mask[i:i + 1],
+                                       decode.sliding_slots[i], decode.sliding_mask[i:i + 1])
+                     for i in range(len(last))]
+        return AttentionBatch(write, sequences, decode)
 
     def step(self, step: Step) -> StepOutput:
         """Run ``step`` and sample every sampled row of every chunk in one batched
@@ -324,7 +346,8 @@ class TorchExecutor:
         tokens = [t for c in step.chunks for t in c.tokens]
         if any(not 0 <= t < vocab for t in tokens):
             raise ValueError(f"token id outside the vocabulary 0..{vocab - 1}")
-        batch = self._attention_batch(step)
+        decode = self.model.stored and all(len(chunk.tokens) == 1 for chunk in step.chunks)
+        batch = self._decode_batch(step) if decode else self._attention_batch(step)
         token_ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
         positions = torch.tensor([p for c in step.chunks for p in c.positions], device=self.device)
         starts = [seq.rows.start for seq in batch.sequences]

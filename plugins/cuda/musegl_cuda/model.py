@@ -141,30 +141,30 @@ class SequenceAttention:
 class DecodeAttention:
     """A decode-only step (one row per sequence) as padded tensors, so attention runs
     for every sequence at once: ``*_slots (seqs, keys)`` (padding reads slot 0),
-    ``*_mask (seqs, keys)`` True on real keys. Built in stored mode (see
-    :meth:`MuseGlimmerDecoder.__init__`)."""
+    ``*_mask (seqs, keys)`` True on the keys a row sees. Built for decode steps in
+    stored mode (see :meth:`MuseGlimmerDecoder.__init__`)."""
 
     full_slots: torch.Tensor
     full_mask: torch.Tensor
     sliding_slots: torch.Tensor
     sliding_mask: torch.Tensor
 
-    @staticmethod
-    def _pad(rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        width = max(len(r) for r in rows)
-        slots = torch.zeros(len(rows), width, dtype=torch.long)
-        mask = torch.zeros(len(rows), width, dtype=torch.bool)
-        for i, r in enumerate(rows):
-            slots[i, :len(r)] = r
-            mask[i, :len(r)] = True
-        return slots, mask
-
     @classmethod
-    def of(cls, sequences: list[SequenceAttention]) -> "DecodeAttention":
-        """From one-row sequences, whose masks are all True (every key up to the row)."""
-        full = cls._pad([s.full_slots for s in sequences])
-        sliding = cls._pad([s.sliding_slots for s in sequences])
-        return cls(full[0], full[1], sliding[0], sliding[1])
+    def of(cls, tables: list[list[int]], last: list[int], block_size: int, window: int) -> "DecodeAttention":
+        """From each sequence's block table and the position of its one row (keys
+        ``0 .. last``; sliding layers only the last ``window`` of them)."""
+        n = len(tables)
+        table = torch.zeros(n, max(len(t) for t in tables), dtype=torch.long)
+        for i, t in enumerate(tables):
+            table[i, :len(t)] = torch.tensor(t, dtype=torch.long)
+        pos = torch.tensor(last, dtype=torch.long)[:, None]
+        k_pos = torch.arange(int(max(last)) + 1)
+        mask = k_pos[None, :] <= pos
+        slots = (table.gather(1, (k_pos // block_size).expand(n, -1)) * block_size + k_pos % block_size)
+        slots = slots.masked_fill(~mask, 0)
+        lo = max(0, min(last) - window + 1)  # no sliding row sees a key before this
+        in_window = mask & (pos - k_pos[None, :] < window)
+        return cls(slots, mask, slots[:, lo:], in_window[:, lo:])
 
 
 @attrs.define
@@ -264,18 +264,24 @@ class Attention(nn.Module):
     def _decode_attention(self, q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor,
                           decode: DecodeAttention) -> torch.Tensor:
         """One query row per sequence against its keys, every sequence in one batched
-        product; query head ``h`` reads KV head ``h // group`` (no repeated K/V)."""
+        product per KV head; the query heads of a group read their KV head in place
+        (strided, no repeated or re-laid-out K/V)."""
         slots, mask = ((decode.sliding_slots, decode.sliding_mask) if self.sliding
                        else (decode.full_slots, decode.full_mask))
         seqs, width = slots.shape
-        kvh, hd = self.num_kv_heads, self.head_dim
+        kvh, hd, group = self.num_kv_heads, self.head_dim, self.group
         flat = slots.reshape(-1)
-        keys = k_flat.index_select(0, flat).view(seqs, width, kvh, hd).permute(0, 2, 3, 1)
-        values = v_flat.index_select(0, flat).view(seqs, width, kvh, hd).transpose(1, 2)
-        scores = torch.matmul(q.view(seqs, kvh, self.group, hd), keys) * self.scaling  # (seqs, kvh, group, keys)
-        scores = scores.masked_fill(~mask[:, None, None, :], float("-inf"))
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        return torch.matmul(probs, values).reshape(seqs, self.num_heads, hd)
+        keys = k_flat.index_select(0, flat).view(seqs, width, kvh, hd)
+        values = v_flat.index_select(0, flat).view(seqs, width, kvh, hd)
+        queries = q.view(seqs, kvh, group, hd)
+        hidden = ~mask[:, None, :]
+        out = torch.empty(seqs, kvh, group, hd, dtype=q.dtype)
+        for h in range(kvh):
+            scores = torch.bmm(queries[:, h], keys[:, :, h].transpose(1, 2)) * self.scaling  # (seqs, group, keys)
+            scores = scores.masked_fill(hidden, float("-inf"))
+            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+            out[:, h] = torch.bmm(probs, values[:, :, h])
+        return out.view(seqs, self.num_heads, hd)
 
 
 def sdpa_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,

@@ -187,3 +187,21 @@ def test_serve_flag_picks_the_weight_mode(wide_model):
         spec.create(ExecutorOptions(model=str(paths["q8_0"]), dtype="bfloat16", extra={"weights": "stored"}))
     with pytest.raises(ConfigError, match="--weights must be one of"):
         spec.create(ExecutorOptions(model=str(paths["q8_0"]), extra={"weights": "int8"}))
+
+
+def test_batched_decode_of_unequal_sequences_matches_one_at_a_time(wide_model):
+    """A decode step of several sequences (different lengths, some past the sliding
+    window, non-contiguous blocks) gives each the logits it gets alone."""
+    _, paths = wide_model
+    ex = executor(paths["f16"])
+    prompts = {1: prompt(21, 5), 2: prompt(22, 19), 3: prompt(23, 33)}
+    tables = {1: [9, 2], 2: [4, 0, 11], 3: [5, 7, 1, 12]}
+    for seq, ids in prompts.items():
+        ex.step(Step([SeqChunk(seq=seq, tokens=ids, positions=list(range(len(ids))), blocks=tables[seq],
+                               sample=True)]))
+    chunks = [SeqChunk(seq=seq, tokens=[7], positions=[len(ids)], blocks=tables[seq], sample=True,
+                       want_logits=True) for seq, ids in prompts.items()]
+    together = ex.step(Step(chunks)).logits
+    for chunk in chunks:
+        alone = ex.step(Step([chunk])).logits[chunk.seq]  # rewrites the same cache slot
+        torch.testing.assert_close(together[chunk.seq], alone, rtol=1e-5, atol=1e-5)
