@@ -8,8 +8,12 @@ kv_heads, head_dim)``; ``k_cache[i]``/``v_cache[i]`` are per-layer views
 shaped ``(blocks, block_size, kv_heads, head_dim)``. The engine owns block
 ids; this class only stores and reads what they index.
 
-On the CPU (float32 by default) attention is a loop over the sequences of a
-step (the reference path, at parity with transformers). On CUDA (bfloat16 by
+On the CPU (float32 activations by default) attention is a loop over the
+sequences of a step (the reference path, at parity with transformers). The
+CPU keeps the checkpoint's matrices as stored by default (``weights="stored"``:
+float16, bfloat16, GGUF Q8_0/Q4_0/Q4_K bytes, multiplied by the kernels of
+:mod:`musegl_cuda.cpu`); ``weights="upcast"`` converts them to the activation
+dtype at load, as CUDA always does. A float32 checkpoint runs the same either way. On CUDA (bfloat16 by
 default) a step is flattened once into a :class:`~musegl_cuda.plan.StepPlan`
 and runs through the Triton kernels of :mod:`musegl_cuda.kernels`: paged
 attention over every sequence at once, fused norms; decode-only steps whose
@@ -22,16 +26,18 @@ Every sampled row of a step is sampled in one batched call
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import torch
 
 from musegl_core.checkpoint.loader import Checkpoint
 from musegl_core.checkpoint.vision import VisionWeights
 from musegl_core.engine.executor import GREEDY, ExecutorLimits, ModelInfo, PromptImage, SeqChunk, Step, StepOutput
-from musegl_cuda.model import AttentionBatch, MuseGlimmerDecoder, PagedMeta, SequenceAttention
+from musegl_cuda.model import AttentionBatch, DecodeAttention, MuseGlimmerDecoder, PagedMeta, SequenceAttention
+from musegl_cuda.cpu.stored_matrix import DIRECT_ROWS
 from musegl_cuda.plan import StepPlan, plan_step, rows_per_tile
 from musegl_cuda.vision import load_vision_encoder
 from musegl_cuda.sampling import SampleRows, sample
@@ -39,6 +45,8 @@ from musegl_cuda.sampling import SampleRows, sample
 DEFAULT_BLOCK_SIZE = 16
 #: Decode widths captured as CUDA graphs unless ``--forward-sizes`` says otherwise.
 DEFAULT_FORWARD_SIZES = (1, 2, 4, 8, 16, 32, 64)
+WEIGHT_MODES = ("stored", "upcast")
+log = logging.getLogger("musegl.executor")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
           "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -88,6 +96,38 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
     return DTYPES[dtype]
 
 
+def resolve_weights(weights: str | None, device: torch.device, dtype: torch.dtype, file_type: str = "") -> str:
+    """``None`` means ``stored`` on the CPU with float32 activations for a checkpoint not
+    stored in float32 (a float32 one runs the float32 reference path), else ``upcast``."""
+    if weights is None:
+        cpu32 = device.type == "cpu" and dtype == torch.float32
+        return "stored" if cpu32 and file_type not in ("f32", "") else "upcast"
+    if weights not in WEIGHT_MODES:
+        raise ValueError(f"weights must be one of {', '.join(WEIGHT_MODES)}, got {weights!r}")
+    if weights == "stored" and (device.type != "cpu" or dtype != torch.float32):
+        raise ValueError("weights 'stored' runs on the CPU with float32 activations "
+                         f"(got device {device.type}, dtype {str(dtype).removeprefix('torch.')})")
+    return weights
+
+
+def format_bytes(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB" if n < 2**30 else f"{n / 2**30:.2f} GiB"
+
+
+@contextlib.contextmanager
+def single_threaded() -> Iterator[None]:
+    """torch's intra-op threads set to 1 for the block, then restored."""
+    threads = torch.get_num_threads()
+    if threads == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 def available_ram() -> int | None:
     """The kernel's estimate of memory available without swapping (Linux), else None."""
     try:
@@ -106,16 +146,23 @@ class TorchExecutor:
     def __init__(self, checkpoint: Checkpoint, device: str | torch.device | None = None,
                  dtype: str | torch.dtype | None = None, block_size: int = DEFAULT_BLOCK_SIZE,
                  limits: ExecutorLimits | None = None, forward_sizes: Sequence[int] | None = None,
-                 dummy_seed: int | None = None, vision: VisionWeights | None = None) -> None:
+                 dummy_seed: int | None = None, vision: VisionWeights | None = None,
+                 weights: str | None = None) -> None:
         """``forward_sizes``: decode widths to capture as CUDA graphs (None: the
         defaults on CUDA; ignored on the CPU; empty: no graphs).
         ``dummy_seed``: don't read weights, make random ones on the device
         with this seed (``--load-format dummy``). ``vision``: the vision
-        tower's weights (a projector was loaded)."""
+        tower's weights (a projector was loaded). ``weights``: ``stored`` keeps
+        the checkpoint's matrices in their stored dtype (CPU and float32
+        activations only; the default there), ``upcast`` converts them to
+        ``dtype`` (None: the default for the device and dtype)."""
         if block_size <= 0:
             raise ValueError("block_size must be positive")
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
+        self.weights = resolve_weights(weights, self.device, self.dtype, getattr(checkpoint, "file_type", ""))
+        if dummy_seed is not None:
+            self.weights = "upcast"  # random weights are made in the activation dtype
         self.block_size = block_size
         self.paged = self.device.type == "cuda"
         if self.paged:
@@ -138,10 +185,16 @@ class TorchExecutor:
             backend="cuda" if self.device.type == "cuda" else "torch-cpu",
             vision=vision is not None,
         )
+        #: weight bytes per dtype tag after loading (the memory the weights take)
+        self.weight_bytes: dict[str, int] = {}
         with torch.inference_mode():
-            self.model = MuseGlimmerDecoder(config, self.dtype, self.device)
+            self.model = MuseGlimmerDecoder(config, self.dtype, self.device, stored=self.weights == "stored")
             if dummy_seed is not None:
                 self.model.randomize(dummy_seed)
+            elif self.weights == "stored":
+                for stored in checkpoint.iter_stored():
+                    self.model.load_stored(stored)
+                self.weight_bytes = self.model.finish_stored()
             else:
                 loaded = set()
                 for name, array in checkpoint.iter_weights():
@@ -151,6 +204,13 @@ class TorchExecutor:
                 if missing:
                     raise ValueError(f"checkpoint did not provide {sorted(missing)[:5]}")
         self.model.eval()
+        if not self.weight_bytes:
+            size = torch.empty((), dtype=self.dtype).element_size()
+            n = sum(p.numel() for p in self.model.parameters() if p.device.type != "meta")
+            self.weight_bytes = {str(self.dtype).removeprefix("torch."): n * size}
+        log.info("weights (%s, checkpoint %s): %s", self.weights, getattr(checkpoint, "file_type", "?"),
+                 ", ".join(f"{k} {format_bytes(v)}" for k, v in sorted(self.weight_bytes.items()))
+                 + f"; total {format_bytes(sum(self.weight_bytes.values()))}")
         self.vision = None if vision is None else load_vision_encoder(vision, config, self.dtype, self.device)
         self.kv: torch.Tensor | None = None
         self.num_blocks = 0
@@ -251,6 +311,31 @@ class TorchExecutor:
             start = rows.stop
         return AttentionBatch(torch.cat(write), sequences)
 
+    def _decode_batch(self, step: Step) -> AttentionBatch:
+        """:meth:`_attention_batch` of a step of one row per sequence, as the padded
+        tensors of :class:`DecodeAttention` (stored mode): no per-sequence masks."""
+        bs = self.block_size
+        tables, last = [], []
+        for chunk in step.chunks:
+            pos = chunk.positions[0]
+            if pos < 0:
+                raise ValueError(f"sequence {chunk.seq}: chunk positions must be consecutive and >= 0")
+            if pos // bs >= len(chunk.blocks):
+                raise ValueError(f"sequence {chunk.seq}: position {pos} needs block {pos // bs} "
+                                 f"but its block table has {len(chunk.blocks)} blocks")
+            needed = list(chunk.blocks[:pos // bs + 1])
+            if min(needed) < 0 or max(needed) >= self.num_blocks:
+                raise ValueError(f"sequence {chunk.seq}: block ids must lie in 0..{self.num_blocks - 1}")
+            tables.append(needed)
+            last.append(pos)
+        decode = DecodeAttention.of(tables, last, bs, self.config.sliding_window)
+        rows = torch.arange(len(last))
+        write = decode.full_slots[rows, torch.tensor(last)]
+        sequences = [SequenceAttention(slice(i, i + 1), decode.full_slots[i], decode.full_mask[i:i + 1],
+                                       decode.sliding_slots[i], decode.sliding_mask[i:i + 1])
+                     for i in range(len(last))]
+        return AttentionBatch(write, sequences, decode)
+
     def step(self, step: Step) -> StepOutput:
         """Run ``step`` and sample every sampled row of every chunk in one batched
         call. On CUDA a decode-only step of a captured width replays its graph;
@@ -266,6 +351,13 @@ class TorchExecutor:
                 head, hidden, starts = self._run_paged(step, kv)
                 if isinstance(head, StepOutput):  # a plain greedy graph step, answered by the graph's argmax
                     return head
+            elif self.model.stored and step.num_tokens <= DIRECT_ROWS:
+                # A decode-sized step: its torch ops are tiny and gain nothing from
+                # intra-op threads but the cost of waking them; the weight products
+                # (the C kernels) keep their own threads.
+                with single_threaded():
+                    head, hidden, starts = self._run_eager(step, kv)
+                    return self._outputs(step, head, hidden, starts)
             else:
                 head, hidden, starts = self._run_eager(step, kv)
             return self._outputs(step, head, hidden, starts)
@@ -275,7 +367,8 @@ class TorchExecutor:
         tokens = [t for c in step.chunks for t in c.tokens]
         if any(not 0 <= t < vocab for t in tokens):
             raise ValueError(f"token id outside the vocabulary 0..{vocab - 1}")
-        batch = self._attention_batch(step)
+        decode = self.model.stored and all(len(chunk.tokens) == 1 for chunk in step.chunks)
+        batch = self._decode_batch(step) if decode else self._attention_batch(step)
         token_ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
         positions = torch.tensor([p for c in step.chunks for p in c.positions], device=self.device)
         starts = [seq.rows.start for seq in batch.sequences]

@@ -5,6 +5,12 @@ sequences packed together. Projections and the MLP run over all rows at once;
 only attention is per sequence, and it reads K/V from the executor's paged
 cache through :class:`AttentionBatch` (built by the executor per step).
 
+With ``stored=True`` (the CPU default, see :mod:`musegl_cuda.cpu`) the
+matrices are not torch parameters: each is a :class:`StoredMatrix` holding the
+checkpoint's bytes (float16, bfloat16, GGUF Q8_0/Q4_0/Q4_K, or float32), and
+q/k/v/gate and gate/up are each one stacked matrix where their dtypes agree.
+Activations stay float32.
+
 Numerics follow transformers: norms in float32 (plain norms with
 ``pow(ms+ε, -0.5)``, centered norms with ``rsqrt`` and ``1+w``), the QK norm
 cast to the activation dtype before ``×qk_scale_factor``, cos/sin built in
@@ -21,6 +27,8 @@ from torch import nn
 
 from musegl_core.checkpoint.config import TextConfig
 from musegl_core.checkpoint.hf_reader import CENTERED_NORMS, text_weight_names
+from musegl_core.checkpoint.stored import StoredTensor
+from musegl_cuda.cpu.stored_matrix import DenseMatrix, StoredGroup, StoredMatrix, stored_matrix
 
 
 #: On CUDA the head's multiplier and softcap run as one Triton pass (kernels.softcap_logits).
@@ -67,6 +75,7 @@ class Linear(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype, device=device),
                                    requires_grad=False)
+        self.stored: StoredMatrix | None = None  # set in stored mode; then ``weight`` is on "meta"
 
     @classmethod
     def rows_of(cls, fused: nn.Parameter, start: int, stop: int) -> "Linear":
@@ -75,9 +84,12 @@ class Linear(nn.Module):
         layer = cls.__new__(cls)
         nn.Module.__init__(layer)
         layer.weight = nn.Parameter(fused.data[start:stop], requires_grad=False)
+        layer.stored = None
         return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.stored is not None:
+            return self.stored.matmul(x)
         if x.device.type == "cpu" and x.dim() == 2 and x.shape[0] <= SMALL_BATCH_ROWS:
             return (self.weight @ x.t()).t()
         return F.linear(x, self.weight)
@@ -126,11 +138,42 @@ class SequenceAttention:
 
 
 @attrs.define
+class DecodeAttention:
+    """A decode-only step (one row per sequence) as padded tensors, so attention runs
+    for every sequence at once: ``*_slots (seqs, keys)`` (padding reads slot 0),
+    ``*_mask (seqs, keys)`` True on the keys a row sees. Built for decode steps in
+    stored mode (see :meth:`MuseGlimmerDecoder.__init__`)."""
+
+    full_slots: torch.Tensor
+    full_mask: torch.Tensor
+    sliding_slots: torch.Tensor
+    sliding_mask: torch.Tensor
+
+    @classmethod
+    def of(cls, tables: list[list[int]], last: list[int], block_size: int, window: int) -> "DecodeAttention":
+        """From each sequence's block table and the position of its one row (keys
+        ``0 .. last``; sliding layers only the last ``window`` of them)."""
+        n = len(tables)
+        table = torch.zeros(n, max(len(t) for t in tables), dtype=torch.long)
+        for i, t in enumerate(tables):
+            table[i, :len(t)] = torch.tensor(t, dtype=torch.long)
+        pos = torch.tensor(last, dtype=torch.long)[:, None]
+        k_pos = torch.arange(int(max(last)) + 1)
+        mask = k_pos[None, :] <= pos
+        slots = (table.gather(1, (k_pos // block_size).expand(n, -1)) * block_size + k_pos % block_size)
+        slots = slots.masked_fill(~mask, 0)
+        lo = max(0, min(last) - window + 1)  # no sliding row sees a key before this
+        in_window = mask & (pos - k_pos[None, :] < window)
+        return cls(slots, mask, slots[:, lo:], in_window[:, lo:])
+
+
+@attrs.define
 class AttentionBatch:
     """Attention metadata of one packed step: where to write and what to read."""
 
     write_slots: torch.Tensor  # (rows,) cache slot of each packed row
     sequences: list[SequenceAttention] = attrs.field(factory=list)
+    decode: DecodeAttention | None = None
 
 
 @attrs.define
@@ -151,8 +194,10 @@ class PagedMeta:
 class Attention(nn.Module):
     """Gated GQA attention with the scale-less QK norm; RoPE and the window per layer."""
 
-    def __init__(self, config: TextConfig, layer: int, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, config: TextConfig, layer: int, dtype: torch.dtype, device: torch.device,
+                 weight_device: torch.device | None = None) -> None:
         super().__init__()
+        wdev = weight_device or device
         h, hd = config.hidden_size, config.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, hd
         self.group = config.num_heads // config.num_kv_heads
@@ -164,20 +209,31 @@ class Attention(nn.Module):
         # q, k, v and the output gate are one matrix (one product on the CUDA path);
         # the four projections are row views of it.
         nq, nkv = config.num_heads * hd, config.num_kv_heads * hd
-        self.qkvg = nn.Parameter(torch.empty(2 * nq + 2 * nkv, h, dtype=dtype, device=device), requires_grad=False)
+        self.qkvg = nn.Parameter(torch.empty(2 * nq + 2 * nkv, h, dtype=dtype, device=wdev), requires_grad=False)
+        self.qkvg_stored: StoredGroup | None = None
         self.q_proj = Linear.rows_of(self.qkvg, 0, nq)
         self.k_proj = Linear.rows_of(self.qkvg, nq, nq + nkv)
         self.v_proj = Linear.rows_of(self.qkvg, nq + nkv, nq + 2 * nkv)
         self.gate_proj = Linear.rows_of(self.qkvg, nq + 2 * nkv, 2 * nq + 2 * nkv)
         self.gate_offset = nq + 2 * nkv
-        self.o_proj = Linear(config.num_heads * hd, h, dtype, device)
+        self.o_proj = Linear(config.num_heads * hd, h, dtype, wdev)
+        self.q_rows, self.kv_rows = nq, nkv
 
     def forward(self, a: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], batch: AttentionBatch,
                 k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         rows = a.shape[0]
-        q = self.q_proj(a).view(rows, self.num_heads, self.head_dim)
-        k = self.k_proj(a).view(rows, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(a).view(rows, self.num_kv_heads, self.head_dim)
+        if self.qkvg_stored is not None:
+            nq, nkv = self.q_rows, self.kv_rows
+            qkvg = self.qkvg_stored.matmul(a)
+            q = qkvg[:, :nq].reshape(rows, self.num_heads, self.head_dim)
+            k = qkvg[:, nq:nq + nkv].reshape(rows, self.num_kv_heads, self.head_dim)
+            v = qkvg[:, nq + nkv:nq + 2 * nkv].reshape(rows, self.num_kv_heads, self.head_dim)
+            gate = qkvg[:, nq + 2 * nkv:]
+        else:
+            q = self.q_proj(a).view(rows, self.num_heads, self.head_dim)
+            k = self.k_proj(a).view(rows, self.num_kv_heads, self.head_dim)
+            v = self.v_proj(a).view(rows, self.num_kv_heads, self.head_dim)
+            gate = None
         q = plain_rms_norm(q, self.eps) * self.qk_scale
         k = plain_rms_norm(k, self.eps)
         if self.use_rope:
@@ -190,6 +246,10 @@ class Attention(nn.Module):
         k_flat.index_copy_(0, batch.write_slots, k.to(k_flat.dtype))
         v_flat.index_copy_(0, batch.write_slots, v.to(v_flat.dtype))
 
+        if batch.decode is not None:
+            y = self._decode_attention(q, k_flat, v_flat, batch.decode)
+            y = y.reshape(rows, -1) * torch.sigmoid(self.gate_proj(a) if gate is None else gate)
+            return self.o_proj(y)
         y = torch.empty_like(q)
         for seq in batch.sequences:
             slots, mask = ((seq.sliding_slots, seq.sliding_mask) if self.sliding
@@ -197,8 +257,31 @@ class Attention(nn.Module):
             keys = k_flat[slots].repeat_interleave(self.group, dim=1)  # (S, heads, hd)
             values = v_flat[slots].repeat_interleave(self.group, dim=1)
             y[seq.rows] = sdpa_rows(q[seq.rows], keys, values, mask, self.scaling)
-        y = y.reshape(rows, -1) * torch.sigmoid(self.gate_proj(a))
+        y = y.reshape(rows, -1) * torch.sigmoid(self.gate_proj(a) if gate is None else gate)
         return self.o_proj(y)
+
+
+    def _decode_attention(self, q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor,
+                          decode: DecodeAttention) -> torch.Tensor:
+        """One query row per sequence against its keys, every sequence in one batched
+        product per KV head; the query heads of a group read their KV head in place
+        (strided, no repeated or re-laid-out K/V)."""
+        slots, mask = ((decode.sliding_slots, decode.sliding_mask) if self.sliding
+                       else (decode.full_slots, decode.full_mask))
+        seqs, width = slots.shape
+        kvh, hd, group = self.num_kv_heads, self.head_dim, self.group
+        flat = slots.reshape(-1)
+        keys = k_flat.index_select(0, flat).view(seqs, width, kvh, hd)
+        values = v_flat.index_select(0, flat).view(seqs, width, kvh, hd)
+        queries = q.view(seqs, kvh, group, hd)
+        hidden = ~mask[:, None, :]
+        out = torch.empty(seqs, kvh, group, hd, dtype=q.dtype)
+        for h in range(kvh):
+            scores = torch.bmm(queries[:, h], keys[:, :, h].transpose(1, 2)) * self.scaling  # (seqs, group, keys)
+            scores = scores.masked_fill(hidden, float("-inf"))
+            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+            out[:, h] = torch.bmm(probs, values[:, :, h])
+        return out.view(seqs, self.num_heads, hd)
 
 
 def sdpa_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
@@ -214,25 +297,33 @@ def sdpa_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
 class MLP(nn.Module):
     """SwiGLU: ``down(silu(gate(x)) · up(x))``."""
 
-    def __init__(self, config: TextConfig, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, config: TextConfig, dtype: torch.dtype, device: torch.device,
+                 weight_device: torch.device | None = None) -> None:
         super().__init__()
+        wdev = weight_device or device
         h, f = config.hidden_size, config.intermediate_size
-        self.gate_up = nn.Parameter(torch.empty(2 * f, h, dtype=dtype, device=device), requires_grad=False)
+        self.gate_up = nn.Parameter(torch.empty(2 * f, h, dtype=dtype, device=wdev), requires_grad=False)
+        self.gate_up_stored: StoredGroup | None = None
         self.gate_proj = Linear.rows_of(self.gate_up, 0, f)
         self.up_proj = Linear.rows_of(self.gate_up, f, 2 * f)
-        self.down_proj = Linear(f, h, dtype, device)
+        self.down_proj = Linear(f, h, dtype, wdev)
+        self.ffn = f
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up_stored is not None:
+            gu = self.gate_up_stored.matmul(x)
+            return self.down_proj(F.silu(gu[:, :self.ffn]) * gu[:, self.ffn:])
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DecoderLayer(nn.Module):
     """Gemma-2 sandwich: pre- and post-norms around attention and the MLP."""
 
-    def __init__(self, config: TextConfig, layer: int, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, config: TextConfig, layer: int, dtype: torch.dtype, device: torch.device,
+                 weight_device: torch.device | None = None) -> None:
         super().__init__()
-        self.self_attn = Attention(config, layer, dtype, device)
-        self.mlp = MLP(config, dtype, device)
+        self.self_attn = Attention(config, layer, dtype, device, weight_device)
+        self.mlp = MLP(config, dtype, device, weight_device)
         h = config.hidden_size
         self.input_layernorm = CenteredRMSNorm(h, config.rms_norm_eps, device)
         self.post_attention_layernorm = CenteredRMSNorm(h, config.post_norm_eps, device)
@@ -250,17 +341,25 @@ class DecoderLayer(nn.Module):
 class MuseGlimmerDecoder(nn.Module):
     """Embedding (+ weight-less norm), decoder layers, final norm and softcapped head."""
 
-    def __init__(self, config: TextConfig, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, config: TextConfig, dtype: torch.dtype, device: torch.device, stored: bool = False) -> None:
+        """``stored``: matrices come from :meth:`load_stored` as :class:`StoredMatrix`
+        (CPU, float32 activations only); the torch parameters stay unallocated on "meta"."""
         super().__init__()
+        if stored and (device.type != "cpu" or dtype != torch.float32):
+            raise ValueError("stored weights run on the CPU with float32 activations only")
         self.config = config
         self.dtype = dtype
+        self.stored = stored
+        wdev = torch.device("meta") if stored else device
         h = config.hidden_size
-        self.embed_tokens = nn.Parameter(torch.empty(config.vocab_size, h, dtype=dtype, device=device),
+        self.embed_tokens = nn.Parameter(torch.empty(config.vocab_size, h, dtype=dtype, device=wdev),
                                          requires_grad=False)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, dtype, device) for i in range(config.num_layers))
+        self.embed_stored: StoredMatrix | DenseMatrix | None = None
+        self.layers = nn.ModuleList(DecoderLayer(config, i, dtype, device, wdev) for i in range(config.num_layers))
         self.norm = nn.Parameter(torch.ones(h, dtype=torch.float32, device=device), requires_grad=False)
-        self.lm_head = Linear(h, config.vocab_size, dtype, device)
+        self.lm_head = Linear(h, config.vocab_size, dtype, wdev)
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, device)
+        self._pending: dict[str, StoredMatrix | DenseMatrix] = {}
 
     # -- loading --------------------------------------------------------------
 
@@ -298,6 +397,46 @@ class MuseGlimmerDecoder(nn.Module):
             return module.weight
         raise KeyError(f"unknown weight {name!r}")
 
+    def load_stored(self, stored: StoredTensor) -> None:
+        """Take one checkpoint weight in its stored form (stored mode): 1-D weights
+        go through :meth:`load_weight`, matrices are kept as they are stored
+        (:func:`stored_matrix`). Call :meth:`finish_stored` after the last one."""
+        if len(stored.shape) == 1:
+            self.load_weight(stored.name, torch.from_numpy(stored.to_float32()))
+            return
+        self._target(stored.name)  # a known name
+        self._pending[stored.name] = stored_matrix(stored)
+
+    def finish_stored(self) -> dict[str, int]:
+        """Put the matrices of :meth:`load_stored` in place (q/k/v/gate and gate/up
+        stacked where their dtypes agree); returns the weight bytes per stored dtype."""
+        pending = self._pending
+        missing = [n for n in self.weight_names(self.config) if n not in pending and "norm" not in n]
+        if missing:
+            raise ValueError(f"checkpoint did not provide {missing[:5]}")
+        self.embed_stored = pending.pop("embed_tokens.weight")
+        self.lm_head.stored = pending.pop("lm_head.weight")
+        for i, layer in enumerate(self.layers):
+            p = f"layers.{i}."
+            attn, mlp = layer.self_attn, layer.mlp
+            attn.qkvg_stored = StoredGroup([pending.pop(p + f"self_attn.{n}.weight")
+                                            for n in ("q_proj", "k_proj", "v_proj", "gate_proj")])
+            attn.o_proj.stored = pending.pop(p + "self_attn.o_proj.weight")
+            mlp.gate_up_stored = StoredGroup([pending.pop(p + f"mlp.{n}.weight") for n in ("gate_proj", "up_proj")])
+            mlp.down_proj.stored = pending.pop(p + "mlp.down_proj.weight")
+        return self.stored_bytes()
+
+    def stored_bytes(self) -> dict[str, int]:
+        """Bytes of the stored matrices per dtype tag (stored mode)."""
+        total: dict[str, int] = {}
+        matrices = [self.embed_stored, self.lm_head.stored]
+        for layer in self.layers:
+            matrices += [*layer.self_attn.qkvg_stored.parts, layer.self_attn.o_proj.stored,
+                         *layer.mlp.gate_up_stored.parts, layer.mlp.down_proj.stored]
+        for m in matrices:
+            total[m.dtype] = total.get(m.dtype, 0) + m.nbytes
+        return total
+
     def randomize(self, seed: int = 0, std: float = 0.02) -> None:
         """Random weights made on the model's device (``--load-format dummy``), seeded:
         matrices ~ N(0, std²), the embedding ~ N(0, 1), norms at their identity
@@ -319,6 +458,8 @@ class MuseGlimmerDecoder(nn.Module):
     # -- forward --------------------------------------------------------------
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        if self.embed_stored is not None:
+            return plain_rms_norm(self.embed_stored.dequantize(tokens), self.config.rms_norm_eps)
         return plain_rms_norm(F.embedding(tokens, self.embed_tokens), self.config.rms_norm_eps)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,

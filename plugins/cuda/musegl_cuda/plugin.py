@@ -31,6 +31,7 @@ def cuda_available() -> bool:
 
 
 LOAD_FORMATS = ("auto", "dummy")
+WEIGHT_MODES = ("stored", "upcast")
 
 
 @hookimpl
@@ -41,6 +42,10 @@ def musegl_serve_options(group) -> None:
     group.add_argument("--load-format", default="auto", metavar="FORMAT",
                        help="auto: read the checkpoint's weights; dummy: random weights made on the device "
                             "(seeded, repeatable), --model needs only a config.json")
+    group.add_argument("--weights", default=None, choices=WEIGHT_MODES,
+                       help="stored: keep the checkpoint's matrices as stored (f16, bf16, GGUF Q8_0/Q4_0/Q4_K) "
+                            "and multiply them with kernels that read them directly (the torch-cpu default with "
+                            "--dtype float32); upcast: convert every weight to --dtype at load (cuda: always)")
 
 
 def parse_forward_sizes(text: str | None) -> tuple[int, ...] | None:
@@ -56,6 +61,13 @@ def parse_forward_sizes(text: str | None) -> tuple[int, ...] | None:
     if not sizes or any(s <= 0 or s > 4096 for s in sizes):
         raise ConfigError(f"--forward-sizes must list widths between 1 and 4096, got {text!r}")
     return tuple(sorted(set(sizes)))
+
+
+def weight_mode(options: ExecutorOptions) -> str | None:
+    value = options.extra.get("weights")
+    if value is not None and value not in WEIGHT_MODES:
+        raise ConfigError(f"--weights must be one of {', '.join(WEIGHT_MODES)}, got {value!r}")
+    return value
 
 
 def load_format(options: ExecutorOptions) -> str:
@@ -125,8 +137,13 @@ def _create(options: ExecutorOptions, default_device: str) -> "TorchExecutor":
     vision = None
     try:
         vision = load_vision(options.model, options.mmproj, checkpoint.config.hidden_size)
-        return TorchExecutor(checkpoint, device=options.device or default_device, dtype=options.dtype,
-                             forward_sizes=sizes, vision=vision)
+        try:
+            return TorchExecutor(checkpoint, device=options.device or default_device, dtype=options.dtype,
+                                 forward_sizes=sizes, vision=vision, weights=weight_mode(options))
+        except ValueError as exc:
+            if "weights 'stored'" in str(exc):
+                raise ConfigError(f"--weights stored: {exc}") from None
+            raise
     finally:
         checkpoint.close()
         if vision is not None:
@@ -151,7 +168,8 @@ def create_cuda(options: ExecutorOptions) -> "TorchExecutor":
 
 
 def create_torch_cpu(options: ExecutorOptions) -> "TorchExecutor":
-    """The decoder on the CPU (``options.device`` or ``cpu``), float32 unless told otherwise."""
+    """The decoder on the CPU (``options.device`` or ``cpu``): float32 activations and the
+    checkpoint's matrices as stored (``--weights stored``) unless told otherwise."""
     return _create(options, "cpu")
 
 

@@ -1,0 +1,194 @@
+"""musegl vs llama.cpp's server on the same GGUF, same prompts, same run.
+
+For each file type (default ``f16`` and ``q8_0`` of the ``bench`` checkpoint:
+hidden 1024, 8 layers, 8/2 heads, head_dim 128, ffn 2816, vocabulary 202048,
+random weights), starts llama.cpp's ``llama-server`` (``--threads`` threads,
+``--parallel`` slots) and then ``musegl serve`` (torch-cpu, weights as stored)
+on the same file, and runs the ``chat`` workload of ``musegl bench`` against
+each at concurrency 1 and 4: about ``--prompt-tokens`` prompt tokens, exactly
+``--max-tokens`` output tokens per request (greedy, ``ignore_eos``). Prints one
+JSON object: output tok/s, inter-token and first-token latency per side and
+concurrency, and musegl / llama.cpp ratios with the issue's targets.
+
+``llama-server`` comes from ``--llama-server``, ``$LLAMA_SERVER`` or ``PATH``
+(benchmarks/README.md says how to build it from the llama-cpp-python sdist).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Iterator
+
+import httpx
+
+from common import bench_checkpoint, free_port, serve
+from musegl_core.bench import BenchConfig, run_bench
+
+# The issue's targets: musegl / llama.cpp output tok/s, per file type and concurrency.
+TARGETS = {"f16": {"1": 1.0, "4": 1.2}, "q8_0": {"1": 1.0}}
+
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def gguf_of(file_type: str, f16: Path) -> Path:
+    """The bench checkpoint as ``file_type``: the cached f16 file itself, or a conversion
+    of it written once beside it (same weights, same tokenizer metadata)."""
+    if file_type == "f16":
+        return f16
+    target = f16.with_name(f"{f16.stem}-{file_type}.gguf")
+    if target.exists():
+        return target
+    from musegl_core.checkpoint.gguf_writer import write_text_gguf
+    from musegl_core.checkpoint.loader import load_checkpoint
+
+    log(f"writing {target} (from {f16})")
+    checkpoint = load_checkpoint(f16)
+
+    class Lazy(dict):  # each weight read from the f16 file when the writer asks for it
+        def __getitem__(self, name: str):
+            return checkpoint.read(name)
+
+    weights = Lazy.fromkeys(checkpoint.tensor_names)
+    tmp = target.with_suffix(".partial")
+    write_text_gguf(tmp, checkpoint.config, weights, checkpoint.tokenizer, file_type=file_type,
+                    name=checkpoint.name)
+    checkpoint.close()
+    os.replace(tmp, target)
+    return target
+
+
+def find_llama_server(given: str | None) -> str:
+    path = given or os.environ.get("LLAMA_SERVER") or shutil.which("llama-server")
+    if not path or not Path(path).exists():
+        raise SystemExit("llama-server not found: pass --llama-server PATH or set LLAMA_SERVER "
+                         "(benchmarks/README.md: building it from the llama-cpp-python sdist)")
+    return path
+
+
+@contextlib.contextmanager
+def llama_server(binary: str, model: Path, threads: int, slots: int, context: int,
+                 ready_timeout: float = 600.0) -> Iterator[str]:
+    port = free_port()
+    logfile = tempfile.NamedTemporaryFile(prefix="llama-server-", suffix=".log", delete=False)
+    command = [binary, "-m", str(model), "--host", "127.0.0.1", "--port", str(port), "--threads", str(threads),
+               "--threads-batch", str(threads), "--parallel", str(slots), "--ctx-size", str(context)]
+    log("$ " + " ".join(command))
+    process = subprocess.Popen(command, stdout=logfile, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + ready_timeout
+        while True:
+            if process.poll() is not None:
+                raise RuntimeError(f"llama-server exited with status {process.returncode}; see {logfile.name}")
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"llama-server was not ready within {ready_timeout:.0f} s; see {logfile.name}")
+            time.sleep(0.5)
+        yield url
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGTERM)
+            try:
+                process.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+        logfile.close()
+
+
+def measure(url: str, concurrencies: list[int], args: argparse.Namespace) -> dict[str, dict]:
+    out = {}
+    for c in concurrencies:
+        config = BenchConfig(url=url, workload="chat", concurrency=c, requests=args.requests_per_client * c,
+                             max_tokens=args.max_tokens, prompt_tokens=args.prompt_tokens, seed=args.seed)
+        report = run_bench(config, progress=False)
+        out[str(c)] = {
+            "output_tok_s": report.output_tokens_per_s,
+            "itl_p50_ms": None if report.itl.p50 is None else report.itl.p50 * 1e3,
+            "itl_p95_ms": None if report.itl.p95 is None else report.itl.p95 * 1e3,
+            "ttft_p50_s": report.ttft.p50,
+            "prompt_tokens_per_request": report.prompt_tokens / max(report.succeeded, 1),
+            "output_tokens": report.output_tokens,
+            "requests": report.requests,
+            "errors": report.errors,
+        }
+        log(f"  c={c}: {out[str(c)]['output_tok_s']:.2f} tok/s, itl p50 {out[str(c)]['itl_p50_ms']} ms")
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--file-types", default="f16,q8_0", help="comma-separated: f16, q8_0, q4_0, bf16")
+    p.add_argument("--concurrency", default="1,4", help="comma-separated concurrencies")
+    p.add_argument("--prompt-tokens", type=int, default=1000)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--requests-per-client", type=int, default=2, help="requests = this x concurrency")
+    p.add_argument("--threads", type=int, default=2, help="llama-server --threads (musegl: torch's default)")
+    p.add_argument("--slots", type=int, default=4, help="llama-server --parallel and musegl's decode width")
+    p.add_argument("--seed", type=int, default=0, help="seed of the prompts' filler text (same for both)")
+    p.add_argument("--llama-server", default=None, help="path of llama.cpp's llama-server binary")
+    p.add_argument("--musegl-flag", action="append", default=[], help="extra `musegl serve` flag (repeatable)")
+    p.add_argument("--out", type=Path, default=None, help="also write the JSON here")
+    args = p.parse_args()
+    binary = find_llama_server(args.llama_server)
+    concurrencies = [int(c) for c in args.concurrency.split(",")]
+    per_slot = args.prompt_tokens + args.max_tokens + 256
+    f16 = bench_checkpoint()
+    figures: dict = {
+        "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+                    "load_avg_at_start": os.getloadavg()},
+        "workload": {"prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens,
+                     "requests_per_client": args.requests_per_client, "llama_threads": args.threads,
+                     "slots": args.slots, "seed": args.seed},
+        "results": {},
+    }
+    width = str(args.slots)
+    musegl_flags = ("--max-decode-sequences", width, "--max-inflight-requests", width, "--max-sessions", width,
+                    "--max-context", str(max(2048, per_slot)), *args.musegl_flag)
+    for file_type in args.file_types.split(","):
+        model = gguf_of(file_type, f16)
+        entry: dict = {"gguf": str(model), "bytes": model.stat().st_size}
+        log(f"[{file_type}] llama.cpp")
+        with llama_server(binary, model, args.threads, args.slots, per_slot * args.slots) as url:
+            entry["llama.cpp"] = measure(url, concurrencies, args)
+        log(f"[{file_type}] musegl")
+        with serve(model, *musegl_flags) as url:
+            entry["musegl"] = measure(url, concurrencies, args)
+        ratios = {}
+        for c in map(str, concurrencies):
+            base = entry["llama.cpp"][c]["output_tok_s"]
+            ratios[c] = entry["musegl"][c]["output_tok_s"] / base if base else None
+        entry["ratio_output_tok_s"] = ratios
+        targets = TARGETS.get(file_type, {})
+        entry["targets"] = {c: {"target": t, "met": ratios.get(c) is not None and ratios[c] >= t}
+                            for c, t in targets.items() if c in ratios}
+        figures["results"][file_type] = entry
+    figures["machine"]["load_avg_at_end"] = os.getloadavg()
+    text = json.dumps(figures, indent=2)
+    print(text)
+    if args.out is not None:
+        args.out.write_text(text + "\n")
+    errors = sum(side[c]["errors"] for e in figures["results"].values() for side in (e["llama.cpp"], e["musegl"])
+                 for c in side)
+    return 0 if not errors else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

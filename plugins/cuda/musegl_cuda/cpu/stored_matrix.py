@@ -1,0 +1,155 @@
+"""A weight matrix kept in its stored form on the CPU, multiplied by the C kernels.
+
+:class:`StoredMatrix` holds the bytes of ``rows`` weight rows of ``cols``
+values each (float32, float16, bfloat16 or GGUF Q8_0/Q4_0/Q4_K blocks, as
+:class:`~musegl_core.checkpoint.stored.StoredTensor` gives them) in one uint8
+torch tensor. ``x @ W^T`` for up to :data:`DIRECT_ROWS` activation rows (decode
+steps) runs :func:`mw_matmul`, which decodes each weight row in registers and
+reads the weight once; wider products (prefill chunks) decode the matrix to
+float32 and use torch's GEMM, where the weight bytes no longer dominate.
+Activations and results are float32.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+import torch
+
+from musegl_core.checkpoint.stored import StoredTensor
+from musegl_cuda.cpu import native
+
+# stored dtype tag -> (kernel type code, values per block)
+KINDS = {"f32": (0, 32), "f16": (1, 32), "bf16": (2, 32), "q8_0": (8, 32), "q4_0": (4, 32), "q4_k": (12, 256)}
+#: Activation rows up to which the product reads the stored weight directly.
+DIRECT_ROWS = 16
+
+
+def supported(stored: StoredTensor) -> bool:
+    """True when the kernels can run ``stored`` as it is (its type, and rows that fill whole blocks)."""
+    kind = KINDS.get(stored.dtype)
+    return kind is not None and len(stored.shape) == 2 and stored.shape[1] % kind[1] == 0
+
+
+class StoredMatrix:
+    """``rows x cols`` weight in stored form; see the module docstring."""
+
+    def __init__(self, dtype: str, data: torch.Tensor, rows: int, cols: int, threads: int | None = None) -> None:
+        lib = native.load()
+        if lib is None:
+            raise RuntimeError(f"stored-weight kernels unavailable: {native.unavailable_reason()}")
+        if dtype not in KINDS:
+            raise ValueError(f"no CPU kernel for weight dtype {dtype!r} (kernels: {', '.join(KINDS)})")
+        self._lib = lib
+        self.dtype = dtype
+        self.code, block = KINDS[dtype]
+        if cols % block:
+            raise ValueError(f"{dtype} rows of {cols} values do not fill {block}-value blocks")
+        self.rows, self.cols = rows, cols
+        self.row_bytes = int(lib.mw_row_bytes(self.code, cols))
+        if data.dtype != torch.uint8 or tuple(data.shape) != (rows, self.row_bytes) or not data.is_contiguous():
+            raise ValueError(f"stored {dtype} data must be contiguous uint8 ({rows}, {self.row_bytes}), "
+                             f"got {data.dtype} {tuple(data.shape)}")
+        self.data = data
+        self.threads = threads or torch.get_num_threads()
+
+    @classmethod
+    def from_stored(cls, stored: StoredTensor) -> "StoredMatrix":
+        rows, cols = stored.shape
+        raw = np.ascontiguousarray(stored.data).view(np.uint8).reshape(rows, -1)
+        return cls(stored.dtype, torch.from_numpy(raw.copy()), rows, cols)
+
+    @classmethod
+    def concat(cls, parts: list["StoredMatrix"]) -> "StoredMatrix":
+        """One matrix of the rows of ``parts`` (same dtype and width), in order."""
+        first = parts[0]
+        if any(p.dtype != first.dtype or p.cols != first.cols for p in parts):
+            raise ValueError("stored matrices to stack must share dtype and width")
+        return cls(first.dtype, torch.cat([p.data for p in parts]), sum(p.rows for p in parts), first.cols)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.data.numel())
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ W^T`` in float32 for float32 ``x`` of shape ``(m, cols)``."""
+        if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != self.cols:
+            raise ValueError(f"expected float32 (m, {self.cols}) activations, got {x.dtype} {tuple(x.shape)}")
+        m = x.shape[0]
+        if m > DIRECT_ROWS:
+            return torch.nn.functional.linear(x, self.dequantize())
+        x = x.contiguous()
+        y = torch.empty(m, self.rows, dtype=torch.float32)
+        self._lib.mw_matmul(self.code, self.data.data_ptr(), self.rows, self.cols, x.data_ptr(), self.cols,
+                            m, y.data_ptr(), self.rows, self.threads)
+        return y
+
+    def dequantize(self, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows ``rows`` (int64 indices; all when None) decoded to float32 ``(len, cols)``."""
+        if rows is None:
+            count, ptr = self.rows, None
+        else:
+            rows = rows.to(torch.int64).contiguous()
+            if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= self.rows):
+                raise IndexError(f"row index outside 0..{self.rows - 1}")
+            count, ptr = rows.numel(), ctypes.c_void_p(rows.data_ptr())
+        out = torch.empty(count, self.cols, dtype=torch.float32)
+        if count:
+            self._lib.mw_dequant_rows(self.code, self.data.data_ptr(), self.cols, ptr, count, out.data_ptr(),
+                                      self.threads)
+        return out
+
+
+class DenseMatrix:
+    """A float32 matrix with :class:`StoredMatrix`'s interface, for weights the
+    kernels cannot run (another GGUF type, rows that do not fill 32-value blocks,
+    or no kernels on this machine). ``source_dtype`` is what the checkpoint stored."""
+
+    dtype = "f32"
+
+    def __init__(self, weight: torch.Tensor, source_dtype: str = "f32") -> None:
+        self.weight = weight.to(torch.float32).contiguous()
+        self.rows, self.cols = self.weight.shape
+        self.source_dtype = source_dtype
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight.numel() * 4
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] <= 32:  # see musegl_cuda.model.SMALL_BATCH_ROWS
+            return (self.weight @ x.t()).t()
+        return torch.nn.functional.linear(x, self.weight)
+
+    def dequantize(self, rows: torch.Tensor | None = None) -> torch.Tensor:
+        return self.weight.clone() if rows is None else self.weight[rows]
+
+
+def stored_matrix(stored: StoredTensor) -> StoredMatrix | DenseMatrix:
+    """The weight as a :class:`StoredMatrix` where the kernels run it, else float32."""
+    if supported(stored) and native.load() is not None:
+        return StoredMatrix.from_stored(stored)
+    return DenseMatrix(torch.from_numpy(stored.to_float32()), stored.dtype)
+
+
+class StoredGroup:
+    """Matrices sharing one input (q/k/v/gate, gate/up): ``matmul`` returns their
+    outputs side by side. Consecutive parts of one dtype are stacked into one
+    matrix, so a uniform checkpoint runs one product per group."""
+
+    def __init__(self, parts: list[StoredMatrix | DenseMatrix]) -> None:
+        merged: list[StoredMatrix | DenseMatrix] = []
+        for part in parts:
+            last = merged[-1] if merged else None
+            if (isinstance(part, StoredMatrix) and isinstance(last, StoredMatrix)
+                    and last.dtype == part.dtype and last.cols == part.cols):
+                merged[-1] = StoredMatrix.concat([last, part])
+            else:
+                merged.append(part)
+        self.parts = merged
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if len(self.parts) == 1:
+            return self.parts[0].matmul(x)
+        return torch.cat([p.matmul(x) for p in self.parts], dim=1)

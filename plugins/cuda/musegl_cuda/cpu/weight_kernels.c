@@ -1,0 +1,362 @@
+/* Matrix products that read weights in their stored form, for decode steps on the CPU.
+ *
+ * y[m, n] = sum_k x[m, k] * W[n, k] for a few activation rows x (float32) and a
+ * weight W kept as float16, bfloat16 or GGUF blocks (Q8_0, Q4_0, Q4_K). Each
+ * weight row is decoded 16 values at a time in registers and multiplied into
+ * every activation row, so the weight is read from memory once per call, at
+ * its stored size: decode is bound by weight bytes, which is what halving or
+ * quartering them buys. Rows are split in chunks over a small pool of threads
+ * (see "Thread pool" below).
+ *
+ * mw_dequant_rows decodes whole rows to float32 (embedding lookups, prefill).
+ *
+ * Block layouts (ggml):
+ *   Q8_0: 32 values, 34 bytes: f16 d, int8 q[32]; v = d*q.
+ *   Q4_0: 32 values, 18 bytes: f16 d, uint8 q[16]; v[j] = d*((q[j]&15)-8), v[j+16] = d*((q[j]>>4)-8).
+ *   Q4_K: 256 values, 144 bytes: f16 d, f16 dmin, 12 bytes of 6-bit (scale, min) for
+ *         8 sub-blocks of 32, uint8 q[128]; each 64 values use 32 bytes of q: low
+ *         nibbles the first 32 (sub-block 2i), high nibbles the next 32 (2i+1);
+ *         v = d*scale*nibble - dmin*min.
+ */
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <string.h>
+#include <immintrin.h>
+
+enum { MW_F32 = 0, MW_F16 = 1, MW_BF16 = 2, MW_Q8_0 = 8, MW_Q4_0 = 4, MW_Q4_K = 12 };
+#define MAX_TILE 8
+
+static inline float half_to_float(uint16_t h) {
+    return _cvtsh_ss(h);
+}
+
+/* Bytes of one row of K values. */
+long mw_row_bytes(int type, long k) {
+    switch (type) {
+    case MW_F32: return 4 * k;
+    case MW_F16: case MW_BF16: return 2 * k;
+    case MW_Q8_0: return k / 32 * 34;
+    case MW_Q4_0: return k / 32 * 18;
+    case MW_Q4_K: return k / 256 * 144;
+    }
+    return -1;
+}
+
+static inline void q4k_scale_min(int j, const uint8_t *q, int *sc, int *mn) {
+    if (j < 4) {
+        *sc = q[j] & 63;
+        *mn = q[j + 4] & 63;
+    } else {
+        *sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+        *mn = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+    }
+}
+
+/* Two accumulator sets (values 0-15 and 16-31 of every 32) halve the FMA dependency
+ * chains; acc[m] += w0 * x[m][k..k+16), acc2[m] += w1 * x[m][k+16..k+32). */
+#define FMA_PAIR(w0, w1, koff)                                                            \
+    for (int m = 0; m < mt; ++m) {                                                        \
+        acc[m] = _mm512_fmadd_ps((w0), _mm512_loadu_ps(x + (long)m * ldx + (koff)), acc[m]);       \
+        acc2[m] = _mm512_fmadd_ps((w1), _mm512_loadu_ps(x + (long)m * ldx + (koff) + 16), acc2[m]); \
+    }
+#define PREFETCH(p) _mm_prefetch((const char *)(p) + 1024, _MM_HINT_T0)
+
+static inline __m512 bf16x16(const uint16_t *w) {
+    __m512i wi = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)w));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(wi, 16));
+}
+
+/* One weight row against an x tile of mt <= MAX_TILE rows; out[m] = dot. k % 32 == 0. */
+static void row_dot(int type, const uint8_t *wrow, long k, const float *x, long ldx, int mt, float *out) {
+    __m512 acc[MAX_TILE], acc2[MAX_TILE];
+    for (int m = 0; m < mt; ++m) acc[m] = acc2[m] = _mm512_setzero_ps();
+    if (type == MW_F32) {
+        const float *w = (const float *)wrow;
+        for (long i = 0; i < k; i += 32) {
+            PREFETCH(w + i);
+            __m512 w0 = _mm512_loadu_ps(w + i), w1 = _mm512_loadu_ps(w + i + 16);
+            FMA_PAIR(w0, w1, i);
+        }
+    } else if (type == MW_F16) {
+        const uint16_t *w = (const uint16_t *)wrow;
+        for (long i = 0; i < k; i += 32) {
+            PREFETCH(w + i);
+            __m512 w0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w + i)));
+            __m512 w1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w + i + 16)));
+            FMA_PAIR(w0, w1, i);
+        }
+    } else if (type == MW_BF16) {
+        const uint16_t *w = (const uint16_t *)wrow;
+        for (long i = 0; i < k; i += 32) {
+            PREFETCH(w + i);
+            __m512 w0 = bf16x16(w + i), w1 = bf16x16(w + i + 16);
+            FMA_PAIR(w0, w1, i);
+        }
+    } else if (type == MW_Q8_0) {
+        for (long b = 0; b < k / 32; ++b) {
+            const uint8_t *blk = wrow + b * 34;
+            PREFETCH(blk);
+            uint16_t dh;
+            memcpy(&dh, blk, 2);
+            __m512 d = _mm512_set1_ps(half_to_float(dh));
+            const int8_t *q = (const int8_t *)(blk + 2);
+            __m512 w0 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)q))));
+            __m512 w1 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + 16)))));
+            FMA_PAIR(w0, w1, b * 32);
+        }
+    } else if (type == MW_Q4_0) {
+        const __m512i low = _mm512_set1_epi32(15), eight = _mm512_set1_epi32(8);
+        for (long b = 0; b < k / 32; ++b) {
+            const uint8_t *blk = wrow + b * 18;
+            PREFETCH(blk);
+            uint16_t dh;
+            memcpy(&dh, blk, 2);
+            __m512 d = _mm512_set1_ps(half_to_float(dh));
+            __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(blk + 2)));
+            __m512 w0 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_and_si512(q, low), eight)));
+            __m512 w1 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_srli_epi32(q, 4), eight)));
+            FMA_PAIR(w0, w1, b * 32);
+        }
+    } else if (type == MW_Q4_K) {
+        const __m512i low = _mm512_set1_epi32(15);
+        for (long b = 0; b < k / 256; ++b) {
+            const uint8_t *blk = wrow + b * 144;
+            PREFETCH(blk);
+            uint16_t dh, mh;
+            memcpy(&dh, blk, 2);
+            memcpy(&mh, blk + 2, 2);
+            const float d = half_to_float(dh), dmin = half_to_float(mh);
+            const uint8_t *scales = blk + 4, *q = blk + 16;
+            for (int j = 0; j < 4; ++j) {  /* 64 values: sub-blocks 2j (low nibbles), 2j+1 (high) */
+                int sc0, mn0, sc1, mn1;
+                q4k_scale_min(2 * j, scales, &sc0, &mn0);
+                q4k_scale_min(2 * j + 1, scales, &sc1, &mn1);
+                __m512 d0 = _mm512_set1_ps(d * sc0), m0 = _mm512_set1_ps(dmin * mn0);
+                __m512 d1 = _mm512_set1_ps(d * sc1), m1 = _mm512_set1_ps(dmin * mn1);
+                long base = b * 256 + j * 64;
+                __m512i qa = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + j * 32)));
+                __m512i qb = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + j * 32 + 16)));
+                __m512 wa0 = _mm512_fmsub_ps(d0, _mm512_cvtepi32_ps(_mm512_and_si512(qa, low)), m0);
+                __m512 wb0 = _mm512_fmsub_ps(d0, _mm512_cvtepi32_ps(_mm512_and_si512(qb, low)), m0);
+                FMA_PAIR(wa0, wb0, base);
+                __m512 wa1 = _mm512_fmsub_ps(d1, _mm512_cvtepi32_ps(_mm512_srli_epi32(qa, 4)), m1);
+                __m512 wb1 = _mm512_fmsub_ps(d1, _mm512_cvtepi32_ps(_mm512_srli_epi32(qb, 4)), m1);
+                FMA_PAIR(wa1, wb1, base + 32);
+            }
+        }
+    }
+    for (int m = 0; m < mt; ++m) out[m] = _mm512_reduce_add_ps(_mm512_add_ps(acc[m], acc2[m]));
+}
+
+
+/* ---- Thread pool ------------------------------------------------------------------
+ * A call is cut into chunks of rows; the calling thread and the helper threads
+ * claim chunks with one atomic compare-and-swap on (job generation, next chunk),
+ * and the caller waits only for chunks a helper has claimed and not finished.
+ * Unlike an OpenMP region, which ends at a barrier every team thread must reach,
+ * a call never waits for a helper the OS has not scheduled yet: on a loaded
+ * machine the caller then simply does all the chunks. Idle helpers spin briefly
+ * and then sleep on a condition variable. */
+
+typedef void (*chunk_fn)(long begin, long end, const void *arg);
+
+#define CLOSED 0xFFFFFFFFu
+static struct {
+    chunk_fn fn;
+    const void *arg;
+    long rows, chunk_rows;
+    uint32_t chunks;
+} job;
+static _Atomic uint64_t state;           /* generation << 32 | next chunk (CLOSED between jobs) */
+static _Atomic uint32_t finished;        /* chunks done in the current generation */
+static _Atomic uint32_t posted;          /* the latest generation (helpers wait for a change) */
+static _Atomic int sleepers;
+static pthread_mutex_t pool_mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t pool_cv = PTHREAD_COND_INITIALIZER;
+static int pool_threads = 0;             /* helpers + the caller */
+static pthread_mutex_t call_mu = PTHREAD_MUTEX_INITIALIZER;
+
+static void run_chunks(uint32_t gen) {
+    for (;;) {
+        uint64_t s = atomic_load(&state);
+        if ((uint32_t)(s >> 32) != gen) return;
+        uint32_t idx = (uint32_t)s;
+        if (idx == CLOSED || idx >= job.chunks) return;
+        if (!atomic_compare_exchange_weak(&state, &s, s + 1)) continue;
+        /* Claimed: the job cannot finish (nor its parameters change) before we count it. */
+        long begin = (long)idx * job.chunk_rows;
+        long end = begin + job.chunk_rows < job.rows ? begin + job.chunk_rows : job.rows;
+        job.fn(begin, end, job.arg);
+        atomic_fetch_add(&finished, 1);
+    }
+}
+
+static void *helper_main(void *unused) {
+    (void)unused;
+    uint32_t seen = atomic_load(&posted);
+    for (;;) {
+        int spins = 0;
+        while (atomic_load(&posted) == seen) {
+            if (++spins < 20000) {
+                _mm_pause();
+                continue;
+            }
+            pthread_mutex_lock(&pool_mu);
+            atomic_fetch_add(&sleepers, 1);
+            while (atomic_load(&posted) == seen) pthread_cond_wait(&pool_cv, &pool_mu);
+            atomic_fetch_sub(&sleepers, 1);
+            pthread_mutex_unlock(&pool_mu);
+        }
+        seen = atomic_load(&posted);
+        run_chunks(seen);
+    }
+    return NULL;
+}
+
+static void start_pool(int threads) {
+    if (pool_threads) return;
+    pool_threads = threads < 1 ? 1 : threads;
+    atomic_store(&state, (uint64_t)CLOSED);
+    for (int i = 1; i < pool_threads; ++i) {
+        pthread_t t;
+        if (pthread_create(&t, NULL, helper_main, NULL) != 0) {
+            pool_threads = i;
+            break;
+        }
+        pthread_detach(t);
+    }
+}
+
+/* fn(begin, end, arg) over rows 0 .. rows-1 in chunks of at least min_rows. */
+static void parallel_rows(long rows, long min_rows, chunk_fn fn, const void *arg, int threads) {
+    pthread_mutex_lock(&call_mu);  /* one job at a time */
+    start_pool(threads);
+    long chunks = pool_threads * 8L;
+    long chunk_rows = (rows + chunks - 1) / chunks;
+    if (chunk_rows < min_rows) chunk_rows = min_rows;
+    if (pool_threads == 1 || chunk_rows >= rows) {
+        fn(0, rows, arg);
+        pthread_mutex_unlock(&call_mu);
+        return;
+    }
+    static uint32_t gen = 0;
+    job.fn = fn;
+    job.arg = arg;
+    job.rows = rows;
+    job.chunk_rows = chunk_rows;
+    job.chunks = (uint32_t)((rows + chunk_rows - 1) / chunk_rows);
+    atomic_store(&finished, 0);
+    ++gen;
+    atomic_store(&state, (uint64_t)gen << 32);
+    atomic_store(&posted, gen);
+    if (atomic_load(&sleepers) > 0) {
+        pthread_mutex_lock(&pool_mu);
+        pthread_cond_broadcast(&pool_cv);
+        pthread_mutex_unlock(&pool_mu);
+    }
+    run_chunks(gen);
+    while (atomic_load(&finished) < job.chunks) _mm_pause();
+    atomic_store(&state, (uint64_t)gen << 32 | CLOSED);
+    pthread_mutex_unlock(&call_mu);
+}
+
+typedef struct {
+    int type;
+    const uint8_t *w;
+    long k, rb, m, ldx, ldy;
+    const float *x;
+    float *y;
+    const int64_t *rows;
+    float *out;
+} args_t;
+
+static void matmul_chunk(long begin, long end, const void *p) {
+    const args_t *a = (const args_t *)p;
+    float out[MAX_TILE];
+    for (long r = begin; r < end; ++r) {
+        for (long m0 = 0; m0 < a->m; m0 += MAX_TILE) {
+            int mt = (int)(a->m - m0 < MAX_TILE ? a->m - m0 : MAX_TILE);
+            row_dot(a->type, a->w + r * a->rb, a->k, a->x + m0 * a->ldx, a->ldx, mt, out);
+            for (int i = 0; i < mt; ++i) a->y[(m0 + i) * a->ldy + r] = out[i];
+        }
+    }
+}
+
+/* y (m x n, row stride ldy) = x (m x k, row stride ldx) @ W^T, W (n rows of row_bytes(type, k)).
+ * k must be a multiple of the type's block (32 for f32/f16/bf16). ``threads`` sizes the
+ * pool on the first call. */
+void mw_matmul(int type, const uint8_t *w, long n, long k, const float *x, long ldx, long m, float *y,
+               long ldy, int threads) {
+    args_t a = {type, w, k, mw_row_bytes(type, k), m, ldx, ldy, x, y, NULL, NULL};
+    parallel_rows(n, 64, matmul_chunk, &a, threads);
+}
+
+static void dequant_row(int type, const uint8_t *wrow, long k, float *out) {
+    if (type == MW_F32) {
+        memcpy(out, wrow, 4 * k);
+    } else if (type == MW_F16) {
+        const uint16_t *w = (const uint16_t *)wrow;
+        for (long i = 0; i < k; i += 16)
+            _mm512_storeu_ps(out + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w + i))));
+    } else if (type == MW_BF16) {
+        const uint16_t *w = (const uint16_t *)wrow;
+        for (long i = 0; i < k; i += 16) {
+            __m512i wi = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(w + i)));
+            _mm512_storeu_ps(out + i, _mm512_castsi512_ps(_mm512_slli_epi32(wi, 16)));
+        }
+    } else if (type == MW_Q8_0) {
+        for (long b = 0; b < k / 32; ++b) {
+            const uint8_t *blk = wrow + b * 34;
+            uint16_t dh;
+            memcpy(&dh, blk, 2);
+            const float d = half_to_float(dh);
+            const int8_t *q = (const int8_t *)(blk + 2);
+            for (int j = 0; j < 32; ++j) out[b * 32 + j] = d * q[j];
+        }
+    } else if (type == MW_Q4_0) {
+        for (long b = 0; b < k / 32; ++b) {
+            const uint8_t *blk = wrow + b * 18;
+            uint16_t dh;
+            memcpy(&dh, blk, 2);
+            const float d = half_to_float(dh);
+            for (int j = 0; j < 16; ++j) {
+                out[b * 32 + j] = d * ((blk[2 + j] & 15) - 8);
+                out[b * 32 + j + 16] = d * ((blk[2 + j] >> 4) - 8);
+            }
+        }
+    } else if (type == MW_Q4_K) {
+        for (long b = 0; b < k / 256; ++b) {
+            const uint8_t *blk = wrow + b * 144;
+            uint16_t dh, mh;
+            memcpy(&dh, blk, 2);
+            memcpy(&mh, blk + 2, 2);
+            const float d = half_to_float(dh), dmin = half_to_float(mh);
+            const uint8_t *scales = blk + 4, *q = blk + 16;
+            for (int j = 0; j < 4; ++j) {
+                int sc0, mn0, sc1, mn1;
+                q4k_scale_min(2 * j, scales, &sc0, &mn0);
+                q4k_scale_min(2 * j + 1, scales, &sc1, &mn1);
+                float *o = out + b * 256 + j * 64;
+                for (int l = 0; l < 32; ++l) {
+                    o[l] = d * sc0 * (q[j * 32 + l] & 15) - dmin * mn0;
+                    o[l + 32] = d * sc1 * (q[j * 32 + l] >> 4) - dmin * mn1;
+                }
+            }
+        }
+    }
+}
+
+static void dequant_chunk(long begin, long end, const void *p) {
+    const args_t *a = (const args_t *)p;
+    for (long i = begin; i < end; ++i) {
+        long r = a->rows ? (long)a->rows[i] : i;
+        dequant_row(a->type, a->w + r * a->rb, a->k, a->out + i * a->k);
+    }
+}
+
+/* out (count x k) = rows of W; rows == NULL means rows 0 .. count-1. */
+void mw_dequant_rows(int type, const uint8_t *w, long k, const int64_t *rows, long count, float *out, int threads) {
+    args_t a = {type, w, k, mw_row_bytes(type, k), 0, 0, 0, NULL, NULL, rows, out};
+    parallel_rows(count, 16, dequant_chunk, &a, threads);
+}
