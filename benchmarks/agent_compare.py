@@ -6,17 +6,22 @@ Runs ``musegl bench --workload agent -c 8 --conversations 8 --turns 5 --prompt-t
 1. ``musegl serve MODEL`` with 8 session slots and a decode width of 8, and
 2. llama.cpp's ``llama-server -m MODEL`` with 8 slots (``-np 8``) and 2 threads,
 
-on the same GGUF (``benchmarks/make_bench_model.py``: the 513M Muse Glimmer text model, f16). Prints
-one JSON object: TTFT p50, output tok/s and inter-token latency p50 of both servers, the ratios
-musegl / llama.cpp against the issue's targets (TTFT <= 0.5x, throughput >= 1.0x, ITL <= 1.5x), and,
-for musegl, where its step time went (``scheduling``): steps that only decoded, steps where decodes
-shared the forward with prefill chunks of arriving turns, prefill-only steps, from the engine's
-``/metrics`` counters before and after the run. ``scheduling.itl_share_from_prefill`` is the part of
-the mean time a decode row waited for its step that comes from prefill sharing it:
-``mixed_rows * (mixed_step_mean - decode_step_mean) / (decode_seconds + mixed_seconds)``.
+on the same GGUF (``benchmarks/make_bench_model.py``: the 513M Muse Glimmer text model, f16). musegl
+runs once per ``--stall-factors`` value (``--prefill-stall-factor``; default 3 then 0: the prefill
+budget, then the fixed chunks of before), then llama.cpp. Prints one JSON object: TTFT p50, output
+tok/s and inter-token latency p50 of both servers, the ratios musegl / llama.cpp against the issue's
+targets (TTFT <= 0.5x, throughput >= 1.0x, ITL <= 1.5x) and, for musegl, where its step time went
+(``scheduling``, from the engine's ``/metrics`` counters before and after the run): steps that only
+decoded, steps where decodes shared the forward with prefill chunks of arriving turns ("mixed"), and
+prefill-only steps. ``itl_share_from_prefill`` is the part of the mean time a decode row waited for
+its step that prefill sharing the step added:
+``mixed_decode_rows x (mixed_mean - decode_mean) / (decode_rows x decode_mean + mixed_decode_rows x
+mixed_mean)``; compare ``itl_p50`` with ``scheduling.decode.mean_step_s`` for the median.
 
-    python benchmarks/agent_compare.py --model /path/model.gguf \\
-        [--llama-server /path/llama-server] [--musegl-flag=--max-step-tokens=64 ...] [--skip-llamacpp]
+    python benchmarks/make_bench_model.py /tmp/bench-f16        # once: /tmp/bench-f16/model.gguf
+    python benchmarks/agent_compare.py --model /tmp/bench-f16/model.gguf \\
+        --llama-server /path/llama-server [--stall-factors 3,0] [--musegl-flag=--max-prefill-chunk=256 ...]
+        [--omp-wait-policy active] [--skip-llamacpp]
 
 The llama.cpp server is built from the tree vendored in the llama-cpp-python 0.3.36 sdist
 (``benchmarks/README.md`` has the build command). Both servers run on the same machine one after the
@@ -49,14 +54,17 @@ STEP_KINDS = ("decode", "mixed", "prefill")
 
 @contextlib.contextmanager
 def llama_server(binary: str, model: Path, *, slots: int, threads: int, context: int,
-                 extra: list[str], ready_timeout: float = 600.0) -> Iterator[str]:
+                 extra: list[str], omp_wait_policy: str, ready_timeout: float = 600.0) -> Iterator[str]:
     """Run llama.cpp's server; yield its base URL once ``/health`` answers 200."""
     port = free_port()
     log = tempfile.NamedTemporaryFile(prefix="llama-server-", suffix=".log", delete=False)
     command = [binary, "-m", str(model), "--host", "127.0.0.1", "--port", str(port), "-np", str(slots),
                "-t", str(threads), "-tb", str(threads), "-c", str(context * slots), "--jinja", *extra]
     print("$ " + " ".join(command), file=sys.stderr)
-    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    env = dict(os.environ)
+    if omp_wait_policy != "default":
+        env["OMP_WAIT_POLICY"] = omp_wait_policy.upper()
+    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + ready_timeout
@@ -123,6 +131,7 @@ def figures(report: BenchReport) -> dict:
         "ttft_p95": report.ttft.p95,
         "itl_p95": report.itl.p95,
         "itl_mean": report.itl.mean,
+        "itl_count": report.itl.count,
         "duration_s": report.duration_s,
         "output_tokens": report.output_tokens,
         "prompt_tokens": report.prompt_tokens,
@@ -150,7 +159,13 @@ def main() -> int:
     p.add_argument("--prompt-tokens", type=int, default=256)
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--context", type=int, default=4096, help="context per session / slot (default 4096)")
+    p.add_argument("--stall-factors", default="3,0",
+                   help="musegl runs, one per --prefill-stall-factor, back to back (the first is compared with "
+                        "llama.cpp in 'ratio_musegl_over_llamacpp'; default 3,0: the bound and no bound)")
     p.add_argument("--musegl-flag", action="append", default=[], help="extra musegl serve flag (repeatable)")
+    p.add_argument("--omp-wait-policy", default="passive", choices=["passive", "active", "default"],
+                   help="OMP_WAIT_POLICY of llama-server (default passive: OpenMP busy-waiting slows it several "
+                        "times on a machine shared with other work; use active on a quiet machine)")
     p.add_argument("--llama-flag", action="append", default=[], help="extra llama-server flag (repeatable)")
     p.add_argument("--skip-llamacpp", action="store_true", help="measure musegl only")
     args = p.parse_args()
@@ -158,32 +173,42 @@ def main() -> int:
     flags = ["--max-sessions", width, "--max-inflight-requests", str(2 * args.concurrency),
              "--max-decode-sequences", width, "--max-context", str(args.context)]
     flags += [part for flag in args.musegl_flag for part in flag.split("=", 1)]
+    factors = [float(f) for f in args.stall_factors.split(",") if f.strip()]
     result: dict = {"workload": {k: getattr(args, k) for k in ("concurrency", "conversations", "turns",
                                                                 "prompt_tokens", "max_tokens")},
-                    "model": str(args.model), "musegl_flags": flags}
-    with serve(args.model, *flags) as url:
-        before = engine_counters(url)
-        report = run_bench(agent_config(url, args), progress=False)
-        after = engine_counters(url)
-    result["musegl"] = figures(report)
-    result["musegl"]["scheduling"] = scheduling_breakdown(before, after)
+                    "model": str(args.model), "musegl_flags": flags, "omp_wait_policy": args.omp_wait_policy}
+    runs: dict[str, dict] = {}
+    for factor in factors:
+        with serve(args.model, *flags, "--prefill-stall-factor", str(factor)) as url:
+            before = engine_counters(url)
+            report = run_bench(agent_config(url, args), progress=False)
+            after = engine_counters(url)
+        runs[f"{factor:g}"] = figures(report)
+        runs[f"{factor:g}"]["scheduling"] = scheduling_breakdown(before, after)
+    result["musegl_by_stall_factor"] = runs
     if not args.skip_llamacpp:
         extra = [part for flag in args.llama_flag for part in flag.split("=", 1)]
         with llama_server(args.llama_server, args.model, slots=args.concurrency, threads=args.threads,
-                          context=args.context, extra=extra) as url:
+                          context=args.context, extra=extra, omp_wait_policy=args.omp_wait_policy) as url:
             report = run_bench(agent_config(url, args), progress=False)
         result["llamacpp"] = figures(report)
-        ratios, met = {}, {}
-        for key, (direction, target) in TARGETS.items():
-            ours, theirs = result["musegl"][key], result["llamacpp"][key]
-            ratio = ours / theirs if ours is not None and theirs else None
-            ratios[key] = ratio
-            met[key] = ratio is not None and (ratio <= target if direction == "<=" else ratio >= target)
-        result["ratio_musegl_over_llamacpp"] = ratios
         result["targets"] = {key: f"{d} {t}" for key, (d, t) in TARGETS.items()}
-        result["met"] = met
+        for name, ours in runs.items():
+            ratios, met = {}, {}
+            for key, (direction, target) in TARGETS.items():
+                mine, theirs = ours[key], result["llamacpp"][key]
+                ratio = mine / theirs if mine is not None and theirs else None
+                ratios[key] = ratio
+                met[key] = ratio is not None and (ratio <= target if direction == "<=" else ratio >= target)
+            ours["ratio_over_llamacpp"] = ratios
+            ours["met"] = met
+    headline = runs[f"{factors[0]:g}"]
+    result["musegl"] = {"prefill_stall_factor": factors[0], **headline}
+    if "met" in headline:
+        result["ratio_musegl_over_llamacpp"] = headline["ratio_over_llamacpp"]
+        result["met"] = headline["met"]
     print(json.dumps(result, indent=2))
-    errors = result["musegl"]["errors"] + result.get("llamacpp", {}).get("errors", 0)
+    errors = sum(run["errors"] for run in runs.values()) + result.get("llamacpp", {}).get("errors", 0)
     return 1 if errors else 0
 
 
