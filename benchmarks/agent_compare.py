@@ -18,10 +18,9 @@ its step that prefill sharing the step added:
 ``mixed_decode_rows x (mixed_mean - decode_mean) / (decode_rows x decode_mean + mixed_decode_rows x
 mixed_mean)``; compare ``itl_p50`` with ``scheduling.decode.mean_step_s`` for the median.
 
-    python benchmarks/make_bench_model.py /tmp/bench-f16        # once: /tmp/bench-f16/model.gguf
-    python benchmarks/agent_compare.py --model /tmp/bench-f16/model.gguf \\
-        --llama-server /path/llama-server [--stall-factors 3,0] [--musegl-flag=--max-prefill-chunk=256 ...]
-        [--omp-wait-policy active] [--skip-llamacpp]
+    python benchmarks/agent_compare.py --llama-server /path/llama-server [--model MODEL.gguf]
+        [--stall-factors 3,0] [--musegl-flag=--max-prefill-chunk=256 ...] [--omp-wait-policy active]
+        [--skip-llamacpp]
 
 The llama.cpp server is built from the tree vendored in the llama-cpp-python 0.3.36 sdist
 (``benchmarks/README.md`` has the build command). Both servers run on the same machine one after the
@@ -44,7 +43,7 @@ from typing import Iterator
 
 import httpx
 
-from common import free_port, serve
+from common import bench_checkpoint, free_port, serve
 from musegl_core.bench import BenchConfig, run_bench
 from musegl_core.bench.report import BenchReport
 
@@ -149,7 +148,9 @@ def agent_config(url: str, args: argparse.Namespace) -> BenchConfig:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", required=True, type=Path, help="the f16 GGUF (benchmarks/make_bench_model.py)")
+    p.add_argument("--model", type=Path, default=None,
+                   help="the f16 GGUF (default: the cached bench preset, the file benchmarks/make_bench_model.py "
+                        "writes)")
     p.add_argument("--llama-server", default=os.environ.get("LLAMA_SERVER", "llama-server"),
                    help="llama.cpp's server binary (env LLAMA_SERVER)")
     p.add_argument("--threads", type=int, default=2, help="llama.cpp threads (default 2)")
@@ -169,6 +170,8 @@ def main() -> int:
     p.add_argument("--llama-flag", action="append", default=[], help="extra llama-server flag (repeatable)")
     p.add_argument("--skip-llamacpp", action="store_true", help="measure musegl only")
     args = p.parse_args()
+    if args.model is None:
+        args.model = bench_checkpoint()
     width = str(args.concurrency)
     flags = ["--max-sessions", width, "--max-inflight-requests", str(2 * args.concurrency),
              "--max-decode-sequences", width, "--max-context", str(args.context)]
