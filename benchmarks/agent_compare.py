@@ -168,6 +168,11 @@ def main() -> int:
                    help="OMP_WAIT_POLICY of llama-server (default passive: OpenMP busy-waiting slows it several "
                         "times on a machine shared with other work; use active on a quiet machine)")
     p.add_argument("--llama-flag", action="append", default=[], help="extra llama-server flag (repeatable)")
+    p.add_argument("--llama-chat-template", default=None,
+                   help="the official Muse Glimmer template for llama-server (models/templates/muse-glimmer.jinja "
+                        "of the vendored llama.cpp tree); passed with --skip-chat-parsing (random weights do not "
+                        "produce the channel format its parser expects). Without it llama-server falls back to "
+                        "chatml, which tokenizes to more prompt tokens than musegl's template")
     p.add_argument("--skip-llamacpp", action="store_true", help="measure musegl only")
     args = p.parse_args()
     if args.model is None:
@@ -191,6 +196,9 @@ def main() -> int:
     result["musegl_by_stall_factor"] = runs
     if not args.skip_llamacpp:
         extra = [part for flag in args.llama_flag for part in flag.split("=", 1)]
+        if args.llama_chat_template:
+            extra += ["--chat-template-file", args.llama_chat_template, "--skip-chat-parsing"]
+        result["llama_chat_template"] = args.llama_chat_template or "chatml fallback (no template in the GGUF)"
         with llama_server(args.llama_server, args.model, slots=args.concurrency, threads=args.threads,
                           context=args.context, extra=extra, omp_wait_policy=args.omp_wait_policy) as url:
             report = run_bench(agent_config(url, args), progress=False)
