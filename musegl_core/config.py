@@ -70,6 +70,10 @@ class ServeConfig:
     max_n: int = flag(8, "most choices ('n') one request may ask for; each is a request of its own "
                       "(default %(default)s)", LIMITS, kind="int")
     max_prefill_chunk: int = flag(512, "prompt positions per forward (default %(default)s)", LIMITS, kind="int")
+    prefill_stall_factor: float = flag(3.0, "while sequences decode, prefill may stretch a step to at most this "
+                                       "many decode-only steps (per request; estimated online; 0: off, always "
+                                       "--max-prefill-chunk; default %(default)s)", LIMITS, kind="float",
+                                       metavar="FACTOR")
     max_image_bytes: int = flag(MAX_IMAGE_BYTES_CAP, "compressed image size limit (1 B .. 20 MiB, default 20 MiB)",
                                 LIMITS, kind="int")
     max_request_bytes: int = flag(MAX_REQUEST_BYTES_CAP, "worker request frame limit (<= 32 MiB, default 32 MiB)",
@@ -175,4 +179,7 @@ class ServeConfig:
             need(self.kv_cache_memory > 0, "--kv-cache-memory must be positive")
         f = self.kv_cache_fraction
         need(math.isfinite(f) and 0 < f <= 1, f"--kv-cache-fraction must be in (0, 1], got {f}")
+        f = self.prefill_stall_factor
+        need(math.isfinite(f) and (f == 0 or f >= 1),
+             f"--prefill-stall-factor must be 0 (off) or at least 1, got {f}")
         return self

@@ -18,6 +18,8 @@ BAD = [
     (["--max-inflight-requests", "2147483648"], "--max-inflight-requests"),
     (["--max-decode-sequences", "0"], "--max-decode-sequences"),
     (["--max-prefill-chunk", "0"], "--max-prefill-chunk"),
+    (["--prefill-stall-factor", "0.5"], "--prefill-stall-factor must be 0 (off) or at least 1"),
+    (["--prefill-stall-factor", "nan"], "--prefill-stall-factor"),
     (["--max-image-bytes", "0"], "--max-image-bytes"),
     (["--max-image-bytes", str(20 * 2**20 + 1)], "--max-image-bytes"),
     (["--max-request-bytes", str(32 * 2**20 + 1)], "--max-request-bytes"),

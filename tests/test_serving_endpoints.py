@@ -273,3 +273,9 @@ def test_metrics_count_requests_tokens_and_latencies(server, sdk):
     assert delta("musegl_inter_token_latency_seconds_count") == reply.usage.completion_tokens - 1
     for name in ("musegl_requests_running", "musegl_requests_waiting", "musegl_cached_prompt_tokens_total"):
         assert name in after
+    # every step is counted under one kind; a lone request never shares a step with another's prefill
+    kinds = ("decode", "mixed", "prefill")
+    assert sum(delta(f"musegl_engine_{kind}_steps_total") for kind in kinds) == delta("musegl_engine_steps_total")
+    assert delta("musegl_engine_decode_step_decode_rows_total") == reply.usage.completion_tokens - 1
+    assert delta("musegl_engine_mixed_steps_total") == 0
+    assert delta("musegl_engine_prefill_step_prefill_rows_total") >= 1  # the prompt (or its uncached end)

@@ -34,6 +34,7 @@ from musegl_core.engine.executor import Executor, TokenLogprobs
 from musegl_core.engine.identity import prompt_keys, split_keys
 from musegl_core.engine.kv_pool import KVPool
 from musegl_core.engine.kv_sizing import plan_pool
+from musegl_core.engine.prefill_budget import PrefillBudget
 from musegl_core.engine.randomness import random_seed
 from musegl_core.engine.replay import ReplayLog, ReplayPlan, Replayer
 from musegl_core.engine.request import Phase, PreparedRequest, SequenceState
@@ -41,6 +42,7 @@ from musegl_core.engine.masks import PendingMasks
 from musegl_core.engine.scheduler import Scheduler, SchedulerLimits
 from musegl_core.engine.sessions import CapacityError, Session, SessionBusy, SessionTable
 from musegl_core.engine.speculator import DraftRequest, NoSpeculator, Speculator, accept
+from musegl_core.engine.step_book import StepBook
 from musegl_core.engine.stops import StopMatcher
 from musegl_core.errors import ApiError
 
@@ -62,6 +64,7 @@ class EngineConfig:
     prefix_caching: bool = True
     session_idle_timeout: float | None = None
     grammar_threads: int = 2
+    prefill_stall_factor: float = 3.0
 
     @classmethod
     def from_serve(cls, config) -> "EngineConfig":
@@ -112,12 +115,14 @@ class Engine:
         config: EngineConfig,
         emit: Callable[[object], None],
         speculator: Speculator | None = None,
+        clock: Callable[[], float] = time.perf_counter,
     ):
         self.executor = executor
         self.tokenizer = tokenizer
         self.config = config
         self.emit = emit
         self.speculator = speculator or NoSpeculator()
+        self.clock = clock
         block_size = executor.block_size
         self.pool = KVPool(plan_pool(config, executor, self.speculator), block_size)
         executor.allocate_kv(self.pool.num_blocks)
@@ -134,12 +139,14 @@ class Engine:
         limits = executor.limits
         drafts = config.max_decode_sequences * self.speculator.max_draft
         max_step = min(limits.max_step_tokens, config.max_decode_sequences + drafts + config.max_prefill_chunk)
+        self.prefill_budget = PrefillBudget(config.prefill_stall_factor, config.max_prefill_chunk)
         self.scheduler = Scheduler(
             self.pool,
             SchedulerLimits(config.max_decode_sequences, config.max_prefill_chunk, max_step, tuple(limits.step_sizes)),
             embed=self._embedding,
             taps=tuple(self.speculator.taps),
             mask_threads=config.grammar_threads,
+            budget=self.prefill_budget,
         )
         self.end_ids = frozenset(tokenizer.end_of_generation_ids)
         self.replayer = Replayer(tokenizer, self.end_ids)
@@ -152,6 +159,7 @@ class Engine:
         self.drafted_tokens = 0
         self.accepted_tokens = 0
         self.verify_blocks = 0  # decode chunks that carried drafts
+        self.step_book = StepBook()
 
     # -- thread-safe commands ---------------------------------------------------------
     def submit(self, request: PreparedRequest) -> None:
@@ -189,6 +197,7 @@ class Engine:
             "verify_blocks": self.verify_blocks,
             "mask_seconds": self.scheduler.mask_clock.compute,
             "mask_blocked_seconds": self.scheduler.mask_clock.blocked,
+            **self.step_book.stats(),
             **self.sessions.stats(),
         }
 
@@ -403,6 +412,8 @@ class Engine:
         if planned is None:
             return
         step, plan, copies = planned
+        kind = StepBook.kind(plan)
+        started = self.clock()
         try:
             if copies:
                 self.executor.copy_blocks(copies)
@@ -425,6 +436,9 @@ class Engine:
                 self._fail(seq.id, ApiError(500, f"model execution failed: {exc}", "server_error"))
             return
         self.steps += 1
+        seconds = self.clock() - started
+        self.step_book.record(kind, seconds)
+        self.prefill_budget.observe(kind[1], kind[2], seconds)
         committed_rows: dict[int, int] = {}
         for seq, rows in plan:
             sampled = output.tokens.get(seq.handle)

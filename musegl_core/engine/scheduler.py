@@ -3,10 +3,11 @@
 Every step decodes the running sequences (at most ``max_decode_sequences``,
 rotating fairly when more are running) and spends the rest of the step on
 chunked prefill: at most ``max_prefill_chunk`` prompt positions per forward,
-shared first-come first-served among prefilling sequences. Decoders therefore
-keep their cadence while a long prompt prefills, and a long prompt advances
-by a chunk every step while others decode. Requests join and leave between
-steps.
+fewer while sequences decode when a :class:`~musegl_core.engine.prefill_budget.PrefillBudget`
+bounds how much prefill may stretch their step, shared first-come first-served
+among prefilling sequences. Decoders therefore keep their cadence while a long
+prompt prefills, and a long prompt advances by a chunk every step while others
+decode. Requests join and leave between steps.
 
 A decoding sequence with drafts (``SequenceState.drafts``, from a speculator)
 sends its pending token and the drafts as one chunk that samples after every
@@ -31,6 +32,7 @@ import attrs
 from musegl_core.engine.executor import EmbeddingSpan, ExecutorLimits, SeqChunk, Step
 from musegl_core.engine.kv_pool import KVPool
 from musegl_core.engine.masks import MaskClock, MaskWorkers
+from musegl_core.engine.prefill_budget import PrefillBudget
 from musegl_core.engine.randomness import uniform
 from musegl_core.engine.request import Phase, SequenceState
 
@@ -53,9 +55,11 @@ EmbedFn = Callable[[SequenceState, int], Any]
 
 class Scheduler:
     def __init__(self, pool: KVPool, limits: SchedulerLimits, embed: EmbedFn | None = None,
-                 taps: tuple[int, ...] = (), mask_threads: int = 0):
+                 taps: tuple[int, ...] = (), mask_threads: int = 0, budget: PrefillBudget | None = None):
         self.pool = pool
         self.limits = limits
+        #: prompt rows per step while sequences decode (None: always ``max_prefill_chunk``)
+        self.budget = budget
         self.embed = embed
         self.taps = taps
         self.running: list[SequenceState] = []
@@ -179,6 +183,10 @@ class Scheduler:
             budget -= rows
 
         prefill_budget = min(limits.max_prefill_chunk, budget)
+        if self.budget is not None:
+            prefilling = sum(1 for seq in self.running if seq.phase is Phase.PREFILL)
+            if prefilling:
+                prefill_budget = min(prefill_budget, self.budget.rows(decoding=len(plan), prefilling=prefilling))
         for seq in self.running:
             if prefill_budget <= 0:
                 break

@@ -53,6 +53,16 @@ SERIES = {
     "mask_seconds": ("grammar_mask_seconds", "seconds spent computing grammar masks (any thread)", "counter"),
     "mask_blocked_seconds": ("grammar_mask_blocked_seconds", "seconds the engine thread spent computing grammar "
                              "masks or waiting for them (the part on the critical path)", "counter"),
+    "decode_steps": ("engine_decode_steps", "executor steps that only decoded", "counter"),
+    "decode_step_seconds": ("engine_decode_step_seconds", "wall seconds of steps that only decoded", "counter"),
+    "decode_step_decode_rows": ("engine_decode_step_decode_rows", "decode rows of steps that only decoded", "counter"),
+    "mixed_steps": ("engine_mixed_steps", "executor steps carrying decodes and prefill chunks", "counter"),
+    "mixed_step_seconds": ("engine_mixed_step_seconds", "wall seconds of mixed steps", "counter"),
+    "mixed_step_decode_rows": ("engine_mixed_step_decode_rows", "decode rows of mixed steps", "counter"),
+    "mixed_step_prefill_rows": ("engine_mixed_step_prefill_rows", "prefill rows of mixed steps", "counter"),
+    "prefill_steps": ("engine_prefill_steps", "executor steps that only prefilled (nothing decoding)", "counter"),
+    "prefill_step_seconds": ("engine_prefill_step_seconds", "wall seconds of prefill-only steps", "counter"),
+    "prefill_step_prefill_rows": ("engine_prefill_step_prefill_rows", "prefill rows of prefill-only steps", "counter"),
 }
 
 
