@@ -103,15 +103,22 @@ def prepare(argv: list[str]):
     plugins.get("templates", config.template)
     if config.tool_parser:
         plugins.get("tool_parsers", config.tool_parser)
-    plugins.choose_executor(config.executor)
+    spec = plugins.choose_executor(config.executor, config.model)
     if config.model and not os.path.exists(config.model):
         raise ConfigError(f"model path {config.model!r} does not exist")
     if config.mmproj and not os.path.isfile(config.mmproj):
         raise ConfigError(f"--mmproj {config.mmproj!r} is not a file")
     if config.model:
-        from musegl_core.checkpoint.validate import check_servable
+        if spec.check is not None:  # the executor checks its own model format (an exported program)
+            from musegl_core.plugins.specs import ExecutorOptions
 
-        check_servable(config.model)
+            spec.check(ExecutorOptions(model=config.model, device=config.device, dtype=config.dtype,
+                                       mmproj=config.mmproj, max_context=config.max_context,
+                                       extra=dict(config.extra)))
+        else:
+            from musegl_core.checkpoint.validate import check_servable
+
+            check_servable(config.model)
         check_speculators(config, plugins)  # a draft that does not fit, before the port is bound
     return config, plugins, args.log_level
 
@@ -124,11 +131,12 @@ def check_kv_memory(config: ServeConfig, plugins) -> None:
     from musegl_core.engine.kv_sizing import check_fits
     from musegl_core.plugins.specs import ExecutorOptions
 
-    spec = plugins.choose_executor(config.executor)
+    spec = plugins.choose_executor(config.executor, config.model)
     if spec.kv_layout is None:
         return  # the worker checks once the executor is loaded
     per_block, block_size = spec.kv_layout(ExecutorOptions(model=config.model, device=config.device,
-                                                           dtype=config.dtype, extra=dict(config.extra)))
+                                                           dtype=config.dtype, max_context=config.max_context,
+                                                           extra=dict(config.extra)))
     check_fits(bytes_per_block=per_block, block_size=block_size, budget=config.kv_cache_memory,
                source="--kv-cache-memory", max_sessions=config.max_sessions, max_context=config.max_context,
                snapshots=config.prefix_cache_entries)

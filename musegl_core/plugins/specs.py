@@ -19,7 +19,9 @@ class ExecutorOptions:
     of the flags the plugin added through ``musegl_serve_options``.
     ``mmproj`` is the vision projector GGUF given with ``--mmproj`` (None: a
     GGUF model loads text-only; a Hugging Face directory carries its vision
-    weights itself).
+    weights itself). ``max_context`` is the server's ``--max-context`` (None
+    where no fixed budget applies, as in ``musegl generate``); an executor
+    whose model cannot reach it raises ``ConfigError``.
     """
 
     model: str
@@ -27,6 +29,7 @@ class ExecutorOptions:
     dtype: str | None = None
     demo: bool = False
     mmproj: str | None = None
+    max_context: int | None = None
     progress: Callable[[int, int, str], None] | None = None
     extra: dict[str, Any] = attrs.field(factory=dict)
 
@@ -41,6 +44,15 @@ class ExecutorSpec:
     weight is loaded, ``(bytes_per_block, block_size)`` of the KV cache the
     executor would allocate for ``options``; ``musegl serve`` uses it to
     refuse a ``--kv-cache-memory`` that cannot hold the limits before loading.
+
+    ``claims(model)`` (optional, cheap: look at the path, read no weights)
+    answers whether ``model`` is in a format only this executor runs (an
+    exported program); when the user names no executor, an available
+    executor that claims the model is chosen before any other.
+    ``check(options)`` (optional) validates the model and the options in the
+    front before the worker starts, reading metadata only; it replaces the
+    core's own checkpoint check (``musegl_core.checkpoint.validate``) for
+    this executor. Raise ``ConfigError`` with one line (exit status 2).
     """
 
     name: str
@@ -49,6 +61,8 @@ class ExecutorSpec:
     available: Callable[[], bool] = lambda: True
     priority: int = 0
     kv_layout: Callable[[ExecutorOptions], tuple[int, int]] | None = None
+    claims: Callable[[str], bool] | None = None
+    check: Callable[[ExecutorOptions], None] | None = None
 
 
 @attrs.frozen
@@ -137,3 +151,19 @@ class TemplateSpec:
     name: str
     description: str
     create: Callable[[], Any]
+
+
+@attrs.frozen
+class CommandSpec:
+    """A ``musegl`` subcommand a plugin contributes (hook ``musegl_commands``).
+
+    ``description`` is one line (``musegl --help`` shows it);
+    ``add_arguments(parser)`` adds the command's arguments to an argparse
+    parser; ``run(args)`` runs it with the parsed namespace and returns the
+    exit status (None: 0).
+    """
+
+    name: str
+    description: str
+    add_arguments: Callable[[Any], None]
+    run: Callable[[Any], int | None]
