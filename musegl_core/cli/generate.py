@@ -73,7 +73,7 @@ def main(argv: list[str]) -> int:
     plugins = PluginManager(only=pre.parse_known_args(argv)[0].plugins)
     p = OneLineParser(prog="musegl generate", description=__doc__.split("\n\n")[0])
     p.add_argument("prompt", nargs="?", help="raw prompt text, a JSON list of ids, or - for stdin")
-    p.add_argument("--model", help="GGUF file or HF directory (default: the built-in tiny demo)")
+    p.add_argument("--model", help="GGUF file, HF directory or ExecuTorch export (default: the built-in tiny demo)")
     p.add_argument("--token-ids", help="prompt as token ids: '1,2,3' or '[1, 2, 3]'")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")

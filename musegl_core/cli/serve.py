@@ -41,7 +41,7 @@ KINDS = {"str": None, "int": _int, "float": _float, "size": _size}
 def build_parser(plugins=None) -> OneLineParser:
     """The ``musegl serve`` parser: one flag per :meth:`ServeConfig.flag_fields` field."""
     p = OneLineParser(prog="musegl serve", description="Serve a Muse Glimmer checkpoint over an OpenAI-compatible HTTP API.")
-    p.add_argument("model", nargs="?", help="GGUF file or Hugging Face directory; omitted: the built-in random-weight demo")
+    p.add_argument("model", nargs="?", help="GGUF file, Hugging Face directory, or an ExecuTorch export (.pte or its directory, musegl export); omitted: the built-in random-weight demo")
     p.add_argument("--model", dest="model_opt", metavar="PATH", help="same as the positional MODEL")
     p.add_argument("--plugin", action="append", dest="plugins", metavar="NAME",
                    help="load only this plugin (repeatable); default: every installed plugin")

@@ -133,3 +133,11 @@ def test_unsupported_export_settings_are_one_line_exit_2(checkpoint, tmp_path, c
         assert main(["export", str(checkpoint), "-o", str(tmp_path / "x"), *flags]) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and message in err, err
+
+
+def test_max_seq_len_warns_before_loading_and_a_used_directory_is_kept(checkpoint, exported, capsys):
+    assert main(["export", str(checkpoint), "-o", str(exported), "--max-seq-len", "99"]) == 2
+    warning, error = capsys.readouterr().err.splitlines()
+    assert warning == ("musegl export: warning: --max-seq-len 99 is ignored; the export uses the "
+                       "checkpoint's native context")
+    assert error.startswith("musegl export: error:") and "--overwrite" in error

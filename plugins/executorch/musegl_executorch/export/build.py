@@ -33,12 +33,30 @@ def load_decoder(checkpoint, dtype: torch.dtype) -> OffGraphDecoder:
         return OffGraphDecoder.from_decoder(decoder, dtype)
 
 
-def quantize_int8(module: OffGraphDecoder) -> None:
-    """Weight-only int8 for every linear layer (per output channel), with torchao."""
-    from torchao.quantization import IntxWeightOnlyConfig, quantize_
-    from torchao.quantization.granularity import PerAxis
+class Int8Linear(torch.nn.Module):
+    """Weight-only int8 linear layer: per-output-channel symmetric int8 weights and
+    float32 scales; the graph dequantizes (``int8 -> activation dtype, x scale``)
+    and multiplies, so only the int8 weights and the scales are stored."""
 
-    quantize_(module, IntxWeightOnlyConfig(weight_dtype=torch.int8, granularity=PerAxis(0)))
+    def __init__(self, linear: torch.nn.Linear) -> None:
+        super().__init__()
+        w = linear.weight.detach().float()
+        scale = (w.abs().amax(dim=1) / 127.0).clamp(min=torch.finfo(torch.float32).tiny)
+        self.register_buffer("weight_int8", torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8))
+        self.register_buffer("scale", scale)
+        self.dtype = linear.weight.dtype
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = (self.weight_int8.to(torch.float32) * self.scale[:, None]).to(x.dtype)
+        return torch.nn.functional.linear(x, weight)
+
+
+def quantize_int8(module: OffGraphDecoder) -> None:
+    """Replace every linear layer (projections, MLP, head) with :class:`Int8Linear`."""
+    for layer in module.layers:
+        for name in ("qkvg", "o_proj", "gate_up", "down_proj"):
+            setattr(layer, name, Int8Linear(getattr(layer, name)))
+    module.lm_head = Int8Linear(module.lm_head)
 
 
 def write_tokenizer(tokenizer, out: Path) -> None:

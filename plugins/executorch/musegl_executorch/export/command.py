@@ -6,14 +6,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
+import sys
 import time
 from pathlib import Path
 
 from musegl_core.errors import ConfigError
-
-log = logging.getLogger("musegl.export")
 
 DEFAULT_FORWARD_SIZES = (1, 2, 4, 8, 16, 32, 64)
 DEFAULT_MAX_PREFILL_CHUNK = 512
@@ -35,7 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--activation-dtype", choices=DTYPES, default="float32",
                         help="dtype of activations, weights and the KV pool (default %(default)s)")
     parser.add_argument("--quantize", choices=tuple(QUANTIZATIONS), default="none",
-                        help="int8: weight-only int8 linear layers, per output channel (torchao)")
+                        help="int8: weight-only int8 linear layers (symmetric, per output channel)")
     parser.add_argument("--max-cells", type=int, default=DEFAULT_MAX_CELLS, metavar="N",
                         help="most KV pool cells (blocks x 16 positions) the program accepts (default %(default)s)")
     parser.add_argument("--max-seq-len", type=int, default=None, metavar="N",
@@ -64,10 +62,8 @@ def run(args: argparse.Namespace) -> int:
     if args.max_cells < 16:
         raise ConfigError(f"--max-cells must be at least 16 (one block), got {args.max_cells}")
     if args.max_seq_len is not None:  # before the checkpoint loads, as the seed's exporter
-        log.warning("--max-seq-len %d is ignored: the off-graph export uses the checkpoint's native context",
-                    args.max_seq_len)
         print(f"musegl export: warning: --max-seq-len {args.max_seq_len} is ignored; the export uses the "
-              f"checkpoint's native context", flush=True)
+              f"checkpoint's native context", file=sys.stderr, flush=True)
     out = Path(args.output_dir)
     if out.exists() and not out.is_dir():
         raise ConfigError(f"-o {out}: exists and is not a directory")
