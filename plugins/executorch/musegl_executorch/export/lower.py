@@ -61,34 +61,35 @@ def _axis(name: str, upper: int):
 
 
 def method_shapes(limits: Limits, groups: int | None):
-    """(example sizes, dynamic_shapes) of one method: ``forward_{groups}`` or, for
-    ``groups=None``, ``forward_others`` (one group of up to max_prefill_chunk rows)."""
+    """(example sizes, dynamic_shapes) of one method: ``forward_{groups}`` (``groups``
+    single-row groups) or, for ``groups=None``, ``forward_others`` (one group of up to
+    ``max_prefill_chunk`` rows)."""
     cells = Dim("cells", min=2, max=limits.max_cells)
     kf_max = min(limits.native_context, limits.max_cells)  # a call never reads more keys than the pool holds
     kw_max = max(1, limits.window - 1)
     kf, kw = _axis("cached", kf_max), _axis("windowed", kw_max)
     if groups is None:
-        g, rows_max = 1, limits.max_prefill_chunk
-        t = _axis("rows", rows_max)
-        r = _axis("heads", rows_max)
-        sizes = dict(groups=1, rows=min(3, rows_max), heads=min(2, rows_max))
+        t = _axis("rows", limits.max_prefill_chunk)
+        r = _axis("heads", limits.max_prefill_chunk)
+        sizes = dict(groups=1, rows=min(3, limits.max_prefill_chunk), heads=min(2, limits.max_prefill_chunk))
     else:
-        g, t = groups, None
+        t = None
         r = _axis("heads", groups)
         sizes = dict(groups=groups, rows=1, heads=min(2, groups))
     sizes.update(cached=min(3, kf_max), windowed=min(2, kw_max), cells=8)
-    row_axes = {1: t} if t is not None else None
-    dyn = (
-        row_axes, row_axes,
-        {1: cells}, {1: cells},
-        {1: kf} if kf is not None else None,
-        ({1: t} if t is not None else {}) | ({2: kf} if kf is not None else {}) or None,
-        {1: kw} if kw is not None else None,
-        ({1: t} if t is not None else {}) | ({2: kw} if kw is not None else {}) or None,
-        {0: r} if r is not None else None,
+
+    def axes(**named) -> dict | None:
+        found = {int(k[1:]): v for k, v in named.items() if v is not None}
+        return found or None
+
+    dynamic = (
+        axes(d1=t), axes(d1=t),  # tokens, positions
+        {1: cells}, {1: cells},  # k_pool, v_pool
+        axes(d1=kf), axes(d1=t, d2=kf),  # full_slots, full_bias
+        axes(d1=kw), axes(d1=t, d2=kw),  # window_slots, window_bias
+        axes(d0=r),  # head_rows
     )
-    del g
-    return sizes, dyn
+    return sizes, dynamic
 
 
 def export_methods(module: OffGraphDecoder, limits: Limits,
