@@ -292,6 +292,14 @@ def read_gguf_tokenizer_data(source: str | Path | GGUFReader) -> GGUFTokenizerDa
     return _tokenizer_data(value)
 
 
+def _is_gguf(path: Path) -> bool:
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == b"GGUF"
+    except OSError:
+        return False
+
+
 def _read_json(path: Path) -> dict[str, Any]:
     if not path.is_file():
         return {}
@@ -413,7 +421,8 @@ class MuseTokenizer:
     def load(cls, model_path: str | Path) -> MuseTokenizer:
         """The tokenizer of a checkpoint: a GGUF file or a Hugging Face directory.
 
-        A GGUF without tokenizer metadata uses the ``tokenizer.json`` beside it.
+        A GGUF without tokenizer metadata, and any other file (an exported
+        program), uses the ``tokenizer.json`` beside it.
         """
         path = Path(model_path)
         demo = _weightless_config(path)
@@ -423,6 +432,8 @@ class MuseTokenizer:
             return cls.from_file(path)
         if path.suffix == ".json":
             return cls.from_file(path)
+        if not _is_gguf(path) and (path.parent / "tokenizer.json").is_file():
+            return cls.from_file(path.parent)
         data = read_gguf_tokenizer_data(path)
         if data is not None:
             return cls.from_gguf_data(data)

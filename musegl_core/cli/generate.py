@@ -73,7 +73,7 @@ def main(argv: list[str]) -> int:
     plugins = PluginManager(only=pre.parse_known_args(argv)[0].plugins)
     p = OneLineParser(prog="musegl generate", description=__doc__.split("\n\n")[0])
     p.add_argument("prompt", nargs="?", help="raw prompt text, a JSON list of ids, or - for stdin")
-    p.add_argument("--model", help="GGUF file or HF directory (default: the built-in tiny demo)")
+    p.add_argument("--model", help="GGUF file, HF directory or ExecuTorch export (default: the built-in tiny demo)")
     p.add_argument("--token-ids", help="prompt as token ids: '1,2,3' or '[1, 2, 3]'")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -112,7 +112,7 @@ def main(argv: list[str]) -> int:
     config = ServeConfig(model=model, executor=args.executor, device=args.device, dtype=args.dtype,
                          plugins=tuple(args.plugins) if args.plugins else None, demo=demo, mmproj=args.mmproj,
                          extra=extra)
-    tokenizer, executor, speculator = load(config)
+    tokenizer, executor, speculator = load(config, max_context=None)
     events: list = []
     request = GenerateRequest(
         id="generate",
@@ -130,6 +130,9 @@ def main(argv: list[str]) -> int:
     except ApiError as error:
         raise ConfigError(error.message) from None
     context = max(len(prepared.prompt_ids) + args.max_tokens, 2)
+    if context > executor.info.native_context:
+        raise ConfigError(f"the prompt and --max-tokens need {context} positions; the model's native context "
+                          f"is {executor.info.native_context}")
     engine = Engine(executor, tokenizer, EngineConfig(max_context=context, max_inflight_requests=1),
                     events.append, speculator)
     engine.submit(prepared)

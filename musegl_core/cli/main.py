@@ -1,8 +1,9 @@
-"""``musegl``: serve, generate, make-tiny, plugins, render, parse, worker.
+"""``musegl``: serve, generate, make-tiny, plugins, render, parse, worker,
+and the commands plugins add (hook ``musegl_commands``).
 
-Each subcommand lives in its own module under :mod:`musegl_core.cli`; this
-module only dispatches. Usage errors and bad values exit with status 2 and a
-one-line reason.
+Each core subcommand lives in its own module under :mod:`musegl_core.cli`;
+this module only dispatches. Usage errors and bad values exit with status 2
+and a one-line reason.
 """
 
 from __future__ import annotations
@@ -33,6 +34,25 @@ COMMANDS = {
 }
 
 
+def plugin_commands() -> dict:
+    """The ``CommandSpec`` objects of every installed plugin, by name. A plugin
+    command named like a core command is a ConfigError naming its plugin."""
+    from musegl_core.plugins.manager import PluginManager
+
+    found = PluginManager().provided("commands")
+    for name, (plugin, _spec) in found.items():
+        if name in COMMANDS:
+            raise ConfigError(f"plugin {plugin!r} adds a command {name!r}, which is a core command")
+    return {name: spec for name, (_plugin, spec) in found.items()}
+
+
+def run_plugin_command(spec, argv: list[str]) -> int:
+    parser = OneLineParser(prog=f"musegl {spec.name}", description=spec.description)
+    spec.add_arguments(parser)
+    args = parser.parse_args(argv)
+    return spec.run(args) or 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
@@ -42,16 +62,29 @@ def main(argv: list[str] | None = None) -> int:
         for name, module in COMMANDS.items():
             doc = __import__(module, fromlist=["_"]).__doc__ or ""
             print(f"  {name:<10} {doc.strip().splitlines()[0] if doc.strip() else ''}")
+        try:
+            extra = plugin_commands()
+        except ConfigError as exc:  # a broken plugin must not hide the help
+            print(f"\n(plugin commands unavailable: {exc})")
+            extra = {}
+        if extra:
+            print("\nplugin commands:")
+            for name, spec in sorted(extra.items()):
+                print(f"  {name:<10} {spec.description}")
         return 0 if argv else 2
     if argv[0] == "--version":
         print(f"musegl {__version__}")
         return 0
     command, rest = argv[0], argv[1:]
-    if command not in COMMANDS:
-        print(f"musegl: error: unknown command {command!r} (choose from {', '.join(COMMANDS)})", file=sys.stderr)
-        return 2
-    module = __import__(COMMANDS[command], fromlist=["main"])
     try:
+        if command not in COMMANDS:
+            extra = plugin_commands()
+            if command not in extra:
+                known = ", ".join([*COMMANDS, *sorted(extra)])
+                print(f"musegl: error: unknown command {command!r} (choose from {known})", file=sys.stderr)
+                return 2
+            return run_plugin_command(extra[command], rest)
+        module = __import__(COMMANDS[command], fromlist=["main"])
         return module.main(rest) or 0
     except ConfigError as exc:
         print(f"musegl {command}: error: {exc}", file=sys.stderr)

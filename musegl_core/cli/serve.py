@@ -41,7 +41,7 @@ KINDS = {"str": None, "int": _int, "float": _float, "size": _size}
 def build_parser(plugins=None) -> OneLineParser:
     """The ``musegl serve`` parser: one flag per :meth:`ServeConfig.flag_fields` field."""
     p = OneLineParser(prog="musegl serve", description="Serve a Muse Glimmer checkpoint over an OpenAI-compatible HTTP API.")
-    p.add_argument("model", nargs="?", help="GGUF file or Hugging Face directory; omitted: the built-in random-weight demo")
+    p.add_argument("model", nargs="?", help="GGUF file, Hugging Face directory, or an ExecuTorch export (.pte or its directory, musegl export); omitted: the built-in random-weight demo")
     p.add_argument("--model", dest="model_opt", metavar="PATH", help="same as the positional MODEL")
     p.add_argument("--plugin", action="append", dest="plugins", metavar="NAME",
                    help="load only this plugin (repeatable); default: every installed plugin")
@@ -103,19 +103,21 @@ def prepare(argv: list[str]):
     plugins.get("templates", config.template)
     if config.tool_parser:
         plugins.get("tool_parsers", config.tool_parser)
-    executor = plugins.choose_executor(config.executor)
+    spec = plugins.choose_executor(config.executor, config.model)
     if config.model and not os.path.exists(config.model):
         raise ConfigError(f"model path {config.model!r} does not exist")
     if config.mmproj and not os.path.isfile(config.mmproj):
         raise ConfigError(f"--mmproj {config.mmproj!r} is not a file")
     if config.model:
-        from musegl_core.checkpoint.validate import check_servable
-        from musegl_core.plugins.specs import ExecutorOptions
+        if spec.check is not None:  # the executor checks the model itself (its own formats, --load-format)
+            from musegl_core.plugins.specs import ExecutorOptions
 
-        if executor.check_model is not None:
-            executor.check_model(ExecutorOptions(model=config.model, device=config.device, dtype=config.dtype,
-                                                 mmproj=config.mmproj, extra=dict(config.extra)))
+            spec.check(ExecutorOptions(model=config.model, device=config.device, dtype=config.dtype,
+                                       mmproj=config.mmproj, max_context=config.max_context,
+                                       extra=dict(config.extra)))
         else:
+            from musegl_core.checkpoint.validate import check_servable
+
             check_servable(config.model)
         check_speculators(config, plugins)  # a draft that does not fit, before the port is bound
     return config, plugins, args.log_level
@@ -129,11 +131,12 @@ def check_kv_memory(config: ServeConfig, plugins) -> None:
     from musegl_core.engine.kv_sizing import check_fits
     from musegl_core.plugins.specs import ExecutorOptions
 
-    spec = plugins.choose_executor(config.executor)
+    spec = plugins.choose_executor(config.executor, config.model)
     if spec.kv_layout is None:
         return  # the worker checks once the executor is loaded
     per_block, block_size = spec.kv_layout(ExecutorOptions(model=config.model, device=config.device,
-                                                           dtype=config.dtype, extra=dict(config.extra)))
+                                                           dtype=config.dtype, max_context=config.max_context,
+                                                           extra=dict(config.extra)))
     check_fits(bytes_per_block=per_block, block_size=block_size, budget=config.kv_cache_memory,
                source="--kv-cache-memory", max_sessions=config.max_sessions, max_context=config.max_context,
                snapshots=config.prefix_cache_entries)

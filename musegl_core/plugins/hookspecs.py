@@ -112,3 +112,23 @@ def musegl_serve_options(group: argparse._ArgumentGroup) -> None:
     :class:`musegl_core.errors.ConfigError` with a one-line reason; the CLI turns
     it into exit status 2.
     """
+
+
+@hookspec
+def musegl_commands() -> list:
+    """Return extra ``musegl`` subcommands as ``CommandSpec`` objects.
+
+    ``musegl NAME ...`` runs a plugin's command when NAME is not one of the
+    core's own (``serve``, ``generate``, ...; a plugin command cannot replace
+    them: that is a start-up error naming the plugin). ``musegl --help`` lists
+    the plugin commands after the core's. Every installed plugin is loaded to
+    find them. For ``musegl NAME ARGS``, the core builds an argparse parser
+    (``prog`` is ``musegl NAME``, usage errors exit 2 with one line), calls
+    ``CommandSpec.add_arguments(parser)``, parses ARGS and calls
+    ``CommandSpec.run(args)``; its return value (None means 0) is the exit
+    status. Raise :class:`musegl_core.errors.ConfigError` with one line for
+    unusable input: the CLI prints ``musegl NAME: error: LINE`` and exits
+    with status 2. Keep ``add_arguments`` cheap (import heavy libraries in
+    ``run``), since ``--help`` calls it. ``musegl-executorch``'s ``export``
+    is an example (``plugins/executorch/musegl_executorch/plugin.py``).
+    """

@@ -27,6 +27,7 @@ _KINDS = {
     "tool_parsers": "musegl_tool_parsers",
     "dialects": "musegl_dialects",
     "templates": "musegl_templates",
+    "commands": "musegl_commands",
 }
 
 
@@ -91,6 +92,10 @@ class PluginManager:
                 found[spec.name] = (impl.plugin_name, spec)
         return found
 
+    def provided(self, kind: str) -> dict[str, tuple[str, Any]]:
+        """``{spec name: (plugin name, spec)}`` of one hook kind."""
+        return self._collect(kind)
+
     def specs(self, kind: str) -> dict[str, Any]:
         return {name: spec for name, (_, spec) in self._collect(kind).items()}
 
@@ -105,8 +110,9 @@ class PluginManager:
             )
         return found[name][1]
 
-    def choose_executor(self, name: str | None = None) -> Any:
-        """The named executor, or the best available one for this machine."""
+    def choose_executor(self, name: str | None = None, model: str | None = None) -> Any:
+        """The named executor; else an available one that claims ``model`` (an
+        exported program only its executor runs); else the best available one."""
         if name:
             spec = self.get("executors", name)
             if not spec.available():
@@ -114,6 +120,10 @@ class PluginManager:
                 raise ConfigError(f"executor {name!r} cannot run on this machine" + (f": {reason}" if reason else ""))
             return spec
         candidates = [s for s in self.specs("executors").values() if s.available()]
+        if model is not None:
+            claiming = [s for s in candidates if s.claims is not None and s.claims(model)]
+            if claiming:
+                return max(claiming, key=lambda s: (s.priority, s.name))
         if not candidates:
             raise ConfigError(
                 "no executor plugin can run on this machine; install one "

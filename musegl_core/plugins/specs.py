@@ -19,7 +19,9 @@ class ExecutorOptions:
     of the flags the plugin added through ``musegl_serve_options``.
     ``mmproj`` is the vision projector GGUF given with ``--mmproj`` (None: a
     GGUF model loads text-only; a Hugging Face directory carries its vision
-    weights itself).
+    weights itself). ``max_context`` is the server's ``--max-context`` (None
+    where no fixed budget applies, as in ``musegl generate``); an executor
+    whose model cannot reach it raises ``ConfigError``.
     """
 
     model: str
@@ -27,6 +29,7 @@ class ExecutorOptions:
     dtype: str | None = None
     demo: bool = False
     mmproj: str | None = None
+    max_context: int | None = None
     progress: Callable[[int, int, str], None] | None = None
     extra: dict[str, Any] = attrs.field(factory=dict)
 
@@ -41,17 +44,22 @@ class ExecutorSpec:
     weight is loaded, ``(bytes_per_block, block_size)`` of the KV cache the
     executor would allocate for ``options``; ``musegl serve`` uses it to
     refuse a ``--kv-cache-memory`` that cannot hold the limits before loading.
-    ``check_model`` (optional) checks, in the front before any weight is read,
-    that ``options.model`` (with the plugin's flags in ``options.extra``) is
-    something this executor can serve, raising
-    :class:`musegl_core.errors.ConfigError` with one line if not; ``musegl
-    serve`` turns it into exit status 2. Without it the core's check applies
-    (a GGUF file or Hugging Face directory with weights and a tokenizer:
-    :func:`musegl_core.checkpoint.validate.check_servable`), which is also
-    what a plugin calls for the paths it does not treat specially.
     ``unavailable_reason`` (optional) says in one line why ``available()`` is
     False (a missing library and how to install it); ``--executor NAME``
     then stops with that line instead of a generic one.
+
+    ``claims(model)`` (optional, cheap: look at the path, read no weights)
+    answers whether ``model`` is in a format only this executor runs (an
+    exported program); when the user names no executor, an available
+    executor that claims the model is chosen before any other.
+    ``check(options)`` (optional) checks, in the front before the worker
+    starts and before any weight is read, that ``options.model`` (with the
+    plugin's flags in ``options.extra``) is something this executor can serve,
+    raising :class:`musegl_core.errors.ConfigError` with one line if not;
+    ``musegl serve`` turns it into exit status 2. Without it the core's check
+    applies (a GGUF file or Hugging Face directory with weights and a
+    tokenizer: :func:`musegl_core.checkpoint.validate.check_servable`), which
+    is also what a plugin calls for the paths it does not treat specially.
     """
 
     name: str
@@ -60,8 +68,9 @@ class ExecutorSpec:
     available: Callable[[], bool] = lambda: True
     priority: int = 0
     kv_layout: Callable[[ExecutorOptions], tuple[int, int]] | None = None
-    check_model: Callable[[ExecutorOptions], None] | None = None
     unavailable_reason: Callable[[], str | None] | None = None
+    claims: Callable[[str], bool] | None = None
+    check: Callable[[ExecutorOptions], None] | None = None
 
 
 @attrs.frozen
@@ -160,3 +169,19 @@ class TemplateSpec:
     name: str
     description: str
     create: Callable[[], Any]
+
+
+@attrs.frozen
+class CommandSpec:
+    """A ``musegl`` subcommand a plugin contributes (hook ``musegl_commands``).
+
+    ``description`` is one line (``musegl --help`` shows it);
+    ``add_arguments(parser)`` adds the command's arguments to an argparse
+    parser; ``run(args)`` runs it with the parsed namespace and returns the
+    exit status (None: 0).
+    """
+
+    name: str
+    description: str
+    add_arguments: Callable[[Any], None]
+    run: Callable[[Any], int | None]

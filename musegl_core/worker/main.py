@@ -169,16 +169,18 @@ def _expire_idle_sessions(engine: Engine, timeout: float) -> None:
         engine.expire_idle_sessions()
 
 
-def load(config: ServeConfig):
+def load(config: ServeConfig, max_context: int | None | bool = True):
     """Load tokenizer, executor and speculator (if a plugin enables one) for
-    ``config``, with a progress bar."""
+    ``config``, with a progress bar. ``max_context`` is what the executor is
+    told of the context budget: ``True`` means ``config.max_context``, None no
+    fixed budget (``musegl generate`` sizes its own)."""
     from musegl_core.plugins.manager import PluginManager
     from musegl_core.plugins.specs import ExecutorOptions
     from musegl_core.progress import loading_progress
     from musegl_core.tokenizer import MuseTokenizer
 
     plugins = PluginManager(only=config.plugins)
-    spec = plugins.choose_executor(config.executor)
+    spec = plugins.choose_executor(config.executor, config.model)
     tokenizer = MuseTokenizer.load(config.model)
     with loading_progress(f"loading {os.path.basename(config.model)} ({spec.name})") as progress:
         options = ExecutorOptions(
@@ -187,6 +189,7 @@ def load(config: ServeConfig):
             dtype=config.dtype,
             demo=config.demo,
             mmproj=config.mmproj,
+            max_context=config.max_context if max_context is True else max_context,
             progress=progress,
             extra=dict(config.extra),
         )

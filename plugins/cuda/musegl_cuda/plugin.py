@@ -178,8 +178,8 @@ def musegl_executors() -> list[ExecutorSpec]:
     return [
         ExecutorSpec(name="cuda", description="Muse Glimmer decoder in PyTorch on an NVIDIA GPU",
                      create=create_cuda, available=cuda_available, priority=100,
-                     kv_layout=lambda options: kv_layout(options, "cuda"), check_model=check_model),
+                     kv_layout=lambda options: kv_layout(options, "cuda"), check=check_model),
         ExecutorSpec(name="torch-cpu", description="Muse Glimmer decoder in PyTorch on the CPU",
                      create=create_torch_cpu, available=lambda: True, priority=10,
-                     kv_layout=lambda options: kv_layout(options, "cpu"), check_model=check_model),
+                     kv_layout=lambda options: kv_layout(options, "cpu"), check=check_model),
     ]

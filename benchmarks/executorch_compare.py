@@ -1,0 +1,148 @@
+"""The ExecuTorch executor vs the eager torch executor on the same checkpoint, same run.
+
+Builds a tiny random checkpoint (``--preset``, F32), exports it with
+``musegl export``'s code (``--forward-sizes``, ``--activation-dtype``,
+``--quantize``), then, for each executor, prefills ``--batch`` sequences of
+``--prompt-tokens`` random ids and times ``--decode-steps`` batched greedy
+decode steps (every sequence one token per step, through the engine's step
+API, so the two executors run exactly the same steps). Also reports the
+teacher-forced top-1 agreement of the exported program with the torch
+executor (float32) over ``--agreement-tokens`` positions. Prints one JSON
+object per figure and a summary object last.
+
+    python benchmarks/executorch_compare.py                       # float32
+    python benchmarks/executorch_compare.py --quantize int8        # int8 weight-only
+    python benchmarks/executorch_compare.py --activation-dtype float16
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import attrs
+import numpy as np
+import torch
+
+from musegl_core.checkpoint.loader import load_checkpoint
+from musegl_core.engine.executor import SeqChunk, Step
+from musegl_core.tiny import PRESETS, make_tiny
+from musegl_core.tokenizer import MuseTokenizer
+from musegl_cuda.executor import TorchExecutor
+from musegl_executorch.executor import ExecuTorchExecutor
+from musegl_executorch.export.build import build_artifact
+from musegl_executorch.export.command import QUANTIZATIONS, parse_sizes
+
+
+def decode_rate(executor, vocab: int, batch: int, prompt_tokens: int, steps: int, seed: int = 0) -> dict:
+    """Prefill ``batch`` sequences, then time ``steps`` greedy decode steps of all of them."""
+    bs = executor.block_size
+    per_seq = -(-(prompt_tokens + steps + 1) // bs)
+    rng = np.random.default_rng(seed)
+    tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(batch)]
+    last = []
+    started = time.perf_counter()
+    for seq, blocks in enumerate(tables):
+        prompt = rng.integers(300, vocab - 300, size=prompt_tokens).tolist()
+        out = executor.step(Step([SeqChunk(seq, prompt, list(range(prompt_tokens)), blocks, sample=1)]))
+        last.append(out.tokens[seq][0])
+    prefill = time.perf_counter() - started
+    width = executor.limits.padded_width(batch)
+    started = time.perf_counter()
+    generated = [[] for _ in range(batch)]
+    for step in range(steps):
+        pos = prompt_tokens + step
+        chunks = [SeqChunk(seq, [last[seq]], [pos], tables[seq], sample=1) for seq in range(batch)]
+        out = executor.step(Step(chunks, width=width))
+        last = [out.tokens[seq][0] for seq in range(batch)]
+        for seq in range(batch):
+            generated[seq].append(last[seq])
+    seconds = time.perf_counter() - started
+    return {"batch": batch, "prefill_s": round(prefill, 3), "decode_s": round(seconds, 3),
+            "decode_tok_s": round(batch * steps / seconds, 2), "generated": generated}
+
+
+def agreement(mine, reference, vocab: int, tokens: int, seed: int = 1) -> float:
+    """Teacher-forced top-1 agreement: both read the same ids (a prompt and the reference's
+    own greedy continuation) and we compare their argmax at each of ``tokens`` positions."""
+    rng = np.random.default_rng(seed)
+    prompt = rng.integers(300, vocab - 300, size=16).tolist()
+    bs = reference.block_size
+    blocks = list(range(-(-(len(prompt) + tokens + 1) // bs)))
+    ids = list(prompt)
+    for _ in range(tokens):  # the reference's greedy continuation, one step at a time
+        step = Step([SeqChunk(0, ids, list(range(len(ids))), blocks, sample=1)])
+        ids.append(reference.step(step).tokens[0][0])
+    rows = list(range(len(prompt) - 1, len(ids) - 1))
+    chunk = SeqChunk(0, ids[:-1], list(range(len(ids) - 1)), blocks, sample=0, logit_rows=True)
+    theirs = reference.step(Step([chunk])).logits[0][rows].argmax(-1)
+    ours = mine.step(Step([chunk])).logits[0][rows].argmax(-1)
+    return float((torch.as_tensor(ours) == torch.as_tensor(theirs)).float().mean())
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
+    p.add_argument("--layers", type=int, default=None, help="override the preset's layer count")
+    p.add_argument("--native-context", type=int, default=4096, help="the checkpoint's max_position_embeddings")
+    p.add_argument("--forward-sizes", default="1,8")
+    p.add_argument("--max-prefill-chunk", type=int, default=64)
+    p.add_argument("--max-cells", type=int, default=4096)
+    p.add_argument("--activation-dtype", default="float32", choices=("float32", "float16", "bfloat16"))
+    p.add_argument("--quantize", default="none", choices=tuple(QUANTIZATIONS))
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--prompt-tokens", type=int, default=32)
+    p.add_argument("--decode-steps", type=int, default=32)
+    p.add_argument("--agreement-tokens", type=int, default=64)
+    p.add_argument("--workdir", default=None, help="keep the checkpoint and the export here")
+    args = p.parse_args()
+    base = PRESETS[args.preset]
+    preset = attrs.evolve(base, max_position_embeddings=args.native_context,
+                          num_layers=args.layers or base.num_layers)
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="musegl-et-bench-"))
+    gguf = make_tiny(work / "checkpoint", preset=preset, file_type="f32")
+    checkpoint = load_checkpoint(gguf)
+    out = work / "export"
+    started = time.perf_counter()
+    build_artifact(checkpoint, MuseTokenizer.load(gguf), out, forward_sizes=parse_sizes(args.forward_sizes),
+                   max_prefill_chunk=args.max_prefill_chunk, max_cells=args.max_cells,
+                   activation_dtype=args.activation_dtype, quantization=QUANTIZATIONS[args.quantize])
+    export_s = time.perf_counter() - started
+    sizes = {name: (out / name).stat().st_size for name in ("model.pte", "model.ptd")}
+    print(json.dumps({"figure": "export", "seconds": round(export_s, 2), "bytes": sizes,
+                      "preset": preset.name, "layers": preset.num_layers}), flush=True)
+
+    vocab = checkpoint.config.vocab_size
+    blocks = args.batch * -(-(args.prompt_tokens + args.decode_steps + 1) // 16) + 8
+    torch_exec = TorchExecutor(checkpoint, device="cpu", dtype="float32")
+    torch_exec.allocate_kv(max(blocks, -(-(16 + args.agreement_tokens + 1) // 16)))
+    et_exec = ExecuTorchExecutor(str(out))
+    et_exec.allocate_kv(max(blocks, -(-(16 + args.agreement_tokens + 1) // 16)))
+    results = {}
+    for name, executor in (("torch-cpu", torch_exec), ("executorch", et_exec)):
+        decode_rate(executor, vocab, 1, 8, 2)  # warm-up
+        results[name] = decode_rate(executor, vocab, args.batch, args.prompt_tokens, args.decode_steps)
+        print(json.dumps({"figure": "decode", "executor": name,
+                          **{k: v for k, v in results[name].items() if k != "generated"}}), flush=True)
+    same = results["torch-cpu"]["generated"] == results["executorch"]["generated"]
+    agree = agreement(et_exec, torch_exec, vocab, args.agreement_tokens)
+    print(json.dumps({
+        "figure": "summary", "activation_dtype": args.activation_dtype, "quantize": args.quantize,
+        "export_s": round(export_s, 2), "pte_bytes": sizes["model.pte"], "ptd_bytes": sizes["model.ptd"],
+        "torch_decode_tok_s": results["torch-cpu"]["decode_tok_s"],
+        "executorch_decode_tok_s": results["executorch"]["decode_tok_s"],
+        "executorch_over_torch": round(results["executorch"]["decode_tok_s"] / results["torch-cpu"]["decode_tok_s"], 3),
+        "greedy_identical": same, "top1_agreement": round(agree, 4), "agreement_tokens": args.agreement_tokens,
+        "batch": args.batch, "decode_steps": args.decode_steps,
+    }), flush=True)
+    et_exec.close()
+    torch_exec.close()
+    checkpoint.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

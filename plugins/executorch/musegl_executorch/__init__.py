@@ -1,0 +1,1 @@
+"""musegl-executorch: ``musegl export`` and the ``executorch`` executor."""

@@ -1,0 +1,97 @@
+"""An export directory: ``model.pte`` + ``model.ptd`` + ``musegl-export.json``
+(the manifest) + the tokenizer files, and how MODEL paths resolve to it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import attrs
+import cattrs
+
+from musegl_core.checkpoint.config import TextConfig
+from musegl_core.errors import ConfigError
+
+MANIFEST = "musegl-export.json"
+#: The off-graph KV ABI this plugin writes and runs (bumped on any change of the inputs).
+ABI = "musegl-offgraph-kv/1"
+FORMAT = "musegl-executorch"
+
+converter = cattrs.Converter()
+
+
+@attrs.frozen
+class ExportLimits:
+    """The bounds the program was exported with."""
+
+    native_context: int  # positions the model supports (the checkpoint's max_position_embeddings)
+    max_prefill_chunk: int  # most rows of one forward_others call
+    max_cells: int  # most pool cells (blocks x block_size) a method accepts
+    forward_sizes: tuple[int, ...]  # the static forward_{N} methods
+
+
+@attrs.frozen
+class Manifest:
+    """``musegl-export.json``: what the program is and how to call it."""
+
+    format: str
+    abi: str
+    name: str
+    config: TextConfig
+    activation_dtype: str
+    quantization: str  # "none" or "int8-weight-only"
+    limits: ExportLimits
+    methods: tuple[str, ...]
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    program: str = "model.pte"
+    data: str = "model.ptd"
+    tokenizer: str = "tokenizer.json"
+    source: str = ""
+    executorch_version: str = ""
+    export_seconds: float = 0.0
+
+    def dump(self) -> str:
+        return json.dumps(converter.unstructure(self), indent=2) + "\n"
+
+
+def claims(model: str) -> bool:
+    """Is ``model`` an ExecuTorch artifact (a ``.pte`` file or an export directory)?"""
+    path = Path(model)
+    return (path.is_file() and path.suffix == ".pte") or (path.is_dir() and (path / MANIFEST).is_file())
+
+
+def directory_of(model: str) -> Path:
+    path = Path(model)
+    return path if path.is_dir() else path.parent
+
+
+def read_manifest(model: str) -> Manifest:
+    """The manifest of an artifact, checked: one line (ConfigError) for anything a
+    server cannot run, including a program exported without the off-graph ABI."""
+    path = Path(model)
+    if not path.exists():
+        raise ConfigError(f"{model}: no such file or directory")
+    manifest_path = directory_of(model) / MANIFEST
+    if not manifest_path.is_file():
+        raise ConfigError(f"{model}: no {MANIFEST} beside the program: not a musegl export with the off-graph "
+                          f"KV ABI (export it with `musegl export CHECKPOINT -o DIR`)")
+    try:
+        raw: dict[str, Any] = json.loads(manifest_path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{manifest_path}: unreadable manifest ({exc})") from None
+    if raw.get("format") != FORMAT or raw.get("abi") != ABI:
+        raise ConfigError(f"{model}: exported without the off-graph KV ABI {ABI!r} "
+                          f"(found {raw.get('abi')!r}); re-export it with `musegl export`")
+    try:
+        manifest = converter.structure(raw, Manifest)
+    except Exception as exc:  # cattrs raises a class group
+        raise ConfigError(f"{manifest_path}: malformed manifest ({type(exc).__name__})") from None
+    directory = directory_of(model)
+    if path.is_file() and path.name != manifest.program:
+        raise ConfigError(f"{model}: the manifest beside it describes {manifest.program}, not {path.name}")
+    for name in (manifest.program, manifest.data):
+        if not (directory / name).is_file():
+            raise ConfigError(f"{model}: {name} is missing from the export directory")
+    return manifest

@@ -1,0 +1,176 @@
+"""``ExecuTorchExecutor``: the executor contract v2 over an exported program.
+
+The program (``musegl export``) runs on the CPU through ``executorch.runtime``
+(XNNPACK-delegated products, portable kernels for the rest). The KV cache is
+off-graph: this class owns the pool tensors ``k_pool``/``v_pool`` of shape
+``(layers, blocks·block_size, kv_heads, head_dim)``, hands them to every call
+unchanged (graph inputs are not memory-planned, so the runtime reads them in
+place) and writes the returned rows at their cells. The engine owns block ids
+as with every executor. Sampling is the torch executor's batched sampler
+(:mod:`musegl_cuda.sampling`) on the returned logits.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from musegl_core.engine.executor import ExecutorLimits, ModelInfo, PromptImage, Step, StepOutput
+from musegl_core.errors import ConfigError
+from musegl_cuda.executor import available_ram
+from musegl_cuda.sampling import SampleRows, sample
+from musegl_executorch.abi import plan_calls
+from musegl_executorch.artifact import Manifest, directory_of, read_manifest
+
+BLOCK_SIZE = 16
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+class ExecuTorchExecutor:
+    """The exported Muse Glimmer decoder behind :class:`~musegl_core.engine.executor.Executor`."""
+
+    def __init__(self, model: str, max_context: int | None = None) -> None:
+        from executorch.runtime import Runtime
+
+        self.manifest: Manifest = read_manifest(model)
+        m = self.manifest
+        if max_context is not None and max_context > m.limits.native_context:
+            raise ConfigError(f"--max-context {max_context} is beyond the exported native context "
+                              f"{m.limits.native_context} of {model}")
+        directory = directory_of(model)
+        runtime = Runtime.get()
+        if not runtime.backend_registry.is_available("XnnpackBackend"):
+            raise ConfigError("this executorch wheel has no XNNPACK backend; the export cannot run")
+        self.program = runtime.load_program(directory / m.program, data_path=directory / m.data)
+        missing = [name for name in m.methods if name not in self.program.method_names]
+        if missing:
+            raise ConfigError(f"{model}: the program lacks the method {missing[0]} its manifest lists")
+        self.methods = {name: self.program.load_method(name) for name in m.methods}
+        self.config = c = m.config
+        self.dtype = DTYPES[m.activation_dtype]
+        self.block_size = BLOCK_SIZE
+        self.limits = ExecutorLimits(step_sizes=tuple(m.limits.forward_sizes))
+        self.info = ModelInfo(
+            name=m.name, vocab_size=c.vocab_size, hidden_size=c.hidden_size, num_layers=c.num_layers,
+            native_context=m.limits.native_context, dtype=m.activation_dtype, backend="executorch-xnnpack",
+            vision=False,
+        )
+        self.k_pool: torch.Tensor | None = None
+        self.v_pool: torch.Tensor | None = None
+        self.num_blocks = 0
+
+    # -- KV storage ----------------------------------------------------------------------
+
+    def kv_bytes_per_block(self) -> int:
+        c = self.config
+        return c.num_layers * 2 * self.block_size * c.num_kv_heads * c.head_dim * self.dtype.itemsize
+
+    def kv_memory_available(self) -> int | None:
+        """MemAvailable, but never more blocks than the program's ``max_cells`` accept."""
+        cap = (self.manifest.limits.max_cells // self.block_size) * self.kv_bytes_per_block()
+        ram = available_ram()
+        return cap if ram is None else min(ram, cap)
+
+    def allocate_kv(self, num_blocks: int) -> None:
+        cells = num_blocks * self.block_size
+        if cells > self.manifest.limits.max_cells:
+            raise ConfigError(f"a KV pool of {num_blocks} blocks ({cells} cells) exceeds the {self.manifest.limits.max_cells} "
+                              f"cells the program was exported for (musegl export --max-cells)")
+        c = self.config
+        shape = (c.num_layers, max(cells, 2), c.num_kv_heads, c.head_dim)
+        self.k_pool = torch.zeros(shape, dtype=self.dtype)
+        self.v_pool = torch.zeros(shape, dtype=self.dtype)
+        self.num_blocks = num_blocks
+
+    def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
+        if not pairs:
+            return
+        bs = self.block_size
+        src = torch.tensor([s * bs + o for s, _ in pairs for o in range(bs)], dtype=torch.long)
+        dst = torch.tensor([d * bs + o for _, d in pairs for o in range(bs)], dtype=torch.long)
+        for pool in (self._pool()[0], self._pool()[1]):
+            pool[:, dst] = pool[:, src]
+
+    def _pool(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.k_pool is None or self.v_pool is None:
+            raise RuntimeError("allocate_kv() must be called before the KV cache is used")
+        return self.k_pool, self.v_pool
+
+    # -- stepping --------------------------------------------------------------------------
+
+    def step(self, step: Step) -> StepOutput:
+        """Run the step as program calls (:func:`musegl_executorch.abi.plan_calls`),
+        then sample every sampled row in one batched call."""
+        if not step.chunks:
+            return StepOutput()
+        if step.taps:
+            raise ValueError("the ExecuTorch program returns no hidden states (no speculator can tap it)")
+        if any(chunk.embeds for chunk in step.chunks):
+            raise ValueError("the ExecuTorch program has no image input; this model cannot encode images")
+        k_pool, v_pool = self._pool()
+        needed: list[list[int]] = []
+        for chunk in step.chunks:
+            last = len(chunk.tokens) - 1
+            rows = set(range(last + 1)) if chunk.logit_rows else set(chunk.sampled_rows)
+            if chunk.want_logits:
+                rows.add(last)
+            needed.append(sorted(rows))
+        c, lim = self.config, self.manifest.limits
+        calls = plan_calls(step.chunks, needed, block_size=self.block_size, num_blocks=self.num_blocks,
+                           window=c.sliding_window, vocab=c.vocab_size, sizes=lim.forward_sizes,
+                           max_chunk=lim.max_prefill_chunk)
+        logits_of: dict[tuple[int, int], torch.Tensor] = {}
+        for call in calls:
+            i = call.inputs
+            inputs = [torch.from_numpy(i["tokens"]), torch.from_numpy(i["positions"]), k_pool, v_pool,
+                      torch.from_numpy(i["full_slots"]), torch.from_numpy(i["full_bias"]),
+                      torch.from_numpy(i["window_slots"]), torch.from_numpy(i["window_bias"]),
+                      torch.from_numpy(i["head_rows"])]
+            logits, new_k, new_v = self.methods[call.method].execute(inputs)
+            real = np.flatnonzero(call.write_slots >= 0)
+            if real.size:
+                at = torch.from_numpy(call.write_slots[real])
+                rows = torch.from_numpy(real)
+                k_pool[:, at] = new_k[:, rows]
+                v_pool[:, at] = new_v[:, rows]
+            for key, j in call.head_of.items():
+                logits_of[key] = logits[j]
+        return self._outputs(step, needed, logits_of)
+
+    def _outputs(self, step: Step, needed: list[list[int]], logits_of: dict[tuple[int, int], torch.Tensor]) -> StepOutput:
+        out = StepOutput()
+        rows = SampleRows()
+        sampled: list[torch.Tensor] = []
+        for index, chunk in enumerate(step.chunks):
+            sampled.extend(logits_of[(index, r)] for r in chunk.sampled_rows)
+            rows.add_chunk(chunk)
+            if chunk.logit_rows:
+                out.logits[chunk.seq] = torch.stack([logits_of[(index, r)] for r in range(len(chunk.tokens))])
+            elif chunk.want_logits:
+                out.logits[chunk.seq] = logits_of[(index, len(chunk.tokens) - 1)]
+        ids, logprobs = sample(torch.stack(sampled), rows) if sampled else ([], [])
+        at = 0
+        for chunk in step.chunks:
+            if chunk.sample:
+                out.tokens[chunk.seq] = ids[at:at + chunk.sample]
+                if chunk.logprobs >= 0:
+                    out.logprobs[chunk.seq] = logprobs[at:at + chunk.sample]
+                at += chunk.sample
+        return out
+
+    def embed_image(self, image: PromptImage):
+        raise ValueError("the ExecuTorch program has no vision encoder; this model cannot encode images")
+
+    def release_sequence(self, seq: int) -> None:
+        pass  # no per-sequence state: the pool is indexed by the engine's block ids
+
+    def close(self) -> None:
+        self.methods = {}
+        self.program = None
+        self.k_pool = self.v_pool = None
+        self.num_blocks = 0
+
+

@@ -1,0 +1,108 @@
+"""From a loaded checkpoint to an export directory."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from musegl_executorch.artifact import ABI, FORMAT, MANIFEST, ExportLimits, Manifest
+from musegl_executorch.export.graph import INPUT_NAMES, OUTPUT_NAMES, OffGraphDecoder
+from musegl_executorch.export.lower import OTHERS, Limits, export_methods, lower, write
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def load_decoder(checkpoint, dtype: torch.dtype) -> OffGraphDecoder:
+    """The checkpoint's weights in the export module (through the torch executor's
+    loader, so both executors read a checkpoint the same way)."""
+    from musegl_cuda.model import MuseGlimmerDecoder
+
+    with torch.no_grad():
+        decoder = MuseGlimmerDecoder(checkpoint.config, dtype, torch.device("cpu"))
+        loaded = set()
+        for name, array in checkpoint.iter_weights():
+            decoder.load_weight(name, torch.from_numpy(array))
+            loaded.add(name)
+        missing = set(MuseGlimmerDecoder.weight_names(checkpoint.config)) - loaded
+        if missing:
+            raise ValueError(f"checkpoint did not provide {sorted(missing)[:5]}")
+        return OffGraphDecoder.from_decoder(decoder, dtype)
+
+
+class Int8Linear(torch.nn.Module):
+    """Weight-only int8 linear layer: per-output-channel symmetric int8 weights and
+    float32 scales; the graph dequantizes (``int8 -> activation dtype, x scale``)
+    and multiplies, so only the int8 weights and the scales are stored."""
+
+    def __init__(self, linear: torch.nn.Linear) -> None:
+        super().__init__()
+        w = linear.weight.detach().float()
+        scale = (w.abs().amax(dim=1) / 127.0).clamp(min=torch.finfo(torch.float32).tiny)
+        self.register_buffer("weight_int8", torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8))
+        self.register_buffer("scale", scale)
+        self.dtype = linear.weight.dtype
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = (self.weight_int8.to(torch.float32) * self.scale[:, None]).to(x.dtype)
+        return torch.nn.functional.linear(x, weight)
+
+
+def quantize_int8(module: OffGraphDecoder) -> None:
+    """Replace every linear layer (projections, MLP, head) with :class:`Int8Linear`."""
+    for layer in module.layers:
+        for name in ("qkvg", "o_proj", "gate_up", "down_proj"):
+            setattr(layer, name, Int8Linear(getattr(layer, name)))
+    module.lm_head = Int8Linear(module.lm_head)
+
+
+def write_tokenizer(tokenizer, out: Path) -> None:
+    """``tokenizer.json`` + the ids and template a Hugging Face directory declares beside it."""
+    (out / "tokenizer.json").write_text(tokenizer.to_tokenizer_json(), encoding="utf-8")
+    generation = {"bos_token_id": tokenizer.bos_id, "eos_token_id": list(tokenizer.end_of_generation_ids)}
+    if tokenizer.pad_id is not None:
+        generation["pad_token_id"] = tokenizer.pad_id
+    if tokenizer.mask_id is not None:
+        generation["mask_token_id"] = tokenizer.mask_id
+    (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+    if tokenizer.chat_template:
+        (out / "tokenizer_config.json").write_text(json.dumps({"chat_template": tokenizer.chat_template}) + "\n")
+
+
+def build_artifact(checkpoint, tokenizer, out: Path, *, forward_sizes: tuple[int, ...], max_prefill_chunk: int,
+                   max_cells: int, activation_dtype: str, quantization: str,
+                   progress: Callable[[int, int, str], None] | None = None) -> Manifest:
+    from executorch.version import __version__ as et_version
+
+    started = time.perf_counter()
+    config = checkpoint.config
+    module = load_decoder(checkpoint, DTYPES[activation_dtype])
+    if quantization == "int8-weight-only":
+        quantize_int8(module)
+    limits = Limits(forward_sizes, max_prefill_chunk, max_cells, config.max_position_embeddings,
+                    config.sliding_window)
+    with torch.no_grad():
+        methods = export_methods(module, limits, progress)
+        if progress:
+            progress(len(methods), len(methods) + 1, "lowering with XNNPACK")
+        program = lower(methods)
+    out.mkdir(parents=True, exist_ok=True)
+    for stale in (MANIFEST, "model.pte", "model.ptd"):
+        (out / stale).unlink(missing_ok=True)
+    write(program, out)
+    write_tokenizer(tokenizer, out)
+    manifest = Manifest(
+        format=FORMAT, abi=ABI, name=checkpoint.name, config=config, activation_dtype=activation_dtype,
+        quantization=quantization,
+        limits=ExportLimits(config.max_position_embeddings, max_prefill_chunk, max_cells, forward_sizes),
+        methods=tuple(f"forward_{n}" for n in forward_sizes) + (OTHERS,),
+        inputs=INPUT_NAMES, outputs=OUTPUT_NAMES, source=str(checkpoint.path), executorch_version=et_version,
+        export_seconds=round(time.perf_counter() - started, 2),
+    )
+    (out / MANIFEST).write_text(manifest.dump())  # last: a directory without it is no export
+    if progress:
+        progress(1, 1, "written")
+    return manifest

@@ -1,0 +1,119 @@
+"""``musegl export MODEL -o OUTDIR``: the checkpoint as an ExecuTorch program with
+the off-graph KV ABI (``model.pte`` + ``model.ptd`` + ``musegl-export.json`` +
+the tokenizer files)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from musegl_core.errors import ConfigError
+
+DEFAULT_FORWARD_SIZES = (1, 2, 4, 8, 16, 32, 64)
+DEFAULT_MAX_PREFILL_CHUNK = 512
+DEFAULT_MAX_CELLS = 65536
+DTYPES = ("float32", "float16", "bfloat16")
+QUANTIZATIONS = {"none": "none", "int8": "int8-weight-only"}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", metavar="MODEL", help="a GGUF file or a Hugging Face directory")
+    parser.add_argument("-o", "--output-dir", required=True, metavar="OUTDIR",
+                        help="where model.pte, model.ptd, musegl-export.json and the tokenizer go")
+    parser.add_argument("--forward-sizes", default=",".join(map(str, DEFAULT_FORWARD_SIZES)), metavar="N,N,...",
+                        help="decode widths exported as static methods forward_{N} (default %(default)s; "
+                             "'none': only forward_others)")
+    parser.add_argument("--max-prefill-chunk", type=int, default=DEFAULT_MAX_PREFILL_CHUNK, metavar="N",
+                        help="most positions one forward_others call processes (default %(default)s); longer "
+                             "chunks run as several calls")
+    parser.add_argument("--activation-dtype", choices=DTYPES, default="float32",
+                        help="dtype of activations, weights and the KV pool (default %(default)s)")
+    parser.add_argument("--quantize", choices=tuple(QUANTIZATIONS), default="none",
+                        help="int8: weight-only int8 linear layers (symmetric, per output channel)")
+    parser.add_argument("--max-cells", type=int, default=DEFAULT_MAX_CELLS, metavar="N",
+                        help="most KV pool cells (blocks x 16 positions) the program accepts (default %(default)s)")
+    parser.add_argument("--max-seq-len", type=int, default=None, metavar="N",
+                        help="ignored: the program takes the checkpoint's native context (a value warns)")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing export in OUTDIR")
+
+
+def parse_sizes(text: str) -> tuple[int, ...]:
+    if text.strip().lower() == "none":
+        return ()
+    try:
+        sizes = tuple(sorted({int(part) for part in text.split(",")}))
+    except ValueError:
+        raise ConfigError(f"--forward-sizes must be comma-separated integers or 'none', got {text!r}") from None
+    if not sizes or sizes[0] < 1 or sizes[-1] > 4096:
+        raise ConfigError(f"--forward-sizes must list widths between 1 and 4096, got {text!r}")
+    return sizes
+
+
+def run(args: argparse.Namespace) -> int:
+    from musegl_core.progress import loading_progress
+
+    sizes = parse_sizes(args.forward_sizes)
+    if args.max_prefill_chunk < 1:
+        raise ConfigError(f"--max-prefill-chunk must be at least 1, got {args.max_prefill_chunk}")
+    if args.max_cells < 16:
+        raise ConfigError(f"--max-cells must be at least 16 (one block), got {args.max_cells}")
+    if args.max_seq_len is not None:  # before the checkpoint loads, as the seed's exporter
+        print(f"musegl export: warning: --max-seq-len {args.max_seq_len} is ignored; the export uses the "
+              f"checkpoint's native context", file=sys.stderr, flush=True)
+    out = Path(args.output_dir)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"-o {out}: exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()) and not args.overwrite:
+        raise ConfigError(f"-o {out}: the directory is not empty (give --overwrite to replace an export)")
+    if not os.path.exists(args.model):
+        raise ConfigError(f"model path {args.model!r} does not exist")
+
+    from musegl_core.checkpoint.loader import load_checkpoint
+    from musegl_core.checkpoint.validate import one_line
+    from musegl_core.tokenizer import MuseTokenizer
+
+    try:
+        checkpoint = load_checkpoint(args.model)
+        tokenizer = MuseTokenizer.load(args.model)
+    except Exception as exc:
+        raise ConfigError(f"cannot export {args.model!r}: {one_line(exc)}") from None
+    config = checkpoint.config
+    check_exportable(config, sizes, args.max_prefill_chunk, args.max_cells)
+
+    from musegl_executorch.export.build import build_artifact
+
+    started = time.perf_counter()
+    with loading_progress(f"exporting {os.path.basename(os.path.normpath(args.model))}") as progress:
+        try:
+            manifest = build_artifact(checkpoint, tokenizer, out, forward_sizes=sizes,
+                                      max_prefill_chunk=args.max_prefill_chunk, max_cells=args.max_cells,
+                                      activation_dtype=args.activation_dtype,
+                                      quantization=QUANTIZATIONS[args.quantize], progress=progress)
+        finally:
+            checkpoint.close()
+    seconds = time.perf_counter() - started
+    sizes_on_disk = {name: (out / name).stat().st_size for name in (manifest.program, manifest.data)}
+    print(json.dumps({"output_dir": str(out), "seconds": round(seconds, 2), "bytes": sizes_on_disk,
+                      "methods": list(manifest.methods), "native_context": manifest.limits.native_context}))
+    return 0
+
+
+def check_exportable(config, sizes: tuple[int, ...], max_prefill_chunk: int, max_cells: int) -> None:
+    """One line for a configuration the off-graph program cannot express."""
+    native = config.max_position_embeddings
+    if not isinstance(native, int) or native < 2:
+        raise ConfigError(f"the checkpoint declares no usable native context (max_position_embeddings={native!r})")
+    if config.num_heads % config.num_kv_heads:
+        raise ConfigError(f"{config.num_heads} attention heads are not a multiple of {config.num_kv_heads} KV heads")
+    if config.head_dim % 2:
+        raise ConfigError(f"head_dim {config.head_dim} is odd; RoPE needs an even head size")
+    if config.sliding_window < 1:
+        raise ConfigError(f"sliding_window {config.sliding_window} must be positive")
+    if max_prefill_chunk > native:
+        raise ConfigError(f"--max-prefill-chunk {max_prefill_chunk} exceeds the native context {native}")
+    if sizes and sizes[-1] * 16 > max_cells:
+        raise ConfigError(f"--forward-sizes up to {sizes[-1]} need at least {sizes[-1] * 16} --max-cells")

@@ -1,0 +1,87 @@
+"""Hook implementations of the musegl-executorch plugin (entry point ``executorch``).
+
+* the ``export`` command (``musegl export MODEL -o OUTDIR``);
+* the ``executorch`` executor, which claims ``.pte`` files and export
+  directories, so ``musegl serve OUTDIR`` picks it without ``--executor``.
+
+executorch and torch are imported inside the functions: ``musegl --help``
+and the front stay fast.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import TYPE_CHECKING
+
+from musegl_core.errors import ConfigError
+from musegl_core.plugins.hookspecs import hookimpl
+from musegl_core.plugins.specs import CommandSpec, ExecutorOptions, ExecutorSpec
+from musegl_executorch.artifact import claims, read_manifest
+
+if TYPE_CHECKING:
+    from musegl_executorch.executor import ExecuTorchExecutor
+
+
+def executorch_available() -> bool:
+    """The runtime is installed (its XNNPACK backend is checked when a program loads)."""
+    return importlib.util.find_spec("executorch") is not None
+
+
+def check(options: ExecutorOptions) -> None:
+    """The front's check: an export with the off-graph ABI, within its native context."""
+    manifest = read_manifest(options.model)
+    if options.max_context is not None and options.max_context > manifest.limits.native_context:
+        raise ConfigError(f"--max-context {options.max_context} is beyond the exported native context "
+                          f"{manifest.limits.native_context} of {options.model}")
+    if options.mmproj:
+        raise ConfigError("the ExecuTorch export has no vision encoder; --mmproj cannot be used with it")
+    if options.dtype and options.dtype != manifest.activation_dtype:
+        raise ConfigError(f"--dtype {options.dtype}: the program was exported with activation dtype "
+                          f"{manifest.activation_dtype} (re-export with --activation-dtype)")
+
+
+def create(options: ExecutorOptions) -> "ExecuTorchExecutor":
+    from musegl_executorch.executor import ExecuTorchExecutor
+
+    check(options)
+    if options.progress:
+        options.progress(0, 1, "loading the program")
+    executor = ExecuTorchExecutor(options.model, max_context=options.max_context)
+    if options.progress:
+        options.progress(1, 1, "loaded")
+    return executor
+
+
+def kv_layout(options: ExecutorOptions) -> tuple[int, int]:
+    from musegl_executorch.executor import BLOCK_SIZE, DTYPES
+
+    manifest = read_manifest(options.model)
+    c = manifest.config
+    size = DTYPES[manifest.activation_dtype].itemsize
+    return c.num_layers * 2 * BLOCK_SIZE * c.num_kv_heads * c.head_dim * size, BLOCK_SIZE
+
+
+def _add_export_arguments(parser) -> None:
+    from musegl_executorch.export.command import add_arguments
+
+    add_arguments(parser)
+
+
+def _run_export(args) -> int:
+    from musegl_executorch.export.command import run
+
+    return run(args)
+
+
+@hookimpl
+def musegl_executors() -> list[ExecutorSpec]:
+    return [ExecutorSpec(name="executorch", description="an exported Muse Glimmer program (musegl export) "
+                                                        "on the CPU through ExecuTorch (XNNPACK)",
+                         create=create, available=executorch_available, priority=5, kv_layout=kv_layout,
+                         claims=claims, check=check)]
+
+
+@hookimpl
+def musegl_commands() -> list[CommandSpec]:
+    return [CommandSpec(name="export", description="export a checkpoint as an ExecuTorch program (.pte + .ptd)",
+                        add_arguments=_add_export_arguments, run=_run_export)]

@@ -1,0 +1,96 @@
+"""The off-graph ABI in eager torch (no export): the export module driven by the
+host-side call planner gives the torch executor's logits, for prefill split into
+pieces, a decode batch with padding groups, sliding windows and shared blocks."""
+
+from __future__ import annotations
+
+import attrs
+import numpy as np
+import pytest
+import torch
+
+from musegl_core.checkpoint.loader import load_checkpoint
+from musegl_core.engine.executor import SeqChunk, Step
+from musegl_cuda.executor import TorchExecutor
+from musegl_executorch.abi import plan_calls
+from musegl_executorch.export.graph import OffGraphDecoder
+
+BLOCKS = 64
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_hf):
+    checkpoint = load_checkpoint(tiny_hf.path)
+    reference = TorchExecutor(checkpoint, device="cpu")
+    reference.allocate_kv(BLOCKS)
+    module = OffGraphDecoder.from_decoder(reference.model, torch.float32)
+    c = reference.config
+    shape = (c.num_layers, BLOCKS * 16, c.num_kv_heads, c.head_dim)
+    return reference, module, torch.zeros(shape), torch.zeros(shape)
+
+
+def run(pair, chunks, sizes=(1, 2, 4), max_chunk=16):
+    """Logits of every row of every chunk through the ABI, writing the pools as the executor does."""
+    reference, module, k_pool, v_pool = pair
+    c = reference.config
+    wanted = [list(range(len(ch.tokens))) for ch in chunks]
+    out = {}
+    calls = plan_calls(chunks, wanted, block_size=16, num_blocks=BLOCKS, window=c.sliding_window,
+                       vocab=c.vocab_size, sizes=sizes, max_chunk=max_chunk)
+    for call in calls:
+        i = {k: torch.from_numpy(v) for k, v in call.inputs.items()}
+        logits, new_k, new_v = module(i["tokens"], i["positions"], k_pool, v_pool, i["full_slots"],
+                                      i["full_bias"], i["window_slots"], i["window_bias"], i["head_rows"])
+        real = torch.from_numpy(np.flatnonzero(call.write_slots >= 0))
+        at = torch.from_numpy(call.write_slots)[real]
+        k_pool[:, at] = new_k[:, real]
+        v_pool[:, at] = new_v[:, real]
+        for key, j in call.head_of.items():
+            out[key] = logits[j]
+    return calls, out
+
+
+def reference_logits(pair, chunks):
+    """The torch executor's logits of every row (it writes its own cache, same block ids)."""
+    return pair[0].step(Step(chunks=[attrs.evolve(ch, logit_rows=True, sample=0) for ch in chunks])).logits
+
+
+def test_prefill_in_pieces_then_batched_decode_match_the_torch_executor(pair):
+    rng = np.random.default_rng(0)
+    prompt_a = rng.integers(0, 512, 40).tolist()  # 3 pieces of at most 16 rows, past the 8-key window
+    prompt_b = rng.integers(0, 512, 5).tolist()
+    a = SeqChunk(seq=1, tokens=prompt_a, positions=list(range(40)), blocks=[10, 11, 12], sample=1)
+    b = SeqChunk(seq=2, tokens=prompt_b, positions=list(range(5)), blocks=[20], sample=1)
+    calls, mine = run(pair, [a, b])
+    assert [c.method for c in calls] == ["forward_others"] * 4  # 16 + 16 + 8 rows, then 5
+    ref = reference_logits(pair, [a, b])
+    assert torch.allclose(torch.stack([mine[(0, r)] for r in range(40)]), ref[1], atol=1e-4)
+    assert torch.allclose(torch.stack([mine[(1, r)] for r in range(5)]), ref[2], atol=1e-4)
+
+    # three decode rows: forward_4 with one padding group; c reads a's first block
+    # (a shared prefix, as a session's snapshot would)
+    c = SeqChunk(seq=3, tokens=[9], positions=[16], blocks=[10, 30], sample=1)
+    decode = [SeqChunk(seq=1, tokens=[7], positions=[40], blocks=[10, 11, 12], sample=1),
+              SeqChunk(seq=2, tokens=[8], positions=[5], blocks=[20], sample=1), c]
+    calls, mine = run(pair, decode)
+    assert [call.method for call in calls] == ["forward_4"]
+    assert (calls[0].write_slots == -1).sum() == 1  # the padding row is never written
+    ref = reference_logits(pair, decode)
+    for index, chunk in enumerate(decode):
+        assert torch.allclose(mine[(index, 0)], ref[chunk.seq][0], atol=1e-4)
+
+
+def test_more_decode_rows_than_the_widest_method_take_several_calls(pair):
+    chunks = [SeqChunk(seq=10 + i, tokens=[i], positions=[0], blocks=[40 + i], sample=1) for i in range(6)]
+    calls, mine = run(pair, chunks, sizes=(1, 4))
+    assert [c.method for c in calls] == ["forward_4", "forward_4"]
+    ref = reference_logits(pair, chunks)
+    for index, chunk in enumerate(chunks):
+        assert torch.allclose(mine[(index, 0)], ref[chunk.seq][0], atol=1e-4)
+
+
+def test_a_block_table_too_short_or_out_of_range_is_refused(pair):
+    with pytest.raises(ValueError, match="needs block 1"):
+        run(pair, [SeqChunk(seq=1, tokens=[1, 2], positions=[15, 16], blocks=[3], sample=1)])
+    with pytest.raises(ValueError, match="block ids must lie in"):
+        run(pair, [SeqChunk(seq=1, tokens=[1], positions=[0], blocks=[BLOCKS], sample=1)])
