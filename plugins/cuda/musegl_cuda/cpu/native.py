@@ -67,7 +67,11 @@ def load() -> ctypes.CDLL | None:
     if compiler is None:
         _reason = "no C compiler (cc/gcc) to build the stored-weight kernels"
         return None
-    source = SOURCE.read_bytes()
+    try:
+        source = SOURCE.read_bytes()
+    except OSError as exc:
+        _reason = f"the kernel source {SOURCE.name} is not installed ({exc.strerror})"
+        return None
     key = hashlib.sha256(source + " ".join(FLAGS).encode() + compiler.encode()).hexdigest()[:16]
     target = cache_dir() / f"weight_kernels-{key}.so"
     try:
