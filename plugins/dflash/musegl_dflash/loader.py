@@ -3,8 +3,10 @@
 The draft has no embedding table and no lm_head: it uses the target's (raw
 embedding rows, raw lm_head). When the executor holds them as torch tensors
 (the ``cuda``/``torch-cpu`` executors: ``executor.model.embed_tokens`` and
-``executor.model.lm_head.weight``) they are shared, no copy; for any other
-executor they are read from the target checkpoint (``options.model``) once.
+``executor.model.lm_head.weight``) they are shared, no copy; when the torch-cpu
+executor keeps its weights in stored form (``--weights stored``: f16/bf16/Q8_0
+... read by its kernels) the draft goes through those stored matrices; for any
+other executor they are read from the target checkpoint (``options.model``) once.
 The draft runs on the executor's torch device and dtype when it has them,
 else on ``options.device`` (default CPU) in ``options.dtype`` (default float32).
 """
@@ -18,7 +20,7 @@ import torch
 from musegl_core.plugins.specs import ExecutorOptions
 from musegl_dflash.checkpoint import DraftCheckpoint
 from musegl_dflash.model import DFlashDraft
-from musegl_dflash.speculator import DFlashSpeculator
+from musegl_dflash.speculator import DFlashSpeculator, TargetHead
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -30,20 +32,26 @@ def _placement(executor: Any, options: ExecutorOptions) -> tuple[torch.device, t
     return torch.device(options.device or "cpu"), DTYPES.get(options.dtype or "float32", torch.float32)
 
 
-def target_head(executor: Any, options: ExecutorOptions, device: torch.device,
-                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """The target's raw embedding table and lm_head weight, both ``(vocab, hidden)``."""
+def target_head(executor: Any, options: ExecutorOptions, device: torch.device, dtype: torch.dtype) -> TargetHead:
+    """The target's raw embedding rows and lm_head product."""
     model = getattr(executor, "model", None)
+    embed_stored = getattr(model, "embed_stored", None)
+    head_layer = getattr(model, "lm_head", None)
+    if embed_stored is not None and getattr(head_layer, "stored", None) is not None:
+        def rows(ids: torch.Tensor) -> torch.Tensor:
+            return embed_stored.dequantize(ids.reshape(-1)).view(*ids.shape, -1)
+
+        return TargetHead(rows, lambda hidden: head_layer.stored.matmul(hidden.float()))
     embed = getattr(model, "embed_tokens", None)
-    head = getattr(getattr(model, "lm_head", None), "weight", None)
-    if isinstance(embed, torch.Tensor) and isinstance(head, torch.Tensor):
-        return embed.detach(), head.detach()
+    head = getattr(head_layer, "weight", None)
+    if isinstance(embed, torch.Tensor) and isinstance(head, torch.Tensor) and embed.device.type != "meta":
+        return TargetHead.of_tensors(embed.detach(), head.detach())
     from musegl_core.checkpoint.loader import load_checkpoint
 
     checkpoint = load_checkpoint(options.model)
     try:
-        return (torch.from_numpy(checkpoint.read("embed_tokens.weight")).to(device, dtype),
-                torch.from_numpy(checkpoint.read("lm_head.weight")).to(device, dtype))
+        return TargetHead.of_tensors(torch.from_numpy(checkpoint.read("embed_tokens.weight")).to(device, dtype),
+                                     torch.from_numpy(checkpoint.read("lm_head.weight")).to(device, dtype))
     finally:
         checkpoint.close()
 
@@ -65,5 +73,4 @@ def load_draft(path: str, device: torch.device, dtype: torch.dtype, progress=Non
 def load_speculator(path: str, executor: Any, options: ExecutorOptions, n_draft: int) -> DFlashSpeculator:
     device, dtype = _placement(executor, options)
     draft = load_draft(path, device, dtype, options.progress)
-    embed, head = target_head(executor, options, device, dtype)
-    return DFlashSpeculator(draft, embed, head, n_draft, executor.block_size)
+    return DFlashSpeculator(draft, target_head(executor, options, device, dtype), n_draft, executor.block_size)

@@ -20,8 +20,9 @@ sequence's store holds exactly the positions its target KV holds.
 from __future__ import annotations
 
 import logging
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
+import attrs
 import numpy as np
 import torch
 
@@ -39,18 +40,31 @@ def as_tensor(array: Any, device: torch.device, dtype: torch.dtype) -> torch.Ten
     return array.to(device, dtype)
 
 
+@attrs.frozen
+class TargetHead:
+    """The target's raw token embedding rows and raw lm_head product, which the draft
+    borrows (it has neither): ``rows(ids)`` gives ``ids.shape + (hidden,)`` (no
+    embedding norm), ``logits(hidden)`` maps ``(n, hidden)`` to ``(n, vocab)`` (no softcap)."""
+
+    rows: Callable[[torch.Tensor], torch.Tensor]
+    logits: Callable[[torch.Tensor], torch.Tensor]
+
+    @classmethod
+    def of_tensors(cls, embed_tokens: torch.Tensor, lm_head: torch.Tensor) -> "TargetHead":
+        """From the two ``(vocab, hidden)`` matrices (shared, not copied)."""
+        return cls(embed_tokens.__getitem__, lambda hidden: linear(hidden, lm_head.to(hidden.dtype)))
+
+
 class DFlashSpeculator:
     """Block drafting with a DFlash draft over a target executor (any backend)."""
 
-    def __init__(self, draft: DFlashDraft, embed_tokens: torch.Tensor, lm_head: torch.Tensor, n_draft: int,
-                 block_size: int) -> None:
+    def __init__(self, draft: DFlashDraft, target: TargetHead, n_draft: int, block_size: int) -> None:
         config = draft.config
         if not 1 <= n_draft < config.block_size:
             raise ValueError(f"n_draft must be in 1..{config.block_size - 1}")
         self.draft = draft
         self.config = config
-        self.embed_tokens = embed_tokens
-        self.lm_head = lm_head
+        self.target = target
         self.block_size = block_size  # the engine's KV block size (positions per block)
         self.taps = config.taps
         self.max_draft = n_draft
@@ -110,9 +124,9 @@ class DFlashSpeculator:
             ids[:, 0] = torch.tensor([r.tokens[-1] for r in requests], dtype=torch.long, device=device)
             slots, positions, valid = gather_context(c, self.block_size, starts, [r.blocks for r in requests], device)
             batch = DraftBatch(ids[:, 0], torch.tensor(starts, dtype=torch.long, device=device), slots, positions, valid)
-            embeddings = self.embed_tokens[ids].to(self.draft.dtype)  # raw rows: no embedding norm
+            embeddings = self.target.rows(ids).to(self.draft.dtype)  # raw rows: no embedding norm
             hidden = self.draft.hidden(embeddings, batch, kv)[:, 1:]  # the mask rows
-            logits = linear(hidden.reshape(-1, c.hidden_size), self.lm_head.to(self.draft.dtype))
+            logits = self.target.logits(hidden.reshape(-1, c.hidden_size))
             drafts = logits.float().argmax(dim=-1).view(len(requests), n).tolist()
         return {r.seq: drafts[b][:r.max_draft] for b, r in enumerate(requests)}
 
