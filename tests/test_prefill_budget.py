@@ -77,6 +77,36 @@ def test_the_decode_estimate_is_a_moving_average_and_prefill_only_steps_count_th
 
 
 # -- the scheduler ----------------------------------------------------------------------------
+def test_a_fixed_cost_of_prefilling_steps_is_fitted_apart_from_the_rows():
+    budget = PrefillBudget(3.0, 512)
+    budget.observe(decode_rows=3, prefill_rows=0, seconds=0.0625)
+    budget.observe(decode_rows=3, prefill_rows=64, seconds=0.0625 + 0.03125 + 64 / 1024)
+    assert budget.fixed_seconds == 0.0 and budget.row_seconds == pytest.approx((0.03125 + 64 / 1024) / 64)
+    budget.observe(decode_rows=3, prefill_rows=256, seconds=0.0625 + 0.03125 + 256 / 1024)
+    assert budget.fixed_seconds == pytest.approx(0.03125) and budget.row_seconds == pytest.approx(1 / 1024)
+    # allowance 2 x 0.0625 = 0.125 s; minus the fixed part: 0.09375 s = 96 rows
+    assert budget.rows(decoding=3, prefilling=1) == 96
+
+
+def test_a_fixed_cost_larger_than_half_the_allowance_leaves_half_of_it_to_rows():
+    """CPU-like steps: any prefill adds a fixed 60 ms (wide products) besides 1 ms per row,
+    and a step of four decodes takes 44 ms, so the allowance (2 x 44 = 88 ms) minus the
+    fixed part leaves 28 ms, 28 rows a step. The fixed part takes at most half the
+    allowance: the chunks settle at 44 rows (a time-per-row ratio alone settles at 28)."""
+    decode, fixed, row = 0.044, 0.060, 0.001
+    budget = PrefillBudget(3.0, 512)
+    budget.observe(decode_rows=1, prefill_rows=0, seconds=0.034)  # a one-sequence phase first
+    budget.observe(decode_rows=0, prefill_rows=512, seconds=0.034 + fixed + 512 * row)
+    chunks = []
+    for _ in range(40):
+        budget.observe(decode_rows=4, prefill_rows=0, seconds=decode)
+        rows = budget.rows(decoding=3, prefilling=1)
+        chunks.append(rows)
+        budget.observe(decode_rows=3, prefill_rows=rows, seconds=decode + fixed + rows * row)
+    assert 43 <= min(chunks[-5:]) and max(chunks[-5:]) <= 45, chunks
+    assert budget.fixed_seconds == pytest.approx(fixed, rel=0.05) and budget.row_seconds == pytest.approx(row, rel=0.05)
+
+
 def test_the_scheduler_caps_prefill_rows_while_decoding_and_keeps_every_decoder():
     pool = KVPool(1024, 16)
     table = make_table(pool, sessions=8, context=2048)

@@ -22,15 +22,25 @@ at least :data:`MIN_PREFILL_ROWS` (prefill always progresses) and at most
 
 **The estimates** come from the steps the engine runs (:meth:`observe`):
 the decode-only step time is an exponential moving average over steps that
-only decoded; the cost per prompt row is a ratio of decayed sums over steps
-that prefilled once a decode-only time is known (``(step time - decode-only
-step time) / prompt rows``; for a prefill-only step the decode-only time
-stands for the fixed part of the step). Before a decode-only step was seen
-the budget is ``--max-prefill-chunk``; after it, until a prompt row's cost is
-known, a probe of :data:`PROBE_ROWS` rows. They follow the
-hardware and the load, so one setting bounds the stretch on a GPU (where the
-budget is usually the whole chunk) and on a CPU (where it is a few dozen to a
-few hundred rows). ``stall_factor`` 0 turns the bound off.
+only decoded. What prefill adds to a step (``step time - decode-only step
+time``; for a prefill-only step the decode-only time stands for the fixed part
+of the step) is fitted, over the steps that prefilled once a decode-only time
+is known, as ``fixed + rows x per-row`` by least squares on decayed sums. The
+fixed part matters on a CPU: a step with any prefill rows runs the wide
+products (stored weights decoded for the GEMM, small-row GEMMs well below the
+throughput of wide ones), 40-60 ms on the bench model against a 44 ms step of
+four decodes, so it can eat most of the allowance. The rows of a step are
+``(allowance - fixed) / per-row``, but the fixed part takes at most half of
+the allowance: past that, chunks small enough to keep the bound would pay the
+fixed part for a handful of rows again and again (the bound then stretches by
+up to half an allowance; a fixed part larger than the allowance cannot be
+bounded by any chunk size). Until two
+different chunk sizes were seen the estimate is the ratio (no fixed part).
+Before a decode-only step was seen the budget is ``--max-prefill-chunk``;
+after it, until a prompt row's cost is known, a probe of :data:`PROBE_ROWS`
+rows. They follow the hardware and the load, so one setting bounds the stretch
+on a GPU (where the budget is usually the whole chunk) and on a CPU (where it
+is a few dozen to a few hundred rows). ``stall_factor`` 0 turns the bound off.
 
 Prefill rows go to the prefilling sequences first come first served (the
 scheduler's order): sharing them equally would delay every arriving turn's
@@ -61,19 +71,42 @@ class PrefillBudget:
     max_chunk: int = 512
     min_rows: int = MIN_PREFILL_ROWS
     decode_seconds: float | None = None  # moving average of a decode-only step
-    _cost_seconds: float = 0.0  # decayed sum of prefill seconds (fixed part removed)
-    _cost_rows: float = 0.0  # decayed sum of prefill rows
+    # decayed sums over prefilling steps of 1, rows, extra seconds, rows^2 and rows x extra
+    _w: float = 0.0
+    _r: float = 0.0
+    _t: float = 0.0
+    _rr: float = 0.0
+    _rt: float = 0.0
 
     @property
     def enabled(self) -> bool:
         return self.stall_factor > 0
 
+    def _fit(self) -> tuple[float, float] | None:
+        """``(fixed seconds, seconds per row)`` of what prefill adds to a step."""
+        if self._r <= 0:
+            return None
+        ratio = (0.0, self._t / self._r)
+        spread = self._w * self._rr - self._r * self._r
+        if spread <= 1e-9 * self._w * self._rr:  # one chunk size so far: no intercept to fit
+            return ratio
+        per_row = (self._w * self._rt - self._r * self._t) / spread
+        fixed = (self._t - per_row * self._r) / self._w
+        if per_row <= 0 or fixed < 0:
+            return ratio
+        return fixed, per_row
+
     @property
     def row_seconds(self) -> float | None:
         """Estimated seconds one prompt row adds to a step (None until observed)."""
-        if self._cost_rows <= 0:
-            return None
-        return self._cost_seconds / self._cost_rows
+        fit = self._fit()
+        return None if fit is None else fit[1]
+
+    @property
+    def fixed_seconds(self) -> float | None:
+        """Estimated seconds any prefill adds to a step besides its rows (None until observed)."""
+        fit = self._fit()
+        return None if fit is None else fit[0]
 
     def observe(self, decode_rows: int, prefill_rows: int, seconds: float) -> None:
         """Learn from one step that carried ``decode_rows`` and ``prefill_rows`` in ``seconds``."""
@@ -87,9 +120,13 @@ class PrefillBudget:
             return
         if self.decode_seconds is None:
             return  # the step's fixed part is unknown: its time says little about a row
-        fixed = self.decode_seconds
-        self._cost_seconds = PREFILL_DECAY * self._cost_seconds + max(seconds - fixed, 0.0)
-        self._cost_rows = PREFILL_DECAY * self._cost_rows + prefill_rows
+        extra = max(seconds - self.decode_seconds, 0.0)
+        d = PREFILL_DECAY
+        self._w = d * self._w + 1.0
+        self._r = d * self._r + prefill_rows
+        self._t = d * self._t + extra
+        self._rr = d * self._rr + prefill_rows * prefill_rows
+        self._rt = d * self._rt + prefill_rows * extra
 
     def rows(self, decoding: int, prefilling: int) -> int:
         """Prompt rows the next step may carry, with ``decoding`` sequences decoding in it
@@ -98,11 +135,12 @@ class PrefillBudget:
             return self.max_chunk
         if self.decode_seconds is None:
             return self.max_chunk
-        row = self.row_seconds
-        if row is None:
+        fit = self._fit()
+        if fit is None:
             return min(PROBE_ROWS, self.max_chunk)
+        fixed, row = fit
         if row <= 0:
             return self.max_chunk
         allowance = (self.stall_factor - 1.0) * self.decode_seconds * max(1.0, prefilling / decoding)
-        rows = math.floor(allowance / row)
+        rows = math.floor(max(allowance - fixed, allowance / 2) / row)
         return max(min(self.min_rows, self.max_chunk), min(self.max_chunk, rows))
