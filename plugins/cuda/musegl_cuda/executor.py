@@ -37,7 +37,6 @@ from musegl_core.checkpoint.loader import Checkpoint
 from musegl_core.checkpoint.vision import VisionWeights
 from musegl_core.engine.executor import GREEDY, ExecutorLimits, ModelInfo, PromptImage, SeqChunk, Step, StepOutput
 from musegl_cuda.model import AttentionBatch, DecodeAttention, MuseGlimmerDecoder, PagedMeta, SequenceAttention
-from musegl_cuda.cpu.stored_matrix import DIRECT_ROWS
 from musegl_cuda.plan import StepPlan, plan_step, rows_per_tile
 from musegl_cuda.vision import load_vision_encoder
 from musegl_cuda.sampling import SampleRows, sample
@@ -46,6 +45,10 @@ DEFAULT_BLOCK_SIZE = 16
 #: Decode widths captured as CUDA graphs unless ``--forward-sizes`` says otherwise.
 DEFAULT_FORWARD_SIZES = (1, 2, 4, 8, 16, 32, 64)
 WEIGHT_MODES = ("stored", "upcast")
+#: CPU steps of up to this many rows (decode-sized) run torch's own ops on one thread:
+#: they are tiny and gain less from intra-op threads than waking them costs (the stored-weight
+#: kernels keep their own threads).
+SINGLE_THREADED_ROWS = 16
 log = logging.getLogger("musegl.executor")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
           "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -351,7 +354,7 @@ class TorchExecutor:
                 head, hidden, starts = self._run_paged(step, kv)
                 if isinstance(head, StepOutput):  # a plain greedy graph step, answered by the graph's argmax
                     return head
-            elif self.model.stored and step.num_tokens <= DIRECT_ROWS:
+            elif self.model.stored and step.num_tokens <= SINGLE_THREADED_ROWS:
                 # A decode-sized step: its torch ops are tiny and gain nothing from
                 # intra-op threads but the cost of waking them; the weight products
                 # (the C kernels) keep their own threads.

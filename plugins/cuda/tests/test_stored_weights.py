@@ -145,10 +145,11 @@ def test_default_weight_mode():
 
 
 @pytest.mark.parametrize("dtype", ["f32", "f16", "bf16", "q8_0", "q4_0", "q4_k"])
-@pytest.mark.parametrize("m", [1, 3, 9, 20])
-def test_kernel_products_and_rows(dtype, m):
+@pytest.mark.parametrize("m", [1, 3, 9, 20, 40])  # one row, a row_dot tile, register tiles + rest, above DIRECT_ROWS
+@pytest.mark.parametrize("n", [40, 42])  # weight rows in whole register tiles, and two left over
+def test_kernel_products_and_rows(dtype, m, n):
     rng = np.random.default_rng(0)
-    n, k = 40, 512
+    k = 512
     w = rng.standard_normal((n, k)).astype(np.float32)
     if dtype == "f32":
         data = w
