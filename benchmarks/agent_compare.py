@@ -19,7 +19,7 @@ its step that prefill sharing the step added:
 mixed_mean)``; compare ``itl_p50`` with ``scheduling.decode.mean_step_s`` for the median.
 
     python benchmarks/agent_compare.py --llama-server /path/llama-server [--model MODEL.gguf]
-        [--stall-factors 3,0] [--musegl-flag=--max-prefill-chunk=256 ...] [--omp-wait-policy active]
+        [--stall-factors 6,0] [--musegl-flag=--max-prefill-chunk=256 ...] [--omp-wait-policy active]
         [--skip-llamacpp]
 
 The llama.cpp server is built from the tree vendored in the llama-cpp-python 0.3.36 sdist
@@ -160,9 +160,9 @@ def main() -> int:
     p.add_argument("--prompt-tokens", type=int, default=256)
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--context", type=int, default=4096, help="context per session / slot (default 4096)")
-    p.add_argument("--stall-factors", default="3,0",
+    p.add_argument("--stall-factors", default="6,0",
                    help="musegl runs, one per --prefill-stall-factor, back to back (the first is compared with "
-                        "llama.cpp in 'ratio_musegl_over_llamacpp'; default 3,0: the bound and no bound)")
+                        "llama.cpp in 'ratio_musegl_over_llamacpp'; default 6,0: the default bound and no bound)")
     p.add_argument("--musegl-flag", action="append", default=[], help="extra musegl serve flag (repeatable)")
     p.add_argument("--omp-wait-policy", default="passive", choices=["passive", "active", "default"],
                    help="OMP_WAIT_POLICY of llama-server (default passive: OpenMP busy-waiting slows it several "

@@ -70,7 +70,7 @@ class ServeConfig:
     max_n: int = flag(8, "most choices ('n') one request may ask for; each is a request of its own "
                       "(default %(default)s)", LIMITS, kind="int")
     max_prefill_chunk: int = flag(512, "prompt positions per forward (default %(default)s)", LIMITS, kind="int")
-    prefill_stall_factor: float = flag(3.0, "while sequences decode, prefill may stretch a step to at most this "
+    prefill_stall_factor: float = flag(6.0, "while sequences decode, prefill may stretch a step to at most this "
                                        "many decode-only steps (per request; estimated online; 0: off, always "
                                        "--max-prefill-chunk; default %(default)s)", LIMITS, kind="float",
                                        metavar="FACTOR")

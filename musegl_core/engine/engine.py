@@ -64,7 +64,7 @@ class EngineConfig:
     prefix_caching: bool = True
     session_idle_timeout: float | None = None
     grammar_threads: int = 2
-    prefill_stall_factor: float = 3.0
+    prefill_stall_factor: float = 6.0
 
     @classmethod
     def from_serve(cls, config) -> "EngineConfig":

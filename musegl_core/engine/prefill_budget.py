@@ -67,7 +67,7 @@ PREFILL_DECAY = 0.75
 class PrefillBudget:
     """Prompt rows per step while sequences decode (see the module docstring)."""
 
-    stall_factor: float = 3.0
+    stall_factor: float = 6.0
     max_chunk: int = 512
     min_rows: int = MIN_PREFILL_ROWS
     decode_seconds: float | None = None  # moving average of a decode-only step
