@@ -100,9 +100,10 @@ class ServeConfig:
         1024, "under an output constraint (response_format json, tool_choice required/named), the reasoning "
         "message may take at most this many tokens before the constrained part must begin; 0: no reasoning "
         "(default %(default)s)", PROTO, kind="int", metavar="N")
-    grammar_threads: int = flag(
-        2, "threads that compute grammar masks while the forward pass runs (overlapped with it); 0: on the "
-        "engine thread between steps (default %(default)s)", PROTO, kind="int", metavar="N")
+    grammar_threads: int | None = flag(
+        None, "threads that compute grammar masks while the forward pass runs (overlapped with it); 0: on the "
+        "engine thread between steps (default: 0 when the executor computes on the CPU, whose cores the "
+        "threads would take from the forward; 2 otherwise)", PROTO, kind="int", metavar="N")
     tool_parser: str | None = flag(None, "tool-call parser (e.g. atem, from musegl-atem)", PROTO, metavar="NAME")
     api_dialect: str = flag("openai", "API dialect: openai (default) or a plugin's (openrouter)", PROTO,
                             metavar="NAME")
@@ -137,7 +138,8 @@ class ServeConfig:
         int_range("--max-prefill-chunk", self.max_prefill_chunk, 1)
         int_range("--max-n", self.max_n, 1, 128)
         int_range("--constrained-reasoning-tokens", self.constrained_reasoning_tokens, 0)
-        int_range("--grammar-threads", self.grammar_threads, 0, 64)
+        if self.grammar_threads is not None:
+            int_range("--grammar-threads", self.grammar_threads, 0, 64)
         int_range("--max-image-bytes", self.max_image_bytes, 1, MAX_IMAGE_BYTES_CAP)
         int_range("--max-request-bytes", self.max_request_bytes, 1, MAX_REQUEST_BYTES_CAP)
         floor = min_request_bytes(self.max_image_bytes)

@@ -153,3 +153,12 @@ def test_masks_computed_beside_the_forward_equal_the_inline_ones():
     assert len(inline) == len(overlapped) and any(len(m) > 1 for m in inline)
     for a, b in zip(inline, overlapped):
         assert len(a) == len(b) and all(np.array_equal(x, y) for x, y in zip(a, b))
+
+
+def test_mask_threads_default_to_none_for_an_executor_on_the_host_cpu():
+    from musegl_core.engine.engine import grammar_threads
+    from musegl_core.engine.executor import ExecutorLimits
+
+    assert grammar_threads(None, ExecutorLimits(host_compute=True)) == 0
+    assert grammar_threads(None, ExecutorLimits()) == 2
+    assert grammar_threads(3, ExecutorLimits(host_compute=True)) == 3

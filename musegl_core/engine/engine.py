@@ -30,7 +30,7 @@ import attrs
 
 from musegl_core.engine import events as ev
 from musegl_core.engine.detokenize import IncrementalDetokenizer
-from musegl_core.engine.executor import Executor, TokenLogprobs
+from musegl_core.engine.executor import Executor, ExecutorLimits, TokenLogprobs
 from musegl_core.engine.identity import prompt_keys, split_keys
 from musegl_core.engine.kv_pool import KVPool
 from musegl_core.engine.kv_sizing import plan_pool
@@ -50,6 +50,7 @@ log = logging.getLogger("musegl.engine")
 
 
 @attrs.frozen
+
 class EngineConfig:
     max_context: int = 8192
     max_sessions: int = 4
@@ -63,7 +64,7 @@ class EngineConfig:
     kv_cache_fraction: float = 0.9
     prefix_caching: bool = True
     session_idle_timeout: float | None = None
-    grammar_threads: int = 2
+    grammar_threads: int | None = None  # None: 0 for an executor on the host CPU, else 2
     prefill_stall_factor: float = 6.0
 
     @classmethod
@@ -107,6 +108,15 @@ def busy_error() -> ApiError:
                     "unavailable_error", "server_busy", retry_after=1)
 
 
+def grammar_threads(configured: int | None, limits: ExecutorLimits) -> int:
+    """Mask threads: as configured, else none when the forward runs on the host CPU (measured on
+    2 cores: overlapping threads cost constrained decoding 5-9 %, masks between steps under 1 %)
+    and 2 otherwise (a GPU forward leaves the cores idle)."""
+    if configured is not None:
+        return configured
+    return 0 if limits.host_compute else 2
+
+
 class Engine:
     def __init__(
         self,
@@ -145,7 +155,7 @@ class Engine:
             SchedulerLimits(config.max_decode_sequences, config.max_prefill_chunk, max_step, tuple(limits.step_sizes)),
             embed=self._embedding,
             taps=tuple(self.speculator.taps),
-            mask_threads=config.grammar_threads,
+            mask_threads=grammar_threads(config.grammar_threads, limits),
             budget=self.prefill_budget,
         )
         self.end_ids = frozenset(tokenizer.end_of_generation_ids)

@@ -251,11 +251,15 @@ class ExecutorLimits:
     smallest listed width that holds it (``Step.width``); a step wider than
     the largest, or one that carries prefill rows, runs at its own width (the
     dynamic path). An empty tuple means any width. The scheduler never puts
-    more than ``max_step_tokens`` rows into one step.
+    more than ``max_step_tokens`` rows into one step. ``host_compute`` is True
+    when the forward runs on the host's CPU cores (the engine then computes
+    grammar masks between steps by default, instead of on threads that would
+    take cores from the forward; ``--grammar-threads``).
     """
 
     max_step_tokens: int = 4096
     step_sizes: tuple[int, ...] = ()
+    host_compute: bool = False
 
     def padded_width(self, rows: int) -> int:
         """The width a decode-only step of ``rows`` rows runs at."""

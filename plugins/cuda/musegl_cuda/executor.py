@@ -176,7 +176,8 @@ class TorchExecutor:
             if any(w <= 0 for w in sizes):
                 raise ValueError("forward sizes must be positive")
         base = limits or ExecutorLimits()
-        self.limits = ExecutorLimits(base.max_step_tokens, sizes or base.step_sizes)
+        self.limits = ExecutorLimits(base.max_step_tokens, sizes or base.step_sizes,
+                                     host_compute=self.device.type == "cpu")
         self.config = config = checkpoint.config
         self.info = ModelInfo(
             name=checkpoint.name,

@@ -80,6 +80,7 @@ def test_stored_matches_upcast(wide_model, file_type):
     _, paths = wide_model
     stored, upcast = executor(paths[file_type]), executor(paths[file_type], "upcast")
     assert stored.weights == "stored" and upcast.weights == "upcast"
+    assert stored.limits.host_compute  # grammar masks between steps by default (no threads taking cores)
     assert set(stored.weight_bytes) == {file_type}
     assert sum(stored.weight_bytes.values()) < sum(upcast.weight_bytes.values()) / 1.9
     ids = prompt(3)

@@ -52,7 +52,7 @@ class ExecuTorchExecutor:
         self.config = c = m.config
         self.dtype = DTYPES[m.activation_dtype]
         self.block_size = BLOCK_SIZE
-        self.limits = ExecutorLimits(step_sizes=tuple(m.limits.forward_sizes))
+        self.limits = ExecutorLimits(step_sizes=tuple(m.limits.forward_sizes), host_compute=True)
         self.info = ModelInfo(
             name=m.name, vocab_size=c.vocab_size, hidden_size=c.hidden_size, num_layers=c.num_layers,
             native_context=m.limits.native_context, dtype=m.activation_dtype, backend="executorch-xnnpack",

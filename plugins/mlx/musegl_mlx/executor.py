@@ -88,7 +88,9 @@ class MLXExecutor:
         self.config = config
         self.dtype = resolve_dtype(dtype)
         self.block_size = block_size
-        self.limits = limits or ExecutorLimits()
+        base = limits or ExecutorLimits()
+        self.limits = ExecutorLimits(base.max_step_tokens, base.step_sizes,
+                                     host_compute=mx.default_device().type == mx.DeviceType.cpu)
         self.info = ModelInfo(name=name, vocab_size=config.vocab_size, hidden_size=config.hidden_size,
                               num_layers=config.num_layers, native_context=config.max_position_embeddings,
                               dtype=DTYPE_NAMES[self.dtype], backend="mlx", vision=vision is not None)
