@@ -13,7 +13,7 @@ import pytest
 
 from musegl_core.engine import events as ev
 from musegl_core.engine.engine import Engine, EngineConfig
-from musegl_core.engine.executor import GREEDY, Executor, PromptImage, SamplingParams
+from musegl_core.engine.executor import GREEDY, Executor, ModelInfo, PromptImage, SamplingParams
 from musegl_core.engine.identity import prompt_keys, split_keys
 from musegl_core.engine.kv_sizing import check_fits, parse_bytes, plan_pool
 from musegl_core.engine.request import PlacedImage, PreparedRequest
@@ -264,3 +264,24 @@ def test_an_image_the_executor_cannot_encode_fails_only_its_request(tokenizer):
     assert "image encoding failed: unsupported pixels" in failed[0].message
     assert generated(events, "good")[0] and generated(events, "text")[0]
     assert engine.scheduler.idle
+
+
+def test_a_speculator_needing_hidden_states_is_refused_by_an_executor_without_them():
+    import attrs
+    import pytest
+
+    from musegl_core.errors import ConfigError
+    from musegl_core.worker.main import check_speculator
+
+    class Executor:
+        info = ModelInfo(name="m", vocab_size=8, hidden_size=4, num_layers=2, native_context=64, dtype="float32",
+                         backend="frozen", hidden_states=False)
+
+    class Tapping:
+        taps = (1,)
+
+    with pytest.raises(ConfigError, match="frozen executor returns no hidden states"):
+        check_speculator(Executor(), Tapping())
+    check_speculator(Executor(), None)  # no speculator: fine
+    Executor.info = attrs.evolve(Executor.info, hidden_states=True)
+    check_speculator(Executor(), Tapping())

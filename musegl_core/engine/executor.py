@@ -84,6 +84,7 @@ class ModelInfo:
     backend: str
     demo: bool = False
     vision: bool = False  # the executor can encode images (embed_image)
+    hidden_states: bool = True  # the executor returns tapped decoder hidden states (Step.taps) for speculators
 
 
 @attrs.frozen

@@ -195,7 +195,15 @@ def load(config: ServeConfig, max_context: int | None | bool = True):
         )
         executor = spec.create(options)
         speculator = plugins.create_speculator(executor, options)
+    check_speculator(executor, speculator)
     return tokenizer, executor, speculator
+
+
+def check_speculator(executor, speculator) -> None:
+    """Refuse, at load, a speculator that reads hidden states from an executor that returns none."""
+    if speculator is not None and tuple(speculator.taps) and not executor.info.hidden_states:
+        raise ConfigError(f"the {executor.info.backend} executor returns no hidden states, which the "
+                          f"speculator needs (layers {list(speculator.taps)}); serve without it")
 
 
 def serve(config: ServeConfig, stdin: BinaryIO, stdout: BinaryIO) -> None:

@@ -56,7 +56,7 @@ class ExecuTorchExecutor:
         self.info = ModelInfo(
             name=m.name, vocab_size=c.vocab_size, hidden_size=c.hidden_size, num_layers=c.num_layers,
             native_context=m.limits.native_context, dtype=m.activation_dtype, backend="executorch-xnnpack",
-            vision=False,
+            vision=False, hidden_states=False,
         )
         self.k_pool: torch.Tensor | None = None
         self.v_pool: torch.Tensor | None = None
