@@ -50,7 +50,6 @@ log = logging.getLogger("musegl.engine")
 
 
 @attrs.frozen
-
 class EngineConfig:
     max_context: int = 8192
     max_sessions: int = 4

@@ -34,13 +34,13 @@ four decodes, so it can eat most of the allowance. The rows of a step are
 the allowance: past that, chunks small enough to keep the bound would pay the
 fixed part for a handful of rows again and again (the bound then stretches by
 up to half an allowance; a fixed part larger than the allowance cannot be
-bounded by any chunk size). Until two
-different chunk sizes were seen the estimate is the ratio (no fixed part).
-Before a decode-only step was seen the budget is ``--max-prefill-chunk``;
-after it, until a prompt row's cost is known, a probe of :data:`PROBE_ROWS`
-rows. They follow the hardware and the load, so one setting bounds the stretch
-on a GPU (where the budget is usually the whole chunk) and on a CPU (where it
-is a few dozen to a few hundred rows). ``stall_factor`` 0 turns the bound off.
+bounded by any chunk size). Until two different chunk sizes were seen the
+estimate is the ratio (no fixed part). Before a decode-only step was seen the
+budget is ``--max-prefill-chunk``; after it, until a prompt row's cost is
+known, a probe of :data:`PROBE_ROWS` rows. They follow the hardware and the
+load, so one setting bounds the stretch on a GPU (where the budget is usually
+the whole chunk) and on a CPU (where it is a few dozen to a few hundred rows).
+``stall_factor`` 0 turns the bound off.
 
 Prefill rows go to the prefilling sequences first come first served (the
 scheduler's order): sharing them equally would delay every arriving turn's
