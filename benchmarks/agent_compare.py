@@ -33,17 +33,13 @@ import argparse
 import contextlib
 import json
 import os
-import signal
-import subprocess
 import sys
-import tempfile
-import time
 from pathlib import Path
 from typing import Iterator
 
 import httpx
 
-from common import bench_checkpoint, free_port, serve
+from common import bench_checkpoint, free_port, serve, server_process
 from musegl_core.bench import BenchConfig, run_bench
 from musegl_core.bench.report import BenchReport
 
@@ -56,36 +52,14 @@ def llama_server(binary: str, model: Path, *, slots: int, threads: int, context:
                  extra: list[str], omp_wait_policy: str, ready_timeout: float = 600.0) -> Iterator[str]:
     """Run llama.cpp's server; yield its base URL once ``/health`` answers 200."""
     port = free_port()
-    log = tempfile.NamedTemporaryFile(prefix="llama-server-", suffix=".log", delete=False)
     command = [binary, "-m", str(model), "--host", "127.0.0.1", "--port", str(port), "-np", str(slots),
                "-t", str(threads), "-tb", str(threads), "-c", str(context * slots), "--jinja", *extra]
     print("$ " + " ".join(command), file=sys.stderr)
     env = dict(os.environ)
     if omp_wait_policy != "default":
         env["OMP_WAIT_POLICY"] = omp_wait_policy.upper()
-    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + ready_timeout
-        while True:
-            if process.poll() is not None:
-                raise RuntimeError(f"llama-server exited with status {process.returncode}; see {log.name}")
-            with contextlib.suppress(httpx.TransportError):
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"llama-server was not ready within {ready_timeout:.0f} s; see {log.name}")
-            time.sleep(0.5)
+    with server_process(command, port, name="llama-server", env=env, ready_timeout=ready_timeout) as (url, _):
         yield url
-    finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGTERM)
-            try:
-                process.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)
-                process.wait()
-        log.close()
 
 
 def engine_counters(url: str) -> dict[str, float]:

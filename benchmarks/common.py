@@ -43,28 +43,37 @@ def serve(model: Path, *flags: str, ready_timeout: float = 600.0) -> Iterator[st
 def serve_process(model: Path, *flags: str, ready_timeout: float = 600.0) -> Iterator[tuple[str, subprocess.Popen]]:
     """:func:`serve`, also yielding the front's process (its child is the worker)."""
     port = free_port()
-    log = tempfile.NamedTemporaryFile(prefix="musegl-serve-", suffix=".log", delete=False)
     command = [sys.executable, "-m", "musegl_core.cli.main", "serve", str(model), "--port", str(port), *flags]
     print("$ musegl serve " + " ".join(command[4:]), file=sys.stderr)
-    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    with server_process(command, port, name="musegl-serve", ready_timeout=ready_timeout) as running:
+        yield running
+
+
+@contextlib.contextmanager
+def server_process(command: list[str], port: int, *, name: str, health: str = "/health",
+                   env: dict[str, str] | None = None,
+                   ready_timeout: float = 600.0) -> Iterator[tuple[str, subprocess.Popen]]:
+    """Run an HTTP server ``command`` (listening on ``port``) in its own session, output to a
+    log file; yield ``(base URL, process)`` once ``health`` answers 200; stop the whole
+    session (a front and its workers) afterwards. Failures name the log file."""
+    log = tempfile.NamedTemporaryFile(prefix=f"{name}-", suffix=".log", delete=False)
+    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + ready_timeout
         while True:
             if process.poll() is not None:
-                raise RuntimeError(f"the server exited with status {process.returncode}; see {log.name}")
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                raise RuntimeError(f"{name} exited with status {process.returncode}; see {log.name}")
+            with contextlib.suppress(httpx.TransportError):
+                if httpx.get(url + health, timeout=2).status_code == 200:
                     break
-            except httpx.TransportError:
-                pass
             if time.monotonic() > deadline:
-                raise RuntimeError(f"the server was not ready within {ready_timeout:.0f} s; see {log.name}")
+                raise RuntimeError(f"{name} was not ready within {ready_timeout:.0f} s; see {log.name}")
             time.sleep(0.5)
         yield url, process
     finally:
         if process.poll() is None:
-            os.killpg(process.pid, signal.SIGTERM)  # its own session: the front and its worker
+            os.killpg(process.pid, signal.SIGTERM)
             try:
                 process.wait(30)
             except subprocess.TimeoutExpired:

@@ -22,17 +22,11 @@ import json
 import os
 import platform
 import shutil
-import signal
-import subprocess
 import sys
-import tempfile
-import time
 from pathlib import Path
 from typing import Iterator
 
-import httpx
-
-from common import bench_checkpoint, free_port, serve
+from common import bench_checkpoint, free_port, serve, server_process
 from musegl_core.bench import BenchConfig, run_bench
 
 # The targets: musegl / llama.cpp output tok/s, per file type and concurrency.
@@ -82,35 +76,11 @@ def find_llama_server(given: str | None) -> str:
 def llama_server(binary: str, model: Path, threads: int, slots: int, context: int,
                  ready_timeout: float = 600.0) -> Iterator[str]:
     port = free_port()
-    logfile = tempfile.NamedTemporaryFile(prefix="llama-server-", suffix=".log", delete=False)
     command = [binary, "-m", str(model), "--host", "127.0.0.1", "--port", str(port), "--threads", str(threads),
                "--threads-batch", str(threads), "--parallel", str(slots), "--ctx-size", str(context)]
     log("$ " + " ".join(command))
-    process = subprocess.Popen(command, stdout=logfile, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + ready_timeout
-        while True:
-            if process.poll() is not None:
-                raise RuntimeError(f"llama-server exited with status {process.returncode}; see {logfile.name}")
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"llama-server was not ready within {ready_timeout:.0f} s; see {logfile.name}")
-            time.sleep(0.5)
+    with server_process(command, port, name="llama-server", ready_timeout=ready_timeout) as (url, _):
         yield url
-    finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGTERM)
-            try:
-                process.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)
-                process.wait()
-        logfile.close()
 
 
 def measure(url: str, concurrencies: list[int], args: argparse.Namespace) -> dict[str, dict]:

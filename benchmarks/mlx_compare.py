@@ -24,8 +24,6 @@ import contextlib
 import json
 import os
 import platform
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -34,7 +32,7 @@ from typing import Iterator
 
 import httpx
 
-from common import bench_checkpoint, free_port, serve
+from common import bench_checkpoint, free_port, serve, server_process
 
 PROMPT = ("The lighthouse keeper counted the ships that passed in the night and wrote each name "
           "into a ledger that nobody had opened for years; ")
@@ -137,35 +135,12 @@ def mlx_lm_batch1(model: Path, max_tokens: int) -> float:
 @contextlib.contextmanager
 def mlx_lm_server(model: Path, ready_timeout: float = 600.0) -> Iterator[str]:
     port = free_port()
-    log = tempfile.NamedTemporaryFile(prefix="mlx-lm-server-", suffix=".log", delete=False)
     command = [sys.executable, "-m", "mlx_lm", "server", "--model", str(model), "--port", str(port),
                "--temp", "0", "--log-level", "WARNING"]
     print("$ mlx_lm.server " + " ".join(command[4:]), file=sys.stderr)
-    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + ready_timeout
-        while True:
-            if process.poll() is not None:
-                raise RuntimeError(f"mlx_lm.server exited with status {process.returncode}; see {log.name}")
-            try:
-                if httpx.get(f"{url}/v1/models", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"mlx_lm.server was not ready within {ready_timeout:.0f} s; see {log.name}")
-            time.sleep(0.5)
+    with server_process(command, port, name="mlx_lm.server", health="/v1/models",
+                        ready_timeout=ready_timeout) as (url, _):
         yield url
-    finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGTERM)
-            try:
-                process.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)
-                process.wait()
-        log.close()
 
 
 async def _load(url: str, model: str, concurrency: int, requests: int, max_tokens: int) -> dict:
