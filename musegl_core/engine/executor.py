@@ -244,6 +244,58 @@ class StepOutput:
 
 
 @attrs.frozen
+class HeadRows:
+    """Which packed rows of a step an executor runs through the head: the sampled rows,
+    the last row of chunks that want logits, every row of chunks with ``logit_rows``.
+    ``rows`` are packed row indices, in order; ``where[i]`` maps chunk ``i``'s rows to
+    indices into ``rows``; ``sampled`` lists the ``rows`` index of every sampled row,
+    chunk by chunk (the order the sampler's ids come back in). Backend-neutral: the
+    executors only run the head and the sampler on these rows."""
+
+    rows: list[int]
+    where: list[dict[int, int]]
+    sampled: list[int]
+
+    @classmethod
+    def of(cls, step: "Step", starts: Sequence[int]) -> "HeadRows":
+        """``starts[i]``: the packed row of chunk ``i``'s first token."""
+        rows: list[int] = []
+        where: list[dict[int, int]] = []
+        sampled: list[int] = []
+        for chunk, start in zip(step.chunks, starts):
+            last = len(chunk.tokens) - 1
+            needed = set(range(last + 1)) if chunk.logit_rows else set(chunk.sampled_rows)
+            if chunk.want_logits:
+                needed.add(last)
+            index = {r: len(rows) + k for k, r in enumerate(sorted(needed))}
+            where.append(index)
+            rows.extend(int(start) + r for r in sorted(needed))
+            sampled.extend(index[r] for r in chunk.sampled_rows)
+        return cls(rows, where, sampled)
+
+    def output(self, step: "Step", starts: Sequence[int], logits: Any, ids: Sequence[int],
+               logprobs: Sequence["TokenLogprobs"], hidden: Any) -> StepOutput:
+        """The step's answer per sequence: ``logits`` holds the head's rows (indexable by row,
+        in ``rows`` order; None when there were none), ``ids``/``logprobs`` the sampler's
+        answers for ``sampled``, ``hidden`` the tapped rows ``(taps, packed rows, hidden)``."""
+        out = StepOutput()
+        at = 0
+        for chunk, start, index in zip(step.chunks, starts, self.where):
+            if chunk.logit_rows:
+                out.logits[chunk.seq] = logits[index[0]:index[0] + len(chunk.tokens)]
+            elif chunk.want_logits:
+                out.logits[chunk.seq] = logits[index[len(chunk.tokens) - 1]]
+            if chunk.sample:
+                out.tokens[chunk.seq] = ids[at:at + chunk.sample]
+                if chunk.logprobs >= 0:
+                    out.logprobs[chunk.seq] = logprobs[at:at + chunk.sample]
+                at += chunk.sample
+            if hidden is not None:
+                out.hidden[chunk.seq] = hidden[:, int(start):int(start) + len(chunk.tokens)]
+        return out
+
+
+@attrs.frozen
 class ExecutorLimits:
     """Shape limits an executor announces so the scheduler packs steps it can run.
 

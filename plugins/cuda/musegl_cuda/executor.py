@@ -35,7 +35,8 @@ import torch
 
 from musegl_core.checkpoint.loader import Checkpoint
 from musegl_core.checkpoint.vision import VisionWeights
-from musegl_core.engine.executor import GREEDY, ExecutorLimits, ModelInfo, PromptImage, SeqChunk, Step, StepOutput
+from musegl_core.engine.executor import (GREEDY, ExecutorLimits, HeadRows, ModelInfo, PromptImage, SeqChunk, Step,
+                                         StepOutput)
 from musegl_cuda.model import AttentionBatch, DecodeAttention, MuseGlimmerDecoder, PagedMeta, SequenceAttention
 from musegl_cuda.plan import StepPlan, plan_step, rows_per_tile
 from musegl_cuda.vision import load_vision_encoder
@@ -436,42 +437,16 @@ class TorchExecutor:
         return self.model.forward_paged(tokens, positions, meta, layers_kv, taps, embeds)
 
     def _outputs(self, step: Step, head, hidden, starts: list[int]) -> StepOutput:
-        """Run the head on the rows somebody needs (sampled rows, the last row of
-        chunks that want logits, every row of chunks that asked for per-row
-        logits), sample, and pack the answer per sequence."""
-        head_rows: list[int] = []
-        where: list[dict[int, int]] = []  # per chunk: chunk row -> index into head_rows
+        """Run the head on the rows somebody needs (:class:`HeadRows`), sample, and pack
+        the answer per sequence."""
+        plan = HeadRows.of(step, starts)
         rows = SampleRows()
-        sampled_at: list[int] = []  # head_rows index of every sampled row, in order
-        for chunk, start in zip(step.chunks, starts):
-            last = len(chunk.tokens) - 1
-            needed = set(range(last + 1)) if chunk.logit_rows else set(chunk.sampled_rows)
-            if chunk.want_logits:
-                needed.add(last)
-            index = {r: len(head_rows) + k for k, r in enumerate(sorted(needed))}
-            where.append(index)
-            head_rows.extend(start + r for r in sorted(needed))
-            sampled_at.extend(index[r] for r in chunk.sampled_rows)
-        out = StepOutput()
-        logits = head(torch.tensor(head_rows, device=self.device)) if head_rows else None
+        logits = head(torch.tensor(plan.rows, device=self.device)) if plan.rows else None
         for chunk in step.chunks:  # after the head: the engine's masks are computed meanwhile
             rows.add_chunk(chunk)
-        ids, logprobs = (sample(logits[torch.tensor(sampled_at, device=self.device)], rows)
-                         if sampled_at else ([], []))
-        at = 0
-        for chunk, start, index in zip(step.chunks, starts, where):
-            if chunk.logit_rows:
-                out.logits[chunk.seq] = logits[index[0]:index[0] + len(chunk.tokens)]
-            elif chunk.want_logits:
-                out.logits[chunk.seq] = logits[index[len(chunk.tokens) - 1]]
-            if chunk.sample:
-                out.tokens[chunk.seq] = ids[at:at + chunk.sample]
-                if chunk.logprobs >= 0:
-                    out.logprobs[chunk.seq] = logprobs[at:at + chunk.sample]
-                at += chunk.sample
-            if hidden is not None:
-                out.hidden[chunk.seq] = hidden[:, start:start + len(chunk.tokens)]
-        return out
+        ids, logprobs = (sample(logits[torch.tensor(plan.sampled, device=self.device)], rows)
+                         if plan.sampled else ([], []))
+        return plan.output(step, starts, logits, ids, logprobs, hidden)
 
     def _embedding_rows(self, step: Step, starts: list[int]) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(packed row indices, their input rows) of every embedding span of the step."""

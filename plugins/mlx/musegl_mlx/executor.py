@@ -26,7 +26,8 @@ import mlx.core as mx
 import numpy as np
 
 from musegl_core.checkpoint.config import TextConfig
-from musegl_core.engine.executor import ExecutorLimits, ModelInfo, PromptImage, SeqChunk, Step, StepOutput
+from musegl_core.engine.executor import (ExecutorLimits, HeadRows, ModelInfo, PromptImage, SeqChunk, Step,
+                                         StepOutput)
 from musegl_mlx.loader import load_weights
 from musegl_mlx.model import MuseGlimmerDecoder, StepLayout
 from musegl_mlx.sampling import SampleRows, sample
@@ -237,45 +238,19 @@ class MLXExecutor:
 
     def _outputs(self, step: Step, normed: mx.array, hidden: mx.array | None, starts: list[int],
                  kv: list[list[mx.array]]) -> StepOutput:
-        """Run the head on the rows somebody needs (sampled rows, the last row of
-        chunks that want logits, every row of chunks that asked for per-row
-        logits), sample, and pack the answer per sequence."""
-        head_rows: list[int] = []
-        where: list[dict[int, int]] = []
+        """Run the head on the rows somebody needs (:class:`HeadRows`), sample, and pack
+        the answer per sequence."""
+        plan = HeadRows.of(step, starts)
         rows = SampleRows()
-        sampled_at: list[int] = []
-        for chunk, start in zip(step.chunks, starts):
-            last = len(chunk.tokens) - 1
-            needed = set(range(last + 1)) if chunk.logit_rows else set(chunk.sampled_rows)
-            if chunk.want_logits:
-                needed.add(last)
-            index = {r: len(head_rows) + k for k, r in enumerate(sorted(needed))}
-            where.append(index)
-            head_rows.extend(int(start) + r for r in sorted(needed))
-            sampled_at.extend(index[r] for r in chunk.sampled_rows)
+        for chunk in step.chunks:
             rows.add_chunk(chunk)
-        out = StepOutput()
-        logits = self.model.logits(normed[mx.array(np.asarray(head_rows, dtype=np.int32))]) if head_rows else None
+        logits = self.model.logits(normed[mx.array(np.asarray(plan.rows, dtype=np.int32))]) if plan.rows else None
         # One evaluation for the whole step: the forward, every cache write, the head.
         mx.eval(kv, *(a for a in (logits, hidden) if a is not None))
-        ids, logprobs = (sample(logits[mx.array(np.asarray(sampled_at, dtype=np.int32))], rows)
-                         if sampled_at else ([], []))
+        ids, logprobs = (sample(logits[mx.array(np.asarray(plan.sampled, dtype=np.int32))], rows)
+                         if plan.sampled else ([], []))
         want = any(chunk.logit_rows or chunk.want_logits for chunk in step.chunks)
-        host = np.array(logits) if want else None
-        at = 0
-        for chunk, start, index in zip(step.chunks, starts, where):
-            if chunk.logit_rows:
-                out.logits[chunk.seq] = host[index[0]:index[0] + len(chunk.tokens)]
-            elif chunk.want_logits:
-                out.logits[chunk.seq] = host[index[len(chunk.tokens) - 1]]
-            if chunk.sample:
-                out.tokens[chunk.seq] = ids[at:at + chunk.sample]
-                if chunk.logprobs >= 0:
-                    out.logprobs[chunk.seq] = logprobs[at:at + chunk.sample]
-                at += chunk.sample
-            if hidden is not None:
-                out.hidden[chunk.seq] = hidden[:, int(start):int(start) + len(chunk.tokens)]
-        return out
+        return plan.output(step, starts, np.array(logits) if want else None, ids, logprobs, hidden)
 
     def _embedding_rows(self, step: Step, starts: list[int]) -> tuple[mx.array, mx.array] | None:
         """(packed row indices, their input rows) of every embedding span of the step."""
