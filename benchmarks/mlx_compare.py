@@ -1,7 +1,12 @@
 """musegl's MLX executor vs mlx-lm on the same checkpoint, in one run.
 
 Both sides load the same Hugging Face directory (bfloat16 safetensors,
-written here from the bench GGUF: mlx-lm reads no GGUF) on the same MLX:
+written here from the bench GGUF: mlx-lm reads no GGUF) on the same MLX.
+musegl runs its defaults: on Linux that is float32 on OpenBLAS
+(``musegl_mlx.blas``; MLX's CPU wheel ships the reference BLAS). So that the
+figures also show what that routing alone is worth, a third side,
+``mlx_lm_f32_openblas``, runs mlx-lm on a float32 twin of the directory with
+the same routing (``--no-routed-baseline`` leaves it out):
 
 * **batch 1, in process**: musegl's engine over the MLX executor (what
   ``musegl generate --executor mlx`` runs) against ``mlx_lm.stream_generate``:
@@ -38,9 +43,9 @@ PROMPT = ("The lighthouse keeper counted the ships that passed in the night and 
           "into a ledger that nobody had opened for years; ")
 
 
-def hf_twin(gguf: Path, out: Path) -> Path:
+def hf_twin(gguf: Path, out: Path, dtype: str = "bfloat16") -> Path:
     """Write ``gguf``'s text decoder as a Hugging Face directory both sides can load:
-    config.json (``muse_glimmer`` with a ``text_config``), bfloat16 safetensors under
+    config.json (``muse_glimmer`` with a ``text_config``), safetensors in ``dtype`` under
     transformers names, and the tokenizer beside the GGUF."""
     import numpy as np
     import torch
@@ -68,12 +73,12 @@ def hf_twin(gguf: Path, out: Path) -> Path:
         "hidden_activation": "silu",
     }
     config = {"model_type": "muse_glimmer", "architectures": ["MuseGlimmerForConditionalGeneration"],
-              "text_config": text, "torch_dtype": "bfloat16"}
+              "text_config": text, "torch_dtype": dtype}
     (out / "config.json").write_text(json.dumps(config, indent=2))
     tensors = {}
     for name, array in checkpoint.iter_weights():
         key = "lm_head.weight" if name == "lm_head.weight" else f"model.language_model.{name}"
-        tensors[key] = torch.from_numpy(np.ascontiguousarray(array)).to(torch.bfloat16)
+        tensors[key] = torch.from_numpy(np.ascontiguousarray(array)).to(getattr(torch, dtype))
     checkpoint.close()
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     tokenizer = gguf.parent / "tokenizer.json"
@@ -132,12 +137,19 @@ def mlx_lm_batch1(model: Path, max_tokens: int) -> float:
     return rate
 
 
+#: ``python -c`` program: mlx-lm's CLI with MLX's BLAS routed to OpenBLAS first.
+ROUTED_MLX_LM = ("import runpy, sys; from musegl_mlx import blas; status = blas.route(); "
+                 "assert status.routed, status.reason; sys.argv[0] = 'mlx_lm'; "
+                 "runpy.run_module('mlx_lm', run_name='__main__')")
+
+
 @contextlib.contextmanager
-def mlx_lm_server(model: Path, ready_timeout: float = 600.0) -> Iterator[str]:
+def mlx_lm_server(model: Path, routed: bool = False, ready_timeout: float = 600.0) -> Iterator[str]:
     port = free_port()
-    command = [sys.executable, "-m", "mlx_lm", "server", "--model", str(model), "--port", str(port),
+    launcher = ["-c", ROUTED_MLX_LM] if routed else ["-m", "mlx_lm"]
+    command = [sys.executable, *launcher, "server", "--model", str(model), "--port", str(port),
                "--temp", "0", "--log-level", "WARNING"]
-    print("$ mlx_lm.server " + " ".join(command[4:]), file=sys.stderr)
+    print(f"$ mlx_lm.server{' (routed BLAS)' if routed else ''} " + " ".join(command[4:]), file=sys.stderr)
     with server_process(command, port, name="mlx_lm.server", health="/v1/models",
                         ready_timeout=ready_timeout) as (url, _):
         yield url
@@ -179,20 +191,30 @@ def main() -> int:
     p.add_argument("--requests-per-client", type=int, default=2)
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--out", type=Path, default=None, help="also write the JSON here")
+    p.add_argument("--no-routed-baseline", action="store_true",
+                   help="leave out mlx-lm on float32 with MLX's BLAS routed to OpenBLAS")
     args = p.parse_args()
+    from musegl_mlx import blas
+
+    routing = blas.route()  # before MLX is imported, as musegl's executor does it
     import mlx.core as mx
     import mlx_lm
 
     gguf = args.model or bench_checkpoint()
     model = hf_twin(gguf, args.workdir / f"hf-{gguf.parent.name}")
+    routed_baseline = routing.routed and not args.no_routed_baseline
+    model_f32 = hf_twin(gguf, args.workdir / f"hf-f32-{gguf.parent.name}", "float32") if routed_baseline else None
     figures: dict = {
         "machine": f"{platform.system()} {platform.machine()}, {os.cpu_count()} cpus",
         "mlx": mx.__version__, "mlx_lm": mlx_lm.__version__,
         "device": "metal" if mx.metal.is_available() else "cpu",
+        "blas": f"OpenBLAS ({routing.library})" if routing.routed else f"MLX's own ({routing.reason})",
         "model": str(model), "max_tokens": args.max_tokens,
     }
     figures["batch1_decode_tok_s"] = {"musegl": musegl_batch1(model, args.max_tokens),
                                       "mlx_lm": mlx_lm_batch1(model, args.max_tokens)}
+    if model_f32 is not None:
+        figures["batch1_decode_tok_s"]["mlx_lm_f32_openblas"] = mlx_lm_batch1(model_f32, args.max_tokens)
     servers = {}
     flags = ("--executor", "mlx", "--max-decode-sequences", str(args.concurrency), "--max-inflight-requests",
              str(args.concurrency), "--max-sessions", str(args.concurrency), "--max-context", "1024")
@@ -203,13 +225,24 @@ def main() -> int:
     with mlx_lm_server(model) as url:
         servers["mlx_lm"] = {str(c): asyncio.run(_load(url, str(model), c, args.requests_per_client * c,
                                                        args.max_tokens)) for c in levels}
+    if model_f32 is not None:
+        with mlx_lm_server(model_f32, routed=True) as url:
+            servers["mlx_lm_f32_openblas"] = {
+                str(c): asyncio.run(_load(url, str(model_f32), c, args.requests_per_client * c, args.max_tokens))
+                for c in levels}
     figures["server_aggregate"] = servers
     b1 = figures["batch1_decode_tok_s"]
-    figures["ratios"] = {
-        "batch1_in_process": b1["musegl"] / b1["mlx_lm"] if b1["mlx_lm"] else None,
-        **{f"server_concurrency_{c}": (servers["musegl"][str(c)]["tok_s"] / servers["mlx_lm"][str(c)]["tok_s"]
-                                       if servers["mlx_lm"][str(c)]["tok_s"] else None) for c in levels},
-    }
+
+    def ratios(base: str) -> dict:
+        return {
+            "batch1_in_process": b1["musegl"] / b1[base] if b1[base] else None,
+            **{f"server_concurrency_{c}": (servers["musegl"][str(c)]["tok_s"] / servers[base][str(c)]["tok_s"]
+                                           if servers[base][str(c)]["tok_s"] else None) for c in levels},
+        }
+
+    figures["ratios"] = ratios("mlx_lm")
+    if model_f32 is not None:
+        figures["ratios_vs_mlx_lm_f32_openblas"] = ratios("mlx_lm_f32_openblas")
     figures["goals"] = {"batch1": ">= 1.0x", f"concurrency_{args.concurrency}": ">= 2.0x"}
     text = json.dumps(figures, indent=2)
     print(text)

@@ -423,7 +423,8 @@ def make_tiny(
 
 
 # -- the cached default checkpoint ---------------------------------------------------------------
-def _cache_root() -> Path:
+def cache_root() -> Path:
+    """The musegl cache: ``$MUSEGL_CACHE_DIR``, else the user cache dir."""
     override = os.environ.get(CACHE_ENV)
     if override:
         return Path(override)
@@ -458,7 +459,7 @@ def default_model_path(
     checkpoint; the loser of the race discards its copy.
     """
     p = _preset(preset)
-    root = _cache_root()
+    root = cache_root()
     final = root / f"tiny-{cache_key(p, seed, file_type)}"
     model = final / "model.gguf"
     if model.is_file():

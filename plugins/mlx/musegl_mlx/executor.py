@@ -22,15 +22,19 @@ import logging
 import platform
 from typing import Sequence
 
-import mlx.core as mx
-import numpy as np
+from musegl_mlx import blas
 
-from musegl_core.checkpoint.config import TextConfig
+blas.route()  # before MLX is loaded: MLX binds its BLAS then (see musegl_mlx.blas)
+
+import mlx.core as mx  # noqa: E402
+import numpy as np  # noqa: E402
+
+from musegl_core.checkpoint.config import TextConfig  # noqa: E402
 from musegl_core.engine.executor import (ExecutorLimits, HeadRows, ModelInfo, PromptImage, SeqChunk, Step,
                                          StepOutput)
-from musegl_mlx.loader import load_weights
-from musegl_mlx.model import MuseGlimmerDecoder, StepLayout
-from musegl_mlx.sampling import SampleRows, sample
+from musegl_mlx.loader import load_weights  # noqa: E402
+from musegl_mlx.model import MuseGlimmerDecoder, StepLayout  # noqa: E402
+from musegl_mlx.sampling import SampleRows, sample  # noqa: E402
 
 log = logging.getLogger("musegl.mlx")
 
@@ -49,10 +53,14 @@ def metal() -> bool:
 
 
 def resolve_dtype(dtype: str | None) -> mx.Dtype:
-    """``None`` means bfloat16 (the checkpoints' own precision); ``float32`` is the
+    """``None`` (the default) means bfloat16, the checkpoints' own precision, except
+    on MLX's CPU device with OpenBLAS routed under it (:mod:`musegl_mlx.blas`):
+    there float32, because MLX's bfloat16/float16 CPU products do not use BLAS and
+    are several times slower than routed float32 ones. ``float32`` is also the
     parity mode."""
     if dtype is None:
-        return mx.bfloat16
+        on_cpu = mx.default_device().type == mx.DeviceType.cpu
+        return mx.float32 if on_cpu and blas.routed() else mx.bfloat16
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r} is not one of float32, float16, bfloat16")
     return DTYPES[dtype]
@@ -106,6 +114,10 @@ class MLXExecutor:
         self.num_blocks = 0
         log.info("MLX %s on %s (%s), %s", mx.__version__, "Metal" if metal() else "the CPU",
                  f"{platform.system()} {platform.machine()}", self.info.dtype)
+        if not metal():
+            status = blas.route()
+            log.info("MLX float32 products: %s", f"OpenBLAS ({status.library})" if status.routed
+                     else f"MLX's own BLAS ({status.reason})")
 
     # -- KV storage ------------------------------------------------------------
 

@@ -35,6 +35,9 @@ def apple_silicon() -> bool:
 @functools.cache
 def unavailable_reason() -> str | None:
     """Why MLX cannot run here (one line), or None when it can."""
+    from musegl_mlx import blas
+
+    blas.route()  # before MLX is loaded (see musegl_mlx.blas)
     try:
         import mlx.core as mx
     except ImportError as exc:
@@ -51,8 +54,16 @@ def mlx_available() -> bool:
     return unavailable_reason() is None
 
 
+def use_device(options: ExecutorOptions) -> None:
+    """Make ``--device cpu|gpu`` MLX's default device (no option: MLX's own default)."""
+    if options.device in ("cpu", "gpu"):
+        import mlx.core as mx
+
+        mx.set_default_device(mx.cpu if options.device == "cpu" else mx.gpu)
+
+
 def create_mlx(options: ExecutorOptions) -> "MLXExecutor":
-    """The decoder in MLX, bfloat16 unless ``options.dtype`` says otherwise."""
+    """The decoder in MLX, in ``options.dtype`` (default: see ``musegl_mlx.executor.resolve_dtype``)."""
     reason = unavailable_reason()
     if reason is not None:
         raise ConfigError(reason)
@@ -63,10 +74,7 @@ def create_mlx(options: ExecutorOptions) -> "MLXExecutor":
         raise ConfigError(f"the mlx executor takes --device cpu or gpu (MLX's devices), got {options.device!r}")
     if options.dtype is not None and options.dtype not in DTYPES:
         raise ConfigError(f"--dtype {options.dtype!r} is not one of float32, float16, bfloat16")
-    if options.device in ("cpu", "gpu"):
-        import mlx.core as mx
-
-        mx.set_default_device(mx.cpu if options.device == "cpu" else mx.gpu)
+    use_device(options)
     from musegl_core.checkpoint.vision import load_vision
     from musegl_mlx.loader import checkpoint_weights
 
@@ -85,12 +93,13 @@ def create_mlx(options: ExecutorOptions) -> "MLXExecutor":
 def kv_layout(options: ExecutorOptions) -> tuple[int, int]:
     """``(bytes per KV block, block size)`` from the checkpoint's config, no weights read."""
     from musegl_core.checkpoint.loader import load_checkpoint
-    from musegl_mlx.executor import DEFAULT_BLOCK_SIZE
+    from musegl_mlx.executor import DEFAULT_BLOCK_SIZE, resolve_dtype
 
     checkpoint = load_checkpoint(options.model)
     checkpoint.close()
     c = checkpoint.config
-    size = 4 if options.dtype == "float32" else 2
+    use_device(options)
+    size = resolve_dtype(options.dtype).size
     return c.num_layers * 2 * DEFAULT_BLOCK_SIZE * c.num_kv_heads * c.head_dim * size, DEFAULT_BLOCK_SIZE
 
 
