@@ -9,6 +9,9 @@ that read f16/bf16/Q8_0 directly). With ``--llama-server`` the same files are se
 llama.cpp and scored the same way against musegl's float32 tokens (one ``/completion``
 call per position, ``n_predict`` 1, greedy; the prompt cache keeps it incremental), so
 the figure of the format can be told apart from the figure of an implementation.
+``musegl-same-file`` scores the other reading of "agreement with float32": each file run
+with its stored-form kernels against the same file decoded to float32 at load
+(``--weights upcast``), i.e. the kernels' own error without the format's.
 
     python benchmarks/quant_agreement.py --preset tiny --seeds 0 1 2
     python benchmarks/quant_agreement.py --preset bench --seeds 0 --llama-server /path/to/llama-server
@@ -40,8 +43,8 @@ BLOCK = 16
 FILE_TYPES = ("f16", "bf16", "q8_0")
 
 
-def open_executor(path: Path, tokens: int) -> TorchExecutor:
-    ex = TorchExecutor(load_checkpoint(path), device="cpu", block_size=BLOCK, weights="stored")
+def open_executor(path: Path, tokens: int, weights: str = "stored") -> TorchExecutor:
+    ex = TorchExecutor(load_checkpoint(path), device="cpu", block_size=BLOCK, weights=weights)
     ex.allocate_kv(-(-tokens // BLOCK) + 1)
     return ex
 
@@ -143,6 +146,18 @@ def main(argv: list[str] | None = None) -> int:
                        for k in range(args.prompts)]
             references = [greedy(reference_ex, ids, args.tokens) for ids in prompts]
             del reference_ex
+            for ft in args.file_types:  # the kernels against float32 copies of the same file's weights
+                upcast = open_executor(files[ft], args.prompt_tokens + args.tokens, weights="upcast")
+                same = [greedy(upcast, ids, args.tokens) for ids in prompts]
+                del upcast
+                stored = open_executor(files[ft], args.prompt_tokens + args.tokens)
+                for k, (ids, ref) in enumerate(zip(prompts, same)):
+                    score = agreement(forced_picks(stored, ids, ref), ref)
+                    scores.setdefault(("musegl-same-file", ft), []).append(score)
+                    print(json.dumps({"preset": args.preset, "seed": seed, "prompt": k, "engine": "musegl-same-file",
+                                      "file_type": ft, "tokens": args.tokens, "agreement": round(score, 4)}),
+                          flush=True)
+                del stored
             engines = [("musegl", ft) for ft in args.file_types]
             if args.llama_server:
                 engines = [("llama.cpp", "f32")] + engines + [("llama.cpp", ft) for ft in args.file_types]

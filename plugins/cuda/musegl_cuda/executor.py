@@ -37,6 +37,7 @@ from musegl_core.checkpoint.loader import Checkpoint
 from musegl_core.checkpoint.vision import VisionWeights
 from musegl_core.engine.executor import (GREEDY, ExecutorLimits, HeadRows, ModelInfo, PromptImage, SeqChunk, Step,
                                          StepOutput)
+from musegl_cuda.cpu.stored_matrix import HalfRows
 from musegl_cuda.model import AttentionBatch, DecodeAttention, MuseGlimmerDecoder, PagedMeta, SequenceAttention
 from musegl_cuda.plan import StepPlan, plan_step, rows_per_tile
 from musegl_cuda.vision import load_vision_encoder
@@ -298,8 +299,10 @@ class TorchExecutor:
     def _attention_batch(self, step: Step) -> AttentionBatch:
         """Cache slots (``block·block_size + offset``) to write and read, and the masks."""
         bs, window = self.block_size, self.config.sliding_window
-        write, sequences, start = [], [], 0
+        write, sequences, start, sampled = [], [], 0, []
         for chunk in step.chunks:
+            n, sample = len(chunk.tokens), int(chunk.sample)
+            sampled += [False] * (n - sample) + [True] * min(sample, n)
             first, last = chunk.positions[0], chunk.positions[-1]
             if first < 0 or list(chunk.positions) != list(range(first, first + len(chunk.positions))):
                 raise ValueError(f"sequence {chunk.seq}: chunk positions must be consecutive and >= 0")
@@ -314,7 +317,8 @@ class TorchExecutor:
             rows = slice(start, start + len(q_pos))
             sequences.append(SequenceAttention(rows, slots, causal, slots[lo:], causal[:, lo:] & in_window))
             start = rows.stop
-        return AttentionBatch(torch.cat(write), sequences)
+        half = HalfRows.of(sampled) if self.model.stored else None
+        return AttentionBatch(torch.cat(write), sequences, half=half)
 
     def _decode_batch(self, step: Step) -> AttentionBatch:
         """:meth:`_attention_batch` of a step of one row per sequence, as the padded

@@ -28,7 +28,7 @@ from torch import nn
 from musegl_core.checkpoint.config import TextConfig
 from musegl_core.checkpoint.hf_reader import CENTERED_NORMS, text_weight_names
 from musegl_core.checkpoint.stored import StoredTensor
-from musegl_cuda.cpu.stored_matrix import DenseMatrix, StoredGroup, StoredMatrix, stored_matrix
+from musegl_cuda.cpu.stored_matrix import DenseMatrix, HalfRows, StoredGroup, StoredMatrix, stored_matrix
 
 
 #: On CUDA the head's multiplier and softcap run as one Triton pass (kernels.softcap_logits).
@@ -87,9 +87,9 @@ class Linear(nn.Module):
         layer.stored = None
         return layer
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, half: HalfRows | None = None) -> torch.Tensor:
         if self.stored is not None:
-            return self.stored.matmul(x)
+            return self.stored.matmul(x, half)
         if x.device.type == "cpu" and x.dim() == 2 and x.shape[0] <= SMALL_BATCH_ROWS:
             return (self.weight @ x.t()).t()
         return F.linear(x, self.weight)
@@ -174,6 +174,7 @@ class AttentionBatch:
     write_slots: torch.Tensor  # (rows,) cache slot of each packed row
     sequences: list[SequenceAttention] = attrs.field(factory=list)
     decode: DecodeAttention | None = None
+    half: HalfRows | None = None  # stored mode: rows whose products may run in float16 arithmetic
 
 
 @attrs.define
@@ -224,7 +225,7 @@ class Attention(nn.Module):
         rows = a.shape[0]
         if self.qkvg_stored is not None:
             nq, nkv = self.q_rows, self.kv_rows
-            qkvg = self.qkvg_stored.matmul(a)
+            qkvg = self.qkvg_stored.matmul(a, batch.half)
             q = qkvg[:, :nq].reshape(rows, self.num_heads, self.head_dim)
             k = qkvg[:, nq:nq + nkv].reshape(rows, self.num_kv_heads, self.head_dim)
             v = qkvg[:, nq + nkv:nq + 2 * nkv].reshape(rows, self.num_kv_heads, self.head_dim)
@@ -258,7 +259,7 @@ class Attention(nn.Module):
             values = v_flat[slots].repeat_interleave(self.group, dim=1)
             y[seq.rows] = sdpa_rows(q[seq.rows], keys, values, mask, self.scaling)
         y = y.reshape(rows, -1) * torch.sigmoid(self.gate_proj(a) if gate is None else gate)
-        return self.o_proj(y)
+        return self.o_proj(y, batch.half)
 
 
     def _decode_attention(self, q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor,
@@ -309,10 +310,10 @@ class MLP(nn.Module):
         self.down_proj = Linear(f, h, dtype, wdev)
         self.ffn = f
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, half: HalfRows | None = None) -> torch.Tensor:
         if self.gate_up_stored is not None:
-            gu = self.gate_up_stored.matmul(x)
-            return self.down_proj(F.silu(gu[:, :self.ffn]) * gu[:, self.ffn:])
+            gu = self.gate_up_stored.matmul(x, half)
+            return self.down_proj(F.silu(gu[:, :self.ffn]) * gu[:, self.ffn:], half)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -334,7 +335,7 @@ class DecoderLayer(nn.Module):
                 k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         o = self.self_attn(self.input_layernorm(h), rope, batch, k_cache, v_cache)
         h = h + self.post_attention_layernorm(o)
-        m = self.mlp(self.pre_feedforward_layernorm(h))
+        m = self.mlp(self.pre_feedforward_layernorm(h), batch.half)
         return h + self.post_feedforward_layernorm(m)
 
 

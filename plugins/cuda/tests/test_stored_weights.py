@@ -12,8 +12,8 @@ from musegl_core.checkpoint.gguf_writer import write_text_gguf
 from musegl_core.checkpoint.loader import load_checkpoint
 from musegl_core.checkpoint.stored import StoredTensor
 from musegl_core.engine.executor import SeqChunk, Step
-from musegl_cuda.cpu import native
-from musegl_cuda.cpu.stored_matrix import StoredMatrix
+from musegl_cuda.cpu import native, stored_matrix
+from musegl_cuda.cpu.stored_matrix import HalfRows, StoredMatrix
 from musegl_cuda.executor import TorchExecutor, resolve_weights
 
 pytestmark = pytest.mark.skipif(native.load() is None, reason=f"no stored-weight kernels: {native.unavailable_reason()}")
@@ -75,8 +75,10 @@ def greedy_tokens(ex: TorchExecutor, ids: list[int], n: int) -> list[int]:
 
 
 @pytest.mark.parametrize("file_type", ["f16", "bf16", "q8_0", "q4_0"])
-def test_stored_matches_upcast(wide_model, file_type):
-    """The kernels compute what float32 copies of the same (decoded) weights compute."""
+def test_stored_matches_upcast(wide_model, file_type, monkeypatch):
+    """The kernels compute what float32 copies of the same (decoded) weights compute
+    (prompt rows of f16 matrices in float32 arithmetic too: see the next test)."""
+    monkeypatch.setattr(stored_matrix, "HALF_GEMM", False)
     _, paths = wide_model
     stored, upcast = executor(paths[file_type]), executor(paths[file_type], "upcast")
     assert stored.weights == "stored" and upcast.weights == "upcast"
@@ -88,6 +90,33 @@ def test_stored_matches_upcast(wide_model, file_type):
     a, b = decode_logits(stored, ids, follow), decode_logits(upcast, ids, follow)
     assert float((a - b).abs().max()) <= 1e-4 * max(1.0, float(b.abs().max()))
     assert greedy_tokens(stored, ids, 12) == follow
+
+
+@pytest.mark.skipif(native.load() is None or not native.load().mw_has_gemm_f16(), reason="no AVX512-FP16 here")
+def test_f16_prompt_rows_in_half_arithmetic_stay_close(wide_model):
+    """With f16 matrices the prompt rows nobody samples run in float16 arithmetic
+    (``mw_gemm_f16``); sampled rows stay float32. The logits stay within float16
+    rounding of the float32 copies' and the greedy continuation is the same; a decode
+    row gives the same logits (to float32 rounding) alone or beside a prompt chunk."""
+    _, paths = wide_model
+    stored, upcast = executor(paths["f16"]), executor(paths["f16"], "upcast")
+    ids = prompt(3, 40)
+    follow = greedy_tokens(upcast, ids, 12)
+    a, b = decode_logits(stored, ids, follow), decode_logits(upcast, ids, follow)
+    difference = float((a - b).abs().max())
+    assert 1e-6 < difference <= 5e-3 * max(1.0, float(b.abs().max()))
+    assert greedy_tokens(stored, ids, 12) == follow
+    # the decode row of sequence 1 beside sequence 2's prompt chunk: its logits as alone
+    blocks = list(range(8))
+    alone = stored.step(Step([SeqChunk(seq=1, tokens=[follow[0]], positions=[40], blocks=blocks,
+                                       sample=True, want_logits=True)])).logits[1]
+    other = list(range(8, 16))
+    both = stored.step(Step([SeqChunk(seq=1, tokens=[follow[0]], positions=[40], blocks=blocks, sample=True,
+                                      want_logits=True),
+                             SeqChunk(seq=3, tokens=prompt(4, 40), positions=list(range(40)), blocks=other,
+                                      sample=True)])).logits[1]
+    # (the two steps take different attention paths, so float32 rounding, not float16's)
+    torch.testing.assert_close(torch.as_tensor(both), torch.as_tensor(alone), rtol=0, atol=1e-6)
 
 
 def test_greedy_agreement_with_float32(wide_model):
@@ -145,6 +174,17 @@ def test_default_weight_mode():
         resolve_weights("packed", cpu, torch.float32, "f16")
 
 
+def assert_half_arithmetic(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
+    """``y`` is ``x @ w^T`` computed in float16 arithmetic (``mw_gemm_f16``): each product
+    within a few thousandths of its natural size ``sqrt(x² @ w²ᵀ)``, and not the
+    float32 result itself (so the float16 path really ran)."""
+    exact = x.double() @ w.double().T
+    scale = (x.double().pow(2) @ w.double().pow(2).T).sqrt()
+    error = (y.double() - exact).abs() / scale
+    assert error.mean() < 2e-3 and error.max() < 2e-2, (error.mean(), error.max())
+    assert not torch.allclose(y, (x @ w.T), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("dtype", ["f32", "f16", "bf16", "q8_0", "q4_0", "q4_k"])
 @pytest.mark.parametrize("m", [1, 3, 9, 20, 40])  # one row, a row_dot tile, register tiles + rest, above DIRECT_ROWS
 @pytest.mark.parametrize("n", [40, 42])  # weight rows in whole register tiles, and two left over
@@ -169,6 +209,13 @@ def test_kernel_products_and_rows(dtype, m, n):
     matrix = StoredMatrix.from_stored(stored)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
     torch.testing.assert_close(matrix.matmul(x), x @ ref.T, rtol=1e-4, atol=1e-4)
+    if matrix.half_capable:  # rows marked half (prompt rows) in float16 arithmetic, the others exact
+        sampled = [i % 3 == 0 for i in range(m)]
+        y = matrix.matmul(x, HalfRows.of(sampled))
+        exact = torch.tensor(sampled)
+        torch.testing.assert_close(y[exact], (x @ ref.T)[exact], rtol=1e-4, atol=1e-4)
+        if not all(sampled):
+            assert_half_arithmetic(y[~exact], x[~exact], ref)
     assert torch.equal(matrix.dequantize(), ref)
     rows = torch.tensor([5, 0, 39, 5])
     assert torch.equal(matrix.dequantize(rows), ref[rows])
@@ -207,3 +254,22 @@ def test_batched_decode_of_unequal_sequences_matches_one_at_a_time(wide_model):
     for chunk in chunks:
         alone = ex.step(Step([chunk])).logits[chunk.seq]  # rewrites the same cache slot
         torch.testing.assert_close(together[chunk.seq], alone, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(native.load() is None or not native.load().mw_has_gemm_f16(), reason="no AVX512-FP16 here")
+def test_half_arithmetic_rows_do_not_depend_on_the_rows_beside_them():
+    """The float16 product of a row is the same whatever the other rows of the call
+    (each output sums the same products in the same order in every tile shape), so a
+    prompt row gets the same value however its chunk was cut."""
+    rng = np.random.default_rng(3)
+    n, k = 42, 1024
+    w = (rng.standard_normal((n, k)) * 0.02).astype(np.float16)
+    matrix = StoredMatrix.from_stored(StoredTensor("w", "f16", (n, k), w))
+    x = torch.randn(97, k, generator=torch.Generator().manual_seed(5))
+    whole = matrix.matmul(x, HalfRows.of([False] * 97))
+    for lo, hi in ((0, 33), (33, 70), (61, 97), (1, 40), (5, 6), (90, 93)):
+        assert torch.equal(matrix.matmul(x[lo:hi], HalfRows.of([False] * (hi - lo))), whole[lo:hi])
+    mixed = [i % 5 == 0 for i in range(97)]  # sampled rows beside them change nothing either
+    half = ~torch.tensor(mixed)
+    assert torch.equal(matrix.matmul(x, HalfRows.of(mixed))[half], whole[half])
+    assert_half_arithmetic(whole, x, torch.from_numpy(w.astype(np.float32)))

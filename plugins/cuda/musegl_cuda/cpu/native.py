@@ -59,6 +59,10 @@ def load() -> ctypes.CDLL | None:
     lib.mw_dequant_rows.restype = None
     lib.mw_row_bytes.argtypes = [i32, i64]
     lib.mw_row_bytes.restype = i64
+    lib.mw_has_gemm_f16.argtypes = []
+    lib.mw_has_gemm_f16.restype = i32
+    lib.mw_gemm_f16.argtypes = [p, i64, i64, p, i64, i64, p, i64, p, i32]
+    lib.mw_gemm_f16.restype = None
     _lib = lib
     return lib
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 
+import attrs
 import numpy as np
 import torch
 
@@ -26,6 +27,33 @@ KINDS = {"f32": (0, 32), "f16": (1, 32), "bf16": (2, 32), "q8_0": (8, 32), "q4_0
 #: matrix is decoded to float32 for torch's GEMM; at 32 rows the direct kernels' register
 #: tiles take 0.5-0.9x the time of decode + GEMM on the bench shapes, at 64 rows 0.9-1.2x).
 DIRECT_ROWS = 32
+#: Prompt rows that nobody samples (see :class:`HalfRows`) are multiplied with float16
+#: matrices in float16 arithmetic where the CPU has AVX512-FP16 (``mw_gemm_f16``: twice
+#: float32's multiply-adds per instruction, and no float32 copy of the matrix); False keeps
+#: every row in float32. See docs/executor.md.
+HALF_GEMM = True
+
+
+@attrs.frozen
+class HalfRows:
+    """Which rows of a step's products may run in float16 arithmetic: ``half``, the rows
+    nobody samples (prompt rows of a prefill chunk), and ``exact``, the rest (int64 row
+    indices). Sampled rows always stay in float32, so a sampled row's logits never depend
+    on whether other rows share its step; a half row's result does not depend on the
+    other rows either (``mw_gemm_f16`` sums the same products in the same order whatever
+    the call's rows)."""
+
+    half: torch.Tensor
+    exact: torch.Tensor
+
+    @classmethod
+    def of(cls, sampled: list[bool]) -> "HalfRows | None":
+        """From each packed row's "is sampled" flag; None when no row may use float16
+        or :data:`HALF_GEMM` is off."""
+        if not HALF_GEMM or all(sampled):
+            return None
+        flags = torch.tensor(sampled, dtype=torch.bool)
+        return cls(torch.nonzero(~flags).flatten(), torch.nonzero(flags).flatten())
 
 
 def supported(stored: StoredTensor) -> bool:
@@ -74,10 +102,31 @@ class StoredMatrix:
     def nbytes(self) -> int:
         return int(self.data.numel())
 
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """``x @ W^T`` in float32 for float32 ``x`` of shape ``(m, cols)``."""
+    def matmul(self, x: torch.Tensor, half: HalfRows | None = None) -> torch.Tensor:
+        """``x @ W^T`` (float32 result) for float32 ``x`` of shape ``(m, cols)``; the rows
+        ``half`` names run in float16 arithmetic where :attr:`half_capable`."""
         if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != self.cols:
             raise ValueError(f"expected float32 (m, {self.cols}) activations, got {x.dtype} {tuple(x.shape)}")
+        if half is not None and self.half_capable:
+            if half.half.numel() < half.exact.numel():  # a few prompt rows: gather them
+                y = self._exact(x)
+                return y.index_copy_(0, half.half, self._half_gemm(x.index_select(0, half.half)))
+            # mostly prompt rows: every row in float16 (no gather of the many), then the
+            # sampled rows again in float32 over them
+            y = self._half_gemm(x)
+            if half.exact.numel():
+                y.index_copy_(0, half.exact, self._exact(x.index_select(0, half.exact)))
+            return y
+        return self._exact(x)
+
+    @property
+    def half_capable(self) -> bool:
+        """True for a float16 matrix on a CPU with AVX512-FP16 (and :data:`HALF_GEMM` on)."""
+        return self.code == KINDS["f16"][0] and HALF_GEMM and bool(self._lib.mw_has_gemm_f16())
+
+    def _exact(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ W^T`` in float32 arithmetic: the direct kernels up to :data:`DIRECT_ROWS`
+        rows, else the matrix decoded to float32 and torch's GEMM."""
         m = x.shape[0]
         if m > DIRECT_ROWS:
             return torch.nn.functional.linear(x, self.dequantize())
@@ -85,6 +134,18 @@ class StoredMatrix:
         y = torch.empty(m, self.rows, dtype=torch.float32)
         self._lib.mw_matmul(self.code, self.data.data_ptr(), self.rows, self.cols, x.data_ptr(), self.cols,
                             m, y.data_ptr(), self.rows, self.threads)
+        return y
+
+    def _half_gemm(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ W^T`` for a float16 ``W`` and many rows, in float16 arithmetic
+        (``mw_gemm_f16``: activations rounded to float16, float16 partial sums widened
+        to float32 per product; see :data:`HALF_GEMM`)."""
+        m = x.shape[0]
+        x = x.contiguous()
+        xh = torch.empty(m, self.cols, dtype=torch.float16)  # rounded on the kernels' threads, not torch's
+        y = torch.empty(m, self.rows, dtype=torch.float32)
+        self._lib.mw_gemm_f16(self.data.data_ptr(), self.rows, self.cols, x.data_ptr(), self.cols, m,
+                              y.data_ptr(), self.rows, xh.data_ptr(), self.threads)
         return y
 
     def dequantize(self, rows: torch.Tensor | None = None) -> torch.Tensor:
@@ -119,7 +180,8 @@ class DenseMatrix:
     def nbytes(self) -> int:
         return self.weight.numel() * 4
 
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+    def matmul(self, x: torch.Tensor, half: HalfRows | None = None) -> torch.Tensor:
+        """``x @ W^T`` in float32 (``half`` does not apply to float32 weights)."""
         if x.shape[0] <= 32:  # see musegl_cuda.model.SMALL_BATCH_ROWS
             return (self.weight @ x.t()).t()
         return torch.nn.functional.linear(x, self.weight)
@@ -151,7 +213,7 @@ class StoredGroup:
                 merged.append(part)
         self.parts = merged
 
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+    def matmul(self, x: torch.Tensor, half: HalfRows | None = None) -> torch.Tensor:
         if len(self.parts) == 1:
-            return self.parts[0].matmul(x)
-        return torch.cat([p.matmul(x) for p in self.parts], dim=1)
+            return self.parts[0].matmul(x, half)
+        return torch.cat([p.matmul(x, half) for p in self.parts], dim=1)
