@@ -4,8 +4,9 @@ The ``mlx-cpu`` wheel links the netlib *reference* BLAS: its ``sgemm`` is a
 plain loop, so a float32 product runs at a few GFLOP/s and costs about
 linearly in its rows (measured on 2 cores, a 50512 x 1024 float32 product:
 36 ms for 1 row, 143 ms for 4, 575 ms for 16). Routed to OpenBLAS the same
-products take 15, 16 and 18 ms, and a 512-row prefill product runs at
-~260 GFLOP/s.
+products take 17, 17 and 19 ms, and a 512-row prefill product runs at
+~260 GFLOP/s. The shim also keeps a row's result independent of how many rows
+share its product (see ``cblas_shim.c``).
 
 :func:`route` does the routing, once per process and before ``mlx.core`` is
 imported (MLX binds ``cblas_sgemm`` when it is loaded; routing later has no

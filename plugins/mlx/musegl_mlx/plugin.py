@@ -54,8 +54,15 @@ def mlx_available() -> bool:
     return unavailable_reason() is None
 
 
-def use_device(options: ExecutorOptions) -> None:
-    """Make ``--device cpu|gpu`` MLX's default device (no option: MLX's own default)."""
+def apply_options(options: ExecutorOptions) -> None:
+    """Check ``--device``/``--dtype`` (one-line errors) and make ``--device cpu|gpu``
+    MLX's default device (no option: MLX's own default)."""
+    from musegl_mlx.executor import DTYPES
+
+    if options.device not in (None, "cpu", "gpu", "mlx"):
+        raise ConfigError(f"the mlx executor takes --device cpu or gpu (MLX's devices), got {options.device!r}")
+    if options.dtype is not None and options.dtype not in DTYPES:
+        raise ConfigError(f"--dtype {options.dtype!r} is not one of float32, float16, bfloat16")
     if options.device in ("cpu", "gpu"):
         import mlx.core as mx
 
@@ -68,13 +75,9 @@ def create_mlx(options: ExecutorOptions) -> "MLXExecutor":
     if reason is not None:
         raise ConfigError(reason)
     from musegl_core.checkpoint.loader import load_checkpoint
-    from musegl_mlx.executor import DTYPES, MLXExecutor
+    from musegl_mlx.executor import MLXExecutor
 
-    if options.device not in (None, "cpu", "gpu", "mlx"):
-        raise ConfigError(f"the mlx executor takes --device cpu or gpu (MLX's devices), got {options.device!r}")
-    if options.dtype is not None and options.dtype not in DTYPES:
-        raise ConfigError(f"--dtype {options.dtype!r} is not one of float32, float16, bfloat16")
-    use_device(options)
+    apply_options(options)
     from musegl_core.checkpoint.vision import load_vision
     from musegl_mlx.loader import checkpoint_weights
 
@@ -98,7 +101,7 @@ def kv_layout(options: ExecutorOptions) -> tuple[int, int]:
     checkpoint = load_checkpoint(options.model)
     checkpoint.close()
     c = checkpoint.config
-    use_device(options)
+    apply_options(options)
     size = resolve_dtype(options.dtype).size
     return c.num_layers * 2 * DEFAULT_BLOCK_SIZE * c.num_kv_heads * c.head_dim * size, DEFAULT_BLOCK_SIZE
 
