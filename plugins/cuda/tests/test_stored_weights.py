@@ -277,3 +277,18 @@ def test_half_arithmetic_rows_do_not_depend_on_the_rows_beside_them():
     half = ~torch.tensor(mixed)
     assert torch.equal(matrix.matmul(x, HalfRows.of(mixed))[half], whole[half])
     assert_half_arithmetic(whole, x, torch.from_numpy(w.astype(np.float32)))
+
+
+@pytest.mark.skipif(native.load() is None or not native.load().mw_has_gemm_f16(), reason="no AVX512-FP16 here")
+def test_half_products_beyond_float16_range_fall_back_to_float32():
+    """An activation beyond float16's range (65504) would turn the float16 product into
+    infinities; the kernel reports it and the product is computed in float32 instead."""
+    rng = np.random.default_rng(4)
+    n, k = 8, 64
+    w = (rng.standard_normal((n, k)) * 0.02).astype(np.float16)
+    matrix = StoredMatrix.from_stored(StoredTensor("w", "f16", (n, k), w))
+    x = torch.randn(40, k, generator=torch.Generator().manual_seed(6))
+    x[7, 3] = 1e6
+    y = matrix.matmul(x, HalfRows.of([False] * 40))
+    assert torch.isfinite(y).all()
+    torch.testing.assert_close(y, x @ torch.from_numpy(w.astype(np.float32)).T, rtol=1e-4, atol=1e-4)

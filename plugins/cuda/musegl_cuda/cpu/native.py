@@ -62,7 +62,7 @@ def load() -> ctypes.CDLL | None:
     lib.mw_has_gemm_f16.argtypes = []
     lib.mw_has_gemm_f16.restype = i32
     lib.mw_gemm_f16.argtypes = [p, i64, i64, p, i64, i64, p, i64, p, i32]
-    lib.mw_gemm_f16.restype = None
+    lib.mw_gemm_f16.restype = i32
     _lib = lib
     return lib
 

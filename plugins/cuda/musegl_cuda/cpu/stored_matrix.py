@@ -13,6 +13,7 @@ Activations and results are float32.
 from __future__ import annotations
 
 import ctypes
+import logging
 
 import attrs
 import numpy as np
@@ -20,6 +21,8 @@ import torch
 
 from musegl_core.checkpoint.stored import StoredTensor
 from musegl_cuda.cpu import native
+
+log = logging.getLogger("musegl.cuda")
 
 # stored dtype tag -> (kernel type code, values per block)
 KINDS = {"f32": (0, 32), "f16": (1, 32), "bf16": (2, 32), "q8_0": (8, 32), "q4_0": (4, 32), "q4_k": (12, 256)}
@@ -54,6 +57,16 @@ class HalfRows:
             return None
         flags = torch.tensor(sampled, dtype=torch.bool)
         return cls(torch.nonzero(~flags).flatten(), torch.nonzero(flags).flatten())
+
+
+_overflow_warned = False
+
+
+def _warn_overflow_once() -> None:
+    global _overflow_warned
+    if not _overflow_warned:
+        _overflow_warned = True
+        log.warning("a prompt product left float16's range; such products run in float32 (slower)")
 
 
 def supported(stored: StoredTensor) -> bool:
@@ -144,8 +157,11 @@ class StoredMatrix:
         x = x.contiguous()
         xh = torch.empty(m, self.cols, dtype=torch.float16)  # rounded on the kernels' threads, not torch's
         y = torch.empty(m, self.rows, dtype=torch.float32)
-        self._lib.mw_gemm_f16(self.data.data_ptr(), self.rows, self.cols, x.data_ptr(), self.cols, m,
-                              y.data_ptr(), self.rows, xh.data_ptr(), self.threads)
+        overflow = self._lib.mw_gemm_f16(self.data.data_ptr(), self.rows, self.cols, x.data_ptr(), self.cols, m,
+                                         y.data_ptr(), self.rows, xh.data_ptr(), self.threads)
+        if overflow:  # an activation or a partial sum beyond float16's range: this product in float32
+            _warn_overflow_once()
+            return self._exact(x)
         return y
 
     def dequantize(self, rows: torch.Tensor | None = None) -> torch.Tensor:

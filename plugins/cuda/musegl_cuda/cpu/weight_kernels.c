@@ -533,8 +533,15 @@ ALWAYS_INLINE __m128 widen_sum4(__m512h a, __m512h b, __m512h c, __m512h d) {
     return _mm_add_ps(_mm256_castps256_ps128(half), _mm256_extractf128_ps(half, 1));
 }
 
-/* y[m][j] = dot(W row j, x row m) for j < NRT, m < MRT; k % 32 == 0. */
-ALWAYS_INLINE void tile_f16(const int NRT, const int MRT, const uint16_t *w, long ldw, long k,
+/* 1 when any of v's lanes is an infinity or NaN. */
+ALWAYS_INLINE int non_finite(__m128 v) {
+    const __m128 magnitude = _mm_andnot_ps(_mm_set1_ps(-0.0f), v);
+    return _mm_movemask_ps(_mm_cmp_ps(magnitude, _mm_set1_ps(__builtin_inff()), _CMP_NLT_UQ)) != 0;
+}
+
+/* y[m][j] = dot(W row j, x row m) for j < NRT, m < MRT; k % 32 == 0. Returns 1 when a
+ * result is not finite (a float16 partial sum overflowed). */
+ALWAYS_INLINE int tile_f16(const int NRT, const int MRT, const uint16_t *w, long ldw, long k,
                             const uint16_t *x, long ldx, float *y, long ldy) {
     __m512h acc[4][4];
     for (int j = 0; j < NRT; ++j)
@@ -547,21 +554,31 @@ ALWAYS_INLINE void tile_f16(const int NRT, const int MRT, const uint16_t *w, lon
             for (int m = 0; m < MRT; ++m) acc[j][m] = _mm512_fmadd_ph(wv, xv[m], acc[j][m]);
         }
     }
+    int bad = 0;
     if (NRT == 4) {
-        for (int m = 0; m < MRT; ++m) _mm_storeu_ps(y + m * ldy, widen_sum4(acc[0][m], acc[1][m], acc[2][m], acc[3][m]));
+        for (int m = 0; m < MRT; ++m) {
+            __m128 r = widen_sum4(acc[0][m], acc[1][m], acc[2][m], acc[3][m]);
+            bad |= non_finite(r);
+            _mm_storeu_ps(y + m * ldy, r);
+        }
     } else {
         for (int m = 0; m < MRT; ++m)
-            for (int j = 0; j < NRT; ++j) y[m * ldy + j] = widen_sum(acc[j][m]);
+            for (int j = 0; j < NRT; ++j) {
+                float r = widen_sum(acc[j][m]);
+                bad |= non_finite(_mm_set1_ps(r));
+                y[m * ldy + j] = r;
+            }
     }
+    return bad;
 }
 
-ALWAYS_INLINE void tile_f16_mr(const int NRT, int mr, const uint16_t *w, long ldw, long k, const uint16_t *x,
-                               long ldx, float *y, long ldy) {
+ALWAYS_INLINE int tile_f16_mr(const int NRT, int mr, const uint16_t *w, long ldw, long k, const uint16_t *x,
+                              long ldx, float *y, long ldy) {
     switch (mr) {
-    case 1: tile_f16(NRT, 1, w, ldw, k, x, ldx, y, ldy); break;
-    case 2: tile_f16(NRT, 2, w, ldw, k, x, ldx, y, ldy); break;
-    case 3: tile_f16(NRT, 3, w, ldw, k, x, ldx, y, ldy); break;
-    default: tile_f16(NRT, 4, w, ldw, k, x, ldx, y, ldy); break;
+    case 1: return tile_f16(NRT, 1, w, ldw, k, x, ldx, y, ldy);
+    case 2: return tile_f16(NRT, 2, w, ldw, k, x, ldx, y, ldy);
+    case 3: return tile_f16(NRT, 3, w, ldw, k, x, ldx, y, ldy);
+    default: return tile_f16(NRT, 4, w, ldw, k, x, ldx, y, ldy);
     }
 }
 
@@ -569,10 +586,12 @@ typedef struct {
     const uint16_t *w, *x;
     long k, ldw, m, ldx, ldy;
     float *y;
+    _Atomic int *bad;
 } gemm_args_t;
 
 static void gemm_f16_chunk(long begin, long end, const void *p) {
     const gemm_args_t *a = (const gemm_args_t *)p;
+    int bad = 0;
     for (long mb = 0; mb < a->m; mb += GEMM_MB) {
         long mend = mb + GEMM_MB < a->m ? mb + GEMM_MB : a->m;
         for (long r = begin; r < end; r += 4) {
@@ -583,12 +602,13 @@ static void gemm_f16_chunk(long begin, long end, const void *p) {
                     int mr = (int)(mend - m0 < 4 ? mend - m0 : 4);
                     const uint16_t *xm = a->x + m0 * a->ldx;
                     float *ym = a->y + m0 * a->ldy + r1;
-                    if (nr == 4) tile_f16_mr(4, mr, wr, a->ldw, a->k, xm, a->ldx, ym, a->ldy);
-                    else tile_f16_mr(1, mr, wr, a->ldw, a->k, xm, a->ldx, ym, a->ldy);
+                    if (nr == 4) bad |= tile_f16_mr(4, mr, wr, a->ldw, a->k, xm, a->ldx, ym, a->ldy);
+                    else bad |= tile_f16_mr(1, mr, wr, a->ldw, a->k, xm, a->ldx, ym, a->ldy);
                 }
             }
         }
     }
+    if (bad) atomic_store(a->bad, 1);
 }
 
 typedef struct {
@@ -609,18 +629,23 @@ int mw_has_gemm_f16(void) { return 1; }
 
 /* y (m x n, row stride ldy, float32) = x (m x k float32, row stride ldx) @ W^T in float16
  * arithmetic, W float16 (n rows of k values); xh: m x k float16 scratch (x rounded to
- * float16 lands there, on the pool's threads). k % 32 == 0. */
-void mw_gemm_f16(const uint16_t *w, long n, long k, const float *x, long ldx, long m, float *y, long ldy,
-                 uint16_t *xh, int threads) {
+ * float16 lands there, on the pool's threads). k % 32 == 0. Returns 1 when a result is
+ * not finite (an activation beyond float16's range, or a partial sum that overflowed):
+ * the caller then computes the product in float32. */
+int mw_gemm_f16(const uint16_t *w, long n, long k, const float *x, long ldx, long m, float *y, long ldy,
+                uint16_t *xh, int threads) {
+    _Atomic int bad = 0;
     half_args_t h = {x, ldx, k, xh};
     parallel_rows(m, 16, to_half_chunk, &h, threads);
-    gemm_args_t a = {w, xh, k, k, m, k, ldy, y};
+    gemm_args_t a = {w, xh, k, k, m, k, ldy, y, &bad};
     parallel_rows(n, 16, gemm_f16_chunk, &a, threads);
+    return atomic_load(&bad);
 }
 #else
 int mw_has_gemm_f16(void) { return 0; }
-void mw_gemm_f16(const uint16_t *w, long n, long k, const float *x, long ldx, long m, float *y, long ldy,
-                 uint16_t *xh, int threads) {
+int mw_gemm_f16(const uint16_t *w, long n, long k, const float *x, long ldx, long m, float *y, long ldy,
+                uint16_t *xh, int threads) {
     (void)w; (void)n; (void)k; (void)x; (void)ldx; (void)m; (void)y; (void)ldy; (void)xh; (void)threads;
+    return 1;
 }
 #endif
