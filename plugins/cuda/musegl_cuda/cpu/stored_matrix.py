@@ -6,8 +6,10 @@ values each (float32, float16, bfloat16 or GGUF Q8_0/Q4_0/Q4_K blocks, as
 torch tensor. ``x @ W^T`` for up to :data:`DIRECT_ROWS` activation rows (decode
 steps) runs :func:`mw_matmul`, which decodes each weight row in registers and
 reads the weight once; wider products (prefill chunks) decode the matrix to
-float32 and use torch's GEMM, where the weight bytes no longer dominate.
-Activations and results are float32.
+float32 and use torch's GEMM, where the weight bytes no longer dominate. The
+rows a :class:`HalfRows` names (prompt rows nobody samples) are multiplied with
+float16 matrices in float16 arithmetic instead, where the CPU has AVX512-FP16
+(:func:`mw_gemm_f16`). Activations and results are float32.
 """
 
 from __future__ import annotations
