@@ -29,15 +29,17 @@ import triton.language as tl
 
 @triton.jit
 def _paged_attention_kernel(
-    Q, K, V, Acc, M, L, Tables, Tiles,
+    Q, K, V, Acc, M, L, Tables, Tiles, QKVG, Out,
     stride_q_row, stride_q_head,
     stride_kv_slot, stride_kv_head,
     stride_table,
     stride_acc_split, stride_acc_row, stride_acc_head,
     stride_ml_split, stride_ml_row,
+    stride_g_row, gate_offset, stride_out_row,
     scale, window,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     KV_BLOCK: tl.constexpr, SPLITS: tl.constexpr, SLIDING: tl.constexpr, PRECISION: tl.constexpr,
+    GATED: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -90,12 +92,29 @@ def _paged_attention_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
 
-    acc_ptr = (Acc + split * stride_acc_split + rows[:, None] * stride_acc_row
-               + head[:, None] * stride_acc_head + offs_d[None, :])
-    tl.store(acc_ptr, acc, mask=valid_m[:, None])
-    ml = split * stride_ml_split + rows * stride_ml_row + head
-    tl.store(M + ml, m_i, mask=valid_m)
-    tl.store(L + ml, l_i, mask=valid_m)
+    if GATED:  # one split: normalize and gate here, as combine_gate would (same roundings)
+        y = (acc / l_i[:, None]).to(Out.dtype.element_ty)
+        _store_gated(y, QKVG, Out, rows, head, offs_d, valid_m, stride_g_row, gate_offset, stride_out_row, HEAD_DIM)
+    else:
+        acc_ptr = (Acc + split * stride_acc_split + rows[:, None] * stride_acc_row
+                   + head[:, None] * stride_acc_head + offs_d[None, :])
+        tl.store(acc_ptr, acc, mask=valid_m[:, None])
+        ml = split * stride_ml_split + rows * stride_ml_row + head
+        tl.store(M + ml, m_i, mask=valid_m)
+        tl.store(L + ml, l_i, mask=valid_m)
+
+
+@triton.jit
+def _store_gated(y, QKVG, Out, rows, head, offs_d, valid_m, stride_g_row, gate_offset, stride_out_row,
+                 HEAD_DIM: tl.constexpr):
+    """``Out = y · sigmoid(gate)`` for the (row, head) vectors of ``y``, rounded as the eager path rounds."""
+    dtype = Out.dtype.element_ty
+    g = tl.load(QKVG + rows[:, None] * stride_g_row + gate_offset + head[:, None] * HEAD_DIM + offs_d[None, :],
+                mask=valid_m[:, None], other=0.0).to(tl.float32)
+    gate = (1.0 / (1.0 + tl.exp(-g))).to(dtype)
+    res = (y.to(tl.float32) * gate.to(tl.float32)).to(dtype)
+    tl.store(Out + rows[:, None] * stride_out_row + head[:, None] * HEAD_DIM + offs_d[None, :], res,
+             mask=valid_m[:, None])
 
 
 @triton.jit
@@ -122,10 +141,38 @@ def _combine_gate_kernel(Acc, M, L, QKVG, Out,
     tl.store(Out + row * stride_out_row + head * HEAD_DIM + offs_d, res)
 
 
+#: Attention programs per multiprocessor that :func:`attention_splits` aims for.
+PROGRAMS_PER_SM = 2
+#: Overrides of the attention kernel's launch (None: the defaults in :func:`_attention_launch`);
+#: ``benchmarks/gpu_kernel_probe.py`` tries others.
+ATTENTION_BLOCK_N: int | None = None
+ATTENTION_WARPS: int | None = None
+ATTENTION_STAGES: int | None = None
+
+
 def attention_splits(tiles: int, kv_heads: int, sm_count: int = 132, most: int = 16) -> int:
-    """How many key splits keep about two programs per multiprocessor busy."""
-    want = -(-2 * sm_count // max(1, tiles * kv_heads))
+    """How many key splits keep about :data:`PROGRAMS_PER_SM` programs per multiprocessor busy."""
+    want = -(-int(PROGRAMS_PER_SM * sm_count) // max(1, tiles * kv_heads))
     return max(1, min(most, want))
+
+
+def _attention_launch(q, k_cache, v_cache, kv_block, tables, tiles, num_tiles, splits, block_m, window, sliding,
+                      scale, acc, m, l, gate):
+    rows, heads, hd = q.shape
+    kv_heads = k_cache.shape[1]
+    fp32 = q.dtype == torch.float32
+    qkvg, gate_offset, out = gate if gate is not None else (q, 0, q)
+    _paged_attention_kernel[(num_tiles, kv_heads, splits)](
+        q, k_cache, v_cache, acc, m, l, tables, tiles, qkvg, out,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), tables.stride(0),
+        acc.stride(0), acc.stride(1), acc.stride(2), m.stride(0), m.stride(1),
+        qkvg.stride(0), gate_offset, out.stride(0),
+        scale, window,
+        GROUP=heads // kv_heads, HEAD_DIM=hd, BLOCK_M=block_m, BLOCK_N=ATTENTION_BLOCK_N or (32 if fp32 else 64),
+        KV_BLOCK=kv_block, SPLITS=splits, SLIDING=sliding, PRECISION="ieee" if fp32 else "tf32",
+        GATED=gate is not None,
+        num_warps=ATTENTION_WARPS or (4 if block_m <= 64 else 8), num_stages=ATTENTION_STAGES or 2,
+    )
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_block: int,
@@ -140,23 +187,30 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     per split, for :func:`combine_gate`.
     """
     rows, heads, hd = q.shape
-    kv_heads = k_cache.shape[1]
-    group = heads // kv_heads
     acc = torch.empty(splits, rows, heads, hd, dtype=torch.float32, device=q.device)
     m = torch.empty(splits, rows, heads, dtype=torch.float32, device=q.device)
     l = torch.empty_like(m)
-    fp32 = q.dtype == torch.float32
-    block_n = 32 if fp32 else 64
-    _paged_attention_kernel[(num_tiles, kv_heads, splits)](
-        q, k_cache, v_cache, acc, m, l, tables, tiles,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), tables.stride(0),
-        acc.stride(0), acc.stride(1), acc.stride(2), m.stride(0), m.stride(1),
-        scale, window,
-        GROUP=group, HEAD_DIM=hd, BLOCK_M=block_m, BLOCK_N=block_n, KV_BLOCK=kv_block,
-        SPLITS=splits, SLIDING=sliding, PRECISION="ieee" if fp32 else "tf32",
-        num_warps=4 if block_m <= 64 else 8, num_stages=2,
-    )
+    _attention_launch(q, k_cache, v_cache, kv_block, tables, tiles, num_tiles, splits, block_m, window, sliding,
+                      scale, acc, m, l, None)
     return acc, m, l
+
+
+def gated_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_block: int,
+                    tables: torch.Tensor, tiles: torch.Tensor, num_tiles: int, splits: int, block_m: int,
+                    window: int, sliding: bool, scale: float, qkvg: torch.Tensor, gate_offset: int) -> torch.Tensor:
+    """The gated attention output ``(rows, heads·hd)`` in ``q``'s dtype: with one
+    split, one launch (the kernel normalizes and gates what it computed); with
+    more, :func:`paged_attention` then :func:`combine_gate`. Both give the
+    same values for the same ``splits``."""
+    if splits > 1:
+        acc, m, l = paged_attention(q, k_cache, v_cache, kv_block, tables, tiles, num_tiles, splits, block_m,
+                                    window, sliding, scale)
+        return combine_gate(acc, m, l, qkvg, gate_offset, q.dtype)
+    rows, heads, hd = q.shape
+    out = torch.empty(rows, heads * hd, dtype=q.dtype, device=q.device)
+    _attention_launch(q, k_cache, v_cache, kv_block, tables, tiles, num_tiles, 1, block_m, window, sliding, scale,
+                      q, q, q, (qkvg, gate_offset, out))
+    return out
 
 
 def combine_gate(acc: torch.Tensor, m: torch.Tensor, l: torch.Tensor, qkvg: torch.Tensor, gate_offset: int,
@@ -187,8 +241,15 @@ def _qk_norm_rope_store_kernel(QKVG, Cos, Sin, Slots, Qout, Kc, Vc,
     offs = tl.arange(0, HEAD_DIM)
     rot = (offs + half) % HEAD_DIM
     base = QKVG + row * stride_row + h * HEAD_DIM
+    # every load first, so that they are in flight together (the kernel is latency-bound at decode widths)
     x = tl.load(base + offs).to(tl.float32)
     xr = tl.load(base + rot).to(tl.float32)
+    if ROPE:
+        cos = tl.load(Cos + row * stride_cos + offs).to(tl.float32)
+        sin = tl.load(Sin + row * stride_cos + offs).to(tl.float32)
+    kvh = tl.maximum(h - HEADS, 0)  # query heads load the first V head too (unused; a cache hit)
+    v = tl.load(QKVG + row * stride_row + (HEADS + KV_HEADS + kvh) * HEAD_DIM + offs)
+    slot = tl.load(Slots + row).to(tl.int64)
     inv = 1.0 / tl.sqrt(tl.sum(x * x, 0) / HEAD_DIM + eps)
     dtype = Qout.dtype.element_ty
     n = (x * inv).to(dtype)
@@ -197,8 +258,6 @@ def _qk_norm_rope_store_kernel(QKVG, Cos, Sin, Slots, Qout, Kc, Vc,
         n = (n.to(tl.float32) * qk_scale).to(dtype)
         nr = (nr.to(tl.float32) * qk_scale).to(dtype)
     if ROPE:
-        cos = tl.load(Cos + row * stride_cos + offs).to(tl.float32)
-        sin = tl.load(Sin + row * stride_cos + offs).to(tl.float32)
         rh = tl.where(offs < half, -nr.to(tl.float32), nr.to(tl.float32))
         a = (n.to(tl.float32) * cos).to(dtype)
         b = (rh * sin).to(dtype)
@@ -206,10 +265,7 @@ def _qk_norm_rope_store_kernel(QKVG, Cos, Sin, Slots, Qout, Kc, Vc,
     if h < HEADS:
         tl.store(Qout + row * stride_q_row + h * HEAD_DIM + offs, n)
     else:
-        kvh = h - HEADS
-        slot = tl.load(Slots + row).to(tl.int64)
         tl.store(Kc + slot * stride_kv_slot + kvh * HEAD_DIM + offs, n)
-        v = tl.load(QKVG + row * stride_row + (HEADS + KV_HEADS + kvh) * HEAD_DIM + offs)
         tl.store(Vc + slot * stride_kv_slot + kvh * HEAD_DIM + offs, v)
 
 
@@ -238,20 +294,21 @@ def _add_norm_kernel(O, H, ScalePost, ScaleNext, Hout, Xout, N, eps_post, eps_ne
     offs = tl.arange(0, BLOCK)
     mask = offs < N
     dtype = Hout.dtype.element_ty
+    # every load first, so that they are in flight together (the kernel is latency-bound at decode widths)
+    hf = tl.load(H + row * N + offs, mask=mask, other=0.0).to(tl.float32)
     if HAS_RES:
         o = tl.load(O + row * N + offs, mask=mask, other=0.0).to(tl.float32)
-        inv = 1.0 / tl.sqrt(tl.sum(o * o, 0) / N + eps_post)
         w = tl.load(ScalePost + offs, mask=mask, other=0.0)
+    if HAS_NEXT:
+        w2 = tl.load(ScaleNext + offs, mask=mask, other=0.0)
+    if HAS_RES:
+        inv = 1.0 / tl.sqrt(tl.sum(o * o, 0) / N + eps_post)
         normed = (o * inv * w).to(dtype)
-        h = tl.load(H + row * N + offs, mask=mask, other=0.0).to(tl.float32)
-        h = (h + normed.to(tl.float32)).to(dtype)
+        h = (hf + normed.to(tl.float32)).to(dtype)
         tl.store(Hout + row * N + offs, h, mask=mask)
         hf = h.to(tl.float32)
-    else:
-        hf = tl.load(H + row * N + offs, mask=mask, other=0.0).to(tl.float32)
     if HAS_NEXT:
         inv2 = 1.0 / tl.sqrt(tl.sum(hf * hf, 0) / N + eps_next)
-        w2 = tl.load(ScaleNext + offs, mask=mask, other=0.0)
         tl.store(Xout + row * N + offs, (hf * inv2 * w2).to(dtype), mask=mask)
 
 

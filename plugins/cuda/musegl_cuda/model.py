@@ -520,10 +520,9 @@ class MuseGlimmerDecoder(nn.Module):
             qkvg = F.linear(x, attn.qkvg)
             q = kernels.qk_norm_rope_store(qkvg, cos, sin, meta.slots, k_flat, v_flat, heads, kv_heads, hd,
                                            attn.eps, attn.qk_scale, attn.use_rope)
-            acc, m, l = kernels.paged_attention(q, k_flat, v_flat, meta.block_size, meta.tables, meta.tiles,
-                                                meta.num_tiles, meta.splits, meta.block_m, c.sliding_window,
-                                                attn.sliding, attn.scaling)
-            y = kernels.combine_gate(acc, m, l, qkvg, attn.gate_offset, h.dtype)
+            y = kernels.gated_attention(q, k_flat, v_flat, meta.block_size, meta.tables, meta.tiles,
+                                        meta.num_tiles, meta.splits, meta.block_m, c.sliding_window,
+                                        attn.sliding, attn.scaling, qkvg, attn.gate_offset)
             o = F.linear(y, attn.o_proj.weight)
             post, pre = layer.post_attention_layernorm, layer.pre_feedforward_layernorm
             h, x = kernels.add_norm(o, h, post.scale, post.eps, pre.scale, pre.eps)

@@ -125,7 +125,7 @@ def test_paged_kernels_match_the_reference():
         kc = torch.randn(nb + 1, bs, kvh, hd, dtype=dtype, device="cuda")
         vc = torch.randn_like(kc)
         kf, vf = kc.view(-1, kvh, hd), vc.view(-1, kvh, hd)
-        for block_m, splits, width in ((16, 1, None), (16, 4, 200), (64, 2, None), (128, 1, None)):
+        for block_m, splits, width in ((16, 1, None), (16, 4, 200), (16, 16, None), (64, 2, None), (128, 1, None)):
             plan = plan_step(step, bs, nb, 100, rows_per_tile(block_m, heads // kvh), width=width, scratch_block=nb)
             q = torch.randn(plan.width, heads, hd, dtype=dtype, device="cuda")
             for sliding in (False, True):
@@ -137,6 +137,15 @@ def test_paged_kernels_match_the_reference():
                 gate = torch.full((plan.width, 2 * heads * hd + 2 * kvh * hd), 40.0, dtype=dtype, device="cuda")
                 y = kernels.combine_gate(acc, m, l, gate, heads * hd + 2 * kvh * hd, dtype).view(-1, heads, hd)
                 assert (y.float().cpu() - ref).abs().max().item() <= tol, (dtype, block_m, splits, sliding)
+                # the path the model takes (one launch with one split) gives the same values bit for bit
+                gate = torch.randn_like(gate)
+                tables, tiles = torch.from_numpy(plan.tables).cuda(), torch.from_numpy(plan.tiles).cuda()
+                y1 = kernels.combine_gate(*kernels.paged_attention(q, kf, vf, bs, tables, tiles, len(plan.tiles),
+                                                                   splits, block_m, 64, sliding, hd ** -0.5),
+                                          gate, heads * hd + 2 * kvh * hd, dtype)
+                y2 = kernels.gated_attention(q, kf, vf, bs, tables, tiles, len(plan.tiles), splits, block_m, 64,
+                                             sliding, hd ** -0.5, gate, heads * hd + 2 * kvh * hd)
+                assert torch.equal(y1, y2), (dtype, block_m, splits, sliding)
         rows = 7
         qkvg = torch.randn(rows, 2 * heads * hd + 2 * kvh * hd, dtype=dtype, device="cuda")
         cos, sin = RotaryEmbedding(hd, 10000.0, torch.device("cuda"))(torch.arange(rows, device="cuda") + 5, dtype)
