@@ -111,64 +111,9 @@ def test_batched_decode_matches_single_on_cuda(checkpoint_path):
 
 def test_paged_kernels_match_the_reference():
     """Every Triton kernel against plain torch on random data (fresh draws), both dtypes."""
-    from musegl_core.engine.executor import SeqChunk, Step
-    from musegl_cuda import kernels
-    from musegl_cuda.model import CenteredRMSNorm, RotaryEmbedding, apply_rope, plain_rms_norm
-    from musegl_cuda.plan import plan_step, reference_attention, rows_per_tile
+    from kernel_checks import check_kernels
 
-    torch.manual_seed(0)
-    heads, kvh, hd, bs, nb = 32, 2, 128, 16, 64
-    step = Step([SeqChunk(1, [3] * 40, list(range(70, 110)), list(range(0, 8))),
-                 SeqChunk(2, [4], [200], list(range(8, 21))),
-                 SeqChunk(3, [1] * 150, list(range(150)), list(range(30, 40)))])
-    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
-        kc = torch.randn(nb + 1, bs, kvh, hd, dtype=dtype, device="cuda")
-        vc = torch.randn_like(kc)
-        kf, vf = kc.view(-1, kvh, hd), vc.view(-1, kvh, hd)
-        for block_m, splits, width in ((16, 1, None), (16, 4, 200), (16, 16, None), (64, 2, None), (128, 1, None)):
-            plan = plan_step(step, bs, nb, 100, rows_per_tile(block_m, heads // kvh), width=width, scratch_block=nb)
-            q = torch.randn(plan.width, heads, hd, dtype=dtype, device="cuda")
-            for sliding in (False, True):
-                ref = reference_attention(q.cpu().float(), kf.cpu().float(), vf.cpu().float(), plan, bs, sliding,
-                                          64, hd ** -0.5)
-                acc, m, l = kernels.paged_attention(q, kf, vf, bs, torch.from_numpy(plan.tables).cuda(),
-                                                    torch.from_numpy(plan.tiles).cuda(), len(plan.tiles), splits,
-                                                    block_m, 64, sliding, hd ** -0.5)
-                gate = torch.full((plan.width, 2 * heads * hd + 2 * kvh * hd), 40.0, dtype=dtype, device="cuda")
-                y = kernels.combine_gate(acc, m, l, gate, heads * hd + 2 * kvh * hd, dtype).view(-1, heads, hd)
-                assert (y.float().cpu() - ref).abs().max().item() <= tol, (dtype, block_m, splits, sliding)
-                # the path the model takes (one launch with one split) gives the same values bit for bit
-                gate = torch.randn_like(gate)
-                tables, tiles = torch.from_numpy(plan.tables).cuda(), torch.from_numpy(plan.tiles).cuda()
-                y1 = kernels.combine_gate(*kernels.paged_attention(q, kf, vf, bs, tables, tiles, len(plan.tiles),
-                                                                   splits, block_m, 64, sliding, hd ** -0.5),
-                                          gate, heads * hd + 2 * kvh * hd, dtype)
-                y2 = kernels.gated_attention(q, kf, vf, bs, tables, tiles, len(plan.tiles), splits, block_m, 64,
-                                             sliding, hd ** -0.5, gate, heads * hd + 2 * kvh * hd)
-                assert torch.equal(y1, y2), (dtype, block_m, splits, sliding)
-        rows = 7
-        qkvg = torch.randn(rows, 2 * heads * hd + 2 * kvh * hd, dtype=dtype, device="cuda")
-        cos, sin = RotaryEmbedding(hd, 10000.0, torch.device("cuda"))(torch.arange(rows, device="cuda") + 5, dtype)
-        slots = torch.tensor([0, 5, 9, 17, 33, 40, 99], device="cuda")
-        k2, v2 = torch.zeros_like(kf), torch.zeros_like(vf)
-        q = kernels.qk_norm_rope_store(qkvg, cos, sin, slots, k2, v2, heads, kvh, hd, 1e-6, 3.87, True)
-        q_ref = apply_rope(plain_rms_norm(qkvg[:, :heads * hd].view(rows, heads, hd), 1e-6) * 3.87, cos, sin)
-        k_ref = apply_rope(plain_rms_norm(qkvg[:, heads * hd:(heads + kvh) * hd].view(rows, kvh, hd), 1e-6), cos, sin)
-        # bf16: one rounding step of the largest values (the reduction order differs)
-        assert torch.allclose(q.float(), q_ref.float(), rtol=tol, atol=tol)
-        assert torch.allclose(k2[slots].float(), k_ref.float(), rtol=tol, atol=tol)
-        n = 1000
-        o, h = torch.randn(rows, n, dtype=dtype, device="cuda"), torch.randn(rows, n, dtype=dtype, device="cuda")
-        post, pre = CenteredRMSNorm(n, 1e-8, torch.device("cuda")), CenteredRMSNorm(n, 1e-6, torch.device("cuda"))
-        post.load(torch.randn(n) * 0.3)
-        pre.load(torch.randn(n) * 0.3)
-        h2, x = kernels.add_norm(o, h, post.scale, 1e-8, pre.scale, 1e-6)
-        h_ref = h + post(o)
-        assert torch.allclose(h2.float(), h_ref.float(), rtol=tol, atol=tol)
-        assert torch.allclose(x.float(), pre(h_ref).float(), rtol=tol, atol=tol)
-        gu = torch.randn(rows, 2 * n, dtype=dtype, device="cuda")
-        silu = torch.nn.functional.silu(gu[:, :n]) * gu[:, n:]
-        assert torch.allclose(kernels.silu_mul(gu).float(), silu.float(), rtol=tol, atol=tol)
+    check_kernels("cuda", (torch.float32, torch.bfloat16), heads=32, kv_heads=2, head_dim=128)
 
 
 def cpu_greedy(checkpoint_path, prompts, new_tokens):
