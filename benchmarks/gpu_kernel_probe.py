@@ -36,6 +36,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "plugins" / "cuda"), str(ROOT / "benchmark
 from musegl_core.engine.executor import SeqChunk, Step  # noqa: E402
 from musegl_cuda import graphs as graphs_module  # noqa: E402
 from musegl_cuda import kernels  # noqa: E402
+from musegl_cuda import model as model_module  # noqa: E402
 
 
 def emit(**fields) -> None:
@@ -137,7 +138,8 @@ def apply_setting(name: str, reference) -> None:
     for attr in ("add_norm", "qk_norm_rope_store", "gated_attention", "attention_splits"):
         setattr(kernels, attr, ORIGINAL[attr])
     kernels.PROGRAMS_PER_SM = 2
-    kernels.PDL = None
+    kernels.ADD_NORM_WARPS = None
+    model_module.FUSED_FINAL_NORM = True
     kernels.ATTENTION_BLOCK_N = kernels.ATTENTION_WARPS = kernels.ATTENTION_STAGES = None
     if name == "reference":
         kernels.add_norm = reference.add_norm
@@ -154,7 +156,10 @@ def apply_setting(name: str, reference) -> None:
             if item in ("", "current"):
                 continue
             key, value = item.split("=")
-            setattr(kernels, key, float(value) if key == "PROGRAMS_PER_SM" else int(value))
+            if key.startswith("model."):
+                setattr(model_module, key.removeprefix("model."), bool(int(value)))
+            else:
+                setattr(kernels, key, float(value) if key == "PROGRAMS_PER_SM" else int(value))
     graphs_module.attention_splits = kernels.attention_splits
 
 
@@ -289,8 +294,9 @@ def main() -> int:
     p.add_argument("--step-context", type=int, default=512)
     p.add_argument("--settings", default="reference;current",
                    help="';'-separated settings: 'reference', 'current', or comma-separated NAME=VALUE of "
-                        "musegl_cuda.kernels (PROGRAMS_PER_SM, ATTENTION_BLOCK_N, ATTENTION_WARPS, "
-                        "ATTENTION_STAGES), or 'best' (the sweep's best at batch 64)")
+                        "musegl_cuda.kernels (PROGRAMS_PER_SM, ADD_NORM_WARPS, ATTENTION_BLOCK_N, "
+                        "ATTENTION_WARPS, ATTENTION_STAGES) or model.NAME=0|1 of musegl_cuda.model "
+                        "(FUSED_FINAL_NORM), or 'best' (the sweep's best at batch 64)")
     p.add_argument("--reference", help="a kernels.py to compare with (the setting 'reference')")
     args = p.parse_args()
     emit(part="setup", device=torch.cuda.get_device_name(), torch=torch.__version__)

@@ -33,7 +33,6 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from musegl_cuda.kernels import attention_splits
 from musegl_cuda.model import MuseGlimmerDecoder, PagedMeta
 from musegl_cuda.plan import StepPlan
 
@@ -61,7 +60,8 @@ class DecodeGraphs:
         self.positions = self._device_in[widest:2 * widest]
         self.slots = self._device_in[2 * widest:3 * widest]
         self.tiles = self._device_in[3 * widest:].view(torch.int32).view(widest, 4)
-        self._host_in = torch.zeros(words, dtype=torch.long, pin_memory=True)
+        pinned = device.type == "cuda"  # a CPU-built instance (the staging tests) has nothing to pin
+        self._host_in = torch.zeros(words, dtype=torch.long, pin_memory=pinned)
         host = self._host_in.numpy()
         self._h_tokens = host[:widest]
         self._h_positions = host[widest:2 * widest]
@@ -70,12 +70,14 @@ class DecodeGraphs:
         self._arange = np.arange(widest, dtype=np.int32)
         # block tables: row widest is the padding rows' table (the scratch block)
         self.tables = torch.zeros(widest + 1, cols, dtype=torch.int32, device=device)
-        self._host_tables = torch.zeros((widest + 1) * cols, dtype=torch.int32, pin_memory=True)
+        self._host_tables = torch.zeros((widest + 1) * cols, dtype=torch.int32, pin_memory=pinned)
         self._host_tables_np = self._host_tables.numpy()
         # the host mirror of the tables: each row's block list, and how many of its ids the device row holds
         self._rows: list[list[int] | None] = [None] * (widest + 1)
         self._sent = [0] * (widest + 1)
-        self._ids_host = torch.zeros(widest, dtype=torch.long, pin_memory=True)
+        self._ids_host = torch.zeros(widest, dtype=torch.long, pin_memory=pinned)
+        # (rows, width) of the last stage_decode: its padding rows and tile columns 0 are still staged
+        self._layout: tuple[int, int] | None = None
         self._ids_np = self._ids_host.numpy()
         self.scratch_block = -1
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -83,6 +85,8 @@ class DecodeGraphs:
         self.ids: dict[int, torch.Tensor] = {}
 
     def _run(self, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        from musegl_cuda.kernels import attention_splits  # Triton: only where graphs run
+
         config = self.model.config
         meta = PagedMeta(self.slots[:width], self.tables, self.tiles[:width], width,
                          attention_splits(width, config.num_kv_heads, self.sm_count), self.block_m,
@@ -92,9 +96,9 @@ class DecodeGraphs:
         logits = self.model.logits(normed)
         return logits, torch.argmax(logits, dim=-1)
 
-    def capture(self, scratch_block: int, progress: Callable[[int, int, str], None] | None = None) -> float:
-        """Capture every width (rows all padding, writing ``scratch_block``); returns seconds."""
-        start = time.perf_counter()
+    def reset(self, scratch_block: int) -> None:
+        """Stage every row as a padding row (writing ``scratch_block``) and forget
+        the tables the device holds: what a capture starts from."""
         self.scratch_block = scratch_block
         self.slots.fill_(scratch_block * self.block_size)
         self.tables.zero_()
@@ -111,6 +115,12 @@ class DecodeGraphs:
         self._h_tiles[:, 1] = self._arange
         self._h_tiles[:, 2] = 1
         self._h_tiles[:, 3] = 0
+        self._layout = None
+
+    def capture(self, scratch_block: int, progress: Callable[[int, int, str], None] | None = None) -> float:
+        """Capture every width (rows all padding, writing ``scratch_block``); returns seconds."""
+        start = time.perf_counter()
+        self.reset(scratch_block)
         pool = None
         with torch.inference_mode():
             for done, width in enumerate(reversed(self.sizes)):
@@ -166,6 +176,8 @@ class DecodeGraphs:
         if min(positions) < 0:
             bad = next(c for c in chunks if c.positions[0] < 0)
             raise ValueError(f"sequence {bad.seq}: chunk positions must be consecutive and >= 0")
+        if min(tokens) < 0 or max(tokens) >= vocab:
+            raise ValueError(f"token id outside the vocabulary 0..{vocab - 1}")
         rows, sent = self._rows, self._sent
         changed: list[int] = []
         slots: list[int] = []
@@ -186,25 +198,24 @@ class DecodeGraphs:
                 changed.append(i)
                 ncols = max(ncols, need)
             slots.append(blocks[p // bs] * bs + p % bs)
-        h_tokens = self._h_tokens
-        h_tokens[:n] = tokens
-        if n and (h_tokens[:n].min() < 0 or h_tokens[:n].max() >= vocab):
-            raise ValueError(f"token id outside the vocabulary 0..{vocab - 1}")
         if changed:
             for i in changed:
                 rows[i] = list(chunks[i].blocks)  # a copy: the engine extends its lists in place
                 sent[i] = positions[i] // bs + 1
             self._send_tables(changed, ncols)
-        h_tokens[n:width] = 0
-        self._h_positions[:n] = positions
-        self._h_positions[n:width] = 0
-        self._h_slots[:n] = slots
-        self._h_slots[n:width] = self.scratch_block * bs
         tiles = self._h_tiles
-        tiles[:n, 0] = self._arange[:n]
-        tiles[n:width, 0] = self.widest
-        tiles[:n, 3] = positions
-        tiles[n:width, 3] = 0
+        if self._layout != (n, width):  # padding rows and tile columns 0 change only with the layout
+            self._h_tokens[n:width] = 0
+            self._h_positions[n:width] = 0
+            self._h_slots[n:width] = self.scratch_block * bs
+            tiles[:n, 0] = self._arange[:n]
+            tiles[n:width, 0] = self.widest
+            tiles[n:width, 3] = 0
+            self._layout = (n, width)
+        self._h_tokens[:n] = tokens
+        self._h_positions[:n] = positions
+        self._h_slots[:n] = slots
+        tiles[:n, 3] = self._h_positions[:n]
         self._device_in.copy_(self._host_in, non_blocking=True)
         return True
 
@@ -226,6 +237,7 @@ class DecodeGraphs:
         # the next stage_decode rewrites every column of the tiles it uses but 1 and 2
         self._h_tiles[:width, 1] = self._arange[:width]
         self._h_tiles[:width, 2] = 1
+        self._layout = None
 
     def replay(self, width: int) -> None:
         """Replay the graph of ``width`` over what was staged last."""

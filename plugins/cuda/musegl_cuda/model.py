@@ -33,6 +33,8 @@ from musegl_cuda.cpu.stored_matrix import DenseMatrix, HalfRows, StoredGroup, St
 
 #: On CUDA the head's multiplier and softcap run as one Triton pass (kernels.softcap_logits).
 FUSED_SOFTCAP = True
+#: On CUDA the final norm runs inside the last layer's residual add (kernels.add_norm).
+FUSED_FINAL_NORM = True
 
 
 def plain_rms_norm(x: torch.Tensor, eps: float, weight: torch.Tensor | None = None) -> torch.Tensor:
@@ -529,13 +531,18 @@ class MuseGlimmerDecoder(nn.Module):
             mlp = layer.mlp
             down = F.linear(kernels.silu_mul(F.linear(x, mlp.gate_up)), mlp.down_proj.weight)
             post = layer.post_feedforward_layernorm
-            nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else None
-            h, x = kernels.add_norm(down, h, post.scale, post.eps, nxt.scale if nxt is not None else None,
-                                    nxt.eps if nxt is not None else 0.0)
+            if i + 1 < len(layers):
+                nxt = layers[i + 1].input_layernorm
+                h, x = kernels.add_norm(down, h, post.scale, post.eps, nxt.scale, nxt.eps)
+            elif FUSED_FINAL_NORM:  # the last residual add also computes the final norm (weight w, not 1+w)
+                h, x = kernels.add_norm(down, h, post.scale, post.eps, self.norm, c.rms_norm_eps)
+            else:
+                h, _ = kernels.add_norm(down, h, post.scale, post.eps, None, 0.0)
+                x = plain_rms_norm(h, c.rms_norm_eps, self.norm)
         if len(layers) in taps:
             tapped[len(layers)] = h
         hidden = torch.stack([tapped[t] for t in taps]) if taps else None
-        return plain_rms_norm(h, c.rms_norm_eps, self.norm), hidden
+        return x, hidden
 
     def logits(self, normed: torch.Tensor) -> torch.Tensor:
         """Softcapped logits (float32) of final-normed rows: ``×mult, ÷cap, tanh, ×cap``."""

@@ -85,8 +85,12 @@ def check_kernels(device: str, dtypes: tuple[torch.dtype, ...], heads: int, kv_h
         assert torch.allclose(x.float(), pre(h_ref).float(), rtol=tol, atol=tol)
         same, x = kernels.add_norm(None, h, None, 0.0, pre.scale, 1e-6)  # the first layer's input norm
         assert same is h and torch.allclose(x.float(), pre(h).float(), rtol=tol, atol=tol)
-        h3, none = kernels.add_norm(o, h, post.scale, 1e-8, None, 0.0)  # the last layer's
+        h3, none = kernels.add_norm(o, h, post.scale, 1e-8, None, 0.0)
         assert none is None and torch.equal(h3, h2)
+        w = torch.randn(n, device=dev)  # the last layer's: the final norm, a plain weight
+        h4, x4 = kernels.add_norm(o, h, post.scale, 1e-8, w, 1e-6)
+        assert torch.equal(h4, h2)
+        assert torch.allclose(x4.float(), plain_rms_norm(h_ref, 1e-6, w).float(), rtol=tol, atol=tol)
 
         gu = torch.randn(rows, 2 * n, dtype=dtype, device=dev)
         silu = torch.nn.functional.silu(gu[:, :n]) * gu[:, n:]

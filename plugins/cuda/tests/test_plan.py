@@ -98,3 +98,75 @@ def test_rows_per_tile_and_forward_sizes_option():
         with pytest.raises(ConfigError):
             parse_forward_sizes(bad)
     assert np.array_equal(np.arange(3), [0, 1, 2])
+
+
+class _Staged:
+    """What the decode graphs would read after a staging: the device buffers, rows ``0..width-1``."""
+
+    def __init__(self, graphs, width: int) -> None:
+        self.tokens = graphs.tokens[:width].tolist()
+        self.positions = graphs.positions[:width].tolist()
+        self.slots = graphs.slots[:width].tolist()
+        self.tiles = graphs.tiles[:width].tolist()
+        self.tables = graphs.tables.clone()
+
+
+def assert_staged_like_the_plan(graphs, step: Step, width: int, nb: int) -> None:
+    """The graph inputs a staging leaves equal what plan_step makes of the same step (the
+    table of a tile's sequence compared over the blocks its positions use)."""
+    plan = plan_step(step, BS, nb, 1000, 1, width=width, scratch_block=nb, num_tiles=width)
+    got = _Staged(graphs, width)
+    assert got.tokens == plan.tokens.tolist()
+    assert got.positions == plan.positions.tolist()
+    assert got.slots == plan.slots.tolist()
+    for r, ((seq, row0, rows, pos0), (pseq, prow0, prows, ppos0)) in enumerate(zip(got.tiles, plan.tiles.tolist())):
+        assert (row0, rows, pos0) == (prow0, prows, ppos0), r
+        used = pos0 // BS + 1
+        assert got.tables[seq, :used].tolist() == plan.tables[pseq, :used].tolist(), r
+
+
+def test_decode_staging_fills_the_graph_inputs_like_a_plan():
+    """DecodeGraphs.stage_decode (the fast path of a decode step, no plan) on CPU
+    tensors: through width changes, new blocks, a copy-on-write block replaced in
+    place, a planned step in between, and refused steps that change nothing."""
+    from musegl_cuda.graphs import DecodeGraphs
+
+    nb = 40
+    graphs = DecodeGraphs(None, torch.zeros(1), (4, 8), BS, 8, 16, 1)
+    graphs.reset(nb)
+    tables = {1: [3, 9], 2: [0, 1, 2, 7, 15, 16], 3: [5, 6, 8], 4: [11, 12], 5: [20, 21, 22]}
+    pos = {1: 6, 2: 13, 3: 2, 4: 5, 5: 9}
+
+    def decode(seqs, width):
+        step = Step([SeqChunk(s, [100 + s + pos[s]], [pos[s]], tables[s]) for s in seqs], width=width)
+        assert graphs.stage_decode(step.chunks, width, nb, 1000)
+        assert_staged_like_the_plan(graphs, step, width, nb)
+        for s in seqs:
+            pos[s] += 1
+
+    decode([1, 2, 3], 4)
+    decode([1, 2, 3], 4)                       # same layout: only tokens, positions and slots move
+    tables[1] += [30, 31]                      # sequence 1 reaches position 8: its third block
+    decode([1, 2, 3], 4)
+    tables[2][3] = 33                          # copy-on-write: a block replaced inside the same list
+    decode([1, 2, 3], 4)
+    decode([4, 5, 1, 2, 3], 8)                 # more rows, another width
+    decode([3, 1], 4)                          # fewer rows: rows 2 and 3 become padding again
+    plan = plan_step(Step([SeqChunk(9, [1, 2, 3], [0, 1, 2], [14])]), BS, nb, 1000, 1, width=4,
+                     scratch_block=nb, num_tiles=4)
+    graphs.stage_plan(plan)                    # a planned (verification-style) step in between
+    decode([3, 1], 4)
+    decode([2, 4, 5, 1], 4)
+
+    before = _Staged(graphs, 4)
+    for bad in (Step([SeqChunk(1, [1000], [pos[1]], tables[1])], width=4),          # token outside the vocabulary
+                Step([SeqChunk(1, [5], [pos[1] + 8], tables[1])], width=4),         # a block the table lacks
+                Step([SeqChunk(2, [5], [pos[2]], [0, 1, 2, 99])], width=4)):       # a block id outside the pool
+        with pytest.raises(ValueError):
+            graphs.stage_decode(bad.chunks, 4, nb, 1000)
+        after = _Staged(graphs, 4)
+        assert (after.tokens, after.positions, after.slots, after.tiles) == \
+            (before.tokens, before.positions, before.slots, before.tiles)
+        assert torch.equal(after.tables, before.tables)
+    # a position past the graphs' table width is not staged (the step runs without a graph)
+    assert not graphs.stage_decode([SeqChunk(1, [5], [8 * BS], tables[1] + [1] * 9)], 4, nb, 1000)
