@@ -1,18 +1,24 @@
 """Launch settings of the CUDA path's small kernels, measured at the 30B shape.
 
-Two parts, one JSON line per figure:
+Three parts, one JSON line per figure:
 
-* ``attention``: the paged attention kernel alone (plus the gate combine
+* ``attention``: the paged attention kernel alone (plus the gate merge
   where it has more than one split), 52 launches captured in one CUDA graph,
   each over its own layer's cache (so nothing is served from L2 that a real
   step would read from memory), at each ``--batches`` x ``--contexts``:
-  microseconds per layer for each split count and each block size / warps /
-  stages setting;
+  microseconds per layer for each split count, and with ``--sweep`` for
+  each block size / warps / stages setting;
 * ``step``: the whole decode graph of the executor (dummy 30B weights) at
-  batch 1 and 64, graph replay time per step, for each named setting of
-  :mod:`musegl_cuda.kernels` (``--settings``), the graphs recaptured for each.
-  ``reference`` loads ``--reference`` (another ``kernels.py``, e.g. the
-  previous commit's) in place of the current kernels.
+  batch 1 and 64: graph replay time and step time (``executor.step``
+  between two events), for each named setting of :mod:`musegl_cuda.kernels`
+  or :mod:`musegl_cuda.model` (``--settings``), the graphs recaptured for
+  each. ``reference`` loads ``--reference`` (another ``kernels.py``, e.g. the
+  previous commit's) in place of the current kernels. Every setting decodes
+  the same tokens, so settings that change no arithmetic print the same ids;
+* ``host``: a step's parts outside the graph (replay alone, replay + the
+  ids' copy, staging + replay, ``executor.step``, building the step too).
+  The first two replay the inputs a capture leaves (one position per row),
+  so their attention is nearly free; the others stage real rows.
 
 Needs a CUDA GPU.
 """
