@@ -20,8 +20,10 @@
  *   which takes the general kernel;
  * - OpenBLAS runs single-threaded and this shim splits a large product's
  *   columns over its own threads, at boundaries that depend on n and k only.
- * Measured on OpenBLAS 0.3.34 (SkylakeX and Haswell/Zen kernels), a row's
- * result is then the same for every row count.
+ * Measured on OpenBLAS 0.3.34's Haswell kernels (an AMD EPYC), a row's result
+ * is then the same for every row count. A column's result can still depend
+ * on how many columns share the product there, which the plugin checks before
+ * routing (musegl_mlx.blas.batch_variance).
  *
  * musegl_blas_calls() counts the calls, so the plugin can check that MLX
  * really took this path.
