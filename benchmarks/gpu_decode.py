@@ -81,6 +81,18 @@ def text_config(args):
     return ConfigOnly(text_config_from_dict(text_config_dict(raw, "MuseGlimmerTextConfig()")), "muse-glimmer-30b")
 
 
+def replay_ms(graph: torch.cuda.CUDAGraph, repeat: int = 10) -> float:
+    """Milliseconds of one replay of ``graph``, replayed back to back (GPU time alone, no host work)."""
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeat):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / repeat
+
+
 def timed(fn, repeat: int) -> list[float]:
     out = []
     for _ in range(repeat):
@@ -150,15 +162,7 @@ def run_musegl(args, checkpoint, rng, tok_s: dict[int, float]):
         tok_s[b] = round(b / ms * 1e3, 1)
         graph_ms = None
         if executor.graphs is not None and width in executor.graphs.graphs:  # the replay alone, no host work
-            graph = executor.graphs.graphs[width]
-            graph.replay()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(10):
-                graph.replay()
-            end.record()
-            torch.cuda.synchronize()
-            graph_ms = round(start.elapsed_time(end) / 10, 2)
+            graph_ms = round(replay_ms(executor.graphs.graphs[width]), 2)
         if args.profile:
             from torch.profiler import ProfilerActivity, profile
 

@@ -174,7 +174,7 @@ ORIGINAL = {attr: getattr(kernels, attr) for attr in ("add_norm", "qk_norm_rope_
 
 
 def step_part(args, found: dict) -> None:
-    from gpu_decode import text_config
+    from gpu_decode import replay_ms, text_config
 
     from musegl_cuda.executor import TorchExecutor
 
@@ -227,14 +227,7 @@ def step_part(args, found: dict) -> None:
                 if s >= 2:
                     step_ms.append(start.elapsed_time(end))
                 last = [out.tokens[i][0] for i, _ in seqs[:b]]
-            graph = graphs.graphs[b]
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(10):
-                graph.replay()
-            end.record()
-            torch.cuda.synchronize()
-            emit(part="step", setting=name, batch=b, context=ctx, graph_ms=round(start.elapsed_time(end) / 10, 3),
+            emit(part="step", setting=name, batch=b, context=ctx, graph_ms=round(replay_ms(graphs.graphs[b]), 3),
                  step_ms=round(statistics.median(step_ms), 3), ids=last[:4])
     apply_setting("current", reference)
     graphs.graphs.clear()
