@@ -9,9 +9,13 @@ and prints one JSON line per figure:
   ms/token of a batch-1 decode step (every weight but the embedding table
   read once);
 * ``prefill``: one ``--prefill-tokens`` step of one fresh sequence, tok/s;
-* ``decode``: at each batch size, ms per step and tok/s (steps through
-  ``executor.step``: planning, graph replay, sampling and the copy of the
-  ids to the host included), each sequence at ``--context`` positions;
+* ``decode``: at each batch size, ms per step and tok/s, each sequence at
+  ``--context`` positions. Steps run as the engine runs them: on an
+  asynchronous executor (CUDA) step N+1 is launched, its rows following step
+  N's ids on the device, before step N is read (``pipelined: true``); the
+  host's work (building the chunks, staging, reading the ids, building the
+  output) is included. ``sync_ms_per_step`` is the same with one
+  ``executor.step`` at a time (the host's work between the steps);
 * the same ``prefill``/``decode`` figures for transformers (``generate``,
   greedy, ``min_new_tokens`` = ``max_new_tokens``) on the same weights in
   the same run (``engine: transformers``), unless ``--no-baseline``;
@@ -118,7 +122,7 @@ def run_musegl(args, checkpoint, rng, tok_s: dict[int, float]):
          roofline_ms_per_token=round(read_bytes / bw * 1e3, 2))
     bs = executor.block_size
     batches = [int(b) for b in args.batches.split(",")]
-    per_seq = -(-(args.context + args.steps + 8) // bs)
+    per_seq = -(-(args.context + 2 * args.steps + 16) // bs)  # warm-up, synchronous and pipelined steps
     blocks = max(max(batches) * per_seq, -(-args.prefill_tokens // bs)) + 8
     t = time.perf_counter()
     executor.allocate_kv(blocks)
@@ -144,11 +148,26 @@ def run_musegl(args, checkpoint, rng, tok_s: dict[int, float]):
         last = [int(x) for x in rng.integers(4, c.vocab_size, size=b)]
         width = executor.limits.padded_width(b)
 
-        def decode(pos):
-            out = executor.step(Step([SeqChunk(1000 * b + i, [last[k]], [pos], t, sample=1)
-                                      for k, (i, t) in enumerate(seqs)], width=width))
+        def build(pos, follows=False):
+            return Step([SeqChunk(1000 * b + i, [last[k]], [pos], t, sample=1, follows=follows)
+                         for k, (i, t) in enumerate(seqs)], width=width)
+
+        def read(out):
             for k, (i, _) in enumerate(seqs):
                 last[k] = out.tokens[1000 * b + i][0]
+
+        def decode(pos):
+            read(executor.step(build(pos)))
+
+        def pipelined(first, steps):
+            """``steps`` decode steps as the engine runs them on an asynchronous executor:
+            step N+1 (following N's ids on the device) is launched before N is read."""
+            pending = executor.launch(build(first))
+            for s in range(1, steps):
+                ahead = executor.launch(build(first + s, follows=True))
+                read(pending.result())
+                pending = ahead
+            read(pending.result())
 
         for w in range(3):
             decode(args.context + w)
@@ -157,7 +176,16 @@ def run_musegl(args, checkpoint, rng, tok_s: dict[int, float]):
         for s in range(args.steps):
             decode(args.context + 3 + s)
         torch.cuda.synchronize()
-        ms = (time.perf_counter() - t0) / args.steps * 1e3
+        sync_ms = (time.perf_counter() - t0) / args.steps * 1e3
+        ms = sync_ms
+        if executor.limits.async_steps:
+            at = args.context + 3 + args.steps
+            pipelined(at, 3)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            pipelined(at + 3, args.steps)
+            torch.cuda.synchronize()
+            ms = (time.perf_counter() - t0) / args.steps * 1e3
         results[b] = ms
         tok_s[b] = round(b / ms * 1e3, 1)
         graph_ms = None
@@ -168,13 +196,13 @@ def run_musegl(args, checkpoint, rng, tok_s: dict[int, float]):
 
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                 for s in range(4):
-                    decode(args.context + 3 + args.steps + s)
+                    decode(args.context + 6 + 2 * args.steps + s)
                 torch.cuda.synchronize()
             print(f"--- profile: 4 decode steps at batch {b}", file=sys.stderr)
             print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60),
                   file=sys.stderr)
         if args.profile and graph_ms is not None:  # where a step's time goes outside the graph
-            pos = args.context + 3 + args.steps + 4
+            pos = args.context + 10 + 2 * args.steps
             graphs = executor.graphs
 
             def build():
@@ -199,7 +227,8 @@ def run_musegl(args, checkpoint, rng, tok_s: dict[int, float]):
             emit(engine="musegl", figure="decode_parts", batch=b,
                  **{f"{k}_ms": round(statistics.median(v), 3) for k, v in parts.items()})
         emit(engine="musegl", figure="decode", batch=b, context=args.context, graph=width in executor.limits.step_sizes,
-             ms_per_step=round(ms, 2), tok_s=round(b / ms * 1e3, 1), graph_ms=graph_ms)
+             pipelined=executor.limits.async_steps, ms_per_step=round(ms, 2), tok_s=round(b / ms * 1e3, 1),
+             sync_ms_per_step=round(sync_ms, 2), graph_ms=graph_ms)
     return executor
 
 

@@ -14,7 +14,8 @@ Three parts, one JSON line per figure:
   or :mod:`musegl_cuda.model` (``--settings``), the graphs recaptured for
   each. ``reference`` loads ``--reference`` (another ``kernels.py``, e.g. the
   previous commit's) in place of the current kernels. Every setting decodes
-  the same tokens, so settings that change no arithmetic print the same ids;
+  the same tokens, so settings that change no arithmetic print the same ids
+  (``blas=cublaslt`` sends torch's products through cuBLASLt instead);
 * ``host``: a step's parts outside the graph (replay alone, replay + the
   ids' copy, staging + replay, ``executor.step``, building the step too).
   The first two replay the inputs a capture leaves (one position per row),
@@ -147,6 +148,7 @@ def apply_setting(name: str, reference) -> None:
     kernels.ADD_NORM_WARPS = None
     model_module.FUSED_FINAL_NORM = True
     kernels.ATTENTION_BLOCK_N = kernels.ATTENTION_WARPS = kernels.ATTENTION_STAGES = None
+    torch.backends.cuda.preferred_blas_library("cublas")
     if name == "reference":
         kernels.add_norm = reference.add_norm
         kernels.qk_norm_rope_store = reference.qk_norm_rope_store
@@ -162,7 +164,9 @@ def apply_setting(name: str, reference) -> None:
             if item in ("", "current"):
                 continue
             key, value = item.split("=")
-            if key.startswith("model."):
+            if key == "blas":  # which library torch's products go through: cublas (default) or cublaslt
+                torch.backends.cuda.preferred_blas_library(value)
+            elif key.startswith("model."):
                 setattr(model_module, key.removeprefix("model."), bool(int(value)))
             else:
                 setattr(kernels, key, float(value) if key == "PROGRAMS_PER_SM" else int(value))
@@ -295,7 +299,7 @@ def main() -> int:
                    help="';'-separated settings: 'reference', 'current', or comma-separated NAME=VALUE of "
                         "musegl_cuda.kernels (PROGRAMS_PER_SM, ADD_NORM_WARPS, ATTENTION_BLOCK_N, "
                         "ATTENTION_WARPS, ATTENTION_STAGES) or model.NAME=0|1 of musegl_cuda.model "
-                        "(FUSED_FINAL_NORM), or 'best' (the sweep's best at batch 64)")
+                        "(FUSED_FINAL_NORM), blas=cublas|cublaslt, or 'best' (the sweep's best at batch 64)")
     p.add_argument("--reference", help="a kernels.py to compare with (the setting 'reference')")
     args = p.parse_args()
     emit(part="setup", device=torch.cuda.get_device_name(), torch=torch.__version__)

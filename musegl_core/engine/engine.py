@@ -30,7 +30,7 @@ import attrs
 
 from musegl_core.engine import events as ev
 from musegl_core.engine.detokenize import IncrementalDetokenizer
-from musegl_core.engine.executor import Executor, ExecutorLimits, TokenLogprobs
+from musegl_core.engine.executor import Executor, ExecutorLimits, PendingStep, Step, TokenLogprobs
 from musegl_core.engine.identity import prompt_keys, split_keys
 from musegl_core.engine.kv_pool import KVPool
 from musegl_core.engine.kv_sizing import plan_pool
@@ -107,6 +107,16 @@ def busy_error() -> ApiError:
                     "unavailable_error", "server_busy", retry_after=1)
 
 
+@attrs.define
+class InFlight:
+    """A step launched on an asynchronous executor, not committed yet."""
+
+    step: Step
+    plan: list[tuple[SequenceState, int]]
+    pending: PendingStep
+    started: float
+
+
 def grammar_threads(configured: int | None, limits: ExecutorLimits) -> int:
     """Mask threads: as configured, else none when the forward runs on the host CPU (measured on
     2 cores: overlapping threads cost constrained decoding 5-9 %, masks between steps under 1 %)
@@ -169,6 +179,9 @@ class Engine:
         self.accepted_tokens = 0
         self.verify_blocks = 0  # decode chunks that carried drafts
         self.step_book = StepBook()
+        self._async = bool(getattr(limits, "async_steps", False))
+        self._inflight: InFlight | None = None  # a launched step not committed yet
+        self._last_result = 0.0  # when the last launched step's result arrived
 
     # -- thread-safe commands ---------------------------------------------------------
     def submit(self, request: PreparedRequest) -> None:
@@ -211,10 +224,15 @@ class Engine:
         }
 
     # -- loop ------------------------------------------------------------------------
+    @property
+    def idle(self) -> bool:
+        """Nothing to run and no launched step left to commit."""
+        return self.scheduler.idle and self._inflight is None
+
     def run_forever(self) -> None:
         while not self._stopping:
-            self._drain(block=self.scheduler.idle)
-            if not self.scheduler.idle:
+            self._drain(block=self.idle)
+            if not self.idle:
                 self.step()
         if self.scheduler.mask_workers is not None:
             self.scheduler.mask_workers.close()
@@ -223,7 +241,7 @@ class Engine:
         """Run until every submitted request has finished (tools and tests)."""
         while True:
             self._drain(block=False)
-            if self.scheduler.idle:
+            if self.idle:
                 return
             self.step()
 
@@ -415,41 +433,152 @@ class Engine:
                 self._fail(seq.id, ApiError(500, f"image encoding failed: {exc}", "server_error"))
 
     def step(self) -> None:
+        if self._inflight is not None:  # a launched step: launch the next one, then commit it
+            self._step_ahead()
+            return
         self._propose_drafts()
         self._encode_images()
         planned = self.scheduler.schedule()
         if planned is None:
             return
         step, plan, copies = planned
-        kind = StepBook.kind(plan)
         started = self.clock()
+        if self._pipelined(plan):
+            try:
+                self._copy_blocks(copies)
+                pending = self.executor.launch(step)  # type: ignore[attr-defined]
+            except Exception as exc:
+                self._failed(plan, exc)
+                return
+            self._inflight = InFlight(step, plan, pending, started)
+            return
         try:
-            if copies:
-                self.executor.copy_blocks(copies)
-                self.speculator.copy_blocks(copies)
+            self._copy_blocks(copies)
             try:
                 output = self.executor.step(step)
             finally:  # no mask computation of this step outlives it
                 for chunk in step.chunks:
                     if isinstance(chunk.masks, PendingMasks):
                         chunk.masks.wait()
-            for chunk in step.chunks:
-                got = len(output.tokens.get(chunk.seq, ()))
-                if got != chunk.sample:
-                    raise RuntimeError(f"the executor returned {got} sampled ids for sequence {chunk.seq}, "
-                                       f"expected {chunk.sample}")
+            self._check_output(step, output)
         except Exception as exc:  # an executor failure fails this batch, not the worker
-            log.exception("executor step failed")
-            for seq, _ in plan:
-                self._finish(seq, None, None)
-                self._fail(seq.id, ApiError(500, f"model execution failed: {exc}", "server_error"))
+            self._failed(plan, exc)
             return
+        self._record(plan, self.clock() - started)
+        self._apply(step, plan, output)
+
+    # -- asynchronous steps ------------------------------------------------------------
+    def _followable(self, seq: SequenceState) -> bool:
+        """A decoding sequence whose next row needs nothing the host computes from its
+        previous token (grammar masks, penalty history, drafts)."""
+        request = seq.request
+        return (seq.phase is Phase.DECODE and not seq.drafts and not request.processors
+                and not request.sampling.penalized)
+
+    def _pipelined(self, plan: list[tuple[SequenceState, int]]) -> bool:
+        """Launch this step without waiting for it: an asynchronous executor, no
+        speculator, and every row a one-row decode of a followable sequence."""
+        return (self._async and not self.speculator.max_draft
+                and all(rows == 1 and self._followable(seq) for seq, rows in plan))
+
+    def _step_ahead(self) -> None:
+        """Step N is in flight: launch step N+1 (its rows following N's ids) when
+        every running sequence decodes in N and needs another token, then wait
+        for N and commit it. N+1 stays in flight."""
+        current, self._inflight = self._inflight, None
+        ahead = self._launch_ahead(current)
+        try:
+            output = current.pending.result()
+            self._check_output(current.step, output)
+        except Exception as exc:
+            if ahead is not None:  # it followed the failed step's ids: discard it too
+                try:
+                    ahead.pending.result()
+                except Exception:
+                    pass
+            self._failed(current.plan, exc)
+            return
+        now = self.clock()
+        self._record(current.plan, now - max(current.started, self._last_result))
+        self._last_result = now
+        self._apply(current.step, current.plan, output)
+        if ahead is None:
+            return
+        if any(seq.phase is not Phase.FINISHED for seq, _ in ahead.plan):
+            self._inflight = ahead
+            return
+        try:  # every sequence of the launched step stopped at N: nothing of it is needed
+            ahead.pending.result()
+        except Exception:
+            log.exception("a discarded step failed")
+
+    def _launch_ahead(self, current: "InFlight") -> "InFlight | None":
+        running = self.scheduler.running
+        handles = {seq.handle for seq, _ in current.plan}
+        if not running or not self._pipelined(current.plan):
+            return None
+        for seq in running:
+            if (seq.handle not in handles or not self._followable(seq)
+                    or len(seq.generated) + 1 >= seq.max_new):  # new, or it will stop at N
+                return None
+        for seq in running:  # the state as if step N's ids had arrived
+            seq.tokens.append(0)
+            seq.computed += 1
+        try:
+            planned = self.scheduler.schedule()
+        finally:
+            for seq in running:
+                seq.tokens.pop()
+                seq.computed -= 1
+        if planned is None:
+            return None
+        step, plan, copies = planned
+        for chunk in step.chunks:
+            chunk.follows = True
+        started = self.clock()
+        try:
+            self._copy_blocks(copies)
+            pending = self.executor.launch(step)  # type: ignore[attr-defined]
+        except Exception:  # the step is planned again, synchronously, after N
+            log.exception("launching a step ahead failed")
+            return None
+        return InFlight(step, plan, pending, started)
+
+    # -- committing a step -------------------------------------------------------------
+    def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        if copies:
+            self.executor.copy_blocks(copies)
+            self.speculator.copy_blocks(copies)
+
+    @staticmethod
+    def _check_output(step, output) -> None:
+        for chunk in step.chunks:
+            got = len(output.tokens.get(chunk.seq, ()))
+            if got != chunk.sample:
+                raise RuntimeError(f"the executor returned {got} sampled ids for sequence {chunk.seq}, "
+                                   f"expected {chunk.sample}")
+
+    def _failed(self, plan: list[tuple[SequenceState, int]], exc: Exception) -> None:
+        """An executor failure fails this batch, not the worker."""
+        log.error("executor step failed", exc_info=exc)
+        for seq, _ in plan:
+            if seq.phase is Phase.FINISHED:
+                continue
+            self._finish(seq, None, None)
+            self._fail(seq.id, ApiError(500, f"model execution failed: {exc}", "server_error"))
+
+    def _record(self, plan: list[tuple[SequenceState, int]], seconds: float) -> None:
         self.steps += 1
-        seconds = self.clock() - started
+        kind = StepBook.kind(plan)
         self.step_book.record(kind, seconds)
         self.prefill_budget.observe(kind[1], kind[2], seconds)
+
+    def _apply(self, step, plan: list[tuple[SequenceState, int]], output) -> None:
+        """Commit a step's output: prefill progress, sampled tokens, accepted drafts."""
         committed_rows: dict[int, int] = {}
         for seq, rows in plan:
+            if seq.phase is Phase.FINISHED:  # cancelled, or stopped before a step launched ahead
+                continue
             sampled = output.tokens.get(seq.handle)
             if seq.phase is Phase.PREFILL:
                 seq.computed += rows

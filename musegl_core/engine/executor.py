@@ -21,6 +21,11 @@ What a step can carry, per sequence:
   the request's seed and the row's absolute position, so a draw never depends
   on the batch), optional allowed-token bitmasks (grammar processors) and the
   ids the penalties count.
+
+An executor may also run steps asynchronously (:class:`AsyncExecutor`): the
+engine then launches decode step N+1, whose rows *follow* the ids step N
+samples on the device (:attr:`SeqChunk.follows`), before it reads step N's
+result, so the host's planning and bookkeeping overlap the device's work.
 """
 
 from __future__ import annotations
@@ -145,6 +150,12 @@ class SeqChunk:
     to that row are the ids the penalties count (``prompt_len`` of them are
     the prompt, counted only by the repetition penalty).
 
+    ``follows`` (asynchronous executors only, :class:`AsyncExecutor`) says the
+    chunk's one token is not known to the engine yet: it is the id sampled for
+    this sequence by the step launched just before this one (that step's last
+    sampled row of the sequence); ``tokens[0]`` is a placeholder. Only a
+    one-row decode chunk (one token, ``sample == 1``) can follow.
+
     ``logprobs`` asks, for every sampled row, the log-probability of the chosen
     id and of the ``logprobs`` most likely ids (-1: none). ``want_logits`` asks
     the float32 logits of the last row as well; ``logit_rows`` those of every
@@ -165,6 +176,7 @@ class SeqChunk:
     embeds: Sequence[EmbeddingSpan] = ()
     want_logits: bool = False
     logit_rows: bool = False
+    follows: bool = False
 
     def __attrs_post_init__(self) -> None:
         if len(self.tokens) != len(self.positions) or not self.tokens:
@@ -172,6 +184,8 @@ class SeqChunk:
         self.sample = int(self.sample)
         if not 0 <= self.sample <= len(self.tokens):
             raise ValueError(f"sample={self.sample} must lie in 0..{len(self.tokens)} (the chunk's rows)")
+        if self.follows and (len(self.tokens) != 1 or self.sample != 1 or self.embeds):
+            raise ValueError("only a one-row decode chunk (one token, sample=1) can follow the previous step")
         for span in self.embeds:
             if span.offset < 0 or span.count < 1 or span.offset + span.count > len(self.tokens):
                 raise ValueError("an embedding span must lie inside its chunk")
@@ -307,12 +321,14 @@ class ExecutorLimits:
     more than ``max_step_tokens`` rows into one step. ``host_compute`` is True
     when the forward runs on the host's CPU cores (the engine then computes
     grammar masks between steps by default, instead of on threads that would
-    take cores from the forward; ``--grammar-threads``).
+    take cores from the forward; ``--grammar-threads``). ``async_steps`` is
+    True when the executor is an :class:`AsyncExecutor`.
     """
 
     max_step_tokens: int = 4096
     step_sizes: tuple[int, ...] = ()
     host_compute: bool = False
+    async_steps: bool = False
 
     def padded_width(self, rows: int) -> int:
         """The width a decode-only step of ``rows`` rows runs at."""
@@ -371,3 +387,50 @@ class Executor(Protocol):
 
     def close(self) -> None:
         """Free device memory. The executor is not used afterwards."""
+
+
+
+@runtime_checkable
+class PendingStep(Protocol):
+    """A launched step (:meth:`AsyncExecutor.launch`)."""
+
+    def result(self) -> StepOutput:
+        """Wait for the step and return its output (the same object on every call);
+        raises what the step raised."""
+
+
+@attrs.frozen
+class FinishedStep:
+    """A :class:`PendingStep` that was done when it was launched (a step the executor
+    ran synchronously)."""
+
+    output: StepOutput
+
+    def result(self) -> StepOutput:
+        return self.output
+
+
+@runtime_checkable
+class AsyncExecutor(Executor, Protocol):
+    """An executor that can queue a step's device work and return before it is done
+    (announced by ``limits.async_steps``).
+
+    The engine uses it for decode steps whose rows need nothing from the host
+    that depends on the previous token (no grammar masks, penalties or drafts):
+    while step N runs it plans step N+1, whose chunks :attr:`~SeqChunk.follows`
+    step N's ids, launches it, and only then reads step N's result and
+    commits it. A sequence that stopped at step N gets a wasted row in step
+    N+1; the engine discards it. The rules an implementation keeps:
+
+    * the device runs steps, :meth:`copy_blocks` and :meth:`embed_image` in
+      the order they were called (one stream): a block a step writes may be
+      freed and handed to another sequence before the step is done, because
+      the engine plans the next user's writes after it;
+    * at most two launched steps are unresolved at a time; ``launch`` may wait
+      for older ones (their :meth:`PendingStep.result` still answers later);
+    * :meth:`step` is ``launch(step).result()``.
+    """
+
+    def launch(self, step: Step) -> PendingStep:
+        """Queue ``step`` and return at once (or after doing it synchronously, for
+        steps the backend cannot queue)."""

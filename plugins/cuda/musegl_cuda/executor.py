@@ -26,6 +26,7 @@ Every sampled row of a step is sampled in one batched call
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import os
@@ -35,13 +36,14 @@ import torch
 
 from musegl_core.checkpoint.loader import Checkpoint
 from musegl_core.checkpoint.vision import VisionWeights
-from musegl_core.engine.executor import (GREEDY, ExecutorLimits, HeadRows, ModelInfo, PromptImage, SeqChunk, Step,
-                                         StepOutput)
+from musegl_core.engine.executor import (GREEDY, ExecutorLimits, FinishedStep, HeadRows, ModelInfo, PendingStep,
+                                         PromptImage, SeqChunk, Step, StepOutput)
 from musegl_cuda.cpu.stored_matrix import HalfRows
 from musegl_cuda.model import AttentionBatch, DecodeAttention, MuseGlimmerDecoder, PagedMeta, SequenceAttention
 from musegl_cuda.plan import StepPlan, plan_step, rows_per_tile
 from musegl_cuda.vision import load_vision_encoder
-from musegl_cuda.sampling import SampleRows, sample
+from musegl_cuda.pending import GreedyIds, Launched, Sampled, device_sources, follow_on_host
+from musegl_cuda.sampling import Draw, SampleRows, choose, on_device
 
 DEFAULT_BLOCK_SIZE = 16
 #: Decode widths captured as CUDA graphs unless ``--forward-sizes`` says otherwise.
@@ -152,7 +154,7 @@ class TorchExecutor:
                  dtype: str | torch.dtype | None = None, block_size: int = DEFAULT_BLOCK_SIZE,
                  limits: ExecutorLimits | None = None, forward_sizes: Sequence[int] | None = None,
                  dummy_seed: int | None = None, vision: VisionWeights | None = None,
-                 weights: str | None = None) -> None:
+                 weights: str | None = None, async_steps: bool | None = None) -> None:
         """``forward_sizes``: decode widths to capture as CUDA graphs (None: the
         defaults on CUDA; ignored on the CPU; empty: no graphs).
         ``dummy_seed``: don't read weights, make random ones on the device
@@ -160,7 +162,10 @@ class TorchExecutor:
         tower's weights (a projector was loaded). ``weights``: ``stored`` keeps
         the checkpoint's matrices in their stored dtype (CPU and float32
         activations only; the default there), ``upcast`` converts them to
-        ``dtype`` (None: the default for the device and dtype)."""
+        ``dtype`` (None: the default for the device and dtype). ``async_steps``:
+        let the engine launch a decode step before it reads the previous one
+        (None: on CUDA, where the host's work then overlaps the device's; the
+        CPU path computes every step when it is launched, so it gains nothing)."""
         if block_size <= 0:
             raise ValueError("block_size must be positive")
         self.device = resolve_device(device)
@@ -179,7 +184,8 @@ class TorchExecutor:
                 raise ValueError("forward sizes must be positive")
         base = limits or ExecutorLimits()
         self.limits = ExecutorLimits(base.max_step_tokens, sizes or base.step_sizes,
-                                     host_compute=self.device.type == "cpu")
+                                     host_compute=self.device.type == "cpu",
+                                     async_steps=self.paged if async_steps is None else async_steps)
         self.config = config = checkpoint.config
         self.info = ModelInfo(
             name=checkpoint.name,
@@ -227,6 +233,8 @@ class TorchExecutor:
         self.table_cols = -(-config.max_position_embeddings // block_size)
         self.sm_count = (torch.cuda.get_device_properties(self.device).multi_processor_count
                          if self.paged else 1)
+        self._previous: PendingStep | None = None  # the last launch (a following chunk reads its ids)
+        self._unresolved: collections.deque[Launched] = collections.deque()  # launches not read yet
 
     # -- KV storage ------------------------------------------------------------
 
@@ -278,8 +286,8 @@ class TorchExecutor:
         if not pairs:
             return
         kv = self._require_kv()
-        src = torch.tensor([s for s, _ in pairs], dtype=torch.long, device=self.device)
-        dst = torch.tensor([d for _, d in pairs], dtype=torch.long, device=self.device)
+        src = on_device([s for s, _ in pairs], self.device, torch.long)  # queued behind launched steps
+        dst = on_device([d for _, d in pairs], self.device, torch.long)
         with torch.inference_mode():
             kv[:, :, dst] = kv[:, :, src]
 
@@ -347,29 +355,43 @@ class TorchExecutor:
 
     def step(self, step: Step) -> StepOutput:
         """Run ``step`` and sample every sampled row of every chunk in one batched
-        call. On CUDA a decode-only step of a captured width replays its graph;
-        every other step runs at its own width (the CPU path runs no padding rows)."""
+        call: :meth:`launch`, then wait for it."""
+        return self.launch(step).result()
+
+    def launch(self, step: Step) -> PendingStep:
+        """Queue ``step`` on the device and return before it is done (CUDA; the CPU
+        path runs it here). On CUDA a decode-only step of a captured width replays
+        its graph; every other step runs at its own width (the CPU path runs no
+        padding rows). Chunks that :attr:`~SeqChunk.follows` the previous launch
+        take its ids on the device where that launch was a graph step of one row
+        per sequence, else from its result."""
+        previous, self._previous = self._previous, None
         if not step.chunks:
-            return StepOutput()
+            return FinishedStep(StepOutput())
         kv = self._require_kv()
         for t in step.taps:
             if not 0 <= t <= self.config.num_layers:
                 raise ValueError(f"tap {t} outside 0..{self.config.num_layers}")
+        while len(self._unresolved) > 1:  # at most two launched steps in flight: their buffers alternate
+            self._unresolved.popleft().settle()
         with torch.inference_mode():
             if self.paged:
-                head, hidden, starts = self._run_paged(step, kv)
-                if isinstance(head, StepOutput):  # a plain greedy graph step, answered by the graph's argmax
-                    return head
-            elif self.model.stored and step.num_tokens <= SINGLE_THREADED_ROWS:
-                # A decode-sized step: its torch ops are tiny and gain nothing from
-                # intra-op threads but the cost of waking them; the weight products
-                # (the C kernels) keep their own threads.
-                with single_threaded():
-                    head, hidden, starts = self._run_eager(step, kv)
-                    return self._outputs(step, head, hidden, starts)
+                pending = self._launch_paged(step, kv, previous)
             else:
-                head, hidden, starts = self._run_eager(step, kv)
-            return self._outputs(step, head, hidden, starts)
+                step = follow_on_host(step, previous)
+                if self.model.stored and step.num_tokens <= SINGLE_THREADED_ROWS:
+                    # A decode-sized step: its torch ops are tiny and gain nothing from
+                    # intra-op threads but the cost of waking them; the weight products
+                    # (the C kernels) keep their own threads.
+                    with single_threaded():
+                        pending = self._outputs(step, *self._run_eager(step, kv))
+                        pending.settle()
+                else:
+                    pending = self._outputs(step, *self._run_eager(step, kv))
+        self._previous = pending
+        if isinstance(pending, Launched):
+            self._unresolved.append(pending)
+        return pending
 
     def _run_eager(self, step: Step, kv: torch.Tensor):
         vocab = self.config.vocab_size
@@ -386,42 +408,50 @@ class TorchExecutor:
         normed, hidden = self.model(token_ids, positions, batch, layers_kv, tuple(step.taps), embeds)
         return (lambda rows: self.model.logits(normed[rows])), hidden, starts
 
-    def _run_paged(self, step: Step, kv: torch.Tensor):
+    def _launch_paged(self, step: Step, kv: torch.Tensor, previous: PendingStep | None) -> PendingStep:
         c = self.config
         graphs = self.graphs
         chunks = step.chunks
         if graphs is not None and not step.taps and step.width in graphs.graphs:
             width = step.width
-            starts: list[int] | None = None
             if all(len(ch.tokens) == 1 and ch.sample == 1 and not ch.embeds for ch in chunks):
                 # one decode row per sequence: staged without a plan, tables sent only where they changed
-                if graphs.stage_decode(chunks, width, self.num_blocks, c.vocab_size):
-                    starts = list(range(len(chunks)))
+                sources = device_sources(step, previous)
+                if sources is None:
+                    step = follow_on_host(step, previous)
+                    chunks = step.chunks
+                if graphs.stage_decode(chunks, width, self.num_blocks, c.vocab_size, sources):
+                    graphs.replay(width)
+                    rows = {ch.seq: i for i, ch in enumerate(chunks)}
+                    if all(plain_greedy(ch) for ch in chunks):
+                        return GreedyIds(chunks, graphs.fetch_ids(width, len(chunks)), rows)
+                    logits = graphs.logits[width]
+                    return self._outputs(step, lambda r: logits[r], None, list(range(len(chunks))),
+                                         rows, graphs.last_ids)
+                step = follow_on_host(step, previous)
+                chunks = step.chunks
             elif step.decode_only and not any(ch.embeds for ch in chunks):
+                step = follow_on_host(step, previous)
+                chunks = step.chunks
                 plan = plan_step(step, self.block_size, self.num_blocks, c.vocab_size,
                                  rows_per_tile(self.decode_block_m, c.num_heads // c.num_kv_heads),
                                  width=width, scratch_block=self.num_blocks, num_tiles=width)
                 if graphs.fits(plan):
                     graphs.stage_plan(plan)
+                    graphs.replay(width)
                     starts = plan.starts
-            if starts is not None:
-                graphs.replay(width)
-                if all(plain_greedy(ch) for ch in chunks):  # while the graph runs
-                    seqs = [ch.seq for ch in chunks]
-                    ids = graphs.greedy_ids(width, step.num_tokens)
-                    if len(ids) == len(chunks):
-                        return StepOutput(tokens={q: [t] for q, t in zip(seqs, ids)}), None, starts
-                    return StepOutput(tokens={ch.seq: ids[s:s + len(ch.tokens)]
-                                              for ch, s in zip(chunks, starts)}), None, starts
-                logits = graphs.logits[width]
-                return (lambda rows: logits[rows]), None, starts
+                    if all(plain_greedy(ch) for ch in chunks):
+                        return GreedyIds(chunks, graphs.fetch_ids(width, step.num_tokens), None, starts)
+                    logits = graphs.logits[width]
+                    return self._outputs(step, lambda r: logits[r], None, starts)
+        step = follow_on_host(step, previous)
         decode = all(len(chunk.tokens) == 1 for chunk in step.chunks)
         block_m = self.decode_block_m if decode else self.prefill_block_m
         plan = plan_step(step, self.block_size, self.num_blocks, c.vocab_size,
                          rows_per_tile(block_m, c.num_heads // c.num_kv_heads))
         normed, hidden = self._forward_plan(plan, kv, block_m, tuple(step.taps),
                                             self._embedding_rows(step, plan.starts))
-        return (lambda rows: self.model.logits(normed[rows])), hidden, plan.starts
+        return self._outputs(step, lambda rows: self.model.logits(normed[rows]), hidden, plan.starts)
 
     def _forward_plan(self, plan: StepPlan, kv: torch.Tensor, block_m: int, taps: tuple[int, ...] = (),
                       embeds: tuple[torch.Tensor, torch.Tensor] | None = None):
@@ -440,17 +470,22 @@ class TorchExecutor:
         layers_kv = [(kv[i, 0], kv[i, 1]) for i in range(c.num_layers)]
         return self.model.forward_paged(tokens, positions, meta, layers_kv, taps, embeds)
 
-    def _outputs(self, step: Step, head, hidden, starts: list[int]) -> StepOutput:
-        """Run the head on the rows somebody needs (:class:`HeadRows`), sample, and pack
-        the answer per sequence."""
+    def _outputs(self, step: Step, head, hidden, starts: list[int], rows: dict[int, int] | None = None,
+                 last_ids: torch.Tensor | None = None) -> "Launched":
+        """Run the head on the rows somebody needs (:class:`HeadRows`) and sample them,
+        queued on the device; the answer per sequence is packed when the step is
+        read. ``last_ids``: where a graph step of one row per sequence leaves its
+        ids for a step that follows it (``rows`` maps a sequence to its row)."""
         plan = HeadRows.of(step, starts)
-        rows = SampleRows()
-        logits = head(torch.tensor(plan.rows, device=self.device)) if plan.rows else None
+        sample_rows = SampleRows()
+        logits = head(on_device(plan.rows, self.device, torch.long)) if plan.rows else None
         for chunk in step.chunks:  # after the head: the engine's masks are computed meanwhile
-            rows.add_chunk(chunk)
-        ids, logprobs = (sample(logits[torch.tensor(plan.sampled, device=self.device)], rows)
-                         if plan.sampled else ([], []))
-        return plan.output(step, starts, logits, ids, logprobs, hidden)
+            sample_rows.add_chunk(chunk)
+        drawn = (choose(logits[on_device(plan.sampled, self.device, torch.long)], sample_rows)
+                 if plan.sampled else Draw(0))
+        if last_ids is not None and drawn.chosen is not None:
+            last_ids[:drawn.size].copy_(drawn.chosen)
+        return Sampled(step, starts, plan, logits, hidden, drawn.fetch(), rows if last_ids is not None else None)
 
     def _embedding_rows(self, step: Step, starts: list[int]) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(packed row indices, their input rows) of every embedding span of the step."""
@@ -484,6 +519,10 @@ class TorchExecutor:
         pass  # no per-sequence state: sampling is keyed by (seed, position)
 
     def close(self) -> None:
+        for pending in self._unresolved:
+            pending.settle()
+        self._unresolved.clear()
+        self._previous = None
         self.graphs = None
         self.kv = None
         self.num_blocks = 0

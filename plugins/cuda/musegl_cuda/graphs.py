@@ -15,13 +15,19 @@ in that row) are sent. Decode steps of one row per sequence are staged by
 :meth:`DecodeGraphs.stage_decode` (no :class:`~musegl_cuda.plan.StepPlan`);
 other decode-only steps (draft verification rows) by :meth:`stage_plan`.
 Padding rows use the last table row (the scratch block) and write nothing
-real. The pinned buffers are rewritten by the next step without waiting on
-the copies out of them: every graph step ends with a host sync (the ids'
-copy, or the sampler's), so those copies are done by then.
+real. Steps are launched without waiting for the previous one
+(:meth:`~musegl_cuda.executor.TorchExecutor.launch`), so staging first waits
+for the event recorded after the previous staging copies (they run as soon as
+the device reaches that step, long before the host stages again in practice).
 
-When every row of a step is plain greedy, :meth:`DecodeGraphs.greedy_ids`
-copies back only the ``width`` argmax ids (the tokens the sampler's argmax
-would pick from the same logits); other steps sample from :meth:`logits`.
+Every graph leaves its rows' argmax in ``last_ids``; a non-greedy step's
+sampler overwrites them with the drawn ids. A staged token ``-1 - r`` (a
+row that *follows* the previous step) makes the graph read its token from
+``last_ids[r]`` on the device, so a step can be launched before the host has
+seen the previous step's ids. When every row of a step is plain greedy,
+:meth:`DecodeGraphs.fetch_ids` copies back only the argmax ids (the tokens the
+sampler's argmax would pick from the same logits), into one of two pinned
+buffers (two steps can be in flight); other steps sample from :attr:`logits`.
 """
 
 from __future__ import annotations
@@ -60,7 +66,7 @@ class DecodeGraphs:
         self.positions = self._device_in[widest:2 * widest]
         self.slots = self._device_in[2 * widest:3 * widest]
         self.tiles = self._device_in[3 * widest:].view(torch.int32).view(widest, 4)
-        pinned = device.type == "cuda"  # a CPU-built instance (the staging tests) has nothing to pin
+        self._pinned = pinned = device.type == "cuda"  # a CPU-built instance (the staging tests) pins nothing
         self._host_in = torch.zeros(words, dtype=torch.long, pin_memory=pinned)
         host = self._host_in.numpy()
         self._h_tokens = host[:widest]
@@ -75,10 +81,13 @@ class DecodeGraphs:
         # the host mirror of the tables: each row's block list, and how many of its ids the device row holds
         self._rows: list[list[int] | None] = [None] * (widest + 1)
         self._sent = [0] * (widest + 1)
-        self._ids_host = torch.zeros(widest, dtype=torch.long, pin_memory=pinned)
+        # the ids of the last graph step (or the sampler's, after it), read by rows that follow it
+        self.last_ids = torch.zeros(widest, dtype=torch.long, device=device)
+        self._ids_host = torch.zeros(2, widest, dtype=torch.long, pin_memory=pinned)  # alternating
+        self._ids_turn = 0
+        self._staged: torch.cuda.Event | None = None  # recorded after the last staging copies
         # (rows, width) of the last stage_decode: its padding rows and tile columns 0 are still staged
         self._layout: tuple[int, int] | None = None
-        self._ids_np = self._ids_host.numpy()
         self.scratch_block = -1
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
@@ -92,9 +101,13 @@ class DecodeGraphs:
                          attention_splits(width, config.num_kv_heads, self.sm_count), self.block_m,
                          self.block_size)
         layers = [(self.kv[i, 0], self.kv[i, 1]) for i in range(config.num_layers)]
-        normed, _ = self.model.forward_paged(self.tokens[:width], self.positions[:width], meta, layers)
+        staged = self.tokens[:width]  # >= 0: the token; -1 - r: the id in last_ids[r]
+        tokens = torch.where(staged >= 0, staged, self.last_ids[(-1 - staged).clamp_(min=0)])
+        normed, _ = self.model.forward_paged(tokens, self.positions[:width], meta, layers)
         logits = self.model.logits(normed)
-        return logits, torch.argmax(logits, dim=-1)
+        ids = self.last_ids[:width]
+        torch.argmax(logits, dim=-1, out=ids)
+        return logits, ids
 
     def reset(self, scratch_block: int) -> None:
         """Stage every row as a padding row (writing ``scratch_block``) and forget
@@ -162,11 +175,25 @@ class DecodeGraphs:
         self.tables[r0:r1, :ncols].copy_(self._host_tables[:(r1 - r0) * ncols].view(r1 - r0, ncols),
                                          non_blocking=True)
 
-    def stage_decode(self, chunks: Sequence, width: int, num_blocks: int, vocab: int) -> bool:
+    def _wait_staged(self) -> None:
+        """Before the pinned staging buffers are rewritten: the copies out of them done."""
+        if self._staged is not None:
+            self._staged.synchronize()
+            self._staged = None
+
+    def _record_staged(self) -> None:
+        if self._pinned:
+            self._staged = torch.cuda.Event()
+            self._staged.record()
+
+    def stage_decode(self, chunks: Sequence, width: int, num_blocks: int, vocab: int,
+                     sources: dict[int, int] | None = None) -> bool:
         """Check and stage a decode step of one row per chunk, padded to ``width``
-        (a captured width): the inputs of :meth:`replay`. False (nothing sent)
-        when a block table is wider than the graphs' tables; raises
-        ``ValueError`` (nothing sent) for a step that cannot run."""
+        (a captured width): the inputs of :meth:`replay`. ``sources`` maps the
+        index of a chunk that follows the previous step to the ``last_ids`` row
+        its token is read from (its ``tokens[0]`` is a placeholder). False
+        (nothing sent) when a block table is wider than the graphs' tables;
+        raises ``ValueError`` (nothing sent) for a step that cannot run."""
         n = len(chunks)
         bs = self.block_size
         tokens = [c.tokens[0] for c in chunks]
@@ -176,8 +203,21 @@ class DecodeGraphs:
         if min(positions) < 0:
             bad = next(c for c in chunks if c.positions[0] < 0)
             raise ValueError(f"sequence {bad.seq}: chunk positions must be consecutive and >= 0")
-        if min(tokens) < 0 or max(tokens) >= vocab:
+        sources = sources or {}
+        for i, c in enumerate(chunks):
+            if c.follows and i not in sources:
+                raise ValueError(f"sequence {c.seq} follows the previous step but was given no source row")
+        if sources:
+            for i, row in sources.items():
+                if not 0 <= row < self.widest:
+                    raise ValueError(f"sequence {chunks[i].seq}: it follows row {row}, outside the graphs' rows")
+                tokens[i] = -1 - row
+            known = [t for i, t in enumerate(tokens) if i not in sources]
+        else:
+            known = tokens
+        if known and (min(known) < 0 or max(known) >= vocab):
             raise ValueError(f"token id outside the vocabulary 0..{vocab - 1}")
+        self._wait_staged()
         rows, sent = self._rows, self._sent
         changed: list[int] = []
         slots: list[int] = []
@@ -217,12 +257,14 @@ class DecodeGraphs:
         self._h_slots[:n] = slots
         tiles[:n, 3] = self._h_positions[:n]
         self._device_in.copy_(self._host_in, non_blocking=True)
+        self._record_staged()
         return True
 
     def stage_plan(self, plan: StepPlan) -> None:
         """Stage a planned decode-only step (tiles padded to its width; table row
         ``len(chunks)`` is its padding rows' table): every table row it uses is sent."""
         width = plan.width
+        self._wait_staged()
         self._h_tokens[:width] = plan.tokens
         self._h_positions[:width] = plan.positions
         self._h_slots[:width] = plan.slots
@@ -238,13 +280,26 @@ class DecodeGraphs:
         self._h_tiles[:width, 1] = self._arange[:width]
         self._h_tiles[:width, 2] = 1
         self._layout = None
+        self._record_staged()
 
     def replay(self, width: int) -> None:
         """Replay the graph of ``width`` over what was staged last."""
         self.graphs[width].replay()
 
+    def fetch_ids(self, width: int, rows: int) -> tuple[torch.Tensor, torch.cuda.Event]:
+        """Queue the copy of the first ``rows`` argmax ids of the last replay into the
+        next of the two pinned buffers: (that buffer, an event recorded after the
+        copy). The caller reads the buffer after the event and before a second
+        later fetch reuses it."""
+        host = self._ids_host[self._ids_turn]
+        self._ids_turn ^= 1
+        host[:rows].copy_(self.ids[width][:rows], non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return host, event
+
     def greedy_ids(self, width: int, rows: int) -> list[int]:
-        """The argmax ids of the first ``rows`` rows of the last replay (waits for it)."""
-        self._ids_host[:width].copy_(self.ids[width], non_blocking=True)
-        torch.cuda.current_stream().synchronize()
-        return self._ids_np[:rows].tolist()
+        """The argmax ids of the first ``rows`` rows of the last replay (waits for them)."""
+        host, event = self.fetch_ids(width, rows)
+        event.synchronize()
+        return host[:rows].tolist()

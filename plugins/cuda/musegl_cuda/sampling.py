@@ -29,6 +29,14 @@ from musegl_core.engine.executor import SamplingParams, SeqChunk, TokenLogprobs
 NEG_INF = float("-inf")
 
 
+def on_device(values, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A small host list as a tensor on ``device``, queued behind the device's work
+    instead of waiting for it (``torch.tensor(..., device="cuda")`` waits for the
+    stream, which would stall a step launched behind another one)."""
+    t = torch.tensor(values, dtype=dtype)
+    return t if device.type == "cpu" else t.to(device, non_blocking=True)
+
+
 @attrs.define
 class SampleRows:
     """The sampled rows of a step, in order, with what each needs."""
@@ -78,7 +86,8 @@ def apply_processors(logits: torch.Tensor, rows: SampleRows) -> torch.Tensor:
         c = torch.tensor([t for _, b in biased for t, _ in b], dtype=torch.long)
         v = torch.tensor([x for _, b in biased for _, x in b], dtype=torch.float32)
         keep = (c >= 0) & (c < vocab)
-        logits.index_put_((r[keep].to(device), c[keep].to(device)), v[keep].to(device), accumulate=True)
+        logits.index_put_((r[keep].to(device, non_blocking=True), c[keep].to(device, non_blocking=True)),
+                          v[keep].to(device, non_blocking=True), accumulate=True)
     penalized = [i for i, p in enumerate(rows.params) if p.penalized]
     if penalized:
         generated = torch.zeros(len(penalized), vocab, dtype=torch.float32)
@@ -91,15 +100,15 @@ def apply_processors(logits: torch.Tensor, rows: SampleRows) -> torch.Tensor:
             gen = torch.tensor(list(ids[prompt_len:]), dtype=torch.long)
             gen = gen[(gen >= 0) & (gen < vocab)] if len(gen) else gen
             generated[k].index_add_(0, gen, torch.ones(len(gen)))
-        index = torch.tensor(penalized, dtype=torch.long, device=device)
+        index = on_device(penalized, device, torch.long)
         sub = logits[index]
         params = [rows.params[i] for i in penalized]
-        rep = torch.tensor([p.repetition_penalty for p in params], device=device)[:, None]
-        seen_d = seen.to(device)
+        rep = on_device([p.repetition_penalty for p in params], device)[:, None]
+        seen_d = seen.to(device, non_blocking=True)
         sub = torch.where(seen_d, torch.where(sub > 0, sub / rep, sub * rep), sub)
-        freq = torch.tensor([p.frequency_penalty for p in params], device=device)[:, None]
-        pres = torch.tensor([p.presence_penalty for p in params], device=device)[:, None]
-        counts = generated.to(device)
+        freq = on_device([p.frequency_penalty for p in params], device)[:, None]
+        pres = on_device([p.presence_penalty for p in params], device)[:, None]
+        counts = generated.to(device, non_blocking=True)
         sub = sub - counts * freq - (counts > 0).float() * pres
         logits[index] = sub
     allowed = unpack_masks(rows.masks, vocab, device)
@@ -116,19 +125,19 @@ def filter_logits(z: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor
     token); min-p keeps ids whose probability is at least ``min_p`` times the
     largest."""
     device = z.device
-    temperature = torch.tensor([max(p.temperature, 1e-6) for p in params], device=device)[:, None]
+    temperature = on_device([max(p.temperature, 1e-6) for p in params], device)[:, None]
     z = z / temperature
     vocab = z.shape[-1]
     ks = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
     if any(ks):
         kmax = max(ks)
         top = torch.topk(z, kmax, dim=-1).values
-        k_index = torch.tensor([max(k, 1) - 1 if k else kmax - 1 for k in ks], device=device)[:, None]
+        k_index = on_device([max(k, 1) - 1 if k else kmax - 1 for k in ks], device)[:, None]
         kth = top.gather(1, k_index)
-        active = torch.tensor([bool(k) for k in ks], device=device)[:, None]
+        active = on_device([bool(k) for k in ks], device)[:, None]
         z = z.masked_fill(active & (z < kth), NEG_INF)
     if any(p.top_p < 1.0 for p in params):
-        top_p = torch.tensor([p.top_p for p in params], device=device)[:, None]
+        top_p = on_device([p.top_p for p in params], device)[:, None]
         sorted_z, order = torch.sort(z, dim=-1, descending=True)
         probs = torch.softmax(sorted_z, dim=-1)
         mass_before = torch.cumsum(probs, dim=-1) - probs
@@ -137,7 +146,7 @@ def filter_logits(z: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor
         drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
         z = z.masked_fill(drop, NEG_INF)
     if any(p.min_p > 0.0 for p in params):
-        min_p = torch.tensor([p.min_p for p in params], device=device)[:, None]
+        min_p = on_device([p.min_p for p in params], device)[:, None]
         probs = torch.softmax(z, dim=-1)
         floor = probs.max(dim=-1, keepdim=True).values * min_p
         z = z.masked_fill(probs < floor, NEG_INF)
@@ -154,11 +163,64 @@ def draw(z: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     return ids.clamp_(max=z.shape[-1] - 1)
 
 
-def sample(logits: torch.Tensor, rows: SampleRows) -> tuple[list[int], list[TokenLogprobs | None]]:
-    """Sample every row of ``logits`` (``(rows, vocab)`` float32): ids, and
-    log-probabilities for the rows that asked for them."""
+@attrs.define
+class Draw:
+    """The sampled rows of a step as :func:`choose` left them on the device:
+    the chosen ids and, for the rows that asked (``wanted``, asking ``counts[k]``
+    alternatives), the chosen id's log-probability and the top alternatives.
+    :meth:`fetch` starts their copy to the host without waiting; :meth:`lists`
+    waits for it and answers."""
+
+    size: int
+    chosen: torch.Tensor | None = None
+    wanted: list[int] = attrs.field(factory=list)
+    counts: list[int] = attrs.field(factory=list)
+    picked: torch.Tensor | None = None
+    top_ids: torch.Tensor | None = None
+    top_values: torch.Tensor | None = None
+    event: object = None
+
+    def fetch(self) -> "Draw":
+        """Queue the copies into pinned host memory (CUDA; a no-op elsewhere)."""
+        if self.chosen is None or self.chosen.device.type != "cuda":
+            return self
+
+        def pinned(t: torch.Tensor | None) -> torch.Tensor | None:
+            if t is None:
+                return None
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            host.copy_(t, non_blocking=True)
+            return host
+
+        self.chosen, self.picked = pinned(self.chosen), pinned(self.picked)
+        self.top_ids, self.top_values = pinned(self.top_ids), pinned(self.top_values)
+        self.event = torch.cuda.Event()
+        self.event.record()
+        return self
+
+    def lists(self) -> tuple[list[int], list[TokenLogprobs | None]]:
+        """The ids, and log-probabilities where asked (waits for :meth:`fetch`'s copies)."""
+        if self.event is not None:
+            self.event.synchronize()
+        if self.chosen is None:
+            return [], []
+        ids = self.chosen.tolist()
+        logprobs: list[TokenLogprobs | None] = [None] * len(ids)
+        if self.wanted:
+            picked = self.picked.tolist()
+            top_ids = self.top_ids.tolist() if self.top_ids is not None else [[] for _ in self.wanted]
+            top_values = self.top_values.tolist() if self.top_values is not None else [[] for _ in self.wanted]
+            for k, i in enumerate(self.wanted):
+                n = self.counts[k]
+                logprobs[i] = TokenLogprobs(picked[k], tuple(top_ids[k][:n]), tuple(top_values[k][:n]))
+        return ids, logprobs
+
+
+def choose(logits: torch.Tensor, rows: SampleRows) -> Draw:
+    """Sample every row of ``logits`` (``(rows, vocab)`` float32) on its device,
+    without waiting for the device: the :class:`Draw` to fetch."""
     if not len(rows):
-        return [], []
+        return Draw(0)
     device = logits.device
     processed = any(p.logit_bias or p.penalized for p in rows.params) or any(m is not None for m in rows.masks)
     z = apply_processors(logits.float().clone(), rows) if processed else logits.float()
@@ -166,23 +228,26 @@ def sample(logits: torch.Tensor, rows: SampleRows) -> tuple[list[int], list[Toke
     chosen = torch.argmax(z, dim=-1)
     if not all(greedy):
         filtered = filter_logits(z, rows.params)
-        uniforms = torch.tensor(rows.uniforms, dtype=torch.float32, device=device).clamp_(0.0, 1.0 - 2**-24)
+        uniforms = on_device(rows.uniforms, device, torch.float32).clamp_(0.0, 1.0 - 2**-24)
         drawn = draw(filtered, uniforms)
-        chosen = torch.where(torch.tensor(greedy, device=device), chosen, drawn)
-    ids = chosen.tolist()
-    logprobs: list[TokenLogprobs | None] = [None] * len(ids)
+        chosen = torch.where(on_device(greedy, device), chosen, drawn)
+    out = Draw(len(rows), chosen)
     wanted = [i for i, n in enumerate(rows.logprobs) if n >= 0]
     if wanted:
-        index = torch.tensor(wanted, device=device)
-        temperature = torch.tensor([rows.params[i].temperature if not rows.params[i].greedy else 1.0
-                                    for i in wanted], device=device)[:, None]
+        index = on_device(wanted, device)
+        temperature = on_device([rows.params[i].temperature if not rows.params[i].greedy else 1.0
+                                 for i in wanted], device)[:, None]
         lp = torch.log_softmax(z[index] / temperature, dim=-1)
         top_n = max(rows.logprobs[i] for i in wanted)
         top = torch.topk(lp, top_n, dim=-1) if top_n else None
-        picked = lp.gather(1, chosen[index][:, None]).squeeze(1).tolist()
-        top_ids = top.indices.tolist() if top is not None else [[] for _ in wanted]
-        top_vals = top.values.tolist() if top is not None else [[] for _ in wanted]
-        for k, i in enumerate(wanted):
-            n = rows.logprobs[i]
-            logprobs[i] = TokenLogprobs(picked[k], tuple(top_ids[k][:n]), tuple(top_vals[k][:n]))
-    return ids, logprobs
+        out.wanted, out.counts = wanted, [rows.logprobs[i] for i in wanted]
+        out.picked = lp.gather(1, chosen[index][:, None]).squeeze(1)
+        if top is not None:
+            out.top_ids, out.top_values = top.indices, top.values
+    return out
+
+
+def sample(logits: torch.Tensor, rows: SampleRows) -> tuple[list[int], list[TokenLogprobs | None]]:
+    """Sample every row of ``logits`` (``(rows, vocab)`` float32): ids, and
+    log-probabilities for the rows that asked for them (waits for the device)."""
+    return choose(logits, rows).lists()

@@ -244,3 +244,68 @@ def test_graph_staging_follows_moved_rows_and_tables(checkpoint_path):
         results.append(got)
         ex.close()
     assert results[0] == results[1]
+
+
+def test_pipelined_launches_match_synchronous_steps(checkpoint_path):
+    """Steps launched before the previous one is read, their rows following its ids on
+    the device (graph steps) or through its result (a dynamic-width step), give the
+    tokens of plain synchronous steps: greedy and sampled rows, rows that change
+    places, a sequence that leaves, a width without a graph in between."""
+    from musegl_core.checkpoint.loader import load_checkpoint
+    from musegl_core.engine.executor import SamplingParams, SeqChunk, Step
+    from musegl_core.engine.randomness import uniform
+    from musegl_cuda.executor import TorchExecutor
+
+    rng = np.random.default_rng(6)
+    prompts = [rng.integers(4, 4096, size=n).tolist() for n in (21, 34, 47, 60)]
+    warm = SamplingParams(temperature=0.8, top_p=0.9, seed=3)
+
+    def plan(s):
+        """(sequence order, width) of decode step s."""
+        seqs = [0, 1, 2, 3] if s < 15 else [2, 0, 1]
+        if 10 <= s < 15:
+            seqs = seqs[::-1]
+        return seqs, (0 if s == 20 else 4)
+
+    def chunk(i, token, pos, table, follows=False):
+        params = warm if i == 1 else SamplingParams(temperature=0.0)
+        return SeqChunk(i, [token], [pos], table, sample=1, sampling=params, uniforms=[uniform(3, pos + 1)],
+                        follows=follows)
+
+    results = []
+    for pipelined in (False, True):
+        ex = TorchExecutor(load_checkpoint(checkpoint_path), device="cuda", dtype="bfloat16")
+        assert ex.limits.async_steps
+        ex.allocate_kv(80)
+        tables = [list(range(16 * i, 16 * i + 16)) for i in range(4)]
+        first = ex.step(Step([SeqChunk(i, p, list(range(len(p))), tables[i], sample=1, sampling=warm if i == 1
+                                       else SamplingParams(temperature=0.0),
+                                       uniforms=[uniform(3, len(p))]) for i, p in enumerate(prompts)]))
+        got = {i: list(first.tokens[i]) for i in range(4)}
+        pending = None
+        for s in range(30):
+            seqs, width = plan(s)
+            pos = {i: len(prompts[i]) + s for i in seqs}
+            if pipelined and pending is not None:
+                following = Step([chunk(i, 0, pos[i], tables[i], follows=True) for i in seqs], width=width)
+                ahead = ex.launch(following)
+                out = pending.result()
+                for i in out.tokens:
+                    got[i] += out.tokens[i]
+                pending = ahead
+            else:
+                step = Step([chunk(i, got[i][-1], pos[i], tables[i]) for i in seqs], width=width)
+                if pipelined:
+                    pending = ex.launch(step)
+                else:
+                    out = ex.step(step)
+                    for i in out.tokens:
+                        got[i] += out.tokens[i]
+        if pending is not None:
+            out = pending.result()
+            for i in out.tokens:
+                got[i] += out.tokens[i]
+        results.append(got)
+        ex.close()
+    assert results[0] == results[1]
+    assert len(results[0][3]) == 16 and len(results[0][0]) == 31

@@ -170,3 +170,26 @@ def test_decode_staging_fills_the_graph_inputs_like_a_plan():
         assert torch.equal(after.tables, before.tables)
     # a position past the graphs' table width is not staged (the step runs without a graph)
     assert not graphs.stage_decode([SeqChunk(1, [5], [8 * BS], tables[1] + [1] * 9)], 4, nb, 1000)
+
+
+def test_decode_staging_marks_following_rows_with_their_source_row():
+    """A chunk that follows the previous step is staged as ``-1 - r`` (the graph reads
+    its token from ``last_ids[r]``); the other rows keep their tokens, and a source
+    row outside the graphs' rows is refused before anything is staged."""
+    from musegl_cuda.graphs import DecodeGraphs
+
+    nb = 40
+    graphs = DecodeGraphs(None, torch.zeros(1), (4, 8), BS, 8, 16, 1)
+    graphs.reset(nb)
+    chunks = [SeqChunk(1, [0], [6], [3, 9], sample=1, follows=True), SeqChunk(2, [77], [2], [5], sample=1),
+              SeqChunk(3, [0], [9], [20, 21, 22], sample=1, follows=True)]
+    assert graphs.stage_decode(chunks, 4, nb, 1000, {0: 2, 2: 0})
+    staged = _Staged(graphs, 4)
+    assert staged.tokens[:3] == [-3, 77, -1]
+    assert staged.positions[:3] == [6, 2, 9]
+    with pytest.raises(ValueError, match="outside the graphs' rows"):
+        graphs.stage_decode(chunks, 4, nb, 1000, {0: 8, 2: 0})
+    assert _Staged(graphs, 4).tokens == staged.tokens
+    with pytest.raises(ValueError, match="no source row"):
+        graphs.stage_decode(chunks, 4, nb, 1000, {0: 1})
+    assert _Staged(graphs, 4).tokens == staged.tokens
