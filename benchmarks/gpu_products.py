@@ -44,28 +44,6 @@ def split_k(x: torch.Tensor, w: torch.Tensor, parts: int) -> torch.Tensor:
     return torch.bmm(xs, ws).sum(0, dtype=torch.float32).to(x.dtype)
 
 
-def graph_us(fn, launches: int) -> float:
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(5):
-        start.record()
-        for _ in range(4):
-            graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / 4 * 1e3 / launches)
-    return sorted(times)[len(times) // 2]
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", default="1,64")
@@ -73,6 +51,7 @@ def main() -> int:
     p.add_argument("--parts", default="2,3,4")
     args = p.parse_args()
     from gpu_decode import text_config
+    from gpu_kernel_probe import graph_us
 
     c = text_config(argparse.Namespace(config=None)).config
     q = c.num_heads * c.head_dim
@@ -92,7 +71,7 @@ def main() -> int:
             reference = F.linear(x, weights[0]).float()
             for way, fn in ways.items():
                 err = (fn(weights[0]).float() - reference).abs().max().item()
-                us = graph_us(lambda: [fn(w) for w in weights], len(weights))
+                us = graph_us(lambda: [fn(w) for w in weights]) / len(weights)
                 emit(part="product", product=name, rows=m, way=way, us=round(us, 2),
                      tb_s=round(n * k * 2 / us / 1e6, 2), max_diff=round(err, 4))
         del weights

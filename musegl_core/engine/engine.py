@@ -179,6 +179,8 @@ class Engine:
         self.accepted_tokens = 0
         self.verify_blocks = 0  # decode chunks that carried drafts
         self.step_book = StepBook()
+        self.steps_ahead = 0  # steps launched before the previous one was read
+        self.discarded_rows = 0  # their rows whose sequence had stopped
         self._async = bool(getattr(limits, "async_steps", False))
         self._inflight: InFlight | None = None  # a launched step not committed yet
         self._last_result = 0.0  # when the last launched step's result arrived
@@ -217,6 +219,8 @@ class Engine:
             "drafted_tokens": self.drafted_tokens,
             "accepted_tokens": self.accepted_tokens,
             "verify_blocks": self.verify_blocks,
+            "steps_ahead": self.steps_ahead,
+            "discarded_rows": self.discarded_rows,
             "mask_seconds": self.scheduler.mask_clock.compute,
             "mask_blocked_seconds": self.scheduler.mask_clock.blocked,
             **self.step_book.stats(),
@@ -504,6 +508,8 @@ class Engine:
         self._apply(current.step, current.plan, output)
         if ahead is None:
             return
+        self.steps_ahead += 1
+        self.discarded_rows += sum(seq.phase is Phase.FINISHED for seq, _ in ahead.plan)
         if any(seq.phase is not Phase.FINISHED for seq, _ in ahead.plan):
             self._inflight = ahead
             return

@@ -346,10 +346,10 @@ class Executor(Protocol):
     engine thread): the factory loads the weights (reporting progress); the
     worker reads :attr:`info`, :attr:`block_size` and :attr:`limits`, sizes the
     pool from :meth:`kv_bytes_per_block` and :meth:`kv_memory_available`, then
-    calls :meth:`allocate_kv` once. After that only :meth:`step`,
-    :meth:`copy_blocks`, :meth:`embed_image` and :meth:`release_sequence` are
-    called, until :meth:`close`. There is no warm-up call: do warm-up (graph
-    capture) inside :meth:`allocate_kv`.
+    calls :meth:`allocate_kv` once. After that only :meth:`step` (or
+    :meth:`AsyncExecutor.launch`), :meth:`copy_blocks`, :meth:`embed_image` and
+    :meth:`release_sequence` are called, until :meth:`close`. There is no
+    warm-up call: do warm-up (graph capture) inside :meth:`allocate_kv`.
     """
 
     info: ModelInfo
@@ -387,7 +387,6 @@ class Executor(Protocol):
 
     def close(self) -> None:
         """Free device memory. The executor is not used afterwards."""
-
 
 
 @runtime_checkable

@@ -47,6 +47,9 @@ SERIES = {
     "snapshots": ("prefix_snapshots", "prefix snapshots held (--prefix-cache-entries)", "gauge"),
     "evictions": ("sessions_evicted", "idle sessions evicted to free a slot", "counter"),
     "steps": ("engine_steps", "executor steps run", "counter"),
+    "steps_ahead": ("engine_steps_ahead", "decode steps launched before the previous step was read "
+                    "(asynchronous executors)", "counter"),
+    "discarded_rows": ("engine_discarded_rows", "rows of steps launched ahead whose sequence had stopped", "counter"),
     "drafted_tokens": ("spec_drafted_tokens", "draft tokens a speculator proposed and the target verified", "counter"),
     "accepted_tokens": ("spec_accepted_tokens", "draft tokens the target accepted", "counter"),
     "verify_blocks": ("spec_verify_blocks", "decode steps of a sequence that verified drafts", "counter"),

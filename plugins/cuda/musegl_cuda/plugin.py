@@ -39,6 +39,10 @@ def musegl_serve_options(group) -> None:
     group.add_argument("--forward-sizes", default=None, metavar="N,N,...",
                        help="decode step widths captured as CUDA graphs at start-up (default 1,2,4,8,16,32,64; "
                             "'none': no graphs); the cuda executor only")
+    group.add_argument("--sync-steps", action="store_true",
+                       help="read every step before launching the next (the cuda executor launches decode "
+                            "steps ahead by default, so the host's work overlaps the GPU's; for comparison "
+                            "and debugging)")
     group.add_argument("--load-format", default="auto", metavar="FORMAT",
                        help="auto: read the checkpoint's weights; dummy: random weights made on the device "
                             "(seeded, repeatable), --model needs only a config.json")
@@ -130,16 +134,18 @@ def _create(options: ExecutorOptions, default_device: str) -> "TorchExecutor":
     from musegl_cuda.executor import TorchExecutor
 
     sizes = parse_forward_sizes(options.extra.get("forward_sizes"))
+    async_steps = False if options.extra.get("sync_steps") else None  # None: the device's default
     if load_format(options) == "dummy":
         return TorchExecutor(read_config_only(options.model), device=options.device or default_device,  # type: ignore[arg-type]
-                             dtype=options.dtype, forward_sizes=sizes, dummy_seed=0)
+                             dtype=options.dtype, forward_sizes=sizes, dummy_seed=0, async_steps=async_steps)
     checkpoint = load_checkpoint(options.model, progress=options.progress)
     vision = None
     try:
         vision = load_vision(options.model, options.mmproj, checkpoint.config.hidden_size)
         try:
             return TorchExecutor(checkpoint, device=options.device or default_device, dtype=options.dtype,
-                                 forward_sizes=sizes, vision=vision, weights=weight_mode(options))
+                                 forward_sizes=sizes, vision=vision, weights=weight_mode(options),
+                                 async_steps=async_steps)
         except ValueError as exc:
             if "weights 'stored'" in str(exc):
                 raise ConfigError(f"--weights stored: {exc}") from None

@@ -47,7 +47,7 @@ def checkpoint(tiny_hf):
 def run(checkpoint, tokenizer, requests, *, pipelined: bool, cancel_after: dict[str, int] | None = None,
         max_decode: int = 8):
     """Run ``requests`` (lists submitted together, one list after the other) and
-    return (events by request id, the executor). ``cancel_after[id] = n``: cancel
+    return (events by request id, the executor, the engine's stats). ``cancel_after[id] = n``: cancel
     the request once it has n tokens reported."""
     executor = Recording(checkpoint, device="cpu", block_size=BLOCK, async_steps=pipelined)
     events: list = []
@@ -71,7 +71,7 @@ def run(checkpoint, tokenizer, requests, *, pipelined: bool, cancel_after: dict[
     by_id: dict[str, list] = {}
     for e in events:
         by_id.setdefault(e.id, []).append(e)
-    return by_id, executor
+    return by_id, executor, engine.stats()
 
 
 def request(rid: str, seed: int, n: int = 9, **kw) -> PreparedRequest:
@@ -134,13 +134,14 @@ def test_pipelined_engine_answers_exactly_like_the_synchronous_one(checkpoint, t
         request("one", 5, max_tokens=1),
     ]
     later = [request("second-wave", 6, max_tokens=7), request("greedy-2", 7, max_tokens=9)]
-    sync, sync_ex = run(checkpoint, tokenizer, [group, later], pipelined=False)
-    piped, piped_ex = run(checkpoint, tokenizer, [group, later], pipelined=True)
+    sync, sync_ex, sync_stats = run(checkpoint, tokenizer, [group, later], pipelined=False)
+    piped, piped_ex, piped_stats = run(checkpoint, tokenizer, [group, later], pipelined=True)
     assert set(sync) == set(piped)
     for rid in sync:
         assert outcome(piped[rid]) == outcome(sync[rid]), rid
-    assert followed(sync_ex) == 0
+    assert followed(sync_ex) == 0 and sync_stats["steps_ahead"] == 0
     assert followed(piped_ex) > 0  # once the penalized request is done, steps run ahead
+    assert piped_stats["steps_ahead"] == sum(any(c.follows for c in s.chunks) for s in piped_ex.launched)
     # every following chunk sits in a step whose sequences decode one row each
     for step in piped_ex.launched:
         if any(c.follows for c in step.chunks):
@@ -148,7 +149,7 @@ def test_pipelined_engine_answers_exactly_like_the_synchronous_one(checkpoint, t
 
 
 def test_stops_cancellation_and_sessions_are_unchanged_by_pipelining(checkpoint, tokenizer):
-    probe, _ = run(checkpoint, tokenizer, [[request("probe", 11, max_tokens=16)]], pipelined=False)
+    probe, _, _ = run(checkpoint, tokenizer, [[request("probe", 11, max_tokens=16)]], pipelined=False)
     text = outcome(probe["probe"])[0]
     stop = text[len(text) // 2: len(text) // 2 + 3]  # a stop string met in the middle of the answer
     assert stop.strip()
@@ -161,7 +162,7 @@ def test_stops_cancellation_and_sessions_are_unchanged_by_pipelining(checkpoint,
     second = [request("turn-3", 15, max_tokens=5, session_id="s")]
     runs = [run(checkpoint, tokenizer, [first, second], pipelined=p, cancel_after={"cancelled": 4})
             for p in (False, True)]
-    (sync, _), (piped, piped_ex) = runs
+    (sync, _, _), (piped, piped_ex, _) = runs
     for rid in sync:
         if rid == "cancelled":  # cancelled after its 4th token: the same tokens up to there
             s, p = outcome(sync[rid]), outcome(piped[rid])
@@ -174,9 +175,27 @@ def test_stops_cancellation_and_sessions_are_unchanged_by_pipelining(checkpoint,
     assert followed(piped_ex) > 0
 
 
+def test_a_stop_string_wastes_one_row_ahead_and_nothing_else(checkpoint, tokenizer):
+    """A sequence alone, stopped by a stop string: the step launched ahead of the step
+    that matched it carries its row, which is discarded (cancellations and
+    ``max_tokens`` are known before a step is launched ahead, so they waste none)."""
+    probe, _, _ = run(checkpoint, tokenizer, [[request("probe", 31, max_tokens=16)]], pipelined=False)
+    text = outcome(probe["probe"])[0]
+    stop = text[len(text) // 2: len(text) // 2 + 3]
+    stopped = [[request("stopped", 31, max_tokens=16, stop=(stop,))]]
+    (sync, _, sync_stats), (piped, _, piped_stats) = (run(checkpoint, tokenizer, stopped, pipelined=p)
+                                                      for p in (False, True))
+    assert outcome(piped["stopped"]) == outcome(sync["stopped"])
+    assert outcome(piped["stopped"])[3][0][:2] == ("stop", stop)
+    assert piped_stats["discarded_rows"] == 1 and sync_stats["discarded_rows"] == 0
+    assert piped_stats["steps"] == sync_stats["steps"]  # the discarded step is not counted as run
+    length, _, length_stats = run(checkpoint, tokenizer, [[request("length", 31, max_tokens=16)]], pipelined=True)
+    assert length_stats["discarded_rows"] == 0 and length_stats["steps_ahead"] > 0
+
+
 def test_more_sequences_than_decode_slots_take_turns_without_pipelining_errors(checkpoint, tokenizer):
     group = [request(f"r{i}", 20 + i, max_tokens=5 + i) for i in range(5)]
-    sync, _ = run(checkpoint, tokenizer, [group], pipelined=False, max_decode=2)
-    piped, _ = run(checkpoint, tokenizer, [group], pipelined=True, max_decode=2)
+    sync, _, _ = run(checkpoint, tokenizer, [group], pipelined=False, max_decode=2)
+    piped, _, _ = run(checkpoint, tokenizer, [group], pipelined=True, max_decode=2)
     for rid in sync:
         assert outcome(piped[rid]) == outcome(sync[rid]), rid

@@ -309,3 +309,35 @@ def test_pipelined_launches_match_synchronous_steps(checkpoint_path):
         ex.close()
     assert results[0] == results[1]
     assert len(results[0][3]) == 16 and len(results[0][0]) == 31
+
+
+def test_http_answers_are_the_same_with_steps_launched_ahead():
+    """The demo model served on CUDA twice, steps launched ahead (the default) and
+    ``--sync-steps``: greedy and seeded answers, stops, ``max_tokens``, a session
+    over three turns, a cancelled stream and its session's next turn, a rewind and
+    prefix snapshots (copy-on-write blocks) give the same responses. Eight
+    concurrent requests are only checked for completing: how they share steps
+    depends on arrival times, and bf16 products round by batch width."""
+    import json
+
+    import attrs
+
+    from musegl_core.config import ServeConfig
+    from musegl_core.tiny import default_model_path
+    from tests.support.server import running_server
+    from tests.test_speculation_http import metric, scenario
+
+    config = ServeConfig(model=str(default_model_path()), executor="cuda", port=0, max_context=1024,
+                         max_sessions=12, max_inflight_requests=8, max_decode_sequences=8, prefix_cache_entries=4)
+    stops: dict = {}
+    results, ahead = {}, {}
+    for name, extra in (("sync", {"sync_steps": True}), ("ahead", {})):
+        with running_server(attrs.evolve(config, extra=extra)) as server:
+            results[name] = scenario(server.url, stops)
+            ahead[name] = metric(server.url, "engine_steps_ahead")
+    assert ahead["sync"] == 0 and ahead["ahead"] > 0
+    for key, value in results["sync"].items():
+        if key == "batch8":
+            assert all(r["finish"] in ("stop", "length") for r in results["ahead"][key])
+            continue
+        assert json.dumps(results["ahead"][key], sort_keys=True) == json.dumps(value, sort_keys=True), key
