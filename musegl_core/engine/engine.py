@@ -181,7 +181,7 @@ class Engine:
         self.step_book = StepBook()
         self.steps_ahead = 0  # steps launched before the previous one was read
         self.discarded_rows = 0  # their rows whose sequence had stopped
-        self._async = bool(getattr(limits, "async_steps", False))
+        self._async = limits.async_steps
         self._inflight: InFlight | None = None  # a launched step not committed yet
         self._last_result = 0.0  # when the last launched step's result arrived
 

@@ -475,7 +475,7 @@ class TorchExecutor:
         """Run the head on the rows somebody needs (:class:`HeadRows`) and sample them,
         queued on the device; the answer per sequence is packed when the step is
         read. ``last_ids``: where a graph step of one row per sequence leaves its
-        ids for a step that follows it (``rows`` maps a sequence to its row)."""
+        ids for a step that follows it; ``rows`` (given with it) maps a sequence to its row."""
         plan = HeadRows.of(step, starts)
         sample_rows = SampleRows()
         logits = head(on_device(plan.rows, self.device, torch.long)) if plan.rows else None
@@ -485,7 +485,7 @@ class TorchExecutor:
                  if plan.sampled else Draw(0))
         if last_ids is not None and drawn.chosen is not None:
             last_ids[:drawn.size].copy_(drawn.chosen)
-        return Sampled(step, starts, plan, logits, hidden, drawn.fetch(), rows if last_ids is not None else None)
+        return Sampled(step, starts, plan, logits, hidden, drawn.fetch(), rows)
 
     def _embedding_rows(self, step: Step, starts: list[int]) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(packed row indices, their input rows) of every embedding span of the step."""
