@@ -244,8 +244,11 @@ def _corpus_merges(limit: int) -> tuple[tuple[str, str], ...]:
     return tuple(_learn_merges(words, limit))
 
 
+@functools.cache
 def build_tiny_tokenizer(*, merges: int = TINY_MERGES, vocab_size: int = VOCAB_SIZE) -> MuseTokenizer:
-    """The tiny checkpoints' tokenizer (deterministic: no randomness, no hash order)."""
+    """The tiny checkpoints' tokenizer (deterministic: no randomness, no hash order).
+
+    Built once per process for each (merges, vocab_size): the object is immutable."""
     vocab = {symbol: i for i, symbol in enumerate(byte_level_alphabet())}
     learned = _corpus_merges(merges)
     for a, b in learned:

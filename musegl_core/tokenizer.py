@@ -24,6 +24,7 @@ import re
 import functools
 import json
 import logging
+import threading
 import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence
@@ -39,6 +40,10 @@ from musegl_core.checkpoint.tokenizer_data import (
 )
 
 log = logging.getLogger("musegl.tokenizer")
+
+# MuseTokenizer.load's per-process memo: (resolved path, size, mtime_ns) -> tokenizer.
+_LOADED: dict[tuple[str, int, int], "MuseTokenizer"] = {}
+_LOADED_LOCK = threading.Lock()
 
 if TYPE_CHECKING:
     from gguf import GGUFReader
@@ -422,9 +427,26 @@ class MuseTokenizer:
         """The tokenizer of a checkpoint: a GGUF file or a Hugging Face directory.
 
         A GGUF without tokenizer metadata, and any other file (an exported
-        program), uses the ``tokenizer.json`` beside it.
+        program), uses the ``tokenizer.json`` beside it. Built once per process
+        for a given file: a later call for the same path, unchanged on disk
+        (size and modification time), returns the same (immutable) object.
         """
         path = Path(model_path)
+        try:
+            stat = path.stat()
+            key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+        except OSError:
+            return cls._load(path)  # let the real reading say what is wrong
+        with _LOADED_LOCK:
+            found = _LOADED.get(key)
+        if found is None:
+            found = cls._load(path)
+            with _LOADED_LOCK:
+                _LOADED[key] = found
+        return found
+
+    @classmethod
+    def _load(cls, path: Path) -> MuseTokenizer:
         demo = _weightless_config(path)
         if demo is not None:
             return demo

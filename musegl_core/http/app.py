@@ -284,10 +284,10 @@ def create_app(
 
     @contextlib.asynccontextmanager
     async def worker_lifespan(_: Litestar) -> AsyncIterator[None]:
-        await front.load()
-        if manage_worker:
+        if manage_worker:  # the worker loads the model while the front loads its tokenizer
             await worker.start()
         try:
+            await front.load()
             yield
         finally:
             if front._deadline is not None:
