@@ -15,7 +15,6 @@ additions (docs/protocol.md).
 
 from __future__ import annotations
 
-import json
 from typing import Any, TypeVar, get_origin
 
 import attrs
@@ -24,6 +23,7 @@ from cattrs.cols import list_structure_factory, mapping_structure_factory
 from cattrs.gen import make_dict_structure_fn, make_dict_unstructure_fn
 
 from musegl_core.errors import ApiError, bad_request
+from musegl_core.http.body import load_json_object
 
 T = TypeVar("T")
 _OMIT_NONE = OMIT_NONE = "musegl_omit_none"
@@ -561,14 +561,10 @@ converter.register_unstructure_hook_factory(attrs.has, _omitting_unstructure)
 
 # -- entry points ----------------------------------------------------------------------
 def parse_body(body: bytes) -> dict[str, Any]:
-    """The request body as a JSON object, or a 400 ``invalid_request_error``."""
-    try:
-        payload = json.loads(body)
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise bad_request(f"the request body is not valid JSON: {exc}", code="invalid_json") from exc
-    if not isinstance(payload, dict):
-        raise bad_request("the request body must be a JSON object")
-    return payload
+    """The request body as a JSON object, or a 400 ``invalid_request_error``
+    (malformed JSON, nesting past ``MAX_JSON_DEPTH``, a lone surrogate:
+    :mod:`musegl_core.http.body`)."""
+    return load_json_object(body)
 
 
 def structure_body(payload: dict[str, Any], cls: type[T]) -> T:
