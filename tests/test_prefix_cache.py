@@ -221,3 +221,63 @@ def test_random_traffic_keeps_kv_contents_and_books_exact():
             assert all(pool.refcount(b) == counts.get(b, 0) for b in range(pool.num_blocks))
             assert pool.used_blocks == len(counts)
         assert table.cache.hits > 0 and pool.evicted > 0, "the traffic must exercise hits and evictions"
+
+
+def run_salted(table, sched, prompt, salt, name=None, handle=0):
+    """:func:`run` on a session opened with ``salt`` (``cache_salt``)."""
+    session, _ = table.open(name, salt=salt)
+    reused = table.attach(session, prompt)
+    request = PreparedRequest(id=f"r{handle}", prompt_ids=tuple(prompt), max_tokens=1, cache_salt=salt)
+    seq = SequenceState(request=request, handle=handle, max_new=1, tokens=list(prompt), session=session,
+                        computed=reused, cached=reused)
+    sched.add(seq)
+    while seq.computed < len(seq.tokens):
+        _, plan, _ = sched.schedule()
+        for s, rows in plan:
+            s.computed += rows
+    sched.remove(seq)
+    session.tokens = seq.tokens[: seq.computed]
+    table.publish(session)
+    table.snapshot(session)
+    if name is None:
+        table.drop(session)
+    return reused
+
+
+def test_the_salt_enters_the_key_chain_at_the_first_block():
+    from musegl_core.engine.prefix_cache import chain_root
+
+    tokens = [1, 2, 3, 4]
+    assert chain_root(None) == ROOT
+    keys = {block_key(chain_root(salt), tokens) for salt in (None, "alice", "bob", "alice ")}
+    assert len(keys) == 4  # every salt is its own space, unsalted included
+
+
+@pytest.mark.parametrize("snapshots", [0, 3])  # 3: one snapshot per salt
+def test_cached_blocks_are_shared_only_between_requests_of_the_same_salt(snapshots):
+    pool, table, sched = setup(sessions=2, snapshots=snapshots)
+    prompt = list(range(1, 15))  # 3 full blocks
+    assert run_salted(table, sched, prompt, "alice") == 0
+    assert run_salted(table, sched, prompt, "bob", handle=1) == 0  # another user's exact prompt: no hit
+    assert run_salted(table, sched, prompt, None, handle=2) == 0  # nor for an unsalted request
+    best = 13 if snapshots else 12  # a snapshot offers every computed position but the last
+    assert run_salted(table, sched, prompt, "alice", handle=3) == best
+    assert run_salted(table, sched, prompt, None, handle=4) == best  # the unsalted space shares with itself
+    assert run_salted(table, sched, prompt, "bob", handle=5) == best
+    for snapshot in table.snapshots:
+        snapshot.slot.close()
+    assert pool.used_blocks == 0 and pool.reserved_blocks == 0
+
+
+def test_a_named_session_keeps_the_salt_it_was_created_with():
+    from musegl_core.engine.sessions import SaltMismatch
+
+    pool, table, sched = setup(sessions=2)
+    prompt = list(range(1, 15))
+    run_salted(table, sched, prompt, "alice", name="chat")
+    for other in ("bob", None):
+        with pytest.raises(SaltMismatch):
+            table.open("chat", salt=other)
+    assert run_salted(table, sched, prompt + [20], "alice", name="chat", handle=1) == 14  # its own history
+    table.drop(table.named["chat"])
+    assert pool.used_blocks == 0 and pool.reserved_blocks == 0

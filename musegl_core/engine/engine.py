@@ -40,7 +40,7 @@ from musegl_core.engine.replay import ReplayLog, ReplayPlan, Replayer
 from musegl_core.engine.request import Phase, PreparedRequest, SequenceState
 from musegl_core.engine.masks import PendingMasks
 from musegl_core.engine.scheduler import Scheduler, SchedulerLimits
-from musegl_core.engine.sessions import CapacityError, Session, SessionBusy, SessionTable
+from musegl_core.engine.sessions import CapacityError, SaltMismatch, Session, SessionBusy, SessionTable
 from musegl_core.engine.speculator import DraftRequest, NoSpeculator, Speculator, accept
 from musegl_core.engine.step_book import StepBook
 from musegl_core.engine.stops import StopMatcher
@@ -329,7 +329,12 @@ class Engine:
     def _place(self, request: PreparedRequest) -> None:
         """Run ``request`` on its session now, or queue it behind the session's active one."""
         try:
-            session, _created = self.sessions.open(request.session_id)
+            session, _created = self.sessions.open(request.session_id, request.cache_salt)
+        except SaltMismatch as exc:
+            self._fail(request.id, ApiError(400, f"{exc}: a named session keeps the cache_salt of its first "
+                                            "request (close it with DELETE /v1/sessions/{id} to change it)",
+                                            "invalid_request_error", "cache_salt_mismatch", "cache_salt"))
+            return
         except CapacityError as exc:
             self._fail(request.id, ApiError(503, f"no session slot is free: {exc}", "unavailable_error",
                                             "session_capacity", retry_after=1))

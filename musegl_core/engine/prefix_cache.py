@@ -17,8 +17,14 @@ holds.
 
 The hash is BLAKE2b-128 over the parent key and the token ids: a collision
 would silently serve another prefix's K/V, so Python's ``hash`` is not used.
-Prompts are token ids only; when image segments reach the worker, their
-identity must enter the chain too (see docs/engine.md).
+Image rows enter as their identity keys (:mod:`musegl_core.engine.identity`).
+
+A request's ``cache_salt`` enters the chain at the first block: the chain of a
+salted request starts from :func:`chain_root` of its salt instead of
+:data:`ROOT`, so no key of one salt can equal a key of another (or of the
+unsalted space), and a request can only ever find blocks computed by requests
+with the same salt. Without this, ``cached_tokens`` (and the time to the first
+token) tells a client whether someone else sent a given prompt.
 """
 
 from __future__ import annotations
@@ -32,6 +38,18 @@ import attrs
 from musegl_core.engine.kv_pool import KVPool
 
 ROOT = b"musegl-prefix-v1"
+
+
+def chain_root(salt: str | None) -> bytes:
+    """The parent key of a prompt's first block: :data:`ROOT` without a salt,
+    else a digest of the salt (length-prefixed, so no salt is a prefix of another)."""
+    if salt is None:
+        return ROOT
+    data = salt.encode("utf-8", "surrogatepass")
+    digest = hashlib.blake2b(ROOT, digest_size=16, person=b"cache_salt")
+    digest.update(len(data).to_bytes(8, "little"))
+    digest.update(data)
+    return digest.digest()
 
 
 def block_key(parent: bytes, tokens: Sequence[int]) -> bytes:
@@ -49,11 +67,12 @@ class PrefixCache:
     hits: int = 0  # requests that reused blocks found here
     hit_tokens: int = 0  # prompt positions those requests reused
 
-    def publish(self, tokens: Sequence[int], blocks: Sequence[int]) -> None:
+    def publish(self, tokens: Sequence[int], blocks: Sequence[int], salt: str | None = None) -> None:
         """Key every full block of a sequence whose first ``len(tokens)`` positions
-        are computed (``blocks[i]`` holds positions ``i*size .. i*size+size-1``)."""
+        are computed (``blocks[i]`` holds positions ``i*size .. i*size+size-1``),
+        in the key space of ``salt``."""
         size = self.pool.block_size
-        parent = ROOT
+        parent = chain_root(salt)
         for index in range(min(len(tokens) // size, len(blocks))):
             block = blocks[index]
             known = self.pool.key(block)
@@ -62,11 +81,11 @@ class PrefixCache:
                 self.pool.register(block, known)  # False: an equal block is keyed already
             parent = known
 
-    def lookup(self, prompt: Sequence[int], limit: int) -> tuple[int, list[int]]:
-        """The longest keyed prefix of ``prompt``: (positions to reuse, at most
-        ``limit``; the blocks holding them)."""
+    def lookup(self, prompt: Sequence[int], limit: int, salt: str | None = None) -> tuple[int, list[int]]:
+        """The longest keyed prefix of ``prompt`` in the key space of ``salt``:
+        (positions to reuse, at most ``limit``; the blocks holding them)."""
         size = self.pool.block_size
-        parent = ROOT
+        parent = chain_root(salt)
         blocks: list[int] = []
         for index in range(min(len(prompt) // size, self.pool.blocks_for(limit))):
             key = block_key(parent, prompt[index * size : (index + 1) * size])

@@ -85,6 +85,8 @@ class GenerateRequest:
     lazy_grammar: LazyGrammar | None = None
     #: the images of the prompt, in order: the i-th fills the i-th ``<|patch|>`` placeholder
     images: tuple[ImageInput, ...] = ()
+    #: ``cache_salt``: KV is reused only from requests with the same salt (None: the unsalted space)
+    cache_salt: str | None = None
 
 
 class LogitsProcessor(Protocol):
@@ -133,6 +135,7 @@ class PreparedRequest:
     processors: tuple[Any, ...] = ()  # LogitsProcessor objects
     logprobs: int = -1
     replay: Any = None  # a ReplayPlan computed on the control thread (engine.plan_replay)
+    cache_salt: str | None = None  # reuse only from requests with the same salt
 
 
 class Phase(enum.Enum):

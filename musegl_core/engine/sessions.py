@@ -9,6 +9,11 @@ hold their K/V) that any later request may share by reference. Independently
 of both, the automatic prefix cache (:mod:`musegl_core.engine.prefix_cache`)
 lets any request adopt full blocks whose content hash matches its prompt.
 
+Every session has the ``cache_salt`` of the request that opened it: reuse
+from snapshots and from the prefix cache happens only between sessions of
+the same salt (None is the shared unsalted space), and a named session keeps
+its salt for its lifetime (:class:`SaltMismatch`).
+
 Block accounting is exact: a slot's ``reserved`` blocks plus the blocks it
 holds always equal its budget, and a block shared by several holders is
 counted in each holder's budget (so sharing can only leave the pool with
@@ -35,6 +40,10 @@ class CapacityError(Exception):
 
 class SessionBusy(Exception):
     """The session has a running or queued request."""
+
+
+class SaltMismatch(Exception):
+    """A request names an existing session with a different ``cache_salt``."""
 
 
 @attrs.frozen
@@ -115,7 +124,8 @@ class Slot:
 class Session:
     """A resident transcript: ``tokens[i]``'s K/V lives in ``slot.blocks[i // block_size]``.
 
-    ``name`` is None for an anonymous request's temporary session. ``clean``
+    ``name`` is None for an anonymous request's temporary session. ``salt`` is
+    the ``cache_salt`` it was opened with (None: unsalted). ``clean``
     turns False when a request on it failed or was cancelled mid-way; a dirty
     session replays from scratch. ``confirmed`` turns True on the first raw
     output (stream) or a successful response; an unconfirmed new session is
@@ -125,6 +135,7 @@ class Session:
     name: str | None
     slot: Slot
     tokens: list[int] = attrs.field(factory=list)
+    salt: str | None = None
     clean: bool = True
     confirmed: bool = False
     active: bool = False
@@ -141,6 +152,7 @@ class Session:
 class Snapshot:
     tokens: tuple[int, ...]
     slot: Slot
+    salt: str | None = None  # only sessions of this salt reuse it
     last_used: float = attrs.field(factory=time.monotonic)
 
 
@@ -197,13 +209,17 @@ class SessionTable:
             + ("" if self.evict_idle else " (start the server with --evict-idle-sessions to evict idle ones)")
         )
 
-    def open(self, name: str | None) -> tuple[Session, bool]:
-        """The session for ``name`` (created when new), or a temporary one when None."""
+    def open(self, name: str | None, salt: str | None = None) -> tuple[Session, bool]:
+        """The session for ``name`` (created with ``salt`` when new), or a temporary
+        one when None. :class:`SaltMismatch` when ``name`` exists with another salt."""
         self.expire_idle()
         if name is not None and name in self.named:
-            return self.named[name], False
+            session = self.named[name]
+            if session.salt != salt:
+                raise SaltMismatch(f"session {name!r} was opened with a different cache_salt")
+            return session, False
         self._free_a_slot()
-        session = Session(name, Slot.open(self.pool, self.budget))
+        session = Session(name, Slot.open(self.pool, self.budget), salt=salt)
         if name is None:
             self.anonymous.add(session)
         else:
@@ -262,6 +278,8 @@ class SessionTable:
         own = min(common_prefix(session.tokens, prompt), limit) if session.clean else 0
         best, source = own, None
         for snap in self.snapshots:
+            if snap.salt != session.salt:
+                continue
             n = min(common_prefix(snap.tokens, prompt), limit)
             if n > best:
                 best, source = n, snap
@@ -274,7 +292,7 @@ class SessionTable:
         block_size = self.pool.block_size
         cached: list[int] | None = None
         if self.cache is not None:
-            found, blocks = self.cache.lookup(prompt, len(prompt) - 1)
+            found, blocks = self.cache.lookup(prompt, len(prompt) - 1, session.salt)
             if found > reuse:
                 reuse, cached = found, blocks
         if cached is not None:
@@ -297,7 +315,7 @@ class SessionTable:
     def publish(self, session: Session) -> None:
         """Key the session's computed full blocks in the prefix cache (when on)."""
         if self.cache is not None:
-            self.cache.publish(session.tokens, session.slot.blocks)
+            self.cache.publish(session.tokens, session.slot.blocks, session.salt)
 
     def snapshot(self, session: Session) -> None:
         """Keep the session's current prefix as a snapshot (LRU, ``--prefix-cache-entries``)."""
@@ -305,7 +323,7 @@ class SessionTable:
             return
         tokens = tuple(session.tokens)
         for snap in self.snapshots:
-            if snap.tokens[: len(tokens)] == tokens:  # already covered
+            if snap.salt == session.salt and snap.tokens[: len(tokens)] == tokens:  # already covered
                 snap.last_used = time.monotonic()
                 return
         if len(self.snapshots) >= self.snapshot_capacity:
@@ -315,7 +333,7 @@ class SessionTable:
         slot = Slot.open(self.pool, self.budget)
         for block in session.slot.blocks[: self.pool.blocks_for(len(tokens))]:
             slot.adopt(block)
-        self.snapshots.append(Snapshot(tokens, slot))
+        self.snapshots.append(Snapshot(tokens, slot, session.salt))
 
     def stats(self) -> dict:
         return {

@@ -103,6 +103,7 @@ def plan_chat(
     sampling = sampling_params(request)
     stops = stop_strings(request.stop)
     session = session_id(request.session_id, header_session_id)
+    salt = cache_salt(request.cache_salt)
     n = choice_count(request.n, config, session)
     strength, hide_reasoning = reasoning_controls(request)
     variables = template_variables(request.chat_template_kwargs, strength)
@@ -134,6 +135,7 @@ def plan_chat(
         stop=stops,
         ignore_eos=ignore_eos,
         session_id=session,
+        cache_salt=salt,
         stream=stream,
         grammar=grammar,
         lazy_grammar=lazy_grammar,
@@ -314,6 +316,15 @@ def session_id(body: str | None, header: str | None) -> str | None:
     if body is not None and header is not None and body != header:
         raise bad_request("the body's session_id and the X-Session-Id header differ", param="session_id")
     return body if body is not None else header
+
+
+def cache_salt(value: str | None) -> str | None:
+    """``cache_salt``: a non-empty string of at most :data:`~musegl_core.http.schemas.MAX_CACHE_SALT`
+    characters (any characters: it is hashed, never shown)."""
+    if value is not None and not 1 <= len(value) <= s.MAX_CACHE_SALT:
+        raise bad_request(f"'cache_salt' must be a string of 1-{s.MAX_CACHE_SALT} characters, got {len(value)}",
+                          param="cache_salt")
+    return value
 
 
 def reasoning_controls(request: s.ChatCompletionRequest) -> tuple[str | None, bool]:

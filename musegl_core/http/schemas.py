@@ -78,6 +78,19 @@ def messages_field() -> Any:
     return attrs.field(default=None, metadata={JSON_SCHEMA: MESSAGES_SCHEMA})
 
 
+#: ``cache_salt``: the longest salt accepted (characters)
+MAX_CACHE_SALT = 256
+
+
+def cache_salt_field() -> Any:
+    """``cache_salt`` (vLLM's field): requests share cached KV only with requests
+    of the same salt; absent is the shared unsalted space (docs/serving.md)."""
+    return attrs.field(default=None, metadata={JSON_SCHEMA: {
+        "anyOf": [{"type": "string", "minLength": 1, "maxLength": MAX_CACHE_SALT}, {"type": "null"}],
+        "description": "prefix-cache isolation: KV is reused only between requests with the same salt",
+    }})
+
+
 def omittable(default: Any = None) -> Any:
     """An attrs field that is left out of the JSON while it is ``None``."""
     return attrs.field(default=default, metadata={_OMIT_NONE: True})
@@ -154,6 +167,7 @@ class ChatCompletionRequest:
     stop: StopField = None
     ignore_eos: bool | None = None
     session_id: str | None = None
+    cache_salt: str | None = cache_salt_field()
     reasoning_effort: str | None = None
     reasoning: ReasoningOptions | None = None
     include_reasoning: bool | None = None
@@ -180,7 +194,6 @@ REJECTED_FIELDS = (
     "thinking_token_budget",
     "grammar",
     "stop_regex",
-    "cache_salt",
     "guided_json",
     "guided_regex",
     "guided_choice",
@@ -228,6 +241,7 @@ class CompletionRequest:
     repetition_penalty: float | None = None
     min_p: float | None = None
     user: str | None = None
+    cache_salt: str | None = cache_salt_field()
 
 
 @attrs.frozen

@@ -31,6 +31,7 @@ from musegl_core.http import sse
 from musegl_core.http.choices import ChoiceGroup, GroupStream, choice_requests
 from musegl_core.http.completions import (
     ResponseMeta,
+    cache_salt,
     choice_count,
     combined_usage,
     completion_limit,
@@ -69,6 +70,7 @@ def plan_completion(request: s.CompletionRequest, *, request_id: str, config: Se
         ignore_eos=bool(request.ignore_eos),
         add_bos=False,
         stream=stream,
+        cache_salt=cache_salt(request.cache_salt),
     )
     include_usage = bool(request.stream_options and request.stream_options.include_usage)
     return CompletionPlan(generate=generate, stream=stream, include_usage=include_usage, n=n)

@@ -110,6 +110,7 @@ def prepare(request: GenerateRequest, tokenizer, vocab_size: int = 0,
         add_bos=request.add_bos,
         stream=request.stream,
         logprobs=request.logprobs,
+        cache_salt=request.cache_salt,
         processors=processors,
         images=images,
     )
