@@ -23,7 +23,7 @@ any of this is not possible (not Linux, no wheel, no compiler, MLX already
 imported, ``MUSEGL_MLX_BLAS=reference``) MLX keeps its own BLAS and
 :func:`route` says why. MLX's bfloat16/float16 CPU products do not go through BLAS at all, which
 is why the executor computes in float32 on the CPU when the routing is on
-(``musegl_mlx.executor.resolve_dtype``).
+(``musegl_mlx.precision``).
 """
 
 from __future__ import annotations

@@ -34,14 +34,15 @@ from musegl_core.engine.executor import (ExecutorLimits, HeadRows, ModelInfo, Pr
                                          StepOutput)
 from musegl_mlx.loader import load_weights  # noqa: E402
 from musegl_mlx.model import MuseGlimmerDecoder, StepLayout  # noqa: E402
+from musegl_mlx.precision import NAMES, DtypeChoice, choose_dtype  # noqa: E402
 from musegl_mlx.sampling import SampleRows, sample  # noqa: E402
 
 log = logging.getLogger("musegl.mlx")
 
 DEFAULT_BLOCK_SIZE = 16
-DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16,
-          "fp32": mx.float32, "fp16": mx.float16, "bf16": mx.bfloat16}
-DTYPE_NAMES = {mx.float32: "float32", mx.float16: "float16", mx.bfloat16: "bfloat16"}
+_MX = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
+DTYPES = {spelling: _MX[name] for spelling, name in NAMES.items()}
+DTYPE_NAMES = {dtype: name for name, dtype in _MX.items()}
 
 
 def metal() -> bool:
@@ -52,18 +53,17 @@ def metal() -> bool:
         return False
 
 
-def resolve_dtype(dtype: str | None) -> mx.Dtype:
-    """``None`` (the default) means bfloat16, the checkpoints' own precision, except
-    on MLX's CPU device with OpenBLAS routed under it (:mod:`musegl_mlx.blas`):
-    there float32, because MLX's bfloat16/float16 CPU products do not use BLAS and
-    are several times slower than routed float32 ones. ``float32`` is also the
-    parity mode."""
-    if dtype is None:
-        on_cpu = mx.default_device().type == mx.DeviceType.cpu
-        return mx.float32 if on_cpu and blas.routed() else mx.bfloat16
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype {dtype!r} is not one of float32, float16, bfloat16")
-    return DTYPES[dtype]
+def dtype_choice(dtype: str | None, stored: str | None = None) -> DtypeChoice:
+    """:func:`musegl_mlx.precision.choose_dtype` on this machine: ``dtype`` is
+    ``--dtype`` (None: not given), ``stored`` the checkpoint's stored precision
+    (``Checkpoint.file_type``; None: unknown)."""
+    on_cpu = mx.default_device().type == mx.DeviceType.cpu
+    return choose_dtype(dtype, stored, on_cpu=on_cpu, blas_routed=on_cpu and blas.routed())
+
+
+def resolve_dtype(dtype: str | None, stored: str | None = None) -> mx.Dtype:
+    """The MLX dtype of :func:`dtype_choice`."""
+    return DTYPES[dtype_choice(dtype, stored).name]
 
 
 def available_ram() -> int | None:
@@ -88,14 +88,17 @@ class MLXExecutor:
 
     def __init__(self, config: TextConfig, weights, name: str, dtype: str | None = None,
                  block_size: int = DEFAULT_BLOCK_SIZE, limits: ExecutorLimits | None = None,
-                 vision=None) -> None:
+                 vision=None, stored_dtype: str | None = None) -> None:
         """``weights`` yields ``(name, weight)`` pairs (see :func:`musegl_mlx.loader.load_weights`);
         ``vision``: opened vision weights (:mod:`musegl_core.checkpoint.vision`), or None
-        for a text-only load."""
+        for a text-only load; ``dtype`` is ``--dtype`` and ``stored_dtype`` the
+        checkpoint's stored precision, which decide the compute dtype together
+        (:mod:`musegl_mlx.precision`)."""
         if block_size <= 0:
             raise ValueError("block_size must be positive")
         self.config = config
-        self.dtype = resolve_dtype(dtype)
+        choice = dtype_choice(dtype, stored_dtype)
+        self.dtype = DTYPES[choice.name]
         self.block_size = block_size
         base = limits or ExecutorLimits()
         self.limits = ExecutorLimits(base.max_step_tokens, base.step_sizes,
@@ -114,6 +117,7 @@ class MLXExecutor:
         self.num_blocks = 0
         log.info("MLX %s on %s (%s), %s", mx.__version__, "Metal" if metal() else "the CPU",
                  f"{platform.system()} {platform.machine()}", self.info.dtype)
+        log.info("MLX computes in %s: %s", choice.name, choice.reason)
         if not metal():
             status = blas.route()
             log.info("MLX float32 products: %s", f"OpenBLAS ({status.library})" if status.routed

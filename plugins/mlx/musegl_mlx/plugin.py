@@ -70,7 +70,7 @@ def apply_options(options: ExecutorOptions) -> None:
 
 
 def create_mlx(options: ExecutorOptions) -> "MLXExecutor":
-    """The decoder in MLX, in ``options.dtype`` (default: see ``musegl_mlx.executor.resolve_dtype``)."""
+    """The decoder in MLX, in ``options.dtype`` (default: see ``musegl_mlx.precision``)."""
     reason = unavailable_reason()
     if reason is not None:
         raise ConfigError(reason)
@@ -86,7 +86,7 @@ def create_mlx(options: ExecutorOptions) -> "MLXExecutor":
     try:
         vision = load_vision(options.model, options.mmproj, checkpoint.config.hidden_size)
         return MLXExecutor(checkpoint.config, checkpoint_weights(checkpoint), checkpoint.name, dtype=options.dtype,
-                           vision=vision)
+                           vision=vision, stored_dtype=checkpoint.file_type)
     finally:
         checkpoint.close()
         if vision is not None:
@@ -102,7 +102,7 @@ def kv_layout(options: ExecutorOptions) -> tuple[int, int]:
     checkpoint.close()
     c = checkpoint.config
     apply_options(options)
-    size = resolve_dtype(options.dtype).size
+    size = resolve_dtype(options.dtype, checkpoint.file_type).size
     return c.num_layers * 2 * DEFAULT_BLOCK_SIZE * c.num_kv_heads * c.head_dim * size, DEFAULT_BLOCK_SIZE
 
 
