@@ -53,6 +53,10 @@ if TYPE_CHECKING:
 __all__ = [
     "MuseTokenizer",
     "TokenizerError",
+    "TokenizationError",
+    "TokenBudgetExceeded",
+    "PIECE_CHARS",
+    "split_for_encoding",
     "PRE_TOKENIZER_PATTERNS",
     "read_gguf_tokenizer_data",
     "read_gguf_metadata",
@@ -101,6 +105,95 @@ MASK_STRING = "<|mask|>"
 
 class TokenizerError(ValueError):
     """A tokenizer that cannot be built or lacks a required token."""
+
+
+class TokenizationError(ValueError):
+    """The tokenizer failed on one text (a client's input): a 400 for that
+    request, never a crash. ``tokenizers`` reports some failures as a Rust
+    panic (``pyo3_runtime.PanicException``, a ``BaseException``); they become
+    this error too."""
+
+
+class TokenBudgetExceeded(ValueError):
+    """A text certainly needs more than ``limit`` tokens: at least ``at_least``
+    were counted when tokenization stopped."""
+
+    def __init__(self, at_least: int, limit: int):
+        super().__init__(f"the text needs at least {at_least} tokens, over the limit of {limit}")
+        self.at_least = at_least
+        self.limit = limit
+
+
+# -- tokenizing long text in pieces -------------------------------------------------------------
+#: Text longer than this many characters is tokenized in pieces of at most this
+#: many characters, cut where the split regex (every pattern of
+#: :data:`PRE_TOKENIZER_PATTERNS`) cannot join the two sides, so the ids are
+#: those of the whole text. This bounds the regex engine's work per search
+#: (one run of 10 MiB of ``A`` exhausts Oniguruma's retry limit and panics) and
+#: lets other threads run between pieces.
+PIECE_CHARS = 8192
+#: Pieces per ``encode_batch`` call (the GIL is released during each call).
+BATCH_PIECES = 64
+#: Zero-width candidates for an exact cut; :func:`_exact_cut` decides.
+_CUT_CANDIDATES = re.compile(r"(?<=\S)(?= )|(?<=[^\W_])(?=[\r\n])|(?<=[^\W\d_])(?=\d)|(?<=\d)(?=[^\W\d_])")
+#: How far back from a piece's end to look for a cut, widening until found.
+_CUT_TAILS = (256, 2048)
+
+
+def _exact_cut(text: str, at: int) -> bool:
+    """Whether no match of the known split patterns can contain both
+    ``text[at - 1]`` and ``text[at]``, so tokenizing ``text[:at]`` and
+    ``text[at:]`` apart gives the ids of ``text``.
+
+    Holds for: a space after a non-space (a space only opens a match, or sits
+    in an all-whitespace one); a line break after a letter or digit (only
+    punctuation takes a line break behind it); a letter next to a decimal
+    digit (letters and digits never share a match). Python's ``isspace`` is a
+    superset of the regex's ``\\s``, ``isalpha`` is ``\\p{L}``, and
+    ``isdecimal`` is ``\\p{Nd}``, so each test errs on the safe side.
+    """
+    before, after = text[at - 1], text[at]
+    if after == " ":
+        return not before.isspace()
+    if after in "\r\n":
+        return before.isalpha() or before.isdecimal()
+    if after.isdecimal():
+        return before.isalpha()
+    return after.isalpha() and before.isdecimal()
+
+
+def _last_cut(text: str, lo: int, hi: int) -> int | None:
+    """The last exact cut in ``(lo, hi]``, looking back from ``hi`` (None: none)."""
+    for tail in (*_CUT_TAILS, hi - lo):
+        start = max(lo + 1, hi - tail)
+        for match in reversed(list(_CUT_CANDIDATES.finditer(text, start, hi + 1))):
+            at = match.start()
+            if lo < at <= hi and _exact_cut(text, at):
+                return at
+        if start == lo + 1:
+            break
+    return None
+
+
+def split_for_encoding(text: str, limit: int = PIECE_CHARS) -> tuple[list[str], bool]:
+    """``text`` cut into pieces of at most ``limit`` characters, and whether
+    every cut is exact (:func:`_exact_cut`). A stretch of more than ``limit``
+    characters with no exact cut (a run without whitespace, letters next to
+    digits or line breaks) is cut at ``limit`` anyway; only the ids at such a
+    cut differ from the whole text's."""
+    if len(text) <= limit:
+        return [text], True
+    pieces: list[str] = []
+    exact = True
+    lo = 0
+    while len(text) - lo > limit:
+        at = _last_cut(text, lo, lo + limit)
+        if at is None:
+            at, exact = lo + limit, False
+        pieces.append(text[lo:at])
+        lo = at
+    pieces.append(text[lo:])
+    return pieces, exact
 
 
 # -- byte-level alphabet ---------------------------------------------------------------------
@@ -391,6 +484,8 @@ class MuseTokenizer:
         self._id_to_symbol = {i: s for s, i in vocab.items() if i not in added}
         self._token_bytes_cache: dict[int, bytes] = {}
         self._merges = _merge_pairs(model.get("merges", []))
+        # Long text is tokenized in pieces only where the cuts are known to be exact.
+        self._cuts_exact = _split_pattern(document) in PRE_TOKENIZER_PATTERNS.values() and not document.get("normalizer")
 
         max_id = max(vocab.values(), default=-1)
         self.vocab_size: int = max(vocab_size or 0, max_id + 1)
@@ -652,12 +747,71 @@ class MuseTokenizer:
             become their single ids); False for text a client wrote (control-token
             strings stay ordinary characters).
         """
+        return self.encode_bounded(text, special=special)
+
+    def encode_bounded(self, text: str, *, special: bool, limit: int | None = None) -> list[int]:
+        """:meth:`encode`, stopping early once the ids certainly exceed ``limit``.
+
+        Text longer than :data:`PIECE_CHARS` is tokenized in pieces cut where the
+        split regex cannot join the two sides (:func:`split_for_encoding`), so for
+        ordinary text the ids are those of the whole string; a longer stretch
+        without such a cut (a run of one letter) is cut anyway. An unrecognised
+        split pattern or a normalizer is tokenized whole. Either way the GIL is
+        released while ``tokenizers`` works on long text.
+
+        :raises TokenBudgetExceeded: more than ``limit`` ids (checked between batches of pieces).
+        :raises TokenizationError: the tokenizer failed on the text (a Rust panic included).
+        """
         if not text:
             return []
         tokenizer = self._tokenizer if special else self._plain
-        return tokenizer.encode(text, add_special_tokens=False).ids
+        try:
+            if len(text) <= PIECE_CHARS:
+                ids = tokenizer.encode(text, add_special_tokens=False).ids
+            elif not self._cuts_exact:
+                ids = tokenizer.encode_batch([text], add_special_tokens=False)[0].ids
+            else:
+                ids = self._encode_pieces(tokenizer, text, special, limit)
+        except TokenBudgetExceeded:
+            raise
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as exc:  # pyo3_runtime.PanicException is a BaseException
+            detail = str(exc).strip().splitlines()
+            raise TokenizationError(f"the tokenizer failed on a text of {len(text)} characters"
+                                    + (f" ({detail[0]})" if detail else "")) from None
+        if limit is not None and len(ids) > limit:
+            raise TokenBudgetExceeded(len(ids), limit)
+        return ids
 
-    def encode_segments(self, segments: Sequence[PromptSegment], *, add_bos: bool = True) -> list[int]:
+    def _encode_pieces(self, tokenizer: Tokenizer, text: str, special: bool, limit: int | None) -> list[int]:
+        """Ids of ``text`` (longer than :data:`PIECE_CHARS`) from its pieces, in batches."""
+        parts = self._split_added(text) if special else [(text, None)]
+        ids: list[int] = []
+        batch: list[str] = []
+
+        def run_batch() -> None:
+            if batch:
+                for encoding in tokenizer.encode_batch(batch, add_special_tokens=False):
+                    ids.extend(encoding.ids)
+                batch.clear()
+                if limit is not None and len(ids) > limit:
+                    raise TokenBudgetExceeded(len(ids), limit)
+
+        for part, token_id in parts:
+            if token_id is not None:  # an added token (special text only): its id, between pieces
+                run_batch()
+                ids.append(token_id)
+                continue
+            for piece in split_for_encoding(part)[0]:
+                batch.append(piece)
+                if len(batch) == BATCH_PIECES:
+                    run_batch()
+        run_batch()
+        return ids
+
+    def encode_segments(self, segments: Sequence[PromptSegment], *, add_bos: bool = True,
+                        limit: int | None = None) -> list[int]:
         """Token ids of a rendered prompt.
 
         Text is tokenized in *runs*: consecutive text between two control tokens
@@ -670,20 +824,34 @@ class MuseTokenizer:
         With ``add_bos`` the result starts with exactly one BOS id: a rendered
         BOS string that opens the prompt is stripped before the numeric BOS is
         put first, and explicit leading BOS ids are not repeated.
+
+        ``limit`` stops the work early: :class:`TokenBudgetExceeded` as soon as
+        more than ``limit`` ids are certain (a prompt that cannot fit the
+        context is not tokenized to its end).
         """
         ids: list[int] = []
         run: list[str] = []
         bos_string = self._added.get(self.bos_id, (None, False))[0]
 
+        def over() -> None:
+            if limit is not None and len(ids) > limit:
+                raise TokenBudgetExceeded(len(ids), limit)
+
         def flush() -> None:
             if run:
-                ids.extend(self.encode("".join(run), special=False))
+                budget = None if limit is None else max(limit - len(ids), 0)
+                try:
+                    ids.extend(self.encode_bounded("".join(run), special=False, limit=budget))
+                except TokenBudgetExceeded as exc:
+                    raise TokenBudgetExceeded(len(ids) + exc.at_least, limit) from None
                 run.clear()
+                over()
 
         for segment in segments:
             if segment.token_ids is not None:
                 flush()
                 ids.extend(int(i) for i in segment.token_ids)
+                over()
                 continue
             text = segment.text or ""
             if add_bos and not ids and not run and segment.special and bos_string:
@@ -705,6 +873,36 @@ class MuseTokenizer:
         while start < len(ids) and ids[start] == self.bos_id:
             start += 1
         return [self.bos_id, *ids[start:]]
+
+    @functools.cached_property
+    def longest_token_bytes(self) -> int:
+        """The most bytes any one id stands for (added tokens included): every id
+        of a text covers at most this many of its UTF-8 bytes."""
+        symbols = (len(_symbol_bytes(symbol)) for symbol in self._id_to_symbol.values())
+        added = (len(content.encode("utf-8")) for content, _special in self._added.values())
+        return max(1, *symbols, *added)
+
+    def token_count_floor(self, segments: Sequence[PromptSegment]) -> int:
+        """A lower bound on ``len(encode_segments(segments))``, from lengths alone.
+
+        No id covers more than :attr:`longest_token_bytes` bytes, so the text of
+        the segments needs at least ``ceil(bytes / longest)`` ids; explicit ids
+        count one each. A rendered BOS string that opens the prompt is stripped
+        (it is itself a token, so no longer than the longest: stripping takes at
+        most one id off the bound); every BOS string of renderer text is
+        subtracted, which errs on the safe side."""
+        longest = self.longest_token_bytes
+        text_bytes = ids = strippable = 0
+        bos_string = self._added.get(self.bos_id, (None, False))[0]
+        for segment in segments:
+            if segment.token_ids is not None:
+                ids += len(segment.token_ids)
+                continue
+            text = segment.text or ""
+            if segment.special and bos_string:
+                strippable += text.count(bos_string)
+            text_bytes += len(text.encode("utf-8", errors="surrogatepass"))
+        return max(0, -(-text_bytes // longest) - strippable) + ids
 
     def _split_added(self, text: str) -> list[tuple[str, int | None]]:
         """Split renderer text at added-token strings: ``(text, None)`` or ``(string, id)``."""
