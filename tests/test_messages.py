@@ -98,12 +98,43 @@ def test_tool_call_needs_a_name():
         (image("file:///tmp/a.png"), "messages[0].content[0].image_url.url"),
         (image("data:image/gif;base64,R0lG"), "messages[0].content[0].image_url.url"),
         (image("data:image/png;base64,***"), "messages[0].content[0].image_url.url"),
-        (image(detail="low"), "messages[0].content[0].image_url.detail"),
+        (image(detail="medium"), "messages[0].content[0].image_url.detail"),
+        (image(detail=1), "messages[0].content[0].image_url.detail"),
     ],
 )
 def test_image_rules(part, param):
-    """Inline PNG/JPEG base64 only, no detail → 400 invalid_image."""
+    """Inline PNG/JPEG base64 only, detail auto/low/high → else 400 invalid_image."""
     rejects([{"role": "user", "content": [part]}], param, "invalid_image")
+
+
+@pytest.mark.parametrize("detail", ["auto", "low", "high", None])
+def test_image_detail_is_accepted(detail):
+    """OpenAI's detail levels (many clients send "auto" by default); the worker maps them to
+    the patch budget (docs/vision.md)."""
+    part = image(detail=detail)
+    assert parse_messages([{"role": "user", "content": [part]}])[0].content[0].detail == detail
+
+
+@pytest.mark.parametrize(("url", "named"), [
+    ("data:image/gif;base64,R0lGODlhAQABAAAAACw=", "image/gif"),
+    ("data:image/webp;base64,UklGRg==", "image/webp"),
+    ("data:image/svg+xml;base64,PHN2Zz4=", "image/svg+xml"),
+    ("data:application/octet-stream;base64,AAAA", "application/octet-stream"),
+])
+def test_an_unsupported_format_is_named(url, named):
+    with pytest.raises(ApiError) as info:
+        parse_messages([{"role": "user", "content": [image(url)]}])
+    error = info.value
+    assert (error.status, error.code) == (400, "invalid_image")
+    assert named in error.message and "PNG or JPEG" in error.message
+    assert "not fetched" not in error.message
+
+
+def test_a_remote_url_says_it_is_not_fetched_and_raw_data_urls_need_base64():
+    for url, needle in (("https://example.com/a.png", "not fetched"), ("data:image/png,rawbytes", "base64")):
+        with pytest.raises(ApiError) as info:
+            parse_messages([{"role": "user", "content": [image(url)]}])
+        assert needle in info.value.message
 
 
 def test_at_most_one_image_across_history():

@@ -78,10 +78,29 @@ def test_downscaled_image_and_the_digest():
     assert image.rows == 12 and image.grid == (6, 8)  # (3, 4) cells: the 3:4 ratio exactly
     assert image.pixels.shape == (48, 588)
     assert np.abs(image.pixels).max() <= 1.0
-    import hashlib
-
-    assert image.digest == hashlib.sha256(data).hexdigest()
     assert prep.preprocess(as_input(encode(noise(400, 300, seed=1)))).digest != image.digest
+
+
+def test_the_digest_follows_the_pixels_not_the_file():
+    """The seed: identity hashes the decoded RGB, its dimensions and the vision grid."""
+    prep = ImagePreprocessor(max_vision_patches=64)
+    picture = noise(120, 90, seed=5)
+    fast, small = encode(picture, compress_level=1), encode(picture, compress_level=9, optimize=True)
+    assert fast != small
+    digest = prep.preprocess(as_input(fast)).digest
+    assert prep.preprocess(as_input(small)).digest == digest  # re-encoded, same pixels: same image
+    rgba = Image.fromarray(np.dstack([np.asarray(picture), np.full((90, 120), 7, np.uint8)]), "RGBA")
+    assert prep.preprocess(as_input(encode(rgba))).digest == digest  # alpha is dropped: the same RGB
+    changed = np.asarray(picture).copy()
+    changed[45, 60, 1] ^= 1  # one level of one pixel
+    assert prep.preprocess(as_input(encode(Image.fromarray(changed)))).digest != digest
+    # the same bytes in another shape are another image
+    transposed = Image.fromarray(np.asarray(picture).reshape(120, 90, 3))
+    assert prep.preprocess(as_input(encode(transposed))).digest != digest
+    # the same pixels under another patch budget give other rows: another identity
+    assert ImagePreprocessor(max_vision_patches=16).preprocess(as_input(fast)).digest != digest
+    # JPEG is lossy (as pillow writes it): the picture as a JPEG decodes to other pixels
+    assert prep.preprocess(as_input(encode(picture, "JPEG", quality=95), "image/jpeg")).digest != digest
 
 
 def test_jpeg_rgba_and_exif_orientation():
@@ -147,9 +166,10 @@ def _bomb_png() -> bytes:
 
 @pytest.mark.parametrize("make,media_type,needle", [
     (_truncated_png, "image/png", "could not be decoded"),
-    (lambda: encode(noise(30, 30), "JPEG"), "image/png", "not a valid PNG"),
-    (lambda: encode(noise(30, 30)), "image/jpeg", "not a valid JPEG"),
-    (lambda: encode(noise(30, 30), "GIF"), "image/png", "not a valid PNG"),
+    (lambda: encode(noise(30, 30), "JPEG"), "image/png", "is a JPEG image, but the data URL says image/png"),
+    (lambda: encode(noise(30, 30)), "image/jpeg", "is a PNG image, but the data URL says image/jpeg"),
+    (lambda: encode(noise(30, 30), "GIF"), "image/png", "is a GIF image"),
+    (lambda: encode(noise(30, 30), "WEBP"), "image/jpeg", "is a WEBP image"),
     (lambda: b"definitely not an image", "image/jpeg", "not a valid JPEG"),
     (_zero_size_png, "image/png", "PNG"),
     (_bomb_png, "image/png", "pixels"),
@@ -169,3 +189,16 @@ def test_bad_base64_and_oversize():
     with pytest.raises(ApiError) as info:
         prep.preprocess(as_input(encode(noise(100, 100))))
     assert (info.value.status, info.value.code) == (413, "image_too_large")
+
+
+def test_detail_low_caps_the_patch_budget_and_high_is_the_servers():
+    from musegl_core.vision.preprocess import LOW_DETAIL_PATCHES, detail_patches
+
+    assert detail_patches("low", 4096) == LOW_DETAIL_PATCHES == 256
+    assert detail_patches("low", 64) == 64  # never above the server's cap
+    assert detail_patches("high", 4096) == detail_patches("auto", 4096) == detail_patches(None, 4096) == 4096
+    prep = ImagePreprocessor(max_vision_patches=4096)
+    data = base64.b64encode(encode(noise(640, 480))).decode()
+    rows = {detail: prep.preprocess(ImageInput("image/png", data, detail)).rows for detail in (None, "auto", "high", "low")}
+    assert rows[None] == rows["auto"] == rows["high"] == 17 * 23  # smart_resize(480, 640, 1024)
+    assert rows["low"] == 7 * 9  # smart_resize(480, 640, 64)

@@ -12,7 +12,9 @@ Normalisation done here:
   into a mapping (key order kept; the empty string is ``{}``);
 * ``reasoning`` (OpenRouter's name) is accepted for ``reasoning_content``;
 * ``image_url`` parts must be inline PNG/JPEG data URLs; their bytes are
-  decoded, and at most one image may appear in the whole history;
+  decoded, and at most one image may appear in the whole history; ``detail``
+  may be ``auto``, ``low`` or ``high`` (the worker maps it to a patch budget,
+  :func:`musegl_core.vision.preprocess.detail_patches`);
 * tools may be given in OpenAI form (``{"type": "function", "function":
   {...}}``) or bare; ``null`` and ``[]`` mean no tools.
 """
@@ -36,6 +38,9 @@ IMAGE_URL_PREFIXES = {
     "data:image/png;base64,": "image/png",
     "data:image/jpeg;base64,": "image/jpeg",
 }
+#: OpenAI's ``image_url.detail`` values (None: absent, the same as ``auto``)
+IMAGE_DETAILS = ("auto", "low", "high")
+_INLINE_FORMS = "data:image/png;base64,... or data:image/jpeg;base64,..."
 
 
 @attrs.frozen
@@ -48,11 +53,13 @@ class TextPart:
 @attrs.frozen
 class ImagePart:
     """An inline image (``data:image/png;base64,...`` or JPEG). ``data`` holds
-    the decoded bytes once validated; the template renders one ``<|patch|>``."""
+    the decoded bytes once validated; ``detail`` is OpenAI's ``auto``/``low``/``high``
+    (None when absent); the template renders one ``<|patch|>``."""
 
     url: str = attrs.field(repr=lambda url: f"{url[:32]}...({len(url)} chars)")
     media_type: str = ""
     data: bytes = attrs.field(default=b"", repr=lambda data: f"<{len(data)} bytes>")
+    detail: str | None = None
 
 
 ContentPart = Union[TextPart, ImagePart]
@@ -145,9 +152,10 @@ def _parse_image(part: dict, param: str) -> ImagePart:
     image_url = part.get("image_url")
     if not isinstance(image_url, dict):
         raise bad_request(f"'{param}.image_url' must be an object with a 'url'.", param=f"{param}.image_url")
-    if "detail" in image_url:
+    detail = image_url.get("detail")
+    if detail is not None and detail not in IMAGE_DETAILS:
         raise bad_request(
-            "Image 'detail' is not supported; send the image without it.",
+            f"Image 'detail' must be 'auto', 'low' or 'high', got {json.dumps(detail)[:40]}.",
             code="invalid_image",
             param=f"{param}.image_url.detail",
         )
@@ -156,22 +164,32 @@ def _parse_image(part: dict, param: str) -> ImagePart:
     if not isinstance(url, str):
         raise bad_request(f"'{url_param}' must be a string.", code="invalid_image", param=url_param)
     for prefix, media_type in IMAGE_URL_PREFIXES.items():
-        if url.startswith(prefix):
+        if url[: len(prefix)].lower() == prefix:  # media types are case-insensitive
             break
     else:
-        raise bad_request(
-            "Images must be inline data URLs of the form data:image/png;base64,... or "
-            "data:image/jpeg;base64,... (remote URLs and file paths are not fetched).",
-            code="invalid_image",
-            param=url_param,
-        )
+        raise bad_request(_unsupported_url(url), code="invalid_image", param=url_param)
     try:
         data = base64.b64decode(url[len(prefix) :], validate=True)
     except (binascii.Error, ValueError):
         raise bad_request("The image data is not valid base64.", code="invalid_image", param=url_param) from None
     if not data:
         raise bad_request("The image data is empty.", code="invalid_image", param=url_param)
-    return ImagePart(url=url, media_type=media_type, data=data)
+    return ImagePart(url=url, media_type=media_type, data=data, detail=detail)
+
+
+def _unsupported_url(url: str) -> str:
+    """Why an image URL is refused: its data URL's format, its encoding, or that it is not inline."""
+    if url[:5].lower() == "data:":
+        header = url[5:].split(",", 1)[0]
+        media_type, *params = header.split(";")
+        media_type = media_type.strip().lower() or "text/plain"
+        if media_type in ("image/png", "image/jpeg"):
+            if "base64" not in (p.strip().lower() for p in params):
+                return f"The image data URL must be base64-encoded: {_INLINE_FORMS}."
+            return f"Write the image data URL exactly as {_INLINE_FORMS}."
+        return (f"Image format {media_type[:60]} is not supported: send the image as PNG or JPEG, "
+                f"{_INLINE_FORMS}.")
+    return f"Images must be inline data URLs of the form {_INLINE_FORMS} (remote URLs and file paths are not fetched)."
 
 
 def _parse_content(raw: Any, param: str) -> Content:

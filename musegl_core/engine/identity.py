@@ -1,8 +1,12 @@
 """Prompt identity: what sessions and prefix reuse compare.
 
 Token rows are identified by their id. Image rows all carry the same
-placeholder id, so they are identified by the image's content instead:
-row ``i`` of an image with digest ``D`` gets the negative key
+placeholder id, so they are identified by the image's content instead. The
+content is what the model sees, not the file: :func:`image_digest` hashes the
+decoded RGB pixels, their dimensions and the vision grid, so the same picture
+re-encoded (another PNG compression level, alpha dropped or not) is the same
+image, while one changed pixel or another patch budget is another. Row ``i``
+of an image with digest ``D`` gets the negative key
 ``-(1 + (h(D) + i) mod 2^62)``, which no token id can equal. Two prompts
 share a prefix exactly as far as their tokens and their images agree, so a
 session that resubmits the same image reuses the cached rows past it, and a
@@ -12,6 +16,7 @@ different image at the same place ends the reuse there.
 from __future__ import annotations
 
 import hashlib
+import struct
 from typing import Sequence
 
 import attrs
@@ -19,6 +24,16 @@ import attrs
 from musegl_core.engine.request import PlacedImage, PreparedRequest
 
 _SPAN = 1 << 62
+
+
+def image_digest(rgb, width: int, height: int, grid: tuple[int, int]) -> str:
+    """The identity of an image: SHA-256 of its size, its vision grid (patches,
+    height x width) and its decoded RGB bytes (``height x width x 3`` uint8, row
+    major: any buffer, e.g. a contiguous numpy array)."""
+    digest = hashlib.sha256(b"musegl-image-v2")
+    digest.update(struct.pack("<4q", width, height, *grid))
+    digest.update(memoryview(rgb).cast("B"))
+    return "rgb:" + digest.hexdigest()
 
 
 def _base(digest: str) -> int:

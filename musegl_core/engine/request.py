@@ -37,11 +37,14 @@ class PromptSegment:
 @attrs.frozen
 class ImageInput:
     """An inline image as the client sent it: its media type (``image/png`` or
-    ``image/jpeg``) and its base64 text (the data URL's payload). The worker
-    decodes and preprocesses it (:mod:`musegl_core.vision.preprocess`)."""
+    ``image/jpeg``), its base64 text (the data URL's payload) and its ``detail``
+    (``auto``, ``low``, ``high``; None: absent). The worker decodes and
+    preprocesses it (:mod:`musegl_core.vision.preprocess`), ``detail`` choosing
+    its patch budget."""
 
     media_type: str
     data: str = attrs.field(repr=lambda data: f"<{len(data)} base64 chars>")
+    detail: str | None = None
 
 
 @attrs.frozen

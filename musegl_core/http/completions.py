@@ -166,7 +166,7 @@ def prompt_images(messages, max_image_bytes: int) -> tuple[ImageInput, ...]:
     for part in image_parts(messages):
         if len(part.data) > max_image_bytes:
             raise image_too_large(len(part.data), max_image_bytes)
-        images.append(ImageInput(part.media_type, part.url.split(",", 1)[1]))
+        images.append(ImageInput(part.media_type, part.url.split(",", 1)[1], part.detail))
     return tuple(images)
 
 

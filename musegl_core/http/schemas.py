@@ -42,7 +42,11 @@ _IMAGE_PART = {
         "type": {"const": "image_url"},
         "image_url": {
             "type": "object",
-            "properties": {"url": {"type": "string", "description": "data:image/png;base64,... or JPEG"}},
+            "properties": {
+                "url": {"type": "string", "description": "data:image/png;base64,... or JPEG"},
+                "detail": {"anyOf": [{"enum": ["auto", "low", "high"]}, {"type": "null"}],
+                           "description": "low: at most 256 patches; auto, high: --max-vision-patches"},
+            },
             "required": ["url"],
         },
     },

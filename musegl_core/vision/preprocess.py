@@ -4,9 +4,13 @@ Runs on the worker's control thread, once per request, with numpy and
 pillow only:
 
 1. decode the inline PNG/JPEG bytes with pillow, restricted to the declared
-   format; apply the EXIF orientation, drop alpha (``convert("RGB")``);
+   format; apply the EXIF orientation, drop alpha (``convert("RGB")``); the
+   image's identity is the hash of these RGB pixels, their size and the grid
+   (:func:`~musegl_core.engine.identity.image_digest`), not of the file;
 2. pick the target grid with :func:`smart_resize` under the merged-cell cap
-   (``--max-vision-patches / 4``: complete four-patch groups);
+   (``--max-vision-patches / 4``: complete four-patch groups; an image sent
+   with ``detail: "low"`` gets at most :data:`LOW_DETAIL_PATCHES`, see
+   :func:`detail_patches`);
 3. resize with pillow's LANCZOS (skipped when the size already fits);
 4. rescale and normalize: ``(float32(x) - 127.5) / 127.5``;
 5. patchify into one row per 14x14 patch in raster order, 588 columns
@@ -31,7 +35,6 @@ from __future__ import annotations
 
 import base64
 import binascii
-import hashlib
 import io
 import itertools
 import math
@@ -42,6 +45,7 @@ import attrs
 import numpy as np
 
 from musegl_core.engine.executor import PromptImage
+from musegl_core.engine.identity import image_digest
 from musegl_core.engine.request import ImageInput, PlacedImage
 from musegl_core.errors import ApiError
 
@@ -55,6 +59,18 @@ TEMPORAL = 2
 MAX_PIXELS = 8192 * 8192
 #: The pillow format each accepted media type must actually be.
 FORMATS = {"image/png": "PNG", "image/jpeg": "JPEG"}
+#: The patch budget of an image sent with ``detail: "low"`` (64 image rows, about
+#: a 224 x 224-pixel view; OpenAI's low detail is a fixed small budget too).
+LOW_DETAIL_PATCHES = 256
+
+
+def detail_patches(detail: str | None, max_vision_patches: int) -> int:
+    """The patch budget of one image: ``low`` at most :data:`LOW_DETAIL_PATCHES`;
+    ``high``, ``auto`` and no detail the server's whole ``--max-vision-patches``
+    (its most detailed view: a higher one is not offered)."""
+    if detail == "low":
+        return min(LOW_DETAIL_PATCHES, max_vision_patches)
+    return max_vision_patches
 
 
 def invalid_image(message: str) -> ApiError:
@@ -106,9 +122,26 @@ def decode_image(data: bytes, media_type: str):
     except (Image.DecompressionBombError, Image.DecompressionBombWarning):
         raise invalid_image(f"The {kind} image is too large to decode (decompression bomb).") from None
     except Image.UnidentifiedImageError:
-        raise invalid_image(f"The image data is not a valid {kind} image (data URL says {media_type}).") from None
+        raise not_the_declared_format(data, media_type) from None
     except Exception as exc:  # truncated or corrupt data, decoder limits: never a crash
         raise invalid_image(f"The {kind} image could not be decoded: {exc}") from None
+
+
+def not_the_declared_format(data: bytes, media_type: str) -> ApiError:
+    """The 400 for data that is not an image of ``media_type``: it names the format
+    pillow recognises in the header (a GIF or WebP labelled PNG), without decoding."""
+    from PIL import Image
+
+    try:
+        with Image.open(io.BytesIO(data)) as probe:
+            actual = probe.format
+    except Exception:
+        actual = None
+    if actual is not None and actual != FORMATS.get(media_type):
+        return invalid_image(f"The image data is a {actual} image, but the data URL says {media_type}; "
+                             "send PNG or JPEG, labelled as what it is.")
+    kind = media_type.split("/")[1].upper()
+    return invalid_image(f"The image data is not a valid {kind} image (data URL says {media_type}).")
 
 
 def patchify(pixels: np.ndarray) -> np.ndarray:
@@ -140,7 +173,11 @@ class ImagePreprocessor:
 
     @property
     def max_cells(self) -> int:
-        return max(1, self.max_vision_patches // (MERGE * MERGE))
+        return self.cells(None)
+
+    def cells(self, detail: str | None) -> int:
+        """The merged-cell cap of an image with ``detail`` (:func:`detail_patches`)."""
+        return max(1, detail_patches(detail, self.max_vision_patches) // (MERGE * MERGE))
 
     def decode_data(self, image: ImageInput) -> bytes:
         try:
@@ -156,20 +193,21 @@ class ImagePreprocessor:
     def preprocess(self, image: ImageInput) -> PromptImage:
         """Decode, resize, normalize and patchify one image."""
         data = self.decode_data(image)
-        return self.preprocess_bytes(data, image.media_type)
+        return self.preprocess_bytes(data, image.media_type, image.detail)
 
-    def preprocess_bytes(self, data: bytes, media_type: str) -> PromptImage:
+    def preprocess_bytes(self, data: bytes, media_type: str, detail: str | None = None) -> PromptImage:
         from PIL import Image
 
         rgb = decode_image(data, media_type)
-        gh, gw = smart_resize(rgb.height, rgb.width, self.max_cells)
+        gh, gw = smart_resize(rgb.height, rgb.width, self.cells(detail))
+        grid = (gh * MERGE, gw * MERGE)
+        decoded = np.ascontiguousarray(np.asarray(rgb, dtype=np.uint8))
+        digest = image_digest(decoded, rgb.width, rgb.height, grid)
         size = (gw * UNIT, gh * UNIT)
         if rgb.size != size:
-            rgb = rgb.resize(size, Image.Resampling.LANCZOS)
-        values = np.asarray(rgb, dtype=np.uint8).astype(np.float32)
-        values = (values - np.float32(127.5)) / np.float32(127.5)
-        return PromptImage(digest=hashlib.sha256(data).hexdigest(), rows=gh * gw, pixels=patchify(values),
-                           grid=(gh * MERGE, gw * MERGE))
+            decoded = np.asarray(rgb.resize(size, Image.Resampling.LANCZOS), dtype=np.uint8)
+        values = (decoded.astype(np.float32) - np.float32(127.5)) / np.float32(127.5)
+        return PromptImage(digest=digest, rows=gh * gw, pixels=patchify(values), grid=grid)
 
 
 def image_too_large(size: int, limit: int) -> ApiError:
