@@ -245,3 +245,25 @@ def test_strict_tools_leave_output_without_a_call_free(server):
         return response.json()["choices"][0]["message"]
 
     assert greedy(True) == greedy(False)
+
+
+def test_a_grammar_that_fails_during_generation_fails_the_request_never_frees_it(server):
+    # Preflight cannot see it (a finite instance, no pattern); llguidance's parser gives up
+    # at the answer's first token. The request fails with 400 constraint_failed; a stream
+    # gets the error event and no answer text (issue 25 item 7).
+    fmt = {"type": "json_schema", "json_schema": {"name": "a", "schema": {
+        "type": "array", "items": {"const": "a"}, "minItems": 30000}}}
+    response = chat(server, response_format=fmt, max_tokens=40, temperature=0)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["code"] == "constraint_failed"
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 40, "stream": True,
+            "temperature": 0, "response_format": fmt}
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body, timeout=300) as streamed:
+        events = [json.loads(line[6:]) for line in streamed.iter_lines() if line.startswith("data: {")]
+    assert events[-1]["error"]["code"] == "constraint_failed"
+    assert not "".join(c["delta"].get("content") or "" for e in events for c in e.get("choices", []))
+    # the server goes on: the next constrained request is enforced
+    fmt = {"type": "json_schema", "json_schema": {"name": "b", "schema": {"enum": ["yes", "no"]}}}
+    response = chat(server, response_format=fmt, max_tokens=40, temperature=0)
+    assert response.status_code == 200 and json.loads(response.json()["choices"][0]["message"]["content"]) in (
+        "yes", "no")

@@ -38,6 +38,8 @@ from typing import Any, Sequence
 import attrs
 import numpy as np
 
+from musegl_core.constrain.matcher import failure_reason
+
 #: positions whose scanner state is kept for rollbacks
 SNAPSHOTS = 64
 #: body bytes kept for the trigger search
@@ -87,6 +89,8 @@ class LazyCallProcessor:
         self.ids: list[int] = []
         self.states: deque[_Scan] = deque([_Scan()], maxlen=SNAPSHOTS + 1)  # states[-1]: after self.ids
         self.activations = 0  # how many calls the grammar constrained (tests and metrics read it)
+        #: why a running call grammar failed on ids it allowed (the engine fails the request), else None
+        self.failure: str | None = None
         self.mask_seconds = 0.0
         self.masks = 0
 
@@ -100,7 +104,11 @@ class LazyCallProcessor:
             state = self.states[-1]
             if not state.active:
                 return None
-            packed = np.frombuffer(self.matchers[state.active].compute_bitmask(), dtype=np.uint32)
+            matcher = self.matchers[state.active]
+            packed = np.frombuffer(matcher.compute_bitmask(), dtype=np.uint32)
+            if matcher.is_error():  # a budget ran out: never continue unconstrained
+                self.failure = self.failure or failure_reason(matcher)
+                return None
             if len(packed) < self.words:
                 packed = np.concatenate([packed, np.zeros(self.words - len(packed), dtype=np.uint32)])
             return packed[: self.words]
@@ -134,7 +142,7 @@ class LazyCallProcessor:
         if state.active:  # re-feed the running call up to the kept ids
             matcher = self._restart(state.active)
             if state.fed_from < len(self.ids):
-                matcher.consume_tokens(self.ids[state.fed_from:])
+                matcher.try_consume_tokens(self.ids[state.fed_from:])
 
     def _push(self, token: int) -> None:
         state = self.states[-1]
@@ -142,9 +150,11 @@ class LazyCallProcessor:
         self.ids.append(token)
         if state.active:
             matcher = self.matchers[state.active]
-            if not matcher.consume_token(token) or matcher.is_error():
+            taken = matcher.try_consume_tokens([token])  # a refused id (a draft) leaves no error state
+            if matcher.is_error():  # on an id it allowed: a budget ran out
+                self.failure = self.failure or failure_reason(matcher)
                 state = attrs.evolve(state, active="")
-            elif matcher.is_stopped():
+            elif not taken or matcher.is_stopped():
                 state = attrs.evolve(state, active="")
         state = self._scan(state, token, index)
         self.states.append(state)
@@ -203,8 +213,13 @@ class LazyCallProcessor:
         matcher = self._restart(name)
         self.activations += 1
         s = attrs.evolve(s, active=name, fed_from=fed_from)
-        if fed_from < len(self.ids) and not matcher.consume_tokens(self.ids[fed_from:]):
-            return attrs.evolve(s, active="")
+        if fed_from < len(self.ids):
+            fed = self.ids[fed_from:]
+            taken = matcher.try_consume_tokens(fed)
+            if matcher.is_error():
+                self.failure = self.failure or failure_reason(matcher)
+            if taken < len(fed) or matcher.is_error():
+                return attrs.evolve(s, active="")
         if matcher.is_stopped():
             return attrs.evolve(s, active="")
         return s

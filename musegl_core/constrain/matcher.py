@@ -44,9 +44,20 @@ def ll_tokenizer(tokenizer) -> Any:
 class GrammarProcessor:
     """One request's grammar: the allowed ids of the next token.
 
-    Once the grammar is complete (it accepted its final ``<|eot|>``) or the
-    matcher failed, ``mask`` returns None: generation past the end (only with
-    ``ignore_eos``) is unconstrained, never an all-zero mask.
+    Once the grammar is complete (it accepted its final ``<|eot|>``), ``mask``
+    returns None: generation past the end (only with ``ignore_eos``) is
+    unconstrained, never an all-zero mask.
+
+    The matcher never leaves an error state, so ids it refuses are not fed to
+    it: a draft the grammar does not allow (the verify rows of speculative
+    decoding ask for masks after hypothetical drafts) ends the consumed
+    prefix there, and the row's mask is that of the last allowed position
+    (the row is discarded with the draft). A matcher that fails on ids it
+    allowed — llguidance ran out of its per-token budgets (``LexerTooComplex``,
+    ``ParserTooComplex``) or found no allowed token — sets :attr:`failure`;
+    the engine then ends the request with that error
+    (``constraint_failed``) before it emits another token: the constraint is
+    never dropped silently.
     """
 
     def __init__(self, matcher: Any, words: int):
@@ -55,6 +66,8 @@ class GrammarProcessor:
         self.ids: list[int] = []  # what the matcher has consumed
         self.mask_seconds = 0.0  # time spent in mask() (the benchmark reads it)
         self.masks = 0
+        #: why the matcher failed on allowed ids (the engine fails the request), else None
+        self.failure: str | None = None
 
     def mask(self, generated: Sequence[int]) -> Any:
         import time
@@ -74,17 +87,30 @@ class GrammarProcessor:
         if common < len(ids):
             matcher.rollback(len(ids) - common)
             del ids[common:]
-        for token in generated[common:]:
-            if matcher.is_stopped() or matcher.is_error():
-                break
-            matcher.consume_token(int(token))
-            ids.append(int(token))
-        if matcher.is_stopped() or matcher.is_error():
+        new = [int(token) for token in generated[common:]]
+        if new and not matcher.is_stopped() and not matcher.is_error():
+            taken = matcher.try_consume_tokens(new)
+            ids.extend(new[:taken])
+        if matcher.is_error():
+            self.failure = self.failure or failure_reason(matcher)
+            return None
+        if matcher.is_stopped():
             return None
         packed = np.frombuffer(matcher.compute_bitmask(), dtype=np.uint32)
+        if matcher.is_error():  # a budget ran out while computing the mask
+            self.failure = self.failure or failure_reason(matcher)
+            return None
         if len(packed) < self.words:
             packed = np.concatenate([packed, np.zeros(self.words - len(packed), dtype=np.uint32)])
         return packed[: self.words]
+
+
+def failure_reason(matcher: Any) -> str:
+    """The first line of a failed matcher's error, with its stop reason."""
+    error = (matcher.get_error() or "").strip().splitlines()
+    first = error[0] if error else "the grammar engine stopped"
+    reason = matcher.stop_reason() if hasattr(matcher, "stop_reason") else None
+    return f"{first} ({reason})" if reason and reason not in first else first
 
 
 def _matcher(grammar: str, tokenizer) -> Any:

@@ -117,6 +117,20 @@ class InFlight:
     started: float
 
 
+def constraint_failure(processors) -> ApiError | None:
+    """The error of a logits processor that can no longer enforce its
+    constraint (its ``failure`` attribute: :class:`~musegl_core.constrain.matcher.GrammarProcessor`),
+    or None. The request then fails (400 ``constraint_failed``) rather than
+    go on unconstrained."""
+    for processor in processors:
+        reason = getattr(processor, "failure", None)
+        if reason:
+            return ApiError(400, f"the output constraint could not be enforced: the grammar engine failed "
+                                 f"during generation ({reason}); simplify the schema",
+                            "invalid_request_error", "constraint_failed")
+    return None
+
+
 def grammar_threads(configured: int | None, limits: ExecutorLimits) -> int:
     """Mask threads: as configured, else none when the forward runs on the host CPU (measured on
     2 cores: overlapping threads cost constrained decoding 5-9 %, masks between steps under 1 %)
@@ -641,6 +655,11 @@ class Engine:
 
     def _on_token(self, seq: SequenceState, token: int, logprobs: TokenLogprobs | None = None) -> None:
         request = seq.request
+        failure = constraint_failure(request.processors)
+        if failure is not None:  # the token was drawn without the constraint: never emitted
+            self._finish(seq, None, None)
+            self._fail(seq.id, failure)
+            return
         if request.stream:
             seq.session.confirmed = True  # first raw output confirms a streamed session
         seq.generated.append(token)

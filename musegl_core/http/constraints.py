@@ -17,6 +17,7 @@ import attrs
 
 from musegl_core.chat.messages import ToolDef
 from musegl_core.constrain import grammar as g
+from musegl_core.constrain.enforceable import unenforceable
 from musegl_core.errors import ApiError, bad_request
 from musegl_core.http import schemas as s
 
@@ -90,6 +91,23 @@ def preflight_schema(schema: Any, param: str, tool_parser: Any) -> None:
         raise bad_request(message, code="invalid_json_schema", param=param) from None
 
 
+def check_enforceable(schema: Any, param: str) -> None:
+    """A 400 ``unsupported_schema`` naming ``param`` for a schema llguidance
+    compiles but cannot enforce (no finite instance, an over-long forced
+    pattern: :mod:`musegl_core.constrain.enforceable`)."""
+    reason = unenforceable(schema)
+    if reason is not None:
+        raise bad_request(f"'{param}' cannot be enforced: {reason}", code="unsupported_schema", param=param)
+
+
+def check_tool_schemas(tools: list[ToolDef], names: list[str] | None = None) -> None:
+    """:func:`check_enforceable` for the parameters of the tools whose calls
+    a grammar constrains (``names``; None: all), each named by its place."""
+    for index, tool in enumerate(tools):
+        if names is None or tool.name in names:
+            check_enforceable(tool.parameters, f"tools[{index}].function.parameters")
+
+
 def output_grammar(
     request: s.ChatCompletionRequest,
     *,
@@ -121,6 +139,7 @@ def output_grammar(
                 raise bad_request(f"tool_choice names {named!r}, which is not among the declared tools",
                                   param="tool_choice")
             names = [named]
+        check_tool_schemas(tools, names)
         call_rules = tool_parser.grammar(tools, {"aliases": aliases, "prepared": prepared_tools, "names": names})
     if forced_calls:
         text = g.calls_grammar(call_rules, reasoning)
@@ -128,6 +147,7 @@ def output_grammar(
     else:
         schema, param = answer
         preflight_schema(schema, param, tool_parser)
+        check_enforceable(schema, param)
         text = g.answer_grammar(schema, reasoning)
         if call_rules is not None:  # tools stay callable next to a JSON answer
             text = text.replace("start: reasoning? answer\n", "start: reasoning? (answer | calls)\n", 1)
@@ -163,6 +183,7 @@ def lazy_call_grammar(
     if tool_parser is None or getattr(tool_parser, "grammar", None) is None:
         raise unsupported("tools", f"the tool parser {getattr(tool_parser, 'name', None)!r} cannot constrain "
                                    "tool calls, so 'strict: true' cannot be honoured")
+    check_tool_schemas(tools, strict)
     free = [t.name for t in tools if not t.strict]
     try:
         found = tool_parser.grammar(tools, {"aliases": aliases, "prepared": prepared_tools, "names": strict,
