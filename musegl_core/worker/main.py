@@ -33,9 +33,11 @@ from musegl_core.engine.randomness import random_seed
 from musegl_core.engine.request import GenerateRequest, PreparedRequest
 from musegl_core.engine.sessions import session_policy
 from musegl_core.errors import ApiError, ConfigError
+from musegl_core.tokenizer import TokenBudgetExceeded
 from musegl_core.vision.preprocess import ImagePreprocessor, place_images
 from musegl_core.worker import messages as m
 from musegl_core.worker.client import config_converter
+from musegl_core.worker.preparation import PreparationPool, prompt_too_long
 
 log = logging.getLogger("musegl.worker")
 
@@ -64,23 +66,39 @@ class EventWriter:
 
 
 def prepare(request: GenerateRequest, tokenizer, vocab_size: int = 0,
-            vision: ImagePreprocessor | None = None) -> PreparedRequest:
-    """Prepare a request once, on the control thread: tokenize the prompt
-    segments, check the ids, decode and place its images (``vision`` None: the
-    model sees no images, so an image is a 400), fix the seed (a random one
-    when none was given, so every draw is keyed by seed and position), compile
-    the output constraint against the served vocabulary (``vocab_size``: the
-    model's, when larger than the tokenizer's)."""
+            vision: ImagePreprocessor | None = None, *, max_context: int | None = None) -> PreparedRequest:
+    """Prepare a request once, on a preparation thread (:mod:`musegl_core.worker.preparation`):
+    tokenize the prompt segments, check the ids, decode and place its images
+    (``vision`` None: the model sees no images, so an image is a 400), fix the
+    seed (a random one when none was given, so every draw is keyed by seed and
+    position), compile the output constraint against the served vocabulary
+    (``vocab_size``: the model's, when larger than the tokenizer's).
+
+    Cheap checks come first. With ``max_context`` a prompt that cannot fit is
+    refused from its length alone (:meth:`MuseTokenizer.token_count_floor`),
+    then as soon as tokenizing it has counted too many ids; images are checked
+    from their headers against the decode budget before the prompt is
+    tokenized and before any is decoded."""
+    limit = reservation = None
+    if max_context is not None:
+        reservation = request.max_tokens or 1
+        limit = max(max_context - reservation, 0)
+        floor = tokenizer.token_count_floor(request.prompt)
+        if floor > limit:
+            raise prompt_too_long(floor, reservation, max_context)
+    admitted = vision.admit(request.images) if request.images and vision is not None else None
     try:
-        ids = tokenizer.encode_segments(request.prompt, add_bos=request.add_bos)
-    except Exception as exc:
+        ids = tokenizer.encode_segments(request.prompt, add_bos=request.add_bos, limit=limit)
+    except TokenBudgetExceeded as exc:
+        raise prompt_too_long(exc.at_least, reservation, max_context) from None
+    except Exception as exc:  # TokenizationError (a tokenizer panic included) and anything else it raises
         raise ApiError(400, f"could not tokenize the prompt: {exc}", "invalid_request_error") from exc
     if not ids:
         raise ApiError(400, "the prompt is empty", "invalid_request_error", param="messages")
     vocab = tokenizer.vocab_size
     if any(not 0 <= i < vocab for i in ids):
         raise ApiError(400, f"prompt token ids must be in [0, {vocab})", "invalid_request_error")
-    ids, images = place_images(ids, request.images, tokenizer, vision)
+    ids, images = place_images(ids, request.images, tokenizer, vision, admitted)
     sampling = request.sampling
     limit = max(vocab, vocab_size)
     for token, _ in sampling.logit_bias:
@@ -118,6 +136,25 @@ def prepare(request: GenerateRequest, tokenizer, vocab_size: int = 0,
 
 def control_loop(stdin: BinaryIO, engine: Engine, tokenizer, writer: EventWriter, limit: int,
                  vision: ImagePreprocessor | None = None) -> None:
+    """Read frames until EOF. Generation requests are prepared on the
+    :class:`PreparationPool`'s threads, so this thread is always free to read
+    the next frame (a cancellation, another request)."""
+    vocab_size = engine.executor.info.vocab_size
+
+    def fail(request_id: str, err: ApiError) -> None:
+        writer(m.Failed(request_id, err.status, err.message, err.type, err.code, err.param, dict(err.metadata)))
+
+    pool = PreparationPool(
+        lambda request: engine.plan_replay(prepare(request, tokenizer, vocab_size, vision,
+                                                   max_context=engine.config.max_context)),
+        engine.submit, fail)
+    try:
+        _read_frames(stdin, engine, writer, limit, pool)
+    finally:
+        pool.close()
+
+
+def _read_frames(stdin: BinaryIO, engine: Engine, writer: EventWriter, limit: int, pool: PreparationPool) -> None:
     while True:
         line = stdin.readline(limit + 1)
         if not line:
@@ -134,19 +171,21 @@ def control_loop(stdin: BinaryIO, engine: Engine, tokenizer, writer: EventWriter
             writer(m.Failed(None, 400, str(exc), "invalid_request_error"))
             continue
         if isinstance(message, m.Cancel):
-            engine.cancel(message.id)
+            if not pool.cancel(message.id):  # not in preparation: the engine has it
+                engine.cancel(message.id)
         elif isinstance(message, m.Stats):
-            engine.call(lambda values, rid=message.id: writer(m.StatsReport(rid, values)))
+            engine.call(lambda values, rid=message.id: writer(m.StatsReport(rid, {**values, **pool.stats()})))
         elif isinstance(message, m.ListSessions):
             engine.list_sessions(lambda infos, rid=message.id: writer(m.SessionList(rid, tuple(infos))))
         elif isinstance(message, m.CloseSession):
-            engine.close_session(message.session_id, lambda error, msg=message: writer(_closed(msg, error)))
+            if pool.session_busy(message.session_id):  # its next request is being prepared
+                writer(_closed(message, ApiError(
+                    409, f"session {message.session_id!r} has a request running or queued; close it when idle",
+                    "invalid_request_error", "session_active", "session_id")))
+            else:
+                engine.close_session(message.session_id, lambda error, msg=message: writer(_closed(msg, error)))
         elif isinstance(message, m.Generate):
-            try:
-                engine.submit(engine.plan_replay(prepare(message, tokenizer, engine.executor.info.vocab_size,
-                                                         vision)))
-            except ApiError as err:
-                writer(m.Failed(message.id, err.status, err.message, err.type, err.code, err.param, dict(err.metadata)))
+            pool.submit(message)
 
 
 def image_preprocessor(config: ServeConfig, executor) -> ImagePreprocessor | None:

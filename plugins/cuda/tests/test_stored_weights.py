@@ -92,7 +92,7 @@ def test_stored_matches_upcast(wide_model, file_type, monkeypatch):
     assert greedy_tokens(stored, ids, 12) == follow
 
 
-@pytest.mark.skipif(native.load() is None or not native.load().mw_has_gemm_f16(), reason="no AVX512-FP16 here")
+@pytest.mark.skipif(native.load() is None or not native.load().half_gemm, reason="no AVX512-FP16 here")
 def test_f16_prompt_rows_in_half_arithmetic_stay_close(wide_model):
     """With f16 matrices the prompt rows nobody samples run in float16 arithmetic
     (``mw_gemm_f16``); sampled rows stay float32. The logits stay within float16
@@ -117,6 +117,28 @@ def test_f16_prompt_rows_in_half_arithmetic_stay_close(wide_model):
                                       sample=True)])).logits[1]
     # (the two steps take different attention paths, so float32 rounding, not float16's)
     torch.testing.assert_close(torch.as_tensor(both), torch.as_tensor(alone), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("path", [*native.PATH_NAMES, native.FALLBACK])
+def test_f16_weights_take_their_file_size(wide_model, path, monkeypatch):
+    """On each kernel path this CPU runs, a f16 GGUF's matrices stay f16: the weights
+    take at most 1.1x the file (the fallback holds float32 copies, twice that)."""
+    if path != native.FALLBACK and path not in native.runnable_paths():
+        pytest.skip(f"the {path} kernels do not run on this CPU")
+    _, paths = wide_model
+    monkeypatch.setenv(native.ENV, path)
+    native.reset()
+    try:
+        ex = executor(paths["f16"])
+    finally:
+        native.reset()
+    size = paths["f16"].stat().st_size
+    total = sum(ex.weight_bytes.values())
+    if path == native.FALLBACK:
+        assert set(ex.weight_bytes) == {"f32"} and total > 1.9 * size
+        return
+    assert set(ex.weight_bytes) == {"f16"} and total <= 1.1 * size, (total, size)
+    assert all(p.device.type == "meta" for p in ex.model.parameters() if p.dim() == 2)  # no float32 copies
 
 
 def test_greedy_agreement_with_float32(wide_model):
@@ -190,7 +212,7 @@ def assert_half_arithmetic(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) ->
 
 
 @pytest.mark.parametrize("dtype", ["f32", "f16", "bf16", "q8_0", "q4_0", "q4_k"])
-@pytest.mark.parametrize("m", [1, 3, 9, 20, 40])  # one row, a row_dot tile, register tiles + rest, above DIRECT_ROWS
+@pytest.mark.parametrize("m", [1, 3, 9, 20, 40])  # one row, one weight row at a time, register tiles, wide
 @pytest.mark.parametrize("n", [40, 42])  # weight rows in whole register tiles, and two left over
 def test_kernel_products_and_rows(dtype, m, n):
     rng = np.random.default_rng(0)
@@ -260,7 +282,7 @@ def test_batched_decode_of_unequal_sequences_matches_one_at_a_time(wide_model):
         torch.testing.assert_close(together[chunk.seq], alone, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.skipif(native.load() is None or not native.load().mw_has_gemm_f16(), reason="no AVX512-FP16 here")
+@pytest.mark.skipif(native.load() is None or not native.load().half_gemm, reason="no AVX512-FP16 here")
 def test_half_arithmetic_rows_do_not_depend_on_the_rows_beside_them():
     """The float16 product of a row is the same whatever the other rows of the call
     (each output sums the same products in the same order in every tile shape), so a
@@ -279,7 +301,7 @@ def test_half_arithmetic_rows_do_not_depend_on_the_rows_beside_them():
     assert_half_arithmetic(whole, x, torch.from_numpy(w.astype(np.float32)))
 
 
-@pytest.mark.skipif(native.load() is None or not native.load().mw_has_gemm_f16(), reason="no AVX512-FP16 here")
+@pytest.mark.skipif(native.load() is None or not native.load().half_gemm, reason="no AVX512-FP16 here")
 def test_half_products_beyond_float16_range_fall_back_to_float32():
     """An activation beyond float16's range (65504) would turn the float16 product into
     infinities; the kernel reports it and the product is computed in float32 instead."""

@@ -3,13 +3,16 @@
 :class:`StoredMatrix` holds the bytes of ``rows`` weight rows of ``cols``
 values each (float32, float16, bfloat16 or GGUF Q8_0/Q4_0/Q4_K blocks, as
 :class:`~musegl_core.checkpoint.stored.StoredTensor` gives them) in one uint8
-torch tensor. ``x @ W^T`` for up to :data:`DIRECT_ROWS` activation rows (decode
-steps) runs :func:`mw_matmul`, which decodes each weight row in registers and
-reads the weight once; wider products (prefill chunks) decode the matrix to
-float32 and use torch's GEMM, where the weight bytes no longer dominate. The
-rows a :class:`HalfRows` names (prompt rows nobody samples) are multiplied with
-float16 matrices in float16 arithmetic instead, where the CPU has AVX512-FP16
-(:func:`mw_gemm_f16`). Activations and results are float32.
+torch tensor. ``x @ W^T`` runs ``mw_matmul`` of the kernel path
+:mod:`musegl_cuda.cpu.native` chose (AVX-512 or AVX2): decode steps decode each
+weight row in registers and read the weight once; wide products (prefill
+chunks) decode a few weight rows at a time into a cached float32 scratch. Every
+row count sums each output in one order, so a row's result does not depend on
+the rows beside it (bit for bit). The rows a :class:`HalfRows` names (prompt
+rows nobody samples) are multiplied with float16 matrices in float16
+arithmetic instead, where the CPU has AVX512-FP16 (``mw_gemm_f16``, also
+independent of the other rows). Activations and results are float32.
+:class:`DenseMatrix` is the float32 fallback where no kernels run.
 """
 
 from __future__ import annotations
@@ -23,15 +26,12 @@ import torch
 
 from musegl_core.checkpoint.stored import StoredTensor
 from musegl_cuda.cpu import native
+from musegl_cuda.cpu.fixed_blocks import fixed_block_linear
 
 log = logging.getLogger("musegl.cuda")
 
 # stored dtype tag -> (kernel type code, values per block)
 KINDS = {"f32": (0, 32), "f16": (1, 32), "bf16": (2, 32), "q8_0": (8, 32), "q4_0": (4, 32), "q4_k": (12, 256)}
-#: Activation rows up to which the product reads the stored weight directly (above it the
-#: matrix is decoded to float32 for torch's GEMM; at 32 rows the direct kernels' register
-#: tiles take 0.5-0.9x the time of decode + GEMM on the bench shapes, at 64 rows 0.9-1.2x).
-DIRECT_ROWS = 32
 #: Prompt rows that nobody samples (see :class:`HalfRows`) are multiplied with float16
 #: matrices in float16 arithmetic where the CPU has AVX512-FP16 (``mw_gemm_f16``: twice
 #: float32's multiply-adds per instruction, and no float32 copy of the matrix); False keeps
@@ -80,13 +80,16 @@ def supported(stored: StoredTensor) -> bool:
 class StoredMatrix:
     """``rows x cols`` weight in stored form; see the module docstring."""
 
-    def __init__(self, dtype: str, data: torch.Tensor, rows: int, cols: int, threads: int | None = None) -> None:
-        lib = native.load()
-        if lib is None:
+    def __init__(self, dtype: str, data: torch.Tensor, rows: int, cols: int, threads: int | None = None,
+                 kernels: native.Kernels | None = None) -> None:
+        """``kernels``: the build to run (default: the one :func:`native.load` chose)."""
+        kernels = kernels or native.load()
+        if kernels is None:
             raise RuntimeError(f"stored-weight kernels unavailable: {native.unavailable_reason()}")
         if dtype not in KINDS:
             raise ValueError(f"no CPU kernel for weight dtype {dtype!r} (kernels: {', '.join(KINDS)})")
-        self._lib = lib
+        self.kernels = kernels
+        self._lib = lib = kernels.lib
         self.dtype = dtype
         self.code, block = KINDS[dtype]
         if cols % block:
@@ -100,10 +103,10 @@ class StoredMatrix:
         self.threads = threads or torch.get_num_threads()
 
     @classmethod
-    def from_stored(cls, stored: StoredTensor) -> "StoredMatrix":
+    def from_stored(cls, stored: StoredTensor, kernels: native.Kernels | None = None) -> "StoredMatrix":
         rows, cols = stored.shape
         raw = np.ascontiguousarray(stored.data).view(np.uint8).reshape(rows, -1)
-        return cls(stored.dtype, torch.from_numpy(raw.copy()), rows, cols)
+        return cls(stored.dtype, torch.from_numpy(raw.copy()), rows, cols, kernels=kernels)
 
     @classmethod
     def concat(cls, parts: list["StoredMatrix"]) -> "StoredMatrix":
@@ -111,7 +114,8 @@ class StoredMatrix:
         first = parts[0]
         if any(p.dtype != first.dtype or p.cols != first.cols for p in parts):
             raise ValueError("stored matrices to stack must share dtype and width")
-        return cls(first.dtype, torch.cat([p.data for p in parts]), sum(p.rows for p in parts), first.cols)
+        return cls(first.dtype, torch.cat([p.data for p in parts]), sum(p.rows for p in parts), first.cols,
+                   kernels=first.kernels)
 
     @property
     def nbytes(self) -> int:
@@ -137,14 +141,12 @@ class StoredMatrix:
     @property
     def half_capable(self) -> bool:
         """True for a float16 matrix on a CPU with AVX512-FP16 (and :data:`HALF_GEMM` on)."""
-        return self.code == KINDS["f16"][0] and HALF_GEMM and bool(self._lib.mw_has_gemm_f16())
+        return self.code == KINDS["f16"][0] and HALF_GEMM and self.kernels.half_gemm
 
     def _exact(self, x: torch.Tensor) -> torch.Tensor:
-        """``x @ W^T`` in float32 arithmetic: the direct kernels up to :data:`DIRECT_ROWS`
-        rows, else the matrix decoded to float32 and torch's GEMM."""
+        """``x @ W^T`` in float32 arithmetic (``mw_matmul``: each row's result the same
+        whatever the other rows)."""
         m = x.shape[0]
-        if m > DIRECT_ROWS:
-            return torch.nn.functional.linear(x, self.dequantize())
         x = x.contiguous()
         y = torch.empty(m, self.rows, dtype=torch.float32)
         self._lib.mw_matmul(self.code, self.data.data_ptr(), self.rows, self.cols, x.data_ptr(), self.cols,
@@ -184,8 +186,10 @@ class StoredMatrix:
 
 class DenseMatrix:
     """A float32 matrix with :class:`StoredMatrix`'s interface, for weights the
-    kernels cannot run (another GGUF type, rows that do not fill 32-value blocks,
-    or no kernels on this machine). ``source_dtype`` is what the checkpoint stored."""
+    kernels cannot run (rows that do not fill 32-value blocks, or no kernels on this
+    machine), multiplied by torch in fixed-size row blocks so rows stay independent of
+    their batch (:func:`~musegl_cuda.cpu.fixed_blocks.fixed_block_linear`).
+    ``source_dtype`` is what the checkpoint stored."""
 
     dtype = "f32"
 
@@ -200,19 +204,24 @@ class DenseMatrix:
 
     def matmul(self, x: torch.Tensor, half: HalfRows | None = None) -> torch.Tensor:
         """``x @ W^T`` in float32 (``half`` does not apply to float32 weights)."""
-        if x.shape[0] <= 32:  # see musegl_cuda.model.SMALL_BATCH_ROWS
-            return (self.weight @ x.t()).t()
-        return torch.nn.functional.linear(x, self.weight)
+        return fixed_block_linear(x, self.weight)
 
     def dequantize(self, rows: torch.Tensor | None = None) -> torch.Tensor:
         return self.weight.clone() if rows is None else self.weight[rows]
 
 
 def stored_matrix(stored: StoredTensor) -> StoredMatrix | DenseMatrix:
-    """The weight as a :class:`StoredMatrix` where the kernels run it, else float32."""
-    if supported(stored) and native.load() is not None:
-        return StoredMatrix.from_stored(stored)
-    return DenseMatrix(torch.from_numpy(stored.to_float32()), stored.dtype)
+    """The weight as a :class:`StoredMatrix` where the kernels run it; another type
+    (Q6_K, Q5_K ...) decoded to float32 and run by the kernels' f32 path where its rows
+    fill 32-value blocks; else a float32 :class:`DenseMatrix`."""
+    kernels = native.load()
+    if kernels is not None and supported(stored):
+        return StoredMatrix.from_stored(stored, kernels)
+    weight = np.ascontiguousarray(stored.to_float32(), dtype=np.float32)
+    f32 = StoredTensor(stored.name, "f32", stored.shape, weight)
+    if kernels is not None and supported(f32):
+        return StoredMatrix.from_stored(f32, kernels)
+    return DenseMatrix(torch.from_numpy(weight), stored.dtype)
 
 
 class StoredGroup:

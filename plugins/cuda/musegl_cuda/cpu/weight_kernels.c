@@ -1,16 +1,33 @@
-/* Matrix products that read weights in their stored form, for decode steps on the CPU.
+/* Matrix products that read weights in their stored form, on the CPU.
  *
- * y[m, n] = sum_k x[m, k] * W[n, k] for a few activation rows x (float32) and a
- * weight W kept as float16, bfloat16 or GGUF blocks (Q8_0, Q4_0, Q4_K). Each
- * weight row is decoded 16 values at a time in registers and multiplied into
- * every activation row, so the weight is read from memory once per call, at
- * its stored size: decode is bound by weight bytes, which is what halving or
- * quartering them buys. With several activation rows, 4 weight rows x up to 4
- * activation rows are multiplied per register tile (see "Register-tiled
- * products"). Rows are split in chunks over a small pool of threads (see
- * "Thread pool" below).
+ * y[m, n] = sum_k x[m, k] * W[n, k] for activation rows x (float32) and a weight W
+ * kept as float32, float16, bfloat16 or GGUF blocks (Q8_0, Q4_0, Q4_K). Each weight
+ * row is decoded in registers, 32 values at a time, and multiplied into the activation
+ * rows, so a decode step reads the weight once, at its stored size: decode is bound by
+ * weight bytes, which is what halving or quartering them buys. Wide products (prefill
+ * chunks) decode a few weight rows at a time into a float32 scratch that stays in cache
+ * and multiply them into blocks of activation rows (see "Wide products").
  *
- * mw_dequant_rows decodes whole rows to float32 (embedding lookups, prefill).
+ * One source, three builds (musegl_cuda/cpu/native.py picks one at run time by what
+ * the CPU has; MUSEGL_CPU_KERNELS forces one):
+ *   avx512fp16  AVX-512 F/BW + F16C + FMA, and AVX512-FP16 for mw_gemm_f16 (prompt
+ *               rows of float16 weights in float16 arithmetic, at the end of the file);
+ *   avx512      the same without AVX512-FP16 (mw_gemm_f16 reports it is missing);
+ *   avx2        AVX2 + FMA + F16C, 8-lane vectors (built with -mno-avx512f).
+ * The build's instruction set is fixed by the compiler flags; mw_path() says which.
+ *
+ * Rows never depend on their batch. Every product computes each output
+ * y[m][n] = sum over k of x[m][k] * W[n][k] in one fixed order, whatever the number
+ * of activation rows, the tile that computes it or the thread that runs it: one vector
+ * accumulator (VL lanes) per output, for each 32-value block of k in order and each VL
+ * values of that block in order acc = fma(w, x, acc), then the lanes added up by
+ * v_sum (one fixed tree). Every kernel below (small tiles, register tiles, the wide
+ * products' float32 scratch, whose values are the very floats the decoders give) keeps
+ * that order, so row r of an N-row product is bit for bit the 1-row product of row r,
+ * and a prompt row gives the same K/V however its chunk was cut. The order differs
+ * between builds (16 or 8 lanes): results are reproducible per build, not across them.
+ *
+ * mw_dequant_rows decodes whole rows to float32 (embedding lookups).
  *
  * Block layouts (ggml):
  *   Q8_0: 32 values, 34 bytes: f16 d, int8 q[32]; v = d*q.
@@ -23,15 +40,90 @@
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #include <immintrin.h>
 
 enum { MW_F32 = 0, MW_F16 = 1, MW_BF16 = 2, MW_Q8_0 = 8, MW_Q4_0 = 4, MW_Q4_K = 12 };
-#define MAX_TILE 8
+enum { PATH_AVX2 = 1, PATH_AVX512 = 2, PATH_AVX512FP16 = 3 };
 
-static inline float half_to_float(uint16_t h) {
-    return _cvtsh_ss(h);
+#define ALWAYS_INLINE static inline __attribute__((always_inline))
+
+/* ---- Vectors of the build's width ------------------------------------------------ */
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__F16C__) && defined(__FMA__)
+#define VL 16
+typedef __m512 vf;
+typedef __m512i vi;
+#ifdef __AVX512FP16__
+#define MW_PATH PATH_AVX512FP16
+#else
+#define MW_PATH PATH_AVX512
+#endif
+#define v_zero() _mm512_setzero_ps()
+#define v_load(p) _mm512_loadu_ps(p)
+#define v_store(p, v) _mm512_storeu_ps((p), (v))
+#define v_fma(a, b, c) _mm512_fmadd_ps((a), (b), (c))
+#define v_fmsub(a, b, c) _mm512_fmsub_ps((a), (b), (c))
+#define v_mul(a, b) _mm512_mul_ps((a), (b))
+#define v_set1(s) _mm512_set1_ps(s)
+#define v_cvt(i) _mm512_cvtepi32_ps(i)
+#define i_set1(s) _mm512_set1_epi32(s)
+#define i_and(a, b) _mm512_and_si512((a), (b))
+#define i_sub(a, b) _mm512_sub_epi32((a), (b))
+#define i_srli(a, n) _mm512_srli_epi32((a), (n))
+ALWAYS_INLINE vf v_f16(const uint16_t *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
+ALWAYS_INLINE vf v_bf16(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
 }
+ALWAYS_INLINE vi i_u8(const uint8_t *p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)); }
+ALWAYS_INLINE vi i_i8(const int8_t *p) { return _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)); }
+ALWAYS_INLINE float v_sum(vf v) { return _mm512_reduce_add_ps(v); }
+/* Register tiles: NR weight rows x up to TILE_MR activation rows (16 of 32 registers). */
+#define TILE_MR 4
+#elif defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
+#define VL 8
+typedef __m256 vf;
+typedef __m256i vi;
+#define MW_PATH PATH_AVX2
+#define v_zero() _mm256_setzero_ps()
+#define v_load(p) _mm256_loadu_ps(p)
+#define v_store(p, v) _mm256_storeu_ps((p), (v))
+#define v_fma(a, b, c) _mm256_fmadd_ps((a), (b), (c))
+#define v_fmsub(a, b, c) _mm256_fmsub_ps((a), (b), (c))
+#define v_mul(a, b) _mm256_mul_ps((a), (b))
+#define v_set1(s) _mm256_set1_ps(s)
+#define v_cvt(i) _mm256_cvtepi32_ps(i)
+#define i_set1(s) _mm256_set1_epi32(s)
+#define i_and(a, b) _mm256_and_si256((a), (b))
+#define i_sub(a, b) _mm256_sub_epi32((a), (b))
+#define i_srli(a, n) _mm256_srli_epi32((a), (n))
+ALWAYS_INLINE vf v_f16(const uint16_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
+ALWAYS_INLINE vf v_bf16(const uint16_t *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+ALWAYS_INLINE vi i_u8(const uint8_t *p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)); }
+ALWAYS_INLINE vi i_i8(const int8_t *p) { return _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)); }
+ALWAYS_INLINE float v_sum(vf v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+/* 16 registers: 4 x 3 accumulators and the 4 vectors of one decoded 32-value block. */
+#define TILE_MR 3
+#else
+#error "weight_kernels.c needs AVX2 + FMA + F16C, or AVX-512 F/BW + F16C + FMA"
+#endif
+
+#define NV (32 / VL) /* vectors per 32-value block */
+#define NR 4         /* weight rows of a register tile */
+#define SMALL_M 8    /* activation rows up to which one weight row at a time is multiplied */
+#define PREFETCH(p) _mm_prefetch((const char *)(p) + 1024, _MM_HINT_T0)
+
+int mw_path(void) { return MW_PATH; }
+int mw_vector_lanes(void) { return VL; }
+
+static inline float half_to_float(uint16_t h) { return _cvtsh_ss(h); }
 
 /* Bytes of one row of K values. */
 long mw_row_bytes(int type, long k) {
@@ -55,147 +147,38 @@ static inline void q4k_scale_min(int j, const uint8_t *q, int *sc, int *mn) {
     }
 }
 
-/* Two accumulator sets (values 0-15 and 16-31 of every 32) halve the FMA dependency
- * chains; acc[m] += w0 * x[m][k..k+16), acc2[m] += w1 * x[m][k+16..k+32). */
-#define FMA_PAIR(w0, w1, koff)                                                            \
-    for (int m = 0; m < mt; ++m) {                                                        \
-        acc[m] = _mm512_fmadd_ps((w0), _mm512_loadu_ps(x + (long)m * ldx + (koff)), acc[m]);       \
-        acc2[m] = _mm512_fmadd_ps((w1), _mm512_loadu_ps(x + (long)m * ldx + (koff) + 16), acc2[m]); \
-    }
-#define PREFETCH(p) _mm_prefetch((const char *)(p) + 1024, _MM_HINT_T0)
-
-static inline __m512 bf16x16(const uint16_t *w) {
-    __m512i wi = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)w));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(wi, 16));
-}
-
-/* One weight row against an x tile of mt <= MAX_TILE rows; out[m] = dot. k % 32 == 0. */
-static void row_dot(int type, const uint8_t *wrow, long k, const float *x, long ldx, int mt, float *out) {
-    __m512 acc[MAX_TILE], acc2[MAX_TILE];
-    for (int m = 0; m < mt; ++m) acc[m] = acc2[m] = _mm512_setzero_ps();
+/* The 32 values of 32-value block b of a row, as NV vectors (values c*VL .. c*VL+VL-1
+ * in w[c]). Every kernel decodes through this function, so they all see the same
+ * floats (for the GGUF types the products are exact: an f16 scale times a few-bit
+ * integer fits float32's mantissa). */
+ALWAYS_INLINE void decode32(const int type, const uint8_t *wrow, long b, vf w[NV]) {
     if (type == MW_F32) {
-        const float *w = (const float *)wrow;
-        for (long i = 0; i < k; i += 32) {
-            PREFETCH(w + i);
-            __m512 w0 = _mm512_loadu_ps(w + i), w1 = _mm512_loadu_ps(w + i + 16);
-            FMA_PAIR(w0, w1, i);
-        }
+        const float *p = (const float *)wrow + b * 32;
+        for (int c = 0; c < NV; ++c) w[c] = v_load(p + c * VL);
     } else if (type == MW_F16) {
-        const uint16_t *w = (const uint16_t *)wrow;
-        for (long i = 0; i < k; i += 32) {
-            PREFETCH(w + i);
-            __m512 w0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w + i)));
-            __m512 w1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w + i + 16)));
-            FMA_PAIR(w0, w1, i);
-        }
+        const uint16_t *p = (const uint16_t *)wrow + b * 32;
+        for (int c = 0; c < NV; ++c) w[c] = v_f16(p + c * VL);
     } else if (type == MW_BF16) {
-        const uint16_t *w = (const uint16_t *)wrow;
-        for (long i = 0; i < k; i += 32) {
-            PREFETCH(w + i);
-            __m512 w0 = bf16x16(w + i), w1 = bf16x16(w + i + 16);
-            FMA_PAIR(w0, w1, i);
-        }
-    } else if (type == MW_Q8_0) {
-        for (long b = 0; b < k / 32; ++b) {
-            const uint8_t *blk = wrow + b * 34;
-            PREFETCH(blk);
-            uint16_t dh;
-            memcpy(&dh, blk, 2);
-            __m512 d = _mm512_set1_ps(half_to_float(dh));
-            const int8_t *q = (const int8_t *)(blk + 2);
-            __m512 w0 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)q))));
-            __m512 w1 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + 16)))));
-            FMA_PAIR(w0, w1, b * 32);
-        }
-    } else if (type == MW_Q4_0) {
-        const __m512i low = _mm512_set1_epi32(15), eight = _mm512_set1_epi32(8);
-        for (long b = 0; b < k / 32; ++b) {
-            const uint8_t *blk = wrow + b * 18;
-            PREFETCH(blk);
-            uint16_t dh;
-            memcpy(&dh, blk, 2);
-            __m512 d = _mm512_set1_ps(half_to_float(dh));
-            __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(blk + 2)));
-            __m512 w0 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_and_si512(q, low), eight)));
-            __m512 w1 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_srli_epi32(q, 4), eight)));
-            FMA_PAIR(w0, w1, b * 32);
-        }
-    } else if (type == MW_Q4_K) {
-        const __m512i low = _mm512_set1_epi32(15);
-        for (long b = 0; b < k / 256; ++b) {
-            const uint8_t *blk = wrow + b * 144;
-            PREFETCH(blk);
-            uint16_t dh, mh;
-            memcpy(&dh, blk, 2);
-            memcpy(&mh, blk + 2, 2);
-            const float d = half_to_float(dh), dmin = half_to_float(mh);
-            const uint8_t *scales = blk + 4, *q = blk + 16;
-            for (int j = 0; j < 4; ++j) {  /* 64 values: sub-blocks 2j (low nibbles), 2j+1 (high) */
-                int sc0, mn0, sc1, mn1;
-                q4k_scale_min(2 * j, scales, &sc0, &mn0);
-                q4k_scale_min(2 * j + 1, scales, &sc1, &mn1);
-                __m512 d0 = _mm512_set1_ps(d * sc0), m0 = _mm512_set1_ps(dmin * mn0);
-                __m512 d1 = _mm512_set1_ps(d * sc1), m1 = _mm512_set1_ps(dmin * mn1);
-                long base = b * 256 + j * 64;
-                __m512i qa = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + j * 32)));
-                __m512i qb = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + j * 32 + 16)));
-                __m512 wa0 = _mm512_fmsub_ps(d0, _mm512_cvtepi32_ps(_mm512_and_si512(qa, low)), m0);
-                __m512 wb0 = _mm512_fmsub_ps(d0, _mm512_cvtepi32_ps(_mm512_and_si512(qb, low)), m0);
-                FMA_PAIR(wa0, wb0, base);
-                __m512 wa1 = _mm512_fmsub_ps(d1, _mm512_cvtepi32_ps(_mm512_srli_epi32(qa, 4)), m1);
-                __m512 wb1 = _mm512_fmsub_ps(d1, _mm512_cvtepi32_ps(_mm512_srli_epi32(qb, 4)), m1);
-                FMA_PAIR(wa1, wb1, base + 32);
-            }
-        }
-    }
-    for (int m = 0; m < mt; ++m) out[m] = _mm512_reduce_add_ps(_mm512_add_ps(acc[m], acc2[m]));
-}
-
-
-/* ---- Register-tiled products ---------------------------------------------------------
- * For more than MAX_TILE activation rows row_dot decodes each weight row once per tile
- * of 8 and loads x once per FMA. The tiled kernel below multiplies NR = 4 weight rows by MR <= 4 activation rows
- * at once, with NR x MR accumulators in registers: per 16 values it decodes 4 weight
- * vectors and loads MR x vectors for 4·MR FMAs, so for MR = 4 the FMA units, not the
- * loads, set the pace (measured on the bench shapes, 2 cores: 1.3-1.5x row_dot's speed
- * at 16-64 rows; at 2-8 rows row_dot, whose weight stream the prefetcher follows better,
- * stays ahead, so it keeps those). decode32 gives the 32 values of one 32-value block of a row as
- * two vectors; the type and MR are compile-time constants in every instantiation
- * (always_inline + a switch outside the loops). */
-
-#define NR 4
-#define ALWAYS_INLINE static inline __attribute__((always_inline))
-
-ALWAYS_INLINE void decode32(const int type, const uint8_t *wrow, long b, __m512 *w0, __m512 *w1) {
-    if (type == MW_F32) {
-        const float *w = (const float *)wrow + b * 32;
-        *w0 = _mm512_loadu_ps(w);
-        *w1 = _mm512_loadu_ps(w + 16);
-    } else if (type == MW_F16) {
-        const uint16_t *w = (const uint16_t *)wrow + b * 32;
-        *w0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)w));
-        *w1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w + 16)));
-    } else if (type == MW_BF16) {
-        const uint16_t *w = (const uint16_t *)wrow + b * 32;
-        *w0 = bf16x16(w);
-        *w1 = bf16x16(w + 16);
+        const uint16_t *p = (const uint16_t *)wrow + b * 32;
+        for (int c = 0; c < NV; ++c) w[c] = v_bf16(p + c * VL);
     } else if (type == MW_Q8_0) {
         const uint8_t *blk = wrow + b * 34;
         uint16_t dh;
         memcpy(&dh, blk, 2);
-        __m512 d = _mm512_set1_ps(half_to_float(dh));
+        const vf d = v_set1(half_to_float(dh));
         const int8_t *q = (const int8_t *)(blk + 2);
-        *w0 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)q))));
-        *w1 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + 16)))));
+        for (int c = 0; c < NV; ++c) w[c] = v_mul(d, v_cvt(i_i8(q + c * VL)));
     } else if (type == MW_Q4_0) {
         const uint8_t *blk = wrow + b * 18;
         uint16_t dh;
         memcpy(&dh, blk, 2);
-        __m512 d = _mm512_set1_ps(half_to_float(dh));
-        __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(blk + 2)));
-        const __m512i low = _mm512_set1_epi32(15), eight = _mm512_set1_epi32(8);
-        *w0 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_and_si512(q, low), eight)));
-        *w1 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_srli_epi32(q, 4), eight)));
+        const vf d = v_set1(half_to_float(dh));
+        const vi low = i_set1(15), eight = i_set1(8);
+        for (int c = 0; c < NV / 2; ++c) {  /* bytes c*VL..: low nibbles values c*VL.., high ones 16 + c*VL.. */
+            vi q = i_u8(blk + 2 + c * VL);
+            w[c] = v_mul(d, v_cvt(i_sub(i_and(q, low), eight)));
+            w[c + NV / 2] = v_mul(d, v_cvt(i_sub(i_srli(q, 4), eight)));
+        }
     } else {  /* MW_Q4_K: 32-value sub-block s of super-block b / 8 */
         const uint8_t *blk = wrow + (b >> 3) * 144;
         const int s = (int)(b & 7);
@@ -204,79 +187,179 @@ ALWAYS_INLINE void decode32(const int type, const uint8_t *wrow, long b, __m512 
         memcpy(&mh, blk + 2, 2);
         int sc, mn;
         q4k_scale_min(s, blk + 4, &sc, &mn);
-        __m512 d = _mm512_set1_ps(half_to_float(dh) * sc), m = _mm512_set1_ps(half_to_float(mh) * mn);
+        const vf d = v_set1(half_to_float(dh) * sc), m = v_set1(half_to_float(mh) * mn);
         const uint8_t *q = blk + 16 + (s >> 1) * 32;
-        __m512i qa = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)q));
-        __m512i qb = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + 16)));
-        if (s & 1) {
-            qa = _mm512_srli_epi32(qa, 4);
-            qb = _mm512_srli_epi32(qb, 4);
-        } else {
-            const __m512i low = _mm512_set1_epi32(15);
-            qa = _mm512_and_si512(qa, low);
-            qb = _mm512_and_si512(qb, low);
+        const vi low = i_set1(15);
+        for (int c = 0; c < NV; ++c) {
+            vi n = i_u8(q + c * VL);
+            n = (s & 1) ? i_srli(n, 4) : i_and(n, low);
+            w[c] = v_fmsub(d, v_cvt(n), m);
         }
-        *w0 = _mm512_fmsub_ps(d, _mm512_cvtepi32_ps(qa), m);
-        *w1 = _mm512_fmsub_ps(d, _mm512_cvtepi32_ps(qb), m);
     }
 }
 
-/* y[m][r + j] = dot(W row r + j, x row m) for j < NR, m < MR. k % 32 == 0. */
-ALWAYS_INLINE void tile_dot(const int type, const int MR, const uint8_t *w, long rb, long k, const float *x,
-                            long ldx, float *y, long ldy) {
-    __m512 acc[NR][4];
-    for (int j = 0; j < NR; ++j)
-        for (int m = 0; m < MR; ++m) acc[j][m] = _mm512_setzero_ps();
+/* ---- Tiles ----------------------------------------------------------------------
+ * tile(): y[m][j] = dot(W row j, x row m) for j < NRT weight rows (rb bytes apart),
+ * m < MRT activation rows; k % 32 == 0. NRT x MRT accumulators in registers; type,
+ * NRT and MRT are compile-time constants in every instantiation (always_inline and
+ * switches outside the loops). The accumulation order of each output is the one the
+ * file's header states, whatever NRT and MRT. */
+ALWAYS_INLINE void tile(const int type, const int NRT, const int MRT, const uint8_t *w, long rb, long k,
+                        const float *x, long ldx, float *y, long ldy) {
+    vf acc[NR][SMALL_M];  /* NRT x MRT of them used */
+    for (int j = 0; j < NRT; ++j)
+        for (int m = 0; m < MRT; ++m) acc[j][m] = v_zero();
     const long bytes = rb / (k / 32);  /* stored bytes per 32 values (Q4_K: an average) */
     for (long b = 0; b < k / 32; ++b) {
-        __m512 xa[4], xb[4];
-        for (int m = 0; m < MR; ++m) {
-            xa[m] = _mm512_loadu_ps(x + m * ldx + b * 32);
-            xb[m] = _mm512_loadu_ps(x + m * ldx + b * 32 + 16);
-        }
-        for (int j = 0; j < NR; ++j) {
+#if VL == 16
+        vf xv[SMALL_M][NV];  /* MRT x NV used: the x block stays in registers for every weight row */
+        for (int m = 0; m < MRT; ++m)
+            for (int c = 0; c < NV; ++c) xv[m][c] = v_load(x + m * ldx + b * 32 + c * VL);
+#endif
+        for (int j = 0; j < NRT; ++j) {
             PREFETCH(w + j * rb + b * bytes);
-            __m512 w0, w1;
-            decode32(type, w + j * rb, b, &w0, &w1);
-            for (int m = 0; m < MR; ++m) {
-                acc[j][m] = _mm512_fmadd_ps(w0, xa[m], acc[j][m]);
-                acc[j][m] = _mm512_fmadd_ps(w1, xb[m], acc[j][m]);
-            }
+            vf wv[NV];
+            decode32(type, w + j * rb, b, wv);
+            for (int c = 0; c < NV; ++c)
+                for (int m = 0; m < MRT; ++m) {
+#if VL == 16
+                    acc[j][m] = v_fma(wv[c], xv[m][c], acc[j][m]);
+#else
+                    acc[j][m] = v_fma(wv[c], v_load(x + m * ldx + b * 32 + c * VL), acc[j][m]);
+#endif
+                }
         }
     }
-    for (int m = 0; m < MR; ++m)
-        for (int j = 0; j < NR; ++j) y[m * ldy + j] = _mm512_reduce_add_ps(acc[j][m]);
+    for (int m = 0; m < MRT; ++m)
+        for (int j = 0; j < NRT; ++j) y[m * ldy + j] = v_sum(acc[j][m]);
 }
 
-ALWAYS_INLINE void tile_dot_mr(const int type, int mr, const uint8_t *w, long rb, long k, const float *x,
-                               long ldx, float *y, long ldy) {
+/* One weight row against up to SMALL_M activation rows. */
+ALWAYS_INLINE void tile_1_mr(const int type, int mr, const uint8_t *w, long rb, long k, const float *x, long ldx,
+                             float *y, long ldy) {
     switch (mr) {
-    case 1: tile_dot(type, 1, w, rb, k, x, ldx, y, ldy); break;
-    case 2: tile_dot(type, 2, w, rb, k, x, ldx, y, ldy); break;
-    case 3: tile_dot(type, 3, w, rb, k, x, ldx, y, ldy); break;
-    default: tile_dot(type, 4, w, rb, k, x, ldx, y, ldy); break;
+    case 1: tile(type, 1, 1, w, rb, k, x, ldx, y, ldy); break;
+    case 2: tile(type, 1, 2, w, rb, k, x, ldx, y, ldy); break;
+    case 3: tile(type, 1, 3, w, rb, k, x, ldx, y, ldy); break;
+    case 4: tile(type, 1, 4, w, rb, k, x, ldx, y, ldy); break;
+    case 5: tile(type, 1, 5, w, rb, k, x, ldx, y, ldy); break;
+    case 6: tile(type, 1, 6, w, rb, k, x, ldx, y, ldy); break;
+    case 7: tile(type, 1, 7, w, rb, k, x, ldx, y, ldy); break;
+    default: tile(type, 1, 8, w, rb, k, x, ldx, y, ldy); break;
     }
 }
 
-/* Rows [begin, end) of W (end - begin a multiple of NR) against all m activation rows. */
-static void tiled_rows(int type, const uint8_t *w, long rb, long k, const float *x, long ldx, long m,
-                       float *y, long ldy, long begin, long end) {
-    for (long r = begin; r < end; r += NR) {
-        const uint8_t *wr = w + r * rb;
-        for (long m0 = 0; m0 < m; m0 += 4) {
-            int mr = (int)(m - m0 < 4 ? m - m0 : 4);
+/* NR weight rows against up to TILE_MR activation rows. */
+ALWAYS_INLINE void tile_nr_mr(const int type, int mr, const uint8_t *w, long rb, long k, const float *x, long ldx,
+                              float *y, long ldy) {
+    switch (mr) {
+    case 1: tile(type, NR, 1, w, rb, k, x, ldx, y, ldy); break;
+    case 2: tile(type, NR, 2, w, rb, k, x, ldx, y, ldy); break;
+#if TILE_MR >= 4
+    case 3: tile(type, NR, 3, w, rb, k, x, ldx, y, ldy); break;
+#endif
+    default: tile(type, NR, TILE_MR, w, rb, k, x, ldx, y, ldy); break;
+    }
+}
+
+/* Rows [begin, end) of W against the m activation rows x[0..m): NR-row register tiles
+ * for whole groups of NR weight rows, one weight row at a time for the rest (and, with
+ * some small activation-row counts, everywhere: see GROUP_FEW). */
+static void direct_rows(int type, const uint8_t *w, long rb, long k, const float *x, long ldx, long m,
+                        float *y, long ldy, long begin, long end, int grouped) {
+    long r = begin;
+    if (grouped) {
+        for (; r + NR <= end; r += NR)
+            for (long m0 = 0; m0 < m; m0 += TILE_MR) {
+                int mr = (int)(m - m0 < TILE_MR ? m - m0 : TILE_MR);
+                const uint8_t *wr = w + r * rb;
+                const float *xm = x + m0 * ldx;
+                float *ym = y + m0 * ldy + r;
+                switch (type) {
+                case MW_F32: tile_nr_mr(MW_F32, mr, wr, rb, k, xm, ldx, ym, ldy); break;
+                case MW_F16: tile_nr_mr(MW_F16, mr, wr, rb, k, xm, ldx, ym, ldy); break;
+                case MW_BF16: tile_nr_mr(MW_BF16, mr, wr, rb, k, xm, ldx, ym, ldy); break;
+                case MW_Q8_0: tile_nr_mr(MW_Q8_0, mr, wr, rb, k, xm, ldx, ym, ldy); break;
+                case MW_Q4_0: tile_nr_mr(MW_Q4_0, mr, wr, rb, k, xm, ldx, ym, ldy); break;
+                default: tile_nr_mr(MW_Q4_K, mr, wr, rb, k, xm, ldx, ym, ldy); break;
+                }
+            }
+    }
+    for (; r < end; ++r)
+        for (long m0 = 0; m0 < m; m0 += SMALL_M) {
+            int mr = (int)(m - m0 < SMALL_M ? m - m0 : SMALL_M);
+            const uint8_t *wr = w + r * rb;
             const float *xm = x + m0 * ldx;
             float *ym = y + m0 * ldy + r;
             switch (type) {
-            case MW_F32: tile_dot_mr(MW_F32, mr, wr, rb, k, xm, ldx, ym, ldy); break;
-            case MW_F16: tile_dot_mr(MW_F16, mr, wr, rb, k, xm, ldx, ym, ldy); break;
-            case MW_BF16: tile_dot_mr(MW_BF16, mr, wr, rb, k, xm, ldx, ym, ldy); break;
-            case MW_Q8_0: tile_dot_mr(MW_Q8_0, mr, wr, rb, k, xm, ldx, ym, ldy); break;
-            case MW_Q4_0: tile_dot_mr(MW_Q4_0, mr, wr, rb, k, xm, ldx, ym, ldy); break;
-            default: tile_dot_mr(MW_Q4_K, mr, wr, rb, k, xm, ldx, ym, ldy); break;
+            case MW_F32: tile_1_mr(MW_F32, mr, wr, rb, k, xm, ldx, ym, ldy); break;
+            case MW_F16: tile_1_mr(MW_F16, mr, wr, rb, k, xm, ldx, ym, ldy); break;
+            case MW_BF16: tile_1_mr(MW_BF16, mr, wr, rb, k, xm, ldx, ym, ldy); break;
+            case MW_Q8_0: tile_1_mr(MW_Q8_0, mr, wr, rb, k, xm, ldx, ym, ldy); break;
+            case MW_Q4_0: tile_1_mr(MW_Q4_0, mr, wr, rb, k, xm, ldx, ym, ldy); break;
+            default: tile_1_mr(MW_Q4_K, mr, wr, rb, k, xm, ldx, ym, ldy); break;
+            }
+        }
+}
+
+/* ---- Wide products ---------------------------------------------------------------
+ * Above DIRECT_M activation rows (prefill chunks) the product is bound by arithmetic,
+ * and decoding a weight row once per register tile would cost as much as the FMAs for
+ * the GGUF types. wide_rows decodes NR weight rows at a time into a float32 scratch
+ * (through decode32: the same floats) and multiplies them, as MW_F32 tiles, into
+ * blocks of activation rows small enough to stay in L2 while the thread's weight rows
+ * pass. Same accumulation order as everywhere else. */
+#define DIRECT_M 32
+#ifndef BLOCK_X_BYTES
+#define BLOCK_X_BYTES (192 * 1024)
+#endif
+
+static void decode_rows(int type, const uint8_t *w, long rb, long k, int rows, float *out) {
+    for (int j = 0; j < rows; ++j)
+        for (long b = 0; b < k / 32; ++b) {
+            vf wv[NV];
+            switch (type) {  /* constant type per decode32 instantiation */
+            case MW_F32: decode32(MW_F32, w + j * rb, b, wv); break;
+            case MW_F16: decode32(MW_F16, w + j * rb, b, wv); break;
+            case MW_BF16: decode32(MW_BF16, w + j * rb, b, wv); break;
+            case MW_Q8_0: decode32(MW_Q8_0, w + j * rb, b, wv); break;
+            case MW_Q4_0: decode32(MW_Q4_0, w + j * rb, b, wv); break;
+            default: decode32(MW_Q4_K, w + j * rb, b, wv); break;
+            }
+            for (int c = 0; c < NV; ++c) v_store(out + j * k + b * 32 + c * VL, wv[c]);
+        }
+}
+
+/* 0 when the scratch could not be allocated (the caller then takes the direct path). */
+static int wide_rows(int type, const uint8_t *w, long rb, long k, const float *x, long ldx, long m,
+                     float *y, long ldy, long begin, long end) {
+    float *scratch = aligned_alloc(64, (size_t)(NR * k * 4 + 63) / 64 * 64);
+    if (!scratch) return 0;
+    long mb = BLOCK_X_BYTES / (k * 4);
+    mb = mb < TILE_MR ? TILE_MR : mb / TILE_MR * TILE_MR;
+    for (long m0 = 0; m0 < m; m0 += mb) {
+        long mend = m0 + mb < m ? m0 + mb : m;
+        for (long r = begin; r < end; r += NR) {
+            int nr = (int)(end - r < NR ? end - r : NR);
+            decode_rows(type, w + r * rb, rb, k, nr, scratch);
+            if (nr == NR) {
+                for (long m1 = m0; m1 < mend; m1 += TILE_MR) {
+                    int mr = (int)(mend - m1 < TILE_MR ? mend - m1 : TILE_MR);
+                    tile_nr_mr(MW_F32, mr, (const uint8_t *)scratch, k * 4, k, x + m1 * ldx, ldx,
+                               y + m1 * ldy + r, ldy);
+                }
+            } else {
+                for (int j = 0; j < nr; ++j)
+                    for (long m1 = m0; m1 < mend; m1 += SMALL_M) {
+                        int mr = (int)(mend - m1 < SMALL_M ? mend - m1 : SMALL_M);
+                        tile_1_mr(MW_F32, mr, (const uint8_t *)(scratch + j * k), k * 4, k, x + m1 * ldx, ldx,
+                                  y + m1 * ldy + r + j, ldy);
+                    }
             }
         }
     }
+    free(scratch);
+    return 1;
 }
 
 /* ---- Thread pool ------------------------------------------------------------------
@@ -286,7 +369,8 @@ static void tiled_rows(int type, const uint8_t *w, long rb, long k, const float 
  * Unlike an OpenMP region, which ends at a barrier every team thread must reach,
  * a call never waits for a helper the OS has not scheduled yet: on a loaded
  * machine the caller then simply does all the chunks. Idle helpers spin briefly
- * and then sleep on a condition variable. */
+ * and then sleep on a condition variable. Which thread runs a chunk never changes
+ * a result (see the header). */
 
 typedef void (*chunk_fn)(long begin, long end, const void *arg);
 
@@ -357,13 +441,15 @@ static void start_pool(int threads) {
     }
 }
 
-/* fn(begin, end, arg) over rows 0 .. rows-1 in chunks of at least min_rows. */
-static void parallel_rows(long rows, long min_rows, chunk_fn fn, const void *arg, int threads) {
+/* fn(begin, end, arg) over rows 0 .. rows-1 in chunks of at least min_rows, each a
+ * multiple of align rows (but the last). */
+static void parallel_rows(long rows, long min_rows, long align, chunk_fn fn, const void *arg, int threads) {
     pthread_mutex_lock(&call_mu);  /* one job at a time */
     start_pool(threads);
     long chunks = pool_threads * 8L;
     long chunk_rows = (rows + chunks - 1) / chunks;
     if (chunk_rows < min_rows) chunk_rows = min_rows;
+    chunk_rows = (chunk_rows + align - 1) / align * align;
     if (pool_threads == 1 || chunk_rows >= rows) {
         fn(0, rows, arg);
         pthread_mutex_unlock(&call_mu);
@@ -400,21 +486,26 @@ typedef struct {
     float *out;
 } args_t;
 
+/* Activation-row counts for which the weight rows are taken one at a time (the weight
+ * stream the prefetcher follows best; up to SMALL_M x rows share each decoded row)
+ * rather than in NR-row register tiles: GROUP_FEW < m <= SMALL_M. Measured on the bench
+ * shapes (one thread, CPU time): AVX-512 one row at a time from 1 to 8 rows as before;
+ * AVX2 tiles at 1-2 rows (four accumulator chains where one row has one), one row at a
+ * time at 3-8 (a 3-row AVX2 tile would decode each weight row two or three times). */
+#ifndef GROUP_FEW
+#if VL == 16
+#define GROUP_FEW 0
+#else
+#define GROUP_FEW 2
+#endif
+#endif
+
 static void matmul_chunk(long begin, long end, const void *p) {
     const args_t *a = (const args_t *)p;
-    float out[MAX_TILE];
-    if (a->m > MAX_TILE) {  /* many activation rows: NR-row register tiles, row_dot for the rest */
-        long tiled_end = begin + (end - begin) / NR * NR;
-        tiled_rows(a->type, a->w, a->rb, a->k, a->x, a->ldx, a->m, a->y, a->ldy, begin, tiled_end);
-        begin = tiled_end;
-    }
-    for (long r = begin; r < end; ++r) {
-        for (long m0 = 0; m0 < a->m; m0 += MAX_TILE) {
-            int mt = (int)(a->m - m0 < MAX_TILE ? a->m - m0 : MAX_TILE);
-            row_dot(a->type, a->w + r * a->rb, a->k, a->x + m0 * a->ldx, a->ldx, mt, out);
-            for (int i = 0; i < mt; ++i) a->y[(m0 + i) * a->ldy + r] = out[i];
-        }
-    }
+    if (a->m > DIRECT_M && wide_rows(a->type, a->w, a->rb, a->k, a->x, a->ldx, a->m, a->y, a->ldy, begin, end))
+        return;
+    direct_rows(a->type, a->w, a->rb, a->k, a->x, a->ldx, a->m, a->y, a->ldy, begin, end,
+                a->m <= GROUP_FEW || a->m > SMALL_M);
 }
 
 /* y (m x n, row stride ldy) = x (m x k, row stride ldx) @ W^T, W (n rows of row_bytes(type, k)).
@@ -423,76 +514,21 @@ static void matmul_chunk(long begin, long end, const void *p) {
 void mw_matmul(int type, const uint8_t *w, long n, long k, const float *x, long ldx, long m, float *y,
                long ldy, int threads) {
     args_t a = {type, w, k, mw_row_bytes(type, k), m, ldx, ldy, x, y, NULL, NULL};
-    parallel_rows(n, 64, matmul_chunk, &a, threads);
-}
-
-static void dequant_row(int type, const uint8_t *wrow, long k, float *out) {
-    if (type == MW_F32) {
-        memcpy(out, wrow, 4 * k);
-    } else if (type == MW_F16) {
-        const uint16_t *w = (const uint16_t *)wrow;
-        for (long i = 0; i < k; i += 16)
-            _mm512_storeu_ps(out + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w + i))));
-    } else if (type == MW_BF16) {
-        const uint16_t *w = (const uint16_t *)wrow;
-        for (long i = 0; i < k; i += 16) {
-            __m512i wi = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(w + i)));
-            _mm512_storeu_ps(out + i, _mm512_castsi512_ps(_mm512_slli_epi32(wi, 16)));
-        }
-    } else if (type == MW_Q8_0) {
-        for (long b = 0; b < k / 32; ++b) {
-            const uint8_t *blk = wrow + b * 34;
-            uint16_t dh;
-            memcpy(&dh, blk, 2);
-            const float d = half_to_float(dh);
-            const int8_t *q = (const int8_t *)(blk + 2);
-            for (int j = 0; j < 32; ++j) out[b * 32 + j] = d * q[j];
-        }
-    } else if (type == MW_Q4_0) {
-        for (long b = 0; b < k / 32; ++b) {
-            const uint8_t *blk = wrow + b * 18;
-            uint16_t dh;
-            memcpy(&dh, blk, 2);
-            const float d = half_to_float(dh);
-            for (int j = 0; j < 16; ++j) {
-                out[b * 32 + j] = d * ((blk[2 + j] & 15) - 8);
-                out[b * 32 + j + 16] = d * ((blk[2 + j] >> 4) - 8);
-            }
-        }
-    } else if (type == MW_Q4_K) {
-        for (long b = 0; b < k / 256; ++b) {
-            const uint8_t *blk = wrow + b * 144;
-            uint16_t dh, mh;
-            memcpy(&dh, blk, 2);
-            memcpy(&mh, blk + 2, 2);
-            const float d = half_to_float(dh), dmin = half_to_float(mh);
-            const uint8_t *scales = blk + 4, *q = blk + 16;
-            for (int j = 0; j < 4; ++j) {
-                int sc0, mn0, sc1, mn1;
-                q4k_scale_min(2 * j, scales, &sc0, &mn0);
-                q4k_scale_min(2 * j + 1, scales, &sc1, &mn1);
-                float *o = out + b * 256 + j * 64;
-                for (int l = 0; l < 32; ++l) {
-                    o[l] = d * sc0 * (q[j * 32 + l] & 15) - dmin * mn0;
-                    o[l + 32] = d * sc1 * (q[j * 32 + l] >> 4) - dmin * mn1;
-                }
-            }
-        }
-    }
+    parallel_rows(n, m > DIRECT_M ? 16 : 64, NR, matmul_chunk, &a, threads);
 }
 
 static void dequant_chunk(long begin, long end, const void *p) {
     const args_t *a = (const args_t *)p;
     for (long i = begin; i < end; ++i) {
         long r = a->rows ? (long)a->rows[i] : i;
-        dequant_row(a->type, a->w + r * a->rb, a->k, a->out + i * a->k);
+        decode_rows(a->type, a->w + r * a->rb, a->rb, a->k, 1, a->out + i * a->k);
     }
 }
 
 /* out (count x k) = rows of W; rows == NULL means rows 0 .. count-1. */
 void mw_dequant_rows(int type, const uint8_t *w, long k, const int64_t *rows, long count, float *out, int threads) {
     args_t a = {type, w, k, mw_row_bytes(type, k), 0, 0, 0, NULL, NULL, rows, out};
-    parallel_rows(count, 16, dequant_chunk, &a, threads);
+    parallel_rows(count, 16, 1, dequant_chunk, &a, threads);
 }
 
 /* ---- Wide products of float16 weights in float16 arithmetic ------------------------
@@ -506,7 +542,8 @@ void mw_dequant_rows(int type, const uint8_t *w, long k, const int64_t *rows, lo
  * added up once at the end of the tile. The error this adds is below bfloat16
  * activations' (measured ~6e-4 / ~1e-3 of a product's magnitude at k = 1024 / 2816);
  * see docs/executor.md. Rows of x are taken in blocks of GEMM_MB that stay in L2
- * while a thread's weight rows stream past them. */
+ * while a thread's weight rows stream past them. An output's sum does not depend on
+ * the activation rows beside it (the tiles over x rows all sum in one order). */
 #ifdef __AVX512FP16__
 #define GEMM_MB 64
 
@@ -636,9 +673,9 @@ int mw_gemm_f16(const uint16_t *w, long n, long k, const float *x, long ldx, lon
                 uint16_t *xh, int threads) {
     _Atomic int bad = 0;
     half_args_t h = {x, ldx, k, xh};
-    parallel_rows(m, 16, to_half_chunk, &h, threads);
+    parallel_rows(m, 16, 1, to_half_chunk, &h, threads);
     gemm_args_t a = {w, xh, k, k, m, k, ldy, y, &bad};
-    parallel_rows(n, 16, gemm_f16_chunk, &a, threads);
+    parallel_rows(n, 16, 1, gemm_f16_chunk, &a, threads);
     return atomic_load(&bad);
 }
 #else

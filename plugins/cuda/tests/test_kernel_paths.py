@@ -1,0 +1,171 @@
+"""The stored-weight kernel paths (avx512fp16, avx512, avx2) and the float32 fallback:
+each path this CPU can run against a float64 reference, rows bit for bit independent of
+the rows beside them, the run-time choice and its override (``MUSEGL_CPU_KERNELS``)."""
+
+from __future__ import annotations
+
+import logging
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from musegl_core.checkpoint.stored import StoredTensor
+from musegl_cuda.cpu import fixed_blocks, native
+from musegl_cuda.cpu.stored_matrix import DenseMatrix, StoredMatrix, stored_matrix
+
+DTYPES = ["f32", "f16", "bf16", "q8_0", "q4_0", "q4_k"]
+LANES = {"avx512fp16": 16, "avx512": 16, "avx2": 8}
+AVX512_FLAGS = {"avx512f", "avx512bw", "avx512_fp16"}
+
+
+@pytest.fixture(autouse=True)
+def fresh_choice():
+    """Every test starts and ends with no kernel path chosen yet."""
+    native.reset()
+    yield
+    native.reset()
+
+
+def path_kernels(name: str) -> native.Kernels:
+    try:
+        return native.kernels(name)
+    except native.KernelPathError as exc:
+        pytest.skip(f"{name} kernels do not run here: {exc}")
+
+
+def stored_weight(dtype: str, n: int, k: int, seed: int = 0) -> StoredTensor:
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal((n, k)).astype(np.float32)
+    if dtype == "f32":
+        data = w
+    elif dtype == "f16":
+        data = w.astype(np.float16)
+    elif dtype == "bf16":
+        data = (w.view(np.uint32) >> 16).astype(np.uint16)
+    elif dtype == "q4_k":  # no quantizer in gguf-py: random super-blocks with small f16 d/dmin
+        blocks = rng.integers(0, 256, size=(n, k // 256, 144), dtype=np.uint8)
+        blocks[:, :, :4] = rng.uniform(0.001, 0.01, size=(n, k // 256, 2)).astype(np.float16).view(np.uint8)
+        data = blocks.reshape(n, -1)
+    else:
+        data = gguf.quants.quantize(w, gguf.GGMLQuantizationType[dtype.upper()])
+    return StoredTensor("w", dtype, (n, k), data)
+
+
+def assert_float32_accuracy(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
+    """``y`` is ``x @ w^T`` to float32 rounding: each output within 1e-5 of its natural
+    size ``sqrt(x² @ w²ᵀ)`` of the float64 product (1e-6 on average)."""
+    exact = x.double() @ w.double().T
+    scale = (x.double().pow(2) @ w.double().pow(2).T).sqrt()
+    error = (y.double() - exact).abs() / scale
+    assert error.max() < 1e-5 and error.mean() < 1e-6, (float(error.max()), float(error.mean()))
+
+
+def assert_rows_ignore_their_batch(matmul, x: torch.Tensor) -> None:
+    """Row r of any product of consecutive rows equals the 1-row product of row r, bit for bit."""
+    singles = torch.cat([matmul(x[i:i + 1]) for i in range(x.shape[0])])
+    for lo, hi in ((0, 2), (0, 3), (0, 4), (0, 5), (0, 8), (0, 9), (0, 16), (0, 32), (0, 33), (0, 64),
+                   (0, x.shape[0]), (37, x.shape[0]), (3, 12), (5, 6)):
+        got = matmul(x[lo:hi])
+        assert torch.equal(got, singles[lo:hi]), f"rows {lo}:{hi} differ from their 1-row products"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("path", native.PATH_NAMES)
+def test_path_products_are_accurate_and_rows_ignore_their_batch(path, dtype):
+    """42 weight rows (whole register tiles and two left over), 70 activation rows (the
+    decode kernels up to 32, the wide products above): float32 accuracy against float64,
+    and every row the same bits in a product of 1 to 70 rows."""
+    kernels = path_kernels(path)
+    assert kernels.lib.mw_path() == kernels.path.code and kernels.lib.mw_vector_lanes() == LANES[path]
+    stored = stored_weight(dtype, 42, 512)
+    matrix = StoredMatrix.from_stored(stored, kernels)
+    assert matrix.kernels is kernels
+    w = torch.from_numpy(stored.to_float32())
+    x = torch.randn(70, 512, generator=torch.Generator().manual_seed(1))
+    assert_float32_accuracy(matrix.matmul(x), x, w)
+    assert_rows_ignore_their_batch(matrix.matmul, x)
+    assert torch.equal(matrix.dequantize(), w)
+
+
+@pytest.mark.parametrize("path", native.PATH_NAMES)
+def test_other_gguf_types_run_the_f32_kernels(path, monkeypatch):
+    """A type without its own kernel (Q5_0 here) is decoded to float32 at load and run by
+    the kernels' f32 path, so its rows ignore their batch too."""
+    path_kernels(path)
+    monkeypatch.setenv(native.ENV, path)
+    stored = stored_weight("q5_0", 40, 256)
+    matrix = stored_matrix(stored)
+    assert isinstance(matrix, StoredMatrix) and matrix.dtype == "f32" and matrix.kernels.name == path
+    x = torch.randn(40, 256, generator=torch.Generator().manual_seed(2))
+    assert_float32_accuracy(matrix.matmul(x), x, torch.from_numpy(stored.to_float32()))
+    assert_rows_ignore_their_batch(matrix.matmul, x)
+
+
+def test_float32_fallback_rows_ignore_their_batch():
+    """The fallback (no kernels, or rows that do not fill 32-value blocks): torch's GEMM on
+    fixed 16-row blocks, each row's bits the same in any product, on one torch thread or
+    the default count."""
+    rng = np.random.default_rng(3)
+    w = torch.from_numpy(rng.standard_normal((300, 96)).astype(np.float32))
+    matrix = DenseMatrix(w, "f16")
+    x = torch.randn(70, 96, generator=torch.Generator().manual_seed(4))
+    assert_float32_accuracy(matrix.matmul(x), x, w)
+    assert_rows_ignore_their_batch(matrix.matmul, x)
+    with fixed_blocks.torch_threads(1):
+        assert torch.equal(matrix.matmul(x), torch.cat([matrix.matmul(x[i:i + 1]) for i in range(70)]))
+
+
+def test_default_is_the_best_path_the_cpu_has():
+    runnable = native.runnable_paths()
+    if not runnable:
+        pytest.skip("no kernel path runs on this CPU")
+    chosen = native.load()
+    assert chosen is not None and chosen.name == runnable[0] and native.selected_path() == runnable[0]
+
+
+def test_an_avx2_cpu_gets_the_avx2_path(monkeypatch):
+    """What an AVX2-only CPU (an AMD EPYC before Zen 4) sees: the flags without AVX-512."""
+    flags = native.cpu_flags()
+    if not {"avx2", "fma", "f16c"} <= flags:
+        pytest.skip("this CPU lacks AVX2 + FMA + F16C")
+    monkeypatch.setattr(native, "cpu_flags", lambda: {f for f in flags if not f.startswith("avx512")})
+    assert native.runnable_paths() == ["avx2"]
+    assert native.load().name == "avx2"
+    monkeypatch.setenv(native.ENV, "avx512")
+    native.reset()
+    with pytest.raises(native.KernelPathError, match="avx512 kernels need avx512f, avx512bw, which this CPU lacks"):
+        native.load()
+
+
+def test_override_forces_each_runnable_path_or_the_fallback(monkeypatch):
+    for name in native.runnable_paths():
+        monkeypatch.setenv(native.ENV, name)
+        native.reset()
+        assert native.load().name == name and native.selected_path() == name
+    monkeypatch.setenv(native.ENV, "fallback")
+    native.reset()
+    assert native.load() is None and native.selected_path() == "fallback"
+    assert native.unavailable_reason() == "MUSEGL_CPU_KERNELS=fallback"
+    assert isinstance(stored_matrix(stored_weight("f16", 8, 64)), DenseMatrix)
+
+
+def test_override_refuses_an_unknown_path(monkeypatch):
+    monkeypatch.setenv(native.ENV, "avx9")
+    with pytest.raises(native.KernelPathError, match="expected one of avx512fp16, avx512, avx2, fallback"):
+        native.load()
+
+
+def test_no_vector_path_falls_back_and_says_so(monkeypatch, caplog):
+    """A CPU with neither AVX2 nor AVX-512: the float32 fallback, one warning naming why."""
+    monkeypatch.setattr(native, "cpu_flags", lambda: {"sse2", "sse4_2", "avx"})
+    with caplog.at_level(logging.WARNING, logger="musegl.cuda"):
+        assert native.load() is None
+    assert "neither AVX2 nor AVX-512" in native.unavailable_reason()
+    assert any("stored-weight kernels unavailable" in r.message and "16 rows" in r.message for r in caplog.records)
+    assert isinstance(stored_matrix(stored_weight("q8_0", 8, 64)), DenseMatrix)
+    monkeypatch.setenv(native.ENV, "avx2")
+    native.reset()
+    with pytest.raises(native.KernelPathError, match="avx2 kernels need avx2"):
+        native.load()
