@@ -50,6 +50,13 @@ SERIES = {
     "steps_ahead": ("engine_steps_ahead", "decode steps launched before the previous step was read "
                     "(asynchronous executors)", "counter"),
     "discarded_rows": ("engine_discarded_rows", "rows of steps launched ahead whose sequence had stopped", "counter"),
+    "preparing": ("requests_preparing", "requests being prepared (tokenized, images decoded) on the worker's "
+                  "preparation threads", "gauge"),
+    "preparing_heavy": ("requests_preparing_heavy", "requests being prepared in the heavy lane (images, long "
+                        "prompts)", "gauge"),
+    "prepared": ("requests_prepared", "requests whose preparation ended (handed to the engine or refused)", "counter"),
+    "prepare_seconds": ("request_preparation_seconds", "seconds spent preparing requests, all preparation threads",
+                        "counter"),
     "drafted_tokens": ("spec_drafted_tokens", "draft tokens a speculator proposed and the target verified", "counter"),
     "accepted_tokens": ("spec_accepted_tokens", "draft tokens the target accepted", "counter"),
     "verify_blocks": ("spec_verify_blocks", "decode steps of a sequence that verified drafts", "counter"),

@@ -13,7 +13,9 @@ worker's vision preprocessing, not by the tokenizer.
 tokens written out.
 
 Both run in the front, off the event loop, and need the tokenizer the front
-loads at start-up; without it they answer 503.
+loads at start-up; without it they answer 503. Long text is tokenized in
+bounded pieces (:meth:`MuseTokenizer.encode_bounded`); a text the tokenizer
+fails on is a 400 naming ``prompt`` or ``messages``.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from musegl_core.errors import bad_request, unavailable
 from musegl_core.http import schemas as s
 from musegl_core.http.completions import plan_chat
 from musegl_core.http.text_completions import prompt_segment
+from musegl_core.tokenizer import TokenizationError
 
 
 def _need(tokenizer: Any) -> Any:
@@ -55,7 +58,11 @@ async def tokenize(
             raise bad_request("/tokenize does not count images; send text only", code="unsupported_parameter",
                               param="messages")
         segments, add_bos = plan.generate.prompt, plan.generate.add_bos
-    ids = await asyncio.to_thread(_need(tokenizer).encode_segments, segments, add_bos=add_bos)
+    try:
+        ids = await asyncio.to_thread(_need(tokenizer).encode_segments, segments, add_bos=add_bos)
+    except TokenizationError as exc:  # the tokenizer failed on this text (a Rust panic included)
+        raise bad_request(f"could not tokenize the prompt: {exc}",
+                          param="prompt" if request.prompt is not None else "messages") from None
     return s.TokenizeResult(tokens=ids, count=len(ids), max_model_len=config.max_context)
 
 

@@ -1,7 +1,11 @@
 """Image preprocessing and placement in the prompt.
 
-Runs on the worker's control thread, once per request, with numpy and
-pillow only:
+Runs on a preparation thread of the worker (the heavy lane,
+:mod:`musegl_core.worker.preparation`), once per request, with numpy and
+pillow only. Before anything is decoded, each image's header is read and the
+request's decode budget checked (:meth:`ImagePreprocessor.admit`: at most
+:data:`MAX_PIXELS` per image, :data:`MAX_REQUEST_PIXELS` and
+:data:`MAX_DECODE_WORK` per request). Then:
 
 1. decode the inline PNG/JPEG bytes with pillow, restricted to the declared
    format; apply the EXIF orientation, drop alpha (``convert("RGB")``); the
@@ -57,6 +61,14 @@ TEMPORAL = 2
 #: Images with more pixels than this are refused before they are decoded
 #: (decompression bombs): 8192 x 8192.
 MAX_PIXELS = 8192 * 8192
+#: The pixels one request may decode, all its images together (read from the
+#: headers before any image is decoded): one image of the largest size.
+MAX_REQUEST_PIXELS = MAX_PIXELS
+#: The decode work one request may cost, in pixel-scans: an image's pixels
+#: times its scans (a progressive JPEG is decoded scan by scan, each scan over
+#: the whole image; PNG and baseline JPEG count one). Twelve scans of the
+#: largest image: progressive encoders write about ten.
+MAX_DECODE_WORK = 12 * MAX_PIXELS
 #: The pillow format each accepted media type must actually be.
 FORMATS = {"image/png": "PNG", "image/jpeg": "JPEG"}
 #: The patch budget of an image sent with ``detail: "low"`` (64 image rows, about
@@ -144,6 +156,107 @@ def not_the_declared_format(data: bytes, media_type: str) -> ApiError:
     return invalid_image(f"The image data is not a valid {kind} image (data URL says {media_type}).")
 
 
+def jpeg_scans(data: bytes) -> int:
+    """The number of scans (SOS segments) of JPEG ``data``, from its marker
+    structure alone: segments are skipped by their lengths, entropy-coded data
+    up to the next marker (stuffed ``FF 00`` bytes and restart markers are part
+    of it). Malformed data ends the count; the decoder then reports it."""
+    end = len(data)
+    if data[:2] != b"\xff\xd8":
+        return 0
+    pos, scans = 2, 0
+    while pos + 1 < end:
+        if data[pos] != 0xFF:
+            return scans
+        marker = data[pos + 1]
+        if marker == 0xFF:  # fill byte
+            pos += 1
+            continue
+        if marker == 0xD9:  # end of image
+            return scans
+        if 0xD0 <= marker <= 0xD7 or marker == 0x01:  # markers without a segment
+            pos += 2
+            continue
+        if pos + 4 > end:
+            return scans
+        pos += 2 + int.from_bytes(data[pos + 2:pos + 4], "big")
+        if marker != 0xDA:
+            continue
+        scans += 1
+        while True:  # the scan's entropy-coded data runs to the next marker
+            pos = data.find(b"\xff", pos)
+            if pos < 0 or pos + 1 >= end:
+                return scans
+            following = data[pos + 1]
+            if following == 0x00 or 0xD0 <= following <= 0xD7:
+                pos += 2
+            elif following == 0xFF:
+                pos += 1
+            else:
+                break
+    return scans
+
+
+@attrs.frozen
+class DecodeCost:
+    """What decoding one image costs, read from its header without decoding it."""
+
+    width: int
+    height: int
+    scans: int = 1
+
+    @property
+    def pixels(self) -> int:
+        return self.width * self.height
+
+    @property
+    def work(self) -> int:
+        """Pixel-scans (see :data:`MAX_DECODE_WORK`)."""
+        return self.pixels * max(1, self.scans)
+
+
+def decode_cost(data: bytes, media_type: str) -> DecodeCost:
+    """The dimensions (and JPEG scans) of ``data`` from its header; 400
+    ``invalid_image`` when the header cannot be read or names too many pixels."""
+    from PIL import Image
+
+    fmt = FORMATS.get(media_type)
+    if fmt is None:
+        raise invalid_image(f"Unsupported image media type {media_type!r}; send image/png or image/jpeg.")
+    kind = media_type.split("/")[1].upper()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            with Image.open(io.BytesIO(data), formats=[fmt]) as image:
+                width, height = image.size
+    except Image.UnidentifiedImageError:
+        raise not_the_declared_format(data, media_type) from None
+    except Image.DecompressionBombError:
+        raise invalid_image(f"The {kind} image is too large to decode (decompression bomb).") from None
+    except Exception as exc:  # a truncated or corrupt header
+        raise invalid_image(f"The {kind} image header could not be read: {exc}") from None
+    if width < 1 or height < 1:
+        raise invalid_image(f"The {kind} image has no pixels ({width}x{height}).")
+    if width * height > MAX_PIXELS:
+        raise invalid_image(f"The {kind} image is {width}x{height} pixels; at most {MAX_PIXELS} pixels are decoded.")
+    return DecodeCost(width, height, jpeg_scans(data) if fmt == "JPEG" else 1)
+
+
+def check_decode_budget(costs: Sequence[DecodeCost]) -> None:
+    """Refuse (400 ``invalid_image``) a request whose images together exceed
+    :data:`MAX_REQUEST_PIXELS` or :data:`MAX_DECODE_WORK`, before any is decoded."""
+    pixels = sum(cost.pixels for cost in costs)
+    if pixels > MAX_REQUEST_PIXELS:
+        raise invalid_image(f"The request's images have {pixels} pixels together; at most {MAX_REQUEST_PIXELS} "
+                            "pixels are decoded per request.")
+    work = sum(cost.work for cost in costs)
+    if work > MAX_DECODE_WORK:
+        scans = max(cost.scans for cost in costs)
+        raise invalid_image(f"Decoding the request's images would take {work} pixel-scans (a JPEG of up to "
+                            f"{scans} progressive scans); at most {MAX_DECODE_WORK} are decoded per request "
+                            "(pixels x scans). Re-encode the image as baseline JPEG or PNG.")
+
+
 def patchify(pixels: np.ndarray) -> np.ndarray:
     """``(H, W, 3)`` float32 → ``(gh·gw, 588)`` patch rows in raster order,
     column ``ch·196 + py·14 + px``."""
@@ -190,6 +303,15 @@ class ImagePreprocessor:
             raise image_too_large(len(data), self.max_image_bytes)
         return data
 
+    def admit(self, images: Sequence[ImageInput]) -> list[bytes]:
+        """The compressed bytes of ``images``, after the cheap checks: base64,
+        the byte limit, the header of each (format, at most :data:`MAX_PIXELS`)
+        and the request's decode budget (:func:`check_decode_budget`); nothing
+        is decoded yet."""
+        data = [self.decode_data(image) for image in images]
+        check_decode_budget([decode_cost(d, image.media_type) for d, image in zip(data, images)])
+        return data
+
     def preprocess(self, image: ImageInput) -> PromptImage:
         """Decode, resize, normalize and patchify one image."""
         data = self.decode_data(image)
@@ -216,13 +338,15 @@ def image_too_large(size: int, limit: int) -> ApiError:
 
 
 def place_images(ids: Sequence[int], images: Sequence[ImageInput], tokenizer,
-                 preprocessor: ImagePreprocessor | None) -> tuple[list[int], tuple[PlacedImage, ...]]:
+                 preprocessor: ImagePreprocessor | None,
+                 admitted: Sequence[bytes] | None = None) -> tuple[list[int], tuple[PlacedImage, ...]]:
     """Expand the ``<|patch|>`` placeholder of each image (the i-th placeholder
     for the i-th image) into ``<|image_start|>`` + N x ``<|patch|>`` +
     ``<|image_end|>``; returns the new ids and where each image's rows sit.
 
     ``preprocessor`` None means the model cannot see images: any image is a
-    400 ``invalid_image``.
+    400 ``invalid_image``. ``admitted`` is what :meth:`ImagePreprocessor.admit`
+    returned for ``images`` when the caller ran the cheap checks already.
     """
     if not images:
         return list(ids), ()
@@ -234,7 +358,9 @@ def place_images(ids: Sequence[int], images: Sequence[ImageInput], tokenizer,
     if len(at) != len(images):
         raise ApiError(400, f"the prompt has {len(at)} <|patch|> placeholder(s) for {len(images)} image(s)",
                        "invalid_request_error", "invalid_image")
-    prepared = [preprocessor.preprocess(image) for image in images]
+    if admitted is None:
+        admitted = preprocessor.admit(images)
+    prepared = [preprocessor.preprocess_bytes(data, image.media_type) for data, image in zip(admitted, images)]
     start_id, end_id = tokenizer.image_start_id, tokenizer.image_end_id
     out: list[int] = []
     placed: list[PlacedImage] = []

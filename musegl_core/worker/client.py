@@ -11,7 +11,10 @@ successful load, a dead worker is restarted after ``restart_delay`` seconds,
 doubled for each consecutive failure (a worker that dies within
 ``stable_after`` seconds of becoming ready, or never becomes ready again),
 up to ``max_restart_delay``; after ``max_failures`` consecutive failures the
-client gives up. Giving up logs one error line, sets :attr:`fatal` and calls
+client gives up. A ready worker that dies while generation requests are in
+flight may have died of one of them, and nothing a client sends may end the
+server: it is restarted after ``restart_delay`` and the death does not count
+as a failure. Giving up logs one error line, sets :attr:`fatal` and calls
 ``on_fatal`` (``musegl serve`` then shuts down with exit status 1).
 """
 
@@ -62,6 +65,7 @@ class WorkerClient:
         self._ready_at: float | None = None  # when the current worker became ready
         self._proc: asyncio.subprocess.Process | None = None
         self._queues: dict[str, asyncio.Queue] = {}
+        self._generating: dict[str, int] = {}  # generation request id -> pid of the worker it was sent to
         self._write_lock = asyncio.Lock()
         self._ready = asyncio.Event()
         self._supervisor: asyncio.Task | None = None
@@ -128,6 +132,7 @@ class WorkerClient:
             finally:
                 # The pipe closed: the worker is gone (or going). Fail its requests
                 # at once; reaping the process must not delay that.
+                serving = self._generations_on(self._proc.pid)
                 self._ready.clear()
                 self._fail_all(
                     shutting_down()
@@ -139,21 +144,35 @@ class WorkerClient:
             if self._closing:
                 return
             code = await self._reap(self._proc)
-            delay = self._next_delay(code)
+            delay = self._next_delay(code, serving)
             if delay is None:
                 return
             self.restarts += 1
-            log.error("worker exited with status %s; restarting in %.1f s (consecutive failures: %d of %d)",
-                      code, delay, self.failures, self.max_failures)
+            if serving:
+                log.error("worker exited with status %s while serving %d request(s); restarting in %.1f s "
+                          "(not counted toward giving up: a request may have caused it)", code, serving, delay)
+            else:
+                log.error("worker exited with status %s; restarting in %.1f s (consecutive failures: %d of %d)",
+                          code, delay, self.failures, self.max_failures)
             await asyncio.sleep(delay)
 
-    def _next_delay(self, code: int | None) -> float | None:
-        """Seconds to wait before restarting a worker that exited with ``code``;
-        None when the client gives up (see the module docstring)."""
+    def _generations_on(self, pid: int) -> int:
+        """Generation requests sent to worker ``pid`` and not finished."""
+        return sum(1 for sent_to in self._generating.values() if sent_to == pid)
+
+    def _next_delay(self, code: int | None, serving: int = 0) -> float | None:
+        """Seconds to wait before restarting a worker that exited with ``code``
+        while ``serving`` generation requests were in flight; None when the
+        client gives up (see the module docstring)."""
         if self.info is None:  # no worker has ever loaded the model
             self._give_up(f"the model worker exited with status {code} before it finished loading "
                           f"{self.config.model!r} (its error is above); not restarting")
             return None
+        if serving and self._ready_at is not None:
+            # A ready worker that died while generating may have died of a request (input
+            # no check caught). Whatever clients send must never end the server, so such a
+            # death is restarted without counting toward giving up.
+            return self.restart_delay
         stable = self._ready_at is not None and time.monotonic() - self._ready_at >= self.stable_after
         self.failures = 1 if stable else self.failures + 1
         if self.failures > self.max_failures:
@@ -308,9 +327,12 @@ class WorkerClient:
 
         try:
             await self._send(request)
+            if self._proc is not None:
+                self._generating[request.id] = self._proc.pid
             yield events()
         finally:
             self._queues.pop(request.id, None)
+            self._generating.pop(request.id, None)
             if not finished and self.ready:
                 with contextlib.suppress(ApiError):
                     await self._send(m.Cancel(request.id))

@@ -79,16 +79,16 @@ def prepare(request: GenerateRequest, tokenizer, vocab_size: int = 0,
     then as soon as tokenizing it has counted too many ids; images are checked
     from their headers against the decode budget before the prompt is
     tokenized and before any is decoded."""
-    limit = reservation = None
+    budget = reservation = None
     if max_context is not None:
         reservation = request.max_tokens or 1
-        limit = max(max_context - reservation, 0)
+        budget = max(max_context - reservation, 0)
         floor = tokenizer.token_count_floor(request.prompt)
-        if floor > limit:
+        if floor > budget:
             raise prompt_too_long(floor, reservation, max_context)
     admitted = vision.admit(request.images) if request.images and vision is not None else None
     try:
-        ids = tokenizer.encode_segments(request.prompt, add_bos=request.add_bos, limit=limit)
+        ids = tokenizer.encode_segments(request.prompt, add_bos=request.add_bos, limit=budget)
     except TokenBudgetExceeded as exc:
         raise prompt_too_long(exc.at_least, reservation, max_context) from None
     except Exception as exc:  # TokenizationError (a tokenizer panic included) and anything else it raises
