@@ -17,10 +17,11 @@ prefill-only steps. ``itl_share_from_prefill`` is the part of the mean time a de
 its step that prefill sharing the step added:
 ``mixed_decode_rows x (mixed_mean - decode_mean) / (decode_rows x decode_mean + mixed_decode_rows x
 mixed_mean)``; compare ``itl_p50`` with ``scheduling.decode.mean_step_s`` for the median.
+``musegl_cpu_kernels`` says which stored-weight kernel path musegl ran (``--cpu-kernels`` forces one).
 
     python benchmarks/agent_compare.py --llama-server /path/llama-server [--model MODEL.gguf]
         [--stall-factors 6,0] [--musegl-flag=--max-prefill-chunk=256 ...] [--omp-wait-policy active]
-        [--skip-llamacpp]
+        [--skip-llamacpp] [--cpu-kernels avx2]
 
 The llama.cpp server is built from the tree vendored in the llama-cpp-python 0.3.36 sdist
 (``benchmarks/README.md`` has the build command). Both servers run on the same machine one after the
@@ -39,7 +40,7 @@ from typing import Iterator
 
 import httpx
 
-from common import bench_checkpoint, free_port, serve, server_process
+from common import bench_checkpoint, free_port, pin_cpu_kernels, serve, server_process
 from musegl_core.bench import BenchConfig, run_bench
 from musegl_core.bench.report import BenchReport
 
@@ -148,7 +149,10 @@ def main() -> int:
                         "produce the channel format its parser expects). Without it llama-server falls back to "
                         "chatml, which tokenizes to more prompt tokens than musegl's template")
     p.add_argument("--skip-llamacpp", action="store_true", help="measure musegl only")
+    p.add_argument("--cpu-kernels", default=None, choices=["avx512fp16", "avx512", "avx2", "fallback"],
+                   help="musegl's stored-weight kernel path (MUSEGL_CPU_KERNELS; default: the best this CPU runs)")
     args = p.parse_args()
+    kernels = pin_cpu_kernels(args.cpu_kernels)
     if args.model is None:
         args.model = bench_checkpoint()
     width = str(args.concurrency)
@@ -158,7 +162,8 @@ def main() -> int:
     factors = [float(f) for f in args.stall_factors.split(",") if f.strip()]
     result: dict = {"workload": {k: getattr(args, k) for k in ("concurrency", "conversations", "turns",
                                                                 "prompt_tokens", "max_tokens")},
-                    "model": str(args.model), "musegl_flags": flags, "omp_wait_policy": args.omp_wait_policy}
+                    "model": str(args.model), "musegl_flags": flags, "omp_wait_policy": args.omp_wait_policy,
+                    "musegl_cpu_kernels": kernels}
     runs: dict[str, dict] = {}
     for factor in factors:
         with serve(args.model, *flags, "--prefill-stall-factor", str(factor)) as url:

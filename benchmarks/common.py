@@ -23,6 +23,22 @@ def bench_checkpoint() -> Path:
     return default_model_path(preset="bench", progress=True)
 
 
+def pin_cpu_kernels(choice: str | None) -> dict[str, str | None]:
+    """Fix the stored-weight kernel path ``musegl serve`` will run (``MUSEGL_CPU_KERNELS``
+    for the servers this process starts): ``choice``, else the variable's value, else the
+    best path this CPU runs; a path that cannot run here stops the benchmark. Returns the
+    path's name and what it is (the report's ``cpu_kernels``)."""
+    from musegl_cuda.cpu import native
+
+    if choice:
+        os.environ[native.ENV] = choice
+    native.reset()
+    chosen = native.load()  # raises KernelPathError for a path this machine cannot run
+    os.environ[native.ENV] = native.selected_path()
+    return {"path": native.selected_path(), "summary": chosen.path.summary if chosen else None,
+            "why_fallback": native.unavailable_reason(), "forced": choice or None}
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

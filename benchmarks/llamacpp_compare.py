@@ -8,7 +8,9 @@ on the same file, and runs the ``chat`` workload of ``musegl bench`` against
 each at concurrency 1 and 4: about ``--prompt-tokens`` prompt tokens, exactly
 ``--max-tokens`` output tokens per request (greedy, ``ignore_eos``). Prints one
 JSON object: output tok/s, inter-token and first-token latency per side and
-concurrency, and musegl / llama.cpp ratios with the issue's targets.
+concurrency, musegl / llama.cpp ratios with the issue's targets, and which
+stored-weight kernel path musegl ran (``musegl_cpu_kernels``; ``--cpu-kernels``
+forces one, e.g. ``avx2`` on an AVX-512 machine).
 
 ``llama-server`` comes from ``--llama-server``, ``$LLAMA_SERVER`` or ``PATH``
 (benchmarks/README.md says how to build it from the llama-cpp-python sdist).
@@ -26,7 +28,7 @@ import sys
 from pathlib import Path
 from typing import Iterator
 
-from common import bench_checkpoint, free_port, serve, server_process
+from common import bench_checkpoint, free_port, pin_cpu_kernels, serve, server_process
 from musegl_core.bench import BenchConfig, run_bench
 
 # The targets: musegl / llama.cpp output tok/s, per file type and concurrency.
@@ -116,14 +118,19 @@ def main() -> int:
     p.add_argument("--llama-server", default=None, help="path of llama.cpp's llama-server binary")
     p.add_argument("--musegl-flag", action="append", default=[], help="extra `musegl serve` flag (repeatable)")
     p.add_argument("--out", type=Path, default=None, help="also write the JSON here")
+    p.add_argument("--cpu-kernels", default=None, choices=["avx512fp16", "avx512", "avx2", "fallback"],
+                   help="musegl's stored-weight kernel path (MUSEGL_CPU_KERNELS; default: the best this CPU runs)")
     args = p.parse_args()
     binary = find_llama_server(args.llama_server)
+    kernels = pin_cpu_kernels(args.cpu_kernels)
+    log(f"musegl stored-weight kernels: {kernels['path']}")
     concurrencies = [int(c) for c in args.concurrency.split(",")]
     per_slot = args.prompt_tokens + args.max_tokens + 256
     f16 = bench_checkpoint()
     figures: dict = {
         "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
                     "load_avg_at_start": os.getloadavg()},
+        "musegl_cpu_kernels": kernels,
         "workload": {"prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens,
                      "requests_per_client": args.requests_per_client, "llama_threads": args.threads,
                      "slots": args.slots, "seed": args.seed},
