@@ -6,6 +6,14 @@ adds those to the OpenAI fields (``object``, ``owned_by``, ``max_model_len``),
 so OpenAI-only clients still read it. Every context number is the runtime
 ``--max-context`` budget, not the checkpoint's native window: OpenRouter-style
 clients size their prompts from it, and the server does no compaction for them.
+
+``supported_parameters`` is derived from the request schema the server parses
+(:class:`~musegl_core.http.schemas.ChatCompletionRequest`): every field but the
+request's content and plumbing (:data:`NOT_PARAMETERS`), the tool fields only
+when a tool parser is configured, plus OpenRouter's ``structured_outputs``
+capability (``response_format`` json_schema is enforced). A field added to the
+schema is therefore listed without anyone remembering to; the tests send every
+listed parameter to a real server.
 """
 
 from __future__ import annotations
@@ -13,21 +21,27 @@ from __future__ import annotations
 import attrs
 
 from musegl_core.http.dialect import ServedModel
-from musegl_core.http.schemas import ModelEntry, omittable
+from musegl_core.http.schemas import ChatCompletionRequest, ModelEntry, omittable
 
-#: Request parameters every musegl server honours.
-SUPPORTED_PARAMETERS = (
-    "max_tokens",
-    "temperature",
-    "top_p",
-    "top_k",
-    "seed",
-    "stop",
-    "reasoning",
-    "include_reasoning",
-)
-#: Added when a tool parser is configured (``--tool-parser``).
-TOOL_PARAMETERS = ("tools", "tool_choice")
+#: Request fields that are not generation parameters: the conversation, the
+#: model name, the transport (streaming), musegl's session and cache plumbing,
+#: template variables, and the two fields accepted only at their default.
+NOT_PARAMETERS = frozenset({
+    "messages", "model", "stream", "stream_options", "session_id", "cache_salt", "chat_template_kwargs",
+    "add_generation_prompt", "continue_final_message",
+})
+#: Accepted only when a tool parser is configured (``--tool-parser``).
+TOOL_PARAMETERS = ("tools", "tool_choice", "parallel_tool_calls")
+#: OpenRouter capability names that are not request fields, with the fields that provide them.
+CAPABILITIES = {"structured_outputs": "response_format"}
+
+
+def supported_parameters(tool_calling: bool) -> tuple[str, ...]:
+    """The generation parameters this server honours, in schema order, then capabilities."""
+    fields = [field.name for field in attrs.fields(ChatCompletionRequest) if field.name not in NOT_PARAMETERS]
+    if not tool_calling:
+        fields = [name for name in fields if name not in TOOL_PARAMETERS]
+    return tuple(fields) + tuple(name for name, field in CAPABILITIES.items() if field in fields)
 
 
 @attrs.frozen
@@ -93,7 +107,7 @@ class OpenRouterModel:
         description = openai_entry.description or (
             f"Muse Glimmer served by musegl ({model.backend or 'unknown'} backend)"
         )
-        parameters = SUPPORTED_PARAMETERS + (TOOL_PARAMETERS if model.tool_calling else ())
+        parameters = supported_parameters(model.tool_calling)
         return cls(
             id=model.name,
             name=model.name,
