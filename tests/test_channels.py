@@ -91,17 +91,43 @@ def test_r5_controls_removed_in_reasoning_literal_in_content():
         (" to=user<|message|>Answer<|eo", "Answer"),
         (" to=user<|message|>Done.<|eom|><|start|>assistant to=us", "Done."),
         (" to=user<|message|>Answer<|start|>assist", "Answer"),
-        (" to=user<|message|>Done.<|eom|> to=us", "Done. to=us"),
+        (" to=user<|message|>Done.<|eom|> to=us", "Done."),
         (" to=self<|mess", None),
         (" to=user<|message|>x<|start|>assistant to=self<|message|>y<|", "x<|start|>assistant to=self<|message|>y"),
-        ("to=us", "to=us"),
+        ("to=us", None),
         (" to=user<|message|>a <", "a <"),
     ],
 )
 def test_r6_end_of_output_fragments(text, content):
-    """`<|` fragments and incomplete <|start|>
-    headers are dropped at EOF; a bare `to=` fragment stays literal."""
+    """`<|` fragments, incomplete <|start|> headers and (issue 25, amending
+    output-grammar 5.3) any incomplete header at a header position are
+    dropped at EOF."""
     check(text, None, content, end="length")
+
+
+HEADER_CUTS = [" to", " to=", " to=u", " to=us", " to=use", " to=user", " to=self", " to=s", "assistant",
+               "assistant to=user", "\n to=user", " to=get_time.get_time"]
+
+
+@pytest.mark.parametrize("end", ["length", "eos", "stop", "cancel"])
+@pytest.mark.parametrize("cut", HEADER_CUTS)
+def test_generation_that_stops_inside_the_first_header_shows_nothing(cut, end):
+    """Issue 25 item 8: max_tokens 1..5 under a constraint cut the forced
+    ` to=user` header; the fragment is framing, never content — buffered,
+    streamed character by character, with tools active or not."""
+    for tools in (False, True):
+        check(cut, None, None, end=end, tools=tools)
+        parser = ChannelParser(tools_active=tools)
+        events = [e for ch in cut for e in parser.feed(ch)] + parser.finish(end)
+        assert collect(events).content is None and collect(events).reasoning is None
+        assert not collect(events).tool_messages
+
+
+def test_a_header_cut_after_a_message_keeps_the_message_only():
+    check(" to=self<|message|>plan<|eom|> to=us", "plan", None, end="length")
+    check(" to=user<|message|>Hi<|eom|>\n to=self", None, "Hi", end="length")
+    # text that is not a header prefix still continues the previous message
+    check(" to=user<|message|>Hi<|eom|> tomorrow", None, "Hi tomorrow", end="length")
 
 
 def test_r7_quoted_header_literal_even_when_a_call_follows():

@@ -463,7 +463,11 @@ class ChannelParser:
             self._mode = "tool" if kind_of == _TOOL else "body"
             self._pos = end
             return True
-        if kind == _PARTIAL and "<|" in buf[start:]:  # 5.3: dropped
+        if kind == _PARTIAL:
+            # End of output inside a possible header (` to=us`, ` to=self<|mess`,
+            # `assistant`): framing the model did not finish, dropped with the
+            # whitespace before it (output-grammar 5.3 as issue 25 amends it:
+            # a bare ` to=` fragment is no longer literal text).
             self._pos = len(buf)
             return False
         # Unexpected text or a bare fragment at EOF: it opens the

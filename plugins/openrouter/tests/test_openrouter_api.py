@@ -34,7 +34,9 @@ OVERFLOWING_NOTES = 12
 #: How OpenRouter agent clients read a recoverable overflow.
 CLIENT_PATTERN = re.compile(r"maximum context length is (\d+) tokens.*?(\d+) of text input.*?(\d+) in the output")
 QUESTION = {"role": "user", "content": "Add two and two."}
+CUT_REPLY = " to=self<|message|>Plan.<|eom|><|start|>assistant to=user<|message|>Done.<|eot|>"
 SCRIPT = [
+    {"when": "Cut my header.", "reply": CUT_REPLY},  # before the entries a default system prompt matches
     {
         "when": "Weather in Paris?",
         "reply": " to=self<|message|>Checking the weather.<|eom|><|start|>assistant to=forecast.forecast"
@@ -421,3 +423,38 @@ def test_openai_dialect_errors_on_overflow(openai_client):
     assert body["type"] == "invalid_request_error" and body["code"] == "context_length_exceeded"
     assert body["param"] == "messages" and f"maximum context length is {MAX_CONTEXT} tokens" in body["message"]
     assert "metadata" not in body
+
+
+# -- generation cut inside a header (issue 25 item 8) ----------------------------------------
+def _cut_answer(url: str, max_tokens: int, stream: bool) -> tuple[str, str]:
+    body = {"model": "muse", "messages": [{"role": "user", "content": "Cut my header."}], "max_tokens": max_tokens,
+            "stream": stream}
+    if not stream:
+        message = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60).json()["choices"][0]["message"]
+        return message.get("content") or "", message.get("reasoning_content") or ""
+    content = reasoning = ""
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=60) as response:
+        for event in sse_events(response):
+            for choice in event["choices"] if isinstance(event, dict) else ():
+                content += choice["delta"].get("content") or ""
+                reasoning += choice["delta"].get("reasoning_content") or ""
+    return content, reasoning
+
+
+def test_a_header_cut_by_max_tokens_never_reaches_the_client(urls):
+    """' to', ' to=', ... ' to=user': framing the model did not finish is
+    dropped, streamed or not, in both dialects (the openai front loads no plugin)."""
+    from musegl_core.tiny import default_model_path
+    from musegl_core.tokenizer import MuseTokenizer
+
+    tokenizer = MuseTokenizer.load(str(default_model_path()))
+    ids = tokenizer.encode(CUT_REPLY, special=True)
+    for count in range(1, len(ids) + 1):
+        text = tokenizer.decode(ids[:count])
+        expected = channels.parse_output(text, tools_active=False, end="length")
+        want = (expected.content or "", expected.reasoning or "")
+        assert " to" not in want[0] and "to=" not in want[0] + want[1], (text, want)
+        for url in urls.values():
+            for stream in (False, True):
+                assert _cut_answer(url, count, stream) == want, (url, count, stream, text)
+    assert want == ("Done.", "Plan.")
