@@ -1,4 +1,4 @@
-"""``musegl serve`` settings: the seed's limits with their ranges and defaults.
+"""``musegl serve`` settings: every flag with its range and default.
 
 Everything here is validated before any model loads; a bad value raises
 :class:`~musegl_core.errors.ConfigError` with a one-line reason (exit status 2).
@@ -25,13 +25,15 @@ def min_request_bytes(max_image_bytes: int) -> int:
 
 
 def flag(default: Any, help: str, group: str, *, kind: str = "str", metavar: str | None = None,
-         choices: tuple[str, ...] | None = None, env: str | None = None, name: str | None = None) -> Any:
+         choices: tuple[str, ...] | None = None, env: str | None = None, name: str | None = None,
+         aliases: tuple[str, ...] = ()) -> Any:
     """A :class:`ServeConfig` field that is also a ``musegl serve`` flag.
 
     The flag is the field name with dashes (``max_context`` -> ``--max-context``)
-    unless ``name`` says otherwise;
+    unless ``name`` says otherwise; ``aliases`` are further spellings of the
+    same flag (vLLM's, where they mean the same);
     ``kind`` is how its text is read (``str``, ``int``, ``float``, ``size`` such
-    as ``24GiB``, ``switch`` for a flag that turns a False default on, or
+    as ``24GiB``, ``on-off`` for ``on`` or ``off``, ``switch`` for a flag that turns a False default on, or
     ``off-switch`` for ``--no-NAME`` that turns a True default off, ``append``
     for a repeatable flag collected into a tuple); ``env`` names an
     environment variable that supplies the default. The parser of
@@ -39,10 +41,11 @@ def flag(default: Any, help: str, group: str, *, kind: str = "str", metavar: str
     written out once, here."""
     return attrs.field(default=default, metadata={"flag": {"help": help, "group": group, "kind": kind,
                                                            "metavar": metavar, "choices": choices, "env": env,
-                                                           "name": name}})
+                                                           "name": name, "aliases": aliases}})
 
 
-NET, LIMITS, PROTO, EXEC = "network", "limits (the seed's serving limits)", "protocol", "execution"
+NET, LIMITS, SESSIONS, KV, PROTO, EXEC, LOGS = (
+    "network", "limits", "sessions", "KV cache", "protocol", "execution", "logging")
 
 
 @attrs.frozen
@@ -62,40 +65,59 @@ class ServeConfig:
                                                name="--cors-allow-origin")
     shutdown_timeout: float = flag(5.0, "on SIGINT/SIGTERM, how long in-flight requests may still run "
                                    "(default %(default)s)", NET, kind="float", metavar="SECONDS")
-    api_key: str | None = flag(None, "require this bearer token (env MUSEGL_API_KEY)", NET, env="MUSEGL_API_KEY")
-    max_context: int = flag(8192, "context budget per session in tokens (default %(default)s)", LIMITS, kind="int")
-    max_sessions: int = flag(4, "session slots (default %(default)s)", LIMITS, kind="int")
-    max_inflight_requests: int = flag(4, "admitted requests (default %(default)s)", LIMITS, kind="int")
-    max_decode_sequences: int = flag(4, "decode batch width (default %(default)s)", LIMITS, kind="int")
+    api_key: str | None = flag(None, "require this bearer token on every route but /health (env MUSEGL_API_KEY, "
+                               "which keeps it out of the process list)", NET, env="MUSEGL_API_KEY", metavar="KEY")
+    max_context: int = flag(8192, "most tokens of one conversation, prompt and completion together; each session "
+                            "slot reserves KV for this many (default %(default)s)", LIMITS, kind="int",
+                            metavar="TOKENS", aliases=("--max-model-len",))
+    max_sessions: int = flag(4, "session slots: named sessions and running anonymous requests each hold one "
+                             "(default %(default)s)", SESSIONS, kind="int", metavar="N")
+    max_inflight_requests: int = flag(4, "requests that run at once; more wait in the queue (default %(default)s)",
+                                      LIMITS, kind="int", metavar="N")
+    max_queued_requests: int = flag(1024, "requests that may wait for a running place, a session slot or their "
+                                    "session's previous request, holding no KV; beyond: 503 server_busy; 0: no "
+                                    "queue (default %(default)s)", LIMITS, kind="int", metavar="N")
+    max_decode_sequences: int = flag(4, "sequences decoded together in one step (default %(default)s)", LIMITS,
+                                     kind="int", metavar="N")
     max_n: int = flag(8, "most choices ('n') one request may ask for; each is a request of its own "
-                      "(default %(default)s)", LIMITS, kind="int")
-    max_prefill_chunk: int = flag(512, "prompt positions per forward (default %(default)s)", LIMITS, kind="int")
+                      "(default %(default)s)", LIMITS, kind="int", metavar="N")
+    max_prefill_chunk: int = flag(512, "most prompt positions one forward pass computes (default %(default)s)",
+                                  LIMITS, kind="int", metavar="TOKENS")
     prefill_stall_factor: float = flag(6.0, "while sequences decode, prefill may stretch a step to at most this "
                                        "many decode-only steps (per request; estimated online; 0: off, always "
                                        "--max-prefill-chunk; default %(default)s)", LIMITS, kind="float",
                                        metavar="FACTOR")
-    max_image_bytes: int = flag(MAX_IMAGE_BYTES_CAP, "compressed image size limit (1 B .. 20 MiB, default 20 MiB)",
-                                LIMITS, kind="int")
-    max_request_bytes: int = flag(MAX_REQUEST_BYTES_CAP, "worker request frame limit (<= 32 MiB, default 32 MiB)",
-                                  LIMITS, kind="int")
-    max_vision_patches: int = flag(4096, "vision patch cap (default %(default)s)", LIMITS, kind="int")
-    prefix_cache_entries: int = flag(0, "prefix snapshots (default %(default)s)", LIMITS, kind="int")
+    max_image_bytes: int = flag(MAX_IMAGE_BYTES_CAP, "largest image accepted, compressed (1 B .. 20 MiB, "
+                                "default 20 MiB)", LIMITS, kind="int", metavar="BYTES")
+    max_request_bytes: int = flag(MAX_REQUEST_BYTES_CAP, "largest request accepted: the HTTP body limit (413 "
+                                  "beyond it) and the limit of the request's frame to the worker; at most 32 MiB, "
+                                  "at least 4*ceil(--max-image-bytes/3)+1024 (default 32 MiB)", LIMITS, kind="int",
+                                  metavar="BYTES")
+    max_vision_patches: int = flag(4096, "most vision patches one image may become (default %(default)s)", LIMITS,
+                                   kind="int", metavar="N")
+    prefix_cache_entries: int = flag(0, "prefix snapshots: frozen prompt prefixes any session may reuse, each "
+                                     "holding a slot's KV (default %(default)s)", SESSIONS, kind="int", metavar="N")
     evict_idle_sessions: bool = flag(False, "evict the least recently used idle session when slots run out",
-                                     LIMITS, kind="switch")
+                                     SESSIONS, kind="switch")
     session_idle_timeout: float | None = flag(None, "close named sessions idle this long (default: they persist "
-                                              "until DELETE /v1/sessions/{id})", LIMITS, kind="float",
+                                              "until DELETE /v1/sessions/{id})", SESSIONS, kind="float",
                                               metavar="SECONDS")
+    sessions_api: bool = flag(True, "on: serve GET /v1/sessions and DELETE /v1/sessions/{id}, which every client "
+                              "(every holder of the API key) may use on every session; off: both answer 404 "
+                              "(default on)", SESSIONS, kind="on-off", metavar="on|off")
     prefix_caching: bool = flag(True, "turn off automatic prefix caching (reuse of finished requests' KV blocks)",
-                                LIMITS, kind="off-switch")
-    streaming_preflight_timeout: float | None = flag(None, "bound the wait before streaming headers", LIMITS,
+                                SESSIONS, kind="off-switch")
+    streaming_preflight_timeout: float | None = flag(None, "longest a streamed request may wait (queue and "
+                                                     "prefill) before its headers go out; then 503 "
+                                                     "preflight_timeout (default: no bound)", LIMITS,
                                                      kind="float", metavar="SECONDS")
     kv_blocks: int | None = flag(None, "KV pool size in blocks (default: sized from memory, see --kv-cache-memory)",
-                                 LIMITS, kind="int")
+                                 KV, kind="int", metavar="N")
     kv_cache_memory: int | None = flag(None, "memory for the KV cache, e.g. 24GiB; the pool fills it (default: what "
                                        "the limits need, checked against --kv-cache-fraction of the free memory)",
-                                       LIMITS, kind="size", metavar="SIZE")
+                                       KV, kind="size", metavar="SIZE")
     kv_cache_fraction: float = flag(0.9, "share of the memory free after loading that the KV cache may use "
-                                    "(default %(default)s)", LIMITS, kind="float", metavar="F")
+                                    "(default %(default)s)", KV, kind="float", metavar="F")
     constrained_reasoning_tokens: int = flag(
         1024, "under an output constraint (response_format json, tool_choice required/named), the reasoning "
         "message may take at most this many tokens before the constrained part must begin; 0: no reasoning "
@@ -107,13 +129,19 @@ class ServeConfig:
     tool_parser: str | None = flag(None, "tool-call parser (e.g. atem, from musegl-atem)", PROTO, metavar="NAME")
     api_dialect: str = flag("openai", "API dialect: openai (default) or a plugin's (openrouter)", PROTO,
                             metavar="NAME")
-    template: str = flag("muse", "chat template (default %(default)s)", PROTO, metavar="NAME")
+    template: str = flag("muse", "chat template, by name (a plugin's; default %(default)s); Jinja templates are "
+                         "not supported", PROTO, metavar="NAME", aliases=("--chat-template",))
+    seed: int | None = flag(None, "seed of the per-request seeds drawn for requests that give no 'seed': the same "
+                            "requests, sent one at a time, sample the same tokens after a restart (default: "
+                            "random)", PROTO, kind="int", metavar="N")
     executor: str | None = flag(None, "executor to use (default: the best one for this machine)", EXEC,
                                 metavar="NAME")
     mmproj: str | None = flag(None, "vision projector GGUF (llama.cpp's mmproj-*.gguf) for a GGUF MODEL; without "
                               "it a GGUF model is text-only", EXEC, metavar="MMPROJ")
     device: str | None = flag(None, "device for the executor (cpu, cuda:0, ...)", EXEC)
     dtype: str | None = flag(None, "activation dtype", EXEC, choices=("float32", "float16", "bfloat16"))
+    throughput_log_interval: float = flag(10.0, "while requests run, the worker logs a throughput line this often "
+                                          "(0: never; default %(default)s)", LOGS, kind="float", metavar="SECONDS")
     plugins: tuple[str, ...] | None = None
     demo: bool = False
     extra: dict[str, Any] = attrs.field(factory=dict)
@@ -134,6 +162,11 @@ class ServeConfig:
         int_range("--max-context", self.max_context, 2)
         int_range("--max-sessions", self.max_sessions, 1)
         int_range("--max-inflight-requests", self.max_inflight_requests, 1)
+        int_range("--max-queued-requests", self.max_queued_requests, 0, 1 << 20)
+        if self.seed is not None:
+            need(0 <= self.seed < 2**64, f"--seed must be between 0 and {2**64 - 1}, got {self.seed}")
+        t = self.throughput_log_interval
+        need(math.isfinite(t) and t >= 0, f"--throughput-log-interval must be 0 or a positive number of seconds, got {t}")
         int_range("--max-decode-sequences", self.max_decode_sequences, 1)
         int_range("--max-prefill-chunk", self.max_prefill_chunk, 1)
         int_range("--max-n", self.max_n, 1, 128)

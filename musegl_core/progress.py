@@ -10,9 +10,27 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 
+_shown = True
+
+
+def show_progress(shown: bool) -> None:
+    """Turn the bars on or off for this process (the worker follows ``--log-level``:
+    off at ``warning`` and ``error``, where only problems are to be printed)."""
+    global _shown
+    _shown = shown
+
+
+def _ignore(done: int, total: int, what: str = "") -> None:
+    pass
+
+
 @contextlib.contextmanager
 def loading_progress(title: str) -> Iterator[Callable[[int, int, str], None]]:
-    """A rich progress bar on stderr; yields ``progress(done, total, what)``."""
+    """A rich progress bar on stderr; yields ``progress(done, total, what)`` (which does
+    nothing while :func:`show_progress` turned the bars off)."""
+    if not _shown:
+        yield _ignore
+        return
     console = Console(file=sys.stderr)
     with Progress(
         TextColumn("{task.description}"),

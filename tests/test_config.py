@@ -38,6 +38,12 @@ BAD = [
     (["--served-model-name", "has space"], "--served-model-name"),
     (["--served-model-name", "ok", "--served-model-name", ""], "--served-model-name"),
     (["--cors-allow-origin", " "], "--cors-allow-origin"),
+    (["--max-queued-requests", "-1"], "--max-queued-requests must be between 0"),
+    (["--sessions-api", "maybe"], "expected on or off"),
+    (["--seed", "-1"], "--seed must be between 0"),
+    (["--throughput-log-interval", "-1"], "--throughput-log-interval"),
+    (["--chat-template", "template.jinja"], "not a Jinja template file or text"),
+    (["--max-model-len", "1"], "--max-context must be between 2"),
 ]
 
 

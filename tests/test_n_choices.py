@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import socket
 import time
 
 import httpx
@@ -197,19 +198,33 @@ def test_n_with_a_session_or_out_of_range_is_400(server, sdk):
         assert chat(server, n=n).json()["error"]["param"] == "n"
 
 
-def test_a_busy_server_refuses_all_n_and_cancels_what_it_admitted(server):
-    """Admission fails for a later choice: 503 server_busy, nothing left running."""
+def test_choices_that_must_wait_are_queued_and_a_disconnect_cancels_them_all(server):
+    """Three of four running places are free: choice 3 waits in the queue (holding no KV),
+    the response waits for it, and a client that gives up cancels every choice."""
     wait_idle(server.url)
     baseline = blocks(server.url)
     holder = {"model": "m", "messages": [{"role": "user", "content": "hold"}], "max_tokens": 3500,
               "ignore_eos": True, "stream": True}
     with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=holder, timeout=120) as held:
         assert held.status_code == 200
-        assert metric(server.url, "musegl_requests_running") == 1  # 3 of the 4 in-flight slots are left
-        response = chat(server, n=4, temperature=1.0)
-        assert response.status_code == 503, response.text
-        assert response.json()["error"]["code"] == "server_busy" and response.headers["retry-after"] == "1"
-        assert metric(server.url, "musegl_requests_running") == 1  # the holder only, unharmed
+        assert metric(server.url, "musegl_requests_running") == 1  # 3 of the 4 running places are left
+        body = {"model": "m", "messages": MESSAGES, "n": 4, "max_tokens": 3000, "ignore_eos": True,
+                "temperature": 1.0}
+        host, port = server.url.removeprefix("http://").split(":")
+        payload = json.dumps(body).encode()
+        with socket.create_connection((host, int(port)), timeout=30) as raw:  # no answer comes until all run
+            raw.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                        b"Content-Length: %d\r\n\r\n%s" % (len(payload), payload))
+            deadline = time.monotonic() + 60
+            while metric(server.url, "musegl_requests_waiting") < 1:  # choice 3 waits its turn
+                assert time.monotonic() < deadline, "no choice was queued"
+                time.sleep(0.05)
+            assert metric(server.url, "musegl_requests_running") == 4
+        # the connection closed before any answer: the client disconnected
+        deadline = time.monotonic() + 30
+        while metric(server.url, "musegl_requests_running") != 1 or metric(server.url, "musegl_requests_waiting"):
+            assert time.monotonic() < deadline, "the choices were not cancelled"
+            time.sleep(0.05)
     wait_idle(server.url)
     assert blocks(server.url) == baseline
 

@@ -35,8 +35,10 @@ def default(tiny):
 def variant(tiny):
     config = ServeConfig(model=tiny, port=0, max_context=512, max_sessions=2, api_key="sekrit",
                          prefix_caching=False, session_idle_timeout=1.0)
-    with running_server(config) as running:
-        yield running
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("MUSEGL_API_KEY", "sekrit")  # as `MUSEGL_API_KEY=... musegl serve` would have it
+        with running_server(config) as running:
+            yield running
 
 
 KEY = {"Authorization": "Bearer sekrit"}
@@ -113,6 +115,18 @@ def test_sessions_api_takes_the_api_key(variant):
     assert httpx.delete(f"{variant.url}/v1/sessions/x", timeout=30).status_code == 401
     assert httpx.get(f"{variant.url}/v1/sessions", headers=KEY, timeout=30).json() == {"object": "list", "data": []}
     assert httpx.delete(f"{variant.url}/v1/sessions/x", headers=KEY, timeout=30).status_code == 404
+
+
+def test_the_api_key_never_reaches_the_worker(variant):
+    """Not in its command line (world-readable), not in its environment, not in its settings."""
+    pid = variant.worker.pid
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        cmdline = f.read()
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        environ = f.read()
+    assert b"sekrit" not in cmdline and b"--config-json" not in cmdline
+    assert b"sekrit" not in environ and b"MUSEGL_API_KEY" not in environ
+    assert httpx.get(f"{variant.url}/v1/models", headers=KEY, timeout=30).status_code == 200  # the front checks it
 
 
 def test_idle_sessions_expire_after_the_timeout(variant):

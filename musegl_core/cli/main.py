@@ -22,6 +22,16 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
+def summary(doc: str | None) -> str:
+    """The first line of a module docstring as plain text for ``--help``: reStructuredText
+    markup (````literal````, ``:role:`target```) is taken out."""
+    import re
+
+    text = (doc or "").strip().splitlines()[0] if (doc or "").strip() else ""
+    text = re.sub(r":[a-z]+:`~?([^`]+)`", r"\1", text)
+    return text.replace("``", "")
+
+
 COMMANDS = {
     "serve": "musegl_core.cli.serve",
     "generate": "musegl_core.cli.generate",
@@ -60,8 +70,7 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: musegl COMMAND [options]   (musegl COMMAND --help for details)\n")
         print("commands:")
         for name, module in COMMANDS.items():
-            doc = __import__(module, fromlist=["_"]).__doc__ or ""
-            print(f"  {name:<10} {doc.strip().splitlines()[0] if doc.strip() else ''}")
+            print(f"  {name:<10} {summary(__import__(module, fromlist=['_']).__doc__)}")
         try:
             extra = plugin_commands()
         except ConfigError as exc:  # a broken plugin must not hide the help

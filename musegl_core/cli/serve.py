@@ -8,8 +8,9 @@ import os
 import sys
 
 from musegl_core.cli.main import OneLineParser
-from musegl_core.config import ServeConfig
+from musegl_core.config import LOGS, ServeConfig
 from musegl_core.errors import ConfigError
+from musegl_core.logs import LEVELS
 
 
 def _int(text: str) -> int:
@@ -35,7 +36,13 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-KINDS = {"str": None, "int": _int, "float": _float, "size": _size}
+def _on_off(text: str) -> bool:
+    if text in ("on", "off"):
+        return text == "on"
+    raise argparse.ArgumentTypeError(f"expected on or off, got {text!r}")
+
+
+KINDS = {"str": None, "int": _int, "float": _float, "size": _size, "on-off": _on_off}
 
 
 def build_parser(plugins=None) -> OneLineParser:
@@ -49,20 +56,22 @@ def build_parser(plugins=None) -> OneLineParser:
     for field in ServeConfig.flag_fields():
         spec = field.metadata["flag"]
         group = groups.get(spec["group"]) or groups.setdefault(spec["group"], p.add_argument_group(spec["group"]))
-        name = spec["name"] or "--" + field.name.replace("_", "-")
+        names = (spec["name"] or "--" + field.name.replace("_", "-"), *spec["aliases"])
         default = os.environ.get(spec["env"], field.default) if spec["env"] else field.default
         if spec["kind"] == "switch":
-            group.add_argument(name, action="store_true", default=default, help=spec["help"])
+            group.add_argument(*names, action="store_true", default=default, help=spec["help"])
         elif spec["kind"] == "append":
-            group.add_argument(name, dest=field.name, action="append", default=None, metavar=spec["metavar"],
+            group.add_argument(*names, dest=field.name, action="append", default=None, metavar=spec["metavar"],
                                help=spec["help"])
         elif spec["kind"] == "off-switch":
             group.add_argument("--no-" + field.name.replace("_", "-"), dest=field.name, action="store_false",
                                default=default, help=spec["help"])
         else:
-            group.add_argument(name, type=KINDS[spec["kind"]], default=default, metavar=spec["metavar"],
-                               choices=spec["choices"], help=spec["help"])
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+            group.add_argument(*names, dest=field.name, type=KINDS[spec["kind"]], default=default,
+                               metavar=spec["metavar"], choices=spec["choices"], help=spec["help"])
+    groups[LOGS].add_argument("--log-level", default="info", choices=LEVELS,
+                              help="the least severe log lines shown, in the front and the worker "
+                              "(default %(default)s)")
     if plugins is not None:
         plugins.add_serve_options(p)
     return p
@@ -100,7 +109,7 @@ def prepare(argv: list[str]):
     args = parser.parse_args(argv)
     config = config_from_args(args, parser)
     plugins.get("dialects", config.api_dialect)
-    plugins.get("templates", config.template)
+    check_template(config.template, plugins)
     if config.tool_parser:
         plugins.get("tool_parsers", config.tool_parser)
     spec = plugins.choose_executor(config.executor, config.model)
@@ -121,6 +130,37 @@ def prepare(argv: list[str]):
             check_servable(config.model)
         check_speculators(config, plugins)  # a draft that does not fit, before the port is bound
     return config, plugins, args.log_level
+
+
+def startup_line(config: ServeConfig, plugins) -> str:
+    """What this server runs, in one line (logged at start-up): the model, the executor,
+    the tool parser, the dialect, the template, the API surfaces and the speculators."""
+    executor = plugins.choose_executor(config.executor, config.model)
+    owners = {name: plugin for name, (plugin, _spec) in plugins.provided("executors").items()}
+
+    def names(kind: str) -> str:
+        return ", ".join(sorted(plugins.specs(kind))) or "none"
+
+    parser = config.tool_parser or "none (tool calls are refused; --tool-parser atem enables them)"
+    return (f"serving {config.model}{' (demo)' if config.demo else ''}: executor {executor.name} "
+            f"(plugin {owners.get(executor.name, '?')}); tool parser {parser}; dialect {config.api_dialect} "
+            f"(installed: {names('dialects')}); template {config.template}; API surfaces {names('api_surfaces')}; "
+            f"speculator plugins {names('speculators')}")
+
+
+def check_template(name: str, plugins) -> None:
+    """``--template`` / ``--chat-template`` names a registered template. vLLM's
+    ``--chat-template`` takes a Jinja file or text, which musegl cannot run (its
+    templates are code, the Muse Glimmer format is rendered by ``muse``): refused
+    with a line that says so rather than "no template named ...jinja"."""
+    known = plugins.specs("templates")
+    if name in known:
+        return
+    if any(c in name for c in "/\\{%") or name.endswith((".jinja", ".j2", ".jinja2")) or os.path.exists(name):
+        raise ConfigError(f"--template/--chat-template takes the name of a registered template "
+                          f"({', '.join(sorted(known)) or 'none'}), not a Jinja template file or text: musegl "
+                          f"renders the Muse Glimmer format with its own template code; got {name!r}")
+    plugins.get("templates", name)  # the usual "no template named ..." line
 
 
 def check_kv_memory(config: ServeConfig, plugins) -> None:
@@ -159,9 +199,13 @@ def main(argv: list[str]) -> int:
 
     from musegl_core.http.server import bind
 
+    from musegl_core.logs import configure
+    from musegl_core.progress import show_progress
+
     config, plugins, log_level = prepare(argv)
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
-    log = logging.getLogger("musegl")
+    configure(log_level, "front")
+    show_progress(log_level in ("debug", "info"))
+    log = logging.getLogger("musegl.serve")
     sock = bind(config.host, config.port)  # a port in use ends here, before anything is announced
     host, port = sock.getsockname()[:2]
     config = attrs.evolve(config, port=port)
@@ -179,9 +223,10 @@ def main(argv: list[str]) -> int:
     from musegl_core.http.server import GracefulServer
     from musegl_core.worker.client import WorkerClient
 
-    worker = WorkerClient(config)
+    worker = WorkerClient(config, log_level=log_level)
     app = create_app(config, plugins, worker)
     shown = f"[{host}]" if ":" in host else host
+    log.info("%s", startup_line(config, plugins))
     log.info("listening on http://%s:%d (model loads in the worker; /health turns 200 when ready)", shown, port)
     server = GracefulServer.create(app, shutdown_timeout=config.shutdown_timeout,
                                    on_shutdown=app.state["front"].begin_shutdown, log_level=log_level)

@@ -22,6 +22,7 @@ had been decoded one per step.
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import time
 from typing import Callable
@@ -29,6 +30,7 @@ from typing import Callable
 import attrs
 
 from musegl_core.engine import events as ev
+from musegl_core.engine.admission import AdmissionQueue
 from musegl_core.engine.detokenize import IncrementalDetokenizer
 from musegl_core.engine.executor import Executor, ExecutorLimits, PendingStep, Step, TokenLogprobs
 from musegl_core.engine.identity import prompt_keys, split_keys
@@ -44,6 +46,7 @@ from musegl_core.engine.sessions import CapacityError, SaltMismatch, Session, Se
 from musegl_core.engine.speculator import DraftRequest, NoSpeculator, Speculator, accept
 from musegl_core.engine.step_book import StepBook
 from musegl_core.engine.stops import StopMatcher
+from musegl_core.engine.throughput import ThroughputLog
 from musegl_core.errors import ApiError
 
 log = logging.getLogger("musegl.engine")
@@ -54,6 +57,7 @@ class EngineConfig:
     max_context: int = 8192
     max_sessions: int = 4
     max_inflight_requests: int = 4
+    max_queued_requests: int = 1024
     max_decode_sequences: int = 4
     max_prefill_chunk: int = 512
     prefix_cache_entries: int = 0
@@ -65,6 +69,7 @@ class EngineConfig:
     session_idle_timeout: float | None = None
     grammar_threads: int | None = None  # None: 0 for an executor on the host CPU, else 2
     prefill_stall_factor: float = 6.0
+    throughput_log_interval: float = 10.0  # seconds between throughput lines while busy (0: none)
 
     @classmethod
     def from_serve(cls, config) -> "EngineConfig":
@@ -102,9 +107,11 @@ def context_error(prompt_tokens: int, reservation: int, max_context: int, source
     )
 
 
-def busy_error() -> ApiError:
-    return ApiError(503, "the server is busy (--max-inflight-requests reached); retry shortly",
-                    "unavailable_error", "server_busy", retry_after=1)
+def busy_error(running: int, queued: int, retry_after: int) -> ApiError:
+    """503 ``server_busy``: every running place and every queue place is taken."""
+    return ApiError(503, f"the server is busy: {running} requests run (--max-inflight-requests) and {queued} "
+                    f"wait (--max-queued-requests, full); retry in about {retry_after} s",
+                    "unavailable_error", "server_busy", retry_after=retry_after)
 
 
 @attrs.define
@@ -185,7 +192,10 @@ class Engine:
         self.replayer = Replayer(tokenizer, self.end_ids)
         self._inbox: queue.Queue = queue.Queue()
         self._running: dict[str, SequenceState] = {}
-        self._waiting: dict[str, tuple[PreparedRequest, Session]] = {}
+        self._queue = AdmissionQueue(config.max_queued_requests)  # admitted, not running (admission.py)
+        self._dispatch_due = False  # something finished or freed a slot: look at the queue again
+        self._queue_seconds: dict[str, float] = {}  # how long each running request waited, until Started
+        self.throughput = ThroughputLog(config.throughput_log_interval)
         self._next_handle = 0
         self._stopping = False
         self.steps = 0
@@ -228,7 +238,8 @@ class Engine:
             "kv_blocks_used": self.pool.used_blocks,
             "kv_blocks_reserved": self.pool.reserved_blocks,
             "running": len(self._running),
-            "waiting": len(self._waiting),
+            "waiting": len(self._queue),
+            "queue_refused": self._queue.refused,
             "steps": self.steps,
             "drafted_tokens": self.drafted_tokens,
             "accepted_tokens": self.accepted_tokens,
@@ -249,9 +260,15 @@ class Engine:
 
     def run_forever(self) -> None:
         while not self._stopping:
-            self._drain(block=self.idle)
+            if self.idle:
+                self.throughput.pause()
+            self._drain(block=self.idle and not self._dispatch_due)
+            if self._dispatch_due:
+                self._dispatch()
             if not self.idle:
                 self.step()
+                self.throughput.tick(running=len(self._running), queued=len(self._queue),
+                                     blocks_used=self.pool.used_blocks, blocks_total=self.pool.num_blocks)
         if self.scheduler.mask_workers is not None:
             self.scheduler.mask_workers.close()
 
@@ -259,6 +276,8 @@ class Engine:
         """Run until every submitted request has finished (tools and tests)."""
         while True:
             self._drain(block=False)
+            if self._dispatch_due:
+                self._dispatch()
             if self.idle:
                 return
             self.step()
@@ -277,12 +296,12 @@ class Engine:
             elif kind == "call":
                 arg(self.stats())
             elif kind == "sessions":
-                self.sessions.expire_idle()
+                self._dispatch_due |= bool(self.sessions.expire_idle())
                 arg(self.sessions.describe())
             elif kind == "close_session":
                 self._close_session(*arg)
             elif kind == "expire":
-                self.sessions.expire_idle()
+                self._dispatch_due |= bool(self.sessions.expire_idle())
             elif kind == "stop":
                 self._stopping = True
             try:
@@ -317,17 +336,21 @@ class Engine:
             reply(ApiError(409, f"session {name!r} has a request running or queued; close it when idle",
                            "invalid_request_error", "session_active", "session_id"))
         else:
+            self._dispatch_due = True  # a slot is free
             reply(None)
 
     # -- admission -------------------------------------------------------------------
     def _fail(self, request_id: str, error: ApiError) -> None:
         self.emit(
-            ev.Failed(request_id, error.status, error.message, error.type, error.code, error.param, dict(error.metadata))
+            ev.Failed(request_id, error.status, error.message, error.type, error.code, error.param,
+                      dict(error.metadata), error.retry_after)
         )
 
     def _admit(self, request: PreparedRequest) -> None:
+        """Check a new request, queue it, and start it at once when it may run; a
+        request that has to wait in a full queue is refused (503 ``server_busy``)."""
         config = self.config
-        if request.id in self._running or request.id in self._waiting:
+        if request.id in self._running or request.id in self._queue:
             self._fail(request.id, ApiError(400, f"duplicate request id {request.id}"))
             return
         prompt = len(request.prompt_ids)
@@ -335,29 +358,97 @@ class Engine:
         if prompt + reservation > config.max_context:
             self._fail(request.id, context_error(prompt, reservation, config.max_context))
             return
-        if len(self._running) + len(self._waiting) >= config.max_inflight_requests:
-            self._fail(request.id, busy_error())  # queue overload never evicts a session
+        self._queue.push(request)
+        self._link(request)
+        self._dispatch()
+        if request.id not in self._queue:
+            return  # started, or failed for a reason of its own
+        if self._queue.over:  # queue overload never evicts a session
+            self._unlink(request)
+            self._queue.refuse(request.id)
+            self._fail(request.id, busy_error(len(self._running), len(self._queue), self._queue.retry_after()))
             return
-        self._place(request)
+        self._queue.admitted += 1
 
-    def _place(self, request: PreparedRequest) -> None:
-        """Run ``request`` on its session now, or queue it behind the session's active one."""
-        try:
-            session, _created = self.sessions.open(request.session_id, request.cache_salt)
-        except SaltMismatch as exc:
-            self._fail(request.id, ApiError(400, f"{exc}: a named session keeps the cache_salt of its first "
-                                            "request (close it with DELETE /v1/sessions/{id} to change it)",
-                                            "invalid_request_error", "cache_salt_mismatch", "cache_salt"))
-            return
-        except CapacityError as exc:
-            self._fail(request.id, ApiError(503, f"no session slot is free: {exc}", "unavailable_error",
-                                            "session_capacity", retry_after=1))
-            return
-        if session.active:  # one request at a time per session; the next waits its turn
+    def _dispatch(self) -> None:
+        """Start the queued requests that may run now, in arrival order: while a running
+        place is free, each one whose session is not busy with an earlier request and
+        that gets a session slot. One that waits for a slot that will never free on its
+        own fails (503 ``session_capacity``) instead of waiting for ever."""
+        self._dispatch_due = False
+        slots_full = False  # once a new slot was refused, later requests needing one wait too
+        for entry in self._queue:
+            if len(self._running) >= self.config.max_inflight_requests:
+                return
+            request = entry.request
+            if request.id not in self._queue:
+                continue
+            name = request.session_id
+            existing = self.sessions.named.get(name) if name is not None else None
+            if existing is not None and existing.active:
+                self._link(request)  # it waits for the session's running request
+                continue
+            if existing is None and slots_full:
+                continue
+            try:
+                session, _created = self.sessions.open(name, request.cache_salt)
+            except SaltMismatch as exc:
+                self._unqueue(request)
+                self._fail(request.id, ApiError(400, f"{exc}: a named session keeps the cache_salt of its first "
+                                                "request (close it with DELETE /v1/sessions/{id} to change it)",
+                                                "invalid_request_error", "cache_salt_mismatch", "cache_salt"))
+                continue
+            except CapacityError as exc:
+                if self._slot_frees_later():
+                    slots_full = True
+                    continue  # it waits for a slot
+                self._unqueue(request)
+                self._fail(request.id, self._capacity_error(exc))
+                continue
+            self._unlink(request)
+            self._queue_seconds[request.id] = self._queue.take(request.id)
+            self._start(request, session)
+
+    def _unqueue(self, request: PreparedRequest) -> None:
+        self._unlink(request)
+        self._queue.drop(request.id)
+
+    def _link(self, request: PreparedRequest) -> None:
+        """Record a queued request on its existing named session (then not idle: never
+        evicted, expired or closed under it, and counted in ``queued_requests``)."""
+        session = self.sessions.named.get(request.session_id) if request.session_id else None
+        if session is not None and not any(r is request for r in session.waiting):
             session.waiting.append(request)
-            self._waiting[request.id] = (request, session)
-            return
-        self._start(request, session)
+
+    def _unlink(self, request: PreparedRequest) -> None:
+        session = self.sessions.named.get(request.session_id) if request.session_id else None
+        if session is not None:
+            for index, queued in enumerate(session.waiting):
+                if queued is request:
+                    del session.waiting[index]
+                    return
+
+    def _slot_frees_later(self) -> bool:
+        """Will a session slot free without a client's action? An anonymous request's
+        does when it ends; with ``--evict-idle-sessions`` so does a named session's,
+        which turns evictable once its request ends. Named sessions otherwise persist."""
+        table = self.sessions
+        return bool(table.anonymous) or (table.evict_idle and any(s.active for s in table.named.values()))
+
+    def _capacity_error(self, exc: CapacityError) -> ApiError:
+        """503 ``session_capacity``; its ``Retry-After`` is only what is known: with
+        ``--session-idle-timeout``, when the first named session can expire (absent otherwise:
+        no slot frees until a client deletes a session)."""
+        table, retry = self.sessions, None
+        if table.idle_timeout is not None and table.named:
+            now = time.monotonic()
+            idle = [s.last_used + table.idle_timeout - now for s in table.named.values() if s.idle]
+            retry = max(1, math.ceil(min(idle) if idle else table.idle_timeout))
+            when = f"the first named session can expire in about {retry} s (--session-idle-timeout)"
+        else:
+            when = "named sessions persist until DELETE /v1/sessions/{id}"
+        return ApiError(503, f"no session slot is free: {exc}; {when}", "unavailable_error", "session_capacity",
+                        retry_after=retry)
 
     def _start(self, request: PreparedRequest, session: Session) -> None:
         session.active = True
@@ -402,11 +493,11 @@ class Engine:
         if seq is not None:
             self._finish(seq, "cancelled", None)
             return
-        waiting = self._waiting.pop(request_id, None)
-        if waiting is not None:
-            request, session = waiting
-            session.waiting.remove(request)
-            self._release_if_unused(session)
+        entry = self._queue.get(request_id)
+        if entry is not None:  # a queued request holds no KV: it just leaves the queue
+            self._unlink(entry.request)
+            self._queue.take(request_id)
+            self._dispatch_due = True  # a place behind it may run now (its session's next request)
 
     def _embedding(self, seq: SequenceState, index: int):
         """The embedding rows of the request's ``index``-th image, computed once per request."""
@@ -607,6 +698,7 @@ class Engine:
             sampled = output.tokens.get(seq.handle)
             if seq.phase is Phase.PREFILL:
                 seq.computed += rows
+                self.throughput.prompt += rows
                 committed_rows[seq.handle] = rows
                 if not sampled:
                     continue  # a prefill chunk that did not reach the end of the prompt
@@ -651,7 +743,7 @@ class Engine:
         session.tokens = seq.keys[: seq.computed]
         self.sessions.publish(session)
         self.sessions.snapshot(session)
-        self.emit(ev.Started(seq.id, seq.prompt_len, seq.cached))
+        self.emit(ev.Started(seq.id, seq.prompt_len, seq.cached, self._queue_seconds.pop(seq.id, 0.0)))
 
     def _on_token(self, seq: SequenceState, token: int, logprobs: TokenLogprobs | None = None) -> None:
         request = seq.request
@@ -663,6 +755,7 @@ class Engine:
         if request.stream:
             seq.session.confirmed = True  # first raw output confirms a streamed session
         seq.generated.append(token)
+        self.throughput.generated += 1
         seq.tokens.append(token)
         seq.keys.append(token)
         eos = token in self.end_ids and not request.ignore_eos
@@ -696,6 +789,7 @@ class Engine:
         if seq.phase is Phase.FINISHED:
             return
         seq.phase = Phase.FINISHED
+        self._queue_seconds.pop(seq.id, None)
         self.scheduler.remove(seq)
         self.executor.release_sequence(seq.handle)
         self.speculator.release_sequence(seq.handle)
@@ -724,10 +818,7 @@ class Engine:
         session.last_used = time.monotonic()
         if session.name is None or not session.confirmed:
             self._drop_session(session)
-        elif session.waiting:
-            next_request = session.waiting.popleft()
-            del self._waiting[next_request.id]
-            self._start(next_request, session)
+        self._dispatch_due = True  # a running place is free (and maybe a slot, or this session)
         if reason is not None:
             self.emit(
                 ev.Done(
@@ -745,14 +836,7 @@ class Engine:
             )
 
     def _drop_session(self, session: Session) -> None:
-        """Close a temporary or unconfirmed session; queued requests get a fresh one."""
-        waiting = list(session.waiting)
+        """Close a temporary or unconfirmed session; requests queued for it stay in the
+        queue and get a fresh one when they start."""
         session.waiting.clear()
         self.sessions.drop(session)
-        for request in waiting:
-            del self._waiting[request.id]
-            self._place(request)
-
-    def _release_if_unused(self, session: Session) -> None:
-        if session.idle and (session.name is None or not session.confirmed):
-            self._drop_session(session)

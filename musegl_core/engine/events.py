@@ -20,6 +20,8 @@ class Started:
     id: str
     prompt_tokens: int
     cached_tokens: int = 0
+    #: seconds the request waited in the worker's admission queue before it ran
+    queue_seconds: float = 0.0
 
 
 @attrs.frozen
@@ -62,3 +64,4 @@ class Failed:
     code: str | None = None
     param: str | None = None
     metadata: dict[str, Any] = attrs.field(factory=dict)
+    retry_after: int | None = None  # seconds, for a Retry-After header (503s); None: none is sent

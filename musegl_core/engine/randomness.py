@@ -14,6 +14,8 @@ the double.
 from __future__ import annotations
 
 import os
+import random
+import threading
 
 MASK64 = (1 << 64) - 1
 
@@ -30,6 +32,35 @@ def uniform(seed: int, position: int) -> float:
     return (_mix(_mix(seed & MASK64) ^ (position & MASK64)) >> 11) * (1.0 / (1 << 53))
 
 
+class _SeedSource:
+    """Where the seeds of requests that gave none come from: the OS, or a generator
+    seeded by ``musegl serve --seed`` (vLLM's meaning of its ``--seed``: the same
+    requests, in the same order, draw the same seeds after a restart)."""
+
+    def __init__(self) -> None:
+        self._generator: random.Random | None = None
+        self._lock = threading.Lock()
+
+    def seed(self, seed: int | None) -> None:
+        with self._lock:
+            self._generator = None if seed is None else random.Random(seed)
+
+    def draw(self) -> int:
+        with self._lock:
+            if self._generator is not None:
+                return self._generator.getrandbits(63)
+        return int.from_bytes(os.urandom(8), "little") >> 1
+
+
+_SOURCE = _SeedSource()
+
+
+def seed_requests(seed: int | None) -> None:
+    """Draw the seeds of unseeded requests from a generator seeded with ``seed``
+    (None: from the OS again). The worker calls this once at start-up."""
+    _SOURCE.seed(seed)
+
+
 def random_seed() -> int:
-    """A fresh seed for a request that gave none (63 bits, from the OS)."""
-    return int.from_bytes(os.urandom(8), "little") >> 1
+    """A fresh seed for a request that gave none (63 bits, from the OS or ``--seed``'s generator)."""
+    return _SOURCE.draw()

@@ -41,6 +41,7 @@ from musegl_core.http.dialect import Dialect, ServedModel
 from musegl_core.http.front_tokenizer import FrontTokenizer
 from musegl_core.http.metrics import FrontMetrics, MeteredWorker
 from musegl_core.http.model_ids import ModelIds
+from musegl_core.http.request_log import RequestLog
 from musegl_core.http.sessions import session_routes
 from musegl_core.http.tokenize import detokenize, tokenize
 from musegl_core.plugins.manager import PluginManager
@@ -267,11 +268,13 @@ def create_app(
     def on_api_error(_: Request, error: ApiError) -> Response:
         return front.error_response(error)
 
-    def on_http_error(_: Request, exc: HTTPException) -> Response:
+    def on_http_error(request: Request, exc: HTTPException) -> Response:
         status = exc.status_code
         message = exc.detail or "request failed"
         if status == 404:
             message = "no such endpoint; see /v1/models and /v1/chat/completions"
+            if not config.sessions_api and request.url.path.removeprefix("/v1").startswith("/sessions"):
+                message = "the sessions API is turned off on this server (--sessions-api off)"
         elif status == 413:
             message = f"the request body exceeds --max-request-bytes ({config.max_request_bytes} bytes)"
         code = "request_too_large" if status == 413 else None
@@ -296,9 +299,9 @@ def create_app(
                 await worker.close()
 
     cors = CORSConfig(allow_origins=list(config.cors_allow_origins)) if config.cors_allow_origins else None
-    return Litestar(
+    app = Litestar(
         route_handlers=[models, model, health, metrics, chat_completions, completions, tokenize_text,
-                        detokenize_ids, *session_routes(worker, [require_key])],
+                        detokenize_ids, *(session_routes(worker, [require_key]) if config.sessions_api else [])],
         exception_handlers={
             ApiError: on_api_error,
             HTTPException: on_http_error,
@@ -309,8 +312,12 @@ def create_app(
         cors_config=cors,
         request_max_body_size=config.max_request_bytes,
         openapi_config=openapi.config(config.api_key is not None),
+        logging_config=None,  # musegl_core.logs configures logging once, for every library
         state={"front": front},
     )
+    # Around everything Litestar answers (unmatched paths and errors too): X-Request-Id and the summary line.
+    app.asgi_handler = RequestLog(app.asgi_handler)
+    return app
 
 
 async def _unless_disconnected(request: Request, work: Any) -> Any:

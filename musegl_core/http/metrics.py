@@ -22,6 +22,7 @@ from typing import Any, AsyncIterator, Iterable, Mapping
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from musegl_core.http.request_log import CURRENT
 from musegl_core.worker import messages as m
 
 # Latency buckets in seconds: sub-millisecond steps to minute-long generations.
@@ -38,7 +39,10 @@ SERIES = {
     "prefix_cache_hit_tokens": ("prefix_cache_hit_tokens", "prompt positions reused from the prefix cache", "counter"),
     "prefix_cache_evicted_blocks": ("prefix_cache_evicted_blocks", "cached KV blocks evicted to make room", "counter"),
     "running": ("requests_running", "requests running in the engine", "gauge"),
-    "waiting": ("requests_waiting", "admitted requests waiting for their session", "gauge"),
+    "waiting": ("requests_waiting", "requests in the admission queue (for a running place, a session slot or "
+                "their session's previous request)", "gauge"),
+    "queue_refused": ("requests_refused_queue_full", "requests refused with 503 server_busy: the admission queue "
+                      "was full (--max-queued-requests)", "counter"),
     "named": ("sessions_resident", "named sessions resident in the worker", "gauge"),
     "idle": ("sessions_idle", "resident named sessions with no running or queued request", "gauge"),
     "expired": ("sessions_expired", "named sessions closed by --session-idle-timeout", "counter"),
@@ -120,8 +124,11 @@ class FrontMetrics:
                              "from the request's arrival to its last token (finished requests)",
                              buckets=_LATENCY, registry=r)
         self.queue = Histogram("musegl_request_queue_seconds",
-                               "from submission to the worker until generation starts "
-                               "(waiting for admission or the session, then prefill)", buckets=_LATENCY, registry=r)
+                               "time a request waited in the worker's admission queue before it ran",
+                               buckets=_LATENCY, registry=r)
+        self.prefill = Histogram("musegl_request_prefill_seconds",
+                                 "from submission to the worker until the prompt is prefilled, less the queue time",
+                                 buckets=_LATENCY, registry=r)
 
     def count(self, endpoint: str, status: int) -> None:
         self.requests.labels(endpoint, str(status)).inc()
@@ -159,6 +166,7 @@ class _Observed:
         self._submitted = submitted
         self._last: float | None = None  # when the latest token arrived
         self._seen = 0  # generated ids seen so far
+        self._record = CURRENT.get()  # the HTTP request's summary line (http/request_log.py), if any
 
     def __aiter__(self) -> "_Observed":
         return self
@@ -167,7 +175,10 @@ class _Observed:
         event = await self._events.__anext__()
         now, metrics = time.monotonic(), self._metrics
         if isinstance(event, m.Started):
-            metrics.queue.observe(now - self._submitted)
+            metrics.queue.observe(event.queue_seconds)
+            metrics.prefill.observe(max(0.0, now - self._submitted - event.queue_seconds))
+            if self._record is not None:
+                self._record.started_generating(event.prompt_tokens, event.cached_tokens, event.queue_seconds)
         elif isinstance(event, m.Tokens):
             self._tokens(len(event.ids), now)
         elif isinstance(event, m.Done):
@@ -176,6 +187,8 @@ class _Observed:
             metrics.prompt_tokens.inc(event.prompt_tokens)
             metrics.cached_tokens.inc(event.cached_tokens)
             metrics.generated_tokens.inc(event.completion_tokens)
+            if self._record is not None:
+                self._record.finished(event.completion_tokens)
         return event
 
     def _tokens(self, count: int, now: float) -> None:
@@ -186,6 +199,8 @@ class _Observed:
             return
         if self._last is None:
             self._metrics.ttft.observe(now - self._arrived)
+            if self._record is not None:
+                self._record.first_token(now)
         else:
             for _ in range(count):
                 self._metrics.itl.observe((now - self._last) / count)

@@ -66,6 +66,8 @@ class GracefulServer(uvicorn.Server):
         config = uvicorn.Config(
             app,
             log_level=log_level,
+            log_config=None,  # uvicorn's lines go through musegl's format (musegl_core.logs)
+            access_log=False,  # the front logs one summary line per request itself (http/request_log.py)
             timeout_graceful_shutdown=shutdown_timeout + DELIVERY_MARGIN,  # type: ignore[arg-type]
         )
         return cls(config, on_shutdown)

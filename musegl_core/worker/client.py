@@ -22,14 +22,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import os
 import sys
 import time
 from typing import AsyncIterator, Callable
 
-import cattrs
+import attrs
 
 from musegl_core.config import ServeConfig
 from musegl_core.errors import ApiError, shutting_down, unavailable
@@ -37,13 +36,26 @@ from musegl_core.worker import messages as m
 
 log = logging.getLogger("musegl.front")
 
-config_converter = cattrs.Converter()
+#: environment variables the worker is started without (secrets it does not need)
+SECRET_ENV = ("MUSEGL_API_KEY",)
 
 
-def worker_command(config: ServeConfig) -> list[str]:
-    """The argv that starts a worker for ``config``."""
-    payload = json.dumps(config_converter.unstructure(config))
-    return [sys.executable, "-m", "musegl_core.worker.main", "--config-json", payload]
+def worker_command() -> list[str]:
+    """The argv that starts a worker: no settings in it (they come over stdin, see :class:`m.Setup`)."""
+    return [sys.executable, "-m", "musegl_core.worker.main"]
+
+
+def worker_setup(config: ServeConfig, log_level: str = "info") -> m.Setup:
+    """The first frame a worker for ``config`` reads: the settings without the API key,
+    which only the front checks."""
+    return m.Setup(attrs.evolve(config, api_key=None), log_level)
+
+
+def worker_env() -> dict[str, str]:
+    """The worker's environment: the front's, without :data:`SECRET_ENV`."""
+    env = {k: v for k, v in os.environ.items() if k not in SECRET_ENV}
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
 
 
 class WorkerClient:
@@ -51,8 +63,9 @@ class WorkerClient:
 
     def __init__(self, config: ServeConfig, *, restart_delay: float = 0.5, max_restart_delay: float = 30.0,
                  max_failures: int = 5, stable_after: float = 60.0,
-                 on_fatal: Callable[[str], None] | None = None):
+                 on_fatal: Callable[[str], None] | None = None, log_level: str = "info"):
         self.config = config
+        self.log_level = log_level  # the worker logs at the front's level
         self.restart_delay = restart_delay
         self.max_restart_delay = max_restart_delay
         self.max_failures = max_failures
@@ -117,16 +130,20 @@ class WorkerClient:
         while not self._closing:
             self._ready_at = None
             self._proc = await asyncio.create_subprocess_exec(
-                *worker_command(self.config),
+                *worker_command(),
                 stdin=asyncio.subprocess.PIPE,
                 stdout=asyncio.subprocess.PIPE,
                 limit=m.MAX_EVENT_FRAME + 1,
-                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                env=worker_env(),
                 # Its own session: a Ctrl-C in the terminal (SIGINT to the process group)
                 # reaches only the front, which stops the worker last, on its own terms.
                 start_new_session=True,
             )
             log.info("worker started (pid %d)", self._proc.pid)
+            with contextlib.suppress(BrokenPipeError, ConnectionResetError):  # a worker dead at once: read below
+                assert self._proc.stdin is not None
+                self._proc.stdin.write(m.encode(worker_setup(self.config, self.log_level)))
+                await self._proc.stdin.drain()
             try:
                 await self._read_events(self._proc)
             finally:
@@ -318,7 +335,7 @@ class WorkerClient:
                     finished = True
                     raise ApiError(
                         item.status, item.message, item.type, item.code, item.param, dict(item.metadata),
-                        retry_after=1 if item.status == 503 else None,
+                        retry_after=item.retry_after,  # the engine's estimate, or none (engine/admission.py)
                     )
                 yield item
                 if isinstance(item, m.Done):

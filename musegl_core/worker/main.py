@@ -1,7 +1,8 @@
-"""``musegl worker``: the process that owns the model.
+"""The process that owns the model (``musegl serve`` starts it; not run by hand).
 
-Started by the front (:mod:`musegl_core.worker.client`) with the serve
-configuration. It loads the tokenizer and the executor (with a progress bar
+Started by the front (:mod:`musegl_core.worker.client`), which writes the
+serve configuration as the first frame on stdin (:class:`~musegl_core.worker.messages.Setup`;
+never on the command line, and without the API key). It loads the tokenizer and the executor (with a progress bar
 on stderr), announces :class:`Ready` with its capacity, then runs two threads:
 
 * the **control thread** reads request frames from stdin, prepares prompts
@@ -16,7 +17,6 @@ descriptor 1 is pointed at stderr.
 from __future__ import annotations
 
 import argparse
-import json
 
 import attrs
 import logging
@@ -29,14 +29,13 @@ from typing import BinaryIO
 from musegl_core.checkpoint.validate import one_line
 from musegl_core.config import ServeConfig
 from musegl_core.engine.engine import Engine, EngineConfig
-from musegl_core.engine.randomness import random_seed
+from musegl_core.engine.randomness import random_seed, seed_requests
 from musegl_core.engine.request import GenerateRequest, PreparedRequest
 from musegl_core.engine.sessions import session_policy
 from musegl_core.errors import ApiError, ConfigError
 from musegl_core.tokenizer import TokenBudgetExceeded
 from musegl_core.vision.preprocess import ImagePreprocessor, place_images
 from musegl_core.worker import messages as m
-from musegl_core.worker.client import config_converter
 from musegl_core.worker.preparation import PreparationPool, prompt_too_long
 
 log = logging.getLogger("musegl.worker")
@@ -254,6 +253,7 @@ def serve(config: ServeConfig, stdin: BinaryIO, stdout: BinaryIO) -> None:
     except Exception as exc:  # one line, exit status 2: the front does not retry a model that cannot load
         log.debug("model load failed", exc_info=True)
         raise ConfigError(f"cannot load the model {config.model!r}: {one_line(exc)}") from None
+    seed_requests(config.seed)
     writer = EventWriter(stdout)
     engine = Engine(executor, tokenizer, EngineConfig.from_serve(config), writer, speculator)
     engine_thread = threading.Thread(target=engine.run_forever, name="musegl-engine", daemon=True)
@@ -276,17 +276,43 @@ def serve(config: ServeConfig, stdin: BinaryIO, stdout: BinaryIO) -> None:
     executor.close()
 
 
+#: the most bytes the setup frame (the first line on stdin) may take
+SETUP_FRAME_LIMIT = 1 << 20
+
+
+def read_setup(stdin: BinaryIO) -> m.Setup:
+    """The worker's settings: the first frame on stdin (never the command line,
+    which every user of the machine can read in ``/proc/PID/cmdline``)."""
+    line = stdin.readline(SETUP_FRAME_LIMIT + 1)
+    if not line.endswith(b"\n"):
+        raise ConfigError("expected the setup frame (the serve settings as one JSON line) on stdin")
+    try:
+        setup = m.decode(line)
+    except m.FrameError as exc:
+        raise ConfigError(f"bad setup frame on stdin: {exc}") from None
+    if not isinstance(setup, m.Setup):
+        raise ConfigError("the first frame on stdin must be the setup frame")
+    return setup
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="musegl worker", description=__doc__.splitlines()[0])
-    parser.add_argument("--config-json", required=True, help="the serve configuration as JSON")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s worker %(levelname)s %(message)s", stream=sys.stderr)
+    from musegl_core.cli.main import summary
+    from musegl_core.logs import configure
+    from musegl_core.progress import show_progress
+
+    parser = argparse.ArgumentParser(
+        prog="musegl worker", description=summary(__doc__),
+        epilog="It reads its settings from the first line of stdin (the front writes them); run by musegl serve.")
+    parser.parse_args(argv)
+    configure("info", "worker")  # until the setup frame names the level
     frames_out = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)  # stray prints go to stderr, never into the frame pipe
     sys.stdout = sys.stderr
     try:
-        config = config_converter.structure(json.loads(args.config_json), ServeConfig)
-        serve(config, sys.stdin.buffer, frames_out)
+        setup = read_setup(sys.stdin.buffer)
+        configure(setup.log_level, "worker")
+        show_progress(setup.log_level in ("debug", "info"))
+        serve(setup.config, sys.stdin.buffer, frames_out)
     except ConfigError as exc:
         print(f"musegl worker: {exc}", file=sys.stderr)
         return 2

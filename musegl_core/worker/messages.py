@@ -19,6 +19,7 @@ from typing import Any, Union
 import attrs
 import cattrs
 
+from musegl_core.config import ServeConfig
 from musegl_core.engine.events import Done, Failed, Started, Tokens
 from musegl_core.engine.executor import ModelInfo
 from musegl_core.engine.request import GenerateRequest, PromptSegment
@@ -28,6 +29,18 @@ MAX_EVENT_FRAME = 1 << 20  # 1 MiB, newline included
 
 
 # -- front → worker -----------------------------------------------------------------
+@attrs.frozen
+class Setup:
+    """The first frame on the worker's stdin: the settings it runs with.
+
+    Sent over the pipe, never on the command line (``/proc/PID/cmdline`` is
+    world-readable), and without what the worker does not need: the front
+    strips the API key (:func:`musegl_core.worker.client.worker_setup`)."""
+
+    config: ServeConfig
+    log_level: str = "info"
+
+
 #: A generation request (defined with the engine's domain types).
 Generate = GenerateRequest
 
@@ -93,10 +106,10 @@ class SessionClosed:
     session_id: str
 
 
-Request = Union[Generate, Cancel, Stats, ListSessions, CloseSession]
+Request = Union[Setup, Generate, Cancel, Stats, ListSessions, CloseSession]
 Event = Union[Ready, Started, Tokens, Done, Failed, StatsReport, SessionList, SessionClosed]
 _OPS: dict[str, type] = {
-    "generate": GenerateRequest, "cancel": Cancel, "stats": Stats, "listsessions": ListSessions,
+    "setup": Setup, "generate": GenerateRequest, "cancel": Cancel, "stats": Stats, "listsessions": ListSessions,
     "closesession": CloseSession, "ready": Ready, "started": Started, "tokens": Tokens, "done": Done,
     "failed": Failed, "statsreport": StatsReport, "sessionlist": SessionList, "sessionclosed": SessionClosed,
 }

@@ -1,0 +1,131 @@
+"""Request ids and one summary line per HTTP request.
+
+:class:`RequestLog` wraps the whole application (unmatched paths and errors
+included), so that every response carries an ``X-Request-Id`` header:
+
+* an incoming ``X-Request-Id`` is kept when it is sane (1-128 characters of
+  ``A-Z a-z 0-9 . _ : - / + = @``), so a proxy's or client's id follows the
+  request; otherwise (absent, too long, other characters) a fresh id is made
+  (32 hex digits);
+* when the response has gone out, one line is logged (logger
+  ``musegl.http``)::
+
+      request 5f0c... POST /v1/chat/completions 200 prompt=100 cached=0 completion=16 queue=0.000s ttft=0.084s total=0.262s
+
+  Generation routes add the token counts, the worker's queue time and the
+  time to the first token (a request with ``n`` choices: the prompt once,
+  the completions summed, the first choice's first token). ``/health`` and
+  ``/metrics`` are polled by load balancers and scrapers: their lines are
+  DEBUG; every other line is INFO.
+
+The generation code reaches the current request's :class:`RequestRecord`
+through :data:`CURRENT` (a context variable), which the front's event
+observer (:mod:`musegl_core.http.metrics`) fills in.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import logging
+import re
+import time
+import uuid
+from typing import Any
+
+import attrs
+
+log = logging.getLogger("musegl.http")
+
+HEADER = b"x-request-id"
+SANE_ID = re.compile(r"[A-Za-z0-9._:/+=@-]{1,128}")
+#: paths polled by machines: their summary lines are DEBUG
+POLLED = frozenset({"/health", "/v1/health", "/metrics"})
+
+
+@attrs.define
+class RequestRecord:
+    """What one HTTP request did, for its summary line."""
+
+    id: str
+    started: float  # time.monotonic() on arrival
+    prompt_tokens: int | None = None
+    cached_tokens: int | None = None
+    completion_tokens: int = 0
+    queue_seconds: float | None = None
+    ttft: float | None = None
+
+    def started_generating(self, prompt_tokens: int, cached_tokens: int, queue_seconds: float) -> None:
+        if self.prompt_tokens is None:  # the first choice's (all share the prompt)
+            self.prompt_tokens, self.cached_tokens, self.queue_seconds = prompt_tokens, cached_tokens, queue_seconds
+
+    def first_token(self, now: float) -> None:
+        if self.ttft is None:
+            self.ttft = now - self.started
+
+    def finished(self, completion_tokens: int) -> None:
+        self.completion_tokens += completion_tokens
+
+
+CURRENT: contextvars.ContextVar[RequestRecord | None] = contextvars.ContextVar("musegl_request", default=None)
+
+
+def request_id(headers: list[tuple[bytes, bytes]]) -> str:
+    """The incoming ``X-Request-Id`` when sane, else a fresh one."""
+    for name, value in headers:
+        if name.lower() == HEADER:
+            text = value.decode("latin-1")
+            if SANE_ID.fullmatch(text):
+                return text
+            break
+    return uuid.uuid4().hex
+
+
+def _printable(text: str, limit: int = 200) -> str:
+    """A path as it may appear in a log line: no control characters, bounded."""
+    text = text[:limit]
+    return text if text.isprintable() else text.encode("unicode_escape").decode("ascii")
+
+
+def summary(record: RequestRecord, method: str, route: str, status: int, now: float) -> str:
+    parts = [f"request {record.id} {method} {_printable(route)} {status}"]
+    if record.prompt_tokens is not None:
+        parts.append(f"prompt={record.prompt_tokens} cached={record.cached_tokens} "
+                     f"completion={record.completion_tokens} queue={record.queue_seconds:.3f}s")
+        if record.ttft is not None:
+            parts.append(f"ttft={record.ttft:.3f}s")
+    parts.append(f"total={now - record.started:.3f}s")
+    return " ".join(parts)
+
+
+class RequestLog:
+    """ASGI middleware around the application: the request id and the summary line."""
+
+    def __init__(self, app: Any):
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        record = RequestRecord(request_id(scope.get("headers") or []), time.monotonic())
+        scope.setdefault("state", {})["request_id"] = record.id
+        status = 500  # nothing sent: the server's own failure
+
+        async def send_with_id(message: Any) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                headers = [(k, v) for k, v in message.get("headers") or [] if k.lower() != HEADER]
+                message = {**message, "headers": [*headers, (HEADER, record.id.encode())]}
+            await send(message)
+
+        token = CURRENT.set(record)
+        try:
+            await self.app(scope, receive, send_with_id)
+        finally:
+            CURRENT.reset(token)
+            path = scope.get("path", "")
+            route = scope.get("path_template") or path
+            level = logging.DEBUG if path in POLLED else logging.INFO
+            if log.isEnabledFor(level):
+                log.log(level, "%s", summary(record, scope.get("method", "?"), route, status, time.monotonic()))
