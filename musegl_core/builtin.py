@@ -1,13 +1,14 @@
 """The core's own plugin: the defaults every installation has.
 
 It registers through the same hooks as any third-party plugin: the ``muse``
-chat template and the ``openai`` API dialect.
+chat template, the ``openai`` API dialect, and the ``chat`` (Chat
+Completions) and ``completions`` API surfaces.
 """
 
 from __future__ import annotations
 
 from musegl_core.plugins.hookspecs import hookimpl
-from musegl_core.plugins.specs import DialectSpec, TemplateSpec
+from musegl_core.plugins.specs import DialectSpec, SurfaceSpec, TemplateSpec
 
 
 @hookimpl
@@ -22,3 +23,15 @@ def musegl_dialects():
     from musegl_core.http.dialect import Dialect
 
     return [DialectSpec("openai", "OpenAI Chat Completions wire format", Dialect)]
+
+
+@hookimpl
+def musegl_api_surfaces():
+    from musegl_core.http.chat_surface import ChatCompletionsSurface, CompletionsSurface
+
+    return [
+        SurfaceSpec("chat", "OpenAI Chat Completions (POST /v1/chat/completions), spelled by --api-dialect",
+                    ChatCompletionsSurface),
+        SurfaceSpec("completions", "OpenAI Completions (POST /v1/completions): a raw prompt, no template",
+                    CompletionsSurface),
+    ]

@@ -487,6 +487,7 @@ class Engine:
         self._next_handle += 1
         self._running[request.id] = seq
         self.scheduler.add(seq)
+        self.emit(ev.Admitted(seq.id, seq.prompt_len, seq.cached))
 
     def _cancel(self, request_id: str) -> None:
         seq = self._running.get(request_id)

@@ -14,6 +14,17 @@ from musegl_core.engine.executor import TokenLogprobs
 
 
 @attrs.frozen
+class Admitted:
+    """The request is admitted and placed on its session: ``prompt_tokens``
+    (after generated-token replay) and ``cached_tokens`` (positions reused) are
+    final; prefill starts now."""
+
+    id: str
+    prompt_tokens: int
+    cached_tokens: int = 0
+
+
+@attrs.frozen
 class Started:
     """Generation is ready: the prompt is prefilled (headers may be sent)."""
 

@@ -1,11 +1,16 @@
 """The HTTP front: a Litestar application over one model worker.
 
-:func:`create_app` wires the routes (docs/serving.md), the error
-mapping (every error, Litestar's own included, leaves in the
-dialect's error shape), optional bearer-token auth, the request size limit,
-and the worker's lifetime (started and stopped with the app).
+:func:`create_app` mounts every API surface the loaded plugins register
+(hook ``musegl_api_surfaces``: the core's Chat Completions and Completions,
+plugins' Anthropic Messages, OpenAI Responses, ...) side by side, each in a
+router of its own with its own error envelope and credentials
+(:mod:`musegl_core.http.surface`), next to the server's own routes (models,
+health, metrics, tokenize, sessions: docs/serving.md). It wires the error
+mapping (every error, Litestar's own included, leaves in the shape of the
+surface it belongs to; the dialect's elsewhere), optional API-key auth, the
+request size limit, and the worker's lifetime (started and stopped with the app).
 
-Chat requests are parsed by hand from the raw body (not through Litestar's
+Requests are parsed by hand from the raw body (not through Litestar's
 signature model), so malformed JSON and wrong field types are 400s that name
 the field, and everything is validated before the worker sees the request.
 """
@@ -21,30 +26,29 @@ from typing import Any, AsyncIterator
 
 import attrs
 
-from litestar import Litestar, Request, Response, get, post
+from litestar import Litestar, Request, Response, Router, get, head, post
 from litestar.config.cors import CORSConfig
 from litestar.connection import ASGIConnection
 from litestar.exceptions import HTTPException
 from litestar.handlers.base import BaseRouteHandler
 from litestar.params import FromPath
-from litestar.response import Stream
 from litestar.types import Message, Scope
 
 from musegl_core.config import ServeConfig
-from musegl_core.errors import ApiError, server_error, shutting_down, unavailable
+from musegl_core.errors import ApiError, ConfigError, server_error, shutting_down, unavailable
 from musegl_core.http import openapi
 from musegl_core.http import schemas as s
-from musegl_core.http import sse
-from musegl_core.http import text_completions as tc
-from musegl_core.http.completions import ChatStream, ResponseMeta, complete, plan_chat
 from musegl_core.http.dialect import Dialect, ServedModel
 from musegl_core.http.front_tokenizer import FrontTokenizer
 from musegl_core.http.metrics import FrontMetrics, MeteredWorker
 from musegl_core.http.model_ids import ModelIds
 from musegl_core.http.request_log import RequestLog
 from musegl_core.http.sessions import session_routes
+from musegl_core.http.surface import ApiSurface, SurfaceContext, unless_disconnected
 from musegl_core.http.tokenize import detokenize, tokenize
 from musegl_core.plugins.manager import PluginManager
+from musegl_core.service.reasoning_seal import ReasoningSeal
+from musegl_core.service.service import GenerationService
 from musegl_core.worker.client import WorkerClient
 
 log = logging.getLogger("musegl.http")
@@ -63,8 +67,9 @@ _HTTP_ERROR_TYPES = {
 }
 
 
-class Front:
-    """The state the handlers share: settings, plugins' objects, the worker."""
+class Front(SurfaceContext):
+    """The state the handlers share: settings, plugins' objects, the worker,
+    the generation service; what every API surface is built with."""
 
     def __init__(self, config: ServeConfig, plugins: PluginManager, worker: WorkerClient):
         self.config = config
@@ -76,6 +81,9 @@ class Front:
         self.created = int(time.time())
         self.ids = ModelIds.resolve(config.served_model_name, config.served_model_aliases, None)
         self.metrics = FrontMetrics()
+        self.service = GenerationService(config, worker, template=self.template, tool_parser=self.tool_parser,
+                                         tokenizer=self.tokenizer, metered=self.metered)
+        self.seal = ReasoningSeal.random()
         self.shutting_down = False
         self._deadline: asyncio.TimerHandle | None = None
 
@@ -184,66 +192,6 @@ def create_app(
         body = front.metrics.render(values, ready=worker.ready, restarts=worker.restarts)
         return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    @post(["/v1/chat/completions", "/chat/completions"], guards=[require_key], status_code=200,
-          operation_class=openapi.operation(body=s.ChatCompletionRequest, responses=openapi.GENERATION(s.ChatCompletion),
-                                            headers=(openapi.SESSION_HEADER,)))
-    async def chat_completions(request: Request) -> Response:
-        """Chat generation as one JSON object or an SSE stream."""
-        arrived = time.monotonic()
-        front.check_open()
-        payload = front.dialect.adapt_request(s.parse_body(await request.body()))
-        chat = s.structure_request(payload)
-        meta_model = front.served_model
-        meta = ResponseMeta.new(meta_model.name, meta_model.backend or "unknown")
-        plan = plan_chat(
-            chat,
-            request_id=meta.id,
-            config=config,
-            template=front.template,
-            tool_parser=front.tool_parser,
-            header_session_id=request.headers.get("x-session-id"),
-            tokenizer=front.tokenizer.tokenizer,
-        )
-        if not worker.ready:
-            raise unavailable("the model is loading or restarting", code="model_loading")
-        metered = front.metered(arrived)
-        if not plan.stream:
-            result = await _unless_disconnected(
-                request,
-                complete(metered, plan, meta, front.dialect, front.tool_parser),
-            )
-            return Response(s.to_json(result), media_type="application/json")
-        stream = ChatStream(
-            metered,
-            plan,
-            meta,
-            front.dialect,
-            front.tool_parser,
-            config.streaming_preflight_timeout,
-        )
-        await _unless_disconnected(request, stream.open())
-        return Stream(stream.events(), media_type=sse.MEDIA_TYPE, headers=sse.HEADERS)
-
-    @post(["/v1/completions", "/completions"], guards=[require_key], status_code=200,
-          operation_class=openapi.operation(body=s.CompletionRequest, responses=openapi.GENERATION(s.TextCompletion)))
-    async def completions(request: Request) -> Response:
-        """Raw-prompt generation (no chat template) as one JSON object or an SSE stream."""
-        arrived = time.monotonic()
-        front.check_open()
-        body = s.structure_body(s.parse_body(await request.body()), s.CompletionRequest)
-        meta_model = front.served_model
-        meta = tc.new_meta(meta_model.name, meta_model.backend or "unknown")
-        plan = tc.plan_completion(body, request_id=meta.id, config=config)
-        if not worker.ready:
-            raise unavailable("the model is loading or restarting", code="model_loading")
-        metered = front.metered(arrived)
-        if not plan.stream:
-            result = await _unless_disconnected(request, tc.complete_text(metered, plan, meta))
-            return Response(s.to_json(result), media_type="application/json")
-        stream = tc.TextStream(metered, plan, meta, front.dialect, config.streaming_preflight_timeout)
-        await _unless_disconnected(request, stream.open())
-        return Stream(stream.events(), media_type=sse.MEDIA_TYPE, headers=sse.HEADERS)
-
     @post("/tokenize", guards=[require_key], status_code=200,
           operation_class=openapi.operation(body=s.TokenizeRequest, responses=openapi.PLAIN(s.TokenizeResult)))
     async def tokenize_text(request: Request) -> Response:
@@ -261,29 +209,30 @@ def create_app(
         result = await detokenize(body, tokenizer=front.tokenizer.tokenizer)
         return Response(s.to_json(result), media_type="application/json")
 
+    @head("/", sync_to_thread=False, security=[{}])
+    def root() -> None:
+        """``HEAD /``: the server answers (clients probe it before their first request)."""
+
+    surfaces = build_surfaces(front, plugins)
+
     def count_response(message: Message, scope: Scope) -> None:
         if message["type"] == "http.response.start" and scope["type"] == "http":
             front.metrics.count(scope.get("path_template") or "unmatched", message["status"])
 
-    def on_api_error(_: Request, error: ApiError) -> Response:
-        return front.error_response(error)
+    def respond(request: Request, error: ApiError) -> Response:
+        """The error in the shape of the surface whose prefix the path has, else the dialect's."""
+        owner = next((surface for surface in surfaces if surface.owns(request.url.path)), None)
+        return owner.error_response(error) if owner is not None else front.error_response(error)
+
+    def on_api_error(request: Request, error: ApiError) -> Response:
+        return respond(request, error)
 
     def on_http_error(request: Request, exc: HTTPException) -> Response:
-        status = exc.status_code
-        message = exc.detail or "request failed"
-        if status == 404:
-            message = "no such endpoint; see /v1/models and /v1/chat/completions"
-            if not config.sessions_api and request.url.path.removeprefix("/v1").startswith("/sessions"):
-                message = "the sessions API is turned off on this server (--sessions-api off)"
-        elif status == 413:
-            message = f"the request body exceeds --max-request-bytes ({config.max_request_bytes} bytes)"
-        code = "request_too_large" if status == 413 else None
-        error_type = _HTTP_ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
-        return front.error_response(ApiError(status, message, error_type, code))
+        return respond(request, http_error(request, exc, config))
 
-    def on_unexpected(_: Request, exc: Exception) -> Response:
+    def on_unexpected(request: Request, exc: Exception) -> Response:
         log.exception("unhandled error", exc_info=exc)
-        return front.error_response(server_error(f"internal error: {type(exc).__name__}"))
+        return respond(request, server_error(f"internal error: {type(exc).__name__}"))
 
     @contextlib.asynccontextmanager
     async def worker_lifespan(_: Litestar) -> AsyncIterator[None]:
@@ -300,8 +249,9 @@ def create_app(
 
     cors = CORSConfig(allow_origins=list(config.cors_allow_origins)) if config.cors_allow_origins else None
     app = Litestar(
-        route_handlers=[models, model, health, metrics, chat_completions, completions, tokenize_text,
-                        detokenize_ids, *(session_routes(worker, [require_key]) if config.sessions_api else [])],
+        route_handlers=[models, model, health, metrics, root, tokenize_text, detokenize_ids,
+                        *(session_routes(worker, [require_key]) if config.sessions_api else []),
+                        *(mount(surface) for surface in surfaces)],
         exception_handlers={
             ApiError: on_api_error,
             HTTPException: on_http_error,
@@ -320,32 +270,67 @@ def create_app(
     return app
 
 
-async def _unless_disconnected(request: Request, work: Any) -> Any:
-    """Await ``work`` unless the client goes away first.
-
-    On a disconnect ``work`` is cancelled (which cancels the worker request)
-    and a 499 ``client_closed`` error ends the handler; nobody reads it."""
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_disconnected(request))
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    except BaseException:
-        task.cancel()
-        raise
-    finally:
-        watcher.cancel()
-    if not task.done():
-        task.cancel()
-        with contextlib.suppress(BaseException):
-            await task
-        log.info("client disconnected; request cancelled")
-        raise ApiError(499, "the client closed the connection", "invalid_request_error", "client_closed")
-    return task.result()
+_unless_disconnected = unless_disconnected  # the name callers of this module used
 
 
-async def _disconnected(request: Request) -> None:
-    """Return once the ASGI server reports that the client disconnected."""
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
+def http_error(request: Request, exc: HTTPException, config: ServeConfig) -> ApiError:
+    """One of Litestar's own errors (404, 405, 413, ...) as an :class:`ApiError`."""
+    status = exc.status_code
+    message = exc.detail or "request failed"
+    if status == 404:
+        message = "no such endpoint; see /v1/models and /v1/chat/completions"
+        if not config.sessions_api and request.url.path.removeprefix("/v1").startswith("/sessions"):
+            message = "the sessions API is turned off on this server (--sessions-api off)"
+    elif status == 413:
+        message = f"the request body exceeds --max-request-bytes ({config.max_request_bytes} bytes)"
+    code = "request_too_large" if status == 413 else None
+    error_type = _HTTP_ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+    return ApiError(status, message, error_type, code)
+
+
+def build_surfaces(front: Front, plugins: PluginManager) -> list[ApiSurface]:
+    """Every registered API surface, built with the front as its context (its
+    route handlers in ``surface.handlers``); two surfaces serving the same
+    method and path are a start-up error."""
+    surfaces = []
+    claimed: dict[tuple[str, str], str] = {}
+    for name, (plugin, spec) in sorted(plugins.provided("api_surfaces").items()):
+        surface = spec.create(front)
+        surface.handlers = surface.routes()
+        for handler in surface.handlers:
+            for path in handler.paths:
+                for method in handler.http_methods:
+                    other = claimed.setdefault((method, path), name)
+                    if other != name:
+                        raise ConfigError(f"API surfaces {other!r} and {name!r} (plugin {plugin!r}) both serve "
+                                          f"{method} {path}")
+        surfaces.append(surface)
+    return surfaces
+
+
+def mount(surface: ApiSurface) -> Router:
+    """A router for ``surface``'s routes: its credentials guard (with
+    ``--api-key``), its error envelope for everything raised in them, its OpenAPI tag."""
+    context = surface.context
+
+    async def require_key(connection: ASGIConnection, _: BaseRouteHandler) -> None:
+        if not context.key_matches(surface.credential(connection)):
+            raise surface.credential_error()
+
+    def on_api_error(_: Request, error: ApiError) -> Response:
+        return surface.error_response(error)
+
+    def on_http_error(request: Request, exc: HTTPException) -> Response:
+        return surface.error_response(http_error(request, exc, context.config))
+
+    def on_unexpected(_: Request, exc: Exception) -> Response:
+        log.exception("unhandled error", exc_info=exc)
+        return surface.error_response(server_error(f"internal error: {type(exc).__name__}"))
+
+    return Router(
+        path="/",
+        route_handlers=surface.handlers,
+        guards=[require_key] if context.config.api_key is not None else [],
+        exception_handlers={ApiError: on_api_error, HTTPException: on_http_error, Exception: on_unexpected},
+        tags=[surface.title],
+    )

@@ -73,16 +73,22 @@ class ChoiceGroup:
         self._events: dict[int, AsyncIterator[m.Event]] = {}
         self._pumps: list[asyncio.Task] = []
         self._merged: asyncio.Queue = asyncio.Queue()
+        #: per choice, the ``Admitted`` / ``Started`` events :meth:`open` read
+        self.admitted: dict[int, m.Admitted] = {}
+        self.started: dict[int, m.Started] = {}
 
     @property
     def n(self) -> int:
         return len(self.requests)
 
-    async def open(self, timeout: float | None = None) -> None:
-        """Submit every choice and wait until each has started; raises
-        :class:`ApiError` (everything submitted is cancelled first)."""
+    async def open(self, timeout: float | None = None, until: str = "started") -> None:
+        """Submit every choice and wait until each has started (``until="admitted"``:
+        until the worker admitted it, prefill may still run; one choice only);
+        raises :class:`ApiError` (everything submitted is cancelled first)."""
+        if until not in ("started", "admitted") or (until == "admitted" and self.n != 1):
+            raise ValueError(f"cannot open {self.n} choices until {until!r}")
         try:
-            await asyncio.wait_for(self._start_all(), timeout)
+            await asyncio.wait_for(self._start_all(until), timeout)
         except asyncio.TimeoutError:
             await self.close()
             raise preflight_timeout_error(timeout) from None
@@ -90,8 +96,8 @@ class ChoiceGroup:
             await self.close()
             raise
 
-    async def _start_all(self) -> None:
-        await self._start(0)  # its prompt blocks are in the prefix cache once it has started
+    async def _start_all(self, until: str = "started") -> None:
+        await self._start(0, until)  # its prompt blocks are in the prefix cache once it has started
         if self.n > 1:
             try:
                 async with asyncio.TaskGroup() as group:  # one failure cancels (and awaits) the rest
@@ -101,14 +107,22 @@ class ChoiceGroup:
                 errors = failures.exceptions
                 raise next((e for e in errors if isinstance(e, ApiError)), errors[0]) from None
 
-    async def _start(self, index: int) -> None:
+    async def _start(self, index: int, until: str = "started") -> None:
         context = self.worker.generate(self.requests[index])
         events = await context.__aenter__()
         self._contexts[index] = context  # no await since __aenter__: close() always sees it
         self._events[index] = events
-        first = await anext(events)
-        if not isinstance(first, m.Started):
-            raise unavailable("the model worker sent an unexpected first event", code="worker_restarting")
+        while True:
+            first = await anext(events)
+            if isinstance(first, m.Admitted) and index not in self.admitted:
+                self.admitted[index] = first
+                if until == "admitted":
+                    return
+            elif isinstance(first, m.Started):
+                self.started[index] = first
+                return
+            else:
+                raise unavailable("the model worker sent an unexpected first event", code="worker_restarting")
 
     async def events(self) -> AsyncIterator[tuple[int, m.Event]]:
         """``(choice index, event)`` in arrival order, after :meth:`open`; ends

@@ -1,25 +1,24 @@
-"""Chat completions: from a validated request to a worker ``Generate``, and from
-worker events to responses.
+"""Chat Completions: the core's own API surface over the generation service.
 
-:func:`plan_chat` applies every request rule that does not
-need the model (ranges, contradictions, the reject list, tools without a
-parser), renders the conversation with the chat template and returns a
-:class:`ChatPlan`. Nothing is submitted before it returns, so every bad
+:func:`plan_chat` applies every Chat Completions rule that does not need the
+model (ranges, contradictions, the reject list, tools without a parser) in
+this API's parameter names, turns the request into a
+:class:`~musegl_core.service.conversation.Conversation` and has the service
+prepare it (:func:`musegl_core.service.prepare.prepare`: template, output
+constraints, images). Nothing is submitted before it returns, so every bad
 request is a 400 that never reaches the worker.
 
-:class:`ResponseAssembler` turns the worker's ``Tokens``/``Done`` events into
-message text through the channel parser (and the tool parser, when one is
-active) and keeps the usage accounting. :func:`complete` builds the
-non-streaming object; :class:`ChatStream` produces the SSE
-events, sending nothing until the worker reports ``Started``. Both run the
-request's ``n`` choices as a :class:`~musegl_core.http.choices.ChoiceGroup`
-(one worker request per choice, sharing the prompt's KV blocks), with one
-assembler per choice.
+:func:`complete` builds the non-streaming object and :class:`ChatStream` the
+SSE events (nothing is sent until the worker reports ``Started``), both from
+a :class:`~musegl_core.service.generation.Generation`: the request's ``n``
+choices (one worker request per choice, sharing the prompt's KV blocks) and
+their typed events. :class:`ResponseAssembler` is the service's
+:class:`~musegl_core.service.output.OutputAssembler` with the Chat Completions
+shapes of its message, logprobs and usage.
 """
 
 from __future__ import annotations
 
-import json
 import re
 import time
 import uuid
@@ -28,23 +27,26 @@ from typing import Any, AsyncIterator, Sequence
 import attrs
 
 from musegl_core import __version__
-from musegl_core.chat import channels
-from musegl_core.chat.messages import ToolDef, image_parts, parse_messages, parse_tools
+from musegl_core.chat.messages import ToolDef, parse_messages, parse_tools
 from musegl_core.chat.template import TemplateVariables
 from musegl_core.config import ServeConfig
-from musegl_core.engine.detokenize import IncrementalDetokenizer
 from musegl_core.engine.executor import SamplingParams
-from musegl_core.engine.request import ImageInput
-from musegl_core.errors import ApiError, bad_request, unavailable
+from musegl_core.errors import ApiError, bad_request
 from musegl_core.http import constraints
-from musegl_core.http.choices import ChoiceGroup, GroupStream, choice_requests
-from musegl_core.http.logprobs import MAX_TOP_LOGPROBS, LogprobTracker
+from musegl_core.http.logprobs import MAX_TOP_LOGPROBS
 from musegl_core.http import schemas as s
 from musegl_core.http import sse
 from musegl_core.http.dialect import Dialect
+from musegl_core.service import events as ev
+from musegl_core.service.conversation import AnswerFormat, Conversation, ToolChoice
+from musegl_core.service.generation import Generation
+from musegl_core.service.output import LogprobEntries, Output, OutputAssembler, reasoning_tokens
+from musegl_core.service.prepare import Plan, prepare, prompt_images, setup_tools
 from musegl_core.worker import messages as m
-from musegl_core.vision.preprocess import image_too_large
 from musegl_core.worker.client import WorkerClient
+
+__all__ = ["ChatPlan", "ChatStream", "Output", "ResponseAssembler", "ResponseMeta", "complete", "plan_chat",
+           "prompt_images", "reasoning_tokens"]
 
 REASONING_STRENGTHS = ("low", "medium", "high")
 MAX_STOPS = 4
@@ -57,29 +59,8 @@ def unsupported(param: str, message: str) -> ApiError:
 
 
 # -- planning ---------------------------------------------------------------------------
-@attrs.frozen
-class ChatPlan:
-    """A request that passed every front-side check, ready for the worker."""
-
-    generate: m.Generate
-    stream: bool
-    include_usage: bool
-    hide_reasoning: bool
-    ignore_eos: bool
-    tools_active: bool = False
-    tools: tuple[ToolDef, ...] = ()
-    tool_aliases: dict[str, str] = attrs.field(factory=dict)
-    #: What the tool parser's ``prepare`` returned in preflight (compiled
-    #: schemas), handed to its ``create`` so that nothing is compiled twice.
-    prepared_tools: Any = None
-    image_count: int = 0  # image parts in the prompt
-    logprobs: int = -1  # top alternatives per token (-1: no logprobs)
-    tokenizer: Any = None  # the front's tokenizer (logprobs: the text of each id)
-    n: int = 1  # choices
-
-    def requests(self) -> list[m.Generate]:
-        """One worker request per choice (:func:`~musegl_core.http.choices.choice_requests`)."""
-        return choice_requests(self.generate, self.n)
+#: A request that passed every front-side check, ready for the worker (the service's plan).
+ChatPlan = Plan
 
 
 def plan_chat(
@@ -107,67 +88,36 @@ def plan_chat(
     n = choice_count(request.n, config, session)
     strength, hide_reasoning = reasoning_controls(request)
     variables = template_variables(request.chat_template_kwargs, strength)
-    tools_active, tools = active_tools(request, tool_parser)
-    prepared_tools = prepare_tools(tool_parser, tools) if tools_active else None
+    choice, tools = active_tools(request, tool_parser)
+    tool_setup = setup_tools(tools, choice, tool_parser)  # a bad tool schema is reported before bad messages
     messages = parse_messages(request.messages)
-    rendered = template.render(messages, tools, tools_active=tools_active, variables=variables)
-    top_logprobs = (request.top_logprobs or 0) if request.logprobs else -1
-    if top_logprobs >= 0 and tokenizer is None:
-        raise unavailable("logprobs need the served tokenizer, which the front could not load", code="model_loading")
-    mode, named = constraints.tool_choice_mode(request.tool_choice)
-    grammar = constraints.output_grammar(
-        request, config=config, mode=mode, named=named, tools_active=tools_active, tools=tools,
-        tool_parser=tool_parser, prepared_tools=prepared_tools, aliases=dict(rendered.tool_aliases),
-    )
-    lazy_grammar = None if grammar is not None else constraints.lazy_call_grammar(
-        mode=mode, tools_active=tools_active, tools=tools, tool_parser=tool_parser, prepared_tools=prepared_tools,
-        aliases=dict(rendered.tool_aliases),
-    )
-    images = prompt_images(messages, config.max_image_bytes)
+    answer = constraints.answer_schema(request)
     stream = bool(request.stream)
-    include_usage = bool(request.stream_options and request.stream_options.include_usage)
-    ignore_eos = bool(request.ignore_eos)
-    generate = m.Generate(
+    settings = m.Generate(
         id=request_id,
-        prompt=tuple(rendered.segments),
+        prompt=(),
         max_tokens=max_tokens,
         sampling=sampling,
         stop=stops,
-        ignore_eos=ignore_eos,
+        ignore_eos=bool(request.ignore_eos),
         session_id=session,
         cache_salt=salt,
         stream=stream,
-        grammar=grammar,
-        lazy_grammar=lazy_grammar,
-        logprobs=top_logprobs,
-        images=images,
+        logprobs=(request.top_logprobs or 0) if request.logprobs else -1,
     )
-    return ChatPlan(
-        generate=generate,
-        stream=stream,
-        include_usage=include_usage,
-        hide_reasoning=hide_reasoning,
-        ignore_eos=ignore_eos,
-        tools_active=tools_active,
+    conversation = Conversation(
+        messages=messages,
+        settings=settings,
         tools=tuple(tools),
-        tool_aliases=dict(rendered.tool_aliases),
-        prepared_tools=prepared_tools,
-        image_count=rendered.image_count,
-        logprobs=top_logprobs,
-        tokenizer=tokenizer if top_logprobs >= 0 else None,
+        tool_choice=choice,
+        variables=variables,
+        answer=None if answer is None else AnswerFormat(*answer),
+        hide_reasoning=hide_reasoning,
+        include_usage=bool(request.stream_options and request.stream_options.include_usage),
         n=n,
     )
-
-
-def prompt_images(messages, max_image_bytes: int) -> tuple[ImageInput, ...]:
-    """The images the worker decodes, in prompt order; a compressed image over
-    ``--max-image-bytes`` is a 413 ``image_too_large`` here, before it travels."""
-    images = []
-    for part in image_parts(messages):
-        if len(part.data) > max_image_bytes:
-            raise image_too_large(len(part.data), max_image_bytes)
-        images.append(ImageInput(part.media_type, part.url.split(",", 1)[1], part.detail))
-    return tuple(images)
+    return prepare(conversation, request_id=request_id, config=config, template=template, tool_parser=tool_parser,
+                   tokenizer=tokenizer, tool_setup=tool_setup)
 
 
 def _check_fixed_choices(request: s.ChatCompletionRequest) -> None:
@@ -366,24 +316,14 @@ def template_variables(kwargs: s.ChatTemplateKwargs | None, strength: str | None
     return TemplateVariables(**{name: value for name, value in values.items() if value is not None})
 
 
-def active_tools(request: s.ChatCompletionRequest, tool_parser: Any) -> tuple[bool, list[ToolDef]]:
-    """Whether tools are active, and the declared tools."""
-    choice, _ = constraints.tool_choice_mode(request.tool_choice)
-    if not request.tools:
-        if choice in ("required", "named"):
-            raise bad_request("a 'tool_choice' that requires a call needs 'tools'", param="tool_choice")
-        return False, []
-    if choice == "none":
-        return False, list(parse_tools(request.tools))
-    if tool_parser is None:
+def active_tools(request: s.ChatCompletionRequest, tool_parser: Any) -> tuple[ToolChoice, list[ToolDef]]:
+    """The request's ``tool_choice`` and its declared tools (``tools`` while
+    tool calling is off is refused before the tools are read)."""
+    mode, named = constraints.tool_choice_mode(request.tool_choice)
+    choice = ToolChoice(mode, named)
+    if request.tools and mode != "none" and tool_parser is None:
         raise unsupported("tools", "tool calling is not enabled on this server (start it with --tool-parser)")
-    return True, list(parse_tools(request.tools))
-
-
-def prepare_tools(tool_parser: Any, tools: list[ToolDef]) -> Any:
-    """Run the tool parser's preflight (schema checks) on the active
-    tools; it raises :class:`ApiError` (400) and returns what ``create`` reuses."""
-    return tool_parser.prepare(tools) if tool_parser.prepare is not None else None
+    return choice, list(parse_tools(request.tools)) if request.tools else []
 
 
 # -- responses ---------------------------------------------------------------------------
@@ -409,160 +349,59 @@ class ResponseMeta:
         return s.ChatCompletionChunk(self.id, self.created, self.model, self.system_fingerprint, choices)
 
 
-def reasoning_tokens(message_starts: list[tuple[int, str]], generated_chars: Sequence[int]) -> int:
-    """How many generated ids belong to reasoning messages (docs/protocol.md: reasoning tokens).
-
-    Which ids count: every id of a ``to=self`` message, from the start of its
-    header position (the whitespace and header that open it) through its
-    structural terminator, including text that continues it after a
-    terminator and, when generation ends inside it, the end-of-generation id.
-    Ids of visible and tool messages do not count; neither do ids of an
-    incomplete header at the end of the output (they stay with the message
-    before them).
-
-    How: the worker reports, per generated id, how many characters its
-    detokenizer added when that id arrived (``Done.generated_chars``; the id
-    that starts a multi-byte character gets the character). The running sum
-    is the character offset at which each id begins in the worker's text, so
-    the channel parser's :attr:`~musegl_core.chat.channels.ChannelParser.message_starts`
-    tell each id's message. No id is detokenized twice.
-    """
-    count, offset = 0, 0
-    for chars in generated_chars:
-        count += channels.channel_at(message_starts, offset) == "reasoning"
-        offset += chars
-    return count
+def wire_usage(usage: ev.Usage) -> s.Usage:
+    """The Chat Completions usage object; ``completion_tokens_details`` only
+    where the reasoning tokens are known."""
+    details = None if usage.reasoning_tokens is None else s.CompletionTokensDetails(reasoning_tokens=usage.reasoning_tokens)
+    return s.Usage(
+        prompt_tokens=usage.prompt_tokens,
+        completion_tokens=usage.completion_tokens,
+        total_tokens=usage.total_tokens,
+        prompt_tokens_details=s.PromptTokensDetails(cached_tokens=usage.cached_tokens),
+        completion_tokens_details=details,
+    )
 
 
-@attrs.define
-class Output:
-    """What one batch of worker text adds to the response."""
+def wire_logprobs(entries: LogprobEntries | None, hide_reasoning: bool) -> s.ChoiceLogprobs | None:
+    """``logprobs`` of a choice or chunk (reasoning entries absent while reasoning is hidden)."""
+    if entries is None:
+        return None
+    return s.ChoiceLogprobs(content=list(entries.content),
+                            reasoning_content=None if hide_reasoning else list(entries.reasoning))
 
-    reasoning: str = ""
-    content: str = ""
+
+def wire_tool_calls(output: OutputAssembler) -> list[s.ToolCall]:
+    return [s.ToolCall(id=call.id, function=s.FunctionCall(name=call.name, arguments=call.arguments))
+            for call in output.calls]
 
 
-class ResponseAssembler:
-    """Turns worker events into message text, tool calls and usage.
+def chat_message(output: OutputAssembler, dialect: Dialect) -> s.AssistantMessage:
+    """The non-streaming message of one choice."""
+    reasoning = output.reasoning_text
+    content = output.content_text
+    calls = wire_tool_calls(output)
+    hidden = output.plan.hide_reasoning or not reasoning
+    return s.AssistantMessage(
+        content=content if content or not calls else None,
+        tool_calls=calls or None,
+        **dialect.reasoning_fields(None if hidden else reasoning),
+    )
 
-    The channel parser splits the output into reasoning, visible content and
-    tool-addressed text; tool-addressed text goes to the
-    tool parser when tools are active. Hidden reasoning is still parsed (and
-    counted), it is only not returned.
-    """
 
-    def __init__(self, plan: ChatPlan, tool_parser: Any = None):
-        self.plan = plan
-        self.parser = channels.ChannelParser(tools_active=plan.tools_active, hide_reasoning=False)
-        self.tools = (
-            tool_parser.create(list(plan.tools), {"aliases": plan.tool_aliases, "prepared": plan.prepared_tools})
-            if plan.tools_active and tool_parser is not None
-            else None
-        )
-        self.reasoning: list[str] = []
-        self.content: list[str] = []
-        self.tool_calls: list[s.ToolCall] = []
-        self.logprobs = (
-            LogprobTracker(plan.tokenizer, plan.tools_active, plan.logprobs)
-            if plan.logprobs >= 0 and plan.tokenizer is not None
-            else None
-        )
-        self._sent = (0, 0)  # logprob entries already streamed (content, reasoning)
+class ResponseAssembler(OutputAssembler):
+    """The service's assembler with the Chat Completions shapes (``musegl parse``)."""
 
-    def feed(self, event: m.Tokens) -> Output:
-        """Parse the text of one ``Tokens`` event; returns the visible deltas."""
-        if self.logprobs is not None:
-            self.logprobs.feed(event.ids, event.logprobs, event.text, self.plan.ignore_eos)
-        return self._visible(self._route(self.parser.feed(event.text)))
+    @property
+    def tool_calls(self) -> list[s.ToolCall]:
+        return wire_tool_calls(self)
 
     def choice_logprobs(self, unsent: bool = False) -> s.ChoiceLogprobs | None:
         """The ``logprobs`` of the choice (``unsent``: only entries not streamed yet)."""
-        if self.logprobs is None:
-            return None
-        content, reasoning = self.logprobs.content, self.logprobs.reasoning
-        if unsent:
-            sent_c, sent_r = self._sent
-            self._sent = (len(content), len(reasoning))
-            content, reasoning = content[sent_c:], reasoning[sent_r:]
-        hidden = self.plan.hide_reasoning
-        return s.ChoiceLogprobs(content=list(content), reasoning_content=None if hidden else list(reasoning))
-
-    def finish(self, done: m.Done) -> tuple[Output, str]:
-        """Flush the parsers at the end of generation; returns the last deltas
-        and the finish reason. A failed tool-call set raises :class:`ApiError`."""
-        end = _end_of_generation(done)
-        if self.logprobs is not None:
-            self.logprobs.finish(end)
-        out = self._route(self.parser.finish(end), at_end=True)
-        reason = "length" if done.finish_reason == "length" else "stop"
-        if self.tools is not None:
-            calls = self.tools.finish(end) or []
-            self.tool_calls = [_tool_call(call, i) for i, call in enumerate(calls)]
-            if self.tool_calls:
-                reason = "tool_calls"
-        return self._visible(out), reason
-
-    def usage(self, done: m.Done) -> s.Usage:
-        """The usage object. ``reasoning_tokens`` only from the exact
-        generated ids: omitted when the worker did not report them (a
-        stop-trimmed turn) and with ``ignore_eos``."""
-        details = None
-        if done.generated_chars is not None and not self.plan.ignore_eos:
-            reasoning = reasoning_tokens(self.parser.message_starts, done.generated_chars)
-            details = s.CompletionTokensDetails(reasoning_tokens=reasoning)
-        return s.Usage(
-            prompt_tokens=done.prompt_tokens,
-            completion_tokens=done.completion_tokens,
-            total_tokens=done.prompt_tokens + done.completion_tokens,
-            prompt_tokens_details=s.PromptTokensDetails(cached_tokens=done.cached_tokens),
-            completion_tokens_details=details,
-        )
-
-    def _route(self, events: list[Any], at_end: bool = False) -> Output:
-        """Split channel events into text and tool events; tool events go to
-        the tool parser (``at_end``: they were settled by the end of output)."""
-        out = Output()
-        for event in events:
-            if isinstance(event, channels.ReasoningDelta):
-                out.reasoning += event.text
-            elif isinstance(event, channels.ContentDelta):
-                out.content += event.text
-            elif isinstance(event, (channels.ToolDelta, channels.ToolMessageEnd)) and self.tools is not None:
-                self.tools.feed(event, at_end=at_end)
-        self.reasoning.append(out.reasoning)
-        self.content.append(out.content)
-        return out
-
-    def _visible(self, out: Output) -> Output:
-        return Output("", out.content) if self.plan.hide_reasoning else out
+        return wire_logprobs(self.logprob_entries(unsent), self.plan.hide_reasoning)
 
     def message(self, dialect: Dialect) -> s.AssistantMessage:
         """The non-streaming message."""
-        reasoning = "".join(self.reasoning)
-        content = "".join(self.content)
-        hidden = self.plan.hide_reasoning or not reasoning
-        return s.AssistantMessage(
-            content=content if content or not self.tool_calls else None,
-            tool_calls=self.tool_calls or None,
-            **dialect.reasoning_fields(None if hidden else reasoning),
-        )
-
-
-def _end_of_generation(done: m.Done) -> str:
-    """The channel parser's end kind: ``eos``, ``stop`` (a request stop),
-    ``length`` or ``cancel``."""
-    if done.finish_reason == "length":
-        return "length"
-    if done.finish_reason == "cancelled":
-        return "cancel"
-    return "stop" if done.matched_stop is not None else "eos"
-
-
-def _tool_call(call: Any, index: int) -> s.ToolCall:
-    """A validated call from the tool parser as a response ``tool_calls`` entry."""
-    arguments = call.arguments if isinstance(call.arguments, str) else json.dumps(call.arguments, ensure_ascii=False)
-    call_id = getattr(call, "id", None) or f"call_{uuid.uuid4().hex[:24]}"
-    return s.ToolCall(id=call_id, function=s.FunctionCall(name=call.name, arguments=arguments))
+        return chat_message(self, dialect)
 
 
 def combined_usage(usages: Sequence[s.Usage]) -> s.Usage:
@@ -587,10 +426,6 @@ def combined_usage(usages: Sequence[s.Usage]) -> s.Usage:
     )
 
 
-def _ended_early() -> ApiError:
-    return unavailable("the model worker ended the request without a result", code="worker_restarting")
-
-
 async def complete(
     worker: WorkerClient,
     plan: ChatPlan,
@@ -600,36 +435,24 @@ async def complete(
 ) -> s.ChatCompletion:
     """Run ``plan``'s choices to the end and build the non-streaming response.
     An error of any choice fails the response (the others are cancelled)."""
-    assemblers = [ResponseAssembler(plan, tool_parser) for _ in range(plan.n)]
-    choices: list[s.Choice | None] = [None] * plan.n
-    usages: list[s.Usage | None] = [None] * plan.n
-    group = ChoiceGroup(worker, plan.requests())
-    await group.open()
-    try:
-        async for index, event in group.events():
-            assembler = assemblers[index]
-            if isinstance(event, m.Tokens):
-                assembler.feed(event)
-            elif isinstance(event, m.Done):
-                _, reason = assembler.finish(event)
-                choices[index] = s.Choice(message=assembler.message(dialect), finish_reason=reason, index=index,
-                                          logprobs=assembler.choice_logprobs())
-                usages[index] = assembler.usage(event)
-    finally:
-        await group.close()
-    if any(choice is None for choice in choices):
-        raise _ended_early()
+    generation = Generation(worker, plan, tool_parser)
+    outputs = await generation.run()
+    choices = [
+        s.Choice(message=chat_message(output, dialect), finish_reason=generation.finished[index].reason,
+                 index=index, logprobs=wire_logprobs(output.logprob_entries(), plan.hide_reasoning))
+        for index, output in enumerate(outputs)
+    ]
     return s.ChatCompletion(
         id=meta.id,
         created=meta.created,
         model=meta.model,
         system_fingerprint=meta.system_fingerprint,
-        choices=list(choices),
-        usage=combined_usage(usages),
+        choices=choices,
+        usage=combined_usage([wire_usage(usage) for usage in generation.usages]),
     )
 
 
-class ChatStream(GroupStream):
+class ChatStream:
     """One streaming response.
 
     :meth:`open` submits the request's choices and waits until each has
@@ -652,81 +475,79 @@ class ChatStream(GroupStream):
         tool_parser: Any = None,
         preflight_timeout: float | None = None,
     ):
-        super().__init__(worker, plan.requests(), dialect, preflight_timeout)
-        self.worker = worker
         self.plan = plan
         self.meta = meta
-        self.assemblers = [ResponseAssembler(plan, tool_parser) for _ in range(plan.n)]
+        self.dialect = dialect
+        self.generation = Generation(worker, plan, tool_parser, preflight_timeout)
         self._usages: list[s.Usage | None] = [None] * plan.n
+        self._calls: list[list[s.ToolCallDelta]] = [[] for _ in range(plan.n)]
 
-    @property
-    def assembler(self) -> ResponseAssembler:
-        """Choice 0's assembler."""
-        return self.assemblers[0]
+    async def open(self) -> None:
+        """Submit and wait until generation is ready; raises :class:`ApiError`."""
+        await self.generation.open()
+
+    async def close(self) -> None:
+        """Leave the worker requests (cancelling those not done)."""
+        await self.generation.close()
+
+    async def events(self) -> AsyncIterator[bytes]:
+        """The SSE body, keepalives included."""
+        async for item in sse.with_keepalive(self._body(), self.dialect.keepalive):
+            yield item
 
     async def _body(self) -> AsyncIterator[bytes]:
         try:
             for index in range(self.plan.n):
                 yield self._chunk(s.ChunkChoice(delta=s.RoleDelta(), index=index))
             remaining = self.plan.n
-            try:
-                async for index, event in self.group.events():
-                    if isinstance(event, m.Tokens):
-                        for item in self._deltas(index, self.assemblers[index].feed(event)):
-                            yield item
-                    elif isinstance(event, m.Done):
-                        remaining -= 1
-                        for item in self._finish(index, event, last=remaining == 0):
-                            yield item
-                if remaining == 0:
-                    return
-                error = _ended_early()
-            except ApiError as exc:
-                error = exc
-            await self.close()  # cancel the other choices before telling the client
-            for item in self.dialect.stream_error(error, self.meta.chunk([])):
-                yield item
+            async for event in self.generation.events():
+                if isinstance(event, ev.ReasoningDelta):
+                    yield self._chunk(s.ChunkChoice(delta=s.Delta(**self.dialect.reasoning_fields(event.text)),
+                                                    index=event.choice, logprobs=self._logprobs(event.logprobs)))
+                elif isinstance(event, ev.ContentDelta):
+                    yield self._chunk(s.ChunkChoice(delta=s.Delta(content=event.text), index=event.choice,
+                                                    logprobs=self._logprobs(event.logprobs)))
+                elif isinstance(event, ev.ToolCallStart):
+                    self._calls[event.choice].append(
+                        s.ToolCallDelta(index=event.index, id=event.id, function=s.FunctionCall(event.name, "")))
+                elif isinstance(event, ev.ToolCallArgumentsDelta):
+                    call = self._calls[event.choice][event.index]
+                    function = s.FunctionCall(call.function.name, call.function.arguments + event.arguments)
+                    self._calls[event.choice][event.index] = attrs.evolve(call, function=function)
+                elif isinstance(event, ev.UsageReport):
+                    self._usages[event.choice] = wire_usage(event.usage)
+                elif isinstance(event, ev.Finish):
+                    remaining -= 1
+                    for item in self._finish(event, last=remaining == 0):
+                        yield item
+                elif isinstance(event, ev.Failure):
+                    for item in self.dialect.stream_error(event.error, self.meta.chunk([])):
+                        yield item
         finally:
             await self.close()
 
-    def _finish(self, index: int, done: m.Done, last: bool) -> list[bytes]:
-        """A choice's last deltas, tool calls and finish chunk; after the last
-        choice, the usage (per the dialect) and ``[DONE]``."""
-        assembler = self.assemblers[index]
-        out, reason = assembler.finish(done)
-        items = self._deltas(index, out)
-        if assembler.tool_calls:
-            calls = [
-                s.ToolCallDelta(index=i, id=call.id, function=call.function)
-                for i, call in enumerate(assembler.tool_calls)
-            ]
-            items.append(self._chunk(s.ChunkChoice(delta=s.Delta(tool_calls=calls), index=index)))
-        self._usages[index] = assembler.usage(done)
-        rest = assembler.choice_logprobs(unsent=True)
+    def _finish(self, finish: ev.Finish, last: bool) -> list[bytes]:
+        """A choice's tool calls and finish chunk; after the last choice, the
+        usage (per the dialect) and ``[DONE]``."""
+        index = finish.choice
+        items = []
+        if self._calls[index]:
+            items.append(self._chunk(s.ChunkChoice(delta=s.Delta(tool_calls=self._calls[index]), index=index)))
+        rest = self._logprobs(finish.logprobs)
         if rest is not None and not (rest.content or rest.reasoning_content):
             rest = None
-        finish = self.meta.chunk([s.ChunkChoice(delta=s.Delta(), finish_reason=reason, index=index, logprobs=rest)])
+        chunk = self.meta.chunk([s.ChunkChoice(delta=s.Delta(), finish_reason=finish.reason, index=index,
+                                               logprobs=rest)])
         if not last:
-            items.append(sse.data_event(s.to_json(finish)))
+            items.append(sse.data_event(s.to_json(chunk)))
             return items
         usage = combined_usage(self._usages) if self.plan.include_usage else None
-        items += [sse.data_event(s.to_json(chunk)) for chunk in self.dialect.stream_tail(finish, usage)]
+        items += [sse.data_event(s.to_json(c)) for c in self.dialect.stream_tail(chunk, usage)]
         items.append(sse.DONE)
         return items
 
-    def _deltas(self, index: int, out: Output) -> list[bytes]:
-        """Reasoning then content deltas of one choice; never an empty one."""
-        items = []
-        assembler = self.assemblers[index]
-        logprobs = assembler.choice_logprobs(unsent=True) if out.reasoning or out.content else None
-        if out.reasoning:
-            items.append(self._chunk(s.ChunkChoice(delta=s.Delta(**self.dialect.reasoning_fields(out.reasoning)),
-                                                   index=index, logprobs=logprobs)))
-            logprobs = None
-        if out.content:
-            items.append(self._chunk(s.ChunkChoice(delta=s.Delta(content=out.content), index=index,
-                                                   logprobs=logprobs)))
-        return items
+    def _logprobs(self, entries: LogprobEntries | None) -> s.ChoiceLogprobs | None:
+        return wire_logprobs(entries, self.plan.hide_reasoning)
 
     def _chunk(self, choice: s.ChunkChoice) -> bytes:
         return sse.data_event(s.to_json(self.meta.chunk([choice])))

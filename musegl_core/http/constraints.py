@@ -109,7 +109,7 @@ def check_tool_schemas(tools: list[ToolDef], names: list[str] | None = None) -> 
 
 
 def output_grammar(
-    request: s.ChatCompletionRequest,
+    answer: tuple[Any, str] | None,
     *,
     config: Any,
     mode: str,
@@ -119,9 +119,12 @@ def output_grammar(
     tool_parser: Any,
     prepared_tools: Any,
     aliases: dict[str, str],
+    parallel: bool = True,
 ) -> str | None:
-    """The grammar of the whole raw output, or None when nothing is constrained."""
-    answer = answer_schema(request)
+    """The grammar of the whole raw output, or None when nothing is constrained.
+
+    ``answer`` is the JSON schema the final answer must satisfy and the
+    parameter that asked for it (:func:`answer_schema`), or None."""
     forced_calls = mode in ("required", "named")
     if answer is None and not forced_calls:
         return None
@@ -142,7 +145,7 @@ def output_grammar(
         check_tool_schemas(tools, names)
         call_rules = tool_parser.grammar(tools, {"aliases": aliases, "prepared": prepared_tools, "names": names})
     if forced_calls:
-        text = g.calls_grammar(call_rules, reasoning)
+        text = g.calls_grammar(call_rules, reasoning, parallel)
         param = "tool_choice"
     else:
         schema, param = answer
@@ -152,7 +155,7 @@ def output_grammar(
         if call_rules is not None:  # tools stay callable next to a JSON answer
             text = text.replace("start: reasoning? answer\n", "start: reasoning? (answer | calls)\n", 1)
             text = text.replace("start: answer\n", "start: answer | calls\n", 1)
-            text += 'calls: call_message (<|eom|> <|start|> "assistant" call_message)* <|eot|>\n' + call_rules
+            text += g.calls_rule(parallel) + call_rules
     error = g.check(text)
     if error is not None:
         raise bad_request(f"the output constraint cannot be enforced: {_first_line(error)}",
@@ -168,6 +171,7 @@ def lazy_call_grammar(
     tool_parser: Any,
     prepared_tools: Any,
     aliases: dict[str, str],
+    parallel: bool = True,
 ) -> Any:
     """``tool_choice`` ``"auto"`` with ``strict: true`` tools: the grammar the
     worker activates when the model opens a tool call
@@ -190,7 +194,7 @@ def lazy_call_grammar(
                                             "free_names": free, "lazy": True})
     except ApiError as error:  # the parser names tool_choice; here the strict tools ask for it
         raise attrs.evolve(error, param="tools") from None
-    lazy = g.lazy_grammars(found["trigger"], found["rules"])
+    lazy = g.lazy_grammars(found["trigger"], found["rules"], parallel)
     for text in (lazy.in_tool_message, lazy.in_visible_message):
         error = g.check(text)
         if error is not None:

@@ -87,7 +87,44 @@ def musegl_dialects() -> list:
     ``openai``. A dialect is a subclass of
     :class:`musegl_core.http.dialect.Dialect` overriding the places where its
     wire format differs (error bodies, usage placement, model entries,
-    reasoning field names). Called in the front.
+    reasoning field names). It spells the core's Chat Completions and
+    Completions surfaces and the server's own routes (models, health, ...);
+    a whole different API is an API surface (``musegl_api_surfaces``).
+    Called in the front.
+    """
+
+
+@hookspec
+def musegl_api_surfaces() -> list:
+    """Return whole HTTP APIs as ``SurfaceSpec`` objects, served side by side.
+
+    Every loaded plugin's surfaces are mounted at once (the core provides
+    ``chat``, OpenAI Chat Completions, and ``completions``; ``musegl-anthropic``
+    adds Anthropic Messages). Called in the front when the app is built:
+    ``SurfaceSpec.create(context)`` receives the
+    :class:`musegl_core.http.surface.SurfaceContext` and returns an
+    :class:`musegl_core.http.surface.ApiSurface` subclass instance. A surface
+
+    * returns its Litestar route handlers from ``routes()``, each declaring
+      its OpenAPI entry with ``operation_class=musegl_core.http.openapi.operation(
+      body=..., responses=...)`` built from the attrs classes it parses and
+      writes (they are its schemas in ``/openapi.json``);
+    * turns :class:`~musegl_core.errors.ApiError` into its own envelope
+      (``error_body``, ``error_status``, ``error_headers``): the app uses it
+      for every error raised in its routes and for 404/405 under its
+      ``prefixes``;
+    * reads the API key its clients send (``credential``; default
+      ``Authorization: Bearer``), checked against ``--api-key``;
+    * generates through ``context.service`` (a
+      :class:`~musegl_core.service.service.GenerationService`): it parses its
+      wire format into a :class:`~musegl_core.service.conversation.Conversation`,
+      ``service.prepare(conversation, request_id=...)``, then
+      ``service.generation(plan)`` and its typed events
+      (:mod:`musegl_core.service.events`).
+
+    Two surfaces serving the same method and path are a start-up error naming
+    both. ``plugins/anthropic`` is a complete example; docs/plugins.md has a
+    minimal one.
     """
 
 

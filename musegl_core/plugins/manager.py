@@ -26,6 +26,7 @@ _KINDS = {
     "speculators": "musegl_speculators",
     "tool_parsers": "musegl_tool_parsers",
     "dialects": "musegl_dialects",
+    "api_surfaces": "musegl_api_surfaces",
     "templates": "musegl_templates",
     "commands": "musegl_commands",
 }

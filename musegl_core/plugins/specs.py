@@ -165,6 +165,22 @@ class DialectSpec:
 
 
 @attrs.frozen
+class SurfaceSpec:
+    """A whole HTTP API served next to the others (hook ``musegl_api_surfaces``).
+
+    ``create(context)`` runs in the front when the app is built, with the
+    :class:`musegl_core.http.surface.SurfaceContext` (settings, the
+    generation service, the served model), and returns an
+    :class:`musegl_core.http.surface.ApiSurface`: its routes (with their
+    OpenAPI entries), its error envelope and how it reads credentials.
+    """
+
+    name: str
+    description: str
+    create: Callable[[Any], Any]
+
+
+@attrs.frozen
 class TemplateSpec:
     name: str
     description: str

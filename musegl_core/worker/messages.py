@@ -20,7 +20,7 @@ import attrs
 import cattrs
 
 from musegl_core.config import ServeConfig
-from musegl_core.engine.events import Done, Failed, Started, Tokens
+from musegl_core.engine.events import Admitted, Done, Failed, Started, Tokens
 from musegl_core.engine.executor import ModelInfo
 from musegl_core.engine.request import GenerateRequest, PromptSegment
 from musegl_core.engine.sessions import SessionInfo
@@ -107,10 +107,10 @@ class SessionClosed:
 
 
 Request = Union[Setup, Generate, Cancel, Stats, ListSessions, CloseSession]
-Event = Union[Ready, Started, Tokens, Done, Failed, StatsReport, SessionList, SessionClosed]
+Event = Union[Ready, Admitted, Started, Tokens, Done, Failed, StatsReport, SessionList, SessionClosed]
 _OPS: dict[str, type] = {
     "setup": Setup, "generate": GenerateRequest, "cancel": Cancel, "stats": Stats, "listsessions": ListSessions,
-    "closesession": CloseSession, "ready": Ready, "started": Started, "tokens": Tokens, "done": Done,
+    "closesession": CloseSession, "ready": Ready, "admitted": Admitted, "started": Started, "tokens": Tokens, "done": Done,
     "failed": Failed, "statsreport": StatsReport, "sessionlist": SessionList, "sessionclosed": SessionClosed,
 }
 _NAMES = {cls: op for op, cls in _OPS.items()}

@@ -1,0 +1,101 @@
+"""The core's own API surfaces: Chat Completions and Completions.
+
+Both are spelled by the server's ``--api-dialect`` (``openai``, or a plugin's
+such as ``openrouter``): its request extensions, error bodies, usage
+placement and keepalives. The logic lives in :mod:`musegl_core.http.completions`
+(Chat Completions over the generation service) and
+:mod:`musegl_core.http.text_completions`; these classes are their routes.
+"""
+
+from __future__ import annotations
+
+import time
+
+from litestar import Request, Response, post
+from litestar.response import Stream
+
+from musegl_core.http import openapi
+from musegl_core.http import schemas as s
+from musegl_core.http import sse
+from musegl_core.http import text_completions as tc
+from musegl_core.http.completions import ChatStream, ResponseMeta, complete, plan_chat
+from musegl_core.http.surface import ApiSurface, unless_disconnected
+
+
+class ChatCompletionsSurface(ApiSurface):
+    """``POST /v1/chat/completions`` (and ``/chat/completions``)."""
+
+    name = "chat"
+    title = "Chat Completions"
+    prefixes = ("/v1/chat", "/chat")
+
+    def routes(self) -> list:
+        context = self.context
+
+        @post(["/v1/chat/completions", "/chat/completions"], status_code=200,
+              operation_class=openapi.operation(body=s.ChatCompletionRequest,
+                                                responses=openapi.GENERATION(s.ChatCompletion),
+                                                headers=(openapi.SESSION_HEADER,)))
+        async def chat_completions(request: Request) -> Response:
+            """Chat generation as one JSON object or an SSE stream."""
+            arrived = time.monotonic()
+            context.check_open()
+            service = context.service
+            payload = context.dialect.adapt_request(s.parse_body(await request.body()))
+            chat = s.structure_request(payload)
+            served = context.served_model
+            meta = ResponseMeta.new(served.name, served.backend or "unknown")
+            plan = plan_chat(
+                chat,
+                request_id=meta.id,
+                config=context.config,
+                template=service.template,
+                tool_parser=service.tool_parser,
+                header_session_id=request.headers.get("x-session-id"),
+                tokenizer=service.tokenizer,
+            )
+            service.require_ready()
+            worker = context.metered(arrived)
+            if not plan.stream:
+                result = await unless_disconnected(
+                    request, complete(worker, plan, meta, context.dialect, service.tool_parser))
+                return Response(s.to_json(result), media_type="application/json")
+            stream = ChatStream(worker, plan, meta, context.dialect, service.tool_parser,
+                                context.config.streaming_preflight_timeout)
+            await unless_disconnected(request, stream.open())
+            return Stream(stream.events(), media_type=sse.MEDIA_TYPE, headers=sse.HEADERS)
+
+        return [chat_completions]
+
+
+class CompletionsSurface(ApiSurface):
+    """``POST /v1/completions`` (and ``/completions``): a raw prompt, no template."""
+
+    name = "completions"
+    title = "Completions"
+    prefixes = ("/v1/completions", "/completions")
+
+    def routes(self) -> list:
+        context = self.context
+
+        @post(["/v1/completions", "/completions"], status_code=200,
+              operation_class=openapi.operation(body=s.CompletionRequest,
+                                                responses=openapi.GENERATION(s.TextCompletion)))
+        async def completions(request: Request) -> Response:
+            """Raw-prompt generation (no chat template) as one JSON object or an SSE stream."""
+            arrived = time.monotonic()
+            context.check_open()
+            body = s.structure_body(s.parse_body(await request.body()), s.CompletionRequest)
+            served = context.served_model
+            meta = tc.new_meta(served.name, served.backend or "unknown")
+            plan = tc.plan_completion(body, request_id=meta.id, config=context.config)
+            context.service.require_ready()
+            worker = context.metered(arrived)
+            if not plan.stream:
+                result = await unless_disconnected(request, tc.complete_text(worker, plan, meta))
+                return Response(s.to_json(result), media_type="application/json")
+            stream = tc.TextStream(worker, plan, meta, context.dialect, context.config.streaming_preflight_timeout)
+            await unless_disconnected(request, stream.open())
+            return Stream(stream.events(), media_type=sse.MEDIA_TYPE, headers=sse.HEADERS)
+
+        return [completions]

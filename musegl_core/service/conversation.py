@@ -1,0 +1,74 @@
+"""A conversation as every API surface hands it to the generation service.
+
+A surface parses its own wire format (Chat Completions messages, Anthropic
+content blocks, Responses items) into the core's chat vocabulary
+(:class:`~musegl_core.chat.messages.Message`, :class:`~musegl_core.chat.messages.ToolDef`)
+and the settings below; :func:`musegl_core.service.prepare.prepare` renders it
+with the chat template and builds the worker request. Everything here is
+already validated: ranges and contradictions are the surface's 400s, in its
+own parameter names.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import attrs
+
+from musegl_core.chat.messages import Message, ToolDef
+from musegl_core.chat.template import TemplateVariables
+from musegl_core.engine.request import GenerateRequest
+
+TOOL_CHOICE_MODES = ("auto", "none", "required", "named")
+
+
+@attrs.frozen
+class ToolChoice:
+    """``mode``: ``auto`` (the model decides), ``none`` (tools inactive: no
+    tool block in the prompt, no calls), ``required`` (at least one call,
+    enforced by the grammar) or ``named`` (a call of ``name``)."""
+
+    mode: str = "auto"
+    name: str | None = None
+
+    def __attrs_post_init__(self) -> None:
+        if self.mode not in TOOL_CHOICE_MODES:
+            raise ValueError(f"tool choice mode {self.mode!r}")
+        if (self.mode == "named") != (self.name is not None):
+            raise ValueError("a named tool choice needs a name, and only it")
+
+
+@attrs.frozen
+class AnswerFormat:
+    """The final answer must be JSON satisfying ``schema`` (``True``: any JSON
+    object), enforced by constrained decoding; ``param`` is the request
+    parameter that asked for it (named in errors)."""
+
+    schema: Any
+    param: str
+
+
+@attrs.frozen
+class Conversation:
+    """What to generate.
+
+    ``settings`` is the worker request without its prompt: the token limit
+    (``max_tokens``), sampling, request stops, ``ignore_eos``, the session
+    (``session_id``, ``soft_session``), ``cache_salt``, ``stream``,
+    ``logprobs`` and whatever else the engine honours; :func:`prepare` fills
+    in ``id``, ``prompt``, ``images`` and the grammars and keeps the rest.
+
+    ``hide_reasoning`` removes reasoning from the output events (the model
+    still reasons, and its tokens are counted). ``n`` choices share the
+    prompt's KV (1..``--max-n``, never with a session).
+    """
+
+    messages: Sequence[Message]
+    settings: GenerateRequest
+    tools: tuple[ToolDef, ...] = ()
+    tool_choice: ToolChoice = ToolChoice()
+    variables: TemplateVariables = TemplateVariables()
+    answer: AnswerFormat | None = None
+    hide_reasoning: bool = False
+    include_usage: bool = False  # the surface reports usage in its stream (Chat Completions' stream_options)
+    n: int = 1
