@@ -433,3 +433,70 @@ class AsyncExecutor(Executor, Protocol):
     def launch(self, step: Step) -> PendingStep:
         """Queue ``step`` and return at once (or after doing it synchronously, for
         steps the backend cannot queue)."""
+
+
+# -- checking an executor against the contract -----------------------------------------------
+#: Where the contract is written, for the one-line errors of :func:`check_executor`.
+CONTRACT_MEMBERS = 'docs/executor.md section 2, "What the executor object provides"'
+CONTRACT_ASYNC = 'docs/executor.md section 4a, "Asynchronous steps"'
+
+
+def _protocol_members(protocol: type) -> tuple[list[str], list[str]]:
+    """The attributes (annotated) and methods a Protocol class declares itself."""
+    attributes = list(vars(protocol).get("__annotations__", {}))
+    methods = [name for name, value in vars(protocol).items() if callable(value) and not name.startswith("_")]
+    return attributes, methods
+
+
+def _present(obj: object, name: str) -> bool:
+    import inspect
+
+    try:
+        inspect.getattr_static(obj, name)
+        return True
+    except AttributeError:
+        try:  # members served by __getattr__ (a wrapper that delegates)
+            return hasattr(obj, name)
+        except Exception:
+            return False
+
+
+def contract_problems(executor: object) -> list[str]:
+    """What keeps ``executor`` from following the executor contract (v2), one
+    phrase per problem naming the member and the section; empty when it follows it."""
+    attributes, methods = _protocol_members(Executor)
+    missing = [name for name in attributes if not _present(executor, name)]
+    missing += [name for name in methods if not (_present(executor, name) and callable(getattr(executor, name)))]
+    problems = []
+    if missing:
+        problems.append(f"missing {', '.join(missing)} ({CONTRACT_MEMBERS})")
+    wrong = []
+    for name, kind in (("info", ModelInfo), ("limits", ExecutorLimits)):
+        if name not in missing and not isinstance(getattr(executor, name), kind):
+            wrong.append(f"{name} is a {type(getattr(executor, name)).__name__}, not a {kind.__name__}")
+    if "block_size" not in missing:
+        size = getattr(executor, "block_size")
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+            wrong.append(f"block_size is {size!r}, not a positive int")
+    if wrong:
+        problems.append(f"{'; '.join(wrong)} ({CONTRACT_MEMBERS})")
+    limits = getattr(executor, "limits", None) if "limits" not in missing else None
+    if isinstance(limits, ExecutorLimits) and limits.async_steps:
+        async_missing = [name for name in _protocol_members(AsyncExecutor)[1]
+                         if not (_present(executor, name) and callable(getattr(executor, name)))]
+        if async_missing:
+            problems.append(f"limits.async_steps is set but {', '.join(async_missing)} is missing ({CONTRACT_ASYNC})")
+    return problems
+
+
+def check_executor(executor: object, name: str) -> None:
+    """Refuse, right after the factory of executor ``name`` returned it, an
+    object that does not follow the contract: one line naming every missing or
+    wrong member and the contract section (:class:`~musegl_core.errors.ConfigError`,
+    exit status 2), instead of an ``AttributeError`` deep in the engine later."""
+    problems = contract_problems(executor)
+    if problems:
+        from musegl_core.errors import ConfigError
+
+        raise ConfigError(f"the {name!r} executor ({type(executor).__module__}.{type(executor).__qualname__}) does "
+                          f"not follow the executor contract v2: {'; '.join(problems)}")

@@ -29,6 +29,7 @@ from typing import BinaryIO
 from musegl_core.checkpoint.validate import one_line
 from musegl_core.config import ServeConfig
 from musegl_core.engine.engine import Engine, EngineConfig
+from musegl_core.engine.executor import check_executor
 from musegl_core.engine.randomness import random_seed, seed_requests
 from musegl_core.engine.request import GenerateRequest, PreparedRequest
 from musegl_core.engine.sessions import session_policy
@@ -233,6 +234,7 @@ def load(config: ServeConfig, max_context: int | None | bool = True):
             extra=dict(config.extra),
         )
         executor = spec.create(options)
+        check_executor(executor, spec.name)  # one line naming what is missing, not an AttributeError later
         speculator = plugins.create_speculator(executor, options)
     check_speculator(executor, speculator)
     return tokenizer, executor, speculator
