@@ -71,27 +71,30 @@ def answer_grammar(schema: Any, reasoning_tokens: int) -> str:
     )
 
 
-def calls_grammar(call_rules: str, reasoning_tokens: int) -> str:
-    """The whole output: optional reasoning, then one or more tool messages.
+def calls_rule(parallel: bool = True) -> str:
+    """``calls``: one or more tool messages joined by ``<|eom|><|start|>assistant``,
+    the last ending the turn with ``<|eot|>``; exactly one with ``parallel``
+    False (``parallel_tool_calls: false``)."""
+    if not parallel:
+        return "calls: call_message <|eot|>\n"
+    return 'calls: call_message (<|eom|> <|start|> "assistant" call_message)* <|eot|>\n'
+
+
+def calls_grammar(call_rules: str, reasoning_tokens: int, parallel: bool = True) -> str:
+    """The whole output: optional reasoning, then the tool messages of :func:`calls_rule`.
 
     ``call_rules`` must define ``call_message``: one complete tool message
     without its terminator (header, ``<|message|>``, ATEM block), as the tool
-    parser plugin writes it. Messages are joined by ``<|eom|><|start|>assistant``
-    and the last ends the turn with ``<|eot|>``."""
+    parser plugin writes it."""
     start = "start: reasoning? calls\n" if reasoning_tokens > 0 else "start: calls\n"
-    return (
-        start
-        + reasoning_rules(reasoning_tokens)
-        + 'calls: call_message (<|eom|> <|start|> "assistant" call_message)* <|eot|>\n'
-        + call_rules
-    )
+    return start + reasoning_rules(reasoning_tokens) + calls_rule(parallel) + call_rules
 
 
 #: The terminators that end a tool message after its call markup.
 TERMINATORS = "(<|eom|> | <|eot|>)"
 
 
-def lazy_grammars(trigger: str, rules: str):
+def lazy_grammars(trigger: str, rules: str, parallel: bool = True):
     """The two grammars of a lazily activated call constraint
     (:class:`~musegl_core.engine.request.LazyGrammar`) from the tool parser's
     lazy rules: ``rules`` define ``lazy_call``, everything after ``trigger``
@@ -106,13 +109,18 @@ def lazy_grammars(trigger: str, rules: str):
       trigger begins: a lazy lead (any text ending with the first
       ``trigger``) takes that token's text, then ``lazy_call``; the message
       continues freely after the markup (output-grammar 2.2 rule 5).
+
+    With ``parallel`` False (``parallel_tool_calls: false``) the terminator
+    after a tool message's call can only be ``<|eot|>``: the turn ends with
+    that one call.
     """
     from musegl_core.engine.request import LazyGrammar
 
     import re
 
     lead = "/(?s:.*)" + re.escape(trigger).replace("/", "\\/") + "/"
-    tool = f"start: {lark_string(trigger)} lazy_call\nlazy_end: {TERMINATORS}\n" + rules
+    end = TERMINATORS if parallel else "<|eot|>"
+    tool = f"start: {lark_string(trigger)} lazy_call\nlazy_end: {end}\n" + rules
     visible = f"start: lazy_lead lazy_call\nlazy_lead[lazy]: {lead}\nlazy_end: \"\"\n" + rules
     return LazyGrammar(trigger=trigger, in_tool_message=tool, in_visible_message=visible)
 
