@@ -28,6 +28,7 @@ from torch import nn
 from musegl_core.checkpoint.config import TextConfig
 from musegl_core.checkpoint.hf_reader import CENTERED_NORMS, text_weight_names
 from musegl_core.checkpoint.stored import StoredTensor
+from musegl_cuda.cpu.attention import attention_rows
 from musegl_cuda.cpu.stored_matrix import DenseMatrix, HalfRows, StoredGroup, StoredMatrix, stored_matrix
 
 
@@ -209,6 +210,7 @@ class Attention(nn.Module):
         self.eps = config.rms_norm_eps
         self.qk_scale = config.qk_scale_factor
         self.scaling = hd ** -0.5
+        self.window = config.sliding_window if self.sliding else 0
         # q, k, v and the output gate are one matrix (one product on the CUDA path);
         # the four projections are row views of it.
         nq, nkv = config.num_heads * hd, config.num_kv_heads * hd
@@ -249,6 +251,9 @@ class Attention(nn.Module):
         k_flat.index_copy_(0, batch.write_slots, k.to(k_flat.dtype))
         v_flat.index_copy_(0, batch.write_slots, v.to(v_flat.dtype))
 
+        if self.qkvg_stored is not None:  # stored mode: each row's attention from its own keys (cpu.attention)
+            y = attention_rows(q, k_flat, v_flat, batch, self.window, self.scaling)
+            return self.o_proj(y.reshape(rows, -1) * torch.sigmoid(gate), batch.half)
         if batch.decode is not None:
             y = self._decode_attention(q, k_flat, v_flat, batch.decode)
             y = y.reshape(rows, -1) * torch.sigmoid(self.gate_proj(a) if gate is None else gate)

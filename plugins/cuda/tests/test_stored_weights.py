@@ -97,7 +97,7 @@ def test_f16_prompt_rows_in_half_arithmetic_stay_close(wide_model):
     """With f16 matrices the prompt rows nobody samples run in float16 arithmetic
     (``mw_gemm_f16``); sampled rows stay float32. The logits stay within float16
     rounding of the float32 copies' and the greedy continuation is the same; a decode
-    row gives the same logits (to float32 rounding) alone or beside a prompt chunk."""
+    row gives the same logits alone or beside a prompt chunk."""
     _, paths = wide_model
     stored, upcast = executor(paths["f16"]), executor(paths["f16"], "upcast")
     ids = prompt(3, 40)
@@ -115,8 +115,7 @@ def test_f16_prompt_rows_in_half_arithmetic_stay_close(wide_model):
                                       want_logits=True),
                              SeqChunk(seq=3, tokens=prompt(4, 40), positions=list(range(40)), blocks=other,
                                       sample=True)])).logits[1]
-    # (the two steps take different attention paths, so float32 rounding, not float16's)
-    torch.testing.assert_close(torch.as_tensor(both), torch.as_tensor(alone), rtol=0, atol=1e-6)
+    assert torch.equal(torch.as_tensor(both), torch.as_tensor(alone))  # bit for bit (cpu.attention, the kernels)
 
 
 @pytest.mark.parametrize("path", [*native.PATH_NAMES, native.FALLBACK])
@@ -262,6 +261,58 @@ def test_serve_flag_picks_the_weight_mode(wide_model):
         spec.create(ExecutorOptions(model=str(paths["q8_0"]), dtype="bfloat16", extra={"weights": "stored"}))
     with pytest.raises(ConfigError, match="--weights must be one of"):
         spec.create(ExecutorOptions(model=str(paths["q8_0"]), extra={"weights": "int8"}))
+
+
+def chunk(seq: int, tokens: list[int], start: int, blocks: list[int], sample: bool = True) -> SeqChunk:
+    return SeqChunk(seq=seq, tokens=tokens, positions=list(range(start, start + len(tokens))), blocks=blocks,
+                    sample=sample, want_logits=sample)
+
+
+def logits_of_seq1(ex: TorchExecutor, ids: list[int], follow: list[int], *, others: int = 0,
+                   split: int | None = None, prompt_beside: int | None = None) -> torch.Tensor:
+    """Sequence 1 (blocks 0-2): prompt ``ids`` (in two chunks at ``split``), then ``follow``
+    one decode step each; the logits of its sampled rows. ``others`` sequences of other
+    lengths share every step (their prompts beside its prompt, their decode rows beside
+    its); ``prompt_beside``: a decode step that also carries another sequence's prompt."""
+    mine = [0, 1, 2]
+    lengths = {s: 5 + 4 * s for s in range(2, 2 + others)}
+    tables = {s: [3 * s, 3 * s + 1, 3 * s + 2] for s in lengths}
+    theirs = [chunk(s, prompt(s, n), 0, tables[s], sample=False) for s, n in lengths.items()]
+    if split is None:
+        rows = [ex.step(Step([chunk(1, ids, 0, mine), *theirs])).logits[1]]
+    else:
+        ex.step(Step([chunk(1, ids[:split], 0, mine, sample=False), *theirs]))
+        rows = [ex.step(Step([chunk(1, ids[split:], split, mine)])).logits[1]]
+    for i, token in enumerate(follow):
+        step = [chunk(1, [token], len(ids) + i, mine)]
+        step += [chunk(s, [7 + i], n + i, tables[s], sample=False) for s, n in lengths.items()]
+        if prompt_beside == i:
+            step.append(chunk(30, prompt(30, 20), 0, [40, 41]))
+        rows.append(ex.step(Step(step)).logits[1])
+    return torch.stack([torch.as_tensor(r) for r in rows])
+
+
+@pytest.mark.parametrize("path", [*native.PATH_NAMES, native.FALLBACK])
+def test_a_sequence_gets_the_same_logits_alone_batched_chunked_and_beside_a_prompt(wide_model, path, monkeypatch):
+    """Seeded sampling draws from the logits, so the promise "the same tokens alone or
+    batched, after a session rewind" needs each row's logits to be the same bits in
+    every case: alone; with 7 sequences of other lengths in every step; its prompt in
+    two chunks; a step that also carries another sequence's prompt. On every kernel
+    path this CPU runs, and the float32 fallback."""
+    if path != native.FALLBACK and path not in native.runnable_paths():
+        pytest.skip(f"the {path} kernels do not run on this CPU")
+    _, paths = wide_model
+    monkeypatch.setenv(native.ENV, path)
+    native.reset()
+    try:
+        ex = TorchExecutor(load_checkpoint(paths["f16"]), device="cpu", block_size=BLOCK)
+    finally:
+        native.reset()
+    ex.allocate_kv(64)
+    ids, follow = prompt(3, 24), prompt(9, 6)
+    alone = logits_of_seq1(ex, ids, follow)
+    for case in (dict(others=7), dict(split=11), dict(prompt_beside=2)):
+        assert torch.equal(logits_of_seq1(ex, ids, follow, **case), alone), case
 
 
 def test_batched_decode_of_unequal_sequences_matches_one_at_a_time(wide_model):

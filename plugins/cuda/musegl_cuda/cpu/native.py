@@ -82,6 +82,11 @@ class Kernels:
         return self.path.name
 
     @property
+    def lanes(self) -> int:
+        """Float32 values per vector of this build (16 for AVX-512, 8 for AVX2)."""
+        return int(self.lib.mw_vector_lanes())
+
+    @property
     def half_gemm(self) -> bool:
         """True where ``mw_gemm_f16`` (AVX512-FP16 prompt products) is built in."""
         return bool(self.lib.mw_has_gemm_f16())
@@ -168,6 +173,11 @@ def _build(path: KernelPath) -> Kernels | str:
     lib.mw_has_gemm_f16.restype = i32
     lib.mw_gemm_f16.argtypes = [p, i64, i64, p, i64, i64, p, i64, p, i32]
     lib.mw_gemm_f16.restype = i32
+    f32 = ctypes.c_float
+    lib.mw_attention.argtypes = [p, i64, i64, i64, p, p, i64, p, p, p, i64, i64, f32, p, i32]
+    lib.mw_attention.restype = i32
+    lib.mw_vector_lanes.argtypes = []
+    lib.mw_vector_lanes.restype = i32
     return Kernels(path, lib)
 
 

@@ -71,6 +71,12 @@ typedef __m512i vi;
 #define i_and(a, b) _mm512_and_si512((a), (b))
 #define i_sub(a, b) _mm512_sub_epi32((a), (b))
 #define i_srli(a, n) _mm512_srli_epi32((a), (n))
+#define v_max(a, b) _mm512_max_ps((a), (b))
+#define v_add(a, b) _mm512_add_ps((a), (b))
+#define v_sub(a, b) _mm512_sub_ps((a), (b))
+#define v_div(a, b) _mm512_div_ps((a), (b))
+#define v_round(a) _mm512_roundscale_ps((a), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+#define v_pow2i(n) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), i_set1(127)), 23))
 ALWAYS_INLINE vf v_f16(const uint16_t *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
 ALWAYS_INLINE vf v_bf16(const uint16_t *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
@@ -97,6 +103,12 @@ typedef __m256i vi;
 #define i_and(a, b) _mm256_and_si256((a), (b))
 #define i_sub(a, b) _mm256_sub_epi32((a), (b))
 #define i_srli(a, n) _mm256_srli_epi32((a), (n))
+#define v_max(a, b) _mm256_max_ps((a), (b))
+#define v_add(a, b) _mm256_add_ps((a), (b))
+#define v_sub(a, b) _mm256_sub_ps((a), (b))
+#define v_div(a, b) _mm256_div_ps((a), (b))
+#define v_round(a) _mm256_round_ps((a), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+#define v_pow2i(n) _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), i_set1(127)), 23))
 ALWAYS_INLINE vf v_f16(const uint16_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
 ALWAYS_INLINE vf v_bf16(const uint16_t *p) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
@@ -529,6 +541,158 @@ static void dequant_chunk(long begin, long end, const void *p) {
 void mw_dequant_rows(int type, const uint8_t *w, long k, const int64_t *rows, long count, float *out, int threads) {
     args_t a = {type, w, k, mw_row_bytes(type, k), 0, 0, 0, NULL, NULL, rows, out};
     parallel_rows(count, 16, 1, dequant_chunk, &a, threads);
+}
+
+/* ---- Attention rows ------------------------------------------------------------------
+ * mw_attention: out[r][h] = sum_j p_j v_j over the keys of activation row r, with
+ * p = softmax(scale * q[r][h] . k_j) (float32), for every query head h (KV head h / group,
+ * GQA without repeated K/V). Row r's keys are the cache slots slots[off_r + lo .. off_r +
+ * count_r), lo = max(0, count_r - window) for a sliding layer (window > 0), else 0; the
+ * cache is slots x kv_heads x head_dim float32. Each row is computed from its own keys
+ * alone, in one order: the dots over head_dim in vector lanes (v_sum), the maximum,
+ * exp(s - max) per key (v_exp: the same value for a key wherever it sits in the row's
+ * list), their sum in vector lanes over the keys in order, and the weighted sum of V in
+ * key order for every output value. So a row's result does not depend on the other rows
+ * of its chunk or step, nor on how many keys they see: a decode row gives the same bits
+ * alone, beside other sequences, or beside a prompt chunk, and a prompt gives the same
+ * K/V however it is chunked. Units of work are (row, KV head) pairs over the pool. */
+
+/* e^x for x <= 0 (Cephes' expf polynomial, ~1 ulp; below -87.3 the result is ~1e-38). */
+ALWAYS_INLINE vf v_exp(vf x) {
+    x = v_max(x, v_set1(-87.3365478515625f));
+    vf n = v_round(v_mul(x, v_set1(1.44269504088896341f)));
+    vf r = v_fma(n, v_set1(-0.693359375f), x);
+    r = v_fma(n, v_set1(2.12194440e-4f), r);
+    vf p = v_set1(1.9875691500E-4f);
+    p = v_fma(p, r, v_set1(1.3981999507E-3f));
+    p = v_fma(p, r, v_set1(8.3334519073E-3f));
+    p = v_fma(p, r, v_set1(4.1665795894E-2f));
+    p = v_fma(p, r, v_set1(1.6666665459E-1f));
+    p = v_fma(p, r, v_set1(5.0000001201E-1f));
+    p = v_fma(p, v_mul(r, r), v_add(r, v_set1(1.0f)));
+    return v_mul(p, v_pow2i(n));
+}
+
+typedef struct {
+    const float *q, *kc, *vc;
+    float *out;
+    const int64_t *slots, *offsets, *counts;
+    long heads, hd, kvh, window, max_keys;
+    float scale;
+    _Atomic int *failed;
+} attn_args_t;
+
+/* s[h * width + j] = scale * dot(q head h, key j) for NH heads and NK keys (one
+ * accumulator per dot, over head_dim in order: NH x NK independent chains). */
+ALWAYS_INLINE void key_dots(const int NH, const int NK, const float *q, long hd, const float *const *keys,
+                            long j, float scale, float *s, long width) {
+    vf acc[4][2];
+    for (int h = 0; h < NH; ++h)
+        for (int i = 0; i < NK; ++i) acc[h][i] = v_zero();
+    for (long d = 0; d < hd; d += VL)
+        for (int i = 0; i < NK; ++i) {
+            const vf kv = v_load(keys[i] + d);
+            for (int h = 0; h < NH; ++h) acc[h][i] = v_fma(v_load(q + h * hd + d), kv, acc[h][i]);
+        }
+    for (int h = 0; h < NH; ++h)
+        for (int i = 0; i < NK; ++i) s[h * width + j + i] = v_sum(acc[h][i]) * scale;
+}
+
+ALWAYS_INLINE void key_dots_nh(const int NK, int nh, const float *q, long hd, const float *const *keys, long j,
+                               float scale, float *s, long width) {
+    switch (nh) {
+    case 1: key_dots(1, NK, q, hd, keys, j, scale, s, width); break;
+    case 2: key_dots(2, NK, q, hd, keys, j, scale, s, width); break;
+    case 3: key_dots(3, NK, q, hd, keys, j, scale, s, width); break;
+    default: key_dots(4, NK, q, hd, keys, j, scale, s, width); break;
+    }
+}
+
+#define PV_VECS 4  /* output vectors of V accumulated per pass over a row's keys */
+
+/* Softmax of s[0..n) in place (lanes up to the next multiple of VL are scratch). */
+static void softmax_keys(float *s, long n) {
+    float top = s[0];
+    for (long j = 1; j < n; ++j) top = s[j] > top ? s[j] : top;
+    const long padded = (n + VL - 1) / VL * VL;
+    for (long j = n; j < padded; ++j) s[j] = top;
+    const vf m = v_set1(top);
+    vf total = v_zero();
+    for (long j = 0; j < padded; j += VL) {
+        vf e = v_exp(v_sub(v_load(s + j), m));
+        v_store(s + j, e);
+        if (j + VL > n)  /* the lanes past the last key add nothing */
+            for (long l = n; l < padded; ++l) s[l] = 0.0f;
+        total = v_add(total, v_load(s + j));
+    }
+    const vf sum = v_set1(v_sum(total));
+    for (long j = 0; j < padded; j += VL) v_store(s + j, v_div(v_load(s + j), sum));
+}
+
+static void attention_chunk(long begin, long end, const void *p) {
+    const attn_args_t *a = (const attn_args_t *)p;
+    const long hd = a->hd, kvh = a->kvh, group = a->heads / a->kvh;
+    const long width = (a->max_keys + VL - 1) / VL * VL;
+    float *scores = aligned_alloc(64, (size_t)(group * width * 4 + 63) / 64 * 64);
+    if (!scores) {
+        atomic_store(a->failed, 1);
+        return;
+    }
+    for (long u = begin; u < end; ++u) {
+        const long r = u / kvh, g = u % kvh;
+        const long count = a->counts[r];
+        const long lo = a->window > 0 && count > a->window ? count - a->window : 0;
+        const long n = count - lo;
+        const int64_t *slot = a->slots + a->offsets[r] + lo;
+        const float *qg = a->q + (r * a->heads + g * group) * hd;
+        for (long h0 = 0; h0 < group; h0 += 4) {
+            const int nh = (int)(group - h0 < 4 ? group - h0 : 4);
+            long j = 0;
+            for (; j + 2 <= n; j += 2) {
+                const float *keys[2] = {a->kc + (slot[j] * kvh + g) * hd, a->kc + (slot[j + 1] * kvh + g) * hd};
+                key_dots_nh(2, nh, qg + h0 * hd, hd, keys, j, a->scale, scores + h0 * width, width);
+            }
+            if (j < n) {
+                const float *keys[1] = {a->kc + (slot[j] * kvh + g) * hd};
+                key_dots_nh(1, nh, qg + h0 * hd, hd, keys, j, a->scale, scores + h0 * width, width);
+            }
+        }
+        for (long h = 0; h < group; ++h) {
+            float *s = scores + h * width;
+            softmax_keys(s, n);
+            float *o = a->out + (r * a->heads + g * group + h) * hd;
+            long d0 = 0;
+            for (; d0 + PV_VECS * VL <= hd; d0 += PV_VECS * VL) {
+                vf acc[PV_VECS];
+                for (int c = 0; c < PV_VECS; ++c) acc[c] = v_zero();
+                for (long j = 0; j < n; ++j) {
+                    const float *vj = a->vc + (slot[j] * kvh + g) * hd + d0;
+                    const vf pj = v_set1(s[j]);
+                    for (int c = 0; c < PV_VECS; ++c) acc[c] = v_fma(pj, v_load(vj + c * VL), acc[c]);
+                }
+                for (int c = 0; c < PV_VECS; ++c) v_store(o + d0 + c * VL, acc[c]);
+            }
+            for (; d0 < hd; d0 += VL) {
+                vf acc = v_zero();
+                for (long j = 0; j < n; ++j)
+                    acc = v_fma(v_set1(s[j]), v_load(a->vc + (slot[j] * kvh + g) * hd + d0), acc);
+                v_store(o + d0, acc);
+            }
+        }
+    }
+    free(scores);
+}
+
+/* out (rows x heads x hd) for q (rows x heads x hd), float32; hd % VL == 0, heads a
+ * multiple of kvh, every count >= 1 and <= max_keys. Returns 0, or 1 when scratch
+ * memory ran out (the caller then computes the attention another way). */
+int mw_attention(const float *q, long rows, long heads, long hd, const float *kc, const float *vc, long kvh,
+                 const int64_t *slots, const int64_t *offsets, const int64_t *counts, long window,
+                 long max_keys, float scale, float *out, int threads) {
+    _Atomic int failed = 0;
+    attn_args_t a = {q, kc, vc, out, slots, offsets, counts, heads, hd, kvh, window, max_keys, scale, &failed};
+    parallel_rows(rows * kvh, 1, 1, attention_chunk, &a, threads);
+    return atomic_load(&failed);
 }
 
 /* ---- Wide products of float16 weights in float16 arithmetic ------------------------
