@@ -131,3 +131,55 @@ def test_speculation_figures_from_counter_deltas():
     spec = report.speculation
     assert (spec.target_steps, spec.drafted_tokens, spec.accepted_tokens, spec.verify_blocks) == (10, 40, 20, 10)
     assert spec.acceptance_length == 3.0 and spec.tokens_per_target_step == 3.0
+
+
+def bench_sessions(url: str) -> list[str]:
+    import httpx
+
+    listed = httpx.get(f"{url}/v1/sessions", timeout=30).json()["data"]
+    return [s["id"] for s in listed if s["id"].startswith("bench-")]
+
+
+def test_agent_runs_delete_their_sessions_so_the_next_run_succeeds(server):
+    config = BenchConfig(url=server.url, workload="agent", concurrency=3, conversations=3, turns=2,
+                         max_tokens=MAX_TOKENS, prompt_tokens=40, timeout=120)
+    for _ in range(2):  # 3 sessions + 3 anonymous baselines fit 4 slots only if the sessions go
+        report = run_bench(config, progress=False)
+        assert (report.errors, report.sessions_deleted, report.sessions_left) == (0, 3, {})
+        assert report.sessions is not None and report.sessions.anonymous_ttft.count == 3
+        assert bench_sessions(server.url) == []
+
+
+def test_the_report_names_the_limit_that_refused(server):
+    config = BenchConfig(url=server.url, workload="agent", concurrency=6, conversations=6, turns=1,
+                         max_tokens=MAX_TOKENS, prompt_tokens=40, timeout=120, baseline=False)
+    report = run_bench(config, progress=False)  # 6 new sessions, 4 slots (--max-sessions 4)
+    assert report.succeeded == 4 and report.error_kinds == {"HTTP 503 session_capacity": 2}
+    assert "--max-sessions" in report.error_messages["HTTP 503 session_capacity"]
+    assert report.sessions_deleted == 4 and bench_sessions(server.url) == []
+
+
+def test_an_interrupted_agent_run_deletes_its_sessions(server):
+    import asyncio
+
+    import httpx
+
+    from musegl_core.bench.runner import run_bench_async
+
+    config = BenchConfig(url=server.url, workload="agent", concurrency=2, conversations=2, turns=50,
+                         max_tokens=40, prompt_tokens=40, timeout=120)
+
+    async def interrupt() -> None:
+        task = asyncio.create_task(run_bench_async(config, progress=False))
+        async with httpx.AsyncClient(timeout=30) as client:
+            while not task.done():
+                listed = (await client.get(f"{server.url}/v1/sessions")).json()["data"]
+                if any(s["id"].startswith("bench-") for s in listed):
+                    break
+                await asyncio.sleep(0.05)
+        task.cancel()  # what Ctrl-C does to asyncio.run's main task
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(interrupt())
+    assert bench_sessions(server.url) == []

@@ -17,6 +17,7 @@ from typing import Any, Iterable, Sequence
 
 import attrs
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from musegl_core.bench.client import RequestResult
@@ -103,6 +104,8 @@ class BenchReport:
     succeeded: int
     errors: int
     error_kinds: dict[str, int]
+    #: per error kind, the server's message of its first occurrence (it names the limit that refused)
+    error_messages: dict[str, str]
     duration_s: float
     requests_per_s: float
     output_tokens: int
@@ -116,6 +119,9 @@ class BenchReport:
     turns: tuple[TurnStats, ...] = ()
     sessions: SessionComparison | None = None
     speculation: SpeculationStats | None = None
+    #: ``agent``: named sessions deleted at the end of the run, and those left (id -> why)
+    sessions_deleted: int = 0
+    sessions_left: dict[str, str] = attrs.field(factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict (what ``musegl bench --json`` prints)."""
@@ -124,6 +130,18 @@ class BenchReport:
 
 def _short_error(error: str) -> str:
     return error.split(":", 1)[0][:80]
+
+
+def _first_messages(failed: Sequence[RequestResult]) -> dict[str, str]:
+    messages: dict[str, str] = {}
+    for result in failed:
+        messages.setdefault(_short_error(result.error or ""), _error_detail(result.error or ""))
+    return messages
+
+
+def _error_detail(error: str) -> str:
+    """The text after the kind: the server's message (it names the flag that refused)."""
+    return error.split(":", 1)[1].strip()[:300] if ":" in error else ""
 
 
 def build_report(
@@ -138,6 +156,8 @@ def build_report(
     duration_s: float,
     baselines: Sequence[RequestResult] = (),
     counters: tuple[dict[str, float], dict[str, float]] | None = None,
+    sessions_deleted: int = 0,
+    sessions_left: dict[str, str] | None = None,
 ) -> BenchReport:
     """Aggregate the measured ``results`` (and the agent ``baselines``) of one run."""
     ok = [r for r in results if r.ok]
@@ -178,6 +198,7 @@ def build_report(
         succeeded=len(ok),
         errors=len(failed),
         error_kinds=dict(Counter(_short_error(r.error or "") for r in failed)),
+        error_messages=_first_messages(failed),
         duration_s=duration_s,
         requests_per_s=len(ok) / duration,
         output_tokens=output,
@@ -191,6 +212,8 @@ def build_report(
         turns=turns,
         sessions=comparison,
         speculation=_speculation(counters, output),
+        sessions_deleted=sessions_deleted,
+        sessions_left=dict(sessions_left or {}),
     )
 
 
@@ -238,7 +261,14 @@ def render(report: BenchReport, console: Console) -> None:
             summary.add_row("mean acceptance length", f"{spec.acceptance_length:.2f}")
     for kind, count in report.error_kinds.items():
         summary.add_row(f"error: {kind}", str(count), style="red")
+    if report.sessions_deleted or report.sessions_left:
+        summary.add_row("sessions deleted / left", f"{report.sessions_deleted} / {len(report.sessions_left)}")
     console.print(summary)
+    for kind, message in report.error_messages.items():
+        if message:
+            console.print(f"[red]{escape(kind)}[/red]: {escape(message)}", highlight=False)
+    for name, why in report.sessions_left.items():
+        console.print(f"[yellow]session {escape(name)} was not deleted[/yellow]: {escape(why)}", highlight=False)
     if report.turns:
         turns = Table(title="agent turns")
         for column in ("turn", "requests", "TTFT p50", "TTFT p95", "prompt tokens", "cached"):

@@ -16,6 +16,12 @@ A run has up to three phases, all against one server:
    concurrency, so the report compares the TTFT the session gives that history
    with the TTFT of a full prefill. Start the server without prefix snapshots
    (``--prefix-cache-entries 0``, the default) or the replay may hit one.
+
+Named sessions persist on the server until deleted, so the ``agent`` workload
+deletes its sessions (``DELETE /v1/sessions/{id}``) when its turns are done,
+before the baseline (whose anonymous requests need the slots), and again on
+the way out of an interrupted run (Ctrl-C); the report says how many it
+deleted and which it could not (a server with ``--sessions-api off``).
 """
 
 from __future__ import annotations
@@ -191,8 +197,9 @@ async def _run_chat(client: httpx.AsyncClient, config: BenchConfig, words: int, 
 
 
 async def _run_agent(
-    client: httpx.AsyncClient, config: BenchConfig, words: int, bar: _Bar
+    client: httpx.AsyncClient, config: BenchConfig, words: int, bar: _Bar, sessions: list[str]
 ) -> tuple[list[RequestResult], list[tuple[int, int, tuple[dict, ...]]]]:
+    """The conversations; every session id used is appended to ``sessions`` before its first turn."""
     run_id = uuid.uuid4().hex[:10]
     gate = asyncio.Semaphore(config.concurrency)
     results: list[RequestResult] = []
@@ -201,6 +208,7 @@ async def _run_agent(
     async def conversation_task(index: int) -> None:
         conversation = workloads.Conversation(index, f"bench-{run_id}-{index}", config.seed, words)
         async with gate:
+            sessions.append(conversation.session_id)
             for turn in range(1, config.turns + 1):
                 history = conversation.next_user_turn()
                 body = chat_body(history, max_tokens=config.max_tokens, session_id=conversation.session_id,
@@ -236,6 +244,51 @@ async def _run_baselines(
     return list(await asyncio.gather(*(replay(*entry) for entry in sorted(histories))))
 
 
+@attrs.define
+class Cleanup:
+    """What deleting the run's sessions did."""
+
+    deleted: int = 0
+    #: session id -> why it could not be deleted
+    left: dict[str, str] = attrs.field(factory=dict)
+
+
+async def delete_sessions(client: httpx.AsyncClient, config: BenchConfig, sessions: list[str],
+                          cleanup: Cleanup, *, patience: float = 5.0) -> None:
+    """``DELETE /v1/sessions/{id}`` for each of ``sessions`` (emptied as they are handled).
+    A 409 (its last request is still winding down, e.g. after Ctrl-C) is retried for up to
+    ``patience`` seconds; a 404 means it is gone already, unless the server says its
+    sessions API is off."""
+    base = config.url.rstrip("/").removesuffix("/v1")
+    while sessions:
+        name = sessions.pop()
+        deadline = time.monotonic() + patience
+        while True:
+            try:
+                response = await client.delete(f"{base}/v1/sessions/{name}")
+            except httpx.HTTPError as exc:
+                cleanup.left[name] = f"{type(exc).__name__}: {exc}".rstrip(": ")
+                break
+            if response.status_code == 200:
+                cleanup.deleted += 1
+                break
+            reason = _error_message(response)
+            if response.status_code == 404 and "turned off" not in reason:
+                break  # never created (its first turn failed) or closed already
+            if response.status_code != 409 or time.monotonic() > deadline:
+                cleanup.left[name] = f"HTTP {response.status_code}: {reason}"
+                break
+            await asyncio.sleep(0.1)
+
+
+def _error_message(response: httpx.Response) -> str:
+    try:
+        error = response.json().get("error") or {}
+        return str(error.get("message") or error)
+    except (ValueError, AttributeError):
+        return response.text[:200]
+
+
 COUNTERS = ("engine_steps", "spec_drafted_tokens", "spec_accepted_tokens", "spec_verify_blocks")
 
 
@@ -262,25 +315,34 @@ async def run_bench_async(config: BenchConfig, *, progress: bool = True) -> Benc
     headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
     timeout = httpx.Timeout(config.timeout, connect=min(config.timeout, 10.0))
     limits = httpx.Limits(max_connections=config.concurrency + 2, max_keepalive_connections=config.concurrency + 2)
+    sessions: list[str] = []
+    cleanup = Cleanup()
     async with httpx.AsyncClient(headers=headers, timeout=timeout, limits=limits) as client:
-        with _progress_bar(progress) as bar:
-            bar.phase("calibrating", 2)
-            calibration = await calibrate(client, config)
-            words = calibration.words(config.prompt_tokens, whole_prompt=config.workload == "chat")
-            bar.phase(f"{config.workload} x{config.concurrency}", config.measured_requests)
-            before = await engine_counters(client, config)
-            started = time.perf_counter()
-            histories: list = []
-            if config.workload == "chat":
-                results = await _run_chat(client, config, words, bar)
-            else:
-                results, histories = await _run_agent(client, config, words, bar)
-            duration = time.perf_counter() - started
-            after = await engine_counters(client, config)
-            baselines: list[RequestResult] = []
-            if config.workload == "agent" and config.baseline and histories:
-                bar.phase("anonymous baseline", len(histories))
-                baselines = await _run_baselines(client, config, histories, bar)
+        try:
+            with _progress_bar(progress) as bar:
+                bar.phase("calibrating", 2)
+                calibration = await calibrate(client, config)
+                words = calibration.words(config.prompt_tokens, whole_prompt=config.workload == "chat")
+                bar.phase(f"{config.workload} x{config.concurrency}", config.measured_requests)
+                before = await engine_counters(client, config)
+                started = time.perf_counter()
+                histories: list = []
+                if config.workload == "chat":
+                    results = await _run_chat(client, config, words, bar)
+                else:
+                    results, histories = await _run_agent(client, config, words, bar, sessions)
+                duration = time.perf_counter() - started
+                after = await engine_counters(client, config)
+                await delete_sessions(client, config, sessions, cleanup)  # the baseline needs the slots
+                baselines: list[RequestResult] = []
+                if config.workload == "agent" and config.baseline and histories:
+                    bar.phase("anonymous baseline", len(histories))
+                    baselines = await _run_baselines(client, config, histories, bar)
+        finally:  # an interrupted run (Ctrl-C cancels this task) deletes its sessions too
+            if sessions:
+                await delete_sessions(client, config, sessions, cleanup)
+                print(f"musegl bench: deleted {cleanup.deleted} of the run's sessions"
+                      + (f"; could not delete {', '.join(cleanup.left)}" if cleanup.left else ""), file=sys.stderr)
     return build_report(
         results,
         url=config.url,
@@ -292,6 +354,8 @@ async def run_bench_async(config: BenchConfig, *, progress: bool = True) -> Benc
         duration_s=duration,
         baselines=baselines,
         counters=(before, after) if before is not None and after is not None else None,
+        sessions_deleted=cleanup.deleted,
+        sessions_left=dict(cleanup.left),
     )
 
 

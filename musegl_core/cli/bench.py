@@ -13,9 +13,12 @@ workloads:
   chat   --requests independent prompts of about --prompt-tokens tokens
   agent  --conversations conversations of --turns turns in named sessions; each
          turn adds the reply and a new user message of about --prompt-tokens
-         tokens, then the last turn's history is replayed without a session
+         tokens, then the last turn's history is replayed without a session;
+         the run deletes its sessions when its turns end (and when interrupted)
 
 Every request is greedy and generates exactly --max-tokens tokens (ignore_eos).
+A refused request is reported with the server's error code and message, which
+names the limit that refused it (--max-sessions, --max-queued-requests, ...).
 Start the server without prefix snapshots (--prefix-cache-entries 0, the
 default) when comparing sessions with anonymous requests.
 """

@@ -205,7 +205,7 @@ class SessionTable:
                 self.evictions += 1
                 return
         raise CapacityError(
-            f"all {self.max_sessions} session slots are in use"
+            f"all {self.max_sessions} session slots (--max-sessions) are in use"
             + ("" if self.evict_idle else " (start the server with --evict-idle-sessions to evict idle ones)")
         )
 
