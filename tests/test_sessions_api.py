@@ -153,3 +153,40 @@ def test_the_startup_policy_line_names_the_session_rules():
     assert "4 slots" in line and "persist until DELETE /v1/sessions/{id}" in line and "503 session_capacity" in line
     line = session_policy(ServeConfig(session_idle_timeout=30, evict_idle_sessions=True, prefix_caching=False))
     assert "closed after 30 s idle" in line and "evicted LRU" in line and "prefix caching off" in line
+
+
+def front_client(**settings):
+    from litestar.testing import TestClient
+
+    from musegl_core.http.app import create_app
+    from musegl_core.plugins.manager import PluginManager
+    from musegl_core.worker.client import WorkerClient
+
+    config = ServeConfig(**settings).validate()
+    return TestClient(create_app(config, PluginManager(only=[]), WorkerClient(config), manage_worker=False))
+
+
+def test_sessions_api_off_removes_both_routes_and_their_documentation():
+    with front_client(sessions_api=False) as client:
+        for method, path in (("GET", "/v1/sessions"), ("GET", "/sessions"), ("DELETE", "/v1/sessions/s1"),
+                             ("DELETE", "/sessions/s1")):
+            r = client.request(method, path)
+            assert r.status_code == 404, (method, path)
+            assert r.json()["error"]["type"] == "not_found_error"
+            assert "--sessions-api off" in r.json()["error"]["message"]
+        paths = client.get("/openapi.json").json()["paths"]
+        assert not [p for p in paths if "sessions" in p]
+        assert "/v1/chat/completions" in paths
+    with front_client() as client:  # on by default
+        assert {"/v1/sessions", "/v1/sessions/{session}"} <= set(client.get("/openapi.json").json()["paths"])
+        assert client.get("/v1/sessions").status_code == 503  # routed (the worker is not started here)
+
+
+def test_with_an_api_key_the_openapi_document_needs_it_too():
+    with front_client(api_key="sekrit") as client:
+        refused = client.get("/openapi.json")
+        assert refused.status_code == 401 and refused.json()["error"]["type"] == "authentication_error"
+        assert client.get("/openapi.json", headers=KEY).json()["info"]["title"] == "musegl"
+        assert client.get("/health").status_code == 503  # /health alone stays public
+    with front_client() as client:
+        assert client.get("/openapi.json").status_code == 200  # no key configured: public

@@ -261,7 +261,7 @@ def create_app(
         before_send=[count_response],
         cors_config=cors,
         request_max_body_size=config.max_request_bytes,
-        openapi_config=openapi.config(config.api_key is not None),
+        openapi_config=openapi.config(config.api_key is not None, [require_key] if config.api_key else ()),
         logging_config=None,  # musegl_core.logs configures logging once, for every library
         state={"front": front},
     )

@@ -28,9 +28,10 @@ from __future__ import annotations
 import types
 import typing
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any, Sequence, Union
 
 import attrs
+from litestar import Router
 from litestar.openapi import OpenAPIConfig
 from litestar.openapi.plugins import JsonRenderPlugin
 from litestar.openapi.spec import (
@@ -164,12 +165,16 @@ def operation(
     return Documented
 
 
-def config(api_key: bool) -> OpenAPIConfig:
+def config(api_key: bool, guards: Sequence[Any] = ()) -> OpenAPIConfig:
     """``GET /openapi.json``: the document as JSON, and no documentation UI.
-    With ``--api-key`` every route but ``/health`` requires the bearer token."""
+    With ``--api-key`` every route but ``/health`` requires the bearer token, the
+    document's own route included (``guards``: the key check): it lists what this
+    server runs (surfaces, the sessions API), which is nobody else's business."""
     security = {
         "components": Components(security_schemes={"bearer": SecurityScheme(type="http", scheme="bearer")}),
         "security": [{"bearer": []}],
     } if api_key else {}
-    return OpenAPIConfig(title="musegl", version=__version__, path="/openapi.json",
+    router = (Router(path="/openapi.json", route_handlers=[], guards=list(guards), include_in_schema=False)
+              if guards else None)
+    return OpenAPIConfig(title="musegl", version=__version__, path="/openapi.json", openapi_router=router,
                          render_plugins=[JsonRenderPlugin(path="/")], **security)
