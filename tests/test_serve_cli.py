@@ -82,3 +82,12 @@ def test_the_throughput_line_comes_once_per_interval_while_busy(caplog):
     assert line == ("throughput: 20.0 tokens/s generated, 45.0 prompt tokens/s over 10.0 s; 2 running, "
                     "5 queued; KV blocks 40 of 100 in use")
     assert not ThroughputLog(0).tick(**figures)
+
+
+def test_dev_install_shows_pip_progress_for_the_long_steps():
+    from pathlib import Path
+
+    script = (Path(__file__).resolve().parents[1] / "dev").read_text()
+    long_steps = [line for line in script.splitlines() if "pip install" in line and "--upgrade pip" not in line]
+    assert len(long_steps) == 2  # torch, then the core and the plugins
+    assert not any("--quiet" in line or " -q " in line for line in long_steps)
