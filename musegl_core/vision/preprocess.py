@@ -360,7 +360,8 @@ def place_images(ids: Sequence[int], images: Sequence[ImageInput], tokenizer,
                        "invalid_request_error", "invalid_image")
     if admitted is None:
         admitted = preprocessor.admit(images)
-    prepared = [preprocessor.preprocess_bytes(data, image.media_type) for data, image in zip(admitted, images)]
+    prepared = [preprocessor.preprocess_bytes(data, image.media_type, image.detail)
+                for data, image in zip(admitted, images)]
     start_id, end_id = tokenizer.image_start_id, tokenizer.image_end_id
     out: list[int] = []
     placed: list[PlacedImage] = []
