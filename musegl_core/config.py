@@ -102,6 +102,9 @@ class ServeConfig:
     session_idle_timeout: float | None = flag(None, "close named sessions idle this long (default: they persist "
                                               "until DELETE /v1/sessions/{id})", SESSIONS, kind="float",
                                               metavar="SECONDS")
+    soft_session_idle_timeout: float = flag(600.0, "close soft sessions (named by a client's own conversation key: "
+                                            "X-Claude-Code-Session-Id, prompt_cache_key, session-id) idle this long "
+                                            "(default %(default)s)", SESSIONS, kind="float", metavar="SECONDS")
     sessions_api: bool = flag(True, "on: serve GET /v1/sessions and DELETE /v1/sessions/{id}, which every client "
                               "(every holder of the API key) may use on every session; off: both answer 404 "
                               "(default on)", SESSIONS, kind="on-off", metavar="on|off")
@@ -195,6 +198,8 @@ class ServeConfig:
                 math.isfinite(t) and t > 0,
                 f"--session-idle-timeout must be a positive number of seconds, got {t}",
             )
+        t = self.soft_session_idle_timeout
+        need(math.isfinite(t) and t > 0, f"--soft-session-idle-timeout must be a positive number of seconds, got {t}")
         int_range("--port", self.port, 0, 65535)
         need(bool(self.host.strip()), "--host must not be empty")
         need(

@@ -67,6 +67,7 @@ class EngineConfig:
     kv_cache_fraction: float = 0.9
     prefix_caching: bool = True
     session_idle_timeout: float | None = None
+    soft_session_idle_timeout: float = 600.0
     grammar_threads: int | None = None  # None: 0 for an executor on the host CPU, else 2
     prefill_stall_factor: float = 6.0
     throughput_log_interval: float = 10.0  # seconds between throughput lines while busy (0: none)
@@ -175,6 +176,7 @@ class Engine:
             evict_idle=config.evict_idle_sessions,
             prefix_caching=config.prefix_caching,
             idle_timeout=config.session_idle_timeout,
+            soft_idle_timeout=config.soft_session_idle_timeout,
         )
         limits = executor.limits
         drafts = config.max_decode_sequences * self.speculator.max_draft
@@ -385,13 +387,17 @@ class Engine:
                 continue
             name = request.session_id
             existing = self.sessions.named.get(name) if name is not None else None
+            if request.soft_session and not self._soft_fits(request, existing, slots_full):
+                self._unlink(request)  # it runs anonymously, on the prefix cache
+                request = attrs.evolve(request, session_id=None, soft_session=False, replay=None)
+                name = existing = None
             if existing is not None and existing.active:
                 self._link(request)  # it waits for the session's running request
                 continue
             if existing is None and slots_full:
                 continue
             try:
-                session, _created = self.sessions.open(name, request.cache_salt)
+                session, _created = self.sessions.open(name, request.cache_salt, soft=request.soft_session)
             except SaltMismatch as exc:
                 self._unqueue(request)
                 self._fail(request.id, ApiError(400, f"{exc}: a named session keeps the cache_salt of its first "
@@ -408,6 +414,30 @@ class Engine:
             self._unlink(request)
             self._queue_seconds[request.id] = self._queue.take(request.id)
             self._start(request, session)
+
+    def _soft_fits(self, request: PreparedRequest, session: Session | None, slots_full: bool) -> bool:
+        """May a soft-session request run on its session? Not while the session
+        is busy, and not when it is new and no slot is free (the request then runs
+        anonymously rather than wait or fail). An idle session is used when the
+        prompt extends its last executed prompt (after generated-token replay), or
+        when the prompt is at least as long as the session's history: a soft
+        session keeps the longest conversation that uses it, so a client's short
+        side request never displaces its main conversation."""
+        if session is None:
+            return not slots_full and self.sessions.can_open_soft()
+        if session.active or session.salt != request.cache_salt:
+            return False
+        keys = prompt_keys(request.prompt_ids, request.images)
+        executed = session.replay.executed
+        if session.clean and executed:
+            plan = request.replay
+            if plan is not None and plan.log is session.replay:
+                replayed = plan.keys
+            else:
+                replayed, _ = self.replayer.apply(session.replay, keys)
+            if tuple(replayed[: len(executed)]) == executed:
+                return True
+        return len(keys) >= len(session.tokens)
 
     def _unqueue(self, request: PreparedRequest) -> None:
         self._unlink(request)
@@ -433,7 +463,8 @@ class Engine:
         does when it ends; with ``--evict-idle-sessions`` so does a named session's,
         which turns evictable once its request ends. Named sessions otherwise persist."""
         table = self.sessions
-        return bool(table.anonymous) or (table.evict_idle and any(s.active for s in table.named.values()))
+        return (bool(table.anonymous) or any(s.active and s.soft for s in table.named.values())
+                or (table.evict_idle and any(s.active for s in table.named.values())))
 
     def _capacity_error(self, exc: CapacityError) -> ApiError:
         """503 ``session_capacity``; its ``Retry-After`` is only what is known: with

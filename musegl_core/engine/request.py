@@ -90,6 +90,10 @@ class GenerateRequest:
     images: tuple[ImageInput, ...] = ()
     #: ``cache_salt``: KV is reused only from requests with the same salt (None: the unsalted space)
     cache_salt: str | None = None
+    #: ``session_id`` names a soft session (a client's own conversation key): it idles out after
+    #: ``--soft-session-idle-timeout``, is evicted first when slots run short, and a request that
+    #: cannot have it (busy, no slot, another conversation holds it) runs anonymously instead
+    soft_session: bool = False
 
 
 class LogitsProcessor(Protocol):
@@ -139,6 +143,7 @@ class PreparedRequest:
     logprobs: int = -1
     replay: Any = None  # a ReplayPlan computed on the control thread (engine.plan_replay)
     cache_salt: str | None = None  # reuse only from requests with the same salt
+    soft_session: bool = False  # session_id names a soft session (GenerateRequest.soft_session)
 
 
 class Phase(enum.Enum):

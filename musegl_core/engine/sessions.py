@@ -136,6 +136,7 @@ class Session:
     slot: Slot
     tokens: list[int] = attrs.field(factory=list)
     salt: str | None = None
+    soft: bool = False  # named by a client's own conversation key: expires and is evicted first
     clean: bool = True
     confirmed: bool = False
     active: bool = False
@@ -169,13 +170,14 @@ class SessionTable:
     """Named sessions, anonymous temporary sessions and snapshots, with LRU eviction."""
 
     def __init__(self, pool: KVPool, *, max_sessions: int, max_context: int, snapshots: int, evict_idle: bool,
-                 prefix_caching: bool = True, idle_timeout: float | None = None):
+                 prefix_caching: bool = True, idle_timeout: float | None = None, soft_idle_timeout: float = 600.0):
         self.pool = pool
         self.max_sessions = max_sessions
         self.budget = pool.blocks_for(max_context)
         self.snapshot_capacity = snapshots
         self.evict_idle = evict_idle
         self.idle_timeout = idle_timeout
+        self.soft_idle_timeout = soft_idle_timeout
         self.cache = PrefixCache(pool) if prefix_caching else None
         self.named: dict[str, Session] = {}
         self.anonymous: set[Session] = set()
@@ -194,8 +196,23 @@ class SessionTable:
     def slots_in_use(self) -> int:
         return len(self.named) + len(self.anonymous)
 
+    def _idle_soft(self) -> list[Session]:
+        return [s for s in self.named.values() if s.soft and s.idle]
+
+    def can_open_soft(self) -> bool:
+        """Whether a new soft session gets a slot without waiting: one is free, or
+        an idle soft session (or, with ``--evict-idle-sessions``, any idle named
+        session) can be evicted."""
+        return (self.slots_in_use < self.max_sessions or bool(self._idle_soft())
+                or (self.evict_idle and any(s.idle for s in self.named.values())))
+
     def _free_a_slot(self) -> None:
         if self.slots_in_use < self.max_sessions:
+            return
+        soft = self._idle_soft()  # soft sessions give way first, with or without --evict-idle-sessions
+        if soft:
+            self.drop(min(soft, key=lambda s: s.last_used))
+            self.evictions += 1
             return
         if self.evict_idle:
             idle = [s for s in self.named.values() if s.idle]
@@ -209,7 +226,7 @@ class SessionTable:
             + ("" if self.evict_idle else " (start the server with --evict-idle-sessions to evict idle ones)")
         )
 
-    def open(self, name: str | None, salt: str | None = None) -> tuple[Session, bool]:
+    def open(self, name: str | None, salt: str | None = None, soft: bool = False) -> tuple[Session, bool]:
         """The session for ``name`` (created with ``salt`` when new), or a temporary
         one when None. :class:`SaltMismatch` when ``name`` exists with another salt."""
         self.expire_idle()
@@ -219,7 +236,7 @@ class SessionTable:
                 raise SaltMismatch(f"session {name!r} was opened with a different cache_salt")
             return session, False
         self._free_a_slot()
-        session = Session(name, Slot.open(self.pool, self.budget), salt=salt)
+        session = Session(name, Slot.open(self.pool, self.budget), salt=salt, soft=soft and name is not None)
         if name is None:
             self.anonymous.add(session)
         else:
@@ -260,11 +277,15 @@ class SessionTable:
         self.closed += 1
 
     def expire_idle(self, now: float | None = None) -> int:
-        """Close named sessions idle longer than ``--session-idle-timeout``; how many."""
-        if self.idle_timeout is None:
-            return 0
+        """Close named sessions idle longer than ``--session-idle-timeout`` and soft
+        ones idle longer than ``--soft-session-idle-timeout``; how many."""
         now = time.monotonic() if now is None else now
-        stale = [s for s in self.named.values() if s.idle and now - s.last_used > self.idle_timeout]
+
+        def timeout(session: Session) -> float | None:
+            return self.soft_idle_timeout if session.soft else self.idle_timeout
+
+        stale = [s for s in self.named.values()
+                 if s.idle and timeout(s) is not None and now - s.last_used > timeout(s)]
         for session in stale:
             self.drop(session)
         self.expired += len(stale)

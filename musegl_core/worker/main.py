@@ -129,6 +129,7 @@ def prepare(request: GenerateRequest, tokenizer, vocab_size: int = 0,
         stream=request.stream,
         logprobs=request.logprobs,
         cache_salt=request.cache_salt,
+        soft_session=request.soft_session,
         processors=processors,
         images=images,
     )

@@ -1,0 +1,51 @@
+"""Which session a request runs in: its own, or a soft one named by the client's conversation key.
+
+Stateless agent clients resend the whole conversation every turn and never
+name a musegl session, but they do send a key of their own that stays the
+same for one conversation: Claude Code's ``X-Claude-Code-Session-Id``, a
+Responses ``prompt_cache_key``, Codex's ``session-id`` / ``thread-id``.
+:func:`client_session` turns the first such key into a **soft session**
+(``GenerateRequest.soft_session``): the worker keeps its KV between turns like
+a named session's, so turn 2 executes only its suffix, but a soft session
+
+* closes after ``--soft-session-idle-timeout`` seconds idle (default 600),
+* is the first to be evicted (LRU) when a request needs a slot,
+* never makes a request wait or fail: when it is busy with another request,
+  when it is new and no slot is free, or when another, longer conversation
+  of the same key holds it, the request runs anonymously on the prefix cache.
+
+An explicit session (``session_id`` / ``X-Session-Id``) always wins and is
+an ordinary named session.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from typing import Iterable
+
+SOFT_NAME = re.compile(r"[A-Za-z0-9._:-]{1,100}")
+
+
+def soft_session_name(source: str, key: str) -> str:
+    """The session name for a client key: ``<source>:<key>`` when the key is
+    1-100 characters of ``A-Z a-z 0-9 . _ : -`` (a UUID is), else
+    ``<source>:sha256-<40 hex digits of the key's digest>``."""
+    if SOFT_NAME.fullmatch(key):
+        return f"{source}:{key}"
+    return f"{source}:sha256-{hashlib.sha256(key.encode('utf-8', 'surrogatepass')).hexdigest()[:40]}"
+
+
+def client_session(explicit: str | None, keys: Iterable[tuple[str, str | None]]) -> tuple[str | None, bool]:
+    """``(session_id, soft)`` for a request.
+
+    ``explicit`` is the request's own, already validated session name (None:
+    none); ``keys`` are ``(source, value)`` pairs in order of preference, such
+    as ``("claude-code", request.headers.get("x-claude-code-session-id"))``;
+    empty or missing values are skipped."""
+    if explicit is not None:
+        return explicit, False
+    for source, value in keys:
+        if value:
+            return soft_session_name(source, value), True
+    return None, False
