@@ -36,3 +36,28 @@ def test_the_worker_environment_has_no_secrets(monkeypatch):
 def test_a_worker_without_a_setup_frame_says_so(stdin):
     with pytest.raises(ConfigError):
         read_setup(io.BytesIO(stdin))
+
+
+def test_a_worker_not_ready_is_a_503_whose_retry_after_is_known_or_absent():
+    """Before any start finished nothing is known: no Retry-After. After one, the estimate
+    is that start's duration less the time the current one has run."""
+    import time
+
+    from litestar.testing import TestClient
+
+    from musegl_core.http.app import create_app
+    from musegl_core.plugins.manager import PluginManager
+    from musegl_core.worker.client import WorkerClient
+
+    config = ServeConfig(max_context=321).validate()
+    worker = WorkerClient(config)
+    with TestClient(create_app(config, PluginManager(only=[]), worker, manage_worker=False)) as client:
+        first = client.get("/health")
+        assert first.status_code == 503 and first.json()["error"]["code"] == "model_loading"
+        assert "retry-after" not in first.headers
+        chat = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
+        assert chat.status_code == 503 and "retry-after" not in chat.headers
+        worker._load_seconds, worker._spawned_at = 40.0, time.monotonic() - 10  # a restart 10 s in
+        assert 29 <= int(client.get("/health").headers["retry-after"]) <= 30
+        worker._spawned_at = time.monotonic() - 100  # slower than last time: any moment now
+        assert client.get("/health").headers["retry-after"] == "1"

@@ -179,7 +179,8 @@ def create_app(
     def health() -> Response:
         """200 once the worker can generate, 503 ``unavailable_error`` before."""
         if not worker.ready:
-            return front.error_response(unavailable("the model is loading or restarting", code="model_loading"))
+            return front.error_response(truthful(unavailable("the model is loading or restarting",
+                                                             code="model_loading"), worker))
         return Response(s.to_json(s.HealthStatus()), media_type="application/json")
 
     @get("/metrics", guards=[require_key], operation_class=openapi.operation(responses={200: openapi.TEXT, 401: s.ErrorBody}))
@@ -222,6 +223,7 @@ def create_app(
     def respond(request: Request, error: ApiError) -> Response:
         """The error in the shape of the surface whose prefix the path has, else the dialect's."""
         owner = next((surface for surface in surfaces if surface.owns(request.url.path)), None)
+        error = truthful(error, worker)
         return owner.error_response(error) if owner is not None else front.error_response(error)
 
     def on_api_error(request: Request, error: ApiError) -> Response:
@@ -273,6 +275,19 @@ def create_app(
 _unless_disconnected = unless_disconnected  # the name callers of this module used
 
 
+#: 503 codes that mean "the worker is not ready": their Retry-After is the worker's estimate
+WORKER_NOT_READY = frozenset({"model_loading", "worker_restarting", "worker_unavailable"})
+
+
+def truthful(error: ApiError, worker: Any) -> ApiError:
+    """A 503 saying the worker is not ready carries the worker's own estimate of when it
+    will be (:meth:`WorkerClient.retry_after`: from the last start's duration), or no
+    ``Retry-After`` when nothing is known yet; every other error is left as it is."""
+    if error.status != 503 or error.code not in WORKER_NOT_READY or worker is None:
+        return error
+    return attrs.evolve(error, retry_after=worker.retry_after())
+
+
 def http_error(request: Request, exc: HTTPException, config: ServeConfig) -> ApiError:
     """One of Litestar's own errors (404, 405, 413, ...) as an :class:`ApiError`."""
     status = exc.status_code
@@ -318,7 +333,7 @@ def mount(surface: ApiSurface) -> Router:
             raise surface.credential_error()
 
     def on_api_error(_: Request, error: ApiError) -> Response:
-        return surface.error_response(error)
+        return surface.error_response(truthful(error, getattr(context, "worker", None)))
 
     def on_http_error(request: Request, exc: HTTPException) -> Response:
         return surface.error_response(http_error(request, exc, context.config))

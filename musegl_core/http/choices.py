@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 from typing import Any, AsyncIterator
 
 import attrs
@@ -55,8 +56,10 @@ def choice_requests(generate: m.Generate, n: int) -> list[m.Generate]:
 
 
 def preflight_timeout_error(timeout: float | None) -> ApiError:
+    """503 ``preflight_timeout``; its ``Retry-After`` is the timeout itself: the request waited
+    that long without starting, so a retry any sooner would most likely meet the same queue."""
     return unavailable(f"generation did not start within --streaming-preflight-timeout ({timeout} s)",
-                       code="preflight_timeout")
+                       code="preflight_timeout", retry_after=max(1, math.ceil(timeout or 1)))
 
 
 class ChoiceGroup:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import sys
 import time
@@ -76,6 +77,8 @@ class WorkerClient:
         self.info: m.Ready | None = None
         self.restarts = 0
         self._ready_at: float | None = None  # when the current worker became ready
+        self._spawned_at: float | None = None  # when the current worker was started (or will be, after a delay)
+        self._load_seconds: float | None = None  # how long the last successful start took, until Ready
         self._proc: asyncio.subprocess.Process | None = None
         self._queues: dict[str, asyncio.Queue] = {}
         self._generating: dict[str, int] = {}  # generation request id -> pid of the worker it was sent to
@@ -129,6 +132,7 @@ class WorkerClient:
     async def _supervise(self) -> None:
         while not self._closing:
             self._ready_at = None
+            self._spawned_at = time.monotonic()
             self._proc = await asyncio.create_subprocess_exec(
                 *worker_command(),
                 stdin=asyncio.subprocess.PIPE,
@@ -171,6 +175,7 @@ class WorkerClient:
             else:
                 log.error("worker exited with status %s; restarting in %.1f s (consecutive failures: %d of %d)",
                           code, delay, self.failures, self.max_failures)
+            self._spawned_at = time.monotonic() + delay
             await asyncio.sleep(delay)
 
     def _generations_on(self, pid: int) -> int:
@@ -236,6 +241,8 @@ class WorkerClient:
             if isinstance(event, m.Ready):
                 self.info = event
                 self._ready_at = time.monotonic()
+                if self._spawned_at is not None:
+                    self._load_seconds = self._ready_at - self._spawned_at
                 self._ready.set()
                 log.info("worker ready: %s", event.model.name)
                 continue
@@ -244,6 +251,16 @@ class WorkerClient:
                 queue.put_nowait(event)
             elif isinstance(event, m.Failed) and event.id is None:
                 log.error("worker error: %s", event.message)
+
+    def retry_after(self) -> int | None:
+        """Seconds until the worker should be ready, for the ``Retry-After`` of a 503 that
+        says it is not: the last start's duration (spawn to Ready) less what this start has
+        run, plus a restart delay still pending; at least 1. None when nothing is known
+        (no start has finished yet: the first load's length depends on the model) or when
+        the worker is ready."""
+        if self.ready or self._load_seconds is None or self._spawned_at is None:
+            return None
+        return max(1, math.ceil(self._spawned_at + self._load_seconds - time.monotonic()))
 
     def begin_shutdown(self) -> None:
         """The server is shutting down: a worker that exits from now on (a
