@@ -3,8 +3,8 @@
 * 10 MiB of one repeated letter made ``tokenizers`` panic (a BaseException)
   inside the worker's preparation: the worker died and every request failed.
   Now it is that request's 400, the worker keeps its pid, other requests go on;
-  on ``/tokenize`` (a plain-text 500 before) the text is tokenized in pieces,
-  and a tokenizer failure is a 400 with the error envelope.
+  on ``/tokenize`` (a plain-text 500 before) the text is tokenized in pieces
+  (a slow test), and a tokenizer failure is a 400 with the error envelope.
 * A request's preparation (a large image decoded and resized) ran on the
   control thread and delayed every other request; now it runs in the
   preparation pool's heavy lane while a small request completes.
@@ -70,12 +70,17 @@ def test_a_10_mib_run_of_one_letter_fails_alone_and_the_worker_lives(server):
     assert (server.worker.pid, server.worker.restarts) == (pid, restarts)
 
 
-def test_tokenize_takes_a_10_mib_run_and_turns_a_tokenizer_failure_into_a_400(server, monkeypatch):
-    url = f"{server.url}/tokenize"
-    response = httpx.post(url, json={"prompt": "A" * TEN_MIB}, timeout=300)
-    assert response.status_code == 200, response.text[:300]
+@pytest.mark.slow  # 10 MiB tokenized in the front and 10 M ids sent back
+def test_tokenize_counts_a_10_mib_run_of_one_letter(server):
+    response = httpx.post(f"{server.url}/tokenize", json={"prompt": "A" * TEN_MIB}, timeout=300)
+    assert response.status_code == 200, response.text[:300]  # a plain-text 500 before
     tokenizer = server.app.state["front"].tokenizer.tokenizer
     assert response.json()["count"] >= TEN_MIB // tokenizer.longest_token_bytes
+
+
+def test_tokenize_turns_a_tokenizer_failure_into_a_400(server, monkeypatch):
+    url = f"{server.url}/tokenize"
+    tokenizer = server.app.state["front"].tokenizer.tokenizer
 
     class Panicking:  # what tokenizers raises on a regex failure: a BaseException, not an Exception
         def encode(self, *args, **kwargs):
