@@ -93,6 +93,10 @@ class Message:
     # Not OpenAI fields; used internally by the template.
     recipient: str | None = None
     end_turn: bool | None = None
+    #: The exact generated ids of ``reasoning_content`` (a verified
+    #: :class:`~musegl_core.service.reasoning_seal.SealedReasoning`: ``ids``,
+    #: ``opens_turn``): the template writes them instead of rendering the text.
+    reasoning_ids: Any = None
 
 
 @attrs.frozen

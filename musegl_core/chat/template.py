@@ -211,7 +211,7 @@ class _PromptWriter:
     """Accumulates segments, merging neighbours with the same ``special`` flag."""
 
     def __init__(self) -> None:
-        self._pieces: list[tuple[bool, str]] = []
+        self._pieces: list[tuple[bool | None, str | tuple[int, ...]]] = []  # special None: token ids
         self.image_count = 0
 
     def special(self, text: str) -> None:
@@ -219,6 +219,11 @@ class _PromptWriter:
 
     def literal(self, text: str) -> None:
         self._add(False, text)
+
+    def token_ids(self, ids: Sequence[int]) -> None:
+        """Ids written as they are (a verified generated turn's reasoning)."""
+        if ids:
+            self._pieces.append((None, tuple(ids)))
 
     def _add(self, special: bool, text: str) -> None:
         if not text:
@@ -229,10 +234,13 @@ class _PromptWriter:
             self._pieces.append((special, text))
 
     def result(self, aliases: dict[str, str]) -> RenderedPrompt:
-        segments = tuple(PromptSegment(text=text, special=special) for special, text in self._pieces)
+        segments = tuple(
+            PromptSegment(token_ids=piece) if special is None else PromptSegment(text=piece, special=special)
+            for special, piece in self._pieces
+        )
         return RenderedPrompt(
             segments=segments,
-            text="".join(text for _, text in self._pieces),
+            text="".join(piece for special, piece in self._pieces if special is not None),
             tool_aliases=aliases,
             image_count=self.image_count,
         )
@@ -407,7 +415,15 @@ class MuseTemplate:
     def _assistant(
         self, out: _PromptWriter, message: Message, toolset: _ToolSet, followed_by_assistant: bool, param: str
     ) -> None:
-        if message.reasoning_content:
+        sealed = message.reasoning_ids
+        if sealed is not None and message.reasoning_content:
+            # The ids the model generated for this reasoning (a verified seal): the
+            # session's KV for them stays valid. A span that opened the turn follows
+            # the generation prompt's header, which is written as the prompt wrote it.
+            if sealed.opens_turn:
+                out.special(f"{START}assistant")
+            out.token_ids(sealed.ids)
+        elif message.reasoning_content:
             out.special(f"{START}assistant to=self{MESSAGE}")
             out.literal(message.reasoning_content)
             out.special(EOM)
