@@ -20,6 +20,7 @@ import pytest
 pytest.importorskip("triton")
 
 
+@pytest.mark.slow  # Triton's interpreter: ~35 s on two cores; CI runs the slow tier as its second step
 def test_kernels_match_the_reference_in_the_interpreter():
     here = Path(__file__).resolve().parent
     code = (f"import sys; sys.path.insert(0, {str(here)!r}); import torch; "

@@ -162,6 +162,7 @@ def answer_text(response: dict) -> str:
     return (message.get("reasoning_content") or "") + (message.get("content") or "")
 
 
+@pytest.mark.slow  # a server on the 202,048-entry vocabulary with vision: the slow tier
 @pytest.mark.parametrize("source", ["hf", "gguf"])
 def test_chat_with_an_image_continues_like_transformers(chat_vl, source):
     from musegl_core.tokenizer import MuseTokenizer
@@ -201,6 +202,7 @@ def post(server, body) -> httpx.Response:
     return httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=120)
 
 
+@pytest.mark.slow  # a server on the 202,048-entry vocabulary with vision: the slow tier
 def test_session_reuses_the_same_image_and_not_a_different_one(vision_server, chat_vl):
     from musegl_core.cli.render import render_request
     from musegl_core.plugins.manager import PluginManager
@@ -264,6 +266,7 @@ def _jpeg() -> bytes:
     return buffer.getvalue()
 
 
+@pytest.mark.slow  # a server on the 202,048-entry vocabulary with vision: the slow tier
 @pytest.mark.parametrize("kind", ["truncated", "wrong-type", "not-base64", "gif", "remote"])
 def test_bad_images_are_400_and_other_requests_are_unharmed(vision_server, kind):
     response = post(vision_server, broken(kind))
@@ -274,6 +277,7 @@ def test_bad_images_are_400_and_other_requests_are_unharmed(vision_server, kind)
     assert ok.status_code == 200
 
 
+@pytest.mark.slow  # a server on the 202,048-entry vocabulary with vision: the slow tier
 def test_oversize_image_is_413(vision_server):
     big = png(400, 400, 9)
     assert len(big) > 60_000
@@ -282,6 +286,7 @@ def test_oversize_image_is_413(vision_server):
     assert response.json()["error"]["code"] == "image_too_large"
 
 
+@pytest.mark.slow  # a server on the 202,048-entry vocabulary with vision: the slow tier
 def test_vision_patch_cap_counts_prompt_tokens(vision_server):
     """--max-vision-patches 256 -> at most 64 merged rows: 1024x768 px becomes 7x9 cells."""
     text_only = post(vision_server, chat_body(None, max_tokens=1)).json()["usage"]["prompt_tokens"]
@@ -293,11 +298,13 @@ def test_vision_patch_cap_counts_prompt_tokens(vision_server):
     assert rows == 63  # smart_resize(768, 1024, 64) = (7, 9)
 
 
+@pytest.mark.slow  # a server on the 202,048-entry vocabulary with vision: the slow tier
 def test_models_advertise_image_input(vision_server):
     entry = httpx.get(f"{vision_server.url}/v1/models", timeout=30).json()["data"][0]
     assert entry["input_modalities"] == ["text", "image"]
 
 
+@pytest.mark.slow  # a server on the 202,048-entry vocabulary with vision: the slow tier
 def test_text_only_server_refuses_images(chat_vl):
     _model, _hf, gguf_path, _mmproj = chat_vl
     config = ServeConfig(model=str(gguf_path), port=0, executor="torch-cpu", max_context=256)

@@ -35,6 +35,9 @@ QUESTIONS = ["Count from 3 to 9.", "Spell the word kidohu.", "Repeat after me: r
              "Spell the word mountain.", "Repeat after me: apple blue kosuso"]
 DRAWS = 96
 
+# Training the pair takes minutes: the slow tier (CI runs it as its second step).
+pytestmark = pytest.mark.slow
+
 
 def trained_pair() -> tuple[Path, Path]:
     sys.path.insert(0, str(ROOT / "benchmarks"))

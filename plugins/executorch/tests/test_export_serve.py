@@ -38,6 +38,7 @@ def exported(checkpoint, tmp_path_factory):
     return out
 
 
+@pytest.mark.slow  # needs the export (over a minute on two cores): the slow tier
 def test_the_export_directory_holds_program_weights_manifest_and_tokenizer(exported):
     manifest = json.loads((exported / "musegl-export.json").read_text())
     assert manifest["abi"] == "musegl-offgraph-kv/1" and manifest["format"] == "musegl-executorch"
@@ -57,6 +58,7 @@ def generate(capsys, *args) -> dict:
     return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
 
 
+@pytest.mark.slow  # needs the export (over a minute on two cores): the slow tier
 def test_generate_is_token_identical_to_the_torch_executor(exported, checkpoint, capsys):
     prompt = ",".join(str(i) for i in range(1000, 1040))  # 40 positions: two prefill calls, past the window
     mine = generate(capsys, "--model", str(exported), "--token-ids", prompt)
@@ -94,6 +96,7 @@ def conversation(url) -> list:
             *asyncio.run(together())]
 
 
+@pytest.mark.slow  # needs the export (over a minute on two cores): the slow tier
 def test_http_sessions_and_batched_decode_match_the_torch_executor(exported, checkpoint):
     limits = dict(port=0, max_context=256, max_sessions=4, max_inflight_requests=4, max_decode_sequences=4)
     with running_server(ServeConfig(model=str(exported), **limits)) as server:
@@ -105,12 +108,14 @@ def test_http_sessions_and_batched_decode_match_the_torch_executor(exported, che
     assert all(mine)
 
 
+@pytest.mark.slow  # needs the export (over a minute on two cores): the slow tier
 def test_max_context_beyond_the_native_context_is_one_line_exit_2(exported, capsys):
     assert main(["serve", str(exported), "--max-context", "2048"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "beyond the exported native context 1024" in err
 
 
+@pytest.mark.slow  # needs the export (over a minute on two cores): the slow tier
 def test_an_artifact_without_the_offgraph_abi_is_refused(exported, tmp_path, capsys):
     bare = tmp_path / "bare"
     bare.mkdir()
@@ -135,6 +140,7 @@ def test_unsupported_export_settings_are_one_line_exit_2(checkpoint, tmp_path, c
         assert err.count("\n") == 1 and message in err, err
 
 
+@pytest.mark.slow  # needs the export (over a minute on two cores): the slow tier
 def test_max_seq_len_warns_before_loading_and_a_used_directory_is_kept(checkpoint, exported, capsys):
     assert main(["export", str(checkpoint), "-o", str(exported), "--max-seq-len", "99"]) == 2
     warning, error = capsys.readouterr().err.splitlines()
