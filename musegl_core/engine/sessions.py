@@ -379,6 +379,7 @@ def session_policy(config) -> str:
     if config.evict_idle_sessions:
         keep += "; idle ones are evicted LRU when slots run out (--evict-idle-sessions)"
     else:
-        keep += "; when every slot is taken, new sessions and anonymous requests get 503 session_capacity"
+        keep += ("; when every slot is held by a named session, new sessions and anonymous requests get 503 "
+                 "session_capacity")
     cache = "prefix caching on" if config.prefix_caching else "prefix caching off (--no-prefix-caching)"
     return f"sessions: {slots}; {keep}; {cache}; snapshots: {config.prefix_cache_entries}"
