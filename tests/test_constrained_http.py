@@ -267,3 +267,63 @@ def test_a_grammar_that_fails_during_generation_fails_the_request_never_frees_it
     response = chat(server, response_format=fmt, max_tokens=40, temperature=0)
     assert response.status_code == 200 and json.loads(response.json()["choices"][0]["message"]["content"]) in (
         "yes", "no")
+
+
+def test_llama_cpp_json_object_schema_is_enforced(server):
+    # issue 25 item 10: {"type": "json_object", "schema": ...} used to answer any object
+    for schema, check in (({"const": "42"}, lambda v: v == "42"),
+                          ({"type": "array", "items": {"enum": [1, 2]}, "minItems": 2, "maxItems": 2},
+                           lambda v: isinstance(v, list) and len(v) == 2 and set(v) <= {1, 2})):
+        response = chat(server, response_format={"type": "json_object", "schema": schema}, temperature=0, max_tokens=40)
+        assert response.status_code == 200, response.text
+        value = json.loads(response.json()["choices"][0]["message"]["content"])
+        jsonschema.validate(value, schema)
+        assert check(value)
+
+
+FAVOURED = 500  # a token id logit_bias makes the greedy choice at every position
+
+
+def usage_and_text(response, text_of):
+    assert response.status_code == 200, response.text
+    body = response.json()
+    return body["choices"][0]["finish_reason"], body["usage"]["completion_tokens"], text_of(body["choices"][0])
+
+
+@pytest.mark.parametrize("route", ["chat", "completions"])
+def test_stop_token_ids_end_generation_and_min_tokens_holds_them_off(server, route):
+    def run(**extra):
+        if route == "chat":
+            response = chat(server, temperature=0, max_tokens=8, **extra)
+            return usage_and_text(response, lambda c: c["message"]["content"])
+        body = {"model": "m", "prompt": "hi", "temperature": 0, "max_tokens": 8, **extra}
+        response = httpx.post(f"{server.url}/v1/completions", json=body, timeout=300)
+        return usage_and_text(response, lambda c: c["text"])
+
+    bias = {"logit_bias": {str(FAVOURED): 100}}
+    reason, tokens, text = run(**bias)
+    assert (reason, tokens) == ("length", 8) and text  # the favoured id, again and again
+    # drawn at once, it ends generation; its text is not part of the answer
+    assert run(stop_token_ids=[FAVOURED], **bias) == ("stop", 1, "")
+    # min_tokens: it is masked for the first 3 ids, then drawn as the 4th
+    reason, tokens, text = run(stop_token_ids=[FAVOURED], min_tokens=3, **bias)
+    assert (reason, tokens) == ("stop", 4) and text
+    # end-of-generation ids are held off the same way
+    eot = httpx.post(f"{server.url}/tokenize", json={"prompt": "<|eot|>"}, timeout=30).json()["tokens"][0]
+    assert run(logit_bias={str(eot): 100})[:2] == ("stop", 1)
+    assert run(logit_bias={str(eot): 100}, min_tokens=5)[:2] == ("stop", 6)
+
+
+def test_min_tokens_applies_stop_strings_after_its_first_ids_only(server):
+    def greedy(**extra):
+        response = chat(server, temperature=0, max_tokens=12, logprobs=True, **extra)
+        assert response.status_code == 200, response.text
+        choice = response.json()["choices"][0]
+        return choice["finish_reason"], [e["token"] for e in choice["logprobs"]["content"]]
+
+    _, pieces = greedy()
+    second = pieces[1]  # the text of the 2nd generated id
+    assert greedy(stop=[second])[1] == pieces[:1]
+    assert greedy(stop=[second], min_tokens=1)[1] == pieces[:1]  # the stop lies in id 2's text: applied
+    reason, kept = greedy(stop=[second], min_tokens=2)  # wholly in the first 2 ids' text: not a stop (vLLM)
+    assert second not in pieces[2:] and (reason, kept) == ("length", pieces)

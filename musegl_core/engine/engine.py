@@ -618,8 +618,9 @@ class Engine:
         """A decoding sequence whose next row needs nothing the host computes from its
         previous token (grammar masks, penalty history, drafts)."""
         request = seq.request
-        return (seq.phase is Phase.DECODE and not seq.drafts and not request.processors
-                and not request.sampling.penalized)
+        generated = len(seq.generated)
+        masked = any(not (hasattr(p, "idle") and p.idle(generated)) for p in request.processors)
+        return seq.phase is Phase.DECODE and not seq.drafts and not masked and not request.sampling.penalized
 
     def _pipelined(self, plan: list[tuple[SequenceState, int]]) -> bool:
         """Launch this step without waiting for it: an asynchronous executor, no
@@ -791,17 +792,24 @@ class Engine:
         seq.tokens.append(token)
         seq.keys.append(token)
         eos = token in self.end_ids and not request.ignore_eos
-        piece = "" if eos else seq.detokenizer.push(token)
+        stop_token = token in request.stop_token_ids  # masked before min_tokens
+        piece = "" if eos or stop_token else seq.detokenizer.push(token)
         seq.chars.append(len(piece))
-        text, matched = seq.stops.push(piece)
-        at_end = eos or len(seq.generated) >= seq.max_new
+        # stop strings apply to the text of ids after the first min_tokens (vLLM's rule)
+        checked = len(seq.generated) > request.min_tokens
+        text, matched = seq.stops.push(piece) if checked else (piece, None)
+        at_end = eos or stop_token or len(seq.generated) >= seq.max_new
         if matched is None and at_end:
             # End of generation: release held bytes and held stop prefixes.
-            tail, matched = seq.stops.push(seq.detokenizer.flush())
+            tail = seq.detokenizer.flush()
+            if checked:
+                tail, matched = seq.stops.push(tail)
             text += tail
-            if matched is None:
+            if matched is None and checked:
                 text += seq.stops.flush()
                 matched = seq.stops.matched
+            if matched is None and stop_token:  # like a stop string: its text is not part of the answer
+                matched = self.tokenizer.token_bytes(token).decode("utf-8", "replace")
         seq.unreported.append(token)
         if logprobs is not None:
             seq.unreported_logprobs.append(logprobs)

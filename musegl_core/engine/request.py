@@ -94,6 +94,10 @@ class GenerateRequest:
     #: ``--soft-session-idle-timeout``, is evicted first when slots run short, and a request that
     #: cannot have it (busy, no slot, another conversation holds it) runs anonymously instead
     soft_session: bool = False
+    #: ids that end generation when drawn (vLLM's ``stop_token_ids``; their text is not emitted)
+    stop_token_ids: tuple[int, ...] = ()
+    #: before this many generated ids, end ids and ``stop_token_ids`` are masked and stop strings not applied
+    min_tokens: int = 0
 
 
 class LogitsProcessor(Protocol):
@@ -109,6 +113,11 @@ class LogitsProcessor(Protocol):
     """
 
     def mask(self, generated: Sequence[int]) -> Any: ...
+
+    # Optional members the engine reads when present: ``failure`` (a string
+    # once the processor can no longer enforce its constraint: the engine
+    # fails the request) and ``idle(generated_count)`` (True once no mask will
+    # come again: the request's steps may then be launched ahead).
 
 
 @attrs.frozen
@@ -144,6 +153,8 @@ class PreparedRequest:
     replay: Any = None  # a ReplayPlan computed on the control thread (engine.plan_replay)
     cache_salt: str | None = None  # reuse only from requests with the same salt
     soft_session: bool = False  # session_id names a soft session (GenerateRequest.soft_session)
+    stop_token_ids: frozenset[int] = frozenset()
+    min_tokens: int = 0
 
 
 class Phase(enum.Enum):

@@ -32,7 +32,7 @@ from musegl_core.chat.template import TemplateVariables
 from musegl_core.config import ServeConfig
 from musegl_core.engine.executor import SamplingParams
 from musegl_core.errors import ApiError, bad_request
-from musegl_core.http import constraints
+from musegl_core.http import constraints, stopping
 from musegl_core.http.logprobs import MAX_TOP_LOGPROBS
 from musegl_core.http import schemas as s
 from musegl_core.http import sse
@@ -93,12 +93,15 @@ def plan_chat(
     messages = parse_messages(request.messages)
     answer = constraints.answer_schema(request)
     stream = bool(request.stream)
+    constrained = answer is not None or choice.mode in ("required", "named")
     settings = m.Generate(
         id=request_id,
         prompt=(),
         max_tokens=max_tokens,
         sampling=sampling,
         stop=stops,
+        stop_token_ids=stopping.stop_token_ids(request.stop_token_ids),
+        min_tokens=stopping.min_tokens(request.min_tokens, max_tokens, constrained=constrained),
         ignore_eos=bool(request.ignore_eos),
         session_id=session,
         cache_salt=salt,
@@ -320,7 +323,7 @@ def active_tools(request: s.ChatCompletionRequest, tool_parser: Any) -> tuple[To
     """The request's ``tool_choice`` and its declared tools (``tools`` while
     tool calling is off is refused before the tools are read)."""
     mode, named = constraints.tool_choice_mode(request.tool_choice)
-    choice = ToolChoice(mode, named)
+    choice = ToolChoice(mode, named, parallel=request.parallel_tool_calls is not False)
     if request.tools and mode != "none" and tool_parser is None:
         raise unsupported("tools", "tool calling is not enabled on this server (start it with --tool-parser)")
     return choice, list(parse_tools(request.tools)) if request.tools else []

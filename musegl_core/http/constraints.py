@@ -46,7 +46,12 @@ def answer_schema(request: s.ChatCompletionRequest) -> tuple[Any, str] | None:
     found = None
     fmt = request.response_format
     if fmt is not None:
-        if fmt.type == "json_object":
+        if fmt.schema is not None and fmt.type != "json_object":
+            raise bad_request("'response_format.schema' belongs to llama.cpp's json_object form; a json_schema "
+                              "format takes its schema in 'json_schema.schema'", param="response_format.schema")
+        if fmt.type == "json_object" and fmt.schema is not None:
+            found = (fmt.schema, "response_format.schema")  # llama.cpp's spelling: the schema is enforced
+        elif fmt.type == "json_object":
             found = (True, "response_format")
         elif fmt.type == "json_schema":
             spec = fmt.json_schema

@@ -134,14 +134,18 @@ class ChatTemplateKwargs:
     tool_namespace_descriptions: dict[str, str] | None = None
 
 
+@closed
 @attrs.frozen
 class ResponseFormat:
     """``{"type": "text" | "json_object" | "json_schema", "json_schema": {...}}``;
     ``json_schema`` (``name``, ``schema``, ``strict``, ``description``) stays raw
-    JSON here, :mod:`musegl_core.http.constraints` checks it."""
+    JSON here, :mod:`musegl_core.http.constraints` checks it. ``schema`` is
+    llama.cpp's ``{"type": "json_object", "schema": {...}}``, honoured as a
+    json_schema. Other keys are refused (400 naming them), never ignored."""
 
     type: str
     json_schema: Any = None
+    schema: Any = None
 
 
 StopField = str | list[str] | None
@@ -191,6 +195,8 @@ class ChatCompletionRequest:
     logit_bias: dict[str, float] | None = None
     add_generation_prompt: Any = None
     continue_final_message: Any = None
+    stop_token_ids: list[int] | None = None  # vLLM's: ids that end generation
+    min_tokens: int | None = None  # vLLM's: end ids and stops are held off before this many tokens
 
 
 # Present with a non-null value → 400 unsupported_parameter.
@@ -207,7 +213,17 @@ REJECTED_FIELDS = (
     "ebnf",
     "grammar_lazy",
     "grammar_triggers",
+    "prompt_logprobs",  # vLLM: logprobs of the prompt's ids
+    "skip_special_tokens",  # vLLM: musegl's channel parser decides what special tokens show (docs/protocol.md)
+    "spaces_between_special_tokens",
+    "include_stop_str_in_output",
+    "n_probs",  # llama.cpp: use logprobs / top_logprobs
+    "n_predict",  # llama.cpp: use max_tokens
 )
+
+#: Accepted only at the value that changes nothing (absent or null too); any
+#: other value → 400 unsupported_parameter (as ``/v1/completions`` does).
+FIXED_FIELDS = {"best_of": 1, "echo": False}
 
 
 PromptField = str | list[str] | list[int] | list[list[int]] | None
@@ -219,8 +235,9 @@ class CompletionRequest:
 
     ``prompt`` is raw text (special tokens written out) or token ids; one
     prompt per request. ``echo``, ``best_of``, ``suffix``, ``logprobs``,
-    ``logit_bias`` and the penalties are typed here only so that a value the
-    engine cannot honour is refused by name (``musegl_core.http.text_completions``).
+    ``session_id`` and the fields after it are typed here only so that a
+    value the engine cannot honour is refused by name
+    (``musegl_core.http.text_completions``).
     """
 
     prompt: PromptField = None
@@ -246,6 +263,16 @@ class CompletionRequest:
     min_p: float | None = None
     user: str | None = None
     cache_salt: str | None = cache_salt_field()
+    stop_token_ids: list[int] | None = None
+    min_tokens: int | None = None
+    # refused by name when present (``text_completions.REFUSED_FIELDS``): not honoured here
+    session_id: Any = None
+    prompt_logprobs: Any = None
+    skip_special_tokens: Any = None
+    spaces_between_special_tokens: Any = None
+    include_stop_str_in_output: Any = None
+    n_probs: Any = None
+    n_predict: Any = None
 
 
 @attrs.frozen
@@ -604,10 +631,19 @@ def structure_request(payload: dict[str, Any]) -> ChatCompletionRequest:
             raise bad_request(
                 f"'{name}' is not supported by this server", code="unsupported_parameter", param=name
             )
+    for name, value in FIXED_FIELDS.items():
+        given = payload.get(name)
+        if given is not None and (given != value or type(given) is not type(value)):
+            raise bad_request(f"'{name}' is only supported as {json_literal(value)} (or absent)",
+                              code="unsupported_parameter", param=name)
     try:
         return converter.structure(payload, ChatCompletionRequest)
     except cattrs.BaseValidationError as exc:
         raise _field_error(exc) from exc
+
+
+def json_literal(value: Any) -> str:
+    return "true" if value is True else "false" if value is False else str(value)
 
 
 def _field_error(exc: cattrs.BaseValidationError) -> ApiError:

@@ -27,7 +27,7 @@ import attrs
 from musegl_core.config import ServeConfig
 from musegl_core.errors import ApiError, bad_request, unavailable
 from musegl_core.http import schemas as s
-from musegl_core.http import sse
+from musegl_core.http import sse, stopping
 from musegl_core.http.choices import ChoiceGroup, GroupStream, choice_requests
 from musegl_core.http.completions import (
     ResponseMeta,
@@ -67,6 +67,8 @@ def plan_completion(request: s.CompletionRequest, *, request_id: str, config: Se
         max_tokens=completion_limit(request),
         sampling=sampling_params(request),
         stop=stop_strings(request.stop),
+        stop_token_ids=stopping.stop_token_ids(request.stop_token_ids),
+        min_tokens=stopping.min_tokens(request.min_tokens, request.max_tokens),
         ignore_eos=bool(request.ignore_eos),
         add_bos=False,
         stream=stream,
@@ -76,7 +78,23 @@ def plan_completion(request: s.CompletionRequest, *, request_id: str, config: Se
     return CompletionPlan(generate=generate, stream=stream, include_usage=include_usage, n=n)
 
 
+#: Fields typed on :class:`~musegl_core.http.schemas.CompletionRequest` only to be
+#: refused by name when present (a ``null`` is absent), with what to use instead.
+REFUSED_FIELDS = {
+    "session_id": "sessions are a chat feature: /v1/completions is stateless (use /v1/chat/completions)",
+    "prompt_logprobs": "prompt logprobs are not supported by this server",
+    "skip_special_tokens": "the raw text is returned with special tokens written out; it cannot be changed",
+    "spaces_between_special_tokens": "the raw text is returned exactly as decoded; it cannot be changed",
+    "include_stop_str_in_output": "a matched stop string is always removed from the output",
+    "n_probs": "per-token probabilities are not supported on /v1/completions",
+    "n_predict": "use max_tokens",
+}
+
+
 def _check_unsupported(request: s.CompletionRequest) -> None:
+    for name, reason in REFUSED_FIELDS.items():
+        if getattr(request, name) is not None:
+            raise unsupported(name, f"'{name}' is not supported on /v1/completions: {reason}")
     if request.best_of is not None and request.best_of != 1:
         raise unsupported("best_of", "only best_of=1 is supported (n gives several choices)")
     if request.echo:

@@ -30,6 +30,10 @@ class ToolChoice:
 
     mode: str = "auto"
     name: str | None = None
+    #: ``parallel_tool_calls``: False allows at most one call in the turn (a
+    #: call grammar allows exactly one and then ends the turn; unconstrained
+    #: output keeps its first call only)
+    parallel: bool = True
 
     def __attrs_post_init__(self) -> None:
         if self.mode not in TOOL_CHOICE_MODES:

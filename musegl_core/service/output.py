@@ -151,6 +151,8 @@ class OutputAssembler:
         reason = "length" if done.finish_reason == "length" else "stop"
         if self.tools is not None:
             self.calls = [tool_call(call) for call in self.tools.finish(end) or []]
+            if not getattr(self.plan, "parallel_tool_calls", True):
+                del self.calls[1:]  # parallel_tool_calls false: the turn's first call only
             if self.calls:
                 reason = "tool_calls"
         return self._visible(out), reason

@@ -46,6 +46,7 @@ class Plan:
     logprobs: int = -1  # top alternatives per token (-1: no logprobs)
     tokenizer: Any = None  # the front's tokenizer (logprobs: the text of each id)
     n: int = 1  # choices
+    parallel_tool_calls: bool = True  # False: at most one call is returned (the first)
 
     def requests(self) -> list[m.Generate]:
         """One worker request per choice (:func:`~musegl_core.http.choices.choice_requests`)."""
@@ -129,11 +130,11 @@ def prepare(
     answer = (conversation.answer.schema, conversation.answer.param) if conversation.answer is not None else None
     grammar = constraints.output_grammar(
         answer, config=config, mode=choice.mode, named=choice.name, tools_active=active, tools=tools,
-        tool_parser=tool_parser, prepared_tools=prepared_tools, aliases=aliases,
+        tool_parser=tool_parser, prepared_tools=prepared_tools, aliases=aliases, parallel=choice.parallel,
     )
     lazy_grammar = None if grammar is not None else constraints.lazy_call_grammar(
         mode=choice.mode, tools_active=active, tools=tools, tool_parser=tool_parser, prepared_tools=prepared_tools,
-        aliases=aliases,
+        aliases=aliases, parallel=choice.parallel,
     )
     generate = attrs.evolve(
         settings,
@@ -157,4 +158,5 @@ def prepare(
         logprobs=settings.logprobs,
         tokenizer=tokenizer if settings.logprobs >= 0 else None,
         n=conversation.n,
+        parallel_tool_calls=choice.parallel,
     )

@@ -116,6 +116,15 @@ def prepare(request: GenerateRequest, tokenizer, vocab_size: int = 0,
         from musegl_core.constrain.matcher import compile_lazy
 
         processors = (compile_lazy(request.lazy_grammar, tokenizer, vocab_size),)
+    for index, token in enumerate(request.stop_token_ids):
+        if not 0 <= token < limit:
+            raise ApiError(400, f"stop_token_ids names token {token}, outside the vocabulary [0, {limit})",
+                           "invalid_request_error", param=f"stop_token_ids[{index}]")
+    if request.min_tokens > 0:
+        from musegl_core.engine.min_tokens import MinTokensProcessor
+
+        ends = () if request.ignore_eos else tokenizer.end_of_generation_ids
+        processors += (MinTokensProcessor(request.min_tokens, (*ends, *request.stop_token_ids), limit),)
     return PreparedRequest(
         id=request.id,
         prompt_ids=tuple(ids),
@@ -130,6 +139,8 @@ def prepare(request: GenerateRequest, tokenizer, vocab_size: int = 0,
         logprobs=request.logprobs,
         cache_salt=request.cache_salt,
         soft_session=request.soft_session,
+        stop_token_ids=frozenset(request.stop_token_ids),
+        min_tokens=request.min_tokens,
         processors=processors,
         images=images,
     )

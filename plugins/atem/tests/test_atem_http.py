@@ -26,13 +26,16 @@ CALL = " to=self<|message|>Need the time.<|eom|><|start|>assistant to=get_time.g
 ) + "<|eot|>"
 BAD = " to=get_time.get_time<|message|>" + block("get_time.get_time", [("tz", "A"), ("tz", "B")]) + "<|eot|>"
 TOOLS = [{"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {"tz": {"type": "string"}}, "required": ["tz"]}}}]
+FIRST = " to=get_time.get_time<|message|>" + block("get_time.get_time", [("tz", "UTC")])
+TWO = FIRST + "<|eom|><|start|>assistant to=get_time.get_time<|message|>" + block("get_time.get_time", [("tz", "CET")]) + "<|eot|>"
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     from musegl_core.tiny import default_model_path
 
-    script = [{"when": "call please", "reply": CALL}, {"when": "bad please", "reply": BAD}, {"when": "hello", "reply": " to=user<|message|>Hi<|eot|>"}]
+    script = [{"when": "call please", "reply": CALL}, {"when": "bad please", "reply": BAD}, {"when": "hello", "reply": " to=user<|message|>Hi<|eot|>"},
+              {"when": "two calls", "reply": TWO}]
     with scripted_plugin_env(tmp_path_factory.mktemp("scripted"), script):
         config = ServeConfig(model=str(default_model_path()), port=0, executor="scripted", tool_parser="atem", max_context=2048)
         with running_server(config) as running:
@@ -110,3 +113,51 @@ def test_serve_without_the_plugin_exits_2_naming_it():
         capture_output=True, text=True, timeout=120,
     )
     assert done.returncode == 2 and "musegl-atem" in done.stderr
+
+
+# -- parallel_tool_calls (issue 25 item 10) -------------------------------------------------------
+def calls_and_tokens(server, **extra):
+    reply = post(server, "two calls", **extra)
+    assert reply.status_code == 200, reply.text
+    choice = reply.json()["choices"][0]
+    zones = [json.loads(c["function"]["arguments"])["tz"] for c in choice["message"].get("tool_calls") or []]
+    return choice["finish_reason"], zones, reply.json()["usage"]["completion_tokens"]
+
+
+def streamed_zones(server, **extra):
+    body = {"model": "m", "messages": [{"role": "user", "content": "two calls"}], "tools": TOOLS, "stream": True, **extra}
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body, timeout=60) as response:
+        events = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
+    calls = [c for e in events for ch in e.get("choices", []) for c in ch["delta"].get("tool_calls") or []]
+    return [json.loads(c["function"]["arguments"])["tz"] for c in calls]
+
+
+def test_parallel_tool_calls_true_or_absent_returns_every_call(server):
+    for extra in ({}, {"parallel_tool_calls": True}, {"parallel_tool_calls": None}):
+        assert calls_and_tokens(server, **extra)[:2] == ("tool_calls", ["UTC", "CET"])
+
+
+def test_parallel_tool_calls_false_without_a_grammar_returns_the_first_call_only(server):
+    reason, zones, _ = calls_and_tokens(server, parallel_tool_calls=False)
+    assert (reason, zones) == ("tool_calls", ["UTC"])
+    assert streamed_zones(server, parallel_tool_calls=False) == ["UTC"]
+    assert streamed_zones(server) == ["UTC", "CET"]
+
+
+@pytest.mark.parametrize("extra", [
+    {"tool_choice": "required"},
+    {"tool_choice": {"type": "function", "function": {"name": "get_time"}}},
+    {"tools": [{"type": "function", "function": {**TOOLS[0]["function"], "strict": True}}]},  # the lazy grammar
+])
+def test_parallel_tool_calls_false_under_a_call_grammar_ends_the_turn_after_one_call(server, extra):
+    """The grammar allows exactly one call and then only <|eot|>: the scripted
+    second call is never generated (the executor draws the one allowed id)."""
+    _, both, all_tokens = calls_and_tokens(server, **extra)
+    assert both == ["UTC", "CET"]
+    reason, zones, tokens = calls_and_tokens(server, parallel_tool_calls=False, **extra)
+    assert (reason, zones) == ("tool_calls", ["UTC"])
+    from musegl_core.tiny import default_model_path
+    from musegl_core.tokenizer import MuseTokenizer
+
+    first = MuseTokenizer.load(str(default_model_path())).encode(FIRST + "<|eot|>", special=True)
+    assert tokens == len(first) < all_tokens
