@@ -232,6 +232,9 @@ def main() -> int:
     p.add_argument("--duration", type=float, default=120, help="seconds of measured load (after the warm-up)")
     p.add_argument("--warmup", type=float, default=20, help="seconds of load before the warm RSS is taken")
     p.add_argument("--clients", type=int, default=6)
+    p.add_argument("--max-inflight", type=int, default=None,
+                   help="the server's --max-inflight-requests (default: 3 x --clients, so nothing waits); "
+                   "fewer than --clients makes requests wait in the admission queue, and cancels hit queued ones")
     p.add_argument("--sample", type=float, default=30, help="seconds between RSS samples")
     p.add_argument("--model", default=None, help="checkpoint (default: the tiny demo checkpoint)")
     p.add_argument("--seed", type=int, default=16)
@@ -245,7 +248,7 @@ def main() -> int:
     # A cancelled request keeps its slot until the server notices the disconnect, while its
     # client has already sent the next one: room for that, so capacity refusals stay errors.
     flags = (*SERVE_FLAGS, "--max-sessions", str(4 * args.clients),
-             "--max-inflight-requests", str(3 * args.clients))
+             "--max-inflight-requests", str(args.max_inflight or 3 * args.clients))
     with serve_process(args.model, *flags) as (url, process):
         front = psutil.Process(process.pid)
         workers = front.children()
