@@ -35,8 +35,11 @@ OVERFLOWING_NOTES = 12
 CLIENT_PATTERN = re.compile(r"maximum context length is (\d+) tokens.*?(\d+) of text input.*?(\d+) in the output")
 QUESTION = {"role": "user", "content": "Add two and two."}
 CUT_REPLY = " to=self<|message|>Plan.<|eom|><|start|>assistant to=user<|message|>Done.<|eot|>"
+#: multi-byte characters in reasoning and content: max_tokens cuts land inside them
+EURO_REPLY = " to=self<|message|>Plan €.<|eom|><|start|>assistant to=user<|message|>Price: 5€ 😀 ok<|eot|>"
 SCRIPT = [
     {"when": "Cut my header.", "reply": CUT_REPLY},  # before the entries a default system prompt matches
+    {"when": "Cut my euro.", "reply": EURO_REPLY},
     {
         "when": "Weather in Paris?",
         "reply": " to=self<|message|>Checking the weather.<|eom|><|start|>assistant to=forecast.forecast"
@@ -426,8 +429,8 @@ def test_openai_dialect_errors_on_overflow(openai_client):
 
 
 # -- generation cut inside a header (issue 25 item 8) ----------------------------------------
-def _cut_answer(url: str, max_tokens: int, stream: bool) -> tuple[str, str]:
-    body = {"model": "muse", "messages": [{"role": "user", "content": "Cut my header."}], "max_tokens": max_tokens,
+def _cut_answer(url: str, max_tokens: int, stream: bool, question: str = "Cut my header.") -> tuple[str, str]:
+    body = {"model": "muse", "messages": [{"role": "user", "content": question}], "max_tokens": max_tokens,
             "stream": stream}
     if not stream:
         message = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60).json()["choices"][0]["message"]
@@ -458,3 +461,23 @@ def test_a_header_cut_by_max_tokens_never_reaches_the_client(urls):
             for stream in (False, True):
                 assert _cut_answer(url, count, stream) == want, (url, count, stream, text)
     assert want == ("Done.", "Plan.")
+
+
+def test_a_cut_inside_a_multibyte_character_streams_the_same_text(urls):
+    """Issue 25 item 11: the bytes of a character that max_tokens cut short
+    are U+FFFD in the streamed deltas exactly as in the non-streamed answer."""
+    from musegl_core.tiny import default_model_path
+    from musegl_core.tokenizer import MuseTokenizer
+
+    tokenizer = MuseTokenizer.load(str(default_model_path()))
+    ids = tokenizer.encode(EURO_REPLY, special=True)
+    cut_inside = 0
+    for count in range(1, len(ids) + 1):
+        text = tokenizer.decode(ids[:count])  # an incomplete character decodes as U+FFFD
+        expected = channels.parse_output(text, tools_active=False, end="length")
+        want = (expected.content or "", expected.reasoning or "")
+        cut_inside += "\ufffd" in "".join(want)
+        for url in urls.values():
+            assert _cut_answer(url, count, False, "Cut my euro.") == want, (url, count, text)
+            assert _cut_answer(url, count, True, "Cut my euro.") == want, (url, count, text)
+    assert cut_inside >= 4  # the euro sign in both channels, and the emoji
