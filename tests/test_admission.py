@@ -10,7 +10,7 @@ from musegl_core.engine import events as ev
 from musegl_core.engine.engine import Engine, EngineConfig
 from musegl_core.engine.executor import GREEDY
 from musegl_core.engine.request import PreparedRequest
-from tests.support.example_executor import ExampleExecutor
+from musegl_core.testing.example_executor import ExampleExecutor
 
 
 @pytest.fixture(scope="module")

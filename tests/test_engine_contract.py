@@ -19,7 +19,7 @@ from musegl_core.engine.kv_sizing import check_fits, parse_bytes, plan_pool
 from musegl_core.engine.request import PlacedImage, PreparedRequest
 from musegl_core.engine.speculator import NoSpeculator, accept
 from musegl_core.errors import ConfigError
-from tests.support.example_executor import ExampleExecutor
+from musegl_core.testing.example_executor import ExampleExecutor
 
 PATCH = 200092
 

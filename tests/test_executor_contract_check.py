@@ -11,7 +11,7 @@ import pytest
 
 from musegl_core.engine.executor import ExecutorLimits, check_executor, contract_problems
 from musegl_core.errors import ConfigError
-from tests.support.example_executor import ExampleExecutor
+from musegl_core.testing.example_executor import ExampleExecutor
 from tests.support.server import support_plugin_env
 
 

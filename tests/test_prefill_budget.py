@@ -14,7 +14,7 @@ from musegl_core.engine.kv_pool import KVPool
 from musegl_core.engine.prefill_budget import MIN_PREFILL_ROWS, PROBE_ROWS, PrefillBudget
 from musegl_core.engine.request import Phase, PreparedRequest
 from musegl_core.engine.scheduler import Scheduler, SchedulerLimits
-from tests.support.example_executor import ExampleExecutor
+from musegl_core.testing.example_executor import ExampleExecutor
 from tests.test_scheduler import advance, make_seq, make_table
 
 # Binary fractions, so the scripted times add up exactly.

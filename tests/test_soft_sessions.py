@@ -12,7 +12,7 @@ from musegl_core.engine.engine import Engine, EngineConfig
 from musegl_core.engine.executor import GREEDY
 from musegl_core.engine.request import PreparedRequest
 from musegl_core.service.sessions import client_session, soft_session_name
-from tests.support.example_executor import ExampleExecutor
+from musegl_core.testing.example_executor import ExampleExecutor
 
 PROMPT = tuple(range(100, 124))  # 24 ids: six full blocks of the example executor
 

@@ -8,9 +8,11 @@ the block table from the "KV cache" (one context hash per cache cell), so a
 wrong block table, a missed copy-on-write or a wrong reused prefix changes
 the output.
 
-It implements greedy and seeded sampling with temperature and top-k, and the
-allowed-token masks; other sampling parameters are refused with ValueError
-(an executor must never silently ignore one).
+It implements greedy and seeded sampling with temperature and top-k, the
+allowed-token masks, log-probabilities and logits (``want_logits``,
+``logit_rows``); other sampling parameters are refused with ValueError (an
+executor must never silently ignore one). It passes the conformance suite
+(:mod:`musegl_core.testing.conformance`).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import hashlib
 import numpy as np
 
 from musegl_core.engine.executor import ExecutorLimits, ModelInfo, PromptImage, Step, StepOutput
+from musegl_core.testing.reference_sampler import RowContext, row_logprobs
 
 
 def _mix(*values: int) -> int:
@@ -93,17 +96,35 @@ class ExampleExecutor:
                 rows = np.asarray(span.embedding)[span.first:span.first + span.count]
                 for k in range(span.count):
                     inputs[span.offset + k] = 1_000_000 + int(rows[k, 0] * 1000)
+            if any(not 0 <= t < self.info.vocab_size for t in chunk.tokens):
+                raise ValueError("a token id outside the vocabulary")
+            if any(not 0 <= block < len(self.cells) // b for block in chunk.blocks):
+                raise ValueError("a block id outside the pool")
             first = chunk.positions[0]
             previous = 0 if first == 0 else int(self.cells[chunk.blocks[(first - 1) // b] * b + (first - 1) % b])
-            sampled = []
+            sampled, logprobs, rows = [], [], []
             for r, (position, value) in enumerate(zip(chunk.positions, inputs)):
                 context = _mix(previous, value, position)
                 self.cells[chunk.blocks[position // b] * b + position % b] = context
                 previous = context
+                logits = self._logits(context)
+                rows.append(logits)
                 if r in chunk.sampled_rows:
-                    sampled.append(self._sample(self._logits(context), chunk, r - chunk.sampled_rows.start))
+                    j = r - chunk.sampled_rows.start
+                    token = self._sample(logits, chunk, j)
+                    sampled.append(token)
+                    if chunk.logprobs >= 0:
+                        mask = chunk.masks[j] if j < len(chunk.masks) else None
+                        logprobs.append(row_logprobs(logits, chunk.sampling, token, chunk.logprobs,
+                                                     RowContext(mask=mask)))
             if chunk.sample:
                 out.tokens[chunk.seq] = sampled
+                if chunk.logprobs >= 0:
+                    out.logprobs[chunk.seq] = logprobs
+            if chunk.logit_rows:
+                out.logits[chunk.seq] = np.stack(rows)
+            elif chunk.want_logits:
+                out.logits[chunk.seq] = rows[-1]
         return out
 
     def release_sequence(self, seq: int) -> None:

@@ -6,7 +6,7 @@ refuse it at load with one line naming both members (issue 25 item 19)."""
 
 from __future__ import annotations
 
-from example_executor import ExampleExecutor
+from musegl_core.testing.example_executor import ExampleExecutor
 
 from musegl_core.plugins import hookimpl
 from musegl_core.plugins.specs import ExecutorSpec
