@@ -327,3 +327,21 @@ def test_min_tokens_applies_stop_strings_after_its_first_ids_only(server):
     assert greedy(stop=[second], min_tokens=1)[1] == pieces[:1]  # the stop lies in id 2's text: applied
     reason, kept = greedy(stop=[second], min_tokens=2)  # wholly in the first 2 ids' text: not a stop (vLLM)
     assert second not in pieces[2:] and (reason, kept) == ("length", pieces)
+
+
+def test_parallel_tool_calls_false_with_tool_choice_required_yields_one_call(server):
+    # issue 25 item 10: greedy decoding repeated calls until max_tokens ended the
+    # turn, and the truncated call set reached the client as no call at all
+    def run(**extra):
+        response = chat(server, tools=TOOLS[:1], tool_choice="required", temperature=0, max_tokens=512, **extra)
+        assert response.status_code == 200, response.text
+        choice = response.json()["choices"][0]
+        return choice["finish_reason"], choice["message"].get("tool_calls") or [], response.json()["usage"]
+
+    reason, calls, usage = run()
+    if reason == "length":  # the whole call set was cut: dropped, and finish_reason says so
+        assert not calls and usage["completion_tokens"] == 512
+    reason, calls, usage = run(parallel_tool_calls=False)
+    assert reason == "tool_calls" and len(calls) == 1 and usage["completion_tokens"] < 512
+    arguments = json.loads(calls[0]["function"]["arguments"])
+    jsonschema.validate(arguments, TOOLS[0]["function"]["parameters"])
