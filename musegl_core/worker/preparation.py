@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -48,9 +49,10 @@ log = logging.getLogger("musegl.worker")
 #: A text request up to this many characters (prompt text, token ids and
 #: constraint text together) is prepared in the light lane.
 LIGHT_CHARS = 1 << 16
-#: Threads per lane.
+#: Threads per lane. Heavy preparations are CPU-bound (decoding, resampling):
+#: half the cores, 1 to 4, so they never crowd out the engine thread.
 LIGHT_THREADS = 2
-HEAVY_THREADS = 2
+HEAVY_THREADS = max(1, min(4, (os.cpu_count() or 2) // 2))
 
 
 def lane_of(request: GenerateRequest) -> str:
