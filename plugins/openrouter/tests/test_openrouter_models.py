@@ -45,6 +45,8 @@ EXAMPLES = {
     "repetition_penalty": {"repetition_penalty": 1.1},
     "min_p": {"min_p": 0.05},
     "logit_bias": {"logit_bias": {"100": -5}},
+    "stop_token_ids": {"stop_token_ids": [100, 101]},
+    "min_tokens": {"min_tokens": 2},
     # capabilities: OpenRouter's name for what a field provides
     "structured_outputs": {"response_format": {"type": "json_schema", "json_schema": {
         "name": "n", "schema": {"type": "object", "properties": {"b": {"type": "boolean"}}, "required": ["b"]}}}},
