@@ -129,6 +129,15 @@ ALWAYS_INLINE float v_sum(vf v) {
 
 #define NV (32 / VL) /* vectors per 32-value block */
 #define NR 4         /* weight rows of a register tile */
+#ifndef NR_WIDE
+#if VL == 16
+#define NR_WIDE 4
+#define MR_WIDE 4
+#else
+#define NR_WIDE 4
+#define MR_WIDE 3
+#endif
+#endif
 #define SMALL_M 8    /* activation rows up to which one weight row at a time is multiplied */
 #define PREFETCH(p) _mm_prefetch((const char *)(p) + 1024, _MM_HINT_T0)
 
@@ -216,12 +225,32 @@ ALWAYS_INLINE void decode32(const int type, const uint8_t *wrow, long b, vf w[NV
  * NRT and MRT are compile-time constants in every instantiation (always_inline and
  * switches outside the loops). The accumulation order of each output is the one the
  * file's header states, whatever NRT and MRT. */
-ALWAYS_INLINE void tile(const int type, const int NRT, const int MRT, const uint8_t *w, long rb, long k,
-                        const float *x, long ldx, float *y, long ldy) {
-    vf acc[NR][SMALL_M];  /* NRT x MRT of them used */
+ALWAYS_INLINE void tile(const int type, const int NRT, const int MRT, const int prefetch, const uint8_t *w,
+                          long rb, long k, const float *x, long ldx, float *y, long ldy) {
+    vf acc[NR_WIDE][SMALL_M];  /* NRT x MRT of them used */
     for (int j = 0; j < NRT; ++j)
         for (int m = 0; m < MRT; ++m) acc[j][m] = v_zero();
     const long bytes = rb / (k / 32);  /* stored bytes per 32 values (Q4_K: an average) */
+#if VL == 8
+    if (type == MW_F32 || type == MW_F16 || type == MW_BF16) {
+        /* 16 registers: per VL values, MRT x vectors and one weight vector at a time (the
+         * same order per output as below: block by block, VL values by VL values) */
+        for (long i = 0; i < k; i += VL) {
+            vf xv[SMALL_M];
+            for (int m = 0; m < MRT; ++m) xv[m] = v_load(x + m * ldx + i);
+            for (int j = 0; j < NRT; ++j) {
+                if (prefetch && (i & 31) == 0) PREFETCH(w + j * rb + i / 32 * bytes);
+                const vf wv = type == MW_F32 ? v_load((const float *)(w + j * rb) + i)
+                              : type == MW_F16 ? v_f16((const uint16_t *)(w + j * rb) + i)
+                                               : v_bf16((const uint16_t *)(w + j * rb) + i);
+                for (int m = 0; m < MRT; ++m) acc[j][m] = v_fma(wv, xv[m], acc[j][m]);
+            }
+        }
+        for (int m = 0; m < MRT; ++m)
+            for (int j = 0; j < NRT; ++j) y[m * ldy + j] = v_sum(acc[j][m]);
+        return;
+    }
+#endif
     for (long b = 0; b < k / 32; ++b) {
 #if VL == 16
         vf xv[SMALL_M][NV];  /* MRT x NV used: the x block stays in registers for every weight row */
@@ -229,7 +258,7 @@ ALWAYS_INLINE void tile(const int type, const int NRT, const int MRT, const uint
             for (int c = 0; c < NV; ++c) xv[m][c] = v_load(x + m * ldx + b * 32 + c * VL);
 #endif
         for (int j = 0; j < NRT; ++j) {
-            PREFETCH(w + j * rb + b * bytes);
+            if (prefetch) PREFETCH(w + j * rb + b * bytes);
             vf wv[NV];
             decode32(type, w + j * rb, b, wv);
             for (int c = 0; c < NV; ++c)
@@ -247,30 +276,44 @@ ALWAYS_INLINE void tile(const int type, const int NRT, const int MRT, const uint
 }
 
 /* One weight row against up to SMALL_M activation rows. */
-ALWAYS_INLINE void tile_1_mr(const int type, int mr, const uint8_t *w, long rb, long k, const float *x, long ldx,
+ALWAYS_INLINE void tile_1_mr(const int type, const int pf, int mr, const uint8_t *w, long rb, long k, const float *x, long ldx,
                              float *y, long ldy) {
     switch (mr) {
-    case 1: tile(type, 1, 1, w, rb, k, x, ldx, y, ldy); break;
-    case 2: tile(type, 1, 2, w, rb, k, x, ldx, y, ldy); break;
-    case 3: tile(type, 1, 3, w, rb, k, x, ldx, y, ldy); break;
-    case 4: tile(type, 1, 4, w, rb, k, x, ldx, y, ldy); break;
-    case 5: tile(type, 1, 5, w, rb, k, x, ldx, y, ldy); break;
-    case 6: tile(type, 1, 6, w, rb, k, x, ldx, y, ldy); break;
-    case 7: tile(type, 1, 7, w, rb, k, x, ldx, y, ldy); break;
-    default: tile(type, 1, 8, w, rb, k, x, ldx, y, ldy); break;
+    case 1: tile(type, 1, 1, pf, w, rb, k, x, ldx, y, ldy); break;
+    case 2: tile(type, 1, 2, pf, w, rb, k, x, ldx, y, ldy); break;
+    case 3: tile(type, 1, 3, pf, w, rb, k, x, ldx, y, ldy); break;
+    case 4: tile(type, 1, 4, pf, w, rb, k, x, ldx, y, ldy); break;
+    case 5: tile(type, 1, 5, pf, w, rb, k, x, ldx, y, ldy); break;
+    case 6: tile(type, 1, 6, pf, w, rb, k, x, ldx, y, ldy); break;
+    case 7: tile(type, 1, 7, pf, w, rb, k, x, ldx, y, ldy); break;
+    default: tile(type, 1, 8, pf, w, rb, k, x, ldx, y, ldy); break;
     }
 }
 
 /* NR weight rows against up to TILE_MR activation rows. */
-ALWAYS_INLINE void tile_nr_mr(const int type, int mr, const uint8_t *w, long rb, long k, const float *x, long ldx,
+ALWAYS_INLINE void tile_nr_mr(const int type, const int pf, int mr, const uint8_t *w, long rb, long k, const float *x, long ldx,
                               float *y, long ldy) {
     switch (mr) {
-    case 1: tile(type, NR, 1, w, rb, k, x, ldx, y, ldy); break;
-    case 2: tile(type, NR, 2, w, rb, k, x, ldx, y, ldy); break;
+    case 1: tile(type, NR, 1, pf, w, rb, k, x, ldx, y, ldy); break;
+    case 2: tile(type, NR, 2, pf, w, rb, k, x, ldx, y, ldy); break;
 #if TILE_MR >= 4
-    case 3: tile(type, NR, 3, w, rb, k, x, ldx, y, ldy); break;
+    case 3: tile(type, NR, 3, pf, w, rb, k, x, ldx, y, ldy); break;
 #endif
-    default: tile(type, NR, TILE_MR, w, rb, k, x, ldx, y, ldy); break;
+    default: tile(type, NR, TILE_MR, pf, w, rb, k, x, ldx, y, ldy); break;
+    }
+}
+
+/* NR_WIDE scratch rows against up to MR_WIDE activation rows. */
+ALWAYS_INLINE void tile_wide_mr(int mr, const float *w, long ldw, long k, const float *x, long ldx, float *y,
+                                long ldy) {
+    const uint8_t *wb = (const uint8_t *)w;
+    switch (mr) {
+    case 1: tile(MW_F32, NR_WIDE, 1, 0, wb, ldw * 4, k, x, ldx, y, ldy); break;
+    case 2: tile(MW_F32, NR_WIDE, 2, 0, wb, ldw * 4, k, x, ldx, y, ldy); break;
+#if MR_WIDE > 3
+    case 3: tile(MW_F32, NR_WIDE, 3, 0, wb, ldw * 4, k, x, ldx, y, ldy); break;
+#endif
+    default: tile(MW_F32, NR_WIDE, MR_WIDE, 0, wb, ldw * 4, k, x, ldx, y, ldy); break;
     }
 }
 
@@ -288,12 +331,12 @@ static void direct_rows(int type, const uint8_t *w, long rb, long k, const float
                 const float *xm = x + m0 * ldx;
                 float *ym = y + m0 * ldy + r;
                 switch (type) {
-                case MW_F32: tile_nr_mr(MW_F32, mr, wr, rb, k, xm, ldx, ym, ldy); break;
-                case MW_F16: tile_nr_mr(MW_F16, mr, wr, rb, k, xm, ldx, ym, ldy); break;
-                case MW_BF16: tile_nr_mr(MW_BF16, mr, wr, rb, k, xm, ldx, ym, ldy); break;
-                case MW_Q8_0: tile_nr_mr(MW_Q8_0, mr, wr, rb, k, xm, ldx, ym, ldy); break;
-                case MW_Q4_0: tile_nr_mr(MW_Q4_0, mr, wr, rb, k, xm, ldx, ym, ldy); break;
-                default: tile_nr_mr(MW_Q4_K, mr, wr, rb, k, xm, ldx, ym, ldy); break;
+                case MW_F32: tile_nr_mr(MW_F32, 1, mr, wr, rb, k, xm, ldx, ym, ldy); break;
+                case MW_F16: tile_nr_mr(MW_F16, 1, mr, wr, rb, k, xm, ldx, ym, ldy); break;
+                case MW_BF16: tile_nr_mr(MW_BF16, 1, mr, wr, rb, k, xm, ldx, ym, ldy); break;
+                case MW_Q8_0: tile_nr_mr(MW_Q8_0, 1, mr, wr, rb, k, xm, ldx, ym, ldy); break;
+                case MW_Q4_0: tile_nr_mr(MW_Q4_0, 1, mr, wr, rb, k, xm, ldx, ym, ldy); break;
+                default: tile_nr_mr(MW_Q4_K, 1, mr, wr, rb, k, xm, ldx, ym, ldy); break;
                 }
             }
     }
@@ -304,12 +347,12 @@ static void direct_rows(int type, const uint8_t *w, long rb, long k, const float
             const float *xm = x + m0 * ldx;
             float *ym = y + m0 * ldy + r;
             switch (type) {
-            case MW_F32: tile_1_mr(MW_F32, mr, wr, rb, k, xm, ldx, ym, ldy); break;
-            case MW_F16: tile_1_mr(MW_F16, mr, wr, rb, k, xm, ldx, ym, ldy); break;
-            case MW_BF16: tile_1_mr(MW_BF16, mr, wr, rb, k, xm, ldx, ym, ldy); break;
-            case MW_Q8_0: tile_1_mr(MW_Q8_0, mr, wr, rb, k, xm, ldx, ym, ldy); break;
-            case MW_Q4_0: tile_1_mr(MW_Q4_0, mr, wr, rb, k, xm, ldx, ym, ldy); break;
-            default: tile_1_mr(MW_Q4_K, mr, wr, rb, k, xm, ldx, ym, ldy); break;
+            case MW_F32: tile_1_mr(MW_F32, 1, mr, wr, rb, k, xm, ldx, ym, ldy); break;
+            case MW_F16: tile_1_mr(MW_F16, 1, mr, wr, rb, k, xm, ldx, ym, ldy); break;
+            case MW_BF16: tile_1_mr(MW_BF16, 1, mr, wr, rb, k, xm, ldx, ym, ldy); break;
+            case MW_Q8_0: tile_1_mr(MW_Q8_0, 1, mr, wr, rb, k, xm, ldx, ym, ldy); break;
+            case MW_Q4_0: tile_1_mr(MW_Q4_0, 1, mr, wr, rb, k, xm, ldx, ym, ldy); break;
+            default: tile_1_mr(MW_Q4_K, 1, mr, wr, rb, k, xm, ldx, ym, ldy); break;
             }
         }
 }
@@ -323,7 +366,7 @@ static void direct_rows(int type, const uint8_t *w, long rb, long k, const float
  * pass. Same accumulation order as everywhere else. */
 #define DIRECT_M 32
 #ifndef BLOCK_X_BYTES
-#define BLOCK_X_BYTES (192 * 1024)
+#define BLOCK_X_BYTES (384 * 1024)
 #endif
 
 static void decode_rows(int type, const uint8_t *w, long rb, long k, int rows, float *out) {
@@ -342,35 +385,48 @@ static void decode_rows(int type, const uint8_t *w, long rb, long k, int rows, f
         }
 }
 
+/* Row strides of the wide products' buffers, in floats: k plus one cache line, so the
+ * rows a tile reads at once do not all map to the same L1 sets (at k = 1024 a float32
+ * row is 4 KiB, the L1's set stride). */
+#define PADDED(k) ((k) + 64 / 4)
+
 /* 0 when the scratch could not be allocated (the caller then takes the direct path). */
 static int wide_rows(int type, const uint8_t *w, long rb, long k, const float *x, long ldx, long m,
                      float *y, long ldy, long begin, long end) {
-    float *scratch = aligned_alloc(64, (size_t)(NR * k * 4 + 63) / 64 * 64);
-    if (!scratch) return 0;
+    const long ldw = PADDED(k);
     long mb = BLOCK_X_BYTES / (k * 4);
-    mb = mb < TILE_MR ? TILE_MR : mb / TILE_MR * TILE_MR;
+    mb = mb < MR_WIDE ? MR_WIDE : mb / MR_WIDE * MR_WIDE;
+    if (mb > m) mb = m;
+    float *scratch = aligned_alloc(64, (size_t)(NR_WIDE * ldw * 4 + 63) / 64 * 64);
+    float *xb = aligned_alloc(64, (size_t)(mb * ldw * 4 + 63) / 64 * 64);
+    if (!scratch || !xb) {
+        free(scratch);
+        free(xb);
+        return 0;
+    }
     for (long m0 = 0; m0 < m; m0 += mb) {
         long mend = m0 + mb < m ? m0 + mb : m;
-        for (long r = begin; r < end; r += NR) {
-            int nr = (int)(end - r < NR ? end - r : NR);
-            decode_rows(type, w + r * rb, rb, k, nr, scratch);
-            if (nr == NR) {
-                for (long m1 = m0; m1 < mend; m1 += TILE_MR) {
-                    int mr = (int)(mend - m1 < TILE_MR ? mend - m1 : TILE_MR);
-                    tile_nr_mr(MW_F32, mr, (const uint8_t *)scratch, k * 4, k, x + m1 * ldx, ldx,
-                               y + m1 * ldy + r, ldy);
+        for (long i = m0; i < mend; ++i) memcpy(xb + (i - m0) * ldw, x + i * ldx, k * 4);
+        for (long r = begin; r < end; r += NR_WIDE) {
+            int nr = (int)(end - r < NR_WIDE ? end - r : NR_WIDE);
+            for (int j = 0; j < nr; ++j) decode_rows(type, w + (r + j) * rb, rb, k, 1, scratch + j * ldw);
+            if (nr == NR_WIDE) {
+                for (long m1 = m0; m1 < mend; m1 += MR_WIDE) {
+                    int mr = (int)(mend - m1 < MR_WIDE ? mend - m1 : MR_WIDE);
+                    tile_wide_mr(mr, scratch, ldw, k, xb + (m1 - m0) * ldw, ldw, y + m1 * ldy + r, ldy);
                 }
             } else {
                 for (int j = 0; j < nr; ++j)
                     for (long m1 = m0; m1 < mend; m1 += SMALL_M) {
                         int mr = (int)(mend - m1 < SMALL_M ? mend - m1 : SMALL_M);
-                        tile_1_mr(MW_F32, mr, (const uint8_t *)(scratch + j * k), k * 4, k, x + m1 * ldx, ldx,
-                                  y + m1 * ldy + r + j, ldy);
+                        tile_1_mr(MW_F32, 0, mr, (const uint8_t *)(scratch + j * ldw), ldw * 4, k,
+                                  xb + (m1 - m0) * ldw, ldw, y + m1 * ldy + r + j, ldy);
                     }
             }
         }
     }
     free(scratch);
+    free(xb);
     return 1;
 }
 
@@ -526,7 +582,7 @@ static void matmul_chunk(long begin, long end, const void *p) {
 void mw_matmul(int type, const uint8_t *w, long n, long k, const float *x, long ldx, long m, float *y,
                long ldy, int threads) {
     args_t a = {type, w, k, mw_row_bytes(type, k), m, ldx, ldy, x, y, NULL, NULL};
-    parallel_rows(n, m > DIRECT_M ? 16 : 64, NR, matmul_chunk, &a, threads);
+    parallel_rows(n, m > DIRECT_M ? 16 : 64, m > DIRECT_M ? NR_WIDE : NR, matmul_chunk, &a, threads);
 }
 
 static void dequant_chunk(long begin, long end, const void *p) {
