@@ -90,7 +90,7 @@ def test_the_document_lists_every_route(fuzz_server):
     assert {p for p in app_paths if not p.startswith("/openapi.json")} <= documented
     for path, item in document["paths"].items():
         for method, operation in item.items():
-            if method == "post":
+            if method == "post" and not path.endswith("/cancel"):  # POST /v1/responses/{id}/cancel takes no body
                 assert operation["requestBody"]["content"]["application/json"]["schema"]["properties"], path
             assert "200" in operation["responses"], (path, method)
     chat = document["paths"]["/v1/chat/completions"]["post"]

@@ -9,7 +9,9 @@ way :mod:`musegl_atem.coercion` reads them back:
 * a parameter whose schema admits only strings is raw text (coercion keeps
   it verbatim): an ``enum``/``const`` of strings becomes those literals,
   ``minLength``/``maxLength`` bound its characters, and the text never
-  contains ``</atem:parameter>``;
+  contains ``</atem:parameter>``; a string carrying a Lark grammar
+  (:data:`musegl_core.constrain.lark_embed.LARK_KEY`, a freeform tool's input)
+  is a sentence of that grammar;
 * any other parameter is JSON for its schema (llguidance's JSON-Schema
   compiler; the root's ``$defs``/``definitions`` travel with it), which
   coercion parses back;
@@ -29,6 +31,7 @@ from typing import Any, Iterable, Mapping
 
 from musegl_core.chat.tools import prompt_name
 from musegl_core.constrain.grammar import json_rule, lark_string
+from musegl_core.constrain.lark_embed import LARK_KEY, LarkEmbedError, embed_lark
 from musegl_core.errors import ApiError
 
 #: Root keywords a constrained tool schema may use.
@@ -36,7 +39,7 @@ _ROOT_KEYS = {"type", "properties", "required", "additionalProperties", "$defs",
               "title", "$schema", "$id", "$comment", "examples", "default"}
 #: Keywords of a string parameter written as raw text.
 _STRING_KEYS = {"type", "enum", "const", "minLength", "maxLength", "description", "title", "format", "examples",
-                "default", "$comment"}
+                "default", "$comment", LARK_KEY}
 CLOSE_PARAMETER = "</atem:parameter>\n"
 _NO_CLOSE = r"~/(?s:.*<\/atem:parameter>.*)/"
 OPEN_BLOCK = "<atem:function_calls>"
@@ -83,6 +86,14 @@ def _string_value(tool: str, name: str, node: dict, rule: str) -> tuple[str, boo
     extra = set(node) - _STRING_KEYS
     if extra:
         raise unsupported_schema(tool, f"parameter {name!r} uses {sorted(extra)[0]!r} on a string")
+    if LARK_KEY in node:
+        if set(node) - {"type", LARK_KEY, "description", "title", "$comment"}:
+            raise unsupported_schema(tool, f"parameter {name!r} combines a grammar with other string keywords")
+        try:
+            rules, start = embed_lark(node[LARK_KEY], rule)
+        except LarkEmbedError as error:
+            raise unsupported_schema(tool, f"the grammar of parameter {name!r}: {error}") from None
+        return f"{rule}: {start} {lark_string(CLOSE_PARAMETER)}\n" + rules, True
     values = node.get("enum", [node["const"]] if "const" in node else None)
     if values is not None:
         if not values or not all(isinstance(v, str) for v in values):
