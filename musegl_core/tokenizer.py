@@ -456,8 +456,11 @@ class MuseTokenizer:
         pre: str | None = None,
         chat_template: str | None = None,
     ) -> None:
-        document = json.loads(json.dumps(document))  # private deep copy
-        model = document.get("model", {})
+        # A private copy of the levels changed here (the vocabulary is rebuilt below); the
+        # rest (merges, the pre-tokenizer) is read only.
+        document = {**document, "model": dict(document.get("model", {})),
+                    "added_tokens": [dict(t) for t in document.get("added_tokens", [])]}
+        model = document["model"]
         if model.get("type") != "BPE":
             raise TokenizerError(f"expected a byte-level BPE tokenizer, got model type {model.get('type')!r}")
         added = {int(t["id"]): t for t in document.get("added_tokens", [])}
@@ -471,12 +474,8 @@ class MuseTokenizer:
             if self._tokenizer.token_to_id(token["content"]) != token_id:
                 raise TokenizerError(f"added token {token['content']!r} did not keep id {token_id}")
 
-        # The tokenizer for client text: the same BPE without added tokens, so that
-        # written control strings stay ordinary bytes.
-        plain = json.loads(json.dumps(document))
-        plain["added_tokens"] = []
-        plain["model"]["vocab"] = {s: i for s, i in vocab.items() if i not in added}
-        self._plain = Tokenizer.from_str(json.dumps(plain))
+        self._plain_tokenizer: Tokenizer | None = None  # built on first use (:attr:`_plain`)
+        self._plain_lock = threading.Lock()
 
         self._added: dict[int, tuple[str, bool]] = {i: (t["content"], bool(t.get("special"))) for i, t in added.items()}
         self._added_ids = {content: i for i, (content, _special) in self._added.items()}
@@ -507,6 +506,20 @@ class MuseTokenizer:
         self.mask_id: int | None = mask_id if mask_id is not None else self.token_id(MASK_STRING)
         """DFlash mask id, when the checkpoint has one."""
         self._extra_eos_ids = tuple(extra_eos_ids)
+
+    @property
+    def _plain(self) -> Tokenizer:
+        """The tokenizer for client text: the same BPE without added tokens, so that
+        written control strings stay ordinary bytes (built once, on first use)."""
+        if self._plain_tokenizer is None:
+            with self._plain_lock:
+                if self._plain_tokenizer is None:
+                    document = self._document
+                    added = {int(t["id"]) for t in document["added_tokens"]}
+                    vocab = {s: i for s, i in document["model"]["vocab"].items() if i not in added}
+                    plain = {**document, "added_tokens": [], "model": {**document["model"], "vocab": vocab}}
+                    self._plain_tokenizer = Tokenizer.from_str(json.dumps(plain))
+        return self._plain_tokenizer
 
     def _declared(self, declared: int | None, string: str, what: str) -> int:
         if declared is not None and 0 <= declared < self.vocab_size:

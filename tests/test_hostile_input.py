@@ -88,7 +88,7 @@ def test_tokenize_turns_a_tokenizer_failure_into_a_400(server, monkeypatch):
 
         encode_batch = encode
 
-    monkeypatch.setattr(tokenizer, "_plain", Panicking())
+    monkeypatch.setattr(tokenizer, "_plain_tokenizer", Panicking())
     for body, param in (({"prompt": "some text"}, "prompt"),
                         ({"messages": [{"role": "user", "content": "some text"}]}, "messages")):
         error = assert_error_envelope(httpx.post(url, json=body, timeout=60), 400, None, param)

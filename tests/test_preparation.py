@@ -150,7 +150,7 @@ def test_a_tokenizer_panic_is_a_400(tokenizer, monkeypatch):
 
         encode_batch = encode
 
-    monkeypatch.setattr(tokenizer, "_plain", Panicking())
+    monkeypatch.setattr(tokenizer, "_plain_tokenizer", Panicking())
     with pytest.raises(ApiError) as error:
         prepare(request("r", "some text"), tokenizer)
     assert error.value.status == 400 and "retry-limit-in-match" in error.value.message

@@ -158,10 +158,10 @@ def test_a_tokenizer_panic_is_a_tokenization_error(tokenizer, monkeypatch):
 
     panic = type("PanicException", (BaseException,), {})("Onig: Regex search error: retry-limit-in-match over")
     for length in (10, len(text)):
-        monkeypatch.setattr(tokenizer, "_plain", Failing(panic))
+        monkeypatch.setattr(tokenizer, "_plain_tokenizer", Failing(panic))
         with pytest.raises(TokenizationError, match="retry-limit-in-match"):
             tokenizer.encode(text[:length], special=False)
-    monkeypatch.setattr(tokenizer, "_plain", Failing(KeyboardInterrupt()))
+    monkeypatch.setattr(tokenizer, "_plain_tokenizer", Failing(KeyboardInterrupt()))
     with pytest.raises(KeyboardInterrupt):
         tokenizer.encode(text, special=False)
 
@@ -178,7 +178,7 @@ def test_a_budget_stops_tokenizing_early(tokenizer, monkeypatch):
             calls.append(sum(map(len, batch)))
             return real.encode_batch(batch, **kwargs)
 
-    monkeypatch.setattr(tokenizer, "_plain", Counting())
+    monkeypatch.setattr(tokenizer, "_plain_tokenizer", Counting())
     text = "word " * 2_000_000  # 10 MB
     segments = (PromptSegment(text="<|begin_of_text|>", special=True), PromptSegment(text=text, special=False))
     with pytest.raises(TokenBudgetExceeded) as exceeded:
