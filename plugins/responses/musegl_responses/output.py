@@ -83,6 +83,7 @@ class ResponseBuilder:
         self._logprobs: list[dict[str, Any]] = []
         self._sealed_through = 0
         self._calls: dict[int, dict[str, Any]] = {}
+        self._pending_logprobs: list[dict[str, Any]] = []  # content entries not attached to a delta yet
 
     # -- objects -------------------------------------------------------------------------
     def response(self) -> dict[str, Any]:
@@ -114,10 +115,12 @@ class ResponseBuilder:
 
     # -- feeding -------------------------------------------------------------------------
     def feed(self, event: Any) -> list[dict[str, Any]]:
+        if self.plan.logprobs and isinstance(event, (ev.ReasoningDelta, ev.ContentDelta, ev.Finish)):
+            self._pending_logprobs += wire_logprobs(event.logprobs)  # a batch's entries ride on its first delta
         if isinstance(event, ev.ReasoningDelta):
             return self._reasoning(event.text)
         if isinstance(event, ev.ContentDelta):
-            return self._content(event.text, event.logprobs)
+            return self._content(event.text)
         if isinstance(event, ev.ToolCallStart):
             out = self.close()
             index = len(self.items)
@@ -207,7 +210,7 @@ class ResponseBuilder:
                               content_index=0, delta=text))
         return out
 
-    def _content(self, text: str, logprobs: Any) -> list[dict[str, Any]]:
+    def _content(self, text: str) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
         if self._open is None or self._open["type"] != "message":
             out += self.close()
@@ -221,7 +224,7 @@ class ResponseBuilder:
             out.append(self.event("response.content_part.added", item_id=item["id"], output_index=index,
                                   content_index=0, part=self._text_part("", [])))
         item, index = self._open, len(self.items) - 1
-        entries = wire_logprobs(logprobs) if self.plan.logprobs else []
+        entries, self._pending_logprobs = self._pending_logprobs, []
         self._text.append(text)
         self._logprobs += entries
         return out + [self.event("response.output_text.delta", item_id=item["id"], output_index=index,
@@ -258,6 +261,8 @@ class ResponseBuilder:
             if self.plan.encrypted and sealed is not None:
                 item["encrypted_content"] = self.seal.seal(sealed)
         else:
+            self._logprobs += self._pending_logprobs  # entries the last batch reported with the finish
+            self._pending_logprobs = []
             part = self._text_part(text, self._logprobs)
             out.append(self.event("response.output_text.done", item_id=item["id"], output_index=index,
                                   content_index=0, text=text, logprobs=self._logprobs))

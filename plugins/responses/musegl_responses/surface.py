@@ -167,7 +167,9 @@ class ResponsesSurface(ApiSurface):
 
         @post("/v1/responses", status_code=200,
               operation_class=openapi.operation(body=rs.ResponseRequest,
-                                                responses={200: rs.ResponseObject, **_ERRORS}))
+                                                responses={200: {"application/json": rs.ResponseObject,
+                                                                 "text/event-stream": openapi.SSE},
+                                                           **_ERRORS}))
         async def create_response(request: Request) -> Response:
             """Generate a response (JSON, or SSE with ``stream: true``)."""
             arrived = time.monotonic()

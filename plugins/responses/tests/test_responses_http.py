@@ -322,3 +322,34 @@ def test_parallel_tool_calls_false_is_honoured(server, client):
                                        store=False)
     assert [i.type for i in response.output].count("function_call") == 1
     assert response.parallel_tool_calls is False
+
+
+def test_cancel_ends_a_response_in_progress(server):
+    import threading
+
+    events: list = []
+
+    def run():
+        with httpx.stream("POST", f"{server.url}/v1/responses", json={"model": "m", "input": "slow prefill",
+                                                                      "stream": True}, timeout=60) as reply:
+            for line in reply.iter_lines():
+                if line.startswith("data: "):
+                    events.append(json.loads(line[6:]))
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    import time
+    deadline = time.monotonic() + 30
+    while not events and time.monotonic() < deadline:
+        time.sleep(0.02)
+    response_id = events[0]["response"]["id"]
+    cancelled = httpx.post(f"{server.url}/v1/responses/{response_id}/cancel", timeout=30).json()
+    thread.join(30)
+    assert cancelled["status"] == "cancelled"
+    final = check_stream(events)
+    assert final["status"] == "cancelled" and final["error"]["code"] == "cancelled"
+    stored = httpx.get(f"{server.url}/v1/responses/{response_id}", timeout=30).json()
+    assert stored["status"] == "cancelled"
+    again = httpx.post(f"{server.url}/v1/responses/{response_id}/cancel", timeout=30)
+    assert again.status_code == 400 and again.json()["error"]["code"] == "response_not_cancellable"
+    assert httpx.post(f"{server.url}/v1/responses/resp_none/cancel", timeout=30).status_code == 404
