@@ -38,7 +38,7 @@ from typing import Any, Sequence
 import attrs
 import numpy as np
 
-from musegl_core.constrain.matcher import failure_reason
+from musegl_core.constrain.failure import failure_reason
 
 #: positions whose scanner state is kept for rollbacks
 SNAPSHOTS = 64

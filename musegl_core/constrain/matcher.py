@@ -16,6 +16,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from musegl_core.constrain.failure import failure_reason
 from musegl_core.errors import ApiError
 
 _lock = threading.Lock()
@@ -103,14 +104,6 @@ class GrammarProcessor:
         if len(packed) < self.words:
             packed = np.concatenate([packed, np.zeros(self.words - len(packed), dtype=np.uint32)])
         return packed[: self.words]
-
-
-def failure_reason(matcher: Any) -> str:
-    """The first line of a failed matcher's error, with its stop reason."""
-    error = (matcher.get_error() or "").strip().splitlines()
-    first = error[0] if error else "the grammar engine stopped"
-    reason = matcher.stop_reason() if hasattr(matcher, "stop_reason") else None
-    return f"{first} ({reason})" if reason and reason not in first else first
 
 
 def _matcher(grammar: str, tokenizer) -> Any:

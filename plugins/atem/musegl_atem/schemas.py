@@ -37,6 +37,7 @@ from jsonschema_specifications import REGISTRY as SPECIFICATIONS
 
 from musegl_core.errors import ApiError
 
+from musegl_atem.dialects import BASE_VALIDATORS, DIALECT_URIS, DRAFT7, DRAFT202012
 from musegl_atem.metaschema import FAST_METASCHEMAS
 
 #: Object alternatives one tool may have (seed: more than 1023 are rejected).
@@ -50,14 +51,6 @@ MAX_PREFLIGHT_VISITS = 65_536
 #: metaschema check and the validators never exhaust Python's stack.
 MAX_SCHEMA_DEPTH = 64
 
-DRAFT7 = "draft7"
-DRAFT201909 = "draft2019-09"
-DRAFT202012 = "draft2020-12"
-_DIALECTS = {
-    "http://json-schema.org/draft-07/schema": DRAFT7,
-    "https://json-schema.org/draft/2019-09/schema": DRAFT201909,
-    "https://json-schema.org/draft/2020-12/schema": DRAFT202012,
-}
 _FORBIDDEN = ("$dynamicRef", "$dynamicAnchor", "$recursiveRef", "$recursiveAnchor")
 #: Keywords whose value is one subschema.
 _ONE = (
@@ -108,8 +101,6 @@ def check_metaschema(tool: "CompiledTool") -> None:
     rejects (and decides alone for a dialect that could not be compiled).
     Only the bundled metaschemas are used; nothing is ever retrieved.
     """
-    from musegl_atem.validate import BASE_VALIDATORS
-
     cls = BASE_VALIDATORS[tool.dialect]
     fast = FAST_METASCHEMAS.get(cls)
     metaschema = None
@@ -146,7 +137,7 @@ def dialect_of(schema: Any) -> str:
     uri = schema["$schema"]
     if not isinstance(uri, str):
         raise SchemaRejected("'$schema' must be a string")
-    dialect = _DIALECTS.get(uri[:-1] if uri.endswith("#") else uri)
+    dialect = DIALECT_URIS.get(uri[:-1] if uri.endswith("#") else uri)
     if dialect is None:
         raise SchemaRejected(
             f"unsupported $schema {uri!r}: use Draft 7, 2019-09 or 2020-12 (Draft 3, 4 and 6 are not accepted)"

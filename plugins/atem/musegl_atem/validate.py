@@ -35,13 +35,8 @@ import regex
 from jsonschema import ValidationError
 
 from musegl_atem.budget import BudgetExhausted, OutputBudget, RegexBudget
-from musegl_atem.schemas import DRAFT7, DRAFT201909, DRAFT202012, CompiledTool
-
-BASE_VALIDATORS = {
-    DRAFT7: jsonschema.Draft7Validator,
-    DRAFT201909: jsonschema.Draft201909Validator,
-    DRAFT202012: jsonschema.Draft202012Validator,
-}
+from musegl_atem.dialects import BASE_VALIDATORS
+from musegl_atem.schemas import CompiledTool
 
 #: Nesting of argument values (arrays and objects) [decision]: deeper values
 #: fail with 502 before any validator recursion.
