@@ -55,13 +55,14 @@ def fuzz_server(tmp_path_factory):
 
 
 def app_document(**settings) -> dict:
-    """The OpenAPI document generated from the Litestar app (no worker needed)."""
+    """The OpenAPI document generated from the Litestar app (no worker needed), with
+    every installed plugin loaded as the server loads them (API surfaces add routes)."""
     from musegl_core.http.app import create_app
     from musegl_core.plugins.manager import PluginManager
     from musegl_core.worker.client import WorkerClient
 
     config = ServeConfig(**settings).validate()
-    app = create_app(config, PluginManager(only=[]), WorkerClient(config), manage_worker=False)
+    app = create_app(config, PluginManager(), WorkerClient(config), manage_worker=False)
     return app.openapi_schema.to_schema()
 
 

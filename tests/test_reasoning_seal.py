@@ -45,8 +45,8 @@ def test_the_block_span_is_the_reasoning_message_and_checks_its_text(tokenizer):
     channels = ["reasoning", "visible"]
     spans = message_spans(ids, channels, frozenset((tokenizer.eom_id, tokenizer.eot_id)))
     assert [channel for *_, channel in spans] == channels
-    block = reasoning_block(ids, channels, sealed_through=0, text="Add them up.", tokenizer=tokenizer)
-    assert block is not None and block.opens_turn
+    block, end = reasoning_block(ids, channels, sealed_through=0, text="Add them up.", tokenizer=tokenizer)
+    assert block.opens_turn and end == len(block.ids) == ids.index(tokenizer.eom_id) + 1
     assert tokenizer.decode(list(block.ids)) == " to=self<|message|>Add them up.<|eom|>"
     assert reasoning_block(ids, channels, sealed_through=0, text="Something else", tokenizer=tokenizer) is None
 

@@ -356,7 +356,7 @@ class Engine:
             self._fail(request.id, ApiError(400, f"duplicate request id {request.id}"))
             return
         prompt = len(request.prompt_ids)
-        reservation = request.max_tokens or 1
+        reservation = request.completion_reservation
         if prompt + reservation > config.max_context:
             self._fail(request.id, context_error(prompt, reservation, config.max_context))
             return
@@ -493,7 +493,7 @@ class Engine:
                 replayed, kept = list(plan.keys), plan.kept  # prepared on the control thread
             else:
                 replayed, kept = self.replayer.apply(session.replay, keys)
-            if len(replayed) + (request.max_tokens or 1) <= self.config.max_context:
+            if len(replayed) + request.completion_reservation <= self.config.max_context:
                 keys = replayed
                 session.replay = ReplayLog(session.replay.executed, kept)
         prompt, images = split_keys(keys, request)

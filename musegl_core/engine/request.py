@@ -94,6 +94,15 @@ class GenerateRequest:
     #: ``--soft-session-idle-timeout``, is evicted first when slots run short, and a request that
     #: cannot have it (busy, no slot, another conversation holds it) runs anonymously instead
     soft_session: bool = False
+    #: ``max_tokens`` only caps the answer (Anthropic's meaning): the prompt need not
+    #: leave room for it, one position is reserved, and generation ends when the
+    #: context is full (``Done.finish_reason`` ``length`` below ``max_tokens``)
+    clamp_to_context: bool = False
+
+    @property
+    def completion_reservation(self) -> int:
+        """Positions the prompt must leave free: ``max_tokens`` (1 when absent or clamped)."""
+        return 1 if self.clamp_to_context else (self.max_tokens or 1)
     #: ids that end generation when drawn (vLLM's ``stop_token_ids``; their text is not emitted)
     stop_token_ids: tuple[int, ...] = ()
     #: before this many generated ids, end ids and ``stop_token_ids`` are masked and stop strings not applied
@@ -153,6 +162,11 @@ class PreparedRequest:
     replay: Any = None  # a ReplayPlan computed on the control thread (engine.plan_replay)
     cache_salt: str | None = None  # reuse only from requests with the same salt
     soft_session: bool = False  # session_id names a soft session (GenerateRequest.soft_session)
+    clamp_to_context: bool = False  # max_tokens only caps the answer (GenerateRequest.clamp_to_context)
+
+    @property
+    def completion_reservation(self) -> int:
+        return 1 if self.clamp_to_context else (self.max_tokens or 1)
     stop_token_ids: frozenset[int] = frozenset()
     min_tokens: int = 0
 

@@ -163,7 +163,9 @@ def create_app(
          operation_class=openapi.operation(responses={200: s.ModelList, 401: s.ErrorBody}))
     def models() -> dict[str, Any]:
         """The served model: its id, then its aliases, with the context budget."""
-        return s.to_json(s.ModelList(data=[front.model_entry(i) for i in front.ids.listed]))
+        listed = front.ids.listed
+        return s.to_json(s.ModelList(data=[front.model_entry(i) for i in listed], first_id=listed[0] if listed else None,
+                                     last_id=listed[-1] if listed else None))
 
     @get(["/v1/models/{model_id:str}", "/models/{model_id:str}"], guards=[require_key], sync_to_thread=False,
          operation_class=openapi.operation(responses={200: s.ModelEntry, 401: s.ErrorBody, 404: s.ErrorBody}))

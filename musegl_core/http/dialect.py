@@ -114,6 +114,8 @@ class Dialect:
         return s.ModelEntry(
             id=model.name,
             created=model.created,
+            display_name=model.name,
+            created_at=s.rfc3339(model.created),
             context_length=model.context_length,
             max_model_len=model.context_length,
             input_modalities=list(model.input_modalities),

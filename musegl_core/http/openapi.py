@@ -116,11 +116,19 @@ def _schema(spec: Any) -> dict[str, Any]:
 #: ``/metrics``: Prometheus text
 TEXT = {"text/plain": {"type": "string"}}
 
+#: One server-sent event of a stream (``text/event-stream``): its ``data`` line(s)
+#: and, where the API names its events, ``event``.
+SSE = {
+    "type": "object",
+    "properties": {"event": {"type": "string"}, "data": {"type": "string"}, "id": {"type": "string"}},
+    "required": ["data"],
+}
+
 
 def GENERATION(result: type) -> dict[int, Any]:  # noqa: N802 (a table, named like one)
     """A generation route: the object, or an SSE stream when ``stream`` is true."""
     return {
-        200: {"application/json": result, "text/event-stream": {"type": "string"}},
+        200: {"application/json": result, "text/event-stream": SSE},
         **{code: s.ErrorBody for code in (400, 401, 413, 503)},
     }
 

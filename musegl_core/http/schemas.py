@@ -15,6 +15,7 @@ additions (docs/protocol.md).
 
 from __future__ import annotations
 
+import datetime
 from typing import Any, TypeVar, get_origin
 
 import attrs
@@ -453,7 +454,9 @@ class ModelEntry:
     """One ``/v1/models`` entry. ``context_length`` and ``max_model_len`` are both
     the runtime ``--max-context`` budget; ``input_modalities`` is
     ``["text", "image"]`` when a vision projector is loaded, else ``["text"]``;
-    ``demo`` marks the built-in random-weight demo model."""
+    ``demo`` marks the built-in random-weight demo model. ``type``,
+    ``display_name`` and ``created_at`` (RFC 3339) are the fields Anthropic's
+    model object has, so both SDKs read the same entry."""
 
     id: str
     created: int
@@ -462,17 +465,30 @@ class ModelEntry:
     input_modalities: list[str] = attrs.Factory(lambda: ["text"])
     object: str = "model"
     owned_by: str = "musegl"
+    type: str = "model"
+    display_name: str | None = omittable()
+    created_at: str | None = omittable()
     demo: bool | None = omittable()
     description: str | None = omittable()
+
+
+def rfc3339(seconds: int) -> str:
+    """Unix seconds as Anthropic's ``created_at`` (``2026-12-01T20:56:25Z``)."""
+    return datetime.datetime.fromtimestamp(seconds, datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 @attrs.frozen
 class ModelList:
     """``/v1/models``. Entries are written by their own class, so a dialect may
-    return a richer entry than :class:`ModelEntry` (the OpenRouter model shape)."""
+    return a richer entry than :class:`ModelEntry` (the OpenRouter model shape).
+    ``has_more``, ``first_id`` and ``last_id`` are the page fields of
+    Anthropic's list (one page: every entry)."""
 
     data: list[Any]
     object: str = "list"
+    has_more: bool = False
+    first_id: str | None = None
+    last_id: str | None = None
 
 
 @attrs.frozen

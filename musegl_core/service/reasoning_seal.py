@@ -123,8 +123,9 @@ def reasoning_block(
     sealed_through: int,
     text: str,
     tokenizer: Any,
-) -> SealedReasoning | None:
-    """The ids of the reasoning messages a client just saw as one block.
+) -> tuple[SealedReasoning, int] | None:
+    """The ids of the reasoning messages a client just saw as one block, and
+    the id index where they end (the next block's ``sealed_through``).
 
     ``ids`` are one choice's generated ids so far, ``channels`` the channel of
     each message (the channel parser's ``message_starts``), ``sealed_through``
@@ -133,7 +134,8 @@ def reasoning_block(
     (non-reasoning messages before the first are skipped); it is returned only
     if it decodes to reasoning equal to ``text`` (a structure the split cannot
     follow, such as a terminator id inside a tool-call value, fails the check
-    and gives None: the block is then not sealed)."""
+    and gives None: the block is then not sealed; so does a reasoning message
+    the output cut before its terminator)."""
     if tokenizer is None:
         return None
     terminators = frozenset((tokenizer.eom_id, tokenizer.eot_id))
@@ -151,4 +153,4 @@ def reasoning_block(
     decoded = tokenizer.decode(list(piece))
     if parse_output(decoded, tools_active=False).reasoning != (text or None):
         return None
-    return SealedReasoning(piece, opens_turn=span[0] == 0)
+    return SealedReasoning(piece, opens_turn=span[0] == 0), span[1]

@@ -81,7 +81,7 @@ def prepare(request: GenerateRequest, tokenizer, vocab_size: int = 0,
     tokenized and before any is decoded."""
     budget = reservation = None
     if max_context is not None:
-        reservation = request.max_tokens or 1
+        reservation = request.completion_reservation
         budget = max(max_context - reservation, 0)
         floor = tokenizer.token_count_floor(request.prompt)
         if floor > budget:
@@ -139,6 +139,7 @@ def prepare(request: GenerateRequest, tokenizer, vocab_size: int = 0,
         logprobs=request.logprobs,
         cache_salt=request.cache_salt,
         soft_session=request.soft_session,
+        clamp_to_context=request.clamp_to_context,
         stop_token_ids=frozenset(request.stop_token_ids),
         min_tokens=request.min_tokens,
         processors=processors,

@@ -16,6 +16,9 @@ raise (an executor failure after N generated tokens), and
 ``"prefill_delay": S`` sleeps S seconds before the first token (a slow
 prefill, for the streaming preflight timeout) and ``"token_delay": S``
 sleeps S seconds before every token (a slow generation, for shutdown).
+``"pieces": [...]`` replaces ``reply``: each string is tokenized on its own and
+the ids are concatenated, so the output is ids that are not the canonical
+tokenization of its text (as a real model's often are).
 
 Grammar masks (constrained decoding) are honoured like a sampler would: when
 a row's mask forbids the scripted token, the executor draws an allowed id
@@ -83,7 +86,10 @@ class ScriptedExecutor:
         for entry in self.script:
             if entry["when"] in text:
                 self._entries[seq] = entry
-                ids = self.tokenizer.encode(entry["reply"], special=True)
+                if "pieces" in entry:  # tokenized piece by piece: ids a model may emit, not the canonical ones
+                    ids = [i for piece in entry["pieces"] for i in self.tokenizer.encode(piece, special=True)]
+                else:
+                    ids = self.tokenizer.encode(entry["reply"], special=True)
                 if entry.get("eos", True):
                     ids.append(self.tokenizer.eos_id)
                 return ids

@@ -98,6 +98,9 @@ class OpenRouterModel:
     per_request_limits: None = None
     object: str = "model"
     owned_by: str = "musegl"
+    type: str = "model"  # Anthropic's model object: type, display_name, created_at
+    display_name: str | None = omittable()
+    created_at: str | None = omittable()
     demo: bool | None = omittable()
 
     @classmethod
@@ -119,5 +122,7 @@ class OpenRouterModel:
             top_provider=TopProvider(model.context_length, max(model.context_length - 1, 1)),
             pricing=Pricing(),
             supported_parameters=parameters,
+            display_name=openai_entry.display_name,
+            created_at=openai_entry.created_at,
             demo=openai_entry.demo,
         )

@@ -1,0 +1,523 @@
+"""A Messages request → the core's :class:`~musegl_core.service.conversation.Conversation`.
+
+What maps to what (docs/anthropic.md has the user's view):
+
+* ``system`` (a string or text blocks, joined by a blank line) is the first
+  system message; ``system`` roles inside ``messages`` are system messages
+  where they stand. Claude Code's billing block (``x-anthropic-billing-header:
+  ...; cch=XXXXX;``) has its per-request ``cch`` nonce replaced by a constant
+  before anything is tokenized, so the prompt prefix stays the same turn to turn.
+* user ``text`` / ``image`` (base64 PNG or JPEG) blocks are a user message;
+  ``tool_result`` blocks (string, or text and image blocks; ``is_error``
+  prefixes the result with ``Error: ``) are tool messages, in block order.
+* assistant ``thinking`` / ``text`` / ``tool_use`` blocks are assistant
+  messages (a block that cannot follow the previous ones in one Muse message,
+  such as thinking after text, starts the next). A thinking block whose
+  ``signature`` this server sealed (and whose text, if any, is unchanged)
+  goes back as the exact generated ids; any other is plain reasoning text.
+  ``redacted_thinking`` is used only when its ``data`` is such a seal.
+* ``tools`` (custom tools: ``name``, ``description``, ``input_schema``,
+  ``strict``) are function tools; Anthropic's server tools (typed
+  ``web_search_…``, ``bash_…``, ...) run on Anthropic's side, so they are
+  left out of the prompt, and a ``tool_choice`` naming one is a 400.
+* ``tool_choice``: ``auto``, ``any`` (a call is required), ``tool`` (that
+  tool), ``none``; ``disable_parallel_tool_use`` allows one call.
+* ``thinking``: ``enabled`` (``budget_tokens`` picks the reasoning strength:
+  up to 2048 low, up to 8192 medium, above high) and ``adaptive`` return
+  thinking blocks (``display: "omitted"``: empty text, signature kept);
+  ``disabled`` or absent returns none. Muse always reasons: its tokens count
+  in ``output_tokens`` either way. ``output_config.effort`` (low, medium,
+  high; xhigh and max are high, the most this model has) sets the strength
+  and wins over ``budget_tokens``.
+* ``output_config.format`` (``json_schema``) constrains the answer with the
+  core's constrained decoding.
+
+Everything else a request may say that this server cannot honour is a 400
+naming it.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import re
+from typing import Any
+
+import attrs
+
+from musegl_core.chat.channels import parse_output
+from musegl_core.chat.messages import FunctionCall, ImagePart, Message, TextPart, ToolCall, ToolDef
+from musegl_core.chat.template import TemplateVariables
+from musegl_core.engine.executor import SamplingParams
+from musegl_core.errors import ApiError, bad_request
+from musegl_core.http.completions import session_id as checked_session_id
+from musegl_core.service.conversation import AnswerFormat, Conversation, ToolChoice
+from musegl_core.service.sessions import client_session
+from musegl_core.worker import messages as m
+from musegl_anthropic.schemas import MessagesRequest
+
+IMAGE_TYPES = ("image/png", "image/jpeg")
+MAX_STOPS = 64
+SESSION_HEADER = "x-claude-code-session-id"
+BILLING_PREFIX = "x-anthropic-billing-header:"
+_NONCE = re.compile(r"\bcch=[^;\s]*")
+#: ``output_config.effort`` → the template's reasoning strength
+EFFORTS = {"low": "low", "medium": "medium", "high": "high", "xhigh": "high", "max": "high"}
+SERVER_TOOL = re.compile(r"^[a-z_]+_\d{8}$")  # web_search_20250305, bash_20250124, ...
+
+
+def unsupported(param: str, message: str) -> ApiError:
+    return bad_request(message, code="unsupported_parameter", param=param)
+
+
+@attrs.frozen
+class MessagesCall:
+    """A checked request: the conversation and how to present the answer."""
+
+    conversation: Conversation
+    model: str
+    stream: bool
+    show_thinking: bool  # thinking blocks are returned
+    omit_thinking_text: bool  # ... with empty text (display "omitted"), signature kept
+
+
+def _type(value: Any) -> str:
+    return {dict: "an object", list: "an array", str: "a string", bool: "a boolean", type(None): "null"}.get(
+        type(value), "a number" if isinstance(value, (int, float)) else type(value).__name__)
+
+
+def _expect(value: Any, kinds: tuple[type, ...], what: str, param: str) -> Any:
+    if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
+        raise bad_request(f"'{param}' must be {what}, got {_type(value)}", param=param)
+    return value
+
+
+def _keys(block: dict, allowed: set[str], param: str) -> None:
+    """A key outside ``allowed`` is a 400 naming it; one whose value is null counts as absent
+    (the SDKs write every field of a block they parsed, unset ones as null)."""
+    unknown = sorted(key for key, value in block.items() if key not in allowed and value is not None)
+    if unknown:
+        raise unsupported(f"{param}.{unknown[0]}", f"'{param}.{unknown[0]}' is not supported by this server")
+
+
+def normalise_billing(text: str) -> str:
+    """Claude Code's billing block with its per-request ``cch`` nonce made constant."""
+    if text.startswith(BILLING_PREFIX):
+        return _NONCE.sub("cch=0", text)
+    return text
+
+
+# -- content -------------------------------------------------------------------------------
+class _Reader:
+    """Reads one request's messages; counts images (one per conversation)."""
+
+    def __init__(self, seal: Any, tokenizer: Any):
+        self.seal = seal
+        self.tokenizer = tokenizer
+        self.images = 0
+
+    def text_blocks(self, raw: Any, param: str) -> str:
+        """A string, or text blocks joined by a blank line (``system``)."""
+        if isinstance(raw, str):
+            return normalise_billing(raw)
+        _expect(raw, (list,), "a string or an array of text blocks", param)
+        texts = []
+        for index, block in enumerate(raw):
+            where = f"{param}[{index}]"
+            _expect(block, (dict,), "a text block", where)
+            if block.get("type") != "text":
+                raise bad_request(f"'{where}.type' must be 'text'", param=f"{where}.type")
+            _keys(block, {"type", "text", "cache_control", "citations"}, where)
+            texts.append(normalise_billing(_expect(block.get("text"), (str,), "a string", f"{where}.text")))
+        return "\n\n".join(texts)
+
+    def image(self, block: dict, param: str) -> ImagePart:
+        _keys(block, {"type", "source", "cache_control"}, param)
+        source = _expect(block.get("source"), (dict,), "an object", f"{param}.source")
+        kind = source.get("type")
+        if kind != "base64":
+            raise bad_request(
+                f"image source type {kind!r} is not supported: send the image inline as base64 "
+                "(URLs and files are not fetched)", code="invalid_image", param=f"{param}.source.type")
+        _keys(source, {"type", "media_type", "data"}, f"{param}.source")
+        media = source.get("media_type")
+        if media not in IMAGE_TYPES:
+            raise bad_request(f"image media_type must be image/png or image/jpeg, got {media!r}",
+                              code="invalid_image", param=f"{param}.source.media_type")
+        data = _expect(source.get("data"), (str,), "a string", f"{param}.source.data")
+        try:
+            decoded = base64.b64decode(data, validate=True)
+        except (binascii.Error, ValueError):
+            raise bad_request("the image data is not valid base64", code="invalid_image",
+                              param=f"{param}.source.data") from None
+        if not decoded:
+            raise bad_request("the image data is empty", code="invalid_image", param=f"{param}.source.data")
+        self.images += 1
+        if self.images > 1:
+            raise bad_request("at most one image is supported across the whole conversation",
+                              code="invalid_image", param=param)
+        return ImagePart(url=f"data:{media};base64,{data}", media_type=media, data=decoded)
+
+    def parts(self, blocks: list, param: str, kinds: tuple[str, ...]) -> tuple:
+        parts = []
+        for index, block in enumerate(blocks):
+            where = f"{param}[{index}]"
+            _expect(block, (dict,), "a content block", where)
+            kind = block.get("type")
+            if kind == "text" and "text" in kinds:
+                _keys(block, {"type", "text", "cache_control", "citations"}, where)
+                parts.append(TextPart(_expect(block.get("text"), (str,), "a string", f"{where}.text")))
+            elif kind == "image" and "image" in kinds:
+                parts.append(self.image(block, where))
+            else:
+                raise unsupported(f"{where}.type", f"content block type {kind!r} is not supported here")
+        return tuple(parts)
+
+    def tool_result(self, block: dict, param: str) -> Message:
+        _keys(block, {"type", "tool_use_id", "content", "is_error", "cache_control"}, param)
+        call_id = _expect(block.get("tool_use_id"), (str,), "a string", f"{param}.tool_use_id")
+        raw = block.get("content", "")
+        content: Any = raw if isinstance(raw, str) else self.parts(
+            _expect(raw, (list,), "a string or an array of text and image blocks", f"{param}.content"),
+            f"{param}.content", ("text", "image"))
+        is_error = block.get("is_error")
+        if is_error is not None and not isinstance(is_error, bool):
+            raise bad_request(f"'{param}.is_error' must be a boolean", param=f"{param}.is_error")
+        if is_error:
+            content = f"Error: {content}" if isinstance(content, str) else (TextPart("Error: "), *content)
+        return Message(role="tool", content=content, tool_call_id=call_id)
+
+    def user(self, content: Any, param: str) -> list[Message]:
+        if isinstance(content, str):
+            return [Message(role="user", content=content)]
+        _expect(content, (list,), "a string or an array of content blocks", param)
+        out: list[Message] = []
+        pending: list = []
+        for index, block in enumerate(content):
+            where = f"{param}[{index}]"
+            _expect(block, (dict,), "a content block", where)
+            if block.get("type") == "tool_result":
+                if pending:
+                    out.append(Message(role="user", content=tuple(pending)))
+                    pending = []
+                out.append(self.tool_result(block, where))
+            else:
+                pending += self._one(block, where)
+        if pending or not out:
+            out.append(Message(role="user", content=tuple(pending)))
+        return out
+
+    def _one(self, block: dict, where: str) -> list:
+        kind = block.get("type")
+        if kind == "text":
+            _keys(block, {"type", "text", "cache_control", "citations"}, where)
+            return [TextPart(_expect(block.get("text"), (str,), "a string", f"{where}.text"))]
+        if kind == "image":
+            return [self.image(block, where)]
+        raise unsupported(f"{where}.type", f"content block type {kind!r} is not supported in a user message")
+
+    def assistant(self, content: Any, param: str) -> list[Message]:
+        if isinstance(content, str):
+            return [Message(role="assistant", content=content)]
+        _expect(content, (list,), "a string or an array of content blocks", param)
+        out: list[Message] = []
+        current: dict[str, Any] = {}
+
+        def flush() -> None:
+            if current:
+                out.append(Message(role="assistant", content=current.get("text"),
+                                   reasoning_content=current.get("reasoning"),
+                                   reasoning_ids=current.get("sealed"),
+                                   tool_calls=tuple(current.get("calls", ()))))
+                current.clear()
+
+        for index, block in enumerate(content):
+            where = f"{param}[{index}]"
+            _expect(block, (dict,), "a content block", where)
+            kind = block.get("type")
+            if kind in ("thinking", "redacted_thinking"):
+                text, sealed = self.thinking(block, where)
+                if text is None:
+                    continue  # an opaque block this server did not make: nothing to show the model
+                if current:
+                    flush()
+                current["reasoning"], current["sealed"] = text, sealed
+            elif kind == "text":
+                _keys(block, {"type", "text", "cache_control", "citations"}, where)
+                text = _expect(block.get("text"), (str,), "a string", f"{where}.text")
+                if "calls" in current:
+                    flush()
+                current["text"] = current.get("text", "") + text
+            elif kind == "tool_use":
+                _keys(block, {"type", "id", "name", "input", "cache_control", "caller"}, where)
+                call_id = _expect(block.get("id"), (str,), "a string", f"{where}.id")
+                name = _expect(block.get("name"), (str,), "a string", f"{where}.name")
+                arguments = _expect(block.get("input"), (dict,), "an object", f"{where}.input")
+                current.setdefault("calls", []).append(ToolCall(id=call_id, function=FunctionCall(name, arguments)))
+            else:
+                raise unsupported(f"{where}.type", f"content block type {kind!r} is not supported in an "
+                                                   "assistant message")
+        flush()
+        return out or [Message(role="assistant", content="")]
+
+    def thinking(self, block: dict, param: str) -> tuple[str | None, Any]:
+        """The reasoning text of an echoed block and its verified ids (or None)."""
+        if block.get("type") == "redacted_thinking":
+            _keys(block, {"type", "data", "cache_control"}, param)
+            sealed = self.seal.open(block.get("data"))
+            return (self._decoded(sealed), sealed) if sealed is not None and self._decoded(sealed) else (None, None)
+        _keys(block, {"type", "thinking", "signature", "cache_control"}, param)
+        text = _expect(block.get("thinking", ""), (str,), "a string", f"{param}.thinking")
+        signature = block.get("signature")
+        if signature is not None and not isinstance(signature, str):
+            raise bad_request(f"'{param}.signature' must be a string", param=f"{param}.signature")
+        sealed = self.seal.open(signature)
+        decoded = self._decoded(sealed) if sealed is not None else None
+        if decoded and (not text or text == decoded):
+            return decoded, sealed  # the very ids this server generated
+        return (text or None), None  # unverifiable (or edited): the text, as plain reasoning
+
+    def _decoded(self, sealed: Any) -> str | None:
+        if self.tokenizer is None:
+            return None
+        return parse_output(self.tokenizer.decode(list(sealed.ids)), tools_active=False).reasoning
+
+
+def read_messages(raw: Any, system: Any, reader: _Reader) -> list[Message]:
+    if not isinstance(raw, list) or not raw:
+        raise bad_request("'messages' must be a non-empty array", param="messages")
+    out: list[Message] = []
+    if system is not None:
+        text = reader.text_blocks(system, "system")
+        if text:
+            out.append(Message(role="system", content=text))
+    for index, message in enumerate(raw):
+        param = f"messages[{index}]"
+        _expect(message, (dict,), "an object", param)
+        _keys(message, {"role", "content"}, param)
+        role = message.get("role")
+        if "content" not in message:
+            raise bad_request(f"'{param}.content' is required", param=f"{param}.content")
+        content = message.get("content")
+        if role == "user":
+            out += reader.user(content, f"{param}.content")
+        elif role == "assistant":
+            out += reader.assistant(content, f"{param}.content")
+        elif role == "system":
+            out.append(Message(role="system", content=reader.text_blocks(content, f"{param}.content")))
+        else:
+            raise bad_request(f"'{param}.role' must be user, assistant or system; got {role!r}", param=f"{param}.role")
+    if out[-1].role == "assistant":
+        raise unsupported(f"messages[{len(raw) - 1}]",
+                          "a final assistant message (prefill: continuing it in place) is not supported; "
+                          "end the conversation with a user message")
+    return out
+
+
+# -- tools ---------------------------------------------------------------------------------
+def read_tools(raw: Any) -> tuple[tuple[ToolDef, ...], set[str]]:
+    """The custom tools, and the names of the server tools left out."""
+    if raw is None:
+        return (), set()
+    tools, server = [], set()
+    for index, tool in enumerate(raw):
+        param = f"tools[{index}]"
+        _expect(tool, (dict,), "an object", param)
+        kind = tool.get("type")
+        if kind not in (None, "custom"):
+            if isinstance(kind, str) and SERVER_TOOL.match(kind):
+                server.add(str(tool.get("name", kind)))
+                continue  # Anthropic runs these on its side; there is nothing to run here
+            raise unsupported(f"{param}.type", f"tool type {kind!r} is not supported")
+        _keys(tool, {"type", "name", "description", "input_schema", "strict", "cache_control", "defer_loading",
+                     "eager_input_streaming", "input_examples", "allowed_callers"}, param)
+        name = _expect(tool.get("name"), (str,), "a string", f"{param}.name")
+        if not name or any(ch in name for ch in '"<>\r\n\t ') or name.startswith(".") or name.endswith("."):
+            raise bad_request(f"tool name {name!r} cannot appear in a tool call", code="invalid_tool_schema",
+                              param=f"{param}.name")
+        description = tool.get("description")
+        if description is not None:
+            _expect(description, (str,), "a string", f"{param}.description")
+        schema = _expect(tool.get("input_schema"), (dict,), "a JSON Schema object", f"{param}.input_schema")
+        strict = tool.get("strict")
+        if strict is not None:
+            _expect(strict, (bool,), "a boolean", f"{param}.strict")
+        tools.append(ToolDef(name=name, description=description, parameters=schema, strict=strict))
+    return tuple(tools), server
+
+
+def read_tool_choice(raw: Any, tools: tuple[ToolDef, ...], server: set[str]) -> ToolChoice:
+    if raw is None:
+        return ToolChoice("auto")
+    _expect(raw, (dict,), "an object", "tool_choice")
+    kind = raw.get("type")
+    _keys(raw, {"type", "name", "disable_parallel_tool_use"}, "tool_choice")
+    single = raw.get("disable_parallel_tool_use")
+    if single is not None:
+        _expect(single, (bool,), "a boolean", "tool_choice.disable_parallel_tool_use")
+        if kind == "none":
+            single = None
+    parallel = {} if not single else {"parallel": False}
+    if kind == "auto":
+        return _choice("auto", None, parallel)
+    if kind == "none":
+        return ToolChoice("none")
+    if kind == "any":
+        return _choice("required", None, parallel)
+    if kind == "tool":
+        name = _expect(raw.get("name"), (str,), "a string", "tool_choice.name")
+        if name in server:
+            raise unsupported("tool_choice.name", f"{name!r} is one of Anthropic's server tools, which this "
+                                                  "server does not run")
+        if name not in {tool.name for tool in tools}:
+            raise bad_request(f"tool_choice names {name!r}, which is not among the tools", param="tool_choice.name")
+        return _choice("named", name, parallel)
+    raise bad_request("'tool_choice.type' must be auto, any, tool or none", param="tool_choice.type")
+
+
+def _choice(mode: str, name: str | None, parallel: dict) -> ToolChoice:
+    """A tool choice; ``disable_parallel_tool_use`` needs the core's one-call support."""
+    if parallel and "parallel" not in {field.name for field in attrs.fields(ToolChoice)}:
+        raise unsupported("tool_choice.disable_parallel_tool_use", "one tool call per turn is not enforced by "
+                                                                   "this server")
+    return ToolChoice(mode, name, **parallel)
+
+
+# -- generation settings -------------------------------------------------------------------
+def read_thinking(raw: Any, max_tokens: int | None) -> tuple[str | None, bool, bool]:
+    """``(reasoning strength from the budget, show thinking, omit its text)``."""
+    if raw is None:
+        return None, False, False
+    _expect(raw, (dict,), "an object", "thinking")
+    kind = raw.get("type")
+    if kind == "disabled":
+        _keys(raw, {"type"}, "thinking")
+        return None, False, False
+    if kind not in ("enabled", "adaptive"):
+        raise unsupported("thinking.type", f"thinking type {kind!r} is not supported (enabled, adaptive, disabled)")
+    _keys(raw, {"type", "budget_tokens", "display"}, "thinking")
+    display = raw.get("display")
+    if display not in (None, "summarized", "omitted"):
+        raise bad_request("'thinking.display' must be summarized or omitted", param="thinking.display")
+    strength = None
+    if kind == "enabled":
+        budget = _expect(raw.get("budget_tokens"), (int,), "an integer", "thinking.budget_tokens")
+        if budget < 1024:
+            raise bad_request("'thinking.budget_tokens' must be at least 1024", param="thinking.budget_tokens")
+        if max_tokens is not None and budget >= max_tokens:
+            raise bad_request("'thinking.budget_tokens' must be less than 'max_tokens'",
+                              param="thinking.budget_tokens")
+        strength = "low" if budget <= 2048 else "medium" if budget <= 8192 else "high"
+    elif "budget_tokens" in raw:
+        raise bad_request("'thinking.budget_tokens' goes with type 'enabled'", param="thinking.budget_tokens")
+    return strength, True, display == "omitted"
+
+
+def read_output_config(raw: Any, legacy: Any) -> tuple[str | None, AnswerFormat | None]:
+    """``(reasoning strength from effort, answer format)``."""
+    effort, fmt, fmt_param = None, None, "output_config.format"
+    if raw is not None:
+        _expect(raw, (dict,), "an object", "output_config")
+        _keys(raw, {"effort", "format"}, "output_config")
+        value = raw.get("effort")
+        if value is not None:
+            if value not in EFFORTS:
+                raise bad_request("'output_config.effort' must be low, medium, high, xhigh or max",
+                                  param="output_config.effort")
+            effort = EFFORTS[value]
+        fmt = raw.get("format")
+    if legacy is not None:
+        if fmt is not None:
+            raise bad_request("send 'output_config.format' or 'output_format', not both", param="output_format")
+        fmt, fmt_param = legacy, "output_format"
+    if fmt is None:
+        return effort, None
+    _expect(fmt, (dict,), "an object", fmt_param)
+    _keys(fmt, {"type", "schema"}, fmt_param)
+    if fmt.get("type") != "json_schema":
+        raise unsupported(f"{fmt_param}.type", "the only output format is json_schema")
+    schema = fmt.get("schema")
+    if not isinstance(schema, (dict, bool)):
+        raise bad_request(f"'{fmt_param}.schema' must be a JSON Schema", param=f"{fmt_param}.schema")
+    return effort, AnswerFormat(schema, f"{fmt_param}.schema")
+
+
+def read_sampling(request: MessagesRequest) -> SamplingParams:
+    """Anthropic's ranges: ``temperature`` 0..1, ``top_p`` (0, 1], ``top_k`` >= 0."""
+    temperature = 1.0 if request.temperature is None else request.temperature
+    if not 0.0 <= temperature <= 1.0:
+        raise bad_request(f"'temperature' must be between 0 and 1, got {temperature}", param="temperature")
+    top_p = 1.0 if request.top_p is None else request.top_p
+    if not 0.0 < top_p <= 1.0:
+        raise bad_request(f"'top_p' must be in (0, 1], got {top_p}", param="top_p")
+    top_k = 0 if request.top_k is None else request.top_k
+    if top_k < 0:
+        raise bad_request(f"'top_k' must be 0 (off) or positive, got {top_k}", param="top_k")
+    return SamplingParams(temperature=float(temperature), top_p=float(top_p), top_k=top_k)
+
+
+def read_stops(stops: list[str] | None) -> tuple[str, ...]:
+    if not stops:
+        return ()
+    if len(stops) > MAX_STOPS:
+        raise bad_request(f"'stop_sequences' takes at most {MAX_STOPS} strings", param="stop_sequences")
+    for index, text in enumerate(stops):
+        if not text:
+            raise bad_request("stop sequences must not be empty", param=f"stop_sequences[{index}]")
+    return tuple(dict.fromkeys(stops))
+
+
+def check_refused(request: MessagesRequest) -> None:
+    """Fields musegl accepts only when they ask for nothing."""
+    for name in ("container", "mcp_servers", "diagnostics"):
+        value = getattr(request, name)
+        if value not in (None, [], {}):
+            raise unsupported(name, f"'{name}' is not supported by this server")
+    if request.metadata is not None:
+        _expect(request.metadata, (dict,), "an object", "metadata")
+        _keys(request.metadata, {"user_id"}, "metadata")
+
+
+def read_request(request: MessagesRequest, *, headers: Any, seal: Any, tokenizer: Any,
+                 counting: bool = False) -> MessagesCall:
+    """Check ``request`` and build its conversation; raises :class:`ApiError` (400)."""
+    if request.model is None:
+        raise bad_request("'model' is required", param="model")
+    check_refused(request)
+    max_tokens = request.max_tokens
+    if not counting:
+        if max_tokens is None:
+            raise bad_request("'max_tokens' is required", param="max_tokens")
+        if max_tokens < 1:
+            raise bad_request(f"'max_tokens' must be at least 1, got {max_tokens}", param="max_tokens")
+    budget_strength, show, omit = read_thinking(request.thinking, None if counting else max_tokens)
+    effort, answer = read_output_config(request.output_config, request.output_format)
+    tools, server = read_tools(request.tools)
+    choice = read_tool_choice(request.tool_choice, tools, server)
+    messages = read_messages(request.messages, request.system, _Reader(seal, tokenizer))
+    explicit = headers.get("x-session-id")
+    if explicit is not None:
+        explicit = checked_session_id(None, explicit)
+    session, soft = client_session(explicit, [("claude-code", headers.get(SESSION_HEADER))])
+    stream = bool(request.stream) and not counting
+    settings = m.Generate(
+        id="",
+        prompt=(),
+        max_tokens=max_tokens,
+        sampling=read_sampling(request),
+        stop=read_stops(request.stop_sequences),
+        clamp_to_context=True,  # max_tokens caps the answer; a full context ends it (model_context_window_exceeded)
+        session_id=session,
+        soft_session=soft,
+        stream=stream,
+    )
+    conversation = Conversation(
+        messages=messages,
+        settings=settings,
+        tools=tools,
+        tool_choice=choice,
+        variables=TemplateVariables(reasoning_strength=effort or budget_strength),
+        answer=answer,
+        hide_reasoning=not show,
+    )
+    return MessagesCall(conversation, request.model, stream, show, omit)
