@@ -11,7 +11,11 @@ Starts ``musegl serve`` (the tiny demo checkpoint unless ``--model``) on
   (reply + new user message) until it nears the context budget, when the loop
   deletes the session and starts another;
 * ``bad``: an invalid request (malformed JSON, a bad field), expecting 400;
-* ``oversize``: a body over ``--max-request-bytes``, expecting 413.
+* ``oversize``: a body over ``--max-request-bytes``, expecting 413;
+* ``hostile``: one of the inputs that used to crash or stall the server, each
+  expecting its 400 (or 200 where the request is valid): a 10 MiB run of one
+  letter (chat and ``/tokenize``), a 6 MiB prompt, a lone ``\ud800`` escape,
+  JSON nested 2,000 levels deep, an 8190 x 8190 PNG.
 
 A separate loop DELETEs a random live session about once a second, active or
 not (200, 404 and 409 are all expected answers).
@@ -42,12 +46,39 @@ import psutil
 
 from common import serve_process
 
-SERVE_FLAGS = ("--max-context", "1024", "--max-decode-sequences", "8", "--max-image-bytes", "65536",
-               "--max-request-bytes", "131072")
+MAX_REQUEST_BYTES = 12 * 2**20  # room for the 10 MiB hostile bodies; ``oversize`` sends more
+SERVE_FLAGS = ("--max-context", "1024", "--max-decode-sequences", "8", "--max-image-bytes", str(2**20),
+               "--max-request-bytes", str(MAX_REQUEST_BYTES))
 # Prompt tokens after which a session starts over. The budget is 1024, and one turn can add
 # about 350 tokens on the tiny checkpoint (its tokenizer is nearly byte-level).
 HISTORY_LIMIT = 450
-ACTIONS = {"stream": 3, "cancel": 2, "plain": 1, "session": 3, "bad": 1, "oversize": 0.5}
+ACTIONS = {"stream": 3, "cancel": 2, "plain": 1, "session": 3, "bad": 1, "oversize": 0.3, "hostile": 0.6}
+
+
+def hostile_bodies() -> list[tuple[str, str, bytes, tuple[int, ...]]]:
+    """(name, path, raw JSON body, expected statuses): built once, sent as they are."""
+    import base64
+    import io
+
+    from PIL import Image
+
+    def chat(content) -> bytes:
+        return json.dumps({"model": "soak", "max_tokens": 4, "messages": [{"role": "user", "content": content}]}).encode()
+
+    png = io.BytesIO()
+    Image.new("RGB", (8190, 8190), (90, 140, 200)).save(png, format="PNG", optimize=True)
+    image = [{"type": "text", "text": "What is this?"},
+             {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(png.getvalue()).decode(),
+                                                "detail": "low"}}]
+    deep = b'{"model": "soak", "messages": [], "x": ' + b"[" * 2000 + b"]" * 2000 + b"}"
+    return [
+        ("letter-run", "/v1/chat/completions", chat("A" * (10 * 2**20)), (400,)),
+        ("letter-run-tokenize", "/tokenize", json.dumps({"prompt": "A" * (10 * 2**20)}).encode(), (200, 400)),
+        ("six-mib-prompt", "/v1/chat/completions", chat("lorem ipsum " * (6 * 2**20 // 12)), (400,)),
+        ("lone-surrogate", "/v1/chat/completions", chat("x").replace(b'"x"', b'"\\ud800"'), (400,)),
+        ("deep-json", "/v1/chat/completions", deep, (400,)),
+        ("huge-png", "/v1/chat/completions", chat(image), (200,)),
+    ]
 
 
 @attrs.define
@@ -94,6 +125,7 @@ class Soak:
     tally: Tally = attrs.field(factory=Tally)
     live_sessions: set = attrs.field(factory=set)
     stop_at: float = 0.0
+    hostile: list = attrs.field(factory=list)
 
     def body(self, messages: list, **extra) -> dict:
         return {"model": "soak", "messages": messages, "max_tokens": self.rng.randint(4, 24),
@@ -158,9 +190,14 @@ class Soak:
                                                    json=self.body(self.prompt(client), temperature="hot"))
                     await self.expect(http, action, response, (400,))
                 elif action == "oversize":
-                    huge = self.body([{"role": "user", "content": "x" * 200_000}])
+                    huge = self.body([{"role": "user", "content": "x" * (MAX_REQUEST_BYTES + 1024)}])
                     response = await http.post(f"{self.url}/v1/chat/completions", json=huge)
                     await self.expect(http, action, response, (413,))
+                elif action == "hostile":
+                    name, path, raw, statuses = self.rng.choice(self.hostile)
+                    response = await http.post(f"{self.url}{path}", content=raw,
+                                               headers={"content-type": "application/json"})
+                    await self.expect(http, f"hostile {name}", response, statuses)
                 else:
                     name = f"soak-{client}-{generation}"
                     if not history:
@@ -241,13 +278,16 @@ def main() -> int:
     p.add_argument("--rss-tolerance", type=float, default=0.10, help="allowed RSS growth, warm to end")
     p.add_argument("--json", action="store_true", help="print the report as one JSON object")
     args = p.parse_args()
+    vision: tuple[str, ...] = ()
     if args.model is None:
-        from musegl_core.tiny import default_model_path
+        from musegl_core.tiny import default_model_path, demo_mmproj_path
 
         args.model = str(default_model_path(progress=True))
+        projector = demo_mmproj_path(args.model)
+        vision = ("--mmproj", projector) if projector else ()  # the huge PNG is decoded and encoded
     # A cancelled request keeps its slot until the server notices the disconnect, while its
     # client has already sent the next one: room for that, so capacity refusals stay errors.
-    flags = (*SERVE_FLAGS, "--max-sessions", str(4 * args.clients),
+    flags = (*SERVE_FLAGS, *vision, "--max-sessions", str(4 * args.clients),
              "--max-inflight-requests", str(args.max_inflight or 3 * args.clients))
     with serve_process(args.model, *flags) as (url, process):
         front = psutil.Process(process.pid)
@@ -258,7 +298,7 @@ def main() -> int:
         procs = {"front": front, "worker": worker}
         baseline = asyncio.run(settle(url))
         rss = {name: {"start": rss_mib(proc)} for name, proc in procs.items()}
-        soak = Soak(url, args.clients, random.Random(args.seed))
+        soak = Soak(url, args.clients, random.Random(args.seed), hostile=hostile_bodies())
         asyncio.run(soak.run(args.warmup))
         for name, proc in procs.items():
             rss[name]["warm"] = rss_mib(proc)
