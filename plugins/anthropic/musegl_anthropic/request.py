@@ -376,10 +376,6 @@ def read_tool_choice(raw: Any, tools: tuple[ToolDef, ...], server: set[str]) -> 
 
 
 def _choice(mode: str, name: str | None, parallel: dict) -> ToolChoice:
-    """A tool choice; ``disable_parallel_tool_use`` needs the core's one-call support."""
-    if parallel and "parallel" not in {field.name for field in attrs.fields(ToolChoice)}:
-        raise unsupported("tool_choice.disable_parallel_tool_use", "one tool call per turn is not enforced by "
-                                                                   "this server")
     return ToolChoice(mode, name, **parallel)
 
 

@@ -31,10 +31,14 @@ def atem(name: str, params: list[tuple[str, str]]) -> str:
 
 CALL = (" to=self<|message|>Use Write.<|eom|><|start|>assistant to=Write.Write<|message|>"
         + atem("Write.Write", [("file_path", "hello.txt"), ("content", "hi")]) + "<|eot|>")
+TWO = (" to=Write.Write<|message|>" + atem("Write.Write", [("file_path", "a.txt"), ("content", "a")])
+       + "<|eom|><|start|>assistant to=Write.Write<|message|>"
+       + atem("Write.Write", [("file_path", "b.txt"), ("content", "b")]) + "<|eot|>")
 THOUGHT = "Let me think about this step by step."
 SCRIPT = [
     {"when": "</tool_output>", "reply": " to=self<|message|>It worked.<|eom|><|start|>assistant to=user<|message|>Done.<|eot|>"},
     {"when": "Create hello.txt", "reply": CALL},
+    {"when": "Two files", "reply": TWO},
     {"when": "Say hi", "reply": " to=self<|message|>Greet.<|eom|><|start|>assistant to=user<|message|>Hello there<|eot|>"},
     {"when": "Think in pieces", "pieces": [" to=self<|message|>", *THOUGHT, "<|eom|><|start|>assistant to=user<|message|>",
                                            "Answer.<|eot|>"]},
@@ -213,22 +217,28 @@ def test_an_error_after_the_headers_is_an_error_event(server):
 
 
 # -- sessions and the reasoning round trip ----------------------------------------------------
-def history(first: anthropic.types.Message, call_id: str) -> list[dict]:
-    return [{"role": "user", "content": "Create hello.txt"},
+def history(first: anthropic.types.Message, call_id: str, text: str) -> list[dict]:
+    return [{"role": "user", "content": text},
             {"role": "assistant", "content": [block.model_dump() for block in first.content]},
             {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call_id, "content": "ok"}]}]
 
 
-def test_turn_two_in_the_client_session_executes_only_its_suffix(client):
-    key = {"X-Claude-Code-Session-Id": "5f0e6b1c-2d3a-4b5c-9d8e-7f6a5b4c3d2e"}
-    first = client.messages.create(**ask("Create hello.txt"), tools=[WRITE], thinking={"type": "adaptive"},
-                                   extra_headers=key)
+def two_turns(client, text: str, headers: dict) -> tuple[int, int]:
+    """Turn 1 and turn 2 of a tool loop; ``(positions turn 1 computed, turn 2's cache_read)``."""
+    first = client.messages.create(**ask(text), tools=[WRITE], thinking={"type": "adaptive"}, extra_headers=headers)
     call = next(block for block in first.content if block.type == "tool_use")
     second = client.messages.create(model="m", max_tokens=256, tools=[WRITE], thinking={"type": "adaptive"},
-                                    messages=history(first, call.id), extra_headers=key)
-    prompt_one = first.usage.input_tokens + first.usage.cache_read_input_tokens
-    # Everything turn 1 computed (its prompt and answer, all but the answer's last id) is reused.
-    assert second.usage.cache_read_input_tokens == prompt_one + first.usage.output_tokens - 1
+                                    messages=history(first, call.id, text), extra_headers=headers)
+    computed = first.usage.input_tokens + first.usage.cache_read_input_tokens + first.usage.output_tokens - 1
+    return computed, second.usage.cache_read_input_tokens
+
+
+def test_turn_two_in_the_client_session_executes_only_its_suffix(client):
+    key = {"X-Claude-Code-Session-Id": "5f0e6b1c-2d3a-4b5c-9d8e-7f6a5b4c3d2e"}
+    computed, reused = two_turns(client, "Create hello.txt, in a session", key)
+    assert reused == computed  # everything turn 1 computed (its prompt, its answer but the last id)
+    computed, anonymous = two_turns(client, "Create hello.txt, anonymously", {})
+    assert anonymous <= computed // 16 * 16 < computed  # the prefix cache alone: whole blocks only
 
 
 def test_a_verified_signature_restores_the_generated_ids(client):
@@ -306,3 +316,24 @@ def test_server_tools_are_left_out_unless_required(client):
     assert message.content[-1].text == "Hello there"
     with pytest.raises(anthropic.BadRequestError):
         client.messages.create(**ask("Say hi"), tools=[WRITE, search], tool_choice={"type": "tool", "name": "web_search"})
+
+
+def test_disable_parallel_tool_use_keeps_one_call(client):
+    both = client.messages.create(**ask("Two files"), tools=[WRITE])
+    assert [b.input["file_path"] for b in both.content if b.type == "tool_use"] == ["a.txt", "b.txt"]
+    one = client.messages.create(**ask("Two files"), tools=[WRITE],
+                                 tool_choice={"type": "auto", "disable_parallel_tool_use": True})
+    assert [b.input["file_path"] for b in one.content if b.type == "tool_use"] == ["a.txt"]
+    assert one.stop_reason == "tool_use"
+
+
+def test_redacted_thinking_is_used_only_when_this_server_sealed_it(client):
+    first = client.messages.create(**ask("Say hi", **BUDGET))
+    signature = first.content[0].signature
+    for data in (signature, "opaque-data-from-elsewhere"):
+        reply = client.messages.create(model="m", **BUDGET, messages=[
+            {"role": "user", "content": "Say hi"},
+            {"role": "assistant", "content": [{"type": "redacted_thinking", "data": data},
+                                              {"type": "text", "text": "Hello there"}]},
+            {"role": "user", "content": "Say hi again"}])
+        assert reply.content[-1].text == "Hello there"
