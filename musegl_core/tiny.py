@@ -26,6 +26,8 @@ import contextlib
 import functools
 import hashlib
 import itertools
+import json
+import logging
 import os
 import shutil
 import tempfile
@@ -38,13 +40,22 @@ import attrs
 import numpy as np
 
 from musegl_core.checkpoint.config import TextConfig
-from musegl_core.tokenizer import GPT4O_PATTERN, MuseTokenizer, byte_level_bpe_document, byte_level_alphabet
+from musegl_core.tokenizer import (
+    GPT4O_PATTERN,
+    MuseTokenizer,
+    TokenizerError,
+    byte_level_alphabet,
+    byte_level_bpe_document,
+)
+
+log = logging.getLogger("musegl.tokenizer")
 
 __all__ = [
     "TinyPreset",
     "PRESETS",
     "MUSE_SPECIAL_TOKENS",
     "build_tiny_tokenizer",
+    "demo_tokenizer_for",
     "tiny_text_config",
     "tiny_weights",
     "make_tiny",
@@ -276,6 +287,39 @@ def _demo_words() -> Iterator[str]:
     for length in itertools.count(1):
         for combo in itertools.product(syllables, repeat=length):
             yield "\u0120" + "".join(combo)
+
+
+#: Files whose presence makes a directory a checkpoint with its own tokenizer.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
+#: Suffixes of weight files: a directory with one is a real checkpoint.
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt", ".pth")
+
+
+def demo_tokenizer_for(path: str | os.PathLike[str]) -> MuseTokenizer | None:
+    """The demo tokenizer for a bare ``config.json`` (or a directory holding only a
+    config): no tokenizer files and no weight files beside it, which only serves with
+    random weights (``--load-format dummy``). Sized to the config's vocabulary so
+    every id the model can emit decodes. None for anything else."""
+    path = Path(path)
+    directory = path if path.is_dir() else path.parent
+    config = directory / "config.json"
+    if path.is_file() and path.name != "config.json":
+        return None
+    if not config.is_file() or any((directory / name).is_file() for name in TOKENIZER_FILES):
+        return None
+    if any(child.suffix in WEIGHT_SUFFIXES for child in directory.iterdir()):
+        return None
+    with config.open(encoding="utf-8") as f:
+        raw = json.load(f)
+    vocab_size = int((raw.get("text_config") or raw).get("vocab_size") or 0)
+    if vocab_size <= 0:
+        raise TokenizerError(f"{config} declares no vocab_size")
+    if vocab_size < SPECIAL_RANGE.stop:
+        raise TokenizerError(f"{config}: vocab_size {vocab_size} is smaller than the Muse special ids "
+                             f"(up to {SPECIAL_RANGE.stop - 1}); add a tokenizer.json beside it")
+    log.warning("%s has no tokenizer files: using the built-in demo tokenizer (%d ids); its text is made-up words",
+                directory, vocab_size)
+    return build_tiny_tokenizer(vocab_size=vocab_size)
 
 
 # -- model ----------------------------------------------------------------------------------------

@@ -23,7 +23,6 @@ import re
 
 import functools
 import json
-import logging
 import threading
 import warnings
 from pathlib import Path
@@ -31,18 +30,18 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence
 
 from tokenizers import Tokenizer
 
+from musegl_core.checkpoint.gguf_tokenizer import read_gguf_tokenizer_data
 from musegl_core.checkpoint.tokenizer_data import (
     CONTROL,
     NORMAL,
     UNUSED,
     USER_DEFINED,
     GGUFTokenizerData,
+    TokenizerError,
 )
 
-log = logging.getLogger("musegl.tokenizer")
-
-# MuseTokenizer.load's per-process memo: (resolved path, size, mtime_ns) -> tokenizer.
-_LOADED: dict[tuple[str, int, int], "MuseTokenizer"] = {}
+# load_once's per-process memo: (what, resolved path, size, mtime_ns) -> tokenizer.
+_LOADED: dict[tuple[str, str, int, int], "MuseTokenizer"] = {}
 _LOADED_LOCK = threading.Lock()
 
 if TYPE_CHECKING:
@@ -58,8 +57,7 @@ __all__ = [
     "PIECE_CHARS",
     "split_for_encoding",
     "PRE_TOKENIZER_PATTERNS",
-    "read_gguf_tokenizer_data",
-    "read_gguf_metadata",
+    "load_once",
     "byte_level_alphabet",
     "byte_level_bpe_document",
 ]
@@ -101,10 +99,6 @@ BOS_STRING = "<|begin_of_text|>"
 EOS_STRING = "<|end_of_text|>"
 PAD_STRING = "<|finetune_right_pad|>"
 MASK_STRING = "<|mask|>"
-
-
-class TokenizerError(ValueError):
-    """A tokenizer that cannot be built or lacks a required token."""
 
 
 class TokenizationError(ValueError):
@@ -321,75 +315,6 @@ def _merge_pairs(raw: Iterable[Any]) -> list[tuple[str, str]]:
     return pairs
 
 
-# -- GGUF metadata ------------------------------------------------------------------------------
-
-
-def read_gguf_metadata(path: str | Path, prefixes: Sequence[str] = ("tokenizer.",)) -> dict[str, Any]:
-    """The GGUF metadata values whose keys start with one of ``prefixes``
-    (decoded with the fast parser of :mod:`musegl_core.checkpoint.gguf_file`)."""
-    from musegl_core.checkpoint.gguf_file import GGUFFile, GGUFFormatError
-
-    try:
-        gguf_file = GGUFFile(path, wanted=prefixes, tensors=False)
-    except GGUFFormatError as exc:
-        raise TokenizerError(str(exc)) from None
-    gguf_file.close()
-    return {k: v for k, v in gguf_file.fields.items() if k.startswith(tuple(prefixes))}
-
-
-def _tokenizer_data(value: Callable[[str, Any], Any]) -> GGUFTokenizerData | None:
-    """:class:`GGUFTokenizerData` from a ``value(key, default)`` accessor of GGUF metadata."""
-    tokens = value("tokenizer.ggml.tokens", None)
-    if tokens is None:
-        return None
-    model = value("tokenizer.ggml.model", "gpt2")
-    if model != "gpt2":
-        raise TokenizerError(f"unsupported GGUF tokenizer model {model!r} (Muse Glimmer uses byte-level BPE, 'gpt2')")
-    token_types = value("tokenizer.ggml.token_type", None)
-    if token_types is None:
-        token_types = [NORMAL] * len(tokens)
-    if len(token_types) != len(tokens):
-        raise TokenizerError("tokenizer.ggml.token_type and tokenizer.ggml.tokens differ in length")
-
-    def optional_id(key: str) -> int | None:
-        raw = value(key, None)
-        return None if raw is None else int(raw)
-
-    bos, eos = optional_id("tokenizer.ggml.bos_token_id"), optional_id("tokenizer.ggml.eos_token_id")
-    return GGUFTokenizerData(
-        tokens=tuple(tokens),
-        token_types=tuple(int(t) for t in token_types),
-        merges=tuple(value("tokenizer.ggml.merges", ())),
-        bos_token_id=-1 if bos is None else bos,
-        eos_token_id=-1 if eos is None else eos,
-        eot_token_id=optional_id("tokenizer.ggml.eot_token_id"),
-        padding_token_id=optional_id("tokenizer.ggml.padding_token_id"),
-        mask_token_id=optional_id("tokenizer.ggml.mask_token_id"),
-        model=model,
-        pre=value("tokenizer.ggml.pre", "default"),
-        add_bos_token=bool(value("tokenizer.ggml.add_bos_token", False)),
-        add_eos_token=bool(value("tokenizer.ggml.add_eos_token", False)),
-        chat_template=value("tokenizer.chat_template", None),
-    )
-
-
-def read_gguf_tokenizer_data(source: str | Path | GGUFReader) -> GGUFTokenizerData | None:
-    """The ``tokenizer.ggml.*`` metadata of a GGUF file (a path or an open reader), or None.
-
-    A missing BOS/EOS id is reported as ``-1`` (then resolved by string).
-    """
-    if isinstance(source, (str, Path)):
-        values = read_gguf_metadata(source, ("tokenizer.",))
-        return _tokenizer_data(values.get)
-    fields = source.fields
-
-    def value(key: str, default: Any) -> Any:
-        field = fields.get(key)
-        return default if field is None else field.contents()
-
-    return _tokenizer_data(value)
-
-
 def _is_gguf(path: Path) -> bool:
     try:
         with open(path, "rb") as f:
@@ -532,32 +457,19 @@ class MuseTokenizer:
     # -- construction ---------------------------------------------------------------------
     @classmethod
     def load(cls, model_path: str | Path) -> MuseTokenizer:
-        """The tokenizer of a checkpoint: a GGUF file or a Hugging Face directory.
+        """The tokenizer of a checkpoint's own files: a GGUF file or a Hugging Face directory.
 
         A GGUF without tokenizer metadata, and any other file (an exported
         program), uses the ``tokenizer.json`` beside it. Built once per process
-        for a given file: a later call for the same path, unchanged on disk
-        (size and modification time), returns the same (immutable) object.
+        for a given file (:func:`load_once`). A model served from a bare
+        ``config.json`` gets the demo tokenizer instead:
+        :func:`musegl_core.checkpoint.model_tokenizer.load_tokenizer` decides.
         """
         path = Path(model_path)
-        try:
-            stat = path.stat()
-            key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns)
-        except OSError:
-            return cls._load(path)  # let the real reading say what is wrong
-        with _LOADED_LOCK:
-            found = _LOADED.get(key)
-        if found is None:
-            found = cls._load(path)
-            with _LOADED_LOCK:
-                _LOADED[key] = found
-        return found
+        return load_once("files", path, lambda: cls._load(path))
 
     @classmethod
     def _load(cls, path: Path) -> MuseTokenizer:
-        demo = _weightless_config(path)
-        if demo is not None:
-            return demo
         if path.is_dir():
             return cls.from_file(path)
         if path.suffix == ".json":
@@ -999,32 +911,20 @@ class MuseTokenizer:
         )
 
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt", ".pth")
-
-
-def _weightless_config(path: Path) -> MuseTokenizer | None:
-    """The demo tokenizer for a bare ``config.json`` (or a directory holding only a
-    config): no tokenizer files and no weight files beside it, which only serves with
-    random weights (``--load-format dummy``). Sized to the config's vocabulary so
-    every id the model can emit decodes. None for anything else."""
-    directory = path if path.is_dir() else path.parent
-    config = directory / "config.json"
-    if path.is_file() and path.name != "config.json":
-        return None
-    if not config.is_file() or any((directory / name).is_file() for name in TOKENIZER_FILES):
-        return None
-    if any(child.suffix in WEIGHT_SUFFIXES for child in directory.iterdir()):
-        return None
-    raw = _read_json(config)
-    vocab_size = int((raw.get("text_config") or raw).get("vocab_size") or 0)
-    if vocab_size <= 0:
-        raise TokenizerError(f"{config} declares no vocab_size")
-    from musegl_core.tiny import SPECIAL_RANGE, build_tiny_tokenizer
-
-    if vocab_size < SPECIAL_RANGE.stop:
-        raise TokenizerError(f"{config}: vocab_size {vocab_size} is smaller than the Muse special ids "
-                             f"(up to {SPECIAL_RANGE.stop - 1}); add a tokenizer.json beside it")
-    log.warning("%s has no tokenizer files: using the built-in demo tokenizer (%d ids); its text is made-up words",
-                directory, vocab_size)
-    return build_tiny_tokenizer(vocab_size=vocab_size)
+def load_once(what: str, path: Path, build: Callable[[], MuseTokenizer]) -> MuseTokenizer:
+    """``build()``, once per process for ``what`` of a file unchanged on disk (same
+    resolved path, size and modification time): a later call returns the same
+    (immutable) tokenizer. A path that cannot be read is not remembered, so
+    ``build`` says what is wrong."""
+    try:
+        stat = path.stat()
+        key = (what, str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+    except OSError:
+        return build()
+    with _LOADED_LOCK:
+        found = _LOADED.get(key)
+    if found is None:
+        found = build()
+        with _LOADED_LOCK:
+            _LOADED[key] = found
+    return found

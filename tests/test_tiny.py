@@ -102,7 +102,7 @@ def test_checkpoint_reads_back(small_checkpoint: Path) -> None:
 
 
 def test_metadata(small_checkpoint: Path) -> None:
-    from musegl_core.tokenizer import read_gguf_metadata
+    from musegl_core.checkpoint.gguf_tokenizer import read_gguf_metadata
 
     meta = read_gguf_metadata(small_checkpoint, ("general.", "muse-glimmer."))
     assert meta["general.architecture"] == "muse-glimmer"

@@ -11,6 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer
 
+from musegl_core.checkpoint.gguf_tokenizer import read_gguf_tokenizer_data
 from musegl_core.checkpoint.gguf_writer import add_tokenizer_metadata
 from musegl_core.checkpoint.tokenizer_data import CONTROL, NORMAL, UNUSED, USER_DEFINED, GGUFTokenizerData
 from musegl_core.tiny import MUSE_SPECIAL_TOKENS, build_tiny_tokenizer
@@ -20,7 +21,6 @@ from musegl_core.tokenizer import (
     TokenizerError,
     byte_level_alphabet,
     byte_level_bpe_document,
-    read_gguf_tokenizer_data,
 )
 from musegl_core.engine.request import PromptSegment
 

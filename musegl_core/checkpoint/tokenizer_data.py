@@ -4,6 +4,11 @@ from __future__ import annotations
 
 import attrs
 
+
+class TokenizerError(ValueError):
+    """A tokenizer that cannot be built or lacks a required token."""
+
+
 # tokenizer.ggml.token_type values
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 

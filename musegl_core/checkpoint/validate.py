@@ -24,7 +24,7 @@ def check_servable(path: str | os.PathLike[str]) -> None:
     """Raise :class:`ConfigError` unless ``path`` opens as a Muse Glimmer checkpoint
     with a tokenizer."""
     from musegl_core.checkpoint.loader import load_checkpoint
-    from musegl_core.tokenizer import MuseTokenizer
+    from musegl_core.checkpoint.model_tokenizer import load_tokenizer
 
     try:
         checkpoint = load_checkpoint(path)
@@ -33,6 +33,6 @@ def check_servable(path: str | os.PathLike[str]) -> None:
                 raise ValueError("the checkpoint holds no tensors")
         finally:
             checkpoint.close()
-        MuseTokenizer.load(path)
+        load_tokenizer(path)
     except Exception as exc:  # the readers raise whatever malformed bytes provoke
         raise ConfigError(f"cannot serve {os.fspath(path)!r}: {one_line(exc)}") from None

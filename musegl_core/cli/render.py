@@ -98,7 +98,8 @@ def render_request(
 
 def load_tokenizer(model: str | None, tokenizer: str | None) -> Any:
     """The tokenizer of ``--tokenizer`` / ``--model``, else the demo checkpoint's."""
-    from musegl_core.tokenizer import MuseTokenizer, TokenizerError
+    from musegl_core.checkpoint.model_tokenizer import load_tokenizer as load_model_tokenizer
+    from musegl_core.tokenizer import TokenizerError
 
     path = tokenizer or model
     if path is None:
@@ -106,7 +107,7 @@ def load_tokenizer(model: str | None, tokenizer: str | None) -> Any:
 
         path = str(default_model_path(progress=True))
     try:
-        return MuseTokenizer.load(path)
+        return load_model_tokenizer(path)
     except (OSError, ValueError, TokenizerError) as exc:
         raise ConfigError(f"cannot load a tokenizer from {path}: {exc}") from exc
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from musegl_core.checkpoint.model_tokenizer import load_tokenizer
 from musegl_core.config import ServeConfig
 from musegl_core.tokenizer import MuseTokenizer, TokenizerError
 
@@ -32,7 +33,7 @@ class FrontTokenizer:
         if config.model is None:
             return None
         try:
-            self.tokenizer = await asyncio.to_thread(MuseTokenizer.load, config.model)
+            self.tokenizer = await asyncio.to_thread(load_tokenizer, config.model)
         except (OSError, ValueError, TokenizerError) as exc:
             log.warning("the front could not load the tokenizer of %s (%s); /tokenize and /detokenize are unavailable",
                         config.model, exc)

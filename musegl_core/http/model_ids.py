@@ -38,7 +38,7 @@ def checkpoint_name(model: str | None) -> str:
     if path.is_dir():
         return path.resolve().name
     try:
-        from musegl_core.tokenizer import read_gguf_metadata
+        from musegl_core.checkpoint.gguf_tokenizer import read_gguf_metadata
 
         name = read_gguf_metadata(path, prefixes=("general.name",)).get("general.name")
     except Exception:  # unreadable here: the worker reports the real problem

@@ -115,15 +115,15 @@ def read_config_only(model: str) -> ConfigOnly:
 def check_model(options: ExecutorOptions) -> None:
     """``musegl serve``'s check before loading: with ``--load-format dummy`` only a
     config (and a tokenizer, or the demo one for a bare config.json) is needed."""
+    from musegl_core.checkpoint.model_tokenizer import load_tokenizer
     from musegl_core.checkpoint.validate import check_servable, one_line
-    from musegl_core.tokenizer import MuseTokenizer
 
     if load_format(options) != "dummy":
         check_servable(options.model)
         return
     read_config_only(options.model)
     try:
-        MuseTokenizer.load(options.model)
+        load_tokenizer(options.model)
     except Exception as exc:
         raise ConfigError(f"cannot serve {options.model!r}: {one_line(exc)}") from None
 

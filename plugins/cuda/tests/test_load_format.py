@@ -11,7 +11,7 @@ import pytest
 
 from musegl_core.cli.serve import prepare
 from musegl_core.errors import ConfigError
-from musegl_core.tokenizer import MuseTokenizer
+from musegl_core.checkpoint.model_tokenizer import load_tokenizer
 from tests.support.server import running_server
 
 # A small shape with the real vocabulary: the demo tokenizer needs the Muse special ids (200000+).
@@ -35,13 +35,13 @@ def serve_args(model, *extra: str) -> list[str]:
 
 
 def test_a_bare_config_gets_the_demo_tokenizer_only_without_weights(bare_config):
-    tokenizer = MuseTokenizer.load(bare_config)
+    tokenizer = load_tokenizer(bare_config)
     assert tokenizer.vocab_size == CONFIG["vocab_size"]
     assert tokenizer.token_id("<|eot|>") is not None
-    assert MuseTokenizer.load(bare_config / "config.json").vocab_size == CONFIG["vocab_size"]
+    assert load_tokenizer(bare_config / "config.json").vocab_size == CONFIG["vocab_size"]
     (bare_config / "model.safetensors").write_bytes(b"")
     with pytest.raises(Exception, match="tokenizer.json"):
-        MuseTokenizer.load(bare_config)  # weights without a tokenizer: a broken checkpoint, not a dummy one
+        load_tokenizer(bare_config)  # weights without a tokenizer: a broken checkpoint, not a dummy one
 
 
 def test_the_serve_check_needs_weights_unless_dummy(bare_config):
