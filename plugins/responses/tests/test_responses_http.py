@@ -27,6 +27,8 @@ change_context: ("@@" | "@@ " /(.+)/) LF
 change_line: ("+" | "-" | " ") /(.*)/ LF
 %import common.LF
 '''
+PNG = ("data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAgAAAAICAIAAABLbSncAAAAEklEQVR4nGP8z4AdMOEQH6QSAM1BAQ/"
+       "oQeJvAAAAAElFTkSuQmCC")
 PATCH = "*** Begin Patch\n*** Add File: hello.txt\n+hello\n*** End Patch\n"
 BAD_PATCH = "*** Begin Patch\nrm -rf hello.txt\n*** End Patch\n"
 
@@ -42,6 +44,9 @@ def call(name: str, params: list[tuple[str, str]], reasoning: str = "Run it.") -
 
 
 SCRIPT = [
+    {"when": "fail please", "reply": " to=user<|message|>one two three four five<|eot|>", "fail_after": 8},
+    {"when": "ALWAYS ANSWER ARR", "reply": " to=user<|message|>Arr.<|eot|>"},
+    {"when": "<|patch|>", "reply": " to=user<|message|>A red square.<|eot|>"},
     {"when": "slow prefill", "reply": " to=user<|message|>late<|eot|>", "prefill_delay": 1.2},
     {"when": "</tool_output>", "reply": " to=self<|message|>Done.<|eom|><|start|>assistant to=user<|message|>All set.<|eot|>"},
     {"when": "bad patch", "reply": call("apply_patch.apply_patch", [("input", BAD_PATCH)], "Patch it.")},
@@ -353,3 +358,29 @@ def test_cancel_ends_a_response_in_progress(server):
     again = httpx.post(f"{server.url}/v1/responses/{response_id}/cancel", timeout=30)
     assert again.status_code == 400 and again.json()["error"]["code"] == "response_not_cancellable"
     assert httpx.post(f"{server.url}/v1/responses/resp_none/cancel", timeout=30).status_code == 404
+
+
+def test_instructions_are_the_system_message(client):
+    response = client.responses.create(model="m", input="hello", instructions="ALWAYS ANSWER ARR", store=False)
+    assert response.output_text == "Arr." and response.instructions == "ALWAYS ANSWER ARR"
+
+
+def test_a_tool_output_may_carry_one_image_and_two_are_refused(server, client):
+    output = [{"type": "input_text", "text": "the screenshot:"}, {"type": "input_image", "image_url": PNG}]
+    history = [{"role": "user", "content": "look"},
+               {"type": "function_call", "call_id": "c1", "name": "exec_command", "arguments": '{"cmd": "shot"}'},
+               {"type": "function_call_output", "call_id": "c1", "output": output}]
+    response = client.responses.create(model="m", input=history, tools=[EXEC], store=False)
+    assert response.output_text == "A red square."
+    two = [*history, {"role": "user", "content": [{"type": "input_image", "image_url": PNG}]}]
+    reply = post(server, {"model": "m", "input": two, "tools": [EXEC], "store": False})
+    assert reply.status_code == 400 and reply.json()["error"]["code"] == "invalid_image"
+
+
+def test_a_failure_after_output_began_ends_the_stream_with_response_failed(server, client):
+    final = check_stream(stream_events(server, {"model": "m", "input": "fail please", "store": False}))
+    assert final["status"] == "failed" and final["error"]["code"]
+    assert final["output"][0]["status"] == "incomplete"  # the open item was closed before the end
+    with pytest.raises(openai.APIStatusError) as caught:
+        client.responses.create(model="m", input="fail please", store=False)
+    assert caught.value.status_code == 500 and caught.value.body["type"] == "server_error"
