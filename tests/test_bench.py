@@ -183,3 +183,18 @@ def test_an_interrupted_agent_run_deletes_its_sessions(server):
 
     asyncio.run(interrupt())
     assert bench_sessions(server.url) == []
+
+
+def test_cli_without_httpx_says_how_to_install_it(monkeypatch, capsys):
+    import sys
+
+    for name in [name for name in sys.modules if name == "musegl_core.bench" or name.startswith("musegl_core.bench.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "httpx", None)  # `import httpx` now fails as if it were not installed
+    assert cli_main(["bench", "--url", "http://127.0.0.1:9"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("musegl bench: error: ") and "pip install 'musegl[bench]'" in err
+    assert len(err.splitlines()) == 1
+    with pytest.raises(SystemExit) as help_exit:  # --help needs no httpx
+        cli_main(["bench", "--help"])
+    assert help_exit.value.code == 0

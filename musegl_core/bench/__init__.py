@@ -12,7 +12,8 @@ The package is split by concern:
 * :mod:`~musegl_core.bench.runner`: :func:`run_bench`, which drives N
   concurrent clients with a progress bar and returns the report.
 
-``benchmarks/`` uses :func:`run_bench` directly; the CLI wraps it.
+``benchmarks/`` uses :func:`run_bench` directly; the CLI wraps it. The
+HTTP client (httpx) comes with the ``bench`` extra: ``pip install 'musegl[bench]'``.
 """
 
 from __future__ import annotations

@@ -23,14 +23,13 @@ Start the server without prefix snapshots (--prefix-cache-entries 0, the
 default) when comparing sessions with anonymous requests.
 """
 
+#: What ``musegl bench`` says when its HTTP client is not installed.
+INSTALL_HINT = ("musegl bench needs httpx, which the bench extra installs: "
+                "pip install 'musegl[bench]' (or pip install httpx)")
+
 
 def main(argv: list[str]) -> int:
     import argparse
-
-    from rich.console import Console
-
-    from musegl_core.bench.report import render
-    from musegl_core.bench.runner import BenchConfig, BenchError, run_bench
 
     p = OneLineParser(prog="musegl bench", description=__doc__, epilog=EPILOG,
                       formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -51,6 +50,15 @@ def main(argv: list[str]) -> int:
     p.add_argument("--json", action="store_true", help="print the report as one JSON object")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="hide the progress bar")
     args = p.parse_args(argv)
+    try:
+        from musegl_core.bench.report import render
+        from musegl_core.bench.runner import BenchConfig, BenchError, run_bench
+    except ImportError as exc:
+        if exc.name != "httpx":
+            raise
+        raise ConfigError(INSTALL_HINT) from None
+    from rich.console import Console
+
     if args.timeout <= 0:
         raise ConfigError("--timeout must be positive")
     if args.api_key is None:
