@@ -22,7 +22,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 from typing import Any, Sequence
 

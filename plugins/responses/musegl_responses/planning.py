@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Sequence
+from typing import Any
 
 import attrs
 
@@ -104,10 +104,7 @@ def _check_fixed(r: ResponseRequest) -> None:
         raise unsupported("text.verbosity", "the model has no verbosity control; only 'medium' is accepted")
     if r.prompt_cache_retention not in (None, "in_memory", "in-memory"):
         raise unsupported("prompt_cache_retention", "the prompt cache lives in memory only ('in_memory')")
-    if r.truncation not in (None, "disabled"):
-        if r.truncation == "auto":
-            raise unsupported("truncation", "truncation 'auto' is not implemented: a prompt longer than the "
-                                            "context is an error (context_length_exceeded); use 'disabled'")
+    if r.truncation not in (None, "disabled", "auto"):
         raise bad_request("'truncation' must be 'auto' or 'disabled'", param="truncation")
     if r.max_output_tokens is not None and r.max_output_tokens < 1:
         raise bad_request(f"'max_output_tokens' must be a positive integer, got {r.max_output_tokens}",

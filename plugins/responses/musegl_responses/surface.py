@@ -43,6 +43,7 @@ from musegl_responses.output import ResponseBuilder
 from musegl_responses.planning import ResponsePlan, plan_response
 from musegl_responses.settings import ResponsesSettings
 from musegl_responses.store import ResponseStore, StoredResponse
+from musegl_responses.truncation import fit
 
 log = logging.getLogger("musegl.responses")
 
@@ -80,7 +81,8 @@ class ResponsesSurface(ApiSurface):
         self.running: dict[str, Running] = {}
 
     def error_body(self, error: ApiError) -> Any:
-        return {"error": {"message": error.message, "type": error.type, "param": error.param, "code": error.code}}
+        param = "input" if error.code == "context_length_exceeded" else error.param  # the core names "messages"
+        return {"error": {"message": error.message, "type": error.type, "param": param, "code": error.code}}
 
     # -- planning ----------------------------------------------------------------------
     def reader(self) -> Reader:
@@ -88,8 +90,14 @@ class ResponsesSurface(ApiSurface):
 
     async def _plan(self, request: Request) -> ResponsePlan:
         body = s.structure_body(s.parse_body(await request.body()), rs.ResponseRequest)
-        return plan_response(body, headers=request.headers, store=self.store, reader=self.reader(),
+        plan = plan_response(body, headers=request.headers, store=self.store, reader=self.reader(),
                              max_sessions=self.context.config.max_sessions)
+        if body.truncation == "auto":
+            service = self.context.service
+            fitted = await fit(plan.conversation, prepare=lambda c: service.prepare(c, request_id=plan.id),
+                               tokenizer=service.tokenizer, max_context=self.context.config.max_context)
+            plan = attrs.evolve(plan, conversation=fitted)
+        return plan
 
     # -- running -------------------------------------------------------------------------
     async def _drive(self, generation: Any, builder: ResponseBuilder, running: Running) -> AsyncIterator[Any]:

@@ -279,7 +279,7 @@ def test_an_unknown_previous_response_id_is_404_previous_response_not_found(serv
 @pytest.mark.parametrize("extra, param", [
     ({"frobnicate": 1}, "frobnicate"),
     ({"background": True}, "background"),
-    ({"truncation": "auto"}, "truncation"),
+    ({"truncation": "middle"}, "truncation"),
     ({"reasoning": {"summary": "concise"}}, "reasoning.summary"),
     ({"reasoning": {"effort": "none"}}, "reasoning.effort"),
     ({"include": ["file_search_call.results"]}, "include[0]"),
@@ -384,3 +384,21 @@ def test_a_failure_after_output_began_ends_the_stream_with_response_failed(serve
     with pytest.raises(openai.APIStatusError) as caught:
         client.responses.create(model="m", input="fail please", store=False)
     assert caught.value.status_code == 500 and caught.value.body["type"] == "server_error"
+
+
+def test_truncation_auto_drops_the_oldest_turns_until_the_prompt_fits(server, client):
+    history = []
+    for turn in range(30):
+        history += [{"role": "user", "content": f"turn {turn}: " + "word " * 60},
+                    {"role": "assistant", "content": "ok " * 20}]
+    history.append({"role": "user", "content": "second question"})
+    body = {"model": "m", "input": history, "instructions": "Be brief.", "store": False}
+    full = client.responses.input_tokens.count(model="m", input=history, instructions="Be brief.")
+    assert full.input_tokens > server.config.max_context
+    refused = post(server, body)
+    assert refused.status_code == 400 and refused.json()["error"]["code"] == "context_length_exceeded"
+    assert refused.json()["error"]["param"] == "input"
+    fitted = client.responses.create(**body, truncation="auto")
+    assert fitted.output_text == "Second." and fitted.truncation == "auto"
+    assert fitted.usage.input_tokens + 1 <= server.config.max_context
+    assert fitted.usage.input_tokens > server.config.max_context // 2  # only as many turns as needed went
