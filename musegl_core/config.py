@@ -20,7 +20,7 @@ MAX_REQUEST_BYTES_CAP = 32 * MIB
 
 
 def min_request_bytes(max_image_bytes: int) -> int:
-    """The seed's floor for --max-request-bytes: one base64 image plus framing."""
+    """The floor of --max-request-bytes: one base64 image of --max-image-bytes plus framing."""
     return 4 * math.ceil(max_image_bytes / 3) + 1024
 
 

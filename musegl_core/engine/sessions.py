@@ -1,4 +1,4 @@
-"""Session slots, named sessions and prefix snapshots (the seed's "Session Behavior").
+"""Session slots, named sessions and prefix snapshots (docs/sessions.md).
 
 A **slot** is a budget of KV blocks (enough for ``--max-context`` positions)
 that one resident session owns. Named sessions keep their slot, transcript and

@@ -1,6 +1,6 @@
 """``GET /v1/sessions`` and ``DELETE /v1/sessions/{id}``: named sessions as a client manages them.
 
-Named sessions persist by default (the seed's policy), each holding one of
+Named sessions persist by default (never dropped behind a client's back), each holding one of
 the ``--max-sessions`` slots, so a client that names many sessions needs a way
 to see them and give their slots back. Both routes ask the worker, which
 answers between two engine steps; both take the API key when one is set.

@@ -7,7 +7,7 @@ turns all of them into frames and back.
 
 Each frame is a JSON object whose ``op`` names its class. Requests travel
 front → worker, events worker → front, multiplexed by request ``id``.
-Frame limits (the seed's): a request frame, newline included, is at most
+Frame limits: a request frame, newline included, is at most
 ``--max-request-bytes``; an event frame at most :data:`MAX_EVENT_FRAME`.
 """
 

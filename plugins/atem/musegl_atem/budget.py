@@ -30,7 +30,7 @@ import attrs
 #: or by tens of thousands of keyword checks per call.
 OUTPUT_BUDGET_UNITS = 2_000_000
 
-#: Seconds of regular-expression search one response may spend (seed: 100 ms).
+#: Seconds of regular-expression search one response may spend (100 ms).
 REGEX_BUDGET_SECONDS = 0.1
 
 

@@ -25,7 +25,7 @@ from musegl_atem.parser import Invoke
 from musegl_atem.schemas import MAX_SCHEMA_DEPTH, CompiledTool
 from musegl_atem.validate import MAX_ARGUMENT_DEPTH, ToolValidator, ValidationRun
 
-#: Argument objects validated per invoke (seed: at most 1024 alternatives).
+#: Argument objects validated per invoke (at most 1024 alternatives).
 MAX_COMBINATIONS = 1024
 #: Longest numeric spelling read as a number [decision]; longer digit runs
 #: stay strings (no quadratic big-number conversion).

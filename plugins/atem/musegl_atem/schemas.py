@@ -40,11 +40,11 @@ from musegl_core.errors import ApiError
 from musegl_atem.dialects import BASE_VALIDATORS, DIALECT_URIS, DRAFT7, DRAFT202012
 from musegl_atem.metaschema import FAST_METASCHEMAS
 
-#: Object alternatives one tool may have (seed: more than 1023 are rejected).
+#: Object alternatives one tool may have (more are rejected).
 MAX_ALTERNATIVES = 1023
-#: Subschemas of one tool with every local ``$ref`` inlined (seed).
+#: Subschemas of one tool with every local ``$ref`` inlined.
 MAX_EXPANDED_NODES = 4096
-#: Preflight visits over all active tools of a request (seed).
+#: Preflight visits over all active tools of a request.
 MAX_PREFLIGHT_VISITS = 65_536
 #: Nesting of subschemas (and of ``$ref`` hops while expanding alternatives)
 #: [decision]: deep enough for any real tool, shallow enough that the

@@ -8,7 +8,7 @@ OpenRouter reports an oversized request as::
 and agent clients (the Muse provider among them) parse it with a pattern like
 :data:`RECOVERABLE_PATTERN` to decide how much history to compact before they
 retry. musegl keeps that wording for overflows that compaction can fix, with
-the counts the seed prescribes:
+these counts:
 
 * ``N`` is the *prompt budget*: the context window minus the completion
   reservation (``max_tokens``, or one token when absent), i.e. the

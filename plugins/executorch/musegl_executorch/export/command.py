@@ -61,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--max-prefill-chunk must be at least 1, got {args.max_prefill_chunk}")
     if args.max_cells < 16:
         raise ConfigError(f"--max-cells must be at least 16 (one block), got {args.max_cells}")
-    if args.max_seq_len is not None:  # before the checkpoint loads, as the seed's exporter
+    if args.max_seq_len is not None:  # said before the checkpoint loads
         print(f"musegl export: warning: --max-seq-len {args.max_seq_len} is ignored; the export uses the "
               f"checkpoint's native context", file=sys.stderr, flush=True)
     out = Path(args.output_dir)
