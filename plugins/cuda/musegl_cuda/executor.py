@@ -53,7 +53,6 @@ WEIGHT_MODES = ("stored", "upcast")
 #: they are tiny and gain less from intra-op threads than waking them costs (the stored-weight
 #: kernels keep their own threads).
 SINGLE_THREADED_ROWS = 16
-log = logging.getLogger("musegl.executor")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
           "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
