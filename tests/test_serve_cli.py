@@ -58,6 +58,7 @@ def test_the_startup_line_names_executor_tool_parser_and_dialects():
     line = startup_line(config, plugins)
     assert "executor torch-cpu (plugin cuda)" in line and "tool parser atem" in line
     assert "dialect openai (installed: openai, openrouter)" in line and "template muse" in line
+    assert "API surfaces anthropic, chat, completions" in line
     assert "tool parser none" in startup_line(prepare([])[0], plugins)
 
 

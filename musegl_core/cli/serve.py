@@ -134,7 +134,7 @@ def prepare(argv: list[str]):
 
 def startup_line(config: ServeConfig, plugins) -> str:
     """What this server runs, in one line (logged at start-up): the model, the executor,
-    the tool parser, the dialect, the template and the speculator plugins."""
+    the tool parser, the API surfaces, the dialect, the template and the speculator plugins."""
     executor = plugins.choose_executor(config.executor, config.model)
     owners = {name: plugin for name, (plugin, _spec) in plugins.provided("executors").items()}
 
@@ -143,7 +143,8 @@ def startup_line(config: ServeConfig, plugins) -> str:
 
     parser = config.tool_parser or "none (tool calls are refused; --tool-parser atem enables them)"
     return (f"serving {config.model}{' (demo)' if config.demo else ''}: executor {executor.name} "
-            f"(plugin {owners.get(executor.name, '?')}); tool parser {parser}; dialect {config.api_dialect} "
+            f"(plugin {owners.get(executor.name, '?')}); tool parser {parser}; API surfaces {names('api_surfaces')}; "
+            f"dialect {config.api_dialect} "
             f"(installed: {names('dialects')}); template {config.template}; speculator plugins {names('speculators')}")
 
 
