@@ -278,14 +278,6 @@ def _parse_message(raw: Any, param: str) -> Message:
     )
 
 
-def count_images(messages: Sequence[Message]) -> int:
-    """The number of image parts across the whole history."""
-    return sum(
-        isinstance(part, ImagePart)
-        for message in messages
-        if not isinstance(message.content, (str, type(None)))
-        for part in message.content
-    )
 
 
 def image_parts(messages: Sequence[Message]) -> list[ImagePart]:

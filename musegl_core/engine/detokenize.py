@@ -11,7 +11,7 @@ the final ``flush`` equals ``tokenizer.decode(all_ids)``.
 from __future__ import annotations
 
 import codecs
-from typing import Iterable, Protocol
+from typing import Protocol
 
 
 class TokenBytes(Protocol):
@@ -39,10 +39,6 @@ class IncrementalDetokenizer:
         if self._finished:
             raise RuntimeError("push() after flush()")
         return self._decoder.decode(self._tokenizer.token_bytes(int(token_id)), final=False)
-
-    def push_many(self, token_ids: Iterable[int]) -> str:
-        """Add several tokens; return the text they completed."""
-        return "".join(self.push(token_id) for token_id in token_ids)
 
     @property
     def pending_bytes(self) -> bytes:

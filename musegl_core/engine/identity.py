@@ -40,10 +40,6 @@ def _base(digest: str) -> int:
     return int.from_bytes(hashlib.blake2b(digest.encode(), digest_size=8).digest(), "little") % _SPAN
 
 
-def image_key(digest: str, row: int) -> int:
-    return -(1 + (_base(digest) + row) % _SPAN)
-
-
 def prompt_keys(prompt_ids: Sequence[int], images: Sequence[PlacedImage]) -> list[int]:
     """The identity keys of a prompt: its ids, with image rows replaced."""
     keys = list(prompt_ids)

@@ -222,6 +222,3 @@ class SequenceState:
     @property
     def blocks(self) -> list[int]:
         return self.session.slot.blocks
-
-    def pending(self) -> Sequence[int]:
-        return self.tokens[self.computed :]
