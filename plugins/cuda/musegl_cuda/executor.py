@@ -36,14 +36,19 @@ import torch
 
 from musegl_core.checkpoint.loader import Checkpoint
 from musegl_core.checkpoint.vision import VisionWeights
+from musegl_core.engine.dtypes import backend_dtypes, dtype_name
+from musegl_core.engine.embedding_rows import embedding_rows
 from musegl_core.engine.executor import (GREEDY, ExecutorLimits, FinishedStep, HeadRows, ModelInfo, PendingStep,
                                          PromptImage, SeqChunk, Step, StepOutput)
+from musegl_core.engine.memory import available_ram
+from musegl_core.engine.sample_rows import SampleRows
+from musegl_core.engine.step_checks import check_positions, check_taps, check_tokens, table_of
 from musegl_cuda.cpu.stored_matrix import HalfRows
 from musegl_cuda.model import AttentionBatch, DecodeAttention, MuseGlimmerDecoder, PagedMeta, SequenceAttention
 from musegl_cuda.plan import StepPlan, plan_step, rows_per_tile
 from musegl_cuda.vision import load_vision_encoder
 from musegl_cuda.pending import GreedyIds, Launched, Sampled, device_sources, follow_on_host
-from musegl_cuda.sampling import Draw, SampleRows, choose, on_device
+from musegl_cuda.sampling import Draw, choose, on_device
 
 DEFAULT_BLOCK_SIZE = 16
 #: Decode widths captured as CUDA graphs unless ``--forward-sizes`` says otherwise.
@@ -53,8 +58,7 @@ WEIGHT_MODES = ("stored", "upcast")
 #: they are tiny and gain less from intra-op threads than waking them costs (the stored-weight
 #: kernels keep their own threads).
 SINGLE_THREADED_ROWS = 16
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
-          "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+DTYPES = backend_dtypes(lambda name: getattr(torch, name))
 
 
 def plain_greedy(chunk: SeqChunk) -> bool:
@@ -97,9 +101,7 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     if isinstance(dtype, torch.dtype):
         return dtype
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype {dtype!r} is not one of float32, float16, bfloat16")
-    return DTYPES[dtype]
+    return DTYPES[dtype_name(dtype)]
 
 
 def resolve_weights(weights: str | None, device: torch.device, dtype: torch.dtype, file_type: str = "") -> str:
@@ -132,18 +134,6 @@ def single_threaded() -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(threads)
-
-
-def available_ram() -> int | None:
-    """The kernel's estimate of memory available without swapping (Linux), else None."""
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
 
 
 class TorchExecutor:
@@ -294,13 +284,7 @@ class TorchExecutor:
 
     def _block_table(self, chunk: SeqChunk) -> torch.Tensor:
         """The chunk's block table as a tensor, checked against its positions and the pool."""
-        bs, last = self.block_size, chunk.positions[-1]
-        if last // bs >= len(chunk.blocks):
-            raise ValueError(f"sequence {chunk.seq}: position {last} needs block {last // bs} "
-                             f"but its block table has {len(chunk.blocks)} blocks")
-        needed = list(chunk.blocks[:last // bs + 1])
-        if min(needed) < 0 or max(needed) >= self.num_blocks:
-            raise ValueError(f"sequence {chunk.seq}: block ids must lie in 0..{self.num_blocks - 1}")
+        needed = list(table_of(chunk, self.block_size, self.num_blocks))
         return torch.tensor(needed, dtype=torch.long, device=self.device)
 
     def _attention_batch(self, step: Step) -> AttentionBatch:
@@ -311,8 +295,7 @@ class TorchExecutor:
             n, sample = len(chunk.tokens), int(chunk.sample)
             sampled += [False] * (n - sample) + [True] * min(sample, n)
             first, last = chunk.positions[0], chunk.positions[-1]
-            if first < 0 or list(chunk.positions) != list(range(first, first + len(chunk.positions))):
-                raise ValueError(f"sequence {chunk.seq}: chunk positions must be consecutive and >= 0")
+            check_positions(chunk)
             table = self._block_table(chunk)
             k_pos = torch.arange(0, last + 1, device=self.device)
             slots = table[k_pos // bs] * bs + k_pos % bs  # every position 0..last
@@ -334,15 +317,8 @@ class TorchExecutor:
         tables, last = [], []
         for chunk in step.chunks:
             pos = chunk.positions[0]
-            if pos < 0:
-                raise ValueError(f"sequence {chunk.seq}: chunk positions must be consecutive and >= 0")
-            if pos // bs >= len(chunk.blocks):
-                raise ValueError(f"sequence {chunk.seq}: position {pos} needs block {pos // bs} "
-                                 f"but its block table has {len(chunk.blocks)} blocks")
-            needed = list(chunk.blocks[:pos // bs + 1])
-            if min(needed) < 0 or max(needed) >= self.num_blocks:
-                raise ValueError(f"sequence {chunk.seq}: block ids must lie in 0..{self.num_blocks - 1}")
-            tables.append(needed)
+            check_positions(chunk)
+            tables.append(list(table_of(chunk, bs, self.num_blocks)))
             last.append(pos)
         decode = DecodeAttention.of(tables, last, bs, self.config.sliding_window)
         rows = torch.arange(len(last))
@@ -368,9 +344,7 @@ class TorchExecutor:
         if not step.chunks:
             return FinishedStep(StepOutput())
         kv = self._require_kv()
-        for t in step.taps:
-            if not 0 <= t <= self.config.num_layers:
-                raise ValueError(f"tap {t} outside 0..{self.config.num_layers}")
+        check_taps(step.taps, self.config.num_layers)
         while len(self._unresolved) > 1:  # at most two launched steps in flight: their buffers alternate
             self._unresolved.popleft().settle()
         with torch.inference_mode():
@@ -395,8 +369,7 @@ class TorchExecutor:
     def _run_eager(self, step: Step, kv: torch.Tensor):
         vocab = self.config.vocab_size
         tokens = [t for c in step.chunks for t in c.tokens]
-        if any(not 0 <= t < vocab for t in tokens):
-            raise ValueError(f"token id outside the vocabulary 0..{vocab - 1}")
+        check_tokens(tokens, vocab)
         decode = self.model.stored and all(len(chunk.tokens) == 1 for chunk in step.chunks)
         batch = self._decode_batch(step) if decode else self._attention_batch(step)
         token_ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
@@ -476,31 +449,47 @@ class TorchExecutor:
         read. ``last_ids``: where a graph step of one row per sequence leaves its
         ids for a step that follows it; ``rows`` (given with it) maps a sequence to its row."""
         plan = HeadRows.of(step, starts)
-        sample_rows = SampleRows()
         logits = head(on_device(plan.rows, self.device, torch.long)) if plan.rows else None
-        for chunk in step.chunks:  # after the head: the engine's masks are computed meanwhile
-            sample_rows.add_chunk(chunk)
-        drawn = (choose(logits[on_device(plan.sampled, self.device, torch.long)], sample_rows)
-                 if plan.sampled else Draw(0))
+        sample_rows = SampleRows.of(step)  # after the head: the engine's masks are computed meanwhile
+        if not plan.sampled:
+            drawn = Draw(0)
+        elif plan.sampled == list(range(len(plan.rows))):  # every head row is sampled (decode): no gather
+            drawn = choose(logits, sample_rows)
+        else:
+            drawn = choose(logits[on_device(plan.sampled, self.device, torch.long)], sample_rows)
         if last_ids is not None and drawn.chosen is not None:
             last_ids[:drawn.size].copy_(drawn.chosen)
         return Sampled(step, starts, plan, logits, hidden, drawn.fetch(), rows)
 
     def _embedding_rows(self, step: Step, starts: list[int]) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(packed row indices, their input rows) of every embedding span of the step."""
-        index, values = [], []
-        for chunk, first_row in zip(step.chunks, starts):
-            for span in chunk.embeds:
-                rows = torch.as_tensor(span.embedding)[span.first:span.first + span.count]
-                if rows.shape != (span.count, self.config.hidden_size):
-                    raise ValueError(f"sequence {chunk.seq}: embedding rows must be ({span.count}, "
-                                     f"{self.config.hidden_size}), got {tuple(rows.shape)}")
-                start = first_row + span.offset
-                index.extend(range(start, start + span.count))
-                values.append(rows.to(self.device, self.dtype))
-        if not index:
+        """(packed row indices, their input rows) of every embedding span of the step
+        (:func:`musegl_core.engine.embedding_rows.embedding_rows`), on the device."""
+        found = embedding_rows(step, starts, self.config.hidden_size,
+                               lambda embedding, first, count: torch.as_tensor(embedding)[first:first + count])
+        if found is None:
             return None
-        return torch.tensor(index, dtype=torch.long, device=self.device), torch.cat(values)
+        index, pieces = found
+        return (torch.tensor(index, dtype=torch.long, device=self.device),
+                torch.cat([rows.to(self.device, self.dtype) for rows in pieces]))
+
+    # -- lending the embedding and head to a speculator (TargetAccess) ------------
+
+    def embedding_rows(self, ids) -> torch.Tensor:
+        """The raw token embedding rows of ``ids`` (no norm): ``ids.shape + (hidden,)``, on
+        the device in the activation dtype (float32 from stored matrices)."""
+        ids = torch.as_tensor(ids, dtype=torch.long, device=self.device)
+        model = self.model
+        if model.embed_stored is not None:
+            return model.embed_stored.dequantize(ids.reshape(-1)).view(*ids.shape, -1)
+        return model.embed_tokens.detach()[ids]
+
+    def head_logits(self, hidden) -> torch.Tensor:
+        """The raw lm_head product of ``(n, hidden)`` rows (no multiplier, no softcap)."""
+        hidden = torch.as_tensor(hidden, device=self.device)
+        head = self.model.lm_head
+        if head.stored is not None:
+            return head.stored.matmul(hidden.float())
+        return head(hidden.to(head.weight.dtype))
 
     def embed_image(self, image: PromptImage):
         """The image's decoder input rows ``(rows, hidden)`` (vision tower, adapter,

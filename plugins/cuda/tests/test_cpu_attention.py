@@ -24,7 +24,7 @@ def keys_of(lists: list[torch.Tensor], rows: list[tuple[int, int]]) -> RowKeys:
     offsets = torch.tensor([int(starts[i]) for i, _ in rows])
     counts = torch.tensor([n for _, n in rows])
     slots = torch.cat(lists)
-    return RowKeys(slots, offsets, counts, int(counts.max()), int(slots.max()))
+    return RowKeys(slots, offsets, counts, int(counts.max()), int(slots.max()), int(slots.min()))
 
 
 def reference(q, k, v, keys: RowKeys, window: int, scale: float) -> torch.Tensor:
@@ -77,4 +77,4 @@ def test_keys_outside_the_cache_are_refused():
     k, v = cache(32)
     keys = keys_of([torch.tensor([3, SLOTS])], [(0, 2)])
     with pytest.raises(IndexError, match="outside the cache"):
-        attend(torch.zeros(1, KV_HEADS * GROUP, 32), k, v, keys, 0, 1.0)
+        attend(torch.zeros(1, KV_HEADS * GROUP, 32), k, v, keys, 0, 1.0, None)

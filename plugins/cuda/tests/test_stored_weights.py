@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+
 import gguf
 import numpy as np
 import pytest
@@ -37,6 +40,23 @@ def wide_model(tmp_path_factory):
         paths[file_type] = root / f"m-{file_type}.gguf"
         write_text_gguf(paths[file_type], checkpoint.config, weights, tiny_tokenizer_data(), file_type=file_type)
     return model, paths
+
+
+@contextlib.contextmanager
+def kernel_path(path: str):
+    """``MUSEGL_CPU_KERNELS=path`` for what runs inside; the process' choice is made
+    afresh on entry and on exit."""
+    before = os.environ.get(native.ENV)
+    os.environ[native.ENV] = path
+    native.reset()
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(native.ENV, None)
+        else:
+            os.environ[native.ENV] = before
+        native.reset()
 
 
 def executor(path, weights=None) -> TorchExecutor:
@@ -119,18 +139,14 @@ def test_f16_prompt_rows_in_half_arithmetic_stay_close(wide_model):
 
 
 @pytest.mark.parametrize("path", [*native.PATH_NAMES, native.FALLBACK])
-def test_f16_weights_take_their_file_size(wide_model, path, monkeypatch):
+def test_f16_weights_take_their_file_size(wide_model, path):
     """On each kernel path this CPU runs, a f16 GGUF's matrices stay f16: the weights
     take at most 1.1x the file (the fallback holds float32 copies, twice that)."""
     if path != native.FALLBACK and path not in native.runnable_paths():
         pytest.skip(f"the {path} kernels do not run on this CPU")
     _, paths = wide_model
-    monkeypatch.setenv(native.ENV, path)
-    native.reset()
-    try:
+    with kernel_path(path):
         ex = executor(paths["f16"])
-    finally:
-        native.reset()
     size = paths["f16"].stat().st_size
     total = sum(ex.weight_bytes.values())
     if path == native.FALLBACK:
@@ -293,7 +309,7 @@ def logits_of_seq1(ex: TorchExecutor, ids: list[int], follow: list[int], *, othe
 
 
 @pytest.mark.parametrize("path", [*native.PATH_NAMES, native.FALLBACK])
-def test_a_sequence_gets_the_same_logits_alone_batched_chunked_and_beside_a_prompt(wide_model, path, monkeypatch):
+def test_a_sequence_gets_the_same_logits_alone_batched_chunked_and_beside_a_prompt(wide_model, path):
     """Seeded sampling draws from the logits, so the promise "the same tokens alone or
     batched, after a session rewind" needs each row's logits to be the same bits in
     every case: alone; with 7 sequences of other lengths in every step; its prompt in
@@ -302,17 +318,13 @@ def test_a_sequence_gets_the_same_logits_alone_batched_chunked_and_beside_a_prom
     if path != native.FALLBACK and path not in native.runnable_paths():
         pytest.skip(f"the {path} kernels do not run on this CPU")
     _, paths = wide_model
-    monkeypatch.setenv(native.ENV, path)
-    native.reset()
-    try:
+    with kernel_path(path):
         ex = TorchExecutor(load_checkpoint(paths["f16"]), device="cpu", block_size=BLOCK)
-    finally:
-        native.reset()
-    ex.allocate_kv(64)
-    ids, follow = prompt(3, 24), prompt(9, 6)
-    alone = logits_of_seq1(ex, ids, follow)
-    for case in (dict(others=7), dict(split=11), dict(prompt_beside=2)):
-        assert torch.equal(logits_of_seq1(ex, ids, follow, **case), alone), case
+        ex.allocate_kv(64)
+        ids, follow = prompt(3, 24), prompt(9, 6)
+        alone = logits_of_seq1(ex, ids, follow)
+        for case in (dict(others=7), dict(split=11), dict(prompt_beside=2)):
+            assert torch.equal(logits_of_seq1(ex, ids, follow, **case), alone), case
 
 
 def test_batched_decode_of_unequal_sequences_matches_one_at_a_time(wide_model):

@@ -36,6 +36,7 @@ class RowKeys:
     counts: torch.Tensor  # int64 (rows,)
     max_keys: int
     max_slot: int  # the largest slot any list names (checked against the cache before the kernel reads it)
+    min_slot: int = 0
 
     @classmethod
     def of(cls, sequences: Sequence, rows: int) -> "RowKeys":
@@ -53,7 +54,8 @@ class RowKeys:
         ends = offsets + counts
         if rows and (int(counts.min()) < 1 or int(ends.max()) > slots.shape[0]):
             raise ValueError("every attention row needs 1 .. len(its slot list) keys")
-        return cls(slots.contiguous(), offsets, counts, int(counts.max()) if rows else 1, int(slots.max()))
+        return cls(slots.contiguous(), offsets, counts, int(counts.max()) if rows else 1, int(slots.max()),
+                   int(slots.min()))
 
 
 _last: tuple[object, RowKeys] | None = None  # the step whose row keys were built last (one per step)
@@ -69,23 +71,23 @@ def row_keys(batch) -> RowKeys:
 
 
 def attention_rows(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, batch, window: int,
-                   scale: float) -> torch.Tensor:
+                   scale: float, kernels: native.Kernels | None) -> torch.Tensor:
     """Softmax attention of ``q (rows, heads, hd)`` over each row's keys in the cache
     ``k_flat, v_flat (slots, kv_heads, hd)`` (float32) for a step's
-    :class:`~musegl_cuda.model.AttentionBatch`; ``window`` > 0 for a sliding layer.
+    :class:`~musegl_cuda.model.AttentionBatch`; ``window`` > 0 for a sliding layer;
+    ``kernels``: the build the layer's matrices run on (None: torch, one row at a time).
     Returns ``(rows, heads, hd)``."""
-    return attend(q, k_flat, v_flat, row_keys(batch), window, scale)
+    return attend(q, k_flat, v_flat, row_keys(batch), window, scale, kernels)
 
 
 def attend(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, keys: RowKeys, window: int, scale: float,
-           kernels: native.Kernels | None = None) -> torch.Tensor:
-    """:func:`attention_rows` for rows whose keys ``keys`` gives, by ``kernels`` (default:
-    the build :func:`native.load` chose), else one row at a time in torch."""
+           kernels: native.Kernels | None) -> torch.Tensor:
+    """:func:`attention_rows` for rows whose keys ``keys`` gives, by ``kernels``, else
+    (None, or a head size the vectors do not divide) one row at a time in torch."""
     rows, heads, hd = q.shape
     kvh = k_flat.shape[1]
-    if keys.max_slot >= k_flat.shape[0] or int(keys.slots.min()) < 0:
+    if keys.max_slot >= k_flat.shape[0] or keys.min_slot < 0:
         raise IndexError(f"attention keys outside the cache's {k_flat.shape[0]} slots")
-    kernels = kernels or native.load()
     if (kernels is not None and hd % kernels.lanes == 0 and q.dtype == k_flat.dtype == v_flat.dtype == torch.float32
             and k_flat.is_contiguous() and v_flat.is_contiguous()):
         q = q.contiguous()

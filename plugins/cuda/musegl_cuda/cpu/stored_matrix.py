@@ -240,6 +240,11 @@ class StoredGroup:
                 merged.append(part)
         self.parts = merged
 
+    @property
+    def kernels(self) -> native.Kernels | None:
+        """The build the group's stored matrices run on (None when every part is float32 torch)."""
+        return next((p.kernels for p in self.parts if isinstance(p, StoredMatrix)), None)
+
     def matmul(self, x: torch.Tensor, half: HalfRows | None = None) -> torch.Tensor:
         if len(self.parts) == 1:
             return self.parts[0].matmul(x, half)
