@@ -44,6 +44,10 @@ def call(name: str, params: list[tuple[str, str]], reasoning: str = "Run it.") -
 
 
 SCRIPT = [
+    {"when": "sealed follow", "reply": " to=user<|message|>Fine.<|eot|>"},
+    # reasoning ids a model may emit that are not the canonical tokenization of their text
+    {"when": "sealed reasoning", "pieces": [" to=self<|message|>", *"Think hard.", "<|eom|>",
+                                            "<|start|>assistant to=user<|message|>", "Ok", "<|eot|>"]},
     {"when": "fail please", "reply": " to=user<|message|>one two three four five<|eot|>", "fail_after": 8},
     {"when": "ALWAYS ANSWER ARR", "reply": " to=user<|message|>Arr.<|eot|>"},
     {"when": "<|patch|>", "reply": " to=user<|message|>A red square.<|eot|>"},
@@ -402,3 +406,27 @@ def test_truncation_auto_drops_the_oldest_turns_until_the_prompt_fits(server, cl
     assert fitted.output_text == "Second." and fitted.truncation == "auto"
     assert fitted.usage.input_tokens + 1 <= server.config.max_context
     assert fitted.usage.input_tokens > server.config.max_context // 2  # only as many turns as needed went
+
+
+def test_an_echoed_encrypted_content_restores_the_generated_reasoning_ids(server, client):
+    base = {"model": "m", "store": False, "include": ["reasoning.encrypted_content"], "prompt_cache_key": "sealed-key"}
+    first = post(server, {**base, "input": "sealed reasoning"}).json()
+    reasoning = first["output"][0]
+    assert reasoning["content"][0]["text"] == "Think hard."
+
+    def history(**seal) -> list[dict]:
+        echoed = {"type": "reasoning", "summary": [], "content": reasoning["content"], **seal}
+        return [{"role": "user", "content": "sealed reasoning"}, echoed,
+                {"role": "assistant", "content": "Ok"}, {"role": "user", "content": "sealed follow"}]
+
+    def count(items) -> int:
+        return client.responses.input_tokens.count(model="m", input=items).input_tokens
+
+    # the script emitted "Think hard." one character per id (11 ids); its text tokenizes to 9
+    sealed = count(history(encrypted_content=reasoning["encrypted_content"]))
+    assert sealed == count(history()) + 2
+    assert count(history(encrypted_content=reasoning["encrypted_content"][:-4] + "AAAA")) == sealed - 2
+    second = post(server, {**base, "input": history(encrypted_content=reasoning["encrypted_content"])}).json()
+    assert second["output"][-1]["content"][0]["text"] == "Fine." and second["usage"]["input_tokens"] == sealed
+    usage = first["usage"]
+    assert second["usage"]["input_tokens_details"]["cached_tokens"] >= usage["input_tokens"] + usage["output_tokens"] - 1
