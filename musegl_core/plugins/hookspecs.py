@@ -100,7 +100,7 @@ def musegl_api_surfaces() -> list:
 
     Every loaded plugin's surfaces are mounted at once (the core provides
     ``chat``, OpenAI Chat Completions, and ``completions``; ``musegl-anthropic``
-    adds Anthropic Messages). Called in the front when the app is built:
+    adds Anthropic Messages, ``musegl-responses`` the OpenAI Responses API). Called in the front when the app is built:
     ``SurfaceSpec.create(context)`` receives the
     :class:`musegl_core.http.surface.SurfaceContext` and returns an
     :class:`musegl_core.http.surface.ApiSurface` subclass instance. A surface

@@ -228,8 +228,16 @@ class ResponsesSurface(ApiSurface):
         @get("/v1/responses/{response_id:str}", sync_to_thread=False,
              operation_class=openapi.operation(responses={200: rs.ResponseObject, 401: rs.ErrorBody,
                                                           404: rs.ErrorBody}))
-        def retrieve(response_id: FromPath[str]) -> Response:
+        def retrieve(request: Request, response_id: FromPath[str]) -> Response:
             """A stored response (or one still being generated)."""
+            query = request.query_params
+            if query.get("stream") not in (None, "false"):
+                raise bad_request("replaying a response as a stream is not supported; GET it without 'stream'",
+                                  code="unsupported_parameter", param="stream")
+            unknown = sorted(set(query) - {"stream"})  # include: the object is kept as it was created
+            if unknown:
+                raise bad_request(f"unknown query parameter {unknown[0]!r}", code="unsupported_parameter",
+                                  param=unknown[0])
             running = surface.running.get(response_id)
             if running is not None:
                 return Response(running.builder.response(), media_type="application/json")

@@ -265,6 +265,8 @@ def test_the_store_serves_gets_input_items_and_deletes(server, client):
     assert fetched.id == created.id and fetched.output_text == "Hi there" and fetched.metadata == {"k": "v"}
     items = client.responses.input_items.list(created.id)
     assert [i.type for i in items.data] == ["message"] and items.data[0].content[0].text == "hello"
+    replay = httpx.get(f"{server.url}/v1/responses/{created.id}", params={"stream": "true"}, timeout=30)
+    assert replay.status_code == 400 and replay.json()["error"]["param"] == "stream"
     client.responses.delete(created.id)
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(created.id)
