@@ -435,10 +435,40 @@ class AsyncExecutor(Executor, Protocol):
         steps the backend cannot queue)."""
 
 
+@runtime_checkable
+class TargetAccess(Protocol):
+    """Optional: an executor that lends a speculator its token embedding and head
+    (docs/executor.md section 8). A draft model that has neither (DFlash) drafts
+    with the target's own; without this interface it reads them from the
+    checkpoint file instead.
+
+    Arrays are backend-native: the arguments may be numpy arrays or the
+    backend's own, the results are the backend's arrays on its device, in its
+    activation dtype (the torch executor: torch tensors; MLX: mx arrays).
+    Both methods or neither: :func:`check_executor` refuses half of it."""
+
+    def embedding_rows(self, ids: Any) -> Any:
+        """The raw token embedding rows of ``ids`` (any shape): ``ids.shape + (hidden,)``,
+        before the embedding norm."""
+
+    def head_logits(self, hidden: Any) -> Any:
+        """The raw head product of ``(n, hidden)`` rows: ``(n, vocab)``, without the
+        output multiplier and the softcap."""
+
+
+def target_access(executor: object) -> TargetAccess | None:
+    """``executor`` as a :class:`TargetAccess` when it implements it, else None."""
+    methods = _protocol_members(TargetAccess)[1]
+    if all(_present(executor, name) and callable(getattr(executor, name)) for name in methods):
+        return executor  # type: ignore[return-value]
+    return None
+
+
 # -- checking an executor against the contract -----------------------------------------------
 #: Where the contract is written, for the one-line errors of :func:`check_executor`.
 CONTRACT_MEMBERS = 'docs/executor.md section 2, "What the executor object provides"'
 CONTRACT_ASYNC = 'docs/executor.md section 4a, "Asynchronous steps"'
+CONTRACT_TARGET = 'docs/executor.md section 8, "Speculators (drafts)"'
 
 
 def _protocol_members(protocol: type) -> tuple[list[str], list[str]]:
@@ -486,6 +516,11 @@ def contract_problems(executor: object) -> list[str]:
                          if not (_present(executor, name) and callable(getattr(executor, name)))]
         if async_missing:
             problems.append(f"limits.async_steps is set but {', '.join(async_missing)} is missing ({CONTRACT_ASYNC})")
+    lent = [name for name in _protocol_members(TargetAccess)[1] if _present(executor, name)]
+    if lent and target_access(executor) is None:
+        methods = _protocol_members(TargetAccess)[1]
+        problems.append(f"TargetAccess needs {' and '.join(methods)} as methods, it has "
+                        f"{', '.join(lent)} ({CONTRACT_TARGET})")
     return problems
 
 

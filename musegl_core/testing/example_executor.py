@@ -22,6 +22,8 @@ import hashlib
 import numpy as np
 
 from musegl_core.engine.executor import ExecutorLimits, ModelInfo, PromptImage, Step, StepOutput
+from musegl_core.engine.sample_rows import unpack_mask
+from musegl_core.engine.step_checks import check_step
 from musegl_core.testing.reference_sampler import RowContext, row_logprobs
 
 
@@ -75,8 +77,7 @@ class ExampleExecutor:
             raise ValueError("the example executor implements temperature, top_k and masks only")
         z = logits.astype(np.float64)
         if j < len(chunk.masks) and chunk.masks[j] is not None:
-            bits = np.unpackbits(np.asarray(chunk.masks[j], dtype=np.uint32).view(np.uint8), bitorder="little")
-            z = np.where(bits[: len(z)].astype(bool), z, -np.inf)
+            z = np.where(unpack_mask(chunk.masks[j], len(z)), z, -np.inf)
         if params.greedy:
             return int(np.argmax(z))
         z = z / params.temperature
@@ -90,16 +91,13 @@ class ExampleExecutor:
         self.steps.append(step)
         out = StepOutput()
         b = self.block_size
+        check_step(step, b, len(self.cells) // b, self.info.vocab_size)
         for chunk in step.chunks:
             inputs = list(chunk.tokens)
             for span in chunk.embeds:  # embedding rows replace their placeholder ids
                 rows = np.asarray(span.embedding)[span.first:span.first + span.count]
                 for k in range(span.count):
                     inputs[span.offset + k] = 1_000_000 + int(rows[k, 0] * 1000)
-            if any(not 0 <= t < self.info.vocab_size for t in chunk.tokens):
-                raise ValueError("a token id outside the vocabulary")
-            if any(not 0 <= block < len(self.cells) // b for block in chunk.blocks):
-                raise ValueError("a block id outside the pool")
             first = chunk.positions[0]
             previous = 0 if first == 0 else int(self.cells[chunk.blocks[(first - 1) // b] * b + (first - 1) % b])
             sampled, logprobs, rows = [], [], []

@@ -17,12 +17,9 @@ import attrs
 import numpy as np
 
 from musegl_core.engine.executor import SamplingParams, TokenLogprobs
+from musegl_core.engine.sample_rows import unpack_mask as allowed_ids
 
-
-def allowed_ids(mask: Any, vocab_size: int) -> np.ndarray:
-    """The boolean allow-vector of a packed uint32 bitmask (bit ``i % 32`` of word ``i // 32``)."""
-    bits = np.unpackbits(np.asarray(mask, dtype=np.uint32).view(np.uint8), bitorder="little")
-    return bits[:vocab_size].astype(bool)
+__all__ = ["RowContext", "allowed_ids", "processed_logits", "row_logprobs", "sample_row"]
 
 
 @attrs.frozen

@@ -39,6 +39,7 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
+from musegl_core.engine.step_checks import check_block_ids, check_tokens, coverage_error, positions_error
 from musegl_cuda.model import MuseGlimmerDecoder, PagedMeta
 from musegl_cuda.plan import StepPlan
 
@@ -201,8 +202,7 @@ class DecodeGraphs:
         if max(positions) // bs >= self.cols:
             return False
         if min(positions) < 0:
-            bad = next(c for c in chunks if c.positions[0] < 0)
-            raise ValueError(f"sequence {bad.seq}: chunk positions must be consecutive and >= 0")
+            raise positions_error(next(c for c in chunks if c.positions[0] < 0).seq)
         sources = sources or {}
         for i, c in enumerate(chunks):
             if c.follows and i not in sources:
@@ -215,8 +215,7 @@ class DecodeGraphs:
             known = [t for i, t in enumerate(tokens) if i not in sources]
         else:
             known = tokens
-        if known and (min(known) < 0 or max(known) >= vocab):
-            raise ValueError(f"token id outside the vocabulary 0..{vocab - 1}")
+        check_tokens(known, vocab)
         self._wait_staged()
         rows, sent = self._rows, self._sent
         changed: list[int] = []
@@ -230,11 +229,8 @@ class DecodeGraphs:
                 blocks = list(blocks)
             if need > sent[i] or blocks != rows[i]:  # the device row lacks blocks, or holds others
                 if need > len(blocks):
-                    raise ValueError(f"sequence {c.seq}: position {p} needs block {need - 1} "
-                                     f"but its block table has {len(blocks)} blocks")
-                head = blocks[:need]
-                if min(head) < 0 or max(head) >= num_blocks:
-                    raise ValueError(f"sequence {c.seq}: block ids must lie in 0..{num_blocks - 1}")
+                    raise coverage_error(c.seq, p, bs, len(blocks))
+                check_block_ids(blocks[:need], num_blocks, c.seq)
                 changed.append(i)
                 ncols = max(ncols, need)
             slots.append(blocks[p // bs] * bs + p % bs)

@@ -29,6 +29,7 @@ import attrs
 import numpy as np
 
 from musegl_core.engine.executor import Step
+from musegl_core.engine.step_checks import check_block_ids, check_positions, check_tokens, coverage_error
 
 
 @attrs.define
@@ -80,19 +81,16 @@ def plan_step(step: Step, block_size: int, num_blocks: int, vocab: int, tile_row
         k = len(chunk.tokens)
         first = chunk.positions[0]
         pos = np.asarray(chunk.positions, dtype=np.int64)
-        if first < 0 or (k > 1 and not np.array_equal(pos, np.arange(first, first + k))):
-            raise ValueError(f"sequence {chunk.seq}: chunk positions must be consecutive and >= 0")
+        check_positions(chunk)
         last = first + k - 1
         needed[i] = last // block_size + 1
         if needed[i] > len(chunk.blocks):
-            raise ValueError(f"sequence {chunk.seq}: position {last} needs block {needed[i] - 1} "
-                             f"but its block table has {len(chunk.blocks)} blocks")
+            raise coverage_error(chunk.seq, last, block_size, len(chunk.blocks))
         tokens[row:row + k] = chunk.tokens
         positions[row:row + k] = pos
         starts.append(row)
         row += k
-    if n and (tokens[:n].min() < 0 or tokens[:n].max() >= vocab):
-        raise ValueError(f"token id outside the vocabulary 0..{vocab - 1}")
+    check_tokens(tokens[:n], vocab)
 
     padded = width > n
     ncols = max(needed + [1])
@@ -104,8 +102,7 @@ def plan_step(step: Step, block_size: int, num_blocks: int, vocab: int, tile_row
     tile_list: list[tuple[int, int, int, int]] = []
     for i, chunk in enumerate(chunks):
         blocks = np.asarray(chunk.blocks[:needed[i]], dtype=np.int64)
-        if blocks.min() < 0 or blocks.max() >= num_blocks:
-            raise ValueError(f"sequence {chunk.seq}: block ids must lie in 0..{num_blocks - 1}")
+        check_block_ids(blocks, num_blocks, chunk.seq)
         tables[i, :needed[i]] = blocks
         k, first = len(chunk.tokens), chunk.positions[0]
         for off in range(0, k, tile_rows):

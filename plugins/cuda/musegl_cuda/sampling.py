@@ -18,13 +18,15 @@ to the host, once per step.
 
 from __future__ import annotations
 
-from typing import Sequence
-
 import attrs
 import numpy as np
 import torch
 
-from musegl_core.engine.executor import SamplingParams, SeqChunk, TokenLogprobs
+from musegl_core.engine.executor import SamplingParams, TokenLogprobs
+from musegl_core.engine.sample_rows import SampleRows, bias_entries, penalty_counts
+from musegl_core.engine.sample_rows import unpack_masks as allowed_matrix
+
+__all__ = ["Draw", "SampleRows", "choose", "on_device", "sample", "unpack_masks"]
 
 NEG_INF = float("-inf")
 
@@ -37,78 +39,33 @@ def on_device(values, device: torch.device, dtype: torch.dtype | None = None) ->
     return t if device.type == "cpu" else t.to(device, non_blocking=True)
 
 
-@attrs.define
-class SampleRows:
-    """The sampled rows of a step, in order, with what each needs."""
-
-    params: list[SamplingParams] = attrs.field(factory=list)
-    uniforms: list[float] = attrs.field(factory=list)
-    masks: list[np.ndarray | None] = attrs.field(factory=list)
-    counted: list[tuple[Sequence[int], int]] = attrs.field(factory=list)  # (ids, prompt part) for penalties
-    logprobs: list[int] = attrs.field(factory=list)
-
-    def add_chunk(self, chunk: SeqChunk) -> None:
-        params = chunk.sampling
-        for j, row in enumerate(chunk.sampled_rows):
-            self.params.append(params)
-            self.uniforms.append(chunk.uniforms[j] if j < len(chunk.uniforms) else 0.5)
-            self.masks.append(chunk.masks[j] if j < len(chunk.masks) else None)
-            if params.penalized:
-                self.counted.append((list(chunk.history) + list(chunk.tokens[: row + 1]), chunk.prompt_len))
-            else:
-                self.counted.append(((), 0))
-            self.logprobs.append(chunk.logprobs)
-
-    def __len__(self) -> int:
-        return len(self.params)
-
-
 def unpack_masks(masks: list[np.ndarray | None], vocab: int, device: torch.device) -> torch.Tensor | None:
-    """``(rows, vocab)`` bool of allowed ids, or None when no row has a mask."""
-    if all(m is None for m in masks):
-        return None
-    words = -(-vocab // 32)
-    packed = np.full((len(masks), words), 0xFFFFFFFF, dtype=np.uint32)
-    for i, m in enumerate(masks):
-        if m is not None:
-            packed[i] = np.asarray(m, dtype=np.uint32)[:words]
-    bits = np.unpackbits(packed.view(np.uint8), axis=1, bitorder="little")[:, :vocab]
-    return torch.from_numpy(bits.astype(bool)).to(device, non_blocking=True)
+    """``(rows, vocab)`` bool of allowed ids on ``device`` (:func:`musegl_core.engine.sample_rows.unpack_masks`),
+    or None when no row has a mask."""
+    bits = allowed_matrix(masks, vocab)
+    return None if bits is None else torch.from_numpy(bits).to(device, non_blocking=True)
 
 
 def apply_processors(logits: torch.Tensor, rows: SampleRows) -> torch.Tensor:
     """Bias, penalties and masks, batched over the rows (in place on a float32 copy)."""
     n, vocab = logits.shape
     device = logits.device
-    biased = [(i, p.logit_bias) for i, p in enumerate(rows.params) if p.logit_bias]
-    if biased:
-        r = torch.tensor([i for i, b in biased for _ in b], dtype=torch.long)
-        c = torch.tensor([t for _, b in biased for t, _ in b], dtype=torch.long)
-        v = torch.tensor([x for _, b in biased for _, x in b], dtype=torch.float32)
-        keep = (c >= 0) & (c < vocab)
-        logits.index_put_((r[keep].to(device, non_blocking=True), c[keep].to(device, non_blocking=True)),
-                          v[keep].to(device, non_blocking=True), accumulate=True)
-    penalized = [i for i, p in enumerate(rows.params) if p.penalized]
+    bias = bias_entries(rows, vocab)
+    if bias is not None:
+        r, c, v = (torch.from_numpy(column).to(device, non_blocking=True) for column in bias)
+        logits.index_put_((r, c), v, accumulate=True)
+    penalized = rows.penalized
     if penalized:
-        generated = torch.zeros(len(penalized), vocab, dtype=torch.float32)
-        seen = torch.zeros(len(penalized), vocab, dtype=torch.bool)
-        for k, i in enumerate(penalized):
-            ids, prompt_len = rows.counted[i]
-            ids_t = torch.tensor(list(ids), dtype=torch.long)
-            ids_t = ids_t[(ids_t >= 0) & (ids_t < vocab)] if len(ids_t) else ids_t
-            seen[k, ids_t] = True
-            gen = torch.tensor(list(ids[prompt_len:]), dtype=torch.long)
-            gen = gen[(gen >= 0) & (gen < vocab)] if len(gen) else gen
-            generated[k].index_add_(0, gen, torch.ones(len(gen)))
+        seen, generated = penalty_counts(rows, penalized, vocab)
         index = on_device(penalized, device, torch.long)
         sub = logits[index]
         params = [rows.params[i] for i in penalized]
         rep = on_device([p.repetition_penalty for p in params], device)[:, None]
-        seen_d = seen.to(device, non_blocking=True)
+        seen_d = torch.from_numpy(seen).to(device, non_blocking=True)
         sub = torch.where(seen_d, torch.where(sub > 0, sub / rep, sub * rep), sub)
         freq = on_device([p.frequency_penalty for p in params], device)[:, None]
         pres = on_device([p.presence_penalty for p in params], device)[:, None]
-        counts = generated.to(device, non_blocking=True)
+        counts = torch.from_numpy(generated).to(device, non_blocking=True)
         sub = sub - counts * freq - (counts > 0).float() * pres
         logits[index] = sub
     allowed = unpack_masks(rows.masks, vocab, device)
@@ -222,8 +179,7 @@ def choose(logits: torch.Tensor, rows: SampleRows) -> Draw:
     if not len(rows):
         return Draw(0)
     device = logits.device
-    processed = any(p.logit_bias or p.penalized for p in rows.params) or any(m is not None for m in rows.masks)
-    z = apply_processors(logits.float().clone(), rows) if processed else logits.float()
+    z = apply_processors(logits.float().clone(), rows) if rows.processed else logits.float()
     greedy = [p.greedy for p in rows.params]
     chosen = torch.argmax(z, dim=-1)
     if not all(greedy):
@@ -232,7 +188,7 @@ def choose(logits: torch.Tensor, rows: SampleRows) -> Draw:
         drawn = draw(filtered, uniforms)
         chosen = torch.where(on_device(greedy, device), chosen, drawn)
     out = Draw(len(rows), chosen)
-    wanted = [i for i, n in enumerate(rows.logprobs) if n >= 0]
+    wanted = rows.wanted
     if wanted:
         index = on_device(wanted, device)
         temperature = on_device([rows.params[i].temperature if not rows.params[i].greedy else 1.0

@@ -1,51 +1,55 @@
 """Load a DFlash speculator next to a loaded target executor.
 
 The draft has no embedding table and no lm_head: it uses the target's (raw
-embedding rows, raw lm_head). When the executor holds them as torch tensors
-(the ``cuda``/``torch-cpu`` executors: ``executor.model.embed_tokens`` and
-``executor.model.lm_head.weight``) they are shared, no copy; when the torch-cpu
-executor keeps its weights in stored form (``--weights stored``: f16/bf16/Q8_0
-... read by its kernels) the draft goes through those stored matrices; for any
-other executor they are read from the target checkpoint (``options.model``) once.
-The draft runs on the executor's torch device and dtype when it has them,
-else on ``options.device`` (default CPU) in ``options.dtype`` (default float32).
+embedding rows, raw lm_head). An executor that implements the contract's
+optional :class:`~musegl_core.engine.executor.TargetAccess` (the torch and
+MLX executors) lends them: with torch tensors (the ``cuda``/``torch-cpu``
+executors, stored weights included) they are the executor's own, no copy,
+and the draft runs on the executor's device and dtype; with another
+backend's arrays (MLX) the rows and logits are converted at each draft.
+For any other executor they are read from the target checkpoint
+(``options.model``) once. Where the executor's arrays are not torch
+tensors, the draft runs on ``options.device`` (default CPU) in
+``options.dtype`` (default float32).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 
+from musegl_core.engine.dtypes import SPELLINGS
+from musegl_core.engine.executor import TargetAccess, target_access
 from musegl_core.plugins.specs import ExecutorOptions
 from musegl_dflash.checkpoint import DraftCheckpoint
 from musegl_dflash.model import DFlashDraft
-from musegl_dflash.speculator import DFlashSpeculator, TargetHead
-
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+from musegl_dflash.speculator import DFlashSpeculator, TargetHead, as_tensor
 
 
-def _placement(executor: Any, options: ExecutorOptions) -> tuple[torch.device, torch.dtype]:
-    device, dtype = getattr(executor, "device", None), getattr(executor, "dtype", None)
-    if isinstance(device, torch.device) and isinstance(dtype, torch.dtype):
-        return device, dtype
-    return torch.device(options.device or "cpu"), DTYPES.get(options.dtype or "float32", torch.float32)
+def _options_placement(options: ExecutorOptions) -> tuple[torch.device, torch.dtype]:
+    name = SPELLINGS.get(options.dtype or "float32", "float32")
+    return torch.device(options.device or "cpu"), getattr(torch, name)
 
 
-def target_head(executor: Any, options: ExecutorOptions, device: torch.device, dtype: torch.dtype) -> TargetHead:
-    """The target's raw embedding rows and lm_head product."""
-    model = getattr(executor, "model", None)
-    embed_stored = getattr(model, "embed_stored", None)
-    head_layer = getattr(model, "lm_head", None)
-    if embed_stored is not None and getattr(head_layer, "stored", None) is not None:
-        def rows(ids: torch.Tensor) -> torch.Tensor:
-            return embed_stored.dequantize(ids.reshape(-1)).view(*ids.shape, -1)
+def _lent(access: TargetAccess, options: ExecutorOptions) -> tuple[TargetHead, torch.device, torch.dtype]:
+    """The head the executor lends, and where the draft runs."""
+    probe = access.embedding_rows(np.zeros((1,), dtype=np.int64))
+    if isinstance(probe, torch.Tensor):  # a torch executor: its own tensors, its device and dtype
+        return TargetHead(access.embedding_rows, access.head_logits), probe.device, probe.dtype
+    device, dtype = _options_placement(options)
 
-        return TargetHead(rows, lambda hidden: head_layer.stored.matmul(hidden.float()))
-    embed = getattr(model, "embed_tokens", None)
-    head = getattr(head_layer, "weight", None)
-    if isinstance(embed, torch.Tensor) and isinstance(head, torch.Tensor) and embed.device.type != "meta":
-        return TargetHead.of_tensors(embed.detach(), head.detach())
+    def rows(ids: torch.Tensor) -> torch.Tensor:
+        return as_tensor(access.embedding_rows(ids.cpu().numpy()), device, dtype)
+
+    def logits(hidden: torch.Tensor) -> torch.Tensor:
+        return as_tensor(access.head_logits(hidden.float().cpu().numpy()), device, torch.float32)
+
+    return TargetHead(rows, logits), device, dtype
+
+
+def _from_checkpoint(options: ExecutorOptions, device: torch.device, dtype: torch.dtype) -> TargetHead:
     from musegl_core.checkpoint.loader import load_checkpoint
 
     checkpoint = load_checkpoint(options.model)
@@ -54,6 +58,16 @@ def target_head(executor: Any, options: ExecutorOptions, device: torch.device, d
                                      torch.from_numpy(checkpoint.read("lm_head.weight")).to(device, dtype))
     finally:
         checkpoint.close()
+
+
+def target_head(executor: Any, options: ExecutorOptions) -> tuple[TargetHead, torch.device, torch.dtype]:
+    """The target's raw embedding rows and lm_head product, and the device and dtype the
+    draft runs in: lent by a :class:`TargetAccess` executor, else read from the checkpoint."""
+    access = target_access(executor)
+    if access is not None:
+        return _lent(access, options)
+    device, dtype = _options_placement(options)
+    return _from_checkpoint(options, device, dtype), device, dtype
 
 
 def load_draft(path: str, device: torch.device, dtype: torch.dtype, progress=None) -> DFlashDraft:
@@ -71,6 +85,6 @@ def load_draft(path: str, device: torch.device, dtype: torch.dtype, progress=Non
 
 
 def load_speculator(path: str, executor: Any, options: ExecutorOptions, n_draft: int) -> DFlashSpeculator:
-    device, dtype = _placement(executor, options)
+    head, device, dtype = target_head(executor, options)
     draft = load_draft(path, device, dtype, options.progress)
-    return DFlashSpeculator(draft, target_head(executor, options, device, dtype), n_draft, executor.block_size)
+    return DFlashSpeculator(draft, head, n_draft, executor.block_size)

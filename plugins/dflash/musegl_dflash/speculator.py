@@ -28,6 +28,7 @@ import torch
 
 from musegl_core.engine.executor import Step, StepOutput
 from musegl_core.engine.speculator import DraftRequest
+from musegl_core.engine.step_checks import coverage_error
 from musegl_dflash.model import DFlashDraft, DraftBatch, gather_context, linear
 
 log = logging.getLogger("musegl.dflash")
@@ -118,7 +119,7 @@ class DFlashSpeculator:
         starts = [len(r.tokens) - 1 for r in requests]
         for r, start in zip(requests, starts):
             if start > 0 and (start - 1) // self.block_size >= len(r.blocks):
-                raise ValueError(f"sequence {r.seq}: its block table does not cover position {start - 1}")
+                raise coverage_error(r.seq, start - 1, self.block_size, len(r.blocks))
         with torch.inference_mode():
             ids = torch.full((len(requests), n + 1), c.mask_token_id, dtype=torch.long, device=device)
             ids[:, 0] = torch.tensor([r.tokens[-1] for r in requests], dtype=torch.long, device=device)
@@ -148,7 +149,7 @@ class DFlashSpeculator:
             pos = list(chunk.positions[:kept])
             blocks = chunk.blocks
             if pos[-1] // self.block_size >= len(blocks):
-                raise ValueError(f"sequence {chunk.seq}: its block table does not cover position {pos[-1]}")
+                raise coverage_error(chunk.seq, pos[-1], self.block_size, len(blocks))
             positions.extend(pos)
             slots.extend(blocks[p // self.block_size] * self.block_size + p % self.block_size for p in pos)
         if not features:

@@ -23,6 +23,7 @@ import attrs
 import numpy as np
 
 from musegl_core.engine.executor import SeqChunk
+from musegl_core.engine.step_checks import check_positions, check_tokens, table_of
 
 NEG_INF = np.float32(-np.inf)
 
@@ -48,14 +49,8 @@ class Call:
 
 
 def cells(chunk: SeqChunk, block_size: int, num_blocks: int, upto: int) -> np.ndarray:
-    """Pool cells of positions ``0 .. upto-1`` of the chunk's sequence."""
-    needed = -(-upto // block_size)
-    if needed > len(chunk.blocks):
-        raise ValueError(f"sequence {chunk.seq}: position {upto - 1} needs block {needed - 1} "
-                         f"but its block table has {len(chunk.blocks)} blocks")
-    table = np.asarray(chunk.blocks[:needed], dtype=np.int64)
-    if table.size and (table.min() < 0 or table.max() >= num_blocks):
-        raise ValueError(f"sequence {chunk.seq}: block ids must lie in 0..{num_blocks - 1}")
+    """Pool cells of positions ``0 .. upto-1`` of the chunk's sequence (``upto >= 1``)."""
+    table = np.asarray(table_of(chunk, block_size, num_blocks, last=upto - 1), dtype=np.int64)
     pos = np.arange(upto, dtype=np.int64)
     return table[pos // block_size] * block_size + pos % block_size
 
@@ -90,11 +85,8 @@ def plan_calls(chunks: Sequence[SeqChunk], head_rows: Sequence[Sequence[int]], *
     """The program calls that run ``chunks``; ``head_rows[i]`` lists the rows of chunk
     ``i`` whose logits are needed (sampled rows, logit rows)."""
     for chunk in chunks:
-        first = chunk.positions[0]
-        if first < 0 or list(chunk.positions) != list(range(first, first + len(chunk.positions))):
-            raise ValueError(f"sequence {chunk.seq}: chunk positions must be consecutive and >= 0")
-        if any(not 0 <= t < vocab for t in chunk.tokens):
-            raise ValueError(f"token id outside the vocabulary 0..{vocab - 1}")
+        check_positions(chunk)
+        check_tokens(chunk.tokens, vocab)
     calls: list[Call] = []
     singles = [i for i, c in enumerate(chunks) if len(c.tokens) == 1]
     if sizes:

@@ -18,15 +18,17 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from musegl_core.engine.executor import ExecutorLimits, ModelInfo, PromptImage, Step, StepOutput
+from musegl_core.engine.dtypes import backend_dtypes, dtype_name
+from musegl_core.engine.executor import ExecutorLimits, HeadRows, ModelInfo, PromptImage, Step, StepOutput
+from musegl_core.engine.memory import available_ram
+from musegl_core.engine.sample_rows import SampleRows
 from musegl_core.errors import ConfigError
-from musegl_cuda.executor import available_ram
-from musegl_cuda.sampling import SampleRows, sample
+from musegl_cuda.sampling import sample
 from musegl_executorch.abi import plan_calls
 from musegl_executorch.artifact import Manifest, directory_of, read_manifest
 
 BLOCK_SIZE = 16
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+DTYPES = backend_dtypes(lambda name: getattr(torch, name))
 
 
 class ExecuTorchExecutor:
@@ -50,7 +52,7 @@ class ExecuTorchExecutor:
             raise ConfigError(f"{model}: the program lacks the method {missing[0]} its manifest lists")
         self.methods = {name: self.program.load_method(name) for name in m.methods}
         self.config = c = m.config
-        self.dtype = DTYPES[m.activation_dtype]
+        self.dtype = DTYPES[dtype_name(m.activation_dtype)]
         self.block_size = BLOCK_SIZE
         self.limits = ExecutorLimits(step_sizes=tuple(m.limits.forward_sizes), host_compute=True)
         self.info = ModelInfo(
@@ -111,13 +113,9 @@ class ExecuTorchExecutor:
         if any(chunk.embeds for chunk in step.chunks):
             raise ValueError("the ExecuTorch program has no image input; this model cannot encode images")
         k_pool, v_pool = self._pool()
-        needed: list[list[int]] = []
-        for chunk in step.chunks:
-            last = len(chunk.tokens) - 1
-            rows = set(range(last + 1)) if chunk.logit_rows else set(chunk.sampled_rows)
-            if chunk.want_logits:
-                rows.add(last)
-            needed.append(sorted(rows))
+        starts = np.cumsum([0] + [len(chunk.tokens) for chunk in step.chunks[:-1]]).tolist()
+        plan = HeadRows.of(step, starts)
+        needed = [list(where) for where in plan.where]  # each chunk's head rows, ascending
         c, lim = self.config, self.manifest.limits
         calls = plan_calls(step.chunks, needed, block_size=self.block_size, num_blocks=self.num_blocks,
                            window=c.sliding_window, vocab=c.vocab_size, sizes=lim.forward_sizes,
@@ -138,28 +136,10 @@ class ExecuTorchExecutor:
                 v_pool[:, at] = new_v[:, rows]
             for key, j in call.head_of.items():
                 logits_of[key] = logits[j]
-        return self._outputs(step, needed, logits_of)
-
-    def _outputs(self, step: Step, needed: list[list[int]], logits_of: dict[tuple[int, int], torch.Tensor]) -> StepOutput:
-        out = StepOutput()
-        rows = SampleRows()
-        sampled: list[torch.Tensor] = []
-        for index, chunk in enumerate(step.chunks):
-            sampled.extend(logits_of[(index, r)] for r in chunk.sampled_rows)
-            rows.add_chunk(chunk)
-            if chunk.logit_rows:
-                out.logits[chunk.seq] = torch.stack([logits_of[(index, r)] for r in range(len(chunk.tokens))])
-            elif chunk.want_logits:
-                out.logits[chunk.seq] = logits_of[(index, len(chunk.tokens) - 1)]
-        ids, logprobs = sample(torch.stack(sampled), rows) if sampled else ([], [])
-        at = 0
-        for chunk in step.chunks:
-            if chunk.sample:
-                out.tokens[chunk.seq] = ids[at:at + chunk.sample]
-                if chunk.logprobs >= 0:
-                    out.logprobs[chunk.seq] = logprobs[at:at + chunk.sample]
-                at += chunk.sample
-        return out
+        # the head's rows in HeadRows order, then the sampler on its sampled rows
+        logits = torch.stack([logits_of[(i, r)] for i, rows in enumerate(needed) for r in rows]) if plan.rows else None
+        ids, logprobs = sample(logits[plan.sampled], SampleRows.of(step)) if plan.sampled else ([], [])
+        return plan.output(step, starts, logits, ids, logprobs, None)
 
     def embed_image(self, image: PromptImage):
         raise ValueError("the ExecuTorch program has no vision encoder; this model cannot encode images")

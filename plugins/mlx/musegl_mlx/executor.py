@@ -30,19 +30,23 @@ import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 
 from musegl_core.checkpoint.config import TextConfig  # noqa: E402
-from musegl_core.engine.executor import (ExecutorLimits, HeadRows, ModelInfo, PromptImage, SeqChunk, Step,
+from musegl_core.engine.dtypes import COMPUTE_DTYPES, backend_dtypes  # noqa: E402
+from musegl_core.engine.embedding_rows import embedding_rows  # noqa: E402
+from musegl_core.engine.executor import (ExecutorLimits, HeadRows, ModelInfo, PromptImage, SeqChunk, Step,  # noqa: E402
                                          StepOutput)
+from musegl_core.engine.memory import available_ram as host_ram  # noqa: E402
+from musegl_core.engine.sample_rows import SampleRows  # noqa: E402
+from musegl_core.engine.step_checks import check_copy_pairs, check_step  # noqa: E402
 from musegl_mlx.loader import load_weights  # noqa: E402
 from musegl_mlx.model import MuseGlimmerDecoder, StepLayout  # noqa: E402
-from musegl_mlx.precision import NAMES, DtypeChoice, choose_dtype  # noqa: E402
-from musegl_mlx.sampling import SampleRows, sample  # noqa: E402
+from musegl_mlx.precision import DtypeChoice, choose_dtype  # noqa: E402
+from musegl_mlx.sampling import sample  # noqa: E402
 
 log = logging.getLogger("musegl.mlx")
 
 DEFAULT_BLOCK_SIZE = 16
-_MX = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
-DTYPES = {spelling: _MX[name] for spelling, name in NAMES.items()}
-DTYPE_NAMES = {dtype: name for name, dtype in _MX.items()}
+DTYPES = backend_dtypes(lambda name: getattr(mx, name))
+DTYPE_NAMES = {DTYPES[name]: name for name in COMPUTE_DTYPES}
 
 
 def metal() -> bool:
@@ -72,14 +76,7 @@ def available_ram() -> int | None:
         info = mx.metal.device_info()
         limit = int(info.get("max_recommended_working_set_size", 0))
         return max(0, limit - int(mx.get_active_memory())) if limit else None
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
+    return host_ram()
 
 
 class MLXExecutor:
@@ -149,9 +146,7 @@ class MLXExecutor:
             return
         kv = self._require_kv()
         bs = self.block_size
-        for src, dst in pairs:
-            if not (0 <= src < self.num_blocks and 0 <= dst < self.num_blocks):
-                raise ValueError(f"block ids must lie in 0..{self.num_blocks - 1}")
+        check_copy_pairs(pairs, self.num_blocks)
         offsets = np.arange(bs)
         src = mx.array((np.array([s for s, _ in pairs])[:, None] * bs + offsets).reshape(-1).astype(np.int32))
         dst = mx.array((np.array([d for _, d in pairs])[:, None] * bs + offsets).reshape(-1).astype(np.int32))
@@ -162,30 +157,24 @@ class MLXExecutor:
 
     # -- stepping ----------------------------------------------------------------
 
-    def _slots(self, chunk: SeqChunk) -> np.ndarray:
-        """The cache slot of every position ``0 .. last`` of the chunk, checked."""
+    def _slots(self, chunk: SeqChunk, table) -> np.ndarray:
+        """The cache slot of every position ``0 .. last`` of the chunk (``table``: its
+        checked block table, :func:`musegl_core.engine.step_checks.table_of`)."""
         bs, last = self.block_size, chunk.positions[-1]
-        first = chunk.positions[0]
-        if first < 0 or list(chunk.positions) != list(range(first, first + len(chunk.positions))):
-            raise ValueError(f"sequence {chunk.seq}: chunk positions must be consecutive and >= 0")
-        if last // bs >= len(chunk.blocks):
-            raise ValueError(f"sequence {chunk.seq}: position {last} needs block {last // bs} "
-                             f"but its block table has {len(chunk.blocks)} blocks")
-        table = np.asarray(chunk.blocks[:last // bs + 1], dtype=np.int64)
-        if table.min() < 0 or table.max() >= self.num_blocks:
-            raise ValueError(f"sequence {chunk.seq}: block ids must lie in 0..{self.num_blocks - 1}")
+        table = np.asarray(table, dtype=np.int64)
         p = np.arange(last + 1)
         return table[p // bs] * bs + p % bs
 
-    def _layout(self, step: Step) -> StepLayout:
-        """Write slots, query padding and the key gathers and masks of both layer kinds."""
+    def _layout(self, step: Step, tables) -> StepLayout:
+        """Write slots, query padding and the key gathers and masks of both layer kinds
+        (``tables``: the chunks' checked block tables)."""
         window = self.config.sliding_window
         chunks = step.chunks
         b = len(chunks)
         lq = max(len(c.tokens) for c in chunks)
         write, slots = [], []
-        for chunk in chunks:
-            s = self._slots(chunk)
+        for chunk, table in zip(chunks, tables):
+            s = self._slots(chunk, table)
             slots.append(s)
             write.append(s[chunk.positions[0]:])
         decode = lq == 1
@@ -238,13 +227,9 @@ class MLXExecutor:
             return StepOutput()
         kv = self._require_kv()
         c = self.config
-        for t in step.taps:
-            if not 0 <= t <= c.num_layers:
-                raise ValueError(f"tap {t} outside 0..{c.num_layers}")
+        tables = check_step(step, self.block_size, self.num_blocks, c.vocab_size, c.num_layers)
         tokens = [t for chunk in step.chunks for t in chunk.tokens]
-        if any(not 0 <= t < c.vocab_size for t in tokens):
-            raise ValueError(f"token id outside the vocabulary 0..{c.vocab_size - 1}")
-        layout = self._layout(step)
+        layout = self._layout(step, tables)
         starts = list(np.cumsum([0] + [len(ch.tokens) for ch in step.chunks[:-1]]))
         positions = [p for chunk in step.chunks for p in chunk.positions]
         normed, hidden = self.model(mx.array(np.asarray(tokens, dtype=np.int32)),
@@ -257,9 +242,7 @@ class MLXExecutor:
         """Run the head on the rows somebody needs (:class:`HeadRows`), sample, and pack
         the answer per sequence."""
         plan = HeadRows.of(step, starts)
-        rows = SampleRows()
-        for chunk in step.chunks:
-            rows.add_chunk(chunk)
+        rows = SampleRows.of(step)
         logits = self.model.logits(normed[mx.array(np.asarray(plan.rows, dtype=np.int32))]) if plan.rows else None
         # One evaluation for the whole step: the forward, every cache write, the head.
         mx.eval(kv, *(a for a in (logits, hidden) if a is not None))
@@ -269,21 +252,32 @@ class MLXExecutor:
         return plan.output(step, starts, np.array(logits) if want else None, ids, logprobs, hidden)
 
     def _embedding_rows(self, step: Step, starts: list[int]) -> tuple[mx.array, mx.array] | None:
-        """(packed row indices, their input rows) of every embedding span of the step."""
-        index, values = [], []
-        for chunk, first_row in zip(step.chunks, starts):
-            for span in chunk.embeds:
-                rows = mx.array(np.asarray(span.embedding)[span.first:span.first + span.count]) \
-                    if not isinstance(span.embedding, mx.array) else span.embedding[span.first:span.first + span.count]
-                if tuple(rows.shape) != (span.count, self.config.hidden_size):
-                    raise ValueError(f"sequence {chunk.seq}: embedding rows must be ({span.count}, "
-                                     f"{self.config.hidden_size}), got {tuple(rows.shape)}")
-                start = int(first_row) + span.offset
-                index.extend(range(start, start + span.count))
-                values.append(rows.astype(self.dtype))
-        if not index:
+        """(packed row indices, their input rows) of every embedding span of the step
+        (:func:`musegl_core.engine.embedding_rows.embedding_rows`), as MLX arrays."""
+        def take(embedding, first: int, count: int) -> mx.array:
+            if isinstance(embedding, mx.array):
+                return embedding[first:first + count]
+            return mx.array(np.asarray(embedding)[first:first + count])
+
+        found = embedding_rows(step, starts, self.config.hidden_size, take)
+        if found is None:
             return None
-        return mx.array(np.asarray(index, dtype=np.int32)), mx.concatenate(values)
+        index, pieces = found
+        return mx.array(np.asarray(index, dtype=np.int32)), mx.concatenate([r.astype(self.dtype) for r in pieces])
+
+    # -- lending the embedding and head to a speculator (TargetAccess) ------------
+
+    def embedding_rows(self, ids) -> mx.array:
+        """The raw token embedding rows of ``ids`` (no norm): ``ids.shape + (hidden,)``."""
+        ids = mx.array(np.asarray(ids, dtype=np.int32))
+        rows = self.model.embed_tokens(ids.reshape(-1), self.dtype)
+        return rows.reshape(*ids.shape, -1)
+
+    def head_logits(self, hidden) -> mx.array:
+        """The raw lm_head product of ``(n, hidden)`` rows (no multiplier, no softcap)."""
+        if not isinstance(hidden, mx.array):
+            hidden = mx.array(np.asarray(hidden, dtype=np.float32))
+        return self.model.lm_head(hidden.astype(self.dtype))
 
     def embed_image(self, image: PromptImage):
         """The image's decoder input rows ``(rows, hidden)`` as an MLX array (vision

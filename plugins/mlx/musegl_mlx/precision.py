@@ -20,11 +20,7 @@ from __future__ import annotations
 
 import attrs
 
-#: ``--dtype`` spellings and the dtype each names
-NAMES = {"float32": "float32", "float16": "float16", "bfloat16": "bfloat16",
-         "fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
-#: a checkpoint's stored precision (``Checkpoint.file_type``) that is itself a compute dtype
-STORED = {"f32": "float32", "f16": "float16", "bf16": "bfloat16"}
+from musegl_core.engine.dtypes import STORED, dtype_name
 
 
 @attrs.frozen
@@ -40,9 +36,7 @@ def choose_dtype(requested: str | None, stored: str | None, *, on_cpu: bool, bla
     stored as ``stored`` (``f32``, ``bf16``, ``q8_0``, ``mixed`` ...; None: unknown),
     on MLX's CPU device or not, with the float32 BLAS routing on or not."""
     if requested is not None:
-        if requested not in NAMES:
-            raise ValueError(f"dtype {requested!r} is not one of float32, float16, bfloat16")
-        return DtypeChoice(NAMES[requested], "--dtype")
+        return DtypeChoice(dtype_name(requested), "--dtype")
     own = STORED.get(stored or "")
     if own == "float32":
         return DtypeChoice("float32", "the checkpoint is float32 and keeps its dtype (--dtype to change it)")

@@ -18,79 +18,31 @@ the host.
 
 from __future__ import annotations
 
-from typing import Sequence
-
-import attrs
 import mlx.core as mx
 import numpy as np
 
-from musegl_core.engine.executor import SamplingParams, SeqChunk, TokenLogprobs
+from musegl_core.engine.executor import SamplingParams, TokenLogprobs
+from musegl_core.engine.sample_rows import SampleRows, bias_entries, penalty_counts
+from musegl_core.engine.sample_rows import unpack_masks as allowed_matrix
 
-
-@attrs.define
-class SampleRows:
-    """The sampled rows of a step, in order, with what each needs."""
-
-    params: list[SamplingParams] = attrs.field(factory=list)
-    uniforms: list[float] = attrs.field(factory=list)
-    masks: list[np.ndarray | None] = attrs.field(factory=list)
-    counted: list[tuple[Sequence[int], int]] = attrs.field(factory=list)  # (ids, prompt part) for penalties
-    logprobs: list[int] = attrs.field(factory=list)
-
-    def add_chunk(self, chunk: SeqChunk) -> None:
-        params = chunk.sampling
-        for j, row in enumerate(chunk.sampled_rows):
-            self.params.append(params)
-            self.uniforms.append(chunk.uniforms[j] if j < len(chunk.uniforms) else 0.5)
-            self.masks.append(chunk.masks[j] if j < len(chunk.masks) else None)
-            if params.penalized:
-                self.counted.append((list(chunk.history) + list(chunk.tokens[: row + 1]), chunk.prompt_len))
-            else:
-                self.counted.append(((), 0))
-            self.logprobs.append(chunk.logprobs)
-
-    def __len__(self) -> int:
-        return len(self.params)
+__all__ = ["SampleRows", "apply_processors", "filter_logits", "draw", "penalty_counts", "sample", "unpack_masks"]
 
 
 def unpack_masks(masks: list[np.ndarray | None], vocab: int) -> mx.array | None:
-    """``(rows, vocab)`` bool of allowed ids, or None when no row has a mask."""
-    if all(m is None for m in masks):
-        return None
-    words = -(-vocab // 32)
-    packed = np.full((len(masks), words), 0xFFFFFFFF, dtype=np.uint32)
-    for i, m in enumerate(masks):
-        if m is not None:
-            packed[i] = np.asarray(m, dtype=np.uint32)[:words]
-    bits = np.unpackbits(packed.view(np.uint8), axis=1, bitorder="little")[:, :vocab]
-    return mx.array(bits.astype(np.bool_))
-
-
-def penalty_counts(rows: SampleRows, index: list[int], vocab: int) -> tuple[np.ndarray, np.ndarray]:
-    """For the penalized rows ``index``: ``seen`` (every counted id, prompt
-    included) and ``generated`` (occurrences after the prompt), ``(n, vocab)``."""
-    seen = np.zeros((len(index), vocab), dtype=np.bool_)
-    generated = np.zeros((len(index), vocab), dtype=np.float32)
-    for k, i in enumerate(index):
-        ids, prompt_len = rows.counted[i]
-        all_ids = np.asarray(list(ids), dtype=np.int64)
-        seen[k, all_ids[(all_ids >= 0) & (all_ids < vocab)]] = True
-        gen = all_ids[prompt_len:]
-        np.add.at(generated[k], gen[(gen >= 0) & (gen < vocab)], 1.0)
-    return seen, generated
+    """``(rows, vocab)`` bool of allowed ids (:func:`musegl_core.engine.sample_rows.unpack_masks`),
+    or None when no row has a mask."""
+    bits = allowed_matrix(masks, vocab)
+    return None if bits is None else mx.array(bits)
 
 
 def apply_processors(z: mx.array, rows: SampleRows) -> mx.array:
     """Bias, penalties and masks, batched over the rows."""
     n, vocab = z.shape
-    biased = [(i, p.logit_bias) for i, p in enumerate(rows.params) if p.logit_bias]
-    if biased:
-        entries = [(i, t, x) for i, b in biased for t, x in b if 0 <= t < vocab]
-        if entries:
-            r, c, v = (np.array(col) for col in zip(*entries))
-            z = z.at[mx.array(r.astype(np.int32)), mx.array(c.astype(np.int32))].add(
-                mx.array(v.astype(np.float32)))
-    penalized = [i for i, p in enumerate(rows.params) if p.penalized]
+    bias = bias_entries(rows, vocab)
+    if bias is not None:
+        r, c, v = bias
+        z = z.at[mx.array(r.astype(np.int32)), mx.array(c.astype(np.int32))].add(mx.array(v))
+    penalized = rows.penalized
     if penalized:
         seen, generated = penalty_counts(rows, penalized, vocab)
         params = [rows.params[i] for i in penalized]
@@ -165,7 +117,7 @@ def sample(logits: mx.array, rows: SampleRows) -> tuple[list[int], list[TokenLog
     if not len(rows):
         return [], []
     z = logits.astype(mx.float32)
-    if any(p.logit_bias or p.penalized for p in rows.params) or any(m is not None for m in rows.masks):
+    if rows.processed:
         z = apply_processors(z, rows)
     greedy = [p.greedy for p in rows.params]
     chosen = mx.argmax(z, axis=-1).astype(mx.int32)
@@ -174,7 +126,7 @@ def sample(logits: mx.array, rows: SampleRows) -> tuple[list[int], list[TokenLog
         uniforms = mx.clip(mx.array(np.array(rows.uniforms, dtype=np.float32)), 0.0, 1.0 - 2**-24)
         drawn = draw(filtered, uniforms).astype(mx.int32)
         chosen = mx.where(mx.array(np.array(greedy)), chosen, drawn)
-    wanted = [i for i, n in enumerate(rows.logprobs) if n >= 0]
+    wanted = rows.wanted
     if not wanted:
         return chosen.tolist(), [None] * len(rows)
     index = mx.array(np.array(wanted, dtype=np.int32))
