@@ -55,6 +55,9 @@ SCRIPT = [
     {"when": "</tool_output>", "reply": " to=self<|message|>Done.<|eom|><|start|>assistant to=user<|message|>All set.<|eot|>"},
     {"when": "bad patch", "reply": call("apply_patch.apply_patch", [("input", BAD_PATCH)], "Patch it.")},
     {"when": "use the patch", "reply": call("apply_patch.apply_patch", [("input", PATCH)], "Patch it.")},
+    {"when": "two commands", "reply": " to=exec_command.exec_command<|message|>" + block("exec_command.exec_command", [("cmd", "ls")])
+     + "<|eom|><|start|>assistant to=exec_command.exec_command<|message|>" + block("exec_command.exec_command", [("cmd", "pwd")])
+     + "<|eot|>"},
     {"when": "list files", "reply": call("exec_command.exec_command", [("cmd", "ls")])},
     {"when": "in the namespace", "reply": call("mcp.lookup", [("q", "x")])},
     {"when": "json please", "reply": ' to=user<|message|>{"a": 1}<|eot|>'},
@@ -329,10 +332,18 @@ def test_a_long_prefill_repeats_in_progress(server):
 
 
 def test_parallel_tool_calls_false_is_honoured(server, client):
-    response = client.responses.create(model="m", input="list files", tools=[EXEC], parallel_tool_calls=False,
+    both = client.responses.create(model="m", input="two commands", tools=[EXEC], store=False)
+    assert [json.loads(i.arguments)["cmd"] for i in both.output if i.type == "function_call"] == ["ls", "pwd"]
+    response = client.responses.create(model="m", input="two commands", tools=[EXEC], parallel_tool_calls=False,
                                        store=False)
-    assert [i.type for i in response.output].count("function_call") == 1
+    assert [json.loads(i.arguments)["cmd"] for i in response.output if i.type == "function_call"] == ["ls"]
     assert response.parallel_tool_calls is False
+
+
+def test_a_named_custom_tool_choice_forces_its_call(client):
+    response = client.responses.create(model="m", input="use the patch", tools=[EXEC, APPLY_PATCH], store=False,
+                                       tool_choice={"type": "custom", "name": "apply_patch"})
+    assert response.output[-1].type == "custom_tool_call" and response.output[-1].input == PATCH
 
 
 def test_cancel_ends_a_response_in_progress(server):
