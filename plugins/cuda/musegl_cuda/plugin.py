@@ -2,7 +2,9 @@
 
 Two executors share one implementation: ``cuda`` (a GPU is visible) and
 ``torch-cpu`` (always available, the fallback). torch is imported inside the
-functions so that ``musegl plugins`` and the front stay fast.
+functions that build an executor, never to answer whether one is available
+(:mod:`musegl_cuda.availability`), so that ``musegl plugins`` and the front
+stay fast.
 """
 
 from __future__ import annotations
@@ -17,17 +19,10 @@ from musegl_core.errors import ConfigError
 from musegl_core.plugins.hookspecs import hookimpl
 from musegl_core.plugins.specs import ExecutorOptions, ExecutorSpec
 
+from musegl_cuda.availability import cuda_available
+
 if TYPE_CHECKING:
     from musegl_cuda.executor import TorchExecutor
-
-
-def cuda_available() -> bool:
-    """True when torch is importable and sees at least one CUDA device."""
-    try:
-        import torch
-    except ImportError:
-        return False
-    return bool(torch.cuda.is_available())
 
 
 LOAD_FORMATS = ("auto", "dummy")
