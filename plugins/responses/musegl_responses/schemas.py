@@ -88,6 +88,7 @@ class ResponseRequest:
 @attrs.frozen
 class InputTokensDetails:
     cached_tokens: int
+    cache_write_tokens: int  # always 0: musegl does not count cache writes apart
 
 
 @attrs.frozen

@@ -85,7 +85,8 @@ def server(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+    # strict: every response is validated against the SDK's types
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, _strict_response_validation=True)
 
 
 def stream_events(server, body: dict, headers: dict | None = None) -> list[dict]:

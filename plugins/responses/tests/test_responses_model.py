@@ -17,7 +17,8 @@ def client():
     config = ServeConfig(model=str(default_model_path()), port=0, max_context=1024, max_sessions=4,
                          max_inflight_requests=2, max_decode_sequences=2)
     with running_server(config) as running:
-        yield openai.OpenAI(base_url=f"{running.url}/v1", api_key="unused", max_retries=0)
+        yield openai.OpenAI(base_url=f"{running.url}/v1", api_key="unused", max_retries=0,
+                            _strict_response_validation=True)
 
 
 GREEDY = {"temperature": 0, "max_output_tokens": 12}
