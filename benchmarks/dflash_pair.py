@@ -160,7 +160,7 @@ def train_target(out: Path, tokenizer, data: list[tuple[list[int], list[int]]], 
 def engine_for(target: Path, draft: Path | None, decode: int = 8, n_draft: int | None = None):
     from musegl_core.config import ServeConfig
     from musegl_core.engine.engine import Engine, EngineConfig
-    from musegl_core.worker.main import load
+    from musegl_core.worker.loading import load
 
     extra = {"dflash": str(draft), "dflash_n_draft": n_draft} if draft else {}
     tokenizer, executor, speculator = load(ServeConfig(model=str(target), executor="torch-cpu",

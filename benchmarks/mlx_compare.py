@@ -98,7 +98,8 @@ def musegl_batch1(model: Path, max_tokens: int) -> float:
     from musegl_core.engine.engine import Engine, EngineConfig
     from musegl_core.engine.executor import SamplingParams
     from musegl_core.engine.request import GenerateRequest, PromptSegment
-    from musegl_core.worker.main import load, prepare
+    from musegl_core.worker.loading import load
+    from musegl_core.worker.prepare import prepare
 
     tokenizer, executor, _ = load(ServeConfig(model=str(model), executor="mlx"))
     stamps: list[float] = []

@@ -271,7 +271,7 @@ def test_a_speculator_needing_hidden_states_is_refused_by_an_executor_without_th
     import pytest
 
     from musegl_core.errors import ConfigError
-    from musegl_core.worker.main import check_speculator
+    from musegl_core.worker.loading import check_speculator
 
     class Executor:
         info = ModelInfo(name="m", vocab_size=8, hidden_size=4, num_layers=2, native_context=64, dtype="float32",

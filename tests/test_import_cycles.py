@@ -24,3 +24,12 @@ def test_the_checker_sees_a_lazy_cycle_and_skips_type_checking_imports(tmp_path)
     graph = import_graph(package)
     assert graph["pkg.a"] == {"pkg.b"} and graph["pkg.b"] == {"pkg.a"} and graph["pkg.c"] == set()
     assert cycles(graph) == [["pkg.a", "pkg.b"]]
+
+
+def test_the_worker_process_module_is_no_library():
+    """``musegl_core.worker.main`` is the worker's entry point: nothing in the core imports it
+    (``musegl generate`` and ``musegl render`` use ``worker.loading`` and ``worker.prepare``)."""
+    from tests.support.import_graph import REPO
+
+    graph = import_graph(REPO / "musegl_core")
+    assert sorted(name for name, targets in graph.items() if "musegl_core.worker.main" in targets) == []

@@ -15,7 +15,7 @@ from musegl_core.engine.request import GenerateRequest, ImageInput, PromptSegmen
 from musegl_core.errors import ApiError
 from musegl_core.tiny import build_tiny_tokenizer
 from musegl_core.vision import preprocess as vp
-from musegl_core.worker.main import prepare
+from musegl_core.worker.prepare import prepare
 from musegl_core.worker.preparation import LIGHT_CHARS, PreparationPool, lane_of
 
 

@@ -27,7 +27,8 @@ from musegl_core.errors import ApiError, ConfigError
 from musegl_core.engine import events as ev
 from musegl_core.engine.request import GenerateRequest, ImageInput, PromptSegment
 from musegl_core.vision.preprocess import ImagePreprocessor
-from musegl_core.worker.main import load, prepare
+from musegl_core.worker.loading import load
+from musegl_core.worker.prepare import prepare
 
 
 def parse_prompt(prompt: str | None, token_ids: str | None) -> PromptSegment:

@@ -6,7 +6,7 @@ validation, the reject list, reasoning and template options, tool checks and
 the chat template (:func:`musegl_core.http.completions.plan_chat`). A request
 the server would refuse is refused here with the same error object (exit 1).
 With ``--ids`` the prompt is tokenized the way the worker does it
-(:func:`musegl_core.worker.main.prepare`), with the served tokenizer
+(:func:`musegl_core.worker.prepare.prepare`), with the served tokenizer
 (``--model``), a tokenizer file (``--tokenizer``) or the demo checkpoint's.
 
 Meant for users checking what the model sees, and for plugin authors
@@ -88,9 +88,8 @@ def render_request(
     text = "".join(segment.text or "" for segment in plan.generate.prompt)
     ids = None
     if tokenizer is not None:
-        from musegl_core.worker.main import prepare
-
         from musegl_core.vision.preprocess import ImagePreprocessor
+        from musegl_core.worker.prepare import prepare
 
         ids = prepare(plan.generate, tokenizer, vision=ImagePreprocessor(max_vision_patches)).prompt_ids
     return RenderedRequest(plan=plan, text=text, ids=ids)

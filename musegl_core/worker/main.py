@@ -17,8 +17,6 @@ descriptor 1 is pointed at stderr.
 from __future__ import annotations
 
 import argparse
-
-import attrs
 import logging
 import os
 import sys
@@ -29,15 +27,14 @@ from typing import BinaryIO
 from musegl_core.checkpoint.validate import one_line
 from musegl_core.config import ServeConfig
 from musegl_core.engine.engine import Engine, EngineConfig
-from musegl_core.engine.executor import check_executor
-from musegl_core.engine.randomness import random_seed, seed_requests
-from musegl_core.engine.request import GenerateRequest, PreparedRequest
+from musegl_core.engine.randomness import seed_requests
 from musegl_core.engine.sessions import session_policy
 from musegl_core.errors import ApiError, ConfigError
-from musegl_core.tokenizer import TokenBudgetExceeded
-from musegl_core.vision.preprocess import ImagePreprocessor, place_images
+from musegl_core.vision.preprocess import ImagePreprocessor
 from musegl_core.worker import messages as m
-from musegl_core.worker.preparation import PreparationPool, prompt_too_long
+from musegl_core.worker.loading import load
+from musegl_core.worker.prepare import prepare
+from musegl_core.worker.preparation import PreparationPool
 
 log = logging.getLogger("musegl.worker")
 
@@ -63,88 +60,6 @@ class EventWriter:
         with self.lock:
             self.stream.write(line)
             self.stream.flush()
-
-
-def prepare(request: GenerateRequest, tokenizer, vocab_size: int = 0,
-            vision: ImagePreprocessor | None = None, *, max_context: int | None = None) -> PreparedRequest:
-    """Prepare a request once, on a preparation thread (:mod:`musegl_core.worker.preparation`):
-    tokenize the prompt segments, check the ids, decode and place its images
-    (``vision`` None: the model sees no images, so an image is a 400), fix the
-    seed (a random one when none was given, so every draw is keyed by seed and
-    position), compile the output constraint against the served vocabulary
-    (``vocab_size``: the model's, when larger than the tokenizer's).
-
-    Cheap checks come first. With ``max_context`` a prompt that cannot fit is
-    refused from its length alone (:meth:`MuseTokenizer.token_count_floor`),
-    then as soon as tokenizing it has counted too many ids; images are checked
-    from their headers against the decode budget before the prompt is
-    tokenized and before any is decoded."""
-    budget = reservation = None
-    if max_context is not None:
-        reservation = request.completion_reservation
-        budget = max(max_context - reservation, 0)
-        floor = tokenizer.token_count_floor(request.prompt)
-        if floor > budget:
-            raise prompt_too_long(floor, reservation, max_context)
-    admitted = vision.admit(request.images) if request.images and vision is not None else None
-    try:
-        ids = tokenizer.encode_segments(request.prompt, add_bos=request.add_bos, limit=budget)
-    except TokenBudgetExceeded as exc:
-        raise prompt_too_long(exc.at_least, reservation, max_context) from None
-    except Exception as exc:  # TokenizationError (a tokenizer panic included) and anything else it raises
-        raise ApiError(400, f"could not tokenize the prompt: {exc}", "invalid_request_error") from exc
-    if not ids:
-        raise ApiError(400, "the prompt is empty", "invalid_request_error", param="messages")
-    vocab = tokenizer.vocab_size
-    if any(not 0 <= i < vocab for i in ids):
-        raise ApiError(400, f"prompt token ids must be in [0, {vocab})", "invalid_request_error")
-    ids, images = place_images(ids, request.images, tokenizer, vision, admitted)
-    sampling = request.sampling
-    limit = max(vocab, vocab_size)
-    for token, _ in sampling.logit_bias:
-        if not 0 <= token < limit:
-            raise ApiError(400, f"logit_bias names token {token}, outside the vocabulary [0, {limit})",
-                           "invalid_request_error", param="logit_bias")
-    if sampling.seed is None:
-        sampling = attrs.evolve(sampling, seed=random_seed())
-    processors = ()
-    if request.grammar is not None:
-        from musegl_core.constrain.matcher import compile_grammar
-
-        processors = (compile_grammar(request.grammar, tokenizer, vocab_size),)
-    elif request.lazy_grammar is not None:
-        from musegl_core.constrain.matcher import compile_lazy
-
-        processors = (compile_lazy(request.lazy_grammar, tokenizer, vocab_size),)
-    for index, token in enumerate(request.stop_token_ids):
-        if not 0 <= token < limit:
-            raise ApiError(400, f"stop_token_ids names token {token}, outside the vocabulary [0, {limit})",
-                           "invalid_request_error", param=f"stop_token_ids[{index}]")
-    if request.min_tokens > 0:
-        from musegl_core.engine.min_tokens import MinTokensProcessor
-
-        ends = () if request.ignore_eos else tokenizer.end_of_generation_ids
-        processors += (MinTokensProcessor(request.min_tokens, (*ends, *request.stop_token_ids), limit),)
-    return PreparedRequest(
-        id=request.id,
-        prompt_ids=tuple(ids),
-        max_tokens=request.max_tokens,
-        sampling=sampling,
-        stop=request.stop,
-        template_stops=request.template_stops,
-        ignore_eos=request.ignore_eos,
-        session_id=request.session_id,
-        add_bos=request.add_bos,
-        stream=request.stream,
-        logprobs=request.logprobs,
-        cache_salt=request.cache_salt,
-        soft_session=request.soft_session,
-        clamp_to_context=request.clamp_to_context,
-        stop_token_ids=frozenset(request.stop_token_ids),
-        min_tokens=request.min_tokens,
-        processors=processors,
-        images=images,
-    )
 
 
 def control_loop(stdin: BinaryIO, engine: Engine, tokenizer, writer: EventWriter, limit: int,
@@ -220,44 +135,6 @@ def _expire_idle_sessions(engine: Engine, timeout: float) -> None:
     while True:
         time.sleep(period)
         engine.expire_idle_sessions()
-
-
-def load(config: ServeConfig, max_context: int | None | bool = True):
-    """Load tokenizer, executor and speculator (if a plugin enables one) for
-    ``config``, with a progress bar. ``max_context`` is what the executor is
-    told of the context budget: ``True`` means ``config.max_context``, None no
-    fixed budget (``musegl generate`` sizes its own)."""
-    from musegl_core.plugins.manager import PluginManager
-    from musegl_core.plugins.specs import ExecutorOptions
-    from musegl_core.progress import loading_progress
-    from musegl_core.checkpoint.model_tokenizer import load_tokenizer
-
-    plugins = PluginManager(only=config.plugins)
-    spec = plugins.choose_executor(config.executor, config.model)
-    tokenizer = load_tokenizer(config.model)
-    with loading_progress(f"loading {os.path.basename(config.model)} ({spec.name})") as progress:
-        options = ExecutorOptions(
-            model=config.model,
-            device=config.device,
-            dtype=config.dtype,
-            demo=config.demo,
-            mmproj=config.mmproj,
-            max_context=config.max_context if max_context is True else max_context,
-            progress=progress,
-            extra=dict(config.extra),
-        )
-        executor = spec.create(options)
-        check_executor(executor, spec.name)  # one line naming what is missing, not an AttributeError later
-        speculator = plugins.create_speculator(executor, options)
-    check_speculator(executor, speculator)
-    return tokenizer, executor, speculator
-
-
-def check_speculator(executor, speculator) -> None:
-    """Refuse, at load, a speculator that reads hidden states from an executor that returns none."""
-    if speculator is not None and tuple(speculator.taps) and not executor.info.hidden_states:
-        raise ConfigError(f"the {executor.info.backend} executor returns no hidden states, which the "
-                          f"speculator needs (layers {list(speculator.taps)}); serve without it")
 
 
 def serve(config: ServeConfig, stdin: BinaryIO, stdout: BinaryIO) -> None:

@@ -194,19 +194,3 @@ class PreparationPool:
                     self._submit(item.prepared)
             except Exception:  # a broken pipe while writing: the worker is ending
                 log.debug("handing on request %s failed", item.request.id, exc_info=True)
-
-
-def prompt_too_long(at_least: int, reservation: int, max_context: int) -> ApiError:
-    """400 ``context_length_exceeded`` for a prompt found too long before it was
-    fully tokenized: ``at_least`` is a lower bound of its token count (the
-    metadata says so: ``prompt_tokens_exact`` false)."""
-    from musegl_core.engine.engine import context_error
-
-    error = context_error(at_least, reservation, max_context)
-    error.message = (
-        f"This model's maximum context length is {max_context} tokens. However, you requested at least "
-        f"{at_least + reservation} tokens (at least {at_least} in the messages, {reservation} in the "
-        f"completion). Please reduce the length of the messages or completion."
-    )
-    error.metadata["prompt_tokens_exact"] = False
-    return error
