@@ -34,7 +34,8 @@ LOGPROBS = "message.output_text.logprobs"
 INCLUDES = (ENCRYPTED, LOGPROBS, "message.input_image.image_url")
 EFFORTS = ("low", "medium", "high")
 SUMMARIES = ("auto", "detailed")
-SESSION_SOURCE = "responses"
+KEY_SOURCE = "codex"  # soft sessions named by a client key: codex:<key> (docs/sessions.md)
+CHAIN_SOURCE = "responses"  # a stored chain's own soft session: responses:<first response id>
 
 
 def unsupported(param: str, message: str) -> ApiError:
@@ -218,12 +219,12 @@ def plan_response(
         session, soft = prior.session, prior.soft  # the session that produced the previous response
     else:
         session, soft = client_session(explicit, [
-            (SESSION_SOURCE, request.prompt_cache_key),
-            (SESSION_SOURCE, headers.get("session-id")),
-            (SESSION_SOURCE, headers.get("thread-id")),
+            (KEY_SOURCE, request.prompt_cache_key),
+            (KEY_SOURCE, headers.get("session-id")),
+            (KEY_SOURCE, headers.get("thread-id")),
         ])
     if session is None and keep and max_sessions > 0:
-        session, soft = soft_session_name(SESSION_SOURCE, response_id), True  # a chain's first stored turn
+        session, soft = soft_session_name(CHAIN_SOURCE, response_id), True  # a chain's first stored turn
     settings = m.Generate(
         id=response_id,
         prompt=(),

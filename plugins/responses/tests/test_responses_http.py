@@ -229,6 +229,8 @@ def test_turn_two_of_a_codex_conversation_runs_in_the_prompt_cache_key_session(s
     cached = second["usage"]["input_tokens_details"]["cached_tokens"]
     # everything up to the end of turn 1 was in the session: its prompt and all but its last generated id
     assert cached >= first["usage"]["input_tokens"] + first["usage"]["output_tokens"] - 1
+    listed = httpx.get(f"{server.url}/v1/sessions", timeout=30).json()
+    assert "codex:thread-123" in json.dumps(listed)
 
 
 def test_a_tampered_encrypted_content_is_used_as_plain_text(server):
