@@ -179,7 +179,7 @@ class MessagesSurface(ApiSurface):
 def _count(plan: Any, tokenizer: Any, context: Any) -> int:
     """Prompt positions exactly as the worker counts them: text ids with the BOS,
     and each image's rows (its pixels decide how many)."""
-    from musegl_core.worker.main import prepare
+    from musegl_core.worker.prepare import prepare
 
     vision = None
     if plan.generate.images:
