@@ -13,7 +13,20 @@ from __future__ import annotations
 
 from typing import Any, Callable, Sequence
 
-from musegl_core.engine.executor import Step
+from musegl_core.engine.executor import PromptImage, Step
+
+
+def no_vision_error() -> ValueError:
+    """What ``embed_image`` raises for a model loaded without a vision projector."""
+    return ValueError("this model was loaded without a vision projector; it cannot encode images")
+
+
+def check_image_rows(rows: Any, image: PromptImage) -> Any:
+    """``rows`` (what a vision tower made of ``image``), or ``ValueError`` when their
+    count is not the ``image.rows`` placeholders the prompt holds."""
+    if rows.shape[0] != image.rows:
+        raise ValueError(f"the image became {rows.shape[0]} rows, its prompt holds {image.rows}")
+    return rows
 
 
 def embedding_rows(step: Step, starts: Sequence[int], hidden_size: int,

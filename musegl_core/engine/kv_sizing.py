@@ -21,6 +21,14 @@ from musegl_core.errors import ConfigError
 GIB = 1 << 30
 
 
+def kv_block_bytes(config, block_size: int, itemsize: int) -> int:
+    """Bytes one KV block costs over all layers, K and V, for a decoder ``config``
+    (``num_layers``, ``num_kv_heads``, ``head_dim``) whose cache holds ``itemsize``-byte
+    elements: what an executor's ``kv_bytes_per_block`` (and its spec's ``kv_layout``)
+    reports when it stores every layer's K and V for every position."""
+    return config.num_layers * 2 * block_size * config.num_kv_heads * config.head_dim * itemsize
+
+
 def human_bytes(n: float) -> str:
     for unit, size in (("GiB", GIB), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if n >= size:

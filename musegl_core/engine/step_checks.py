@@ -98,6 +98,14 @@ def check_tokens(tokens: Sequence[int], vocab_size: int) -> None:
             raise vocabulary_error(vocab_size)
 
 
+def kv_allocated(storage, before: str = "the KV cache is used"):
+    """``storage`` (an executor's or a speculator's KV arrays), or ``RuntimeError``
+    when ``allocate_kv`` has not given it yet."""
+    if storage is None:
+        raise RuntimeError(f"allocate_kv() must be called before {before}")
+    return storage
+
+
 def check_taps(taps: Sequence[int], num_layers: int) -> None:
     """Tapped layers are ``0 .. num_layers`` (``num_layers``: the last layer's output)."""
     for t in taps:

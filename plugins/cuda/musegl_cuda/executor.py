@@ -37,12 +37,13 @@ import torch
 from musegl_core.checkpoint.loader import Checkpoint
 from musegl_core.checkpoint.vision import VisionWeights
 from musegl_core.engine.dtypes import backend_dtypes, dtype_name
-from musegl_core.engine.embedding_rows import embedding_rows
+from musegl_core.engine.embedding_rows import check_image_rows, embedding_rows, no_vision_error
 from musegl_core.engine.executor import (GREEDY, ExecutorLimits, FinishedStep, HeadRows, ModelInfo, PendingStep,
                                          PromptImage, SeqChunk, Step, StepOutput)
 from musegl_core.engine.memory import available_ram
 from musegl_core.engine.sample_rows import SampleRows
-from musegl_core.engine.step_checks import check_positions, check_taps, check_tokens, table_of
+from musegl_core.engine.kv_sizing import kv_block_bytes
+from musegl_core.engine.step_checks import check_positions, check_taps, check_tokens, kv_allocated, table_of
 from musegl_cuda.cpu.stored_matrix import HalfRows
 from musegl_cuda.model import AttentionBatch, DecodeAttention, MuseGlimmerDecoder, PagedMeta, SequenceAttention
 from musegl_cuda.plan import StepPlan, plan_step, rows_per_tile
@@ -228,9 +229,7 @@ class TorchExecutor:
     # -- KV storage ------------------------------------------------------------
 
     def kv_bytes_per_block(self) -> int:
-        c = self.config
-        per_layer = 2 * self.block_size * c.num_kv_heads * c.head_dim
-        return c.num_layers * per_layer * torch.empty((), dtype=self.dtype).element_size()
+        return kv_block_bytes(self.config, self.block_size, torch.empty((), dtype=self.dtype).element_size())
 
     def kv_memory_available(self) -> int | None:
         """Free device memory on CUDA; MemAvailable of the machine on the CPU."""
@@ -267,9 +266,7 @@ class TorchExecutor:
         return [layer[1] for layer in self._require_kv()]
 
     def _require_kv(self) -> torch.Tensor:
-        if self.kv is None:
-            raise RuntimeError("allocate_kv() must be called before the KV cache is used")
-        return self.kv
+        return kv_allocated(self.kv)
 
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
         if not pairs:
@@ -495,13 +492,11 @@ class TorchExecutor:
         """The image's decoder input rows ``(rows, hidden)`` (vision tower, adapter,
         projection, perception norm; :mod:`musegl_cuda.vision`)."""
         if self.vision is None:
-            raise ValueError("this model was loaded without a vision projector; it cannot encode images")
+            raise no_vision_error()
         with torch.inference_mode():
             pixels = torch.as_tensor(image.pixels, device=self.device)
             rows = self.vision(pixels, tuple(image.grid))
-        if rows.shape[0] != image.rows:
-            raise ValueError(f"the image became {rows.shape[0]} rows, its prompt holds {image.rows}")
-        return rows
+        return check_image_rows(rows, image)
 
     def release_sequence(self, seq: int) -> None:
         pass  # no per-sequence state: sampling is keyed by (seed, position)

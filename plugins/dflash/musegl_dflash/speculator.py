@@ -28,7 +28,7 @@ import torch
 
 from musegl_core.engine.executor import Step, StepOutput
 from musegl_core.engine.speculator import DraftRequest
-from musegl_core.engine.step_checks import coverage_error
+from musegl_core.engine.step_checks import coverage_error, kv_allocated
 from musegl_dflash.model import DFlashDraft, DraftBatch, gather_context, linear
 
 log = logging.getLogger("musegl.dflash")
@@ -87,9 +87,7 @@ class DFlashSpeculator:
         self.num_blocks = num_blocks
 
     def _require_kv(self) -> torch.Tensor:
-        if self.kv is None:
-            raise RuntimeError("allocate_kv() must be called before drafting")
-        return self.kv
+        return kv_allocated(self.kv, "drafting")
 
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
         if not pairs:

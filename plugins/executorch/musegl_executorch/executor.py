@@ -20,7 +20,9 @@ import torch
 
 from musegl_core.engine.dtypes import backend_dtypes, dtype_name
 from musegl_core.engine.executor import ExecutorLimits, HeadRows, ModelInfo, PromptImage, Step, StepOutput
+from musegl_core.engine.kv_sizing import kv_block_bytes
 from musegl_core.engine.memory import available_ram
+from musegl_core.engine.step_checks import kv_allocated
 from musegl_core.engine.sample_rows import SampleRows
 from musegl_core.errors import ConfigError
 from musegl_cuda.sampling import sample
@@ -67,8 +69,7 @@ class ExecuTorchExecutor:
     # -- KV storage ----------------------------------------------------------------------
 
     def kv_bytes_per_block(self) -> int:
-        c = self.config
-        return c.num_layers * 2 * self.block_size * c.num_kv_heads * c.head_dim * self.dtype.itemsize
+        return kv_block_bytes(self.config, self.block_size, self.dtype.itemsize)
 
     def kv_memory_available(self) -> int | None:
         """MemAvailable, but never more blocks than the program's ``max_cells`` accept."""
@@ -97,9 +98,8 @@ class ExecuTorchExecutor:
             pool[:, dst] = pool[:, src]
 
     def _pool(self) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.k_pool is None or self.v_pool is None:
-            raise RuntimeError("allocate_kv() must be called before the KV cache is used")
-        return self.k_pool, self.v_pool
+        kv_allocated(self.v_pool)
+        return kv_allocated(self.k_pool), self.v_pool
 
     # -- stepping --------------------------------------------------------------------------
 

@@ -53,12 +53,13 @@ def create(options: ExecutorOptions) -> "ExecuTorchExecutor":
 
 
 def kv_layout(options: ExecutorOptions) -> tuple[int, int]:
-    from musegl_executorch.executor import BLOCK_SIZE, DTYPES
+    from musegl_core.engine.dtypes import ITEMSIZE, dtype_name
+    from musegl_core.engine.kv_sizing import kv_block_bytes
+    from musegl_executorch.executor import BLOCK_SIZE
 
     manifest = read_manifest(options.model)
-    c = manifest.config
-    size = DTYPES[manifest.activation_dtype].itemsize
-    return c.num_layers * 2 * BLOCK_SIZE * c.num_kv_heads * c.head_dim * size, BLOCK_SIZE
+    size = ITEMSIZE[dtype_name(manifest.activation_dtype)]
+    return kv_block_bytes(manifest.config, BLOCK_SIZE, size), BLOCK_SIZE
 
 
 def _add_export_arguments(parser) -> None:

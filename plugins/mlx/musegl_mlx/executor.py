@@ -31,12 +31,13 @@ import numpy as np  # noqa: E402
 
 from musegl_core.checkpoint.config import TextConfig  # noqa: E402
 from musegl_core.engine.dtypes import COMPUTE_DTYPES, backend_dtypes  # noqa: E402
-from musegl_core.engine.embedding_rows import embedding_rows  # noqa: E402
+from musegl_core.engine.embedding_rows import check_image_rows, embedding_rows, no_vision_error  # noqa: E402
 from musegl_core.engine.executor import (ExecutorLimits, HeadRows, ModelInfo, PromptImage, SeqChunk, Step,  # noqa: E402
                                          StepOutput)
 from musegl_core.engine.memory import available_ram as host_ram  # noqa: E402
 from musegl_core.engine.sample_rows import SampleRows  # noqa: E402
-from musegl_core.engine.step_checks import check_copy_pairs, check_step  # noqa: E402
+from musegl_core.engine.kv_sizing import kv_block_bytes  # noqa: E402
+from musegl_core.engine.step_checks import check_copy_pairs, check_step, kv_allocated  # noqa: E402
 from musegl_mlx.loader import load_weights  # noqa: E402
 from musegl_mlx.model import MuseGlimmerDecoder, StepLayout  # noqa: E402
 from musegl_mlx.precision import DtypeChoice, choose_dtype  # noqa: E402
@@ -123,8 +124,7 @@ class MLXExecutor:
     # -- KV storage ------------------------------------------------------------
 
     def kv_bytes_per_block(self) -> int:
-        c = self.config
-        return c.num_layers * 2 * self.block_size * c.num_kv_heads * c.head_dim * self.dtype.size
+        return kv_block_bytes(self.config, self.block_size, self.dtype.size)
 
     def kv_memory_available(self) -> int | None:
         return available_ram()
@@ -137,9 +137,7 @@ class MLXExecutor:
         self.num_blocks = num_blocks
 
     def _require_kv(self) -> list[list[mx.array]]:
-        if self.kv is None:
-            raise RuntimeError("allocate_kv() must be called before the KV cache is used")
-        return self.kv
+        return kv_allocated(self.kv)
 
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
         if not pairs:
@@ -283,12 +281,10 @@ class MLXExecutor:
         """The image's decoder input rows ``(rows, hidden)`` as an MLX array (vision
         tower, adapter, projection, perception norm; :mod:`musegl_mlx.vision`)."""
         if self.vision is None:
-            raise ValueError("this model was loaded without a vision projector; it cannot encode images")
+            raise no_vision_error()
         rows = self.vision(image.pixels, tuple(image.grid))
         mx.eval(rows)
-        if rows.shape[0] != image.rows:
-            raise ValueError(f"the image became {rows.shape[0]} rows, its prompt holds {image.rows}")
-        return rows
+        return check_image_rows(rows, image)
 
     def release_sequence(self, seq: int) -> None:
         pass  # no per-sequence state: sampling is keyed by (seed, position)

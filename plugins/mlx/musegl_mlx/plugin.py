@@ -98,12 +98,13 @@ def kv_layout(options: ExecutorOptions) -> tuple[int, int]:
     from musegl_core.checkpoint.loader import load_checkpoint
     from musegl_mlx.executor import DEFAULT_BLOCK_SIZE, resolve_dtype
 
+    from musegl_core.engine.kv_sizing import kv_block_bytes
+
     checkpoint = load_checkpoint(options.model)
     checkpoint.close()
-    c = checkpoint.config
     apply_options(options)
     size = resolve_dtype(options.dtype, checkpoint.file_type).size
-    return c.num_layers * 2 * DEFAULT_BLOCK_SIZE * c.num_kv_heads * c.head_dim * size, DEFAULT_BLOCK_SIZE
+    return kv_block_bytes(checkpoint.config, DEFAULT_BLOCK_SIZE, size), DEFAULT_BLOCK_SIZE
 
 
 @hookimpl

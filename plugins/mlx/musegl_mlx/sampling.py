@@ -62,12 +62,9 @@ def apply_processors(z: mx.array, rows: SampleRows) -> mx.array:
 
 
 def filter_logits(z: mx.array, params: list[SamplingParams]) -> mx.array:
-    """Temperature, top-k, top-p and min-p on ``(rows, vocab)`` float32 logits;
-    removed entries become ``-inf``. top-k keeps the ``k`` largest values
-    (ties at the k-th value kept); top-p keeps the smallest prefix of the
-    sorted distribution whose mass reaches ``top_p`` (always the most likely
-    id); min-p keeps ids whose probability is at least ``min_p`` times the
-    largest."""
+    """Temperature, top-k, top-p and min-p on ``(rows, vocab)`` float32 logits, removed
+    entries ``-inf``: the rules of docs/executor.md section 5 (ties at the k-th value kept,
+    the most likely id always kept), operation for operation as the torch sampler."""
     temperature = mx.array(np.array([max(p.temperature, 1e-6) for p in params], dtype=np.float32))[:, None]
     z = z / temperature
     vocab = z.shape[-1]
