@@ -60,12 +60,20 @@ def sse_event(body: dict[str, Any]) -> bytes:
     return f"event: {body['type']}\n".encode() + sse.data_event(body)
 
 
+_END = object()
+_CANCEL = object()
+
+
 @attrs.define
 class Running:
-    """A response being generated (``cancel`` ends it)."""
+    """A response being generated: its builder and the queue its events pass
+    through (:meth:`cancel` puts the cancel marker there)."""
 
     builder: ResponseBuilder
-    cancelled: asyncio.Event = attrs.field(factory=asyncio.Event)
+    queue: asyncio.Queue = attrs.field(factory=asyncio.Queue)
+
+    def cancel(self) -> None:
+        self.queue.put_nowait(_CANCEL)
 
 
 class ResponsesSurface(ApiSurface):
@@ -102,43 +110,48 @@ class ResponsesSurface(ApiSurface):
     # -- running -------------------------------------------------------------------------
     async def _drive(self, generation: Any, builder: ResponseBuilder, running: Running) -> AsyncIterator[Any]:
         """The builder's events for the generation's events (after ``open``), plus
-        :data:`_KEEPALIVE` markers while nothing arrives for ``--responses-keepalive`` s."""
-        events = generation.events().__aiter__()
-        pending: asyncio.Task | None = None
-        cancel = asyncio.ensure_future(running.cancelled.wait())
+        :data:`_KEEPALIVE` markers while nothing arrives for ``--responses-keepalive`` s.
+
+        A pump task moves the generation's events into ``running.queue`` (where
+        ``cancel`` puts its marker), so waiting with a timeout never cancels
+        the generation's own iterator."""
+        queue = running.queue
+
+        async def pump() -> None:
+            try:
+                async for event in generation.events():
+                    queue.put_nowait(event)
+            finally:
+                queue.put_nowait(_END)
+
+        task = asyncio.ensure_future(pump())
         try:
             while True:
-                if pending is None:
-                    pending = asyncio.ensure_future(anext(events))
-                done, _ = await asyncio.wait({pending, cancel}, timeout=self.settings.keepalive,
-                                             return_when=asyncio.FIRST_COMPLETED)
-                if pending in done:
-                    task, pending = pending, None
-                    try:
-                        event = task.result()
-                    except StopAsyncIteration:
-                        return
-                    if isinstance(event, ev.Started):
-                        builder.started = True
-                    for item in builder.feed(event):
-                        yield item
-                    if isinstance(event, (ev.Finish, ev.Failure)):
-                        return
-                elif cancel in done:
+                try:
+                    async with asyncio.timeout(self.settings.keepalive):
+                        event = await queue.get()
+                except TimeoutError:
+                    yield _KEEPALIVE
+                    continue
+                if event is _END:
+                    await task  # re-raises what ended the pump early, if anything did
+                    return
+                if event is _CANCEL:
                     await generation.close()
                     for item in builder.cancelled():
                         yield item
                     return
-                else:
-                    yield _KEEPALIVE
+                if isinstance(event, ev.Started):
+                    builder.started = True
+                for item in builder.feed(event):
+                    yield item
+                if isinstance(event, (ev.Finish, ev.Failure)):
+                    return
         finally:
-            cancel.cancel()
-            if pending is not None:
-                pending.cancel()
+            if not task.done():
+                task.cancel()
                 with contextlib.suppress(BaseException):
-                    await pending
-            with contextlib.suppress(BaseException):
-                await events.aclose()
+                    await task
             await generation.close()
 
     def _keep(self, plan: ResponsePlan, builder: ResponseBuilder) -> None:
@@ -278,7 +291,7 @@ class ResponsesSurface(ApiSurface):
                     raise not_found(response_id)
                 raise bad_request(f"the response {response_id!r} is {entry.body['status']}; only a response in "
                                   "progress can be cancelled", code="response_not_cancellable", param="response_id")
-            running.cancelled.set()
+            running.cancel()
             for _ in range(200):
                 if response_id not in surface.running:
                     break
@@ -298,6 +311,9 @@ class ResponsesSurface(ApiSurface):
                     raise builder.failure
         finally:
             self.running.pop(plan.id, None)
+        if builder.status == "in_progress":  # the events ended without a finish
+            raise ApiError(503, "the model worker ended the request without a result", "unavailable_error",
+                           "worker_restarting")
         self._keep(plan, builder)
         return builder.response()
 
