@@ -9,7 +9,7 @@ import openai
 import pytest
 
 from musegl_core.config import ServeConfig
-from tests.support.server import running_server, scripted_plugin_env
+from musegl_core.testing.server import running_server, scripted_plugin_env
 
 from stream_check import check_stream
 
@@ -446,3 +446,16 @@ def test_an_echoed_encrypted_content_restores_the_generated_reasoning_ids(server
     assert second["output"][-1]["content"][0]["text"] == "Fine." and second["usage"]["input_tokens"] == sealed
     usage = first["usage"]
     assert second["usage"]["input_tokens_details"]["cached_tokens"] >= usage["input_tokens"] + usage["output_tokens"] - 1
+
+
+def test_a_client_that_leaves_mid_stream_cancels_the_response(server, client):
+    with httpx.stream("POST", f"{server.url}/v1/responses", json={"model": "m", "input": "slow prefill",
+                                                                  "stream": True}, timeout=60) as reply:
+        first = json.loads(next(line for line in reply.iter_lines() if line.startswith("data: "))[6:])
+    response_id = first["response"]["id"]
+    import time
+    deadline = time.monotonic() + 30
+    while httpx.get(f"{server.url}/v1/responses/{response_id}", timeout=30).status_code != 404:
+        assert time.monotonic() < deadline, "the response kept running after its client left"
+        time.sleep(0.05)
+    assert client.responses.create(model="m", input="hello", store=False).output_text == "Hi there"
