@@ -180,3 +180,17 @@ def test_target_access_is_both_methods_or_neither():
     problems = contract_problems(Half(VOCAB))
     assert problems == ["TargetAccess needs embedding_rows and head_logits as methods, it has embedding_rows "
                         '(docs/executor.md section 8, "Speculators (drafts)")']
+
+
+def test_the_step_code_imports_no_backend():
+    """The core's step code is numpy and pure Python: no torch, no mlx, no plugin."""
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "import musegl_core.engine.step_checks, musegl_core.engine.sample_rows, musegl_core.engine.embedding_rows\n"
+            "import musegl_core.engine.memory, musegl_core.engine.dtypes, musegl_core.engine.kv_sizing\n"
+            "backends = ('torch', 'mlx', 'musegl_cuda', 'musegl_mlx', 'musegl_executorch', 'musegl_dflash')\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in backends))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
