@@ -51,7 +51,7 @@ def decode_rate(executor, vocab: int, batch: int, prompt_tokens: int, steps: int
         last.append(out.tokens[seq][0])
     prefill = time.perf_counter() - started
     width = executor.limits.padded_width(batch)
-    started = time.perf_counter()
+    started, cpu = time.perf_counter(), time.process_time()
     generated = [[] for _ in range(batch)]
     for step in range(steps):
         pos = prompt_tokens + step
@@ -60,9 +60,10 @@ def decode_rate(executor, vocab: int, batch: int, prompt_tokens: int, steps: int
         last = [out.tokens[seq][0] for seq in range(batch)]
         for seq in range(batch):
             generated[seq].append(last[seq])
-    seconds = time.perf_counter() - started
+    seconds, cpu = time.perf_counter() - started, time.process_time() - cpu
     return {"batch": batch, "prefill_s": round(prefill, 3), "decode_s": round(seconds, 3),
-            "decode_tok_s": round(batch * steps / seconds, 2), "generated": generated}
+            "decode_tok_s": round(batch * steps / seconds, 2),
+            "cpu_ms_per_token": round(cpu * 1e3 / (batch * steps), 3), "generated": generated}
 
 
 def agreement(mine, reference, vocab: int, tokens: int, seed: int = 1) -> float:
@@ -93,12 +94,21 @@ def main() -> int:
     p.add_argument("--max-cells", type=int, default=4096)
     p.add_argument("--activation-dtype", default="float32", choices=("float32", "float16", "bfloat16"))
     p.add_argument("--quantize", default="none", choices=tuple(QUANTIZATIONS))
-    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--batches", default="1,8", help="decode batch sizes, timed one after the other")
+    p.add_argument("--threads", type=int, default=0,
+                   help="intra-op threads of both executors (torch and the ExecuTorch threadpool); 0: their "
+                        "defaults. 1 gives comparable CPU times on a machine shared with other jobs")
     p.add_argument("--prompt-tokens", type=int, default=32)
     p.add_argument("--decode-steps", type=int, default=32)
     p.add_argument("--agreement-tokens", type=int, default=64)
     p.add_argument("--workdir", default=None, help="keep the checkpoint and the export here")
     args = p.parse_args()
+    batches = [int(b) for b in args.batches.split(",")]
+    if args.threads:
+        import executorch.extension.pybindings.portable_lib as portable
+
+        torch.set_num_threads(args.threads)
+        portable._unsafe_reset_threadpool(args.threads)  # before any program loads
     base = PRESETS[args.preset]
     preset = attrs.evolve(base, max_position_embeddings=args.native_context,
                           num_layers=args.layers or base.num_layers)
@@ -116,28 +126,34 @@ def main() -> int:
                       "preset": preset.name, "layers": preset.num_layers}), flush=True)
 
     vocab = checkpoint.config.vocab_size
-    blocks = args.batch * -(-(args.prompt_tokens + args.decode_steps + 1) // 16) + 8
+    blocks = max(batches) * -(-(args.prompt_tokens + args.decode_steps + 1) // 16) + 8
     torch_exec = TorchExecutor(checkpoint, device="cpu", dtype="float32")
     torch_exec.allocate_kv(max(blocks, -(-(16 + args.agreement_tokens + 1) // 16)))
     et_exec = ExecuTorchExecutor(str(out))
     et_exec.allocate_kv(max(blocks, -(-(16 + args.agreement_tokens + 1) // 16)))
-    results = {}
+    results: dict[tuple[str, int], dict] = {}
     for name, executor in (("torch-cpu", torch_exec), ("executorch", et_exec)):
         decode_rate(executor, vocab, 1, 8, 2)  # warm-up
-        results[name] = decode_rate(executor, vocab, args.batch, args.prompt_tokens, args.decode_steps)
-        print(json.dumps({"figure": "decode", "executor": name,
-                          **{k: v for k, v in results[name].items() if k != "generated"}}), flush=True)
-    same = results["torch-cpu"]["generated"] == results["executorch"]["generated"]
+        for batch in batches:
+            results[name, batch] = decode_rate(executor, vocab, batch, args.prompt_tokens, args.decode_steps)
+            print(json.dumps({"figure": "decode", "executor": name,
+                              **{k: v for k, v in results[name, batch].items() if k != "generated"}}), flush=True)
+    same = all(results["torch-cpu", b]["generated"] == results["executorch", b]["generated"] for b in batches)
     agree = agreement(et_exec, torch_exec, vocab, args.agreement_tokens)
-    print(json.dumps({
-        "figure": "summary", "activation_dtype": args.activation_dtype, "quantize": args.quantize,
-        "export_s": round(export_s, 2), "pte_bytes": sizes["model.pte"], "ptd_bytes": sizes["model.ptd"],
-        "torch_decode_tok_s": results["torch-cpu"]["decode_tok_s"],
-        "executorch_decode_tok_s": results["executorch"]["decode_tok_s"],
-        "executorch_over_torch": round(results["executorch"]["decode_tok_s"] / results["torch-cpu"]["decode_tok_s"], 3),
-        "greedy_identical": same, "top1_agreement": round(agree, 4), "agreement_tokens": args.agreement_tokens,
-        "batch": args.batch, "decode_steps": args.decode_steps,
-    }), flush=True)
+    summary = {"figure": "summary", "activation_dtype": args.activation_dtype, "quantize": args.quantize,
+               "threads": args.threads or torch.get_num_threads(), "export_s": round(export_s, 2),
+               "pte_bytes": sizes["model.pte"], "ptd_bytes": sizes["model.ptd"]}
+    for b in batches:
+        mine, theirs = results["executorch", b], results["torch-cpu", b]
+        summary[f"batch{b}"] = {
+            "torch_tok_s": theirs["decode_tok_s"], "executorch_tok_s": mine["decode_tok_s"],
+            "wall_ratio": round(mine["decode_tok_s"] / theirs["decode_tok_s"], 3),
+            "torch_cpu_ms_per_token": theirs["cpu_ms_per_token"],
+            "executorch_cpu_ms_per_token": mine["cpu_ms_per_token"],
+            "cpu_ratio": round(theirs["cpu_ms_per_token"] / mine["cpu_ms_per_token"], 3)}
+    summary.update({"greedy_identical": same, "top1_agreement": round(agree, 4),
+                    "agreement_tokens": args.agreement_tokens, "decode_steps": args.decode_steps})
+    print(json.dumps(summary), flush=True)
     et_exec.close()
     torch_exec.close()
     checkpoint.close()

@@ -26,7 +26,7 @@ from musegl_core.engine.executor import SamplingParams
 from musegl_core.errors import ApiError, ConfigError
 from musegl_core.engine import events as ev
 from musegl_core.engine.request import GenerateRequest, ImageInput, PromptSegment
-from musegl_core.vision.preprocess import ImagePreprocessor
+from musegl_core.vision.preprocess import ImagePreprocessor, vision_patches
 from musegl_core.worker.loading import load
 from musegl_core.worker.prepare import prepare
 
@@ -125,7 +125,7 @@ def main(argv: list[str]) -> int:
         add_bos=False,
         images=images,
     )
-    vision = ImagePreprocessor(args.max_vision_patches) if executor.info.vision else None
+    vision = ImagePreprocessor(vision_patches(args.max_vision_patches, executor.info)) if executor.info.vision else None
     try:
         prepared = prepare(request, tokenizer, vision=vision)
     except ApiError as error:

@@ -90,6 +90,9 @@ class ModelInfo:
     demo: bool = False
     vision: bool = False  # the executor can encode images (embed_image)
     hidden_states: bool = True  # the executor returns tapped decoder hidden states (Step.taps) for speculators
+    #: most ViT patches the executor's vision encoder takes per image (an exported program's
+    #: capacity); the preprocessing clips --max-vision-patches to it. None: no limit of its own
+    vision_patches: int | None = None
 
 
 @attrs.frozen

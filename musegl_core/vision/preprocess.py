@@ -375,3 +375,9 @@ def place_images(ids: Sequence[int], images: Sequence[ImageInput], tokenizer,
         last = position + 1
     out.extend(ids[last:])
     return out, tuple(placed)
+
+
+def vision_patches(requested: int, info) -> int:
+    """``--max-vision-patches`` clipped to what the executor's vision encoder takes
+    (``ModelInfo.vision_patches``: an exported program's capacity; None: no limit)."""
+    return requested if info.vision_patches is None else min(requested, info.vision_patches)

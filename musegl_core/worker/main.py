@@ -30,7 +30,7 @@ from musegl_core.engine.engine import Engine, EngineConfig
 from musegl_core.engine.randomness import seed_requests
 from musegl_core.engine.sessions import session_policy
 from musegl_core.errors import ApiError, ConfigError
-from musegl_core.vision.preprocess import ImagePreprocessor
+from musegl_core.vision.preprocess import ImagePreprocessor, vision_patches
 from musegl_core.worker import messages as m
 from musegl_core.worker.loading import load
 from musegl_core.worker.prepare import prepare
@@ -120,7 +120,7 @@ def image_preprocessor(config: ServeConfig, executor) -> ImagePreprocessor | Non
     """The image preprocessing of a model that can see images (``info.vision``), else None."""
     if not executor.info.vision:
         return None
-    return ImagePreprocessor(config.max_vision_patches, config.max_image_bytes)
+    return ImagePreprocessor(vision_patches(config.max_vision_patches, executor.info), config.max_image_bytes)
 
 
 def _closed(message: m.CloseSession, error: ApiError | None):

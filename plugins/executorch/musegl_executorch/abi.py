@@ -81,14 +81,18 @@ def group_keys(chunk: SeqChunk, lo: int, hi: int, all_cells: np.ndarray, window:
 
 
 def plan_calls(chunks: Sequence[SeqChunk], head_rows: Sequence[Sequence[int]], *, block_size: int,
-               num_blocks: int, window: int, vocab: int, sizes: Sequence[int], max_chunk: int) -> list[Call]:
+               num_blocks: int, window: int, vocab: int, sizes: Sequence[int], max_chunk: int,
+               embedded: frozenset[int] = frozenset()) -> list[Call]:
     """The program calls that run ``chunks``; ``head_rows[i]`` lists the rows of chunk
-    ``i`` whose logits are needed (sampled rows, logit rows)."""
+    ``i`` whose logits are needed (sampled rows, logit rows). The chunks listed in
+    ``embedded`` (those with image rows) run alone through ``forward_from_embeddings``
+    in pieces of at most ``max_chunk`` rows, one-row chunks included; the caller gives
+    their input rows."""
     for chunk in chunks:
         check_positions(chunk)
         check_tokens(chunk.tokens, vocab)
     calls: list[Call] = []
-    singles = [i for i, c in enumerate(chunks) if len(c.tokens) == 1]
+    singles = [i for i, c in enumerate(chunks) if len(c.tokens) == 1 and i not in embedded]
     if sizes:
         widest = max(sizes)
         while singles:
@@ -98,11 +102,12 @@ def plan_calls(chunks: Sequence[SeqChunk], head_rows: Sequence[Sequence[int]], *
             calls.append(_call(f"forward_{width}", [Piece(i, 0, 1) for i in take], width, 1, chunks, head_rows,
                                block_size, num_blocks, window))
     for i, chunk in enumerate(chunks):
-        if len(chunk.tokens) == 1 and sizes:
+        if len(chunk.tokens) == 1 and sizes and i not in embedded:
             continue
+        method = "forward_from_embeddings" if i in embedded else "forward_others"
         for lo in range(0, len(chunk.tokens), max_chunk):
             hi = min(lo + max_chunk, len(chunk.tokens))
-            calls.append(_call("forward_others", [Piece(i, lo, hi)], 1, hi - lo, chunks, head_rows,
+            calls.append(_call(method, [Piece(i, lo, hi)], 1, hi - lo, chunks, head_rows,
                                block_size, num_blocks, window))
     return calls
 

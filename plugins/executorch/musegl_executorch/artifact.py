@@ -11,6 +11,7 @@ import attrs
 import cattrs
 
 from musegl_core.checkpoint.config import TextConfig
+from musegl_core.checkpoint.vision import VisionConfig
 from musegl_core.errors import ConfigError
 
 MANIFEST = "musegl-export.json"
@@ -29,6 +30,15 @@ class ExportLimits:
     max_prefill_chunk: int  # most rows of one forward_others call
     max_cells: int  # most pool cells (blocks x block_size) a method accepts
     forward_sizes: tuple[int, ...]  # the static forward_{N} methods
+
+
+@attrs.frozen
+class VisionExport:
+    """The vision encoder inside the program (``musegl export --mmproj``)."""
+
+    config: VisionConfig
+    max_patches: int  # the most ViT patches one image may have (the exported patch capacity)
+    source: str = ""  # the projector (or Hugging Face directory) it came from
 
 
 @attrs.frozen
@@ -51,6 +61,7 @@ class Manifest:
     source: str = ""
     executorch_version: str = ""
     export_seconds: float = 0.0
+    vision: VisionExport | None = None  # None: a text-only program
 
     def dump(self) -> str:
         return json.dumps(converter.unstructure(self), indent=2) + "\n"

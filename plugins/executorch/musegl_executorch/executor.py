@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from musegl_core.engine.dtypes import backend_dtypes, dtype_name
+from musegl_core.engine.embedding_rows import check_image_rows
 from musegl_core.engine.executor import ExecutorLimits, HeadRows, ModelInfo, PromptImage, Step, StepOutput
 from musegl_core.engine.kv_sizing import kv_block_bytes
 from musegl_core.engine.memory import available_ram
@@ -28,6 +29,7 @@ from musegl_core.errors import ConfigError
 from musegl_cuda.sampling import sample
 from musegl_executorch.abi import plan_calls
 from musegl_executorch.artifact import Manifest, directory_of, read_manifest
+from musegl_executorch.export.lower import EMBED_TEXT, FROM_EMBEDDINGS, VISION_ENCODER
 
 BLOCK_SIZE = 16
 DTYPES = backend_dtypes(lambda name: getattr(torch, name))
@@ -53,6 +55,8 @@ class ExecuTorchExecutor:
         if missing:
             raise ConfigError(f"{model}: the program lacks the method {missing[0]} its manifest lists")
         self.methods = {name: self.program.load_method(name) for name in m.methods}
+        # the pybinding's call, which can return outputs without cloning them (executorch 1.5)
+        self._calls = {name: method._method for name, method in self.methods.items()}
         self.config = c = m.config
         self.dtype = DTYPES[dtype_name(m.activation_dtype)]
         self.block_size = BLOCK_SIZE
@@ -60,7 +64,8 @@ class ExecuTorchExecutor:
         self.info = ModelInfo(
             name=m.name, vocab_size=c.vocab_size, hidden_size=c.hidden_size, num_layers=c.num_layers,
             native_context=m.limits.native_context, dtype=m.activation_dtype, backend="executorch-xnnpack",
-            vision=False, hidden_states=False,
+            vision=m.vision is not None, hidden_states=False,
+            vision_patches=m.vision.max_patches if m.vision else None,
         )
         self.k_pool: torch.Tensor | None = None
         self.v_pool: torch.Tensor | None = None
@@ -110,7 +115,8 @@ class ExecuTorchExecutor:
             return StepOutput()
         if step.taps:
             raise ValueError("the ExecuTorch program returns no hidden states (no speculator can tap it)")
-        if any(chunk.embeds for chunk in step.chunks):
+        embedded = frozenset(i for i, chunk in enumerate(step.chunks) if chunk.embeds)
+        if embedded and self.manifest.vision is None:
             raise ValueError("the ExecuTorch program has no image input; this model cannot encode images")
         k_pool, v_pool = self._pool()
         starts = np.cumsum([0] + [len(chunk.tokens) for chunk in step.chunks[:-1]]).tolist()
@@ -119,38 +125,95 @@ class ExecuTorchExecutor:
         c, lim = self.config, self.manifest.limits
         calls = plan_calls(step.chunks, needed, block_size=self.block_size, num_blocks=self.num_blocks,
                            window=c.sliding_window, vocab=c.vocab_size, sizes=lim.forward_sizes,
-                           max_chunk=lim.max_prefill_chunk)
-        logits_of: dict[tuple[int, int], torch.Tensor] = {}
+                           max_chunk=lim.max_prefill_chunk, embedded=embedded)
+        # the head's rows in HeadRows order, copied once out of each call's output
+        logits = torch.empty((len(plan.rows), c.vocab_size), dtype=torch.float32) if plan.rows else None
         for call in calls:
             i = call.inputs
             inputs = [torch.from_numpy(i["tokens"]), torch.from_numpy(i["positions"]), k_pool, v_pool,
                       torch.from_numpy(i["full_slots"]), torch.from_numpy(i["full_bias"]),
                       torch.from_numpy(i["window_slots"]), torch.from_numpy(i["window_bias"]),
                       torch.from_numpy(i["head_rows"])]
-            logits, new_k, new_v = self.methods[call.method].execute(inputs)
+            if call.method == FROM_EMBEDDINGS:
+                inputs[0] = self._input_rows(step.chunks[call.pieces[0].chunk], call.pieces[0], i["tokens"])
+            out, new_k, new_v = self._execute(call.method, inputs)
             real = np.flatnonzero(call.write_slots >= 0)
             if real.size:
                 at = torch.from_numpy(call.write_slots[real])
                 rows = torch.from_numpy(real)
                 k_pool[:, at] = new_k[:, rows]
                 v_pool[:, at] = new_v[:, rows]
-            for key, j in call.head_of.items():
-                logits_of[key] = logits[j]
-        # the head's rows in HeadRows order, then the sampler on its sampled rows
-        logits = torch.stack([logits_of[(i, r)] for i, rows in enumerate(needed) for r in rows]) if plan.rows else None
-        ids, logprobs = sample(logits[plan.sampled], SampleRows.of(step)) if plan.sampled else ([], [])
+            if call.head_of:
+                gather_rows(logits, [plan.where[i][r] for i, r in call.head_of], out, list(call.head_of.values()))
+        sampled = None if not plan.sampled else (
+            logits if plan.sampled == list(range(len(plan.rows))) else logits[plan.sampled])
+        ids, logprobs = sample(sampled, SampleRows.of(step)) if plan.sampled else ([], [])
         return plan.output(step, starts, logits, ids, logprobs, None)
 
+    def _execute(self, method: str, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """One program call. The outputs alias the method's planned memory (no copy:
+        ``executorch.runtime.Method.execute`` clones every output, a vocabulary-wide
+        copy of the logits per call); they are valid until that method runs again, so
+        the caller copies what it keeps (the head rows) and writes the K/V rows at once."""
+        return self._calls[method](inputs, clone_outputs=False)
+
+    def _input_rows(self, chunk, piece, tokens: np.ndarray) -> torch.Tensor:
+        """``(1, T, hidden)`` input rows of a piece of a chunk with image rows: ``embed_text``
+        of its tokens, the image rows of its spans written over their placeholders."""
+        rows = self._execute(EMBED_TEXT, [torch.from_numpy(np.ascontiguousarray(tokens[0]))])[0].clone()
+        for span in chunk.embeds:
+            lo, hi = max(piece.lo, span.offset), min(piece.hi, span.offset + span.count)
+            if lo >= hi:
+                continue
+            source = torch.as_tensor(span.embedding)
+            if source.ndim != 2 or source.shape[1] != self.config.hidden_size or \
+                    span.first + span.count > source.shape[0]:
+                raise ValueError(f"sequence {chunk.seq}: embedding rows must be (>= {span.first + span.count}, "
+                                 f"{self.config.hidden_size}), got {tuple(source.shape)}")
+            first = span.first + lo - span.offset
+            rows[lo - piece.lo:hi - piece.lo] = source[first:first + hi - lo].to(rows.dtype)
+        return rows[None]
+
     def embed_image(self, image: PromptImage):
-        raise ValueError("the ExecuTorch program has no vision encoder; this model cannot encode images")
+        """The image's decoder input rows ``(rows, hidden)`` through ``vision_encoder`` (the
+        grid's position taps, RoPE, window mask and merge order computed here)."""
+        vision = self.manifest.vision
+        if vision is None:
+            raise ValueError("the ExecuTorch program has no vision encoder; this model cannot encode images "
+                             "(export it with musegl export MODEL --mmproj PROJECTOR)")
+        from musegl_executorch.export.vision import grid_inputs
+
+        gh, gw = (int(v) for v in image.grid)
+        pixels = torch.as_tensor(np.asarray(image.pixels, dtype=np.float32))
+        if gh * gw > vision.max_patches:
+            raise ValueError(f"the image has {gh * gw} patches; the program's vision encoder takes at most "
+                             f"{vision.max_patches} (musegl export --max-vision-patches)")
+        if gh < 1 or gw < 1 or gh % 2 or gw % 2 or pixels.shape != (gh * gw, 3 * vision.config.patch_size ** 2):
+            raise ValueError(f"image pixels {tuple(pixels.shape)} do not fit the patch grid {gh}x{gw}")
+        pos_index, pos_weight, cos, sin, bias, shuffle = grid_inputs(vision.config, (gh, gw))
+        # the eager tower casts its RoPE table to the activation dtype before the float32 rotation
+        cos, sin = cos.to(self.dtype).float(), sin.to(self.dtype).float()
+        rows = self._execute(VISION_ENCODER, [pixels.contiguous(), pos_index, pos_weight, cos, sin, bias,
+                                              shuffle])[0].clone()
+        return check_image_rows(rows, image)
 
     def release_sequence(self, seq: int) -> None:
         pass  # no per-sequence state: the pool is indexed by the engine's block ids
 
     def close(self) -> None:
         self.methods = {}
+        self._calls = {}
         self.program = None
         self.k_pool = self.v_pool = None
         self.num_blocks = 0
 
 
+
+
+def gather_rows(into: torch.Tensor, at: list[int], source: torch.Tensor, rows: list[int]) -> None:
+    """``into[at[k]] = source[rows[k]]``, as one slice copy when both runs are consecutive."""
+    n = len(at)
+    if at == list(range(at[0], at[0] + n)) and rows == list(range(rows[0], rows[0] + n)):
+        into[at[0]:at[0] + n].copy_(source[rows[0]:rows[0] + n])
+    else:
+        into[torch.tensor(at)] = source[torch.tensor(rows)]

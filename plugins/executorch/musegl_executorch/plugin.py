@@ -33,8 +33,12 @@ def check(options: ExecutorOptions) -> None:
     if options.max_context is not None and options.max_context > manifest.limits.native_context:
         raise ConfigError(f"--max-context {options.max_context} is beyond the exported native context "
                           f"{manifest.limits.native_context} of {options.model}")
+    if options.mmproj and manifest.vision is None:
+        raise ConfigError(f"{options.model} is a text-only export (no vision encoder); --mmproj cannot add one at "
+                          f"serve time: re-export with musegl export MODEL --mmproj {options.mmproj} -o DIR")
     if options.mmproj:
-        raise ConfigError("the ExecuTorch export has no vision encoder; --mmproj cannot be used with it")
+        raise ConfigError(f"{options.model} already holds its vision encoder (exported from "
+                          f"{manifest.vision.source or 'a projector'}); serve it without --mmproj")
     if options.dtype and options.dtype != manifest.activation_dtype:
         raise ConfigError(f"--dtype {options.dtype}: the program was exported with activation dtype "
                           f"{manifest.activation_dtype} (re-export with --activation-dtype)")

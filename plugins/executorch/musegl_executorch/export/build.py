@@ -9,9 +9,9 @@ from typing import Callable
 
 import torch
 
-from musegl_executorch.artifact import ABI, FORMAT, MANIFEST, ExportLimits, Manifest
+from musegl_executorch.artifact import ABI, FORMAT, MANIFEST, ExportLimits, Manifest, VisionExport
 from musegl_executorch.export.graph import INPUT_NAMES, OUTPUT_NAMES, OffGraphDecoder
-from musegl_executorch.export.lower import OTHERS, Limits, export_methods, lower, write
+from musegl_executorch.export.lower import Limits, export_methods, lower, write
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -72,9 +72,19 @@ def write_tokenizer(tokenizer, out: Path) -> None:
         (out / "tokenizer_config.json").write_text(json.dumps({"chat_template": tokenizer.chat_template}) + "\n")
 
 
+def load_vision_module(vision_weights, config, dtype: torch.dtype):
+    """The projector's weights in the exportable tower (through the eager loader)."""
+    from musegl_cuda.vision import load_vision_encoder
+    from musegl_executorch.export.vision import ExportVisionEncoder
+
+    with torch.no_grad():
+        return ExportVisionEncoder(load_vision_encoder(vision_weights, config, dtype, torch.device("cpu")))
+
+
 def build_artifact(checkpoint, tokenizer, out: Path, *, forward_sizes: tuple[int, ...], max_prefill_chunk: int,
                    max_cells: int, activation_dtype: str, quantization: str,
-                   progress: Callable[[int, int, str], None] | None = None) -> Manifest:
+                   progress: Callable[[int, int, str], None] | None = None, vision_weights=None,
+                   vision_patches: int = 0, vision_source: str = "") -> Manifest:
     from executorch.version import __version__ as et_version
 
     started = time.perf_counter()
@@ -84,8 +94,10 @@ def build_artifact(checkpoint, tokenizer, out: Path, *, forward_sizes: tuple[int
         quantize_int8(module)
     limits = Limits(forward_sizes, max_prefill_chunk, max_cells, config.max_position_embeddings,
                     config.sliding_window)
+    vision = None if vision_weights is None else load_vision_module(vision_weights, config,
+                                                                     DTYPES[activation_dtype])
     with torch.no_grad():
-        methods = export_methods(module, limits, progress)
+        methods = export_methods(module, limits, progress, vision, vision_patches)
         if progress:
             progress(len(methods), len(methods) + 1, "lowering with XNNPACK")
         program = lower(methods)
@@ -98,9 +110,10 @@ def build_artifact(checkpoint, tokenizer, out: Path, *, forward_sizes: tuple[int
         format=FORMAT, abi=ABI, name=checkpoint.name, config=config, activation_dtype=activation_dtype,
         quantization=quantization,
         limits=ExportLimits(config.max_position_embeddings, max_prefill_chunk, max_cells, forward_sizes),
-        methods=tuple(f"forward_{n}" for n in forward_sizes) + (OTHERS,),
+        methods=tuple(methods),
         inputs=INPUT_NAMES, outputs=OUTPUT_NAMES, source=str(checkpoint.path), executorch_version=et_version,
         export_seconds=round(time.perf_counter() - started, 2),
+        vision=None if vision is None else VisionExport(vision.config, vision_patches, vision_source),
     )
     (out / MANIFEST).write_text(manifest.dump())  # last: a directory without it is no export
     if progress:

@@ -16,6 +16,7 @@ from musegl_core.errors import ConfigError
 DEFAULT_FORWARD_SIZES = (1, 2, 4, 8, 16, 32, 64)
 DEFAULT_MAX_PREFILL_CHUNK = 512
 DEFAULT_MAX_CELLS = 65536
+DEFAULT_VISION_PATCHES = 1024
 DTYPES = ("float32", "float16", "bfloat16")
 QUANTIZATIONS = {"none": "none", "int8": "int8-weight-only"}
 
@@ -38,6 +39,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="most KV pool cells (blocks x 16 positions) the program accepts (default %(default)s)")
     parser.add_argument("--max-seq-len", type=int, default=None, metavar="N",
                         help="ignored: the program takes the checkpoint's native context (a value warns)")
+    parser.add_argument("--mmproj", default=None, metavar="PROJECTOR",
+                        help="vision projector GGUF (llama.cpp's mmproj-*.gguf) of a GGUF MODEL: the program gains "
+                             "vision_encoder, embed_text and forward_from_embeddings (a Hugging Face MODEL with "
+                             "vision weights gets them without it)")
+    parser.add_argument("--max-vision-patches", type=int, default=DEFAULT_VISION_PATCHES, metavar="N",
+                        help="most ViT patches one image may have, the vision encoder's capacity (default "
+                             "%(default)s; the server clips its --max-vision-patches to it)")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing export in OUTDIR")
 
 
@@ -71,9 +79,14 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"-o {out}: the directory is not empty (give --overwrite to replace an export)")
     if not os.path.exists(args.model):
         raise ConfigError(f"model path {args.model!r} does not exist")
+    if args.mmproj is not None and not os.path.isfile(args.mmproj):
+        raise ConfigError(f"--mmproj {args.mmproj!r} is not a file")
+    if args.max_vision_patches < 4 or args.max_vision_patches % 4:
+        raise ConfigError(f"--max-vision-patches must be a positive multiple of 4, got {args.max_vision_patches}")
 
     from musegl_core.checkpoint.loader import load_checkpoint
     from musegl_core.checkpoint.validate import one_line
+    from musegl_core.checkpoint.vision import load_vision
     from musegl_core.tokenizer import MuseTokenizer
 
     try:
@@ -81,6 +94,11 @@ def run(args: argparse.Namespace) -> int:
         tokenizer = MuseTokenizer.load(args.model)
     except Exception as exc:
         raise ConfigError(f"cannot export {args.model!r}: {one_line(exc)}") from None
+    try:
+        vision = load_vision(args.model, args.mmproj, checkpoint.config.hidden_size)
+    except Exception as exc:
+        checkpoint.close()
+        raise ConfigError(f"cannot export the vision projector {args.mmproj or args.model!r}: {one_line(exc)}") from None
     config = checkpoint.config
     check_exportable(config, sizes, args.max_prefill_chunk, args.max_cells)
 
@@ -92,13 +110,18 @@ def run(args: argparse.Namespace) -> int:
             manifest = build_artifact(checkpoint, tokenizer, out, forward_sizes=sizes,
                                       max_prefill_chunk=args.max_prefill_chunk, max_cells=args.max_cells,
                                       activation_dtype=args.activation_dtype,
-                                      quantization=QUANTIZATIONS[args.quantize], progress=progress)
+                                      quantization=QUANTIZATIONS[args.quantize], progress=progress,
+                                      vision_weights=vision, vision_patches=args.max_vision_patches,
+                                      vision_source=str(args.mmproj or args.model) if vision else "")
         finally:
             checkpoint.close()
+            if vision is not None:
+                vision.close()
     seconds = time.perf_counter() - started
     sizes_on_disk = {name: (out / name).stat().st_size for name in (manifest.program, manifest.data)}
     print(json.dumps({"output_dir": str(out), "seconds": round(seconds, 2), "bytes": sizes_on_disk,
-                      "methods": list(manifest.methods), "native_context": manifest.limits.native_context}))
+                      "methods": list(manifest.methods), "native_context": manifest.limits.native_context,
+                      "vision_patches": manifest.vision.max_patches if manifest.vision else None}))
     return 0
 
 

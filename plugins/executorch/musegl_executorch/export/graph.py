@@ -90,7 +90,7 @@ class ExportLayer(nn.Module):
         for name in ("input_scale", "post_attention_scale", "pre_feedforward_scale", "post_feedforward_scale"):
             self.register_buffer(name, torch.ones(h, dtype=torch.float32))
 
-    def forward(self, h, cos, sin, k_pool, v_pool, slots, bias, own_bias):
+    def forward(self, h, cos, sin, k_pool, v_pool, cells, slots, bias, own_bias):
         groups, chunk = bias.shape[0], bias.shape[1]
         rows = h.shape[0]
         a = centered(h, self.input_scale, self.eps)
@@ -108,10 +108,12 @@ class ExportLayer(nn.Module):
         k = k.to(k_pool.dtype)
         v = v.to(v_pool.dtype)
 
+        # k_pool/v_pool are the whole pool as (layers·cells, kvh, hd) views: this layer's
+        # cells start at index·cells (k_pool[index] would copy the layer's whole pool per call)
         cached = slots.shape[1]
-        flat = slots.reshape(-1)
-        past_k = torch.index_select(k_pool[self.index], 0, flat).reshape(groups, cached, self.kv_heads, self.hd)
-        past_v = torch.index_select(v_pool[self.index], 0, flat).reshape(groups, cached, self.kv_heads, self.hd)
+        flat = slots.reshape(-1) + self.index * cells
+        past_k = torch.index_select(k_pool, 0, flat).reshape(groups, cached, self.kv_heads, self.hd)
+        past_v = torch.index_select(v_pool, 0, flat).reshape(groups, cached, self.kv_heads, self.hd)
         keys = torch.cat([past_k, k.reshape(groups, chunk, self.kv_heads, self.hd)], dim=1).to(q.dtype)
         values = torch.cat([past_v, v.reshape(groups, chunk, self.kv_heads, self.hd)], dim=1).to(q.dtype)
         # (G, kvh, group·T, hd) @ (G, kvh, hd, S): GQA without repeating K/V
@@ -170,8 +172,13 @@ class OffGraphDecoder(nn.Module):
 
     def forward(self, tokens, positions, k_pool, v_pool, full_slots, full_bias, window_slots, window_bias,
                 head_rows):
+        h = rms(self.embed_tokens(tokens.reshape(-1)), self.config.rms_norm_eps)
+        return self.decode(h, positions, k_pool, v_pool, full_slots, full_bias, window_slots, window_bias,
+                           head_rows)
+
+    def decode(self, h, positions, k_pool, v_pool, full_slots, full_bias, window_slots, window_bias, head_rows):
+        """The decoder from its input rows ``h`` (``(G·T, hidden)``, already normed)."""
         c = self.config
-        h = rms(self.embed_tokens(tokens.reshape(-1)), c.rms_norm_eps)
         freqs = positions.reshape(-1).float()[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         cos, sin = emb.cos().to(h.dtype), emb.sin().to(h.dtype)
@@ -182,11 +189,14 @@ class OffGraphDecoder(nn.Module):
         own_full = torch.where(distance >= 0, open_, blocked)
         own_window = torch.where((distance >= 0) & (distance < c.sliding_window), open_, blocked)
         new_k, new_v = [], []
+        cells = k_pool.shape[1]
+        k_flat = k_pool.reshape(-1, c.num_kv_heads, c.head_dim)  # views (no copy in the program)
+        v_flat = v_pool.reshape(-1, c.num_kv_heads, c.head_dim)
         for layer in self.layers:
             if layer.sliding:
-                h, k, v = layer(h, cos, sin, k_pool, v_pool, window_slots, window_bias, own_window)
+                h, k, v = layer(h, cos, sin, k_flat, v_flat, cells, window_slots, window_bias, own_window)
             else:
-                h, k, v = layer(h, cos, sin, k_pool, v_pool, full_slots, full_bias, own_full)
+                h, k, v = layer(h, cos, sin, k_flat, v_flat, cells, full_slots, full_bias, own_full)
             new_k.append(k)
             new_v.append(v)
         hf = torch.index_select(h, 0, head_rows).float()
@@ -195,3 +205,35 @@ class OffGraphDecoder(nn.Module):
         if c.final_logit_softcapping is not None:
             z = torch.tanh(z / c.final_logit_softcapping) * c.final_logit_softcapping
         return z.float(), torch.stack(new_k), torch.stack(new_v)
+
+
+class FromEmbeddings(nn.Module):
+    """``forward_from_embeddings``: the decoder over input rows given by the caller
+    (``embeds (G, T, hidden)``: normed text rows from ``embed_text`` with image rows in
+    place), otherwise the inputs and outputs of the token forwards. It holds the
+    decoder's own modules under the same names, so the data file stores them once."""
+
+    def __init__(self, decoder: OffGraphDecoder) -> None:
+        super().__init__()
+        self.config, self.dtype = decoder.config, decoder.dtype
+        self.layers, self.lm_head = decoder.layers, decoder.lm_head
+        self.register_buffer("norm", decoder.norm)
+        self.register_buffer("inv_freq", decoder.inv_freq)
+
+    def forward(self, embeds, positions, k_pool, v_pool, full_slots, full_bias, window_slots, window_bias,
+                head_rows):
+        h = embeds.reshape(-1, self.config.hidden_size).to(self.dtype)
+        return OffGraphDecoder.decode(self, h, positions, k_pool, v_pool, full_slots, full_bias, window_slots,
+                                      window_bias, head_rows)
+
+
+class EmbedText(nn.Module):
+    """``embed_text``: token ids ``(T,)`` to their normed input rows ``(T, hidden)``."""
+
+    def __init__(self, decoder: OffGraphDecoder) -> None:
+        super().__init__()
+        self.eps = decoder.config.rms_norm_eps
+        self.embed_tokens = decoder.embed_tokens
+
+    def forward(self, tokens):
+        return rms(self.embed_tokens(tokens), self.eps)

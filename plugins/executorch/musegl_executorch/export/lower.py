@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import attrs
 import torch
@@ -19,11 +19,17 @@ from torch.export import Dim
 from musegl_core.checkpoint.config import TextConfig
 from musegl_executorch.export.graph import OffGraphDecoder
 
+if TYPE_CHECKING:
+    from musegl_executorch.export.vision import ExportVisionEncoder
+
 log = logging.getLogger(__name__)
 
 #: The name of the weights file (``model.ptd``); the program records it.
 DATA_NAME = "model"
 OTHERS = "forward_others"
+EMBED_TEXT = "embed_text"
+FROM_EMBEDDINGS = "forward_from_embeddings"
+VISION_ENCODER = "vision_encoder"
 
 
 @attrs.frozen
@@ -93,36 +99,73 @@ def method_shapes(limits: Limits, groups: int | None):
 
 
 def export_methods(module: OffGraphDecoder, limits: Limits,
-                   progress: Callable[[int, int, str], None] | None = None) -> dict[str, torch.export.ExportedProgram]:
-    """``torch.export`` of every method, weights tagged for the external data file."""
-    from executorch.exir.passes.external_constants_pass import delegate_external_constants_pass_unlifted
+                   progress: Callable[[int, int, str], None] | None = None,
+                   vision: "ExportVisionEncoder | None" = None,
+                   vision_patches: int = 0) -> dict[str, torch.export.ExportedProgram]:
+    """``torch.export`` of every method, weights tagged for the external data file; with
+    ``vision``, also ``embed_text``, ``forward_from_embeddings`` and ``vision_encoder``
+    (images of up to ``vision_patches`` patches)."""
+    from musegl_executorch.export.graph import EmbedText, FromEmbeddings
 
-    methods: dict[str, torch.export.ExportedProgram] = {}
     names = [f"forward_{n}" for n in limits.forward_sizes] + [OTHERS]
+    if vision is not None:
+        names += [EMBED_TEXT, FROM_EMBEDDINGS, VISION_ENCODER]
+    methods: dict[str, torch.export.ExportedProgram] = {}
     for done, name in enumerate(names):
         if progress:
             progress(done, len(names), f"exporting {name}")
-        groups = None if name == OTHERS else int(name.removeprefix("forward_"))
+        if name == VISION_ENCODER:
+            methods[name] = _export(vision, *vision_shapes(vision.config, vision_patches))
+            continue
+        if name == EMBED_TEXT:
+            t = _axis("rows", limits.max_prefill_chunk)
+            rows = min(3, limits.max_prefill_chunk)
+            methods[name] = _export(EmbedText(module), (torch.zeros(rows, dtype=torch.long),),
+                                    ({0: t} if t is not None else None,))
+            continue
+        groups = None if name in (OTHERS, FROM_EMBEDDINGS) else int(name.removeprefix("forward_"))
         sizes, dyn = method_shapes(limits, groups)
         inputs = example_inputs(module.config, module.dtype, **sizes)
-        program = torch.export.export(module, inputs, dynamic_shapes=dyn, strict=False)
-        tagged = program.module()
-        delegate_external_constants_pass_unlifted(module=tagged, gen_tag_fn=lambda _node: DATA_NAME)
-        methods[name] = torch.export.export(tagged, inputs, dynamic_shapes=dyn, strict=False)
+        if name == FROM_EMBEDDINGS:
+            first = torch.zeros(*inputs[0].shape, module.config.hidden_size, dtype=module.dtype)
+            methods[name] = _export(FromEmbeddings(module), (first,) + inputs[1:], dyn)
+        else:
+            methods[name] = _export(module, inputs, dyn)
     if progress:
         progress(len(names), len(names), "exported")
     return methods
 
 
+def _export(module: torch.nn.Module, inputs: tuple, dynamic) -> torch.export.ExportedProgram:
+    """One method, its weights tagged as constants of the external data file."""
+    from executorch.exir.passes.external_constants_pass import delegate_external_constants_pass_unlifted
+
+    program = torch.export.export(module, inputs, dynamic_shapes=dynamic, strict=False)
+    tagged = program.module()
+    delegate_external_constants_pass_unlifted(module=tagged, gen_tag_fn=lambda _node: DATA_NAME)
+    return torch.export.export(tagged, inputs, dynamic_shapes=dynamic, strict=False)
+
+
+def vision_shapes(config, max_patches: int):
+    """Example inputs and dynamic shapes of ``vision_encoder``: ``N = 4·M`` patches,
+    ``M`` merged rows in 1 .. max_patches / 4."""
+    from musegl_executorch.export.vision import example_vision_inputs
+
+    merged = Dim("merged", min=1, max=max(2, max_patches // 4))
+    n = 4 * merged
+    inputs = example_vision_inputs(config, (4, 6))
+    return inputs, ({0: n}, {0: n}, {0: n}, {0: n}, {0: n}, {0: n, 1: n}, {0: merged})
+
+
 def lower(methods: dict[str, torch.export.ExportedProgram]):
     """XNNPACK-partitioned ExecuTorch program; graph inputs are not memory-planned
     (the pool is handed in by the caller without a copy)."""
-    from executorch.backends.xnnpack.partition.config import LinearConfig
+    from executorch.backends.xnnpack.partition.config import LinearConfig, TanhConfig
     from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
     from executorch.exir import EdgeCompileConfig, ExecutorchBackendConfig, to_edge_transform_and_lower
     from executorch.exir.passes import MemoryPlanningPass
 
-    edge = to_edge_transform_and_lower(methods, partitioner=[XnnpackPartitioner(configs=[LinearConfig])],
+    edge = to_edge_transform_and_lower(methods, partitioner=[XnnpackPartitioner(configs=[LinearConfig, TanhConfig])],
                                        compile_config=EdgeCompileConfig(_check_ir_validity=False))
     return edge.to_executorch(ExecutorchBackendConfig(
         memory_planning_pass=MemoryPlanningPass(alloc_graph_input=False),
