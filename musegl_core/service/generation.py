@@ -56,6 +56,12 @@ class Generation:
     def hide_reasoning(self) -> bool:
         return self.plan.hide_reasoning
 
+    def counts(self, choice: int = 0) -> tuple[int, int] | None:
+        """``(prompt_tokens, cached_tokens)`` of a choice once :meth:`open` saw it
+        admitted (or started); None before."""
+        event = self.group.admitted.get(choice) or self.group.started.get(choice)
+        return None if event is None else (event.prompt_tokens, event.cached_tokens)
+
     async def open(self, until: str = "started") -> None:
         """Submit and wait until every choice has started (or, ``until="admitted"``,
         was admitted); raises :class:`ApiError` (everything submitted is cancelled)."""

@@ -265,7 +265,8 @@ class _Reader:
         if block.get("type") == "redacted_thinking":
             _keys(block, {"type", "data", "cache_control"}, param)
             sealed = self.seal.open(block.get("data"))
-            return (self._decoded(sealed), sealed) if sealed is not None and self._decoded(sealed) else (None, None)
+            decoded = self._decoded(sealed) if sealed is not None else None
+            return (decoded, sealed) if decoded else (None, None)
         _keys(block, {"type", "thinking", "signature", "cache_control"}, param)
         text = _expect(block.get("thinking", ""), (str,), "a string", f"{param}.thinking")
         signature = block.get("signature")

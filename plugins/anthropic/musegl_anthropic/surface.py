@@ -133,9 +133,7 @@ class MessagesSurface(ApiSurface):
             message = await unless_disconnected(request, self._complete(generation, writer))
             return Response(s.to_json(message), media_type="application/json")
         await unless_disconnected(request, generation.open(until="admitted"))
-        admitted = generation.group.admitted.get(0) or generation.group.started.get(0)
-        if admitted is not None:
-            writer.prompt = (admitted.prompt_tokens, admitted.cached_tokens)
+        writer.prompt = generation.counts(0) or writer.prompt  # message_start's exact counts
         body = sse.with_keepalive(self._stream(generation, writer), PING, PING_INTERVAL)
         return Stream(body, media_type=sse.MEDIA_TYPE, headers=sse.HEADERS)
 

@@ -337,3 +337,32 @@ def test_redacted_thinking_is_used_only_when_this_server_sealed_it(client):
                                               {"type": "text", "text": "Hello there"}]},
             {"role": "user", "content": "Say hi again"}])
         assert reply.content[-1].text == "Hello there"
+
+
+@pytest.mark.parametrize("choice", [{"type": "any"}, {"type": "tool", "name": "Write"}])
+def test_tool_choice_any_and_tool_force_the_call_through_the_grammar(client, choice):
+    message = client.messages.create(**ask("Create hello.txt"), tools=[WRITE], tool_choice=choice)
+    (call,) = [block for block in message.content if block.type == "tool_use"]
+    assert call.name == "Write" and set(call.input) == {"file_path", "content"}
+    assert message.stop_reason == "tool_use"
+
+
+def test_tool_results_with_an_error_flag_and_an_image(client):
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.new("RGB", (16, 16), (0, 0, 255)).save(buffer, format="PNG")
+    image = {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                         "data": base64.b64encode(buffer.getvalue()).decode()}}
+    messages = [{"role": "user", "content": "Create hello.txt"},
+                {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "Write",
+                                                   "input": {"file_path": "hello.txt", "content": "hi"}}]},
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "is_error": True,
+                                              "content": [{"type": "text", "text": "disk full"}, image]}]}]
+    text_only = client.messages.count_tokens(model="m", tools=[WRITE], messages=messages[:2] + [
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "disk full"}]}])
+    counted = client.messages.count_tokens(model="m", tools=[WRITE], messages=messages)
+    assert counted.input_tokens > text_only.input_tokens + 1  # the image's rows and the error prefix count
+    reply = client.messages.create(model="m", max_tokens=64, tools=[WRITE], messages=messages)
+    assert reply.content[-1].text == "Done." and reply.stop_reason == "end_turn"
+    assert reply.usage.input_tokens + reply.usage.cache_read_input_tokens == counted.input_tokens
