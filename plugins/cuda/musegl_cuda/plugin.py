@@ -155,12 +155,12 @@ def kv_layout(options: ExecutorOptions, default_device: str) -> tuple[int, int]:
     """``(bytes per KV block, block size)`` from the checkpoint's config, no weights read."""
     import torch
 
+    from musegl_core.engine.kv_sizing import kv_block_bytes
     from musegl_cuda.executor import DEFAULT_BLOCK_SIZE, resolve_dtype
 
-    c = read_config_only(options.model).config
     dtype = resolve_dtype(options.dtype, torch.device(options.device or default_device))
     size = torch.empty((), dtype=dtype).element_size()
-    return c.num_layers * 2 * DEFAULT_BLOCK_SIZE * c.num_kv_heads * c.head_dim * size, DEFAULT_BLOCK_SIZE
+    return kv_block_bytes(read_config_only(options.model).config, DEFAULT_BLOCK_SIZE, size), DEFAULT_BLOCK_SIZE
 
 
 def create_cuda(options: ExecutorOptions) -> "TorchExecutor":
