@@ -83,7 +83,11 @@ ALWAYS_INLINE vf v_bf16(const uint16_t *p) {
 }
 ALWAYS_INLINE vi i_u8(const uint8_t *p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)); }
 ALWAYS_INLINE vi i_i8(const int8_t *p) { return _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)); }
-ALWAYS_INLINE float v_sum(vf v) { return _mm512_reduce_add_ps(v); }
+/* The 16 lanes folded to 4: lane i + lane i+8, then + (lane i+4 + lane i+12). */
+ALWAYS_INLINE __m128 v_fold4(vf v) {
+    __m256 a = _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+    return _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+}
 /* Register tiles: NR weight rows x up to TILE_MR activation rows (16 of 32 registers). */
 #define TILE_MR 4
 #elif defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
@@ -115,17 +119,28 @@ ALWAYS_INLINE vf v_bf16(const uint16_t *p) {
 }
 ALWAYS_INLINE vi i_u8(const uint8_t *p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)); }
 ALWAYS_INLINE vi i_i8(const int8_t *p) { return _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)); }
-ALWAYS_INLINE float v_sum(vf v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
+/* The 8 lanes folded to 4: lane i + lane i+4. */
+ALWAYS_INLINE __m128 v_fold4(vf v) { return _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1)); }
 /* 16 registers: 4 x 3 accumulators and the 4 vectors of one decoded 32-value block. */
 #define TILE_MR 3
 #else
 #error "weight_kernels.c needs AVX2 + FMA + F16C, or AVX-512 F/BW + F16C + FMA"
 #endif
+
+/* The sum of a vector's lanes, in one fixed tree (v_fold4, then (l0 + l2) + (l1 + l3)). */
+ALWAYS_INLINE float v_sum(vf v) {
+    const __m128 b = v_fold4(v);
+    const __m128 c = _mm_add_ps(b, _mm_movehl_ps(b, b));
+    return _mm_cvtss_f32(_mm_add_ss(c, _mm_movehdup_ps(c)));
+}
+
+/* v_sum of four vectors at once, the same additions (so the same bits) in a transposed layout. */
+ALWAYS_INLINE __m128 v_sum4(vf a, vf b, vf c, vf d) {
+    const __m128 fa = v_fold4(a), fb = v_fold4(b), fc = v_fold4(c), fd = v_fold4(d);
+    const __m128 ab = _mm_add_ps(_mm_movelh_ps(fa, fb), _mm_movehl_ps(fb, fa));  /* a0+a2 a1+a3 b0+b2 b1+b3 */
+    const __m128 cd = _mm_add_ps(_mm_movelh_ps(fc, fd), _mm_movehl_ps(fd, fc));
+    return _mm_add_ps(_mm_shuffle_ps(ab, cd, _MM_SHUFFLE(2, 0, 2, 0)), _mm_shuffle_ps(ab, cd, _MM_SHUFFLE(3, 1, 3, 1)));
+}
 
 #define NV (32 / VL) /* vectors per 32-value block */
 #define NR 4         /* weight rows of a register tile */
@@ -219,6 +234,18 @@ ALWAYS_INLINE void decode32(const int type, const uint8_t *wrow, long b, vf w[NV
     }
 }
 
+/* y[m * ldy + j] = v_sum(acc[j][m]): four weight rows at a time through v_sum4. */
+#define store_sums(NRT, MRT, acc, y, ldy)                                                                  \
+    do {                                                                                                   \
+        for (int m_ = 0; m_ < (MRT); ++m_) {                                                               \
+            int j_ = 0;                                                                                    \
+            for (; j_ + 4 <= (NRT); j_ += 4)                                                               \
+                _mm_storeu_ps((y) + m_ * (ldy) + j_, v_sum4(acc[j_][m_], acc[j_ + 1][m_], acc[j_ + 2][m_], \
+                                                            acc[j_ + 3][m_]));                             \
+            for (; j_ < (NRT); ++j_) (y)[m_ * (ldy) + j_] = v_sum(acc[j_][m_]);                            \
+        }                                                                                                  \
+    } while (0)
+
 /* ---- Tiles ----------------------------------------------------------------------
  * tile(): y[m][j] = dot(W row j, x row m) for j < NRT weight rows (rb bytes apart),
  * m < MRT activation rows; k % 32 == 0. NRT x MRT accumulators in registers; type,
@@ -246,8 +273,7 @@ ALWAYS_INLINE void tile(const int type, const int NRT, const int MRT, const int 
                 for (int m = 0; m < MRT; ++m) acc[j][m] = v_fma(wv, xv[m], acc[j][m]);
             }
         }
-        for (int m = 0; m < MRT; ++m)
-            for (int j = 0; j < NRT; ++j) y[m * ldy + j] = v_sum(acc[j][m]);
+        store_sums(NRT, MRT, acc, y, ldy);
         return;
     }
 #endif
@@ -271,8 +297,7 @@ ALWAYS_INLINE void tile(const int type, const int NRT, const int MRT, const int 
                 }
         }
     }
-    for (int m = 0; m < MRT; ++m)
-        for (int j = 0; j < NRT; ++j) y[m * ldy + j] = v_sum(acc[j][m]);
+    store_sums(NRT, MRT, acc, y, ldy);
 }
 
 /* One weight row against up to SMALL_M activation rows. */
