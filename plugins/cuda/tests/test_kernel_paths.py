@@ -169,3 +169,43 @@ def test_no_vector_path_falls_back_and_says_so(monkeypatch, caplog):
     native.reset()
     with pytest.raises(native.KernelPathError, match="avx2 kernels need avx2"):
         native.load()
+
+
+PRODUCTS_SCRIPT = """
+import sys, numpy as np, torch
+torch.set_num_threads(int(sys.argv[1]))
+sys.path.insert(0, sys.argv[3])
+from test_kernel_paths import stored_weight
+from musegl_cuda.cpu.stored_matrix import StoredMatrix
+from musegl_cuda.cpu.attention import RowKeys, attend
+from musegl_cuda.cpu import native
+kernels = native.load()
+x = torch.randn(40, 512, generator=torch.Generator().manual_seed(1))
+out = [StoredMatrix.from_stored(stored_weight(d, 42, 512), kernels).matmul(x[:m]).numpy()
+       for d in ("f16", "q8_0") for m in (1, 5, 40)]
+k = torch.randn(100, 2, 32, generator=torch.Generator().manual_seed(2))
+q = torch.randn(30, 8, 32, generator=torch.Generator().manual_seed(3))
+keys = RowKeys(torch.arange(100), torch.zeros(30, dtype=torch.long), torch.arange(71, 101), 100, 99, 0)
+out.append(attend(q, k, k, keys, 0, 0.2, kernels).numpy())
+np.savez(sys.argv[2], *out)
+"""
+
+
+def test_results_do_not_depend_on_the_thread_count(tmp_path):
+    """The kernels' pool splits rows by its size; an output's bits must not care (two
+    processes, one and three threads)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if native.load() is None:
+        pytest.skip(f"no kernels here: {native.unavailable_reason()}")
+    here = str(Path(__file__).parent)
+    files = []
+    for threads in (1, 3):
+        target = tmp_path / f"t{threads}.npz"
+        subprocess.run([sys.executable, "-c", PRODUCTS_SCRIPT, str(threads), str(target), here], check=True)
+        files.append(np.load(target))
+    assert len(files[0].files) == 7
+    for name in files[0].files:
+        assert np.array_equal(files[0][name], files[1][name]), name
