@@ -123,6 +123,22 @@ def check_model(options: ExecutorOptions) -> None:
         raise ConfigError(f"cannot serve {options.model!r}: {one_line(exc)}") from None
 
 
+def check_cpu_model(options: ExecutorOptions) -> None:
+    """:func:`check_model`, and ``$MUSEGL_CPU_KERNELS`` names a kernel path this CPU runs
+    (one line before the worker starts, rather than from the worker at its first matrix)."""
+    import os
+
+    from musegl_cuda.cpu import native
+
+    forced = os.environ.get(native.ENV, "").strip().lower()
+    if forced and forced != native.FALLBACK:
+        missing = native.missing_for(native.path_named(forced))  # KernelPathError for an unknown name
+        if missing:
+            raise native.KernelPathError(f"{native.ENV}={forced}: the {forced} kernels need {', '.join(missing)}, "
+                                         "which this CPU lacks")
+    check_model(options)
+
+
 def _create(options: ExecutorOptions, default_device: str) -> "TorchExecutor":
     from musegl_core.checkpoint.loader import load_checkpoint
     from musegl_core.checkpoint.vision import load_vision
@@ -182,5 +198,5 @@ def musegl_executors() -> list[ExecutorSpec]:
                      kv_layout=lambda options: kv_layout(options, "cuda"), check=check_model),
         ExecutorSpec(name="torch-cpu", description="Muse Glimmer decoder in PyTorch on the CPU",
                      create=create_torch_cpu, available=lambda: True, priority=10,
-                     kv_layout=lambda options: kv_layout(options, "cpu"), check=check_model),
+                     kv_layout=lambda options: kv_layout(options, "cpu"), check=check_cpu_model),
     ]

@@ -209,3 +209,21 @@ def test_results_do_not_depend_on_the_thread_count(tmp_path):
     assert len(files[0].files) == 7
     for name in files[0].files:
         assert np.array_equal(files[0][name], files[1][name]), name
+
+
+def test_serve_check_refuses_a_bad_override_before_loading(monkeypatch, tmp_path):
+    """``musegl serve``'s pre-serve check (the torch-cpu spec's ``check``) refuses an
+    unknown path and one this CPU lacks, in one line, before any worker starts."""
+    from musegl_core.errors import ConfigError
+    from musegl_core.plugins.specs import ExecutorOptions
+    from musegl_cuda import plugin
+
+    spec = {s.name: s for s in plugin.musegl_executors()}["torch-cpu"]
+    options = ExecutorOptions(model=str(tmp_path / "missing.gguf"))
+    monkeypatch.setenv(native.ENV, "avx9")
+    with pytest.raises(ConfigError, match="expected one of"):
+        spec.check(options)
+    monkeypatch.setattr(native, "cpu_flags", lambda: {"sse2", "avx"})
+    monkeypatch.setenv(native.ENV, "avx2")
+    with pytest.raises(ConfigError, match="MUSEGL_CPU_KERNELS=avx2: the avx2 kernels need avx2, fma, f16c"):
+        spec.check(options)
