@@ -446,8 +446,9 @@ class TargetAccess(Protocol):
     checkpoint file instead.
 
     Arrays are backend-native: the arguments may be numpy arrays or the
-    backend's own, the results are the backend's arrays on its device, in its
-    activation dtype (the torch executor: torch tensors; MLX: mx arrays).
+    backend's own, the results are the backend's arrays on its device (the
+    torch executor: torch tensors in its activation dtype; MLX: float32 mx
+    arrays, which numpy reads).
     Both methods or neither: :func:`check_executor` refuses half of it."""
 
     def embedding_rows(self, ids: Any) -> Any:

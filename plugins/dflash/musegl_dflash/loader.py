@@ -6,7 +6,8 @@ optional :class:`~musegl_core.engine.executor.TargetAccess` (the torch and
 MLX executors) lends them: with torch tensors (the ``cuda``/``torch-cpu``
 executors, stored weights included) they are the executor's own, no copy,
 and the draft runs on the executor's device and dtype; with another
-backend's arrays (MLX) the rows and logits are converted at each draft.
+backend's arrays (MLX) both tables are taken through the interface once, at
+load (every embedding row, and the head's product with the identity).
 For any other executor they are read from the target checkpoint
 (``options.model``) once. Where the executor's arrays are not torch
 tensors, the draft runs on ``options.device`` (default CPU) in
@@ -33,20 +34,17 @@ def _options_placement(options: ExecutorOptions) -> tuple[torch.device, torch.dt
     return torch.device(options.device or "cpu"), getattr(torch, name)
 
 
-def _lent(access: TargetAccess, options: ExecutorOptions) -> tuple[TargetHead, torch.device, torch.dtype]:
+def _lent(access: TargetAccess, info: Any, options: ExecutorOptions) -> tuple[TargetHead, torch.device, torch.dtype]:
     """The head the executor lends, and where the draft runs."""
     probe = access.embedding_rows(np.zeros((1,), dtype=np.int64))
     if isinstance(probe, torch.Tensor):  # a torch executor: its own tensors, its device and dtype
         return TargetHead(access.embedding_rows, access.head_logits), probe.device, probe.dtype
+    # Another backend's arrays (MLX): both tables taken through the interface once, as torch
+    # tensors: every embedding row, and the head's product with the identity (its raw matrix).
     device, dtype = _options_placement(options)
-
-    def rows(ids: torch.Tensor) -> torch.Tensor:
-        return as_tensor(access.embedding_rows(ids.cpu().numpy()), device, dtype)
-
-    def logits(hidden: torch.Tensor) -> torch.Tensor:
-        return as_tensor(access.head_logits(hidden.float().cpu().numpy()), device, torch.float32)
-
-    return TargetHead(rows, logits), device, dtype
+    embed = as_tensor(access.embedding_rows(np.arange(info.vocab_size, dtype=np.int64)), device, dtype)
+    head = as_tensor(access.head_logits(np.eye(info.hidden_size, dtype=np.float32)), device, dtype)
+    return TargetHead.of_tensors(embed, head.t().contiguous()), device, dtype
 
 
 def _from_checkpoint(options: ExecutorOptions, device: torch.device, dtype: torch.dtype) -> TargetHead:
@@ -65,7 +63,7 @@ def target_head(executor: Any, options: ExecutorOptions) -> tuple[TargetHead, to
     draft runs in: lent by a :class:`TargetAccess` executor, else read from the checkpoint."""
     access = target_access(executor)
     if access is not None:
-        return _lent(access, options)
+        return _lent(access, executor.info, options)
     device, dtype = _options_placement(options)
     return _from_checkpoint(options, device, dtype), device, dtype
 

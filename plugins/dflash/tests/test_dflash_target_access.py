@@ -48,18 +48,19 @@ def test_the_torch_executor_lends_its_own_embedding_and_head(tiny_hf, weights, w
     check_head(head, weights, atol=1e-5)
 
 
-def test_the_mlx_executor_lends_mlx_arrays(tiny_hf, weights):
+@pytest.mark.parametrize("mlx_dtype, atol", [("float32", 1e-5), ("bfloat16", 5e-2)])
+def test_the_mlx_executor_lends_its_tables(tiny_hf, weights, mlx_dtype, atol):
     pytest.importorskip("mlx.core")
     from musegl_mlx.executor import MLXExecutor
     from musegl_mlx.loader import checkpoint_weights
 
     checkpoint = load_checkpoint(tiny_hf.path)
-    executor = MLXExecutor(checkpoint.config, checkpoint_weights(checkpoint), checkpoint.name, dtype="float32")
+    executor = MLXExecutor(checkpoint.config, checkpoint_weights(checkpoint), checkpoint.name, dtype=mlx_dtype)
     checkpoint.close()
     assert target_access(executor) is executor
     head, device, dtype = target_head(executor, ExecutorOptions(model=str(tiny_hf.path)))
-    assert (device.type, dtype) == ("cpu", torch.float32)
-    check_head(head, weights, atol=1e-4)
+    assert (device.type, dtype) == ("cpu", torch.float32)  # the options' placement: not a torch executor
+    check_head(head, weights, atol=atol)
 
 
 def test_without_target_access_the_draft_reads_the_checkpoint(tiny_hf, weights):

@@ -266,16 +266,18 @@ class MLXExecutor:
     # -- lending the embedding and head to a speculator (TargetAccess) ------------
 
     def embedding_rows(self, ids) -> mx.array:
-        """The raw token embedding rows of ``ids`` (no norm): ``ids.shape + (hidden,)``."""
+        """The raw token embedding rows of ``ids`` (no norm): ``ids.shape + (hidden,)``,
+        widened to float32 (numpy reads no bfloat16 MLX array)."""
         ids = mx.array(np.asarray(ids, dtype=np.int32))
         rows = self.model.embed_tokens(ids.reshape(-1), self.dtype)
-        return rows.reshape(*ids.shape, -1)
+        return rows.reshape(*ids.shape, -1).astype(mx.float32)
 
     def head_logits(self, hidden) -> mx.array:
-        """The raw lm_head product of ``(n, hidden)`` rows (no multiplier, no softcap)."""
+        """The raw lm_head product of ``(n, hidden)`` rows (no multiplier, no softcap),
+        computed in the executor's dtype and widened to float32."""
         if not isinstance(hidden, mx.array):
             hidden = mx.array(np.asarray(hidden, dtype=np.float32))
-        return self.model.lm_head(hidden.astype(self.dtype))
+        return self.model.lm_head(hidden.astype(self.dtype)).astype(mx.float32)
 
     def embed_image(self, image: PromptImage):
         """The image's decoder input rows ``(rows, hidden)`` as an MLX array (vision
