@@ -1,5 +1,5 @@
 """Shared fixtures for the core's and the plugins' tests: tiny random Muse
-Glimmer checkpoints built with transformers (see tests/support/tiny_models.py)."""
+Glimmer checkpoints built with transformers (see musegl_core/testing/reference_models.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.tiny_models import TinyModel, build_tiny_model, tiny_tokenizer_data
+from musegl_core.testing.reference_models import TinyModel, build_tiny_model, tiny_tokenizer_data
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,7 @@
-"""Tiny random Muse Glimmer checkpoints built with transformers (the numerical oracle)."""
+"""Tiny random Muse Glimmer checkpoints built with transformers (the numerical oracle).
+
+Parity tests compare an executor with these models (transformers is a test
+dependency; it is imported only when a model is built)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,11 @@
 """A test-only executor plugin that replays scripted model output.
 
 It implements the real executor contract and runs behind the real engine,
-worker and tokenizer; only the "model" is a script. Registered through a
-``musegl`` entry point that :func:`tests.support.server.scripted_plugin_env`
-installs for the duration of a test module, never in the product.
+worker and tokenizer; only the "model" is a script: what a tool parser, a
+dialect or an API surface needs to be tested end to end without a trained
+model. Registered through a ``musegl`` entry point that
+:func:`musegl_core.testing.server.scripted_plugin_env` installs for the
+duration of a test, never in the product.
 
 The script is a JSON file named by ``MUSEGL_SCRIPT``: a list of
 ``{"when": "<substring of the decoded prompt>", "reply": "<raw output>"}``.

@@ -10,7 +10,7 @@ import gguf
 import numpy as np
 import pytest
 
-from tests.support.tiny_models import tiny_tokenizer_data
+from musegl_core.testing.reference_models import tiny_tokenizer_data
 from musegl_core.checkpoint.gguf_reader import dequantize_rows, permute_rope_rows, unpermute_rope_rows
 from musegl_core.checkpoint.gguf_writer import write_text_gguf
 from musegl_core.checkpoint.hf_reader import CENTERED_NORMS, text_weight_names

@@ -6,7 +6,7 @@ import gguf
 import numpy as np
 import pytest
 
-from tests.support.tiny_models import tiny_tokenizer_data
+from musegl_core.testing.reference_models import tiny_tokenizer_data
 from musegl_core.checkpoint.gguf_writer import write_text_gguf
 from musegl_core.checkpoint.hf_reader import CENTERED_NORMS
 from musegl_core.checkpoint.loader import load_checkpoint

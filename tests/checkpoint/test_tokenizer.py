@@ -16,13 +16,12 @@ from musegl_core.checkpoint.gguf_writer import add_tokenizer_metadata
 from musegl_core.checkpoint.tokenizer_data import CONTROL, NORMAL, UNUSED, USER_DEFINED, GGUFTokenizerData
 from musegl_core.tiny import MUSE_SPECIAL_TOKENS, build_tiny_tokenizer
 from musegl_core.tokenizer import (
-    GPT4O_PATTERN,
     MuseTokenizer,
     TokenizerError,
     byte_level_alphabet,
-    byte_level_bpe_document,
 )
 from musegl_core.engine.request import PromptSegment
+from tests.support.toy_tokenizer import toy_tokenizer_document
 
 TEXTS = [
     "",
@@ -171,15 +170,6 @@ def test_unused_fillers_are_unreachable_and_silent() -> None:
     rebuilt = MuseTokenizer.from_gguf_data(data)
     assert rebuilt.encode("[PAD258]", special=True) != [258]
     assert rebuilt.decode([258, 299]) == ""
-
-
-def toy_tokenizer_document() -> dict:
-    """A 300-id vocabulary: bytes, one merge, control and user-defined tokens."""
-    vocab = {symbol: i for i, symbol in enumerate(byte_level_alphabet())}
-    vocab["he"] = 256
-    added = [(260, "<|begin_of_text|>", True), (261, "<|end_of_text|>", True), (262, "<|eot|>", True),
-             (263, "<think>", False)]
-    return byte_level_bpe_document(vocab, [("h", "e")], added, pattern=GPT4O_PATTERN, ignore_merges=False)
 
 
 def test_user_defined_tokens_and_gguf_reader_agree(tmp_path: Path) -> None:

@@ -129,7 +129,7 @@ def test_the_whole_segments_path_matches_for_a_long_prompt(tokenizer):
     assert ids == reference
 
 
-@pytest.mark.slow  # 10 MiB twice (tests/test_hostile_input.py covers it over HTTP in the default suite)
+@pytest.mark.slow  # 10 MiB twice (tests/http/test_hostile_input.py covers it over HTTP in the default suite)
 def test_a_long_run_of_one_letter_is_tokenized_not_a_panic(tokenizer):
     """10 MiB of 'A' makes Oniguruma's regex search panic when tokenized whole
     (pyo3_runtime.PanicException, a BaseException); in pieces it works."""

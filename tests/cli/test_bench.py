@@ -16,7 +16,7 @@ from musegl_core.bench.report import percentile
 from musegl_core.bench.workloads import Conversation, chat_prompt, filler_text
 from musegl_core.cli.main import main as cli_main
 from musegl_core.config import ServeConfig
-from tests.support.server import running_server
+from musegl_core.testing.server import running_server
 
 MAX_TOKENS = 6
 

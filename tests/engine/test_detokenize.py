@@ -90,7 +90,7 @@ def test_incomplete_and_invalid_bytes(tokenizer: MuseTokenizer) -> None:
 
 
 def test_ids_without_token_are_silent() -> None:
-    from tests.test_tokenizer import toy_tokenizer_document
+    from tests.support.toy_tokenizer import toy_tokenizer_document
 
     toy = MuseTokenizer(toy_tokenizer_document(), vocab_size=300, pre="llama4")
     assert "".join(stream(toy, [258, *toy.encode("ok", special=False), 299])) == "ok"

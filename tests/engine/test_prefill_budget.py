@@ -15,7 +15,7 @@ from musegl_core.engine.prefill_budget import MIN_PREFILL_ROWS, PROBE_ROWS, Pref
 from musegl_core.engine.request import Phase, PreparedRequest
 from musegl_core.engine.scheduler import Scheduler, SchedulerLimits
 from musegl_core.testing.example_executor import ExampleExecutor
-from tests.test_scheduler import advance, make_seq, make_table
+from tests.support.scheduling import advance, make_seq, make_table
 
 # Binary fractions, so the scripted times add up exactly.
 ROW = 1 / 1024  # seconds per row

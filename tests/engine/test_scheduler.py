@@ -4,27 +4,7 @@ from musegl_core.engine.kv_pool import KVPool
 from musegl_core.engine.request import Phase, PreparedRequest, SequenceState
 from musegl_core.engine.scheduler import Scheduler, SchedulerLimits
 from musegl_core.engine.sessions import SessionTable
-
-
-def make_table(pool, sessions=8, context=256):
-    return SessionTable(pool, max_sessions=sessions, max_context=context, snapshots=0, evict_idle=False)
-
-
-def make_seq(table, handle, prompt_len, max_new=8):
-    request = PreparedRequest(id=f"r{handle}", prompt_ids=tuple(range(1, prompt_len + 1)), max_tokens=max_new)
-    session, _ = table.open(None)
-    return SequenceState(request=request, handle=handle, max_new=max_new, tokens=list(request.prompt_ids),
-                         session=session)
-
-
-def advance(plan, step):
-    """What the engine does after a step: count rows, move finished prefills to decode."""
-    for seq, rows in plan:
-        seq.computed += rows
-        chunk = next(c for c in step.chunks if c.seq == seq.handle)
-        if chunk.sample:
-            seq.phase = Phase.DECODE
-            seq.tokens.append(7)
+from tests.support.scheduling import advance, make_seq, make_table
 
 
 def test_long_prompt_is_chunked_while_decoders_keep_their_cadence():

@@ -8,7 +8,7 @@ import httpx
 import pytest
 
 from musegl_core.config import ServeConfig
-from tests.support.server import running_server
+from musegl_core.testing.server import running_server
 
 SECRET = [{"role": "user", "content": "my account number is 4417 1234 5678 9113 " * 6}]
 GUESS = [{"role": "user", "content": "my account number is 0000 0000 0000 0000 " * 6}]

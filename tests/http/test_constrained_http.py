@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from musegl_core.config import ServeConfig
-from tests.support.server import running_server
+from musegl_core.testing.server import running_server
 
 SCHEMA = {
     "type": "object",

@@ -14,28 +14,10 @@ import httpx
 import pytest
 
 from musegl_core.config import ServeConfig
-from tests.support.server import running_server
+from musegl_core.testing.server import metric, running_server, wait_idle
+from tests.support.chat_calls import chat
 
 HISTORY = [{"role": "system", "content": "S."}, {"role": "user", "content": "tell me " * 40}]
-
-
-def chat(url, messages, headers=None, **extra):
-    body = {"model": "m", "messages": messages, "max_tokens": 4, "temperature": 0, **extra}
-    return httpx.post(f"{url}/v1/chat/completions", json=body, headers=headers, timeout=120)
-
-
-def metric(url: str, name: str) -> float:
-    text = httpx.get(f"{url}/metrics", timeout=30).text
-    match = re.search(rf"^{name}(?:_total)? ([0-9.e+]+)$", text, re.M)
-    assert match, f"{name} missing from /metrics"
-    return float(match.group(1))
-
-
-def wait_idle(url: str, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while metric(url, "musegl_requests_running") or metric(url, "musegl_requests_waiting"):
-        assert time.monotonic() < deadline, "the engine did not become idle"
-        time.sleep(0.05)
 
 
 @pytest.fixture(scope="module")

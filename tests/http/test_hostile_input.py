@@ -23,7 +23,7 @@ import httpx
 import pytest
 
 from musegl_core.config import ServeConfig
-from tests.support.server import running_server
+from musegl_core.testing.server import running_server
 
 TEN_MIB = 10 << 20
 

@@ -14,7 +14,7 @@ import jsonschema
 import pytest
 
 from musegl_core.config import ServeConfig
-from tests.support.server import running_server, scripted_plugin_env
+from musegl_core.testing.server import running_server, scripted_plugin_env
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10},
                                             "days": {"type": "integer", "minimum": 1, "maximum": 7}},

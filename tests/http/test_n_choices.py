@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from musegl_core.config import ServeConfig
-from tests.support.server import running_server
+from musegl_core.testing.server import running_server
 
 MESSAGES = [{"role": "user", "content": "pick a number " * 20}]
 # Seeded comparisons sample from the top 5 ids only. The demo model's random

@@ -26,7 +26,7 @@ from schemathesis.specs.openapi.checks import (
 )
 
 from musegl_core.config import ServeConfig
-from tests.support.server import running_server, scripted_plugin_env
+from musegl_core.testing.server import running_server, scripted_plugin_env
 
 SCRIPT = [{"when": "", "reply": " to=user<|message|>ok<|eot|>"}]
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]

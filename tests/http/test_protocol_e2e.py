@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from musegl_core.config import ServeConfig
-from tests.support.server import running_server, scripted_plugin_env
+from musegl_core.testing.server import running_server, scripted_plugin_env
 
 ADD = " to=self<|message|>Add them.<|eom|><|start|>assistant to=user<|message|>4<|eot|>"
 SCRIPT = [

@@ -21,7 +21,7 @@ from musegl_core.http.request_log import request_id
 from musegl_core.logs import FORMAT, configure
 from musegl_core.plugins.manager import PluginManager
 from musegl_core.worker.client import WorkerClient
-from tests.support.server import free_port
+from musegl_core.testing.server import free_port
 
 
 @pytest.fixture(scope="module")

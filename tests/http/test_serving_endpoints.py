@@ -13,7 +13,7 @@ import pytest
 
 from musegl_core.config import ServeConfig
 from musegl_core.http.model_ids import ModelIds, slug
-from tests.support.server import running_server, scripted_plugin_env
+from musegl_core.testing.server import running_server, scripted_plugin_env
 
 RAW = "<|start|>user<|message|>Count?<|eot|><|start|>assistant"
 SCRIPT = [

@@ -11,8 +11,9 @@ import pytest
 
 from musegl_core.config import ServeConfig
 from musegl_core.engine.sessions import session_policy
-from tests.support.server import running_server
-from tests.test_engine_http import chat, metric, wait_idle
+from musegl_core.testing.server import running_server
+from musegl_core.testing.server import metric, wait_idle
+from tests.support.chat_calls import chat
 
 SHORT = [{"role": "user", "content": "hi"}]
 

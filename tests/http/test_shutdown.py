@@ -19,7 +19,7 @@ import time
 import httpx
 import pytest
 
-from tests.support.server import scripted_plugin_env
+from musegl_core.testing.server import scripted_plugin_env
 
 SCRIPT = [
     {"when": "Short?", "reply": " to=user<|message|>" + "word " * 15 + "<|eot|>", "token_delay": 0.1},

@@ -13,7 +13,7 @@ import pytest
 from PIL import Image
 
 from musegl_core.config import ServeConfig
-from tests.support.server import running_server
+from musegl_core.testing.server import running_server
 
 MAX_PATCHES = 1024
 

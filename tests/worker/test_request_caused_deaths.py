@@ -1,7 +1,7 @@
 """A worker that dies while generating may have died of a request: it is
 restarted, and such deaths never count toward giving up (issue 25 item 1),
 however many there are in a row. Deaths with nothing in flight still count
-(tests/test_worker_supervision.py)."""
+(tests/worker/test_worker_supervision.py)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from musegl_core.engine.request import PromptSegment
 from musegl_core.errors import ApiError
 from musegl_core.worker import messages as m
 from musegl_core.worker.client import WorkerClient
-from tests.support.server import scripted_plugin_env
+from musegl_core.testing.server import scripted_plugin_env
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from musegl_core.config import ServeConfig
-from tests.support.server import running_server
+from musegl_core.testing.server import running_server
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +100,7 @@ def busy_server():
 def test_killing_the_worker_under_concurrent_load_fails_every_request_and_leaks_nothing(busy_server):
     import asyncio
 
-    from tests.test_engine_http import metric, wait_idle
+    from musegl_core.testing.server import metric, wait_idle
 
     url = busy_server.url
     old_pid = busy_server.worker.pid

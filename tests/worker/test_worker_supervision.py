@@ -14,7 +14,7 @@ import pytest
 
 from musegl_core.config import ServeConfig
 from musegl_core.worker.client import WorkerClient
-from tests.support.server import scripted_plugin_env
+from musegl_core.testing.server import scripted_plugin_env
 
 
 def serve(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:

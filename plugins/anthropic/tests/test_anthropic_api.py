@@ -14,7 +14,7 @@ import pytest
 
 from musegl_core.config import ServeConfig
 from musegl_core.tiny import default_model_path
-from tests.support.server import running_server, scripted_plugin_env
+from musegl_core.testing.server import running_server, scripted_plugin_env
 
 from stream_grammar import check_stream, parse_sse
 

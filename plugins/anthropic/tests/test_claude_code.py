@@ -20,7 +20,7 @@ import pytest
 
 from musegl_core.config import ServeConfig
 from musegl_core.tiny import default_model_path
-from tests.support.server import running_server, scripted_plugin_env
+from musegl_core.testing.server import running_server, scripted_plugin_env
 
 VERSION = "2.1.328"
 CACHE = pathlib.Path(os.environ.get("XDG_CACHE_HOME", pathlib.Path.home() / ".cache")) / "musegl-tests" / "claude-code"

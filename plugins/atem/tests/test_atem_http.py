@@ -1,6 +1,6 @@
 """End to end through the HTTP API: scripted model output → ATEM tool calls.
 
-The scripted executor (``tests/support/musegl_scripted.py``, registered only
+The scripted executor (``musegl_core/testing/scripted.py``, registered only
 for these tests) replays raw output through the real tokenizer, engine,
 worker and front; the server runs with ``--tool-parser atem``.
 """
@@ -17,7 +17,7 @@ import pytest
 from musegl_core.config import ServeConfig
 from musegl_core.errors import ConfigError
 from musegl_core.plugins.manager import PluginManager
-from tests.support.server import running_server, scripted_plugin_env
+from musegl_core.testing.server import running_server, scripted_plugin_env
 
 from atem_support import block
 

@@ -27,7 +27,7 @@ def checkpoint_path(tmp_path_factory):
     from musegl_core.checkpoint.config import TextConfig
     from musegl_core.checkpoint.gguf_writer import write_text_gguf
     from musegl_core.checkpoint.hf_reader import expected_shape, text_weight_names
-    from tests.support.tiny_models import tiny_tokenizer_data
+    from musegl_core.testing.reference_models import tiny_tokenizer_data
 
     layout = TextConfig.default_layout(8)
     config = TextConfig(vocab_size=4096, hidden_size=512, intermediate_size=1024, num_layers=8, num_heads=8,
@@ -324,8 +324,8 @@ def test_http_answers_are_the_same_with_steps_launched_ahead():
 
     from musegl_core.config import ServeConfig
     from musegl_core.tiny import default_model_path
-    from tests.support.server import running_server
-    from tests.test_speculation_http import metric, scenario
+    from musegl_core.testing.server import running_server
+    from musegl_core.testing.speculation import draft_metric as metric, scenario
 
     config = ServeConfig(model=str(default_model_path()), executor="cuda", port=0, max_context=1024,
                          max_sessions=12, max_inflight_requests=8, max_decode_sequences=8, prefix_cache_entries=4)

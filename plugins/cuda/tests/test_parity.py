@@ -96,7 +96,7 @@ def test_chunked_and_packed_prefill_match(tiny_hf, checkpoint_path):
 def test_decoupled_layer_kinds_match_transformers(tmp_path):
     """A config.json where RoPE and the window disagree: a full-attention layer with RoPE
     and a sliding layer without it (transformers follows layer_rope_theta for RoPE)."""
-    from tests.support.tiny_models import build_tiny_model
+    from musegl_core.testing.reference_models import build_tiny_model
 
     model = build_tiny_model(
         seed=5, num_hidden_layers=4,

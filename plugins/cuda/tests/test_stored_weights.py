@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.support.tiny_models import build_tiny_model, tiny_tokenizer_data
+from musegl_core.testing.reference_models import build_tiny_model, tiny_tokenizer_data
 from musegl_core.checkpoint.gguf_writer import write_text_gguf
 from musegl_core.checkpoint.loader import load_checkpoint
 from musegl_core.checkpoint.stored import StoredTensor

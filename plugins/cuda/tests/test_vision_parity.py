@@ -20,8 +20,8 @@ from musegl_core.config import ServeConfig
 from musegl_core.engine.request import ImageInput
 from musegl_core.vision.preprocess import ImagePreprocessor, pixel_values
 from musegl_cuda.executor import TorchExecutor
-from tests.support.server import running_server
-from tests.support.tiny_models import build_tiny_vl_model
+from musegl_core.testing.server import running_server
+from musegl_core.testing.reference_models import build_tiny_vl_model
 
 FEATURE_TOL = 1e-4
 VOCAB = 202048
@@ -45,7 +45,7 @@ def data_url(data: bytes) -> str:
 def twin(model, tmp, *, tokenizer=None):
     """Save ``model`` as an HF directory and write its GGUF + mmproj twin."""
     from musegl_core.checkpoint.gguf_writer import write_text_gguf
-    from tests.support.tiny_models import tiny_tokenizer_data
+    from musegl_core.testing.reference_models import tiny_tokenizer_data
 
     hf = tmp / "hf"
     model.save_pretrained(hf)

@@ -3,7 +3,7 @@
 The demo checkpoint is served three times: plain, with a random DFlash draft
 loaded from a Hugging Face directory (15 drafts per step), and with the same
 draft as a DFlash GGUF at ``--dflash-n-draft 4``. The scenario of
-``tests/test_speculation_http.py`` runs on each (greedy and seeded sampling,
+``tests/engine/test_speculation_http.py`` runs on each (greedy and seeded sampling,
 stops and ``max_tokens``, a batch of 8 with one seed each, a session over
 three turns, a cancelled stream and its session's next turn, a rewind), and
 every response must be identical to the plain server's.
@@ -23,8 +23,8 @@ import pytest
 
 from dflash_support import build_reference_draft, save_draft
 from musegl_core.config import ServeConfig
-from tests.support.server import running_server
-from tests.test_speculation_http import chat, metric, scenario
+from musegl_core.testing.server import running_server
+from musegl_core.testing.speculation import chat, draft_metric as metric, scenario
 
 DRAWS = 160
 CASES = ["greedy0", "greedy1", "seeded0", "seeded1", "short0", "short1", "stop0", "stop1", "batch8", "session0",

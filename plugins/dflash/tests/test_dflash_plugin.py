@@ -55,7 +55,7 @@ def test_a_draft_that_does_not_fit_the_target_is_refused(tmp_path, override, mat
 
 
 def test_a_gguf_draft_for_another_vocabulary_is_refused(tmp_path):
-    from tests.support.tiny_models import tiny_tokenizer_data
+    from musegl_core.testing.reference_models import tiny_tokenizer_data
 
     path = save_draft(build_reference_draft(mask_token_id=500), tmp_path / "g", gguf=True,
                       tokenizer=tiny_tokenizer_data())

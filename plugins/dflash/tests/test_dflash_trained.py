@@ -25,8 +25,8 @@ import httpx
 import pytest
 
 from musegl_core.config import ServeConfig
-from tests.support.server import running_server
-from tests.test_speculation_http import cancel_stream, metric
+from musegl_core.testing.server import running_server
+from musegl_core.testing.speculation import cancel_stream, draft_metric as metric
 
 ROOT = Path(__file__).resolve().parents[3]
 SYSTEM = {"role": "system", "content": "Answer briefly."}

@@ -15,7 +15,7 @@ import pytest
 from musegl_core.cli.main import main
 from musegl_core.config import ServeConfig
 from musegl_core.tiny import TinyPreset, make_tiny
-from tests.support.server import running_server
+from musegl_core.testing.server import running_server
 
 #: Two layers (one sliding with an 8-key window, one full) and a 1024-position native
 #: context: small enough that the export (two methods) stays well under a minute.

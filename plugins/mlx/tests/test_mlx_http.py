@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from musegl_core.config import ServeConfig
-from tests.support.server import running_server
-from tests.support.tiny_models import build_tiny_model
+from musegl_core.testing.server import running_server
+from musegl_core.testing.reference_models import build_tiny_model
 
 VOCAB = 202048  # the real vocabulary, so the chat template's special tokens are real ids
 

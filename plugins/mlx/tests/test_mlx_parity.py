@@ -128,7 +128,7 @@ def test_batched_decode_matches_each_sequence_alone(tiny_hf, ex):
 def test_decoupled_layer_kinds_match_transformers(tmp_path):
     """RoPE and the window disagree: a full-attention layer with RoPE and a sliding layer
     without it (transformers follows layer_rope_theta for RoPE)."""
-    from tests.support.tiny_models import build_tiny_model
+    from musegl_core.testing.reference_models import build_tiny_model
 
     model = build_tiny_model(
         seed=5, num_hidden_layers=4,
@@ -180,7 +180,7 @@ def test_musegl_generate_with_executor_mlx_matches_transformers(tiny_hf, tiny_gg
 @pytest.fixture(scope="module", params=["q8_0", "q4_0", "bf16"])
 def quantized_gguf(request, tiny_hf, tmp_path_factory):
     from musegl_core.checkpoint.gguf_writer import write_text_gguf
-    from tests.support.tiny_models import tiny_tokenizer_data
+    from musegl_core.testing.reference_models import tiny_tokenizer_data
 
     checkpoint = load_checkpoint(tiny_hf.path)
     path = tmp_path_factory.mktemp("quantized") / f"model-{request.param}.gguf"

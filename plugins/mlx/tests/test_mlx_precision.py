@@ -80,7 +80,7 @@ print(json.dumps(out))
 def test_without_the_routing_a_float32_gguf_computes_in_float32(tiny_gguf, tiny_hf, tmp_path):
     from musegl_core.checkpoint.gguf_writer import write_text_gguf
     from musegl_core.checkpoint.loader import load_checkpoint
-    from tests.support.tiny_models import tiny_tokenizer_data
+    from musegl_core.testing.reference_models import tiny_tokenizer_data
 
     checkpoint = load_checkpoint(tiny_hf.path)
     bf16 = tmp_path / "model-bf16.gguf"

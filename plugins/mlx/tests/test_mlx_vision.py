@@ -21,8 +21,8 @@ from musegl_core.engine.request import ImageInput
 from musegl_core.vision.preprocess import ImagePreprocessor, pixel_values
 from musegl_mlx.executor import MLXExecutor
 from musegl_mlx.loader import checkpoint_weights
-from tests.support.server import running_server
-from tests.support.tiny_models import build_tiny_vl_model
+from musegl_core.testing.server import running_server
+from musegl_core.testing.reference_models import build_tiny_vl_model
 
 FEATURE_TOL = 1e-4
 

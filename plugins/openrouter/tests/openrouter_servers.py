@@ -31,7 +31,7 @@ from musegl_core.config import ServeConfig  # noqa: E402
 from musegl_core.http.app import create_app  # noqa: E402
 from musegl_core.plugins.manager import PluginManager  # noqa: E402
 from musegl_core.worker.client import WorkerClient  # noqa: E402
-from tests.support.server import free_port, scripted_plugin_env  # noqa: E402
+from musegl_core.testing.server import free_port, scripted_plugin_env  # noqa: E402
 
 __all__ = ["FrontSpec", "serving", "scripted_plugin_env"]
 

@@ -1,7 +1,7 @@
 """Codex CLI 0.169.0, installed from npm, completes real tool loops against musegl
 (issue 27, "real clients"; ../shared/spec/agent-apis.md section 4).
 
-The executor answers by rules on the prompt (tests/support/musegl_scripted.py):
+The executor answers by rules on the prompt (musegl_core/testing/scripted.py):
 turn 1 calls the client's own tool as a Muse tool call (``exec_command``, or
 the freeform ``apply_patch`` whose input the Lark grammar constrains), and
 once a tool result is in the prompt it answers. Codex runs the tool, sends
@@ -19,7 +19,7 @@ import subprocess
 import pytest
 
 from musegl_core.config import ServeConfig
-from tests.support.server import running_server, scripted_plugin_env
+from musegl_core.testing.server import running_server, scripted_plugin_env
 
 pytestmark = pytest.mark.slow
 

@@ -7,7 +7,7 @@ import openai
 import pytest
 
 from musegl_core.config import ServeConfig
-from tests.support.server import running_server
+from musegl_core.testing.server import running_server
 
 
 @pytest.fixture(scope="module")
