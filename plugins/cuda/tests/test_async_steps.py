@@ -58,8 +58,10 @@ def run(checkpoint, tokenizer, requests, *, pipelined: bool, cancel_after: dict[
     for group in requests:
         for request in group:
             engine.submit(request)
-        while True:
+        while True:  # Engine.run_until_idle, with a cancellation injected at a chosen token count
             engine._drain(block=False)
+            if engine._dispatch_due:  # queued requests start here (the admission queue)
+                engine._dispatch()
             for rid, n in list(cancel_after.items()):
                 got = sum(len(e.ids) for e in events if isinstance(e, ev.Tokens) and e.id == rid)
                 if got >= n:
