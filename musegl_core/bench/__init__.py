@@ -10,7 +10,13 @@ The package is split by concern:
 * :mod:`~musegl_core.bench.report`: percentiles and the aggregate
   :class:`BenchReport`, as a rich table or a JSON-ready dict;
 * :mod:`~musegl_core.bench.runner`: :func:`run_bench`, which drives N
-  concurrent clients with a progress bar and returns the report.
+  concurrent clients with a progress bar and returns the report;
+* ``--api messages|responses``: :mod:`~musegl_core.bench.agent_script` (the
+  synthetic coding-agent conversation: long system prompt, ~10 tools),
+  :mod:`~musegl_core.bench.cli_wire` (that conversation as Claude Code, Codex
+  CLI and Chat Completions send it, and their stream readers) and
+  :mod:`~musegl_core.bench.replay` (the CLI's turns interleaved with the Chat
+  Completions reference).
 
 ``benchmarks/`` uses :func:`run_bench` directly; the CLI wraps it. The
 HTTP client (httpx) comes with the ``bench`` extra: ``pip install 'musegl[bench]'``.

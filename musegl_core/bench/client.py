@@ -46,6 +46,13 @@ class RequestResult:
     error: str | None = None
     content: str = ""
     reasoning: str = ""
+    #: the answer in the API's own shape, for the client to resend (``--api`` replays): Chat
+    #: Completions tool calls, Messages content blocks, Responses output items
+    reply: list[dict[str, Any]] = attrs.field(factory=list)
+    #: which API answered (``chat``, ``messages``, ``responses``)
+    api: str = "chat"
+    #: size of the request body's JSON (set by the ``--api`` replays)
+    request_bytes: int = 0
 
     @property
     def ok(self) -> bool:
@@ -85,13 +92,16 @@ def _error_text(payload: Any, fallback: str) -> str:
     return fallback
 
 
-async def stream_chat(client: httpx.AsyncClient, url: str, body: dict[str, Any], result: RequestResult) -> RequestResult:
-    """Send ``body`` to ``url`` and fill ``result`` from the SSE stream."""
+async def stream_chat(client: httpx.AsyncClient, url: str, body: dict[str, Any], result: RequestResult,
+                      *, headers: dict[str, str] | None = None) -> RequestResult:
+    """Send ``body`` to ``url`` and fill ``result`` from the SSE stream (tool calls, merged
+    from their deltas, go to ``result.reply``)."""
     result.started = start = time.perf_counter()
     last_delta: float | None = None
     done = False
+    calls: dict[int, dict[str, Any]] = {}
     try:
-        async with client.stream("POST", url, json=body) as response:
+        async with client.stream("POST", url, json=body, headers=headers) as response:
             if response.status_code != 200:
                 raw = await response.aread()
                 try:
@@ -122,7 +132,14 @@ async def stream_chat(client: httpx.AsyncClient, url: str, body: dict[str, Any],
                     delta = choice.get("delta") or {}
                     text = delta.get("content") or ""
                     reasoning = delta.get("reasoning_content") or ""
-                    if text or reasoning:
+                    for call in delta.get("tool_calls") or ():
+                        merged = calls.setdefault(int(call.get("index") or 0),
+                                                  {"type": "function", "function": {"name": "", "arguments": ""}})
+                        merged["id"] = call.get("id") or merged.get("id", "")
+                        function = call.get("function") or {}
+                        merged["function"]["name"] += function.get("name") or ""
+                        merged["function"]["arguments"] += function.get("arguments") or ""
+                    if text or reasoning or delta.get("tool_calls"):
                         now = time.perf_counter()
                         if last_delta is None:
                             result.ttft = now - start
@@ -138,6 +155,7 @@ async def stream_chat(client: httpx.AsyncClient, url: str, body: dict[str, Any],
     except ValueError as exc:  # a data line that is not JSON
         result.error = f"bad SSE data: {exc}"
     result.latency = time.perf_counter() - start
+    result.reply = [calls[i] for i in sorted(calls)]
     if result.error is None and not done:
         result.error = "the stream ended without [DONE]"
     return result

@@ -89,6 +89,52 @@ class SpeculationStats:
     tokens_per_target_step: float | None
 
 
+#: What issue 27 asks of the ``--api`` replays: later-turn TTFT at most this share of turn 1's,
+#: at least this share of a later turn's prompt cached, front overhead at most this vs Chat Completions.
+TARGETS = {"ttft_ratio": 0.2, "cached_share": 0.9, "front_overhead": 0.05}
+
+
+@attrs.frozen
+class ReplaySide:
+    """One API's figures over a ``--api`` replay (TTFT means in seconds)."""
+
+    api: str
+    turns: tuple[TurnStats, ...]
+    first_turn_ttft: float | None
+    #: mean TTFT of turns 2 and later
+    later_ttft: float | None
+    #: later_ttft / first_turn_ttft
+    ttft_ratio: float | None
+    #: cached / prompt tokens, summed over turns 2 and later
+    later_cached_share: float | None
+    #: the lowest per-turn cached share of turns 2 and later
+    min_cached_share: float | None
+    #: mean request body size of turn 1 (JSON bytes)
+    first_request_bytes: int
+
+
+@attrs.frozen
+class ReplaySummary:
+    """``--api messages|responses``: the CLI's conversation vs the same one over Chat Completions."""
+
+    api: str
+    cli: ReplaySide
+    reference: ReplaySide
+    #: mean CLI TTFT / mean Chat Completions TTFT - 1 over the turns (2 and later) both completed:
+    #: what the new surface adds in front of the worker, as a share of a cached turn's TTFT
+    front_overhead: float | None
+    #: the same difference in seconds (mean of the paired differences)
+    front_overhead_s: float | None
+    #: the median of the per-turn ratios CLI TTFT / Chat TTFT - 1 (less sensitive to one slow request)
+    front_overhead_median: float | None
+    #: the same ratio on turn 1 (full prefill, so the front's share is small)
+    first_turn_overhead: float | None
+    #: the same ratio of the whole request time (answers differ in length: indicative only)
+    latency_ratio: float | None
+    targets: dict[str, float]
+    meets: dict[str, bool]
+
+
 @attrs.frozen
 class BenchReport:
     """Everything one ``musegl bench`` run measured."""
@@ -122,6 +168,9 @@ class BenchReport:
     #: ``agent``: named sessions deleted at the end of the run, and those left (id -> why)
     sessions_deleted: int = 0
     sessions_left: dict[str, str] = attrs.field(factory=dict)
+    #: ``chat`` (Chat Completions), ``messages`` or ``responses`` (the CLI replays)
+    api: str = "chat"
+    replay: ReplaySummary | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict (what ``musegl bench --json`` prints)."""
@@ -158,8 +207,11 @@ def build_report(
     counters: tuple[dict[str, float], dict[str, float]] | None = None,
     sessions_deleted: int = 0,
     sessions_left: dict[str, str] | None = None,
+    api: str = "chat",
+    references: Sequence[RequestResult] = (),
 ) -> BenchReport:
-    """Aggregate the measured ``results`` (and the agent ``baselines``) of one run."""
+    """Aggregate the measured ``results`` (and the agent ``baselines``) of one run; an ``--api``
+    replay's ``results`` are the CLI's turns and ``references`` its Chat Completions turns."""
     ok = [r for r in results if r.ok]
     failed = [r for r in results if not r.ok]
     output = sum(r.output_tokens for r in ok)
@@ -169,17 +221,7 @@ def build_report(
     turns: tuple[TurnStats, ...] = ()
     comparison = None
     if workload == "agent":
-        numbers = sorted({r.turn for r in results})
-        turns = tuple(
-            TurnStats(
-                turn=n,
-                requests=sum(1 for r in results if r.turn == n),
-                ttft=LatencyStats.of(r.ttft for r in ok if r.turn == n and r.ttft is not None),
-                prompt_tokens=sum(r.prompt_tokens for r in ok if r.turn == n),
-                cached_tokens=sum(r.cached_tokens for r in ok if r.turn == n),
-            )
-            for n in numbers
-        )
+        turns = turn_stats(results)
         if baselines:
             last = max(b.turn for b in baselines)
             session = LatencyStats.of(r.ttft for r in ok if r.turn == last and r.ttft is not None)
@@ -214,6 +256,88 @@ def build_report(
         speculation=_speculation(counters, output),
         sessions_deleted=sessions_deleted,
         sessions_left=dict(sessions_left or {}),
+        api=api,
+        replay=replay_summary(api, results, references) if api != "chat" else None,
+    )
+
+
+def turn_stats(results: Sequence[RequestResult]) -> tuple[TurnStats, ...]:
+    """Per turn number: requests, TTFT of those that succeeded, their prompt and cached tokens."""
+    ok = [r for r in results if r.ok]
+    return tuple(
+        TurnStats(
+            turn=n,
+            requests=sum(1 for r in results if r.turn == n),
+            ttft=LatencyStats.of(r.ttft for r in ok if r.turn == n and r.ttft is not None),
+            prompt_tokens=sum(r.prompt_tokens for r in ok if r.turn == n),
+            cached_tokens=sum(r.cached_tokens for r in ok if r.turn == n),
+        )
+        for n in sorted({r.turn for r in results})
+    )
+
+
+def _mean(values: Sequence[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+def _side(api: str, results: Sequence[RequestResult]) -> ReplaySide:
+    ok = [r for r in results if r.ok]
+    first = [r.ttft for r in ok if r.turn == 1 and r.ttft is not None]
+    later = [r.ttft for r in ok if r.turn >= 2 and r.ttft is not None]
+    first_ttft, later_ttft = _mean(first), _mean(later)
+    later_turns = [t for t in turn_stats(results) if t.turn >= 2 and t.prompt_tokens]
+    prompt = sum(t.prompt_tokens for t in later_turns)
+    sizes = [r.request_bytes for r in results if r.turn == 1 and r.request_bytes]
+    return ReplaySide(
+        api=api,
+        turns=turn_stats(results),
+        first_turn_ttft=first_ttft,
+        later_ttft=later_ttft,
+        ttft_ratio=later_ttft / first_ttft if later_ttft is not None and first_ttft else None,
+        later_cached_share=sum(t.cached_tokens for t in later_turns) / prompt if prompt else None,
+        min_cached_share=min((t.cached_tokens / t.prompt_tokens for t in later_turns), default=None),
+        first_request_bytes=round(_mean(sizes) or 0),
+    )
+
+
+def _pairs(results: Sequence[RequestResult], references: Sequence[RequestResult], field: str,
+           turns: range | None = None) -> list[tuple[float, float]]:
+    """(CLI value, reference value) of the same conversation and turn, both succeeded."""
+    theirs = {(r.conversation, r.turn): getattr(r, field) for r in references if r.ok}
+    return [(getattr(r, field), theirs[(r.conversation, r.turn)]) for r in results
+            if r.ok and (turns is None or r.turn in turns) and getattr(r, field) is not None
+            and theirs.get((r.conversation, r.turn)) is not None]
+
+
+def _ratio(pairs: list[tuple[float, float]]) -> float | None:
+    ours, theirs = sum(a for a, _ in pairs), sum(b for _, b in pairs)
+    return ours / theirs - 1.0 if pairs and theirs else None
+
+
+def replay_summary(api: str, results: Sequence[RequestResult], references: Sequence[RequestResult]) -> ReplaySummary:
+    """The ``--api`` figures: each side's per-turn stats and the front overhead of the CLI's surface."""
+    cli, reference = _side(api, results), _side("chat", references)
+    later = range(2, 1 << 30)
+    paired = _pairs(results, references, "ttft", later)
+    overhead = _ratio(paired)
+    meets = {}
+    if cli.ttft_ratio is not None:
+        meets["ttft_ratio"] = cli.ttft_ratio <= TARGETS["ttft_ratio"]
+    if cli.later_cached_share is not None:
+        meets["cached_share"] = cli.later_cached_share >= TARGETS["cached_share"]
+    if overhead is not None:
+        meets["front_overhead"] = overhead <= TARGETS["front_overhead"]
+    return ReplaySummary(
+        api=api,
+        cli=cli,
+        reference=reference,
+        front_overhead=overhead,
+        front_overhead_s=_mean([a - b for a, b in paired]),
+        front_overhead_median=percentile([a / b - 1.0 for a, b in paired if b], 50),
+        first_turn_overhead=_ratio(_pairs(results, references, "ttft", range(1, 2))),
+        latency_ratio=_ratio(_pairs(results, references, "latency")),
+        targets=dict(TARGETS),
+        meets=meets,
     )
 
 
@@ -277,6 +401,8 @@ def render(report: BenchReport, console: Console) -> None:
             ratio = f"{t.cached_tokens / t.prompt_tokens:.1%}" if t.prompt_tokens else "-"
             turns.add_row(str(t.turn), str(t.requests), _ms(t.ttft.p50), _ms(t.ttft.p95), str(t.prompt_tokens), ratio)
         console.print(turns)
+    if report.replay is not None:
+        _render_replay(report.replay, console)
     if report.sessions is not None:
         s = report.sessions
         table = Table(title=f"turn {s.turn}: session vs the same history anonymous", show_header=True)
@@ -287,3 +413,36 @@ def render(report: BenchReport, console: Console) -> None:
         console.print(table)
         ratio = "-" if s.ratio is None else f"{s.ratio:.3f} (1/{1 / s.ratio:.1f})" if s.ratio else "0"
         console.print(f"session / anonymous TTFT: {ratio}")
+
+
+def _share(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1%}"
+
+
+def _render_replay(replay: ReplaySummary, console: Console) -> None:
+    table = Table(title=f"{replay.api} vs chat, the same conversation, interleaved")
+    for column in ("turn", f"{replay.api} TTFT", "chat TTFT", f"{replay.api} prompt", f"{replay.api} cached",
+                   "chat cached"):
+        table.add_column(column, justify="right")
+    theirs = {t.turn: t for t in replay.reference.turns}
+    for t in replay.cli.turns:
+        ref = theirs.get(t.turn)
+        table.add_row(str(t.turn), _ms(t.ttft.mean), _ms(ref.ttft.mean if ref else None), str(t.prompt_tokens),
+                      _share(t.cached_tokens / t.prompt_tokens if t.prompt_tokens else None),
+                      _share(ref.cached_tokens / ref.prompt_tokens if ref and ref.prompt_tokens else None))
+    console.print(table)
+    summary = Table(title="targets (issue 27)", show_header=True)
+    for column in ("figure", "measured", "target", "met"):
+        summary.add_column(column, justify="right")
+    rows = (("turn >= 2 TTFT / turn 1", replay.cli.ttft_ratio, "<= 0.2x", "ttft_ratio", "{:.3f}x"),
+            ("cached share, turns >= 2", replay.cli.later_cached_share, ">= 90%", "cached_share", "{:.1%}"),
+            (f"front overhead vs chat (TTFT, turns >= 2)", replay.front_overhead, "<= 5%", "front_overhead",
+             "{:+.1%}"))
+    for name, value, target, key, fmt in rows:
+        met = replay.meets.get(key)
+        summary.add_row(name, "-" if value is None else fmt.format(value), target,
+                        "-" if met is None else "yes" if met else "no")
+    console.print(summary)
+    if replay.front_overhead_s is not None:
+        console.print(f"front overhead: {replay.front_overhead_s * 1000:+.1f} ms per request (mean of paired "
+                      f"turns), median ratio {_share(replay.front_overhead_median)}", highlight=False)

@@ -10,8 +10,11 @@ A run has up to three phases, all against one server:
 2. **measured phase**: ``chat`` sends ``requests`` independent prompts through
    ``concurrency`` client tasks; ``agent`` runs ``conversations`` conversations
    of ``turns`` turns, at most ``concurrency`` at a time, each turn resending
-   the whole history with the conversation's ``session_id``.
-3. **baseline** (``agent`` only, unless disabled): each conversation's
+   the whole history with the conversation's ``session_id``; ``api`` other
+   than ``chat`` replays the agent conversation as Claude Code or Codex CLI
+   sends it, each turn interleaved with the same turn over Chat Completions
+   (:mod:`musegl_core.bench.replay`).
+3. **baseline** (``agent`` over Chat Completions only, unless disabled): each conversation's
    last-turn history is sent again *without* a session, at the same
    concurrency, so the report compares the TTFT the session gives that history
    with the TTFT of a full prefill. Start the server without prefix snapshots
@@ -39,7 +42,9 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from musegl_core.bench import workloads
+from musegl_core.bench.cli_wire import APIS, Sizes
 from musegl_core.bench.client import RequestResult, chat_body, stream_chat
+from musegl_core.bench.replay import run_replays
 from musegl_core.bench.report import BenchReport, build_report
 
 #: Filler words between the two calibration prompts.
@@ -85,6 +90,18 @@ class BenchConfig:
     baseline: bool = True
     #: model name sent in the body (the server answers with its own)
     model: str = "musegl-bench"
+    #: ``chat`` (Chat Completions), or replay the agent conversation as Claude Code (``messages``)
+    #: or Codex CLI (``responses``) sends it, interleaved with the same one over Chat Completions
+    api: str = attrs.field(default="chat", validator=attrs.validators.in_(APIS))
+    #: ``--api messages|responses``: approximate tokens of the system prompt's text (tools come on top)
+    system_tokens: int = attrs.field(default=12000, validator=_positive)
+
+    def __attrs_post_init__(self) -> None:
+        if self.api != "chat" and self.workload != "agent":
+            raise ValueError(f"api {self.api} replays an agent conversation: workload must be agent")
+        if self.api != "chat" and self.concurrency != 1:
+            raise ValueError(f"api {self.api} replays one conversation at a time, interleaved with its "
+                             "Chat Completions reference: concurrency must be 1")
 
     @property
     def endpoint(self) -> str:
@@ -97,7 +114,9 @@ class BenchConfig:
 
     @property
     def measured_requests(self) -> int:
-        return self.requests if self.workload == "chat" else self.conversation_count * self.turns
+        if self.workload == "chat":
+            return self.requests
+        return self.conversation_count * self.turns * (1 if self.api == "chat" else 2)
 
 
 class _Bar:
@@ -310,24 +329,31 @@ async def engine_counters(client: httpx.AsyncClient, config: BenchConfig) -> dic
     return values or None
 
 
-async def run_bench_async(config: BenchConfig, *, progress: bool = True) -> BenchReport:
-    """Run ``config`` against its server and return the report."""
+async def run_bench_async(config: BenchConfig, *, progress: bool = True,
+                          event_hooks: dict[str, list] | None = None) -> BenchReport:
+    """Run ``config`` against its server and return the report (``event_hooks``: httpx's,
+    e.g. to record the requests sent)."""
     headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
     timeout = httpx.Timeout(config.timeout, connect=min(config.timeout, 10.0))
     limits = httpx.Limits(max_connections=config.concurrency + 2, max_keepalive_connections=config.concurrency + 2)
     sessions: list[str] = []
     cleanup = Cleanup()
-    async with httpx.AsyncClient(headers=headers, timeout=timeout, limits=limits) as client:
+    async with httpx.AsyncClient(headers=headers, timeout=timeout, limits=limits, event_hooks=event_hooks) as client:
         try:
             with _progress_bar(progress) as bar:
                 bar.phase("calibrating", 2)
                 calibration = await calibrate(client, config)
                 words = calibration.words(config.prompt_tokens, whole_prompt=config.workload == "chat")
-                bar.phase(f"{config.workload} x{config.concurrency}", config.measured_requests)
+                title = f"{config.workload} x{config.concurrency}" if config.api == "chat" else f"{config.api} + chat"
+                bar.phase(title, config.measured_requests)
                 before = await engine_counters(client, config)
                 started = time.perf_counter()
                 histories: list = []
-                if config.workload == "chat":
+                references: list[RequestResult] = []
+                if config.api != "chat":
+                    sizes = Sizes(calibration.words(config.system_tokens, whole_prompt=False), words)
+                    results, references = await run_replays(client, config, sizes, bar, sessions)
+                elif config.workload == "chat":
                     results = await _run_chat(client, config, words, bar)
                 else:
                     results, histories = await _run_agent(client, config, words, bar, sessions)
@@ -335,7 +361,7 @@ async def run_bench_async(config: BenchConfig, *, progress: bool = True) -> Benc
                 after = await engine_counters(client, config)
                 await delete_sessions(client, config, sessions, cleanup)  # the baseline needs the slots
                 baselines: list[RequestResult] = []
-                if config.workload == "agent" and config.baseline and histories:
+                if config.api == "chat" and config.workload == "agent" and config.baseline and histories:
                     bar.phase("anonymous baseline", len(histories))
                     baselines = await _run_baselines(client, config, histories, bar)
         finally:  # an interrupted run (Ctrl-C cancels this task) deletes its sessions too
@@ -356,6 +382,8 @@ async def run_bench_async(config: BenchConfig, *, progress: bool = True) -> Benc
         counters=(before, after) if before is not None and after is not None else None,
         sessions_deleted=cleanup.deleted,
         sessions_left=dict(cleanup.left),
+        api=config.api,
+        references=references,
     )
 
 

@@ -16,7 +16,20 @@ workloads:
          tokens, then the last turn's history is replayed without a session;
          the run deletes its sessions when its turns end (and when interrupted)
 
-Every request is greedy and generates exactly --max-tokens tokens (ignore_eos).
+apis (--api):
+  chat       Chat Completions, the workloads above (the default)
+  messages   replay a --turns (default 10) agent conversation as Claude Code sends it:
+             POST /v1/messages?beta=true, a system prompt of about --system-tokens
+             tokens plus 10 tools, the billing block with a new cch= per request,
+             X-Claude-Code-Session-Id, the whole history every turn
+  responses  the same as Codex CLI sends it: POST /v1/responses, instructions,
+             input items, store false, prompt_cache_key and session-id/thread-id
+  Each turn is sent interleaved with the same conversation over Chat Completions
+  (a named session); the report gives per-turn TTFT and cached share, later-turn
+  TTFT over turn 1, and the front overhead against Chat Completions.
+
+Every request is greedy; with --api chat it generates exactly --max-tokens tokens
+(ignore_eos; the Messages and Responses APIs have no such field).
 A refused request is reported with the server's error code and message, which
 names the limit that refused it (--max-sessions, --max-queued-requests, ...).
 Start the server without prefix snapshots (--prefix-cache-entries 0, the
@@ -34,11 +47,17 @@ def main(argv: list[str]) -> int:
     p = OneLineParser(prog="musegl bench", description=__doc__, epilog=EPILOG,
                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL (default http://127.0.0.1:8000)")
-    p.add_argument("--workload", default="chat", choices=["chat", "agent"], help="default chat")
+    p.add_argument("--workload", default=None, choices=["chat", "agent"],
+                   help="default chat (agent with --api messages|responses)")
+    p.add_argument("--api", default="chat", choices=["chat", "messages", "responses"],
+                   help="the API to drive (default chat; see below)")
+    p.add_argument("--system-tokens", type=int, default=12000,
+                   help="--api messages|responses: approximate tokens of the system prompt (default 12000)")
     p.add_argument("--concurrency", "-c", type=int, default=1, help="concurrent clients (default 1)")
     p.add_argument("--requests", "-n", type=int, default=16, help="chat: number of requests (default 16)")
     p.add_argument("--conversations", type=int, default=None, help="agent: conversations (default: --concurrency)")
-    p.add_argument("--turns", type=int, default=5, help="agent: turns per conversation (default 5)")
+    p.add_argument("--turns", type=int, default=None,
+                   help="agent: turns per conversation (default 5; 10 with --api messages|responses)")
     p.add_argument("--no-baseline", dest="baseline", action="store_false",
                    help="agent: skip the anonymous replay of the last turn")
     p.add_argument("--max-tokens", type=int, default=64, help="generated tokens per request (default 64)")
@@ -59,6 +78,11 @@ def main(argv: list[str]) -> int:
         raise ConfigError(INSTALL_HINT) from None
     from rich.console import Console
 
+    replay = args.api != "chat"
+    if replay and args.workload == "chat":
+        raise ConfigError(f"--api {args.api} replays an agent conversation: use --workload agent (or leave it out)")
+    args.workload = args.workload or ("agent" if replay else "chat")
+    args.turns = args.turns if args.turns is not None else (10 if replay else 5)
     if args.timeout <= 0:
         raise ConfigError("--timeout must be positive")
     if args.api_key is None:
@@ -70,7 +94,7 @@ def main(argv: list[str]) -> int:
             url=args.url, workload=args.workload, concurrency=args.concurrency, requests=args.requests,
             conversations=args.conversations, turns=args.turns, max_tokens=args.max_tokens,
             prompt_tokens=args.prompt_tokens, seed=args.seed, timeout=args.timeout, api_key=args.api_key,
-            baseline=args.baseline,
+            baseline=args.baseline, api=args.api, system_tokens=args.system_tokens,
         )
     except ValueError as exc:
         raise ConfigError(str(exc).replace("_", "-")) from None

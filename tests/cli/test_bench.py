@@ -24,7 +24,8 @@ MAX_TOKENS = 6
 @pytest.fixture(scope="module")
 def server():
     config = ServeConfig(
-        model=str(musegl_core.tiny.default_model_path()), demo=True, port=0, max_context=2048,
+        model=str(musegl_core.tiny.default_model_path()), demo=True, port=0, max_context=16384,
+        tool_parser="atem",  # the --api replays send tools
         max_sessions=4, max_inflight_requests=4, max_decode_sequences=4,
         prefix_caching=False,  # only sessions reuse KV, so the reports' cached counts are exact
     )
@@ -198,3 +199,146 @@ def test_cli_without_httpx_says_how_to_install_it(monkeypatch, capsys):
     with pytest.raises(SystemExit) as help_exit:  # --help needs no httpx
         cli_main(["bench", "--help"])
     assert help_exit.value.code == 0
+
+
+# -- --api messages|responses: the agent conversation as Claude Code and Codex CLI send it ---------
+
+
+def replay_config(server, api: str, **overrides) -> BenchConfig:
+    options = dict(url=server.url, workload="agent", api=api, turns=3, system_tokens=150, prompt_tokens=30,
+                   max_tokens=MAX_TOKENS, timeout=120)
+    return BenchConfig(**(options | overrides))
+
+
+def run_recording(config: BenchConfig) -> tuple[object, list[tuple[str, dict, dict]]]:
+    """Run ``config`` and return the report and every generation request sent (url, headers, body)."""
+    import asyncio
+
+    from musegl_core.bench.runner import run_bench_async
+
+    sent: list[tuple[str, dict, dict]] = []
+
+    async def record(request) -> None:
+        if request.method == "POST" and request.url.path != "/v1/chat/completions" or b"session_id" in request.content:
+            sent.append((str(request.url), dict(request.headers), json.loads(request.content)))
+
+    report = asyncio.run(run_bench_async(config, progress=False, event_hooks={"request": [record]}))
+    return report, sent
+
+
+def soft_and_bench_sessions(url: str) -> list[str]:
+    import httpx
+
+    listed = httpx.get(f"{url}/v1/sessions", timeout=30).json()["data"]
+    return [s["id"] for s in listed if s["id"].startswith(("bench-", "claude-code:", "codex:"))]
+
+
+def check_summary_adds_up(report, api: str) -> None:
+    assert report.error_messages == {} and (report.errors, report.api, report.workload) == (0, api, "agent")
+    replay = report.replay
+    cli, reference = replay.cli, replay.reference
+    assert [t.turn for t in cli.turns] == [t.turn for t in reference.turns] == [1, 2, 3]
+    assert sum(t.prompt_tokens for t in cli.turns) == report.prompt_tokens  # the CLI's turns are the measured ones
+    assert report.requests == 3 and report.turns == cli.turns
+    first, later = cli.turns[0], cli.turns[1:]
+    assert cli.first_turn_ttft == first.ttft.mean
+    assert cli.later_ttft == pytest.approx(sum(t.ttft.mean for t in later) / 2)
+    assert cli.ttft_ratio == pytest.approx(cli.later_ttft / cli.first_turn_ttft)
+    share = sum(t.cached_tokens for t in later) / sum(t.prompt_tokens for t in later)
+    assert cli.later_cached_share == pytest.approx(share)
+    assert cli.min_cached_share == pytest.approx(min(t.cached_tokens / t.prompt_tokens for t in later))
+    # the soft session keeps turn 1: turn 2 reuses at least its whole prompt (no prefix cache on this server)
+    assert first.cached_tokens == 0 and cli.turns[1].cached_tokens >= first.prompt_tokens
+    assert reference.turns[1].cached_tokens >= reference.turns[0].prompt_tokens  # the named chat session too
+    # paired over the same turns, so the ratio of sums is the ratio of the means
+    assert replay.front_overhead == pytest.approx(cli.later_ttft / reference.later_ttft - 1)
+    assert replay.front_overhead_s == pytest.approx(cli.later_ttft - reference.later_ttft)
+    assert replay.first_turn_overhead == pytest.approx(cli.first_turn_ttft / reference.first_turn_ttft - 1)
+    assert replay.meets == {"ttft_ratio": cli.ttft_ratio <= 0.2, "cached_share": share >= 0.9,
+                            "front_overhead": replay.front_overhead <= 0.05}
+    assert cli.first_request_bytes > 0 and reference.first_request_bytes > 0
+    assert report.sessions_deleted == 2 and report.sessions_left == {}  # the soft session and the named one
+
+
+def check_full_history(bodies: list[dict], key: str) -> None:
+    for earlier, later in zip(bodies, bodies[1:]):
+        assert later[key][: len(earlier[key])] == earlier[key]  # everything sent before is sent again
+        assert len(later[key]) >= len(earlier[key]) + 2  # the answer, then a user message or tool results
+
+
+def test_messages_replay_sends_what_claude_code_sends(server):
+    report, sent = run_recording(replay_config(server, "messages"))
+    cli = [(h, b) for url, h, b in sent if "/v1/messages" in url]
+    chat = [b for url, _h, b in sent if url.endswith("/v1/chat/completions")]
+    assert [url for url, _h, _b in sent if "/v1/messages" in url] == [f"{server.url}/v1/messages?beta=true"] * 3
+    assert len(chat) == 3 and len({b["session_id"] for b in chat}) == 1
+    session_ids = {h["x-claude-code-session-id"] for h, _b in cli}
+    assert len(session_ids) == 1 and all(h["anthropic-version"] == "2023-06-01" for h, _b in cli)
+    billing = [b["system"][0]["text"] for _h, b in cli]
+    assert all(t.startswith("x-anthropic-billing-header: cc_version=") and "cc_entrypoint=cli;" in t for t in billing)
+    nonces = [t.split("cch=")[1] for t in billing]
+    assert len(set(nonces)) == 3  # a new cch on every request
+    bodies = [b for _h, b in cli]
+    assert all(b["stream"] is True and b["system"][1] == bodies[0]["system"][1] for b in bodies)
+    assert {"Write", "Read", "Edit", "Bash"} <= {t["name"] for t in bodies[0]["tools"]}
+    assert len(bodies[0]["tools"]) == 10
+    check_full_history(bodies, "messages")
+    assert [m["role"] for m in bodies[2]["messages"]] == ["user", "assistant", "user", "assistant", "user"]
+    check_summary_adds_up(report, "messages")
+    assert soft_and_bench_sessions(server.url) == []
+
+
+def test_responses_replay_sends_what_codex_sends(server):
+    report, sent = run_recording(replay_config(server, "responses"))
+    cli = [(h, b) for url, h, b in sent if url == f"{server.url}/v1/responses"]
+    assert len(cli) == 3 and len([u for u, _h, _b in sent if u.endswith("/v1/chat/completions")]) == 3
+    keys = {(h["session-id"], h["thread-id"], b["prompt_cache_key"]) for h, b in cli}
+    assert len(keys) == 1 and len(set(next(iter(keys)))) == 1  # one key, the same in all three places
+    bodies = [b for _h, b in cli]
+    assert all(b["store"] is False and b["stream"] is True and b["instructions"] == bodies[0]["instructions"]
+               for b in bodies)
+    assert "previous_response_id" not in bodies[2]
+    assert "exec_command" in {t["name"] for t in bodies[0]["tools"]}
+    assert any(t["type"] == "custom" and t["name"] == "apply_patch" for t in bodies[0]["tools"])
+    check_full_history(bodies, "input")
+    assistant = [item for item in bodies[2]["input"] if item.get("role") == "assistant"]
+    assert assistant and all("id" not in item and "status" not in item for item in assistant)
+    check_summary_adds_up(report, "responses")
+    assert soft_and_bench_sessions(server.url) == []
+
+
+def test_a_tool_call_is_answered_with_its_result_and_cch_changes():
+    from musegl_core.bench.cli_wire import MessagesConversation, ResponsesConversation, Sizes
+    from musegl_core.bench.client import RequestResult
+
+    conversation = MessagesConversation(0, 1, Sizes(20, 5), "http://x", "m", 8)
+    _url, _headers, first = conversation.next_request()
+    call = {"type": "tool_use", "id": "toolu_1", "name": "Read", "input": {"file_path": "/a"}}
+    conversation.record(RequestResult("turn", reply=[{"type": "text", "text": "reading"}, call]))
+    _url, _headers, second = conversation.next_request()
+    assert second["messages"][1] == {"role": "assistant", "content": [{"type": "text", "text": "reading"}, call]}
+    assert second["messages"][2]["content"][0]["type"] == "tool_result"
+    assert second["messages"][2]["content"][0]["tool_use_id"] == "toolu_1"
+    assert first["system"][0]["text"] != second["system"][0]["text"]  # the cch nonce
+    assert first["system"][1] == second["system"][1]
+
+    codex = ResponsesConversation(0, 1, Sizes(20, 5), "http://x", "m", 8)
+    codex.next_request()
+    codex.record(RequestResult("turn", reply=[
+        {"id": "rs_1", "type": "reasoning", "summary": [], "encrypted_content": "seal", "status": "completed"},
+        {"id": "fc_1", "type": "function_call", "name": "exec_command", "call_id": "call_1",
+         "arguments": "{}", "status": "completed"}]))
+    _url, _headers, body = codex.next_request()
+    assert body["input"][-3:] == [
+        {"type": "reasoning", "summary": [], "encrypted_content": "seal"},
+        {"type": "function_call", "name": "exec_command", "call_id": "call_1", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "call_1", "output": body["input"][-1]["output"]}]
+
+
+def test_replay_options_are_checked(capsys):
+    with pytest.raises(ValueError, match="concurrency must be 1"):
+        BenchConfig(workload="agent", api="messages", concurrency=2)
+    with pytest.raises(ValueError, match="workload must be agent"):
+        BenchConfig(workload="chat", api="responses")
+    assert cli_main(["bench", "--api", "messages", "--workload", "chat"]) == 2
+    assert "--workload agent" in capsys.readouterr().err
