@@ -1,14 +1,20 @@
 """The ExecuTorch executor vs the eager torch executor on the same checkpoint, same run.
 
-Builds a tiny random checkpoint (``--preset``, F32), exports it with
-``musegl export``'s code (``--forward-sizes``, ``--activation-dtype``,
-``--quantize``), then, for each executor, prefills ``--batch`` sequences of
-``--prompt-tokens`` random ids and times ``--decode-steps`` batched greedy
-decode steps (every sequence one token per step, through the engine's step
-API, so the two executors run exactly the same steps). Also reports the
-teacher-forced top-1 agreement of the exported program with the torch
-executor (float32) over ``--agreement-tokens`` positions. Prints one JSON
-object per figure and a summary object last.
+Builds a tiny random checkpoint (``--preset``, F32) and its tiny projector,
+exports both with ``musegl export``'s code (``--forward-sizes``,
+``--activation-dtype``, ``--quantize``, ``--max-vision-patches``; a progress
+bar with a step per method), then, for each executor and each of
+``--batches``, prefills that many sequences of ``--prompt-tokens`` random ids
+and times ``--decode-steps`` batched greedy decode steps (every sequence one
+token per step, through the engine's step API, so the two executors run
+exactly the same steps): tok/s and process CPU ms per token. Then an image
+prefill (``--image-size``: the vision encoder and one prefill step with the
+image rows) through each. Also reports the teacher-forced top-1 agreement of
+the exported program with the torch executor (float32) over
+``--agreement-tokens`` positions. Prints one JSON object per figure and a
+summary object last. ``--threads 1`` pins both executors to one thread: on a
+machine shared with other jobs, multi-threaded torch ops spin against the
+other jobs and the wall-clock figures measure the load, not the executors.
 
     python benchmarks/executorch_compare.py                       # float32
     python benchmarks/executorch_compare.py --quantize int8        # int8 weight-only
@@ -18,6 +24,8 @@ object per figure and a summary object last.
 from __future__ import annotations
 
 import argparse
+import base64
+import io
 import json
 import tempfile
 import time
@@ -26,9 +34,14 @@ from pathlib import Path
 import attrs
 import numpy as np
 import torch
+from PIL import Image
 
 from musegl_core.checkpoint.loader import load_checkpoint
-from musegl_core.engine.executor import SeqChunk, Step
+from musegl_core.checkpoint.vision import load_vision
+from musegl_core.engine.executor import EmbeddingSpan, SeqChunk, Step
+from musegl_core.engine.request import ImageInput
+from musegl_core.progress import loading_progress
+from musegl_core.vision.preprocess import ImagePreprocessor
 from musegl_core.tiny import PRESETS, make_tiny
 from musegl_core.tokenizer import MuseTokenizer
 from musegl_cuda.executor import TorchExecutor
@@ -64,6 +77,33 @@ def decode_rate(executor, vocab: int, batch: int, prompt_tokens: int, steps: int
     return {"batch": batch, "prefill_s": round(prefill, 3), "decode_s": round(seconds, 3),
             "decode_tok_s": round(batch * steps / seconds, 2),
             "cpu_ms_per_token": round(cpu * 1e3 / (batch * steps), 3), "generated": generated}
+
+
+def picture(width: int, height: int) -> str:
+    """A base64 PNG: a gradient with noise (so resizing and the tower do real work)."""
+    rng = np.random.default_rng(5)
+    y, x = np.mgrid[0:height, 0:width]
+    base = np.stack([x * 255 // max(width - 1, 1), y * 255 // max(height - 1, 1), (x + y) % 256], -1)
+    buffer = io.BytesIO()
+    Image.fromarray(np.clip(base + rng.integers(-40, 41, base.shape), 0, 255).astype(np.uint8)).save(buffer, "PNG")
+    return base64.b64encode(buffer.getvalue()).decode()
+
+
+def image_prefill(executor, image, repeats: int = 3) -> dict:
+    """The best of ``repeats`` image prefills: the vision encoder, then one prefill step
+    of 8 text rows, the image rows and 8 more (``embed_image`` + ``step``)."""
+    rows = image.rows
+    tokens = list(range(1000, 1008)) + [1] * rows + list(range(2000, 2008))
+    blocks = list(range(-(-len(tokens) // executor.block_size)))
+    best, best_cpu, ids = float("inf"), float("inf"), None
+    for _ in range(repeats):
+        started, cpu = time.perf_counter(), time.process_time()
+        embedding = executor.embed_image(image)
+        chunk = SeqChunk(0, tokens, list(range(len(tokens))), blocks, sample=1,
+                         embeds=[EmbeddingSpan(8, rows, embedding)])
+        ids = executor.step(Step([chunk])).tokens[0]
+        best, best_cpu = min(best, time.perf_counter() - started), min(best_cpu, time.process_time() - cpu)
+    return {"seconds": round(best, 4), "cpu_s": round(best_cpu, 4), "ids": ids}
 
 
 def agreement(mine, reference, vocab: int, tokens: int, seed: int = 1) -> float:
@@ -102,6 +142,9 @@ def main() -> int:
     p.add_argument("--decode-steps", type=int, default=32)
     p.add_argument("--agreement-tokens", type=int, default=64)
     p.add_argument("--workdir", default=None, help="keep the checkpoint and the export here")
+    p.add_argument("--text-only", action="store_true", help="export without the tiny projector (no image figures)")
+    p.add_argument("--max-vision-patches", type=int, default=1024, help="the exported patch capacity")
+    p.add_argument("--image-size", default="448x448", metavar="WxH", help="the image prefill's picture")
     args = p.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     if args.threads:
@@ -113,21 +156,24 @@ def main() -> int:
     preset = attrs.evolve(base, max_position_embeddings=args.native_context,
                           num_layers=args.layers or base.num_layers)
     work = Path(args.workdir or tempfile.mkdtemp(prefix="musegl-et-bench-"))
-    gguf = make_tiny(work / "checkpoint", preset=preset, file_type="f32")
+    gguf = make_tiny(work / "checkpoint", preset=preset, file_type="f32", mmproj=not args.text_only)
     checkpoint = load_checkpoint(gguf)
+    vision = None if args.text_only else load_vision(gguf, gguf.parent / "mmproj.gguf", checkpoint.config.hidden_size)
     out = work / "export"
     started = time.perf_counter()
-    build_artifact(checkpoint, MuseTokenizer.load(gguf), out, forward_sizes=parse_sizes(args.forward_sizes),
-                   max_prefill_chunk=args.max_prefill_chunk, max_cells=args.max_cells,
-                   activation_dtype=args.activation_dtype, quantization=QUANTIZATIONS[args.quantize])
+    with loading_progress("exporting") as progress:  # a step per method, then the lowering
+        build_artifact(checkpoint, MuseTokenizer.load(gguf), out, forward_sizes=parse_sizes(args.forward_sizes),
+                       max_prefill_chunk=args.max_prefill_chunk, max_cells=args.max_cells,
+                       activation_dtype=args.activation_dtype, quantization=QUANTIZATIONS[args.quantize],
+                       progress=progress, vision_weights=vision, vision_patches=args.max_vision_patches)
     export_s = time.perf_counter() - started
     sizes = {name: (out / name).stat().st_size for name in ("model.pte", "model.ptd")}
-    print(json.dumps({"figure": "export", "seconds": round(export_s, 2), "bytes": sizes,
-                      "preset": preset.name, "layers": preset.num_layers}), flush=True)
+    print(json.dumps({"figure": "export", "seconds": round(export_s, 2), "bytes": sizes, "preset": preset.name,
+                      "layers": preset.num_layers, "projector": vision is not None}), flush=True)
 
     vocab = checkpoint.config.vocab_size
     blocks = max(batches) * -(-(args.prompt_tokens + args.decode_steps + 1) // 16) + 8
-    torch_exec = TorchExecutor(checkpoint, device="cpu", dtype="float32")
+    torch_exec = TorchExecutor(checkpoint, device="cpu", dtype="float32", vision=vision)
     torch_exec.allocate_kv(max(blocks, -(-(16 + args.agreement_tokens + 1) // 16)))
     et_exec = ExecuTorchExecutor(str(out))
     et_exec.allocate_kv(max(blocks, -(-(16 + args.agreement_tokens + 1) // 16)))
@@ -151,6 +197,20 @@ def main() -> int:
             "torch_cpu_ms_per_token": theirs["cpu_ms_per_token"],
             "executorch_cpu_ms_per_token": mine["cpu_ms_per_token"],
             "cpu_ratio": round(theirs["cpu_ms_per_token"] / mine["cpu_ms_per_token"], 3)}
+    if vision is not None:
+        width, height = (int(v) for v in args.image_size.split("x"))
+        image = ImagePreprocessor(args.max_vision_patches).preprocess(ImageInput("image/png", picture(width, height)))
+        prefill = {name: image_prefill(executor, image) for name, executor in
+                   (("torch-cpu", torch_exec), ("executorch", et_exec))}
+        same = same and prefill["torch-cpu"].pop("ids") == prefill["executorch"].pop("ids")
+        for name, figures in prefill.items():
+            print(json.dumps({"figure": "image_prefill", "executor": name, "grid": list(image.grid),
+                              "rows": image.rows, **figures}), flush=True)
+        summary["image_prefill"] = {
+            "grid": list(image.grid), "rows": image.rows,
+            "torch_s": prefill["torch-cpu"]["seconds"], "executorch_s": prefill["executorch"]["seconds"],
+            "wall_ratio": round(prefill["executorch"]["seconds"] / prefill["torch-cpu"]["seconds"], 3),
+            "cpu_ratio": round(prefill["executorch"]["cpu_s"] / prefill["torch-cpu"]["cpu_s"], 3)}
     summary.update({"greedy_identical": same, "top1_agreement": round(agree, 4),
                     "agreement_tokens": args.agreement_tokens, "decode_steps": args.decode_steps})
     print(json.dumps(summary), flush=True)
