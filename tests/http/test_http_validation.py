@@ -316,6 +316,10 @@ def test_model_entry_for_plain_model():
         "input_modalities": ["text"],
         "object": "model",
         "owned_by": "musegl",
+        # read by the Anthropic SDK too
+        "type": "model",
+        "display_name": "m",
+        "created_at": "1970-01-01T00:00:05Z",
     }
 
 

@@ -349,6 +349,7 @@ def test_text_overflow_is_found_before_admission_and_compaction_recovers(client)
         "param": "messages",
         "context_length": MAX_CONTEXT,
         "prompt_tokens": overflows[0][1],
+        "prompt_tokens_exact": False,  # tokenizing stopped once the count passed the budget: a lower bound
         "max_prompt_tokens": MAX_CONTEXT - 1,  # no max_tokens: one token is reserved
         "completion_reservation": 1,
         "source": "worker",
