@@ -12,7 +12,7 @@ cannot grow past it); the turns left are reported as skipped.
 from __future__ import annotations
 
 import uuid
-from typing import Any
+from typing import Any, Awaitable, Callable
 
 import httpx
 
@@ -31,16 +31,19 @@ def conversations(config: Any, index: int, sizes: Sizes, run_id: str) -> tuple[A
     return cli, ChatConversation(**shared, mirrors=config.api, session_key=f"bench-{run_id}-{index}-chat")
 
 
-async def run_replays(client: httpx.AsyncClient, config: Any, sizes: Sizes, bar: Any,
-                      sessions: list[str]) -> tuple[list[RequestResult], list[RequestResult]]:
-    """The CLI's turns and the reference's turns; every session used is appended to ``sessions``
-    before its first request (soft and named alike: the run deletes both)."""
+async def run_replays(client: httpx.AsyncClient, config: Any, sizes: Sizes, bar: Any, sessions: list[str],
+                      release: Callable[[list[str]], Awaitable[None]]) -> tuple[list[RequestResult], list[RequestResult]]:
+    """The CLI's turns and the reference's turns. Every session used is appended to ``sessions``
+    before its first request (soft and named alike), and a conversation's two sessions are taken
+    out again and handed to ``release`` (which deletes them) when it ends, so that the next
+    conversation finds their slots free."""
     run_id = uuid.uuid4().hex[:10]
     measured: list[RequestResult] = []
     references: list[RequestResult] = []
     for index in range(config.conversation_count):
         cli, reference = conversations(config, index, sizes, run_id)
-        sessions.extend((cli.session_name, reference.session_name))
+        names = [cli.session_name, reference.session_name]
+        sessions.extend(names)
         for turn in range(1, config.turns + 1):
             failed = None
             for conversation in ((cli, reference) if turn % 2 else (reference, cli)):
@@ -61,4 +64,7 @@ async def run_replays(client: httpx.AsyncClient, config: Any, sizes: Sizes, bar:
                         out.append(missed)
                         bar.done(missed)
                 break
+        await release(list(names))  # still in ``sessions`` meanwhile: an interrupted release is redone
+        for name in names:
+            sessions.remove(name)
     return measured, references

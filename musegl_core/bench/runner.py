@@ -352,7 +352,9 @@ async def run_bench_async(config: BenchConfig, *, progress: bool = True,
                 references: list[RequestResult] = []
                 if config.api != "chat":
                     sizes = Sizes(calibration.words(config.system_tokens, whole_prompt=False), words)
-                    results, references = await run_replays(client, config, sizes, bar, sessions)
+                    results, references = await run_replays(
+                        client, config, sizes, bar, sessions,
+                        lambda names: delete_sessions(client, config, names, cleanup))
                 elif config.workload == "chat":
                     results = await _run_chat(client, config, words, bar)
                 else:

@@ -342,3 +342,14 @@ def test_replay_options_are_checked(capsys):
         BenchConfig(workload="chat", api="responses")
     assert cli_main(["bench", "--api", "messages", "--workload", "chat"]) == 2
     assert "--workload agent" in capsys.readouterr().err
+
+
+def test_each_replayed_conversation_frees_its_sessions_for_the_next(server):
+    # 3 conversations of 2 sessions each on 4 slots: kept to the end, the first ones' soft sessions
+    # would be evicted (not deleted) and the named chat sessions would crowd the later ones out
+    report = run_bench(replay_config(server, "messages", conversations=3, turns=2), progress=False)
+    assert report.error_messages == {} and report.errors == 0
+    assert report.sessions_deleted == 6 and report.sessions_left == {}
+    assert [t.requests for t in report.replay.cli.turns] == [3, 3]
+    assert all(r.turns[1].cached_tokens >= r.turns[0].prompt_tokens for r in (report.replay.cli, report.replay.reference))
+    assert soft_and_bench_sessions(server.url) == []
