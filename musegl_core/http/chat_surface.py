@@ -20,6 +20,7 @@ from musegl_core.http import sse
 from musegl_core.http import text_completions as tc
 from musegl_core.http.completions import ChatStream, ResponseMeta, complete, plan_chat
 from musegl_core.http.surface import ApiSurface, unless_disconnected
+from musegl_core.service.sessions import header_keys
 
 
 class ChatCompletionsSurface(ApiSurface):
@@ -52,6 +53,7 @@ class ChatCompletionsSurface(ApiSurface):
                 template=service.template,
                 tool_parser=service.tool_parser,
                 header_session_id=request.headers.get("x-session-id"),
+                client_keys=header_keys(request.headers),
                 tokenizer=service.tokenizer,
             )
             service.require_ready()

@@ -42,6 +42,7 @@ from musegl_core.service.conversation import AnswerFormat, Conversation, ToolCho
 from musegl_core.service.generation import Generation
 from musegl_core.service.output import LogprobEntries, Output, OutputAssembler, reasoning_tokens
 from musegl_core.service.prepare import Plan, prepare, prompt_images, setup_tools
+from musegl_core.service.sessions import MAX_CLIENT_KEY, PROMPT_CACHE_KEY_SOURCE as CLIENT_KEY_SOURCE, client_session
 from musegl_core.worker import messages as m
 from musegl_core.worker.client import WorkerClient
 
@@ -71,13 +72,18 @@ def plan_chat(
     template: Any,
     tool_parser: Any = None,
     header_session_id: str | None = None,
+    client_keys: Sequence[tuple[str, str | None]] = (),
     tokenizer: Any = None,
 ) -> ChatPlan:
     """Validate ``request`` and render its prompt; raises :class:`ApiError` (400).
 
     ``template`` is a template plugin's object (``render``); ``tool_parser``
     the configured :class:`~musegl_core.plugins.specs.ToolParserSpec` or
-    ``None`` (tools without ``--tool-parser`` are refused).
+    ``None`` (tools without ``--tool-parser`` are refused). ``client_keys``
+    are the agent clients' conversation keys from the headers, ``(source,
+    value)`` (:func:`~musegl_core.service.sessions.client_session`): without a
+    named session, the first one present (after the body's
+    ``prompt_cache_key``) names a soft session.
     """
     _check_fixed_choices(request)
     max_tokens = completion_limit(request)
@@ -86,6 +92,10 @@ def plan_chat(
     session = session_id(request.session_id, header_session_id)
     salt = cache_salt(request.cache_salt)
     n = choice_count(request.n, config, session)
+    soft = False
+    if session is None and n == 1:  # n choices cannot share one transcript: those run anonymously
+        session, soft = client_session(None, [(CLIENT_KEY_SOURCE, prompt_cache_key(request.prompt_cache_key)),
+                                              *client_keys])
     strength, hide_reasoning = reasoning_controls(request)
     variables = template_variables(request.chat_template_kwargs, strength)
     choice, tools = active_tools(request, tool_parser)
@@ -104,6 +114,7 @@ def plan_chat(
         min_tokens=stopping.min_tokens(request.min_tokens, max_tokens, constrained=constrained),
         ignore_eos=bool(request.ignore_eos),
         session_id=session,
+        soft_session=soft,
         cache_salt=salt,
         stream=stream,
         logprobs=(request.top_logprobs or 0) if request.logprobs else -1,
@@ -269,6 +280,16 @@ def session_id(body: str | None, header: str | None) -> str | None:
     if body is not None and header is not None and body != header:
         raise bad_request("the body's session_id and the X-Session-Id header differ", param="session_id")
     return body if body is not None else header
+
+
+def prompt_cache_key(value: str | None) -> str | None:
+    """``prompt_cache_key``: a non-empty string of at most :data:`MAX_CLIENT_KEY` characters."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or not 1 <= len(value) <= MAX_CLIENT_KEY:
+        raise bad_request(f"'prompt_cache_key' must be a string of 1-{MAX_CLIENT_KEY} characters",
+                          param="prompt_cache_key")
+    return value
 
 
 def cache_salt(value: str | None) -> str | None:

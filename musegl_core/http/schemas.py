@@ -176,6 +176,7 @@ class ChatCompletionRequest:
     stop: StopField = None
     ignore_eos: bool | None = None
     session_id: str | None = None
+    prompt_cache_key: str | None = None  # OpenAI's conversation key: names a soft session (docs/sessions.md)
     cache_salt: str | None = cache_salt_field()
     reasoning_effort: str | None = None
     reasoning: ReasoningOptions | None = None

@@ -26,6 +26,18 @@ from typing import Iterable
 
 SOFT_NAME = re.compile(r"[A-Za-z0-9._:-]{1,100}")
 
+#: The agent clients' conversation headers, ``(source, header)`` in order of preference:
+#: Claude Code's, then Codex's (``session-id`` and ``thread-id`` carry the same value).
+CLIENT_KEY_HEADERS = (("claude-code", "x-claude-code-session-id"), ("codex", "session-id"), ("codex", "thread-id"))
+#: The source of a body's ``prompt_cache_key`` (the Responses surface names it the same way).
+PROMPT_CACHE_KEY_SOURCE = "codex"
+MAX_CLIENT_KEY = 1024
+
+
+def header_keys(headers) -> list[tuple[str, str | None]]:
+    """The :data:`CLIENT_KEY_HEADERS` a request carries (a mapping with ``get``)."""
+    return [(source, headers.get(name)) for source, name in CLIENT_KEY_HEADERS]
+
 
 def soft_session_name(source: str, key: str) -> str:
     """The session name for a client key: ``<source>:<key>`` when the key is

@@ -51,6 +51,33 @@ def test_extending_a_named_session_executes_only_the_suffix(server):
     assert third["usage"]["prompt_tokens_details"]["cached_tokens"] >= second["usage"]["prompt_tokens"]
 
 
+@pytest.mark.parametrize("key", ["claude-code header", "codex header", "prompt_cache_key"])
+def test_an_agent_client_key_names_a_soft_session(server, key):
+    """Without a session_id, Claude Code's and Codex's conversation keys name a soft session:
+    turn 2 of the resent conversation executes only its suffix."""
+    conversation = f"conv-{key.replace(' ', '-')}"
+    extra = {
+        "claude-code header": {"headers": {"X-Claude-Code-Session-Id": conversation}},
+        "codex header": {"headers": {"session-id": conversation, "thread-id": conversation}},
+        "prompt_cache_key": {"prompt_cache_key": conversation},
+    }[key]
+    history = [{"role": "system", "content": "S."}, {"role": "user", "content": f"{key}: " + "ask me " * 30}]
+    first = chat(server.url, history, **extra).json()
+    reply = first["choices"][0]["message"]["content"]
+    longer = history + [{"role": "assistant", "content": reply}, {"role": "user", "content": "and more"}]
+    second = chat(server.url, longer, **extra).json()
+    prompt1, cached = first["usage"]["prompt_tokens"], second["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert prompt1 <= cached < second["usage"]["prompt_tokens"]
+    # The same turn without the key reuses only whole prefix-cache blocks of the first turn's prompt.
+    again = chat(server.url, longer).json()
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] < cached
+
+
+def test_a_bad_prompt_cache_key_is_400(server):
+    response = chat(server.url, HISTORY, prompt_cache_key="")
+    assert response.status_code == 400 and response.json()["error"]["param"] == "prompt_cache_key"
+
+
 def test_equal_and_shorter_histories_replay_at_least_one_position(server):
     a = chat(server.url, HISTORY, session_id="sess-b").json()
     again = chat(server.url, HISTORY, session_id="sess-b").json()

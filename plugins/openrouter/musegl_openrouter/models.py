@@ -27,7 +27,8 @@ from musegl_core.http.schemas import ChatCompletionRequest, ModelEntry, omittabl
 #: model name, the transport (streaming), musegl's session and cache plumbing,
 #: template variables, and the two fields accepted only at their default.
 NOT_PARAMETERS = frozenset({
-    "messages", "model", "stream", "stream_options", "session_id", "cache_salt", "chat_template_kwargs",
+    "messages", "model", "stream", "stream_options", "session_id", "prompt_cache_key", "cache_salt",
+    "chat_template_kwargs",
     "add_generation_prompt", "continue_final_message",
 })
 #: Accepted only when a tool parser is configured (``--tool-parser``).
