@@ -238,10 +238,22 @@ class Soak:
             except httpx.HTTPError as exc:
                 self.tally.error("delete", f"transport {type(exc).__name__}", str(exc))
 
-    async def run(self, seconds: float) -> None:
+    async def prime(self, http: httpx.AsyncClient) -> None:
+        """Every client sends every hostile body at once: the warm-up sees the largest burst of
+        large bodies the load can produce, so the warm memory figure includes it."""
+        async def one(name: str, path: str, raw: bytes, statuses: tuple[int, ...]) -> None:
+            response = await http.post(f"{self.url}{path}", content=raw, headers={"content-type": "application/json"})
+            await self.expect(http, f"hostile {name}", response, statuses)
+
+        for body in self.hostile:
+            await asyncio.gather(*[one(*body) for _ in range(self.clients)])
+
+    async def run(self, seconds: float, *, prime: bool = False) -> None:
         self.stop_at = time.monotonic() + seconds
         limits = httpx.Limits(max_connections=self.clients + 8, max_keepalive_connections=self.clients + 8)
         async with httpx.AsyncClient(timeout=120, limits=limits) as http:
+            if prime:
+                await self.prime(http)
             await asyncio.gather(self.deleter(http), *[self.client_loop(http, i) for i in range(self.clients)])
 
 
@@ -299,7 +311,7 @@ def main() -> int:
         baseline = asyncio.run(settle(url))
         rss = {name: {"start": rss_mib(proc)} for name, proc in procs.items()}
         soak = Soak(url, args.clients, random.Random(args.seed), hostile=hostile_bodies())
-        asyncio.run(soak.run(args.warmup))
+        asyncio.run(soak.run(args.warmup, prime=True))
         for name, proc in procs.items():
             rss[name]["warm"] = rss_mib(proc)
         samples: list = []

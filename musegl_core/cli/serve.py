@@ -197,11 +197,13 @@ def check_speculators(config: ServeConfig, plugins) -> None:
 def main(argv: list[str]) -> int:
     import attrs
 
+    from musegl_core.allocator import fix_mmap_threshold
     from musegl_core.http.server import bind
 
     from musegl_core.logs import configure
     from musegl_core.progress import show_progress
 
+    fix_mmap_threshold()  # large request bodies go back to the OS once answered
     config, plugins, log_level = prepare(argv)
     configure(log_level, "front")
     show_progress(log_level in ("debug", "info"))

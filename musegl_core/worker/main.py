@@ -188,6 +188,7 @@ def read_setup(stdin: BinaryIO) -> m.Setup:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from musegl_core.allocator import fix_mmap_threshold
     from musegl_core.cli.main import summary
     from musegl_core.logs import configure
     from musegl_core.progress import show_progress
@@ -196,6 +197,7 @@ def main(argv: list[str] | None = None) -> int:
         prog="musegl worker", description=summary(__doc__),
         epilog="It reads its settings from the first line of stdin (the front writes them); run by musegl serve.")
     parser.parse_args(argv)
+    fix_mmap_threshold()  # large request frames go back to the OS once prepared
     configure("info", "worker")  # until the setup frame names the level
     frames_out = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)  # stray prints go to stderr, never into the frame pipe
