@@ -92,10 +92,10 @@ def plan_chat(
     session = session_id(request.session_id, header_session_id)
     salt = cache_salt(request.cache_salt)
     n = choice_count(request.n, config, session)
+    key = prompt_cache_key(request.prompt_cache_key)
     soft = False
     if session is None and n == 1:  # n choices cannot share one transcript: those run anonymously
-        session, soft = client_session(None, [(CLIENT_KEY_SOURCE, prompt_cache_key(request.prompt_cache_key)),
-                                              *client_keys])
+        session, soft = client_session(None, [(CLIENT_KEY_SOURCE, key), *client_keys])
     strength, hide_reasoning = reasoning_controls(request)
     variables = template_variables(request.chat_template_kwargs, strength)
     choice, tools = active_tools(request, tool_parser)
