@@ -248,8 +248,11 @@ class ExecutorConformance:
             row = logits[len(ids) - 4 + j]
             z = processed_logits(row, SamplingParams(temperature=0.0))
             assert token == int(np.argmax(z)) or np.sort(z)[-1] - np.sort(z)[-2] <= self.logits_atol
-        self.run(executor, SeqChunk(reference, ids[:-3], list(range(len(ids) - 3)), reference_blocks, sample=1,
-                                    uniforms=[0.5]))
+        # The verify chunk's first sampled row is the end of the prompt without its last three ids.
+        alone = self.run(executor, SeqChunk(reference, ids[:-3], list(range(len(ids) - 3)), reference_blocks,
+                                            sample=1, uniforms=[0.5], want_logits=True))
+        np.testing.assert_allclose(as_array(alone.logits[reference]), logits[len(ids) - 4], atol=self.logits_atol,
+                                   rtol=0)
         for seq_ in (seq, reference):
             executor.release_sequence(seq_)
 
