@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import logging
 
-import gguf
 import numpy as np
 import pytest
 import torch
 
-from musegl_core.checkpoint.stored import StoredTensor
 from musegl_cuda.cpu import fixed_blocks, native
 from musegl_cuda.cpu.stored_matrix import DenseMatrix, StoredMatrix, stored_matrix
+from stored_weights_support import stored_weight
 
 DTYPES = ["f32", "f16", "bf16", "q8_0", "q4_0", "q4_k"]
 LANES = {"avx512fp16": 16, "avx512": 16, "avx2": 8}
@@ -33,24 +32,6 @@ def path_kernels(name: str) -> native.Kernels:
         return native.kernels(name)
     except native.KernelPathError as exc:
         pytest.skip(f"{name} kernels do not run here: {exc}")
-
-
-def stored_weight(dtype: str, n: int, k: int, seed: int = 0) -> StoredTensor:
-    rng = np.random.default_rng(seed)
-    w = rng.standard_normal((n, k)).astype(np.float32)
-    if dtype == "f32":
-        data = w
-    elif dtype == "f16":
-        data = w.astype(np.float16)
-    elif dtype == "bf16":
-        data = (w.view(np.uint32) >> 16).astype(np.uint16)
-    elif dtype == "q4_k":  # no quantizer in gguf-py: random super-blocks with small f16 d/dmin
-        blocks = rng.integers(0, 256, size=(n, k // 256, 144), dtype=np.uint8)
-        blocks[:, :, :4] = rng.uniform(0.001, 0.01, size=(n, k // 256, 2)).astype(np.float16).view(np.uint8)
-        data = blocks.reshape(n, -1)
-    else:
-        data = gguf.quants.quantize(w, gguf.GGMLQuantizationType[dtype.upper()])
-    return StoredTensor("w", dtype, (n, k), data)
 
 
 def assert_float32_accuracy(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:

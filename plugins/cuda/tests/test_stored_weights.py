@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import os
 
-import gguf
 import numpy as np
 import pytest
 import torch
@@ -18,6 +17,7 @@ from musegl_core.engine.executor import SeqChunk, Step
 from musegl_cuda.cpu import native, stored_matrix
 from musegl_cuda.cpu.stored_matrix import HalfRows, StoredMatrix
 from musegl_cuda.executor import TorchExecutor, resolve_weights
+from stored_weights_support import stored_weight
 
 pytestmark = pytest.mark.skipif(native.load() is None, reason=f"no stored-weight kernels: {native.unavailable_reason()}")
 
@@ -230,22 +230,8 @@ def assert_half_arithmetic(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) ->
 @pytest.mark.parametrize("m", [1, 3, 9, 20, 40])  # one row, one weight row at a time, register tiles, wide
 @pytest.mark.parametrize("n", [40, 42])  # weight rows in whole register tiles, and two left over
 def test_kernel_products_and_rows(dtype, m, n):
-    rng = np.random.default_rng(0)
     k = 512
-    w = rng.standard_normal((n, k)).astype(np.float32)
-    if dtype == "f32":
-        data = w
-    elif dtype == "f16":
-        data = w.astype(np.float16)
-    elif dtype == "bf16":
-        data = (w.view(np.uint32) >> 16).astype(np.uint16)
-    elif dtype == "q4_k":  # no quantizer in gguf-py: random super-blocks with small f16 d/dmin
-        data = rng.integers(0, 256, size=(n, k // 256, 144), dtype=np.uint8)
-        data[:, :, :4] = rng.uniform(0.001, 0.01, size=(n, k // 256, 2)).astype(np.float16).view(np.uint8)
-        data = data.reshape(n, -1)
-    else:
-        data = gguf.quants.quantize(w, gguf.GGMLQuantizationType[dtype.upper()])
-    stored = StoredTensor("w", dtype, (n, k), data)
+    stored = stored_weight(dtype, n, k)
     ref = torch.from_numpy(stored.to_float32())
     matrix = StoredMatrix.from_stored(stored)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))

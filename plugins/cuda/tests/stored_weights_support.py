@@ -1,0 +1,27 @@
+"""Random stored-weight matrices (f32, f16, bf16, GGUF quantized) for the CPU kernel tests."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+
+from musegl_core.checkpoint.stored import StoredTensor
+
+
+def stored_weight(dtype: str, n: int, k: int, seed: int = 0) -> StoredTensor:
+    """An ``(n, k)`` matrix of standard-normal values stored as ``dtype``."""
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal((n, k)).astype(np.float32)
+    if dtype == "f32":
+        data = w
+    elif dtype == "f16":
+        data = w.astype(np.float16)
+    elif dtype == "bf16":
+        data = (w.view(np.uint32) >> 16).astype(np.uint16)
+    elif dtype == "q4_k":  # no quantizer in gguf-py: random super-blocks with small f16 d/dmin
+        blocks = rng.integers(0, 256, size=(n, k // 256, 144), dtype=np.uint8)
+        blocks[:, :, :4] = rng.uniform(0.001, 0.01, size=(n, k // 256, 2)).astype(np.float16).view(np.uint8)
+        data = blocks.reshape(n, -1)
+    else:
+        data = gguf.quants.quantize(w, gguf.GGMLQuantizationType[dtype.upper()])
+    return StoredTensor("w", dtype, (n, k), data)
