@@ -166,6 +166,9 @@ class Engine:
         self.clock = clock
         block_size = executor.block_size
         self.pool = KVPool(plan_pool(config, executor, self.speculator), block_size)
+        expect_taps = getattr(executor, "expect_taps", None)  # optional (docs/executor.md section 8)
+        if self.speculator.taps and callable(expect_taps):
+            expect_taps(tuple(self.speculator.taps))
         executor.allocate_kv(self.pool.num_blocks)
         self.speculator.allocate_kv(self.pool.num_blocks)
         self.sessions = SessionTable(

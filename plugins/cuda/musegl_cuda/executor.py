@@ -18,7 +18,9 @@ default) a step is flattened once into a :class:`~musegl_cuda.plan.StepPlan`
 and runs through the Triton kernels of :mod:`musegl_cuda.kernels`: paged
 attention over every sequence at once, fused norms; decode-only steps whose
 width is one of ``step_sizes`` replay a captured CUDA graph
-(:mod:`musegl_cuda.graphs`), other steps run the same kernels eagerly.
+(:mod:`musegl_cuda.graphs`), tapped ones too when the graphs were captured
+with the speculator's taps (:meth:`TorchExecutor.expect_taps`); other steps
+run the same kernels eagerly.
 
 Every sampled row of a step is sampled in one batched call
 (:mod:`musegl_cuda.sampling`).
@@ -217,6 +219,7 @@ class TorchExecutor:
         self.kv: torch.Tensor | None = None
         self.num_blocks = 0
         self.graphs = None
+        self.taps: tuple[int, ...] = ()  # captured into the decode graphs (expect_taps)
         group = config.num_heads // config.num_kv_heads
         self.decode_block_m = max(16, 1 << (group - 1).bit_length())
         self.prefill_block_m = max(self.decode_block_m, 64 if self.dtype == torch.float32 else 128)
@@ -238,6 +241,15 @@ class TorchExecutor:
             return int(free)
         return available_ram()
 
+    def expect_taps(self, taps: Sequence[int]) -> None:
+        """Every step will ask for ``taps`` (a speculator's; called before
+        :meth:`allocate_kv`): the decode graphs are captured with them, so
+        tapped decode and verify steps replay a graph."""
+        check_taps(tuple(taps), self.config.num_layers)
+        if self.graphs is not None:
+            raise RuntimeError("expect_taps must be called before allocate_kv")
+        self.taps = tuple(taps)
+
     def allocate_kv(self, num_blocks: int) -> None:
         """The paged cache; on CUDA one more block (``num_blocks``: the scratch block
         padding rows write) and the decode graphs, captured here."""
@@ -252,7 +264,7 @@ class TorchExecutor:
             from musegl_core.progress import loading_progress
 
             self.graphs = DecodeGraphs(self.model, self.kv, self.limits.step_sizes, self.block_size,
-                                       self.table_cols, self.decode_block_m, self.sm_count)
+                                       self.table_cols, self.decode_block_m, self.sm_count, self.taps)
             with loading_progress("capturing CUDA graphs") as progress:
                 self.graphs.capture(num_blocks, progress)
 
@@ -381,8 +393,9 @@ class TorchExecutor:
         c = self.config
         graphs = self.graphs
         chunks = step.chunks
-        if graphs is not None and not step.taps and step.width in graphs.graphs:
+        if graphs is not None and graphs.serves_taps(step.taps) and step.width in graphs.graphs:
             width = step.width
+            tapped = bool(step.taps)
             if all(len(ch.tokens) == 1 and ch.sample == 1 and not ch.embeds for ch in chunks):
                 # one decode row per sequence: staged without a plan, tables sent only where they changed
                 sources = device_sources(step, previous)
@@ -392,10 +405,11 @@ class TorchExecutor:
                 if graphs.stage_decode(chunks, width, self.num_blocks, c.vocab_size, sources):
                     graphs.replay(width)
                     rows = {ch.seq: i for i, ch in enumerate(chunks)}
+                    hidden = graphs.tapped_rows(width, len(chunks)) if tapped else None
                     if all(plain_greedy(ch) for ch in chunks):
-                        return GreedyIds(chunks, graphs.fetch_ids(width, len(chunks)), rows)
+                        return GreedyIds(chunks, graphs.fetch_ids(width, len(chunks)), rows, hidden=hidden)
                     logits = graphs.logits[width]
-                    return self._outputs(step, lambda r: logits[r], None, list(range(len(chunks))),
+                    return self._outputs(step, lambda r: logits[r], hidden, list(range(len(chunks))),
                                          rows, graphs.last_ids)
                 step = follow_on_host(step, previous)
                 chunks = step.chunks
@@ -409,10 +423,11 @@ class TorchExecutor:
                     graphs.stage_plan(plan)
                     graphs.replay(width)
                     starts = plan.starts
+                    hidden = graphs.tapped_rows(width, step.num_tokens) if tapped else None
                     if all(plain_greedy(ch) for ch in chunks):
-                        return GreedyIds(chunks, graphs.fetch_ids(width, step.num_tokens), None, starts)
+                        return GreedyIds(chunks, graphs.fetch_ids(width, step.num_tokens), None, starts, hidden)
                     logits = graphs.logits[width]
-                    return self._outputs(step, lambda r: logits[r], None, starts)
+                    return self._outputs(step, lambda r: logits[r], hidden, starts)
         step = follow_on_host(step, previous)
         decode = all(len(chunk.tokens) == 1 for chunk in step.chunks)
         block_m = self.decode_block_m if decode else self.prefill_block_m

@@ -5,7 +5,11 @@ slots, attention tiles: four views of one device buffer; block tables), sized
 for the widest graph. A graph runs the whole decoder and the head over every
 row, leaves float32 logits ``(width, vocab)`` in a static output and their
 argmax ``(width,)`` beside them; graphs share one memory pool and are
-captured widest first.
+captured widest first. Graphs built with ``taps`` (a speculator asked for
+them, :meth:`~musegl_cuda.executor.TorchExecutor.expect_taps`) also leave
+the tapped layers' input rows in a static ``hidden[width]`` of shape
+``(len(taps), width, hidden)``, so tapped decode and verify steps replay
+their graph too.
 
 A step of a captured width is staged on the host in one pinned buffer
 (tokens, positions, slots, tiles) and sent with one copy. Block tables stay
@@ -50,8 +54,9 @@ class DecodeGraphs:
     """The decode graphs of one executor (see the module docstring)."""
 
     def __init__(self, model: MuseGlimmerDecoder, kv: torch.Tensor, sizes: tuple[int, ...], block_size: int,
-                 cols: int, block_m: int, sm_count: int) -> None:
+                 cols: int, block_m: int, sm_count: int, taps: tuple[int, ...] = ()) -> None:
         self.model = model
+        self.taps = tuple(taps)
         self.kv = kv
         self.sizes = tuple(sorted(sizes))
         self.block_size = block_size
@@ -93,8 +98,9 @@ class DecodeGraphs:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         self.ids: dict[int, torch.Tensor] = {}
+        self.hidden: dict[int, torch.Tensor] = {}  # (len(taps), width, hidden) per width, with taps
 
-    def _run(self, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _run(self, width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         from musegl_cuda.kernels import attention_splits  # Triton: only where graphs run
 
         config = self.model.config
@@ -104,11 +110,11 @@ class DecodeGraphs:
         layers = [(self.kv[i, 0], self.kv[i, 1]) for i in range(config.num_layers)]
         staged = self.tokens[:width]  # >= 0: the token; -1 - r: the id in last_ids[r]
         tokens = torch.where(staged >= 0, staged, self.last_ids[(-1 - staged).clamp_(min=0)])
-        normed, _ = self.model.forward_paged(tokens, self.positions[:width], meta, layers)
+        normed, hidden = self.model.forward_paged(tokens, self.positions[:width], meta, layers, self.taps)
         logits = self.model.logits(normed)
         ids = self.last_ids[:width]
         torch.argmax(logits, dim=-1, out=ids)
-        return logits, ids
+        return logits, ids, hidden
 
     def reset(self, scratch_block: int) -> None:
         """Stage every row as a padding row (writing ``scratch_block``) and forget
@@ -148,7 +154,9 @@ class DecodeGraphs:
                 torch.cuda.current_stream().wait_stream(stream)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
-                    self.logits[width], self.ids[width] = self._run(width)
+                    self.logits[width], self.ids[width], hidden = self._run(width)
+                if hidden is not None:
+                    self.hidden[width] = hidden
                 pool = graph.pool()
                 self.graphs[width] = graph
             torch.cuda.synchronize()
@@ -161,6 +169,15 @@ class DecodeGraphs:
 
     def fits(self, plan: StepPlan) -> bool:
         return plan.width in self.graphs and plan.tables.shape[1] <= self.cols
+
+    def serves_taps(self, taps: tuple[int, ...]) -> bool:
+        """A step asking for ``taps`` can replay a graph: none asked, or the graphs' own."""
+        return not taps or tuple(taps) == self.taps
+
+    def tapped_rows(self, width: int, rows: int) -> torch.Tensor:
+        """A copy of the first ``rows`` tapped rows of the last replay of ``width``,
+        ``(len(taps), rows, hidden)``: the next replay overwrites the static buffer."""
+        return self.hidden[width][:, :rows].clone()
 
     # -- staging -------------------------------------------------------------------
 

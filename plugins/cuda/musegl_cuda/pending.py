@@ -58,24 +58,27 @@ class Launched:
 class GreedyIds(Launched):
     """A graph step whose every row is plain greedy: the graph's argmax ids, copied
     into one of the graphs' pinned buffers. ``starts`` (None: row ``i`` is chunk
-    ``i``'s only row) gives each chunk's first row."""
+    ``i``'s only row) gives each chunk's first row. ``hidden``: the step's tapped
+    rows ``(taps, rows, hidden)`` on the device (None: no taps asked)."""
 
     def __init__(self, chunks: Sequence[SeqChunk], fetched: tuple, rows: dict[int, int] | None,
-                 starts: Sequence[int] | None = None) -> None:
+                 starts: Sequence[int] | None = None, hidden=None) -> None:
         self.chunks = chunks
         self.host, self.event = fetched
         self.device_rows = rows
         self.starts = starts
+        self.hidden = hidden
 
     def _read(self) -> StepOutput:
         if self.event is not None:
             self.event.synchronize()
         chunks = self.chunks
-        if self.starts is None:
-            ids = self.host[:len(chunks)].tolist()
-            return StepOutput(tokens={ch.seq: [t] for ch, t in zip(chunks, ids)})
-        ids = self.host[:self.starts[-1] + len(chunks[-1].tokens)].tolist()
-        return StepOutput(tokens={ch.seq: ids[s:s + len(ch.tokens)] for ch, s in zip(chunks, self.starts)})
+        starts = range(len(chunks)) if self.starts is None else self.starts
+        ids = self.host[:starts[-1] + len(chunks[-1].tokens)].tolist()
+        out = StepOutput(tokens={ch.seq: ids[s:s + len(ch.tokens)] for ch, s in zip(chunks, starts)})
+        if self.hidden is not None:
+            out.hidden = {ch.seq: self.hidden[:, s:s + len(ch.tokens)] for ch, s in zip(chunks, starts)}
+        return out
 
 
 class Sampled(Launched):
