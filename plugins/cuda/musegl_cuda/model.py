@@ -11,6 +11,13 @@ checkpoint's bytes (float16, bfloat16, GGUF Q8_0/Q4_0/Q4_K, or float32), and
 q/k/v/gate and gate/up are each one stacked matrix where their dtypes agree.
 Activations stay float32.
 
+With a :class:`~musegl_cuda.parallel.shard.TensorShard` of several ranks the
+decoder is one rank's part of the model (tensor parallelism): its layers have
+the rank's heads and MLP columns (:attr:`MuseGlimmerDecoder.local`), the
+loaders keep the rank's rows and columns of each weight, the row-parallel
+outputs (o_proj, down_proj) and the embedding are all-reduced and the head's
+logits gathered, so every rank ends with the same full logits.
+
 Numerics follow transformers: norms in float32 (plain norms with
 ``pow(ms+ε, -0.5)``, centered norms with ``rsqrt`` and ``1+w``), the QK norm
 cast to the activation dtype before ``×qk_scale_factor``, cos/sin built in
@@ -30,6 +37,7 @@ from musegl_core.checkpoint.hf_reader import CENTERED_NORMS, text_weight_names
 from musegl_core.checkpoint.stored import StoredTensor
 from musegl_cuda.cpu.attention import attention_rows
 from musegl_cuda.cpu.stored_matrix import DenseMatrix, HalfRows, StoredGroup, StoredMatrix, stored_matrix
+from musegl_cuda.parallel.shard import TensorShard
 
 
 #: On CUDA the head's multiplier and softcap run as one Triton pass (kernels.softcap_logits).
@@ -328,8 +336,9 @@ class DecoderLayer(nn.Module):
     """Gemma-2 sandwich: pre- and post-norms around attention and the MLP."""
 
     def __init__(self, config: TextConfig, layer: int, dtype: torch.dtype, device: torch.device,
-                 weight_device: torch.device | None = None) -> None:
+                 weight_device: torch.device | None = None, shard: TensorShard | None = None) -> None:
         super().__init__()
+        self.shard = shard or TensorShard.single(config)  # sums the row-parallel outputs over the ranks
         self.self_attn = Attention(config, layer, dtype, device, weight_device)
         self.mlp = MLP(config, dtype, device, weight_device)
         h = config.hidden_size
@@ -340,32 +349,38 @@ class DecoderLayer(nn.Module):
 
     def forward(self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], batch: AttentionBatch,
                 k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
-        o = self.self_attn(self.input_layernorm(h), rope, batch, k_cache, v_cache)
+        o = self.shard.reduce(self.self_attn(self.input_layernorm(h), rope, batch, k_cache, v_cache))
         h = h + self.post_attention_layernorm(o)
-        m = self.mlp(self.pre_feedforward_layernorm(h), batch.half)
+        m = self.shard.reduce(self.mlp(self.pre_feedforward_layernorm(h), batch.half))
         return h + self.post_feedforward_layernorm(m)
 
 
 class MuseGlimmerDecoder(nn.Module):
     """Embedding (+ weight-less norm), decoder layers, final norm and softcapped head."""
 
-    def __init__(self, config: TextConfig, dtype: torch.dtype, device: torch.device, stored: bool = False) -> None:
+    def __init__(self, config: TextConfig, dtype: torch.dtype, device: torch.device, stored: bool = False,
+                 shard: TensorShard | None = None) -> None:
         """``stored``: matrices come from :meth:`load_stored` as :class:`StoredMatrix`
-        (CPU, float32 activations only); the torch parameters stay unallocated on "meta"."""
+        (CPU, float32 activations only); the torch parameters stay unallocated on "meta".
+        ``shard``: this rank's part of a tensor-parallel model (None: the whole model)."""
         super().__init__()
         if stored and (device.type != "cpu" or dtype != torch.float32):
             raise ValueError("stored weights run on the CPU with float32 activations only")
         self.config = config
         self.dtype = dtype
         self.stored = stored
+        self.shard = shard = shard or TensorShard.single(config)
+        #: the config as this rank's layers see it (its heads, KV heads, MLP width)
+        self.local = local = shard.plan.local_config(config)
+        vocab = shard.plan.vocab.size  # this rank's rows of the embedding and the head
         wdev = torch.device("meta") if stored else device
         h = config.hidden_size
-        self.embed_tokens = nn.Parameter(torch.empty(config.vocab_size, h, dtype=dtype, device=wdev),
-                                         requires_grad=False)
+        self.embed_tokens = nn.Parameter(torch.empty(vocab, h, dtype=dtype, device=wdev), requires_grad=False)
         self.embed_stored: StoredMatrix | DenseMatrix | None = None
-        self.layers = nn.ModuleList(DecoderLayer(config, i, dtype, device, wdev) for i in range(config.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(local, i, dtype, device, wdev, shard)
+                                    for i in range(config.num_layers))
         self.norm = nn.Parameter(torch.ones(h, dtype=torch.float32, device=device), requires_grad=False)
-        self.lm_head = Linear(h, config.vocab_size, dtype, wdev)
+        self.lm_head = Linear(h, vocab, dtype, wdev)
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, device)
         self._pending: dict[str, StoredMatrix | DenseMatrix] = {}
 
@@ -376,8 +391,9 @@ class MuseGlimmerDecoder(nn.Module):
 
         Norm weights are rounded to the model dtype first and then kept in
         float32, as transformers does when it loads a checkpoint in that dtype
-        and upcasts inside the norm.
+        and upcasts inside the norm. A shard keeps its part of the weight.
         """
+        value = self.shard.plan.dense(name, value)
         if value.ndim == 1:
             value = value.to(self.norm.device, self.dtype).float()
         target = self._target(name)
@@ -408,7 +424,8 @@ class MuseGlimmerDecoder(nn.Module):
     def load_stored(self, stored: StoredTensor) -> None:
         """Take one checkpoint weight in its stored form (stored mode): 1-D weights
         go through :meth:`load_weight`, matrices are kept as they are stored
-        (:func:`stored_matrix`). Call :meth:`finish_stored` after the last one."""
+        (:func:`stored_matrix`), a shard's part of them. Call :meth:`finish_stored` after the last one."""
+        stored = self.shard.plan.stored(stored)
         if len(stored.shape) == 1:
             self.load_weight(stored.name, torch.from_numpy(stored.to_float32()))
             return
@@ -466,9 +483,22 @@ class MuseGlimmerDecoder(nn.Module):
     # -- forward --------------------------------------------------------------
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        return plain_rms_norm(self.embedding_rows(tokens), self.config.rms_norm_eps)
+
+    def embedding_rows(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The raw embedding rows of ``tokens`` (any shape; no norm), float32 from stored
+        matrices (a shard's rows summed over the ranks)."""
+        flat = tokens.reshape(-1)
         if self.embed_stored is not None:
-            return plain_rms_norm(self.embed_stored.dequantize(tokens), self.config.rms_norm_eps)
-        return plain_rms_norm(F.embedding(tokens, self.embed_tokens), self.config.rms_norm_eps)
+            rows = self.shard.embedding(self.embed_stored.dequantize, flat)
+        else:
+            rows = self.shard.embedding(lambda ids: F.embedding(ids, self.embed_tokens), flat)
+        return rows.view(*tokens.shape, -1)
+
+    def head_product(self, normed: torch.Tensor) -> torch.Tensor:
+        """The head's raw product of ``(rows, hidden)``: ``(rows, vocab)`` (a shard's
+        columns gathered from the ranks)."""
+        return self.shard.gather_vocab(self.lm_head(normed))
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
                 kv: list[tuple[torch.Tensor, torch.Tensor]],
@@ -508,8 +538,9 @@ class MuseGlimmerDecoder(nn.Module):
         residual adds. Same inputs and results (up to float rounding order)."""
         from musegl_cuda import kernels
 
-        c = self.config
+        c = self.local
         heads, kv_heads, hd = c.num_heads, c.num_kv_heads, c.head_dim
+        reduce = self.shard.reduce
         h = self.embed(tokens)
         if embeds is not None:
             h = h.index_copy(0, embeds[0], embeds[1].to(h.dtype))
@@ -530,11 +561,11 @@ class MuseGlimmerDecoder(nn.Module):
             y = kernels.gated_attention(q, k_flat, v_flat, meta.block_size, meta.tables, meta.tiles,
                                         meta.num_tiles, meta.splits, meta.block_m, c.sliding_window,
                                         attn.sliding, attn.scaling, qkvg, attn.gate_offset)
-            o = F.linear(y, attn.o_proj.weight)
+            o = reduce(F.linear(y, attn.o_proj.weight))
             post, pre = layer.post_attention_layernorm, layer.pre_feedforward_layernorm
             h, x = kernels.add_norm(o, h, post.scale, post.eps, pre.scale, pre.eps)
             mlp = layer.mlp
-            down = F.linear(kernels.silu_mul(F.linear(x, mlp.gate_up)), mlp.down_proj.weight)
+            down = reduce(F.linear(kernels.silu_mul(F.linear(x, mlp.gate_up)), mlp.down_proj.weight))
             post = layer.post_feedforward_layernorm
             if i + 1 < len(layers):
                 nxt = layers[i + 1].input_layernorm
@@ -555,10 +586,10 @@ class MuseGlimmerDecoder(nn.Module):
         if normed.is_cuda and FUSED_SOFTCAP:
             from musegl_cuda import kernels
 
-            return kernels.softcap_logits(self.lm_head(normed), self.config.output_multiplier, cap)
+            return kernels.softcap_logits(self.head_product(normed), self.config.output_multiplier, cap)
         # in place: the head's output is a fresh tensor, and a chain of new 800 KB-per-row
         # results costs more in page faults than the arithmetic (4 ms vs 0.7 ms at 4 rows)
-        z = self.lm_head(normed).mul_(self.config.output_multiplier)
+        z = self.head_product(normed).mul_(self.config.output_multiplier)
         if cap is not None:
             z.div_(cap).tanh_().mul_(cap)
         return z.float()

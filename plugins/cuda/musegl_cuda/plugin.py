@@ -10,6 +10,7 @@ stay fast.
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -45,6 +46,10 @@ def musegl_serve_options(group) -> None:
                        help="stored: keep the checkpoint's matrices as stored (f16, bf16, GGUF Q8_0/Q4_0/Q4_K) "
                             "and multiply them with kernels that read them directly (the torch-cpu default with "
                             "--dtype float32); upcast: convert every weight to --dtype at load (cuda: always)")
+    group.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+                       help="split the model over N devices (one process per GPU: cuda:0 .. cuda:N-1; on the "
+                            "CPU N processes sharing the cores); N must divide the attention heads and the MLP "
+                            "width (default 1; docs/scaling.md)")
 
 
 def parse_forward_sizes(text: str | None) -> tuple[int, ...] | None:
@@ -139,11 +144,49 @@ def check_cpu_model(options: ExecutorOptions) -> None:
     check_model(options)
 
 
+def tensor_parallel_size(options: ExecutorOptions) -> int:
+    value = options.extra.get("tensor_parallel_size") or 1
+    if not isinstance(value, int) or value < 1:
+        raise ConfigError(f"--tensor-parallel-size must be a positive integer, got {value!r}")
+    return value
+
+
+def _create_parallel(options: ExecutorOptions, default_device: str, size: int):
+    """``--tensor-parallel-size`` N > 1: the model split over N rank processes (musegl_cuda.parallel)."""
+    import torch
+
+    from musegl_cuda.parallel.executor import TensorParallelExecutor, exit_worker_after
+    from musegl_cuda.parallel.rank import RankSpec
+    from musegl_cuda.parallel.shard import check_size
+
+    device = torch.device(options.device or default_device)
+    if device.index is not None:
+        raise ConfigError(f"--tensor-parallel-size {size} uses cuda:0 .. cuda:{size - 1}; "
+                          f"--device {options.device} names one device")
+    if device.type == "cuda" and torch.cuda.device_count() < size:
+        raise ConfigError(f"--tensor-parallel-size {size} needs {size} GPUs; torch sees "
+                          f"{torch.cuda.device_count()}")
+    try:
+        check_size(read_config_only(options.model).config, size)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    dummy = load_format(options) == "dummy"
+    spec = RankSpec(model=options.model, device=device.type, size=size, dtype=options.dtype,
+                    weights=None if dummy else weight_mode(options),
+                    forward_sizes=parse_forward_sizes(options.extra.get("forward_sizes")),
+                    async_steps=False if options.extra.get("sync_steps") else None, dummy=dummy,
+                    mmproj=options.mmproj, log_level=logging.getLevelName(logging.getLogger().level).lower())
+    return TensorParallelExecutor(spec, on_failure=exit_worker_after())
+
+
 def _create(options: ExecutorOptions, default_device: str) -> "TorchExecutor":
     from musegl_core.checkpoint.loader import load_checkpoint
     from musegl_core.checkpoint.vision import load_vision
     from musegl_cuda.executor import TorchExecutor
 
+    size = tensor_parallel_size(options)
+    if size > 1:
+        return _create_parallel(options, default_device, size)
     sizes = parse_forward_sizes(options.extra.get("forward_sizes"))
     async_steps = False if options.extra.get("sync_steps") else None  # None: the device's default
     if load_format(options) == "dummy":
