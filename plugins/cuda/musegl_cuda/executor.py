@@ -48,6 +48,7 @@ from musegl_core.engine.kv_sizing import kv_block_bytes
 from musegl_core.engine.step_checks import check_positions, check_taps, check_tokens, kv_allocated, table_of
 from musegl_cuda.cpu.stored_matrix import HalfRows
 from musegl_cuda.model import AttentionBatch, DecodeAttention, MuseGlimmerDecoder, PagedMeta, SequenceAttention
+from musegl_cuda.parallel.shard import TensorShard
 from musegl_cuda.plan import StepPlan, plan_step, rows_per_tile
 from musegl_cuda.vision import load_vision_encoder
 from musegl_cuda.pending import GreedyIds, Launched, Sampled, device_sources, follow_on_host
@@ -146,7 +147,8 @@ class TorchExecutor:
                  dtype: str | torch.dtype | None = None, block_size: int = DEFAULT_BLOCK_SIZE,
                  limits: ExecutorLimits | None = None, forward_sizes: Sequence[int] | None = None,
                  dummy_seed: int | None = None, vision: VisionWeights | None = None,
-                 weights: str | None = None, async_steps: bool | None = None) -> None:
+                 weights: str | None = None, async_steps: bool | None = None,
+                 shard: TensorShard | None = None) -> None:
         """``forward_sizes``: decode widths to capture as CUDA graphs (None: the
         defaults on CUDA; ignored on the CPU; empty: no graphs).
         ``dummy_seed``: don't read weights, make random ones on the device
@@ -157,7 +159,9 @@ class TorchExecutor:
         ``dtype`` (None: the default for the device and dtype). ``async_steps``:
         let the engine launch a decode step before it reads the previous one
         (None: on CUDA, where the host's work then overlaps the device's; the
-        CPU path computes every step when it is launched, so it gains nothing)."""
+        CPU path computes every step when it is launched, so it gains nothing).
+        ``shard``: run one rank's part of a tensor-parallel model
+        (:mod:`musegl_cuda.parallel`; None: the whole model)."""
         if block_size <= 0:
             raise ValueError("block_size must be positive")
         self.device = resolve_device(device)
@@ -192,7 +196,8 @@ class TorchExecutor:
         #: weight bytes per dtype tag after loading (the memory the weights take)
         self.weight_bytes: dict[str, int] = {}
         with torch.inference_mode():
-            self.model = MuseGlimmerDecoder(config, self.dtype, self.device, stored=self.weights == "stored")
+            self.model = MuseGlimmerDecoder(config, self.dtype, self.device, stored=self.weights == "stored",
+                                            shard=shard)
             if dummy_seed is not None:
                 self.model.randomize(dummy_seed)
             elif self.weights == "stored":
@@ -216,6 +221,9 @@ class TorchExecutor:
                  ", ".join(f"{k} {format_bytes(v)}" for k, v in sorted(self.weight_bytes.items()))
                  + f"; total {format_bytes(sum(self.weight_bytes.values()))}")
         self.vision = None if vision is None else load_vision_encoder(vision, config, self.dtype, self.device)
+        # From here on the config as this rank's layers see it (its heads and KV heads: the KV
+        # cache, the attention plans); the whole model's without tensor parallelism.
+        self.config = config = self.model.local
         self.kv: torch.Tensor | None = None
         self.num_blocks = 0
         self.graphs = None
@@ -490,18 +498,13 @@ class TorchExecutor:
         """The raw token embedding rows of ``ids`` (no norm): ``ids.shape + (hidden,)``, on
         the device in the activation dtype (float32 from stored matrices)."""
         ids = torch.as_tensor(ids, dtype=torch.long, device=self.device)
-        model = self.model
-        if model.embed_stored is not None:
-            return model.embed_stored.dequantize(ids.reshape(-1)).view(*ids.shape, -1)
-        return model.embed_tokens.detach()[ids]
+        return self.model.embedding_rows(ids)
 
     def head_logits(self, hidden) -> torch.Tensor:
         """The raw lm_head product of ``(n, hidden)`` rows (no multiplier, no softcap)."""
         hidden = torch.as_tensor(hidden, device=self.device)
-        head = self.model.lm_head
-        if head.stored is not None:
-            return head.stored.matmul(hidden.float())
-        return head(hidden.to(head.weight.dtype))
+        model = self.model
+        return model.head_product(hidden.float() if model.stored else hidden.to(model.dtype))
 
     def embed_image(self, image: PromptImage):
         """The image's decoder input rows ``(rows, hidden)`` (vision tower, adapter,
