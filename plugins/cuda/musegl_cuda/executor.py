@@ -234,6 +234,7 @@ class TorchExecutor:
         self.table_cols = -(-config.max_position_embeddings // block_size)
         self.sm_count = (torch.cuda.get_device_properties(self.device).multi_processor_count
                          if self.paged else 1)
+        self.samplers = None  # the sampler graphs of decode graph steps (musegl_cuda.sampling_graphs)
         self._previous: PendingStep | None = None  # the last launch (a following chunk reads its ids)
         self._unresolved: collections.deque[Launched] = collections.deque()  # launches not read yet
 
@@ -275,6 +276,11 @@ class TorchExecutor:
                                        self.table_cols, self.decode_block_m, self.sm_count, self.taps)
             with loading_progress("capturing CUDA graphs") as progress:
                 self.graphs.capture(num_blocks, progress)
+            from musegl_cuda.sampling_graphs import SamplerGraphs
+
+            self.samplers = SamplerGraphs(self.graphs)
+            with loading_progress("capturing sampler graphs") as progress:
+                self.samplers.capture(self.graphs.pool, progress)
 
     @property
     def k_cache(self) -> list[torch.Tensor]:
@@ -416,6 +422,9 @@ class TorchExecutor:
                     hidden = graphs.tapped_rows(width, len(chunks)) if tapped else None
                     if all(plain_greedy(ch) for ch in chunks):
                         return GreedyIds(chunks, graphs.fetch_ids(width, len(chunks)), rows, hidden=hidden)
+                    sampled = self._sample_in_graph(step, width, list(range(len(chunks))), rows, hidden)
+                    if sampled is not None:
+                        return sampled
                     logits = graphs.logits[width]
                     return self._outputs(step, lambda r: logits[r], hidden, list(range(len(chunks))),
                                          rows, graphs.last_ids)
@@ -434,6 +443,9 @@ class TorchExecutor:
                     hidden = graphs.tapped_rows(width, step.num_tokens) if tapped else None
                     if all(plain_greedy(ch) for ch in chunks):
                         return GreedyIds(chunks, graphs.fetch_ids(width, step.num_tokens), None, starts, hidden)
+                    sampled = self._sample_in_graph(step, width, starts, None, hidden)
+                    if sampled is not None:
+                        return sampled
                     logits = graphs.logits[width]
                     return self._outputs(step, lambda r: logits[r], hidden, starts)
         step = follow_on_host(step, previous)
@@ -444,6 +456,14 @@ class TorchExecutor:
         normed, hidden = self._forward_plan(plan, kv, block_m, tuple(step.taps),
                                             self._embedding_rows(step, plan.starts))
         return self._outputs(step, lambda rows: self.model.logits(normed[rows]), hidden, plan.starts)
+
+    def _sample_in_graph(self, step: Step, width: int, starts: list[int], rows: dict[int, int] | None,
+                         hidden) -> Launched | None:
+        """The sampler graph of ``width`` on the rows of a decode graph step just replayed
+        (:mod:`musegl_cuda.sampling_graphs`); None where it cannot hold them."""
+        if self.samplers is None:
+            return None
+        return self.samplers.launch(step, starts, width, rows, hidden)
 
     def _forward_plan(self, plan: StepPlan, kv: torch.Tensor, block_m: int, taps: tuple[int, ...] = (),
                       embeds: tuple[torch.Tensor, torch.Tensor] | None = None):
@@ -525,6 +545,7 @@ class TorchExecutor:
         self._unresolved.clear()
         self._previous = None
         self.graphs = None
+        self.samplers = None
         self.kv = None
         self.num_blocks = 0
         self.model = None  # type: ignore[assignment]

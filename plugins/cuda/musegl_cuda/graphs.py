@@ -95,6 +95,7 @@ class DecodeGraphs:
         # (rows, width) of the last stage_decode: its padding rows and tile columns 0 are still staged
         self._layout: tuple[int, int] | None = None
         self.scratch_block = -1
+        self.pool = None  # the graphs' memory pool, after capture
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         self.ids: dict[int, torch.Tensor] = {}
@@ -159,6 +160,7 @@ class DecodeGraphs:
                     self.hidden[width] = hidden
                 pool = graph.pool()
                 self.graphs[width] = graph
+            self.pool = pool  # the sampler graphs share it
             torch.cuda.synchronize()
         if progress is not None:
             progress(len(self.sizes), len(self.sizes), "decode graphs captured")

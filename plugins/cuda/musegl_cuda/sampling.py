@@ -26,7 +26,7 @@ from musegl_core.engine.executor import SamplingParams, TokenLogprobs
 from musegl_core.engine.sample_rows import SampleRows, bias_entries, penalty_counts
 from musegl_core.engine.sample_rows import unpack_masks as allowed_matrix
 
-__all__ = ["Draw", "SampleRows", "choose", "on_device", "sample", "unpack_masks"]
+__all__ = ["Draw", "SampleRows", "choose", "on_device", "sample", "top_logprobs", "unpack_masks"]
 
 NEG_INF = float("-inf")
 
@@ -95,7 +95,7 @@ def filter_logits(z: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor
         z = z.masked_fill(active & (z < kth), NEG_INF)
     if any(p.top_p < 1.0 for p in params):
         top_p = on_device([p.top_p for p in params], device)[:, None]
-        sorted_z, order = torch.sort(z, dim=-1, descending=True)
+        sorted_z, order = torch.sort(z, dim=-1, descending=True, stable=True)
         probs = torch.softmax(sorted_z, dim=-1)
         mass_before = torch.cumsum(probs, dim=-1) - probs
         drop_sorted = (mass_before >= top_p) & (top_p < 1.0)
@@ -118,6 +118,21 @@ def draw(z: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     target = uniforms[:, None] * cdf[:, -1:]
     ids = torch.searchsorted(cdf, target, right=True).squeeze(1)
     return ids.clamp_(max=z.shape[-1] - 1)
+
+
+def top_logprobs(lp: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``k`` largest entries of each row of ``lp`` (float32 ``(rows, vocab)``), largest
+    first and equal values by lowest id (the reference's order, whatever ``k`` and
+    however many rows): ``(ids int64, values float32)``, each ``(rows, k)``. One
+    ``topk`` over unique int64 keys: the value's bits mapped to an order-preserving
+    integer, then the id."""
+    bits = (lp + 0.0).view(torch.int32).long()  # + 0.0: -0.0 becomes 0.0
+    ordered = torch.where(bits >= 0, bits, -(bits & 0x7FFFFFFF) - 1)
+    vocab = lp.shape[-1]
+    ids = torch.arange(vocab, dtype=torch.long, device=lp.device)
+    keys = ordered * (1 << 32) + (0xFFFFFFFF - ids)
+    top = torch.topk(keys, k, dim=-1).indices
+    return top, lp.gather(1, top)
 
 
 @attrs.define
@@ -195,11 +210,10 @@ def choose(logits: torch.Tensor, rows: SampleRows) -> Draw:
                                  for i in wanted], device)[:, None]
         lp = torch.log_softmax(z[index] / temperature, dim=-1)
         top_n = max(rows.logprobs[i] for i in wanted)
-        top = torch.topk(lp, top_n, dim=-1) if top_n else None
         out.wanted, out.counts = wanted, [rows.logprobs[i] for i in wanted]
         out.picked = lp.gather(1, chosen[index][:, None]).squeeze(1)
-        if top is not None:
-            out.top_ids, out.top_values = top.indices, top.values
+        if top_n:
+            out.top_ids, out.top_values = top_logprobs(lp, top_n)
     return out
 
 
