@@ -596,6 +596,10 @@ class MuseTokenizer:
             found = self._tokenizer.token_to_id(string)
         return found
 
+    def special_ids(self) -> frozenset[int]:
+        """The ids of every special (control) token."""
+        return frozenset(i for i, (_content, special) in self._added.items() if special)
+
     def special_token(self, name: str) -> int:
         """The id of a special token, given as ``"<|eot|>"`` or just ``"eot"``.
 

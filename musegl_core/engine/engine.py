@@ -31,7 +31,7 @@ import attrs
 
 from musegl_core.engine import events as ev
 from musegl_core.engine.admission import AdmissionQueue
-from musegl_core.engine.detokenize import IncrementalDetokenizer
+from musegl_core.engine.detokenize import IncrementalDetokenizer, hidden_ids
 from musegl_core.engine.executor import Executor, ExecutorLimits, PendingStep, Step, TokenLogprobs
 from musegl_core.engine.identity import prompt_keys, split_keys
 from musegl_core.engine.kv_pool import KVPool
@@ -515,7 +515,7 @@ class Engine:
             session=session,
             computed=reused,
             cached=reused,
-            detokenizer=IncrementalDetokenizer(self.tokenizer),
+            detokenizer=IncrementalDetokenizer(self.tokenizer, hidden_ids(self.tokenizer, request.special_tokens)),
             stops=StopMatcher(request.stop, request.template_stops),
         )
         self._next_handle += 1

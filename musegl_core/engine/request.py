@@ -107,6 +107,10 @@ class GenerateRequest:
     stop_token_ids: tuple[int, ...] = ()
     #: before this many generated ids, end ids and ``stop_token_ids`` are masked and stop strings not applied
     min_tokens: int = 0
+    #: which special tokens the output text writes out (vLLM's ``skip_special_tokens``): ``all``;
+    #: ``control`` (only the output grammar's control tokens, which the channel parser reads:
+    #: :data:`musegl_core.chat.channels.CONTROL_TOKENS`); ``none``
+    special_tokens: str = attrs.field(default="all", validator=attrs.validators.in_(("all", "control", "none")))
 
 
 class LogitsProcessor(Protocol):
@@ -169,6 +173,7 @@ class PreparedRequest:
         return 1 if self.clamp_to_context else (self.max_tokens or 1)
     stop_token_ids: frozenset[int] = frozenset()
     min_tokens: int = 0
+    special_tokens: str = "all"  # the special tokens the text writes out (GenerateRequest.special_tokens)
 
 
 class Phase(enum.Enum):

@@ -81,6 +81,7 @@ class Front(SurfaceContext):
         self.created = int(time.time())
         self.ids = ModelIds.resolve(config.served_model_name, config.served_model_aliases, None)
         self.metrics = FrontMetrics()
+        self.metrics.model_name = self.ids.served
         self.service = GenerationService(config, worker, template=self.template, tool_parser=self.tool_parser,
                                          tokenizer=self.tokenizer, metered=self.metered)
         self.seal = ReasoningSeal.random()
@@ -94,6 +95,7 @@ class Front(SurfaceContext):
             self.ids = await asyncio.to_thread(
                 ModelIds.resolve, None, self.config.served_model_aliases, self.config.model
             )
+            self.metrics.model_name = self.ids.served
 
     def metered(self, arrived: float) -> MeteredWorker:
         return MeteredWorker(self.worker, self.metrics, arrived)
@@ -179,7 +181,11 @@ def create_app(
     @get(["/health", "/v1/health"], sync_to_thread=False, security=[{}],
          operation_class=openapi.operation(responses={200: s.HealthStatus, 503: s.ErrorBody}))
     def health() -> Response:
-        """200 once the worker can generate, 503 ``unavailable_error`` before."""
+        """200 once the worker can generate; 503 ``unavailable_error`` before, and from the
+        start of a shutdown (SIGTERM: ``server_shutting_down``), so that a router or a load
+        balancer stops sending requests while the running ones finish."""
+        if front.shutting_down:
+            return front.error_response(shutting_down())
         if not worker.ready:
             return front.error_response(truthful(unavailable("the model is loading or restarting",
                                                              code="model_loading"), worker))

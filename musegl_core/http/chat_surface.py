@@ -20,7 +20,7 @@ from musegl_core.http import sse
 from musegl_core.http import text_completions as tc
 from musegl_core.http.completions import ChatStream, ResponseMeta, complete, plan_chat
 from musegl_core.http.surface import ApiSurface, unless_disconnected
-from musegl_core.service.sessions import header_keys
+from musegl_core.service.sessions import header_keys, session_echo
 
 
 class ChatCompletionsSurface(ApiSurface):
@@ -58,14 +58,15 @@ class ChatCompletionsSurface(ApiSurface):
             )
             service.require_ready()
             worker = context.metered(arrived)
+            echo = session_echo(plan.generate.session_id, plan.generate.soft_session)
             if not plan.stream:
                 result = await unless_disconnected(
                     request, complete(worker, plan, meta, context.dialect, service.tool_parser))
-                return Response(s.to_json(result), media_type="application/json")
+                return Response(s.to_json(result), media_type="application/json", headers=echo)
             stream = ChatStream(worker, plan, meta, context.dialect, service.tool_parser,
                                 context.config.streaming_preflight_timeout)
             await unless_disconnected(request, stream.open())
-            return Stream(stream.events(), media_type=sse.MEDIA_TYPE, headers=sse.HEADERS)
+            return Stream(stream.events(), media_type=sse.MEDIA_TYPE, headers={**sse.HEADERS, **echo})
 
         return [chat_completions]
 

@@ -118,6 +118,7 @@ def plan_chat(
         cache_salt=salt,
         stream=stream,
         logprobs=(request.top_logprobs or 0) if request.logprobs else -1,
+        special_tokens="control" if request.skip_special_tokens else "all",
     )
     conversation = Conversation(
         messages=messages,

@@ -199,6 +199,9 @@ class ChatCompletionRequest:
     continue_final_message: Any = None
     stop_token_ids: list[int] | None = None  # vLLM's: ids that end generation
     min_tokens: int | None = None  # vLLM's: end ids and stops are held off before this many tokens
+    #: vLLM's: true leaves the special tokens the output grammar does not use out of the text
+    #: (routers add it: docs/scaling.md); false or absent writes them out
+    skip_special_tokens: bool | None = None
 
 
 # Present with a non-null value → 400 unsupported_parameter.
@@ -216,7 +219,6 @@ REJECTED_FIELDS = (
     "grammar_lazy",
     "grammar_triggers",
     "prompt_logprobs",  # vLLM: logprobs of the prompt's ids
-    "skip_special_tokens",  # vLLM: musegl's channel parser decides what special tokens show (docs/protocol.md)
     "spaces_between_special_tokens",
     "include_stop_str_in_output",
     "n_probs",  # llama.cpp: use logprobs / top_logprobs
@@ -225,7 +227,17 @@ REJECTED_FIELDS = (
 
 #: Accepted only at the value that changes nothing (absent or null too); any
 #: other value → 400 unsupported_parameter (as ``/v1/completions`` does).
-FIXED_FIELDS = {"best_of": 1, "echo": False}
+FIXED_FIELDS = {
+    "best_of": 1,
+    "echo": False,
+    # SGLang's request fields, which vllm-router and sglang-router add to every chat body they
+    # forward (docs/scaling.md), at the value that describes what musegl does: a matched stop is
+    # trimmed, reasoning comes apart from the content and streams as it is generated, no hidden states
+    "no_stop_trim": False,
+    "separate_reasoning": True,
+    "stream_reasoning": True,
+    "return_hidden_states": False,
+}
 
 
 PromptField = str | list[str] | list[int] | list[list[int]] | None
@@ -270,7 +282,7 @@ class CompletionRequest:
     # refused by name when present (``text_completions.REFUSED_FIELDS``): not honoured here
     session_id: Any = None
     prompt_logprobs: Any = None
-    skip_special_tokens: Any = None
+    skip_special_tokens: bool | None = None  # true: no special token in the text
     spaces_between_special_tokens: Any = None
     include_stop_str_in_output: Any = None
     n_probs: Any = None

@@ -73,6 +73,7 @@ def plan_completion(request: s.CompletionRequest, *, request_id: str, config: Se
         add_bos=False,
         stream=stream,
         cache_salt=cache_salt(request.cache_salt),
+        special_tokens="none" if request.skip_special_tokens else "all",
     )
     include_usage = bool(request.stream_options and request.stream_options.include_usage)
     return CompletionPlan(generate=generate, stream=stream, include_usage=include_usage, n=n)
@@ -83,7 +84,6 @@ def plan_completion(request: s.CompletionRequest, *, request_id: str, config: Se
 REFUSED_FIELDS = {
     "session_id": "sessions are a chat feature: /v1/completions is stateless (use /v1/chat/completions)",
     "prompt_logprobs": "prompt logprobs are not supported by this server",
-    "skip_special_tokens": "the raw text is returned with special tokens written out; it cannot be changed",
     "spaces_between_special_tokens": "the raw text is returned exactly as decoded; it cannot be changed",
     "include_stop_str_in_output": "a matched stop string is always removed from the output",
     "n_probs": "per-token probabilities are not supported on /v1/completions",

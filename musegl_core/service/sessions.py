@@ -61,3 +61,14 @@ def client_session(explicit: str | None, keys: Iterable[tuple[str, str | None]])
         if value:
             return soft_session_name(source, value), True
     return None, False
+
+
+#: The response header that names the session a request ran in (the request header of the same name names it).
+SESSION_HEADER = "X-Session-Id"
+
+
+def session_echo(session_id: str | None, soft: bool) -> dict[str, str]:
+    """The response headers that echo the named session a request ran in: ``X-Session-Id``,
+    the header a router keys its session affinity by (docs/scaling.md). Nothing for an
+    anonymous request, nor for a soft session, which may run anonymously after all."""
+    return {SESSION_HEADER: session_id} if session_id is not None and not soft else {}

@@ -98,6 +98,7 @@ def prepare(request: GenerateRequest, tokenizer, vocab_size: int = 0,
         clamp_to_context=request.clamp_to_context,
         stop_token_ids=frozenset(request.stop_token_ids),
         min_tokens=request.min_tokens,
+        special_tokens=request.special_tokens,
         processors=processors,
         images=images,
     )

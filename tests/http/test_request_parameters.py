@@ -48,20 +48,30 @@ def passes(response) -> None:
 
 @pytest.mark.parametrize("name, value", [
     ("best_of", 2), ("best_of", "1"), ("echo", True), ("prompt_logprobs", 0), ("prompt_logprobs", 1),
-    ("skip_special_tokens", True), ("skip_special_tokens", False), ("spaces_between_special_tokens", False),
-    ("include_stop_str_in_output", True), ("n_probs", 3), ("n_predict", 16),
+    ("spaces_between_special_tokens", False), ("include_stop_str_in_output", True), ("n_probs", 3),
+    ("n_predict", 16), ("no_stop_trim", True), ("separate_reasoning", False), ("stream_reasoning", False),
+    ("return_hidden_states", True),
 ])
 def test_chat_refuses_what_it_does_not_honour(client, name, value):
     refused(chat(client, **{name: value}), name)
 
 
-@pytest.mark.parametrize("name, value", [("best_of", 1), ("echo", False), ("best_of", None), ("n_probs", None)])
+@pytest.mark.parametrize("name, value", [("best_of", 1), ("echo", False), ("best_of", None), ("n_probs", None),
+                                         ("no_stop_trim", False), ("separate_reasoning", True),
+                                         ("stream_reasoning", True), ("return_hidden_states", False)])
 def test_chat_accepts_the_values_that_change_nothing(client, name, value):
     passes(chat(client, **{name: value}))
 
 
+@pytest.mark.parametrize("route", [chat, complete])
+def test_skip_special_tokens_is_a_boolean(client, route):
+    passes(route(client, skip_special_tokens=True))
+    passes(route(client, skip_special_tokens=False))
+    refused(route(client, skip_special_tokens="yes"), "skip_special_tokens", code=None)
+
+
 @pytest.mark.parametrize("name, value", [
-    ("session_id", ""), ("session_id", "s1"), ("prompt_logprobs", 1), ("skip_special_tokens", True),
+    ("session_id", ""), ("session_id", "s1"), ("prompt_logprobs", 1),
     ("spaces_between_special_tokens", True), ("include_stop_str_in_output", False), ("n_probs", 2),
     ("n_predict", 4), ("best_of", 3), ("echo", True),
 ])
