@@ -84,6 +84,8 @@ class DecodeGraphs:
         self.tables = torch.zeros(widest + 1, cols, dtype=torch.int32, device=device)
         self._host_tables = torch.zeros((widest + 1) * cols, dtype=torch.int32, pin_memory=pinned)
         self._host_tables_np = self._host_tables.numpy()
+        self._mirror = np.zeros((widest + 1, cols), dtype=np.int32)  # what the device rows hold (numpy)
+        self.table_box: tuple[int, int, int, int] | None = None  # rows and columns the last staging sent
         # the host mirror of the tables: each row's block list, and how many of its ids the device row holds
         self._rows: list[list[int] | None] = [None] * (widest + 1)
         self._sent = [0] * (widest + 1)
@@ -126,6 +128,8 @@ class DecodeGraphs:
         self.tables[:, 0] = scratch_block
         self._rows = [None] * (self.widest + 1)
         self._sent = [0] * (self.widest + 1)
+        self._mirror[:] = 0
+        self._mirror[:, 0] = scratch_block
         self.tiles.zero_()
         widest = self.widest
         self.tiles[:, 0] = widest  # the padding table row
@@ -183,17 +187,16 @@ class DecodeGraphs:
 
     # -- staging -------------------------------------------------------------------
 
-    def _send_tables(self, changed: list[int], ncols: int) -> None:
-        """Copy the mirror rows ``min(changed) .. max(changed)`` (first ``ncols``
-        columns) to the device in one copy."""
+    def _send_tables(self, changed: list[int], c0: int, c1: int) -> None:
+        """Copy the box of the numpy mirror rows ``min(changed) .. max(changed)``,
+        columns ``c0 .. c1``, to the device in one copy (a row in the box that did not
+        change sends what the device already holds, or columns past what it uses)."""
         r0, r1 = min(changed), max(changed) + 1
-        compact = self._host_tables_np[:(r1 - r0) * ncols].reshape(r1 - r0, ncols)
-        for k in range(r1 - r0):
-            blocks, cols = self._rows[r0 + k], min(self._sent[r0 + k], ncols)
-            if blocks is not None and cols:
-                compact[k, :cols] = blocks[:cols]
-        self.tables[r0:r1, :ncols].copy_(self._host_tables[:(r1 - r0) * ncols].view(r1 - r0, ncols),
-                                         non_blocking=True)
+        h, w = r1 - r0, c1 - c0
+        compact = self._host_tables_np[:h * w].reshape(h, w)
+        compact[:] = self._mirror[r0:r1, c0:c1]
+        self.tables[r0:r1, c0:c1].copy_(self._host_tables[:h * w].view(h, w), non_blocking=True)
+        self.table_box = (r0, r1, c0, c1)
 
     def _wait_staged(self) -> None:
         """Before the pinned staging buffers are rewritten: the copies out of them done."""
@@ -237,27 +240,36 @@ class DecodeGraphs:
         check_tokens(known, vocab)
         self._wait_staged()
         rows, sent = self._rows, self._sent
-        changed: list[int] = []
+        self.table_box = None
+        changed: list[tuple[int, list[int], int]] = []  # (row, its blocks, the first column to send)
         slots: list[int] = []
-        ncols = 1
         for i, c in enumerate(chunks):
             p = positions[i]
             need = p // bs + 1
             blocks = c.blocks
             if type(blocks) is not list:
                 blocks = list(blocks)
-            if need > sent[i] or blocks != rows[i]:  # the device row lacks blocks, or holds others
+            old = rows[i]
+            if need > sent[i] or blocks != old:  # the device row lacks blocks, or holds others
                 if need > len(blocks):
                     raise coverage_error(c.seq, p, bs, len(blocks))
-                check_block_ids(blocks[:need], num_blocks, c.seq)
-                changed.append(i)
-                ncols = max(ncols, need)
+                # the device keeps its first sent[i] ids when they are still the row's (a table grew):
+                # only the new columns are checked and sent, not the whole table
+                was = sent[i]
+                first = was if old is not None and was and blocks[:was] == old[:was] else 0
+                check_block_ids(blocks[first:need], num_blocks, c.seq)
+                changed.append((i, blocks, first))
             slots.append(blocks[p // bs] * bs + p % bs)
         if changed:
-            for i in changed:
-                rows[i] = list(chunks[i].blocks)  # a copy: the engine extends its lists in place
-                sent[i] = positions[i] // bs + 1
-            self._send_tables(changed, ncols)
+            mirror = self._mirror
+            c0, c1 = self.cols, 1
+            for i, blocks, first in changed:
+                need = positions[i] // bs + 1
+                mirror[i, first:need] = blocks[first:need]
+                rows[i] = list(blocks) if blocks is chunks[i].blocks else blocks  # a copy: lists grow in place
+                sent[i] = need
+                c0, c1 = min(c0, first), max(c1, need)
+            self._send_tables([i for i, _, _ in changed], min(c0, c1 - 1), c1)
         tiles = self._h_tiles
         if self._layout != (n, width):  # padding rows and tile columns 0 change only with the layout
             self._h_tokens[n:width] = 0

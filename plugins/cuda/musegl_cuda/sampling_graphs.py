@@ -283,21 +283,23 @@ def sample_static(logits: torch.Tensor, inputs: SamplerInputs, width: int, varia
     z = torch.empty(width + 1, vocab, dtype=torch.float32, device=device)
     z[:width].copy_(logits[:width])
     z[width].zero_()
+    flat = z.view(-1)
     bias = inputs.bias
     rows = bias[:, 0].long()
     rows = torch.where(rows >= 0, rows, width)
-    z.index_put_((rows, bias[:, 1].long()), bias[:, 2].view(torch.float32), accumulate=True)
+    # one add per (row, id) (a row's bias names an id once); padding entries add 0 to the scratch row
+    flat.index_add_(0, rows * vocab + bias[:, 1].long(), bias[:, 2].view(torch.float32))
     pen = inputs.penalties
     rows = pen[:, 0].long()
     rows = torch.where(rows >= 0, rows, width)
-    ids = pen[:, 1].long()
+    at = rows * vocab + pen[:, 1].long()
     counts = pen[:, 2].view(torch.float32)
     of_row = rows.clamp(max=width - 1)
     rep, freq, pres = f[:, REPETITION][of_row], f[:, FREQUENCY][of_row], f[:, PRESENCE][of_row]
-    v = z[rows, ids]
+    v = flat[at]
     v = torch.where(v > 0, v / rep, v * rep)
     v = v - counts * freq - (counts > 0).float() * pres
-    z.index_put_((rows, ids), v)
+    flat.scatter_(0, at, v)  # distinct (row, id) entries; padding ones all write the scratch row's 0
     zz = z[:width]
     shifts = torch.arange(32, dtype=torch.int32, device=device)
     bits = (inputs.masks[:width, :, None] >> shifts) & 1
@@ -373,9 +375,13 @@ class SamplerGraphs:
                             self._run(width, variant)
                     torch.cuda.current_stream().wait_stream(stream)
                     graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, pool=pool):
-                        self._run(width, variant)
-                    self.graphs[(width, variant)] = graph
+                    try:
+                        with torch.cuda.graph(graph, pool=pool):
+                            self._run(width, variant)
+                    except RuntimeError as exc:  # that variant samples eagerly (the same chain, not captured)
+                        log.warning("sampler graph width %d %s not captured: %s", width, variant, exc)
+                    else:
+                        self.graphs[(width, variant)] = graph
                     done += 1
             torch.cuda.synchronize()
         elapsed = time.perf_counter() - start

@@ -193,3 +193,34 @@ def test_decode_staging_marks_following_rows_with_their_source_row():
     with pytest.raises(ValueError, match="no source row"):
         graphs.stage_decode(chunks, 4, nb, 1000, {0: 1})
     assert _Staged(graphs, 4).tokens == staged.tokens
+
+
+def test_decode_staging_of_long_tables_sends_only_the_new_columns():
+    """At long contexts a decode step sends no whole block table: a table that grew
+    sends its new column only (one box over the rows that changed), a sequence that
+    moves to another row or has a block replaced sends its row again."""
+    from musegl_cuda.graphs import DecodeGraphs
+
+    cols, nb = 2048, 8000
+    graphs = DecodeGraphs(None, torch.zeros(1), (4,), BS, cols, 16, 1)
+    graphs.reset(nb)
+    rng = np.random.default_rng(2)
+    tables = {s: rng.permutation(nb)[:cols].tolist() for s in (1, 2, 3)}
+    pos = {1: 6001, 2: 7002, 3: 5001}
+
+    def decode(seqs):
+        step = Step([SeqChunk(s, [7], [pos[s]], tables[s][:pos[s] // BS + 1]) for s in seqs], width=4)
+        assert graphs.stage_decode(step.chunks, 4, nb, 1000)
+        assert_staged_like_the_plan(graphs, step, 4, nb)
+        for s in seqs:
+            pos[s] += 1
+        return graphs.table_box
+
+    assert decode([1, 2, 3]) == (0, 3, 0, 7002 // BS + 1)  # first sight: every row whole
+    assert decode([1, 2, 3]) is None                        # nothing new
+    assert decode([1, 2, 3]) == (1, 2, 7004 // BS, 7004 // BS + 1)  # sequence 2 starts a block: that column
+    pos[1], pos[3] = 6004, 5004  # both start a block: one box over their new columns
+    assert decode([1, 2, 3]) == (0, 3, 5004 // BS, 6004 // BS + 1)
+    tables[3][10] = nb - 1  # a block replaced (copy-on-write): its row again
+    assert decode([1, 2, 3]) == (2, 3, 0, 5005 // BS + 1)
+    assert decode([3, 1, 2])[2] == 0  # rows moved
