@@ -1,10 +1,13 @@
 """Chat messages and tool declarations as the template sees them.
 
 These are the validated, normalised forms of the OpenAI request fields
-(``messages``, ``tools``). :func:`parse_messages` and :func:`parse_tools`
-turn raw JSON values into them and raise :class:`~musegl_core.errors.ApiError`
-(400 ``invalid_request_error``) naming the offending field in ``param``
-(``messages[2].content[0].text``).
+(``messages``, ``tools``). They are structured from the raw JSON values by
+:data:`converter`, a cattrs converter whose hooks hold the rules below;
+:func:`parse_messages` and :func:`parse_tools` run it and turn the first
+rule broken into an :class:`~musegl_core.errors.ApiError` (400
+``invalid_request_error``) naming the offending field in ``param``
+(``messages[2].content[0].text``): cattrs records where in the value each
+failure happened, and the message is written with that path.
 
 Normalisation done here:
 
@@ -17,6 +20,10 @@ Normalisation done here:
   :func:`musegl_core.vision.preprocess.detail_patches`);
 * tools may be given in OpenAI form (``{"type": "function", "function":
   {...}}``) or bare; ``null`` and ``[]`` mean no tools.
+
+A field a message's role does not read is ignored (a user message's
+``reasoning_content``), except ``tool_calls``, which only an assistant
+message may carry. Missing fields read as ``null``.
 """
 
 from __future__ import annotations
@@ -25,11 +32,15 @@ import base64
 import binascii
 import json
 from collections.abc import Sequence
-from typing import Any, Union
+from typing import Any, Union, get_origin
 
 import attrs
+import cattrs
+from cattrs.errors import AttributeValidationNote, ClassValidationError, IterableValidationNote
+from cattrs.cols import list_structure_factory
+from cattrs.gen import make_dict_structure_fn, override
 
-from musegl_core.errors import bad_request
+from musegl_core.errors import ApiError, bad_request
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -70,7 +81,7 @@ Content = Union[str, Sequence[ContentPart], None]
 @attrs.frozen
 class FunctionCall:
     name: str
-    arguments: dict[str, Any]  # parsed from the JSON string; key order preserved
+    arguments: dict[str, Any] = attrs.field(factory=dict)  # parsed from the JSON string; key order preserved
 
 
 @attrs.frozen
@@ -109,7 +120,62 @@ class ToolDef:
     strict: bool | None = None
 
 
-# -- parsing ------------------------------------------------------------------------
+# -- structuring ---------------------------------------------------------------------
+class Refusal(ValueError):
+    """A rule a field broke, raised by the converter's hooks.
+
+    ``text`` is a :meth:`str.format` template: ``{param}`` is the path of the
+    field at fault, ``{here}`` the path of the value the hook was given
+    (``below`` leads from it to the field: ``.image_url.url``); ``values``
+    fill the rest, so a client's text is never read as a template."""
+
+    def __init__(self, text: str, *, code: str | None = None, below: str = "", **values: Any) -> None:
+        super().__init__(text)
+        self.text, self.code, self.below, self.values = text, code, below, values
+
+    def error(self, here: str) -> ApiError:
+        param = here + self.below
+        return bad_request(self.text.format(param=param, here=here, **self.values), code=self.code, param=param)
+
+
+#: Structures the chat fields; detailed validation keeps the path of every failure.
+converter = cattrs.Converter(detailed_validation=True)
+
+def structure(raw: Any, kind: Any, param: str) -> Any:
+    """``raw`` (the JSON value at ``param``) structured as ``kind``; the first
+    rule it breaks is a 400 naming the field below ``param``."""
+    try:
+        return converter.structure(raw, kind)
+    except (Refusal, cattrs.BaseValidationError) as exc:
+        refusal, path = _first_refusal(exc, param)
+        raise refusal.error(path) from None
+
+
+def _first_refusal(exc: BaseException, path: str) -> tuple[Refusal, str]:
+    """The first failure under ``exc`` (fields in declaration order, items in
+    order) and its path, from the notes cattrs leaves on each level."""
+    while isinstance(exc, cattrs.BaseValidationError):
+        exc = exc.exceptions[0]
+        for note in getattr(exc, "__notes__", ()):
+            if isinstance(note, AttributeValidationNote):
+                path += f".{note.name}"
+            elif isinstance(note, IterableValidationNote):
+                path += f"[{note.index}]"
+    if not isinstance(exc, Refusal):
+        raise exc  # no rule names it: a fault of the hooks, not of the request
+    return exc, path
+
+
+def _field(raw: dict, key: str, kind: Any, owner: type) -> Any:
+    """``raw[key]`` (missing: ``None``) structured as ``kind`` by a hand-made
+    hook of ``owner``, its failures noted with the key as cattrs's own hooks do."""
+    try:
+        return converter.structure(raw.get(key), kind)
+    except Exception as exc:
+        exc.add_note(AttributeValidationNote(f"Structuring {owner.__name__}.{key}", key, kind))
+        raise ClassValidationError(f"While structuring {owner.__name__}", [exc], owner) from None
+
+
 def _type_name(value: Any) -> str:
     if value is None:
         return "null"
@@ -118,67 +184,126 @@ def _type_name(value: Any) -> str:
     )
 
 
-def _expect(value: Any, kinds: tuple[type, ...], what: str, param: str) -> Any:
-    if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
-        raise bad_request(f"'{param}' must be {what}, got {_type_name(value)}.", param=param)
+def _expect(value: Any, kind: type, what: str, below: str = "") -> Any:
+    if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
+        raise Refusal("'{param}' must be {what}, got {got}.", below=below, what=what, got=_type_name(value))
     return value
 
 
-def _optional_str(obj: dict, key: str, param: str) -> str | None:
-    value = obj.get(key)
-    if value is None:
-        return None
-    return _expect(value, (str,), "a string", f"{param}.{key}")
+converter.register_structure_hook(str, lambda value, _: _expect(value, str, "a string"))
+converter.register_structure_hook(bool, lambda value, _: _expect(value, bool, "a boolean"))
+
+
+def _strict_sequence(kind: Any, conv: cattrs.Converter) -> Any:
+    """``list[X]`` and ``tuple[X, ...]``: a JSON array only (cattrs alone takes any iterable, a string too)."""
+    items = list_structure_factory(kind, conv)
+    make = tuple if get_origin(kind) is tuple else list
+
+    def hook(value: Any, _: Any) -> Any:
+        return make(items(_expect(value, list, "an array"), kind))
+
+    return hook
+
+
+def _object_factory(cls: type, conv: cattrs.Converter, **overrides: Any) -> Any:
+    """An attrs class from a JSON object; a missing field without a default
+    reads as ``null``, so its hook refuses it in the same words."""
+    fields = make_dict_structure_fn(cls, conv, **overrides)
+    required = [field.name for field in attrs.fields(cls) if field.default is attrs.NOTHING]
+
+    def hook(value: Any, _: Any) -> Any:
+        _expect(value, dict, "an object")
+        missing = {name: None for name in required if name not in value}
+        return fields({**value, **missing} if missing else value, cls)
+
+    return hook
+
+
+converter.register_structure_hook_factory(lambda kind: get_origin(kind) in (list, tuple), _strict_sequence)
+converter.register_structure_hook_factory(attrs.has, _object_factory)
 
 
 def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
 
 
-def parse_json_arguments(raw: Any, param: str) -> dict[str, Any]:
-    """Parse tool-call ``arguments`` (a JSON string, or already a mapping) into
-    a ``dict`` with the client's key order. The empty string counts as ``{}``; anything that is not a JSON object is a 400."""
+def _arguments(raw: Any, _: Any) -> dict[str, Any]:
+    """Tool-call ``arguments``: a JSON string (the empty string: ``{}``) of an
+    object, or already a mapping; the client's key order is kept."""
     if isinstance(raw, dict):
         return raw
-    _expect(raw, (str,), "a JSON string", param)
+    _expect(raw, str, "a JSON string")
     if raw.strip() == "":
         return {}
     try:
         value = json.loads(raw, parse_constant=_reject_constant)
     except ValueError as exc:
-        raise bad_request(f"'{param}' is not valid JSON: {exc}.", param=param) from None
+        raise Refusal("'{param}' is not valid JSON: {exc}.", exc=exc) from None
     if not isinstance(value, dict):
-        raise bad_request(f"'{param}' must encode a JSON object, got {_type_name(value)}.", param=param)
+        raise Refusal("'{param}' must encode a JSON object, got {got}.", got=_type_name(value))
     return value
 
 
-def _parse_image(part: dict, param: str) -> ImagePart:
+def parse_json_arguments(raw: Any, param: str) -> dict[str, Any]:
+    """Parse tool-call ``arguments`` (a JSON string, or already a mapping) into
+    a ``dict`` with the client's key order. The empty string counts as ``{}``; anything that is not a JSON object is a 400."""
+    try:
+        return _arguments(raw, None)
+    except Refusal as refusal:
+        raise refusal.error(param) from None
+
+
+def _function_name(raw: Any, _: Any) -> str:
+    if not isinstance(raw, str) or not raw:
+        raise Refusal("'{param}' must be a non-empty string.")
+    return raw
+
+
+converter.register_structure_hook(
+    FunctionCall, _object_factory(FunctionCall, converter, name=override(struct_hook=_function_name),
+                                  arguments=override(struct_hook=_arguments))
+)
+#: ``type`` first (absent or null: ``function``), then ``id`` and ``function``
+_tool_call_fields = _object_factory(ToolCall, converter, type=override(omit=True))
+
+
+def _tool_call(raw: Any, _: Any) -> ToolCall:
+    _expect(raw, dict, "an object")
+    if raw.get("type", "function") not in ("function", None):
+        raise Refusal("'{param}' must be 'function'.", below=".type")
+    return _tool_call_fields(raw, ToolCall)
+
+
+converter.register_structure_hook(ToolCall, _tool_call)
+
+
+def _image(part: Any, _: Any) -> ImagePart:
+    """An ``image_url`` part: an inline PNG or JPEG, its bytes decoded."""
     image_url = part.get("image_url")
     if not isinstance(image_url, dict):
-        raise bad_request(f"'{param}.image_url' must be an object with a 'url'.", param=f"{param}.image_url")
+        raise Refusal("'{param}' must be an object with a 'url'.", below=".image_url")
     detail = image_url.get("detail")
     if detail is not None and detail not in IMAGE_DETAILS:
-        raise bad_request(
-            f"Image 'detail' must be 'auto', 'low' or 'high', got {json.dumps(detail)[:40]}.",
-            code="invalid_image",
-            param=f"{param}.image_url.detail",
-        )
-    url_param = f"{param}.image_url.url"
+        raise Refusal("Image 'detail' must be 'auto', 'low' or 'high', got {detail}.", code="invalid_image",
+                      below=".image_url.detail", detail=json.dumps(detail)[:40])
     url = image_url.get("url")
     if not isinstance(url, str):
-        raise bad_request(f"'{url_param}' must be a string.", code="invalid_image", param=url_param)
+        raise Refusal("'{param}' must be a string.", code="invalid_image", below=".image_url.url")
     for prefix, media_type in IMAGE_URL_PREFIXES.items():
         if url[: len(prefix)].lower() == prefix:  # media types are case-insensitive
             break
     else:
-        raise bad_request(_unsupported_url(url), code="invalid_image", param=url_param)
+        raise Refusal("{why}", code="invalid_image", below=".image_url.url", why=_unsupported_url(url))
     try:
         data = base64.b64decode(url[len(prefix) :], validate=True)
     except (binascii.Error, ValueError):
-        raise bad_request("The image data is not valid base64.", code="invalid_image", param=url_param) from None
+        raise Refusal("The image data is not valid base64.", code="invalid_image", below=".image_url.url") from None
     if not data:
-        raise bad_request("The image data is empty.", code="invalid_image", param=url_param)
+        raise Refusal("The image data is empty.", code="invalid_image", below=".image_url.url")
     return ImagePart(url=url, media_type=media_type, data=data, detail=detail)
+
+
+converter.register_structure_hook(ImagePart, _image)
 
 
 def _unsupported_url(url: str) -> str:
@@ -196,90 +321,97 @@ def _unsupported_url(url: str) -> str:
     return f"Images must be inline data URLs of the form {_INLINE_FORMS} (remote URLs and file paths are not fetched)."
 
 
-def _parse_content(raw: Any, param: str) -> Content:
+def _part(raw: Any, _: Any) -> ContentPart:
+    """A content part, by its ``type``: ``text`` or ``image_url``."""
+    _expect(raw, dict, "an object")
+    kind = raw.get("type")
+    if kind == "text":
+        return converter.structure(raw, TextPart)
+    if kind == "image_url":
+        return converter.structure(raw, ImagePart)
+    raise Refusal("Unsupported content part type {kind!r} in '{here}'; only 'text' and 'image_url' parts are accepted.",
+                  below=".type", kind=kind)
+
+
+def _content(raw: Any, _: Any) -> Content:
+    """A string, ``null`` or an array of content parts (a tuple once structured)."""
     if raw is None or isinstance(raw, str):
         return raw
     if not isinstance(raw, list):
-        raise bad_request(f"'{param}' must be a string, null or an array of content parts.", param=param)
-    parts: list[ContentPart] = []
-    for index, part in enumerate(raw):
-        part_param = f"{param}[{index}]"
-        _expect(part, (dict,), "an object", part_param)
-        kind = part.get("type")
-        if kind == "text":
-            text = part.get("text")
-            _expect(text, (str,), "a string", f"{part_param}.text")
-            parts.append(TextPart(text))
-        elif kind == "image_url":
-            parts.append(_parse_image(part, part_param))
-        else:
-            raise bad_request(
-                f"Unsupported content part type {kind!r} in '{part_param}'; "
-                "only 'text' and 'image_url' parts are accepted.",
-                param=f"{part_param}.type",
-            )
-    return tuple(parts)
+        raise Refusal("'{param}' must be a string, null or an array of content parts.")
+    return converter.structure(raw, tuple[ContentPart, ...])
 
 
-def _parse_tool_calls(raw: Any, param: str) -> tuple[ToolCall, ...]:
-    if raw is None:
-        return ()
-    _expect(raw, (list,), "an array", param)
-    calls = []
-    for index, call in enumerate(raw):
-        call_param = f"{param}[{index}]"
-        _expect(call, (dict,), "an object", call_param)
-        kind = call.get("type", "function")
-        if kind not in ("function", None):
-            raise bad_request(f"'{call_param}.type' must be 'function'.", param=f"{call_param}.type")
-        call_id = _optional_str(call, "id", call_param)
-        function = call.get("function")
-        _expect(function, (dict,), "an object", f"{call_param}.function")
-        name = function.get("name")
-        if not isinstance(name, str) or not name:
-            raise bad_request(
-                f"'{call_param}.function.name' must be a non-empty string.", param=f"{call_param}.function.name"
-            )
-        arguments = parse_json_arguments(function.get("arguments", ""), f"{call_param}.function.arguments")
-        calls.append(ToolCall(id=call_id, function=FunctionCall(name, arguments)))
-    return tuple(calls)
+converter.register_structure_hook_func(lambda kind: kind is ContentPart, _part)
+converter.register_structure_hook_func(lambda kind: kind is Content, _content)
 
 
-def _parse_message(raw: Any, param: str) -> Message:
-    _expect(raw, (dict,), "an object", param)
+def _message(raw: Any, _: Any) -> Message:
+    """A message; its role says which fields it reads (see the module docstring)."""
+    _expect(raw, dict, "an object")
     role = raw.get("role")
     if role not in ROLES:
-        raise bad_request(
-            f"'{param}.role' must be one of {', '.join(ROLES)}; got {role!r}.", param=f"{param}.role"
-        )
+        raise Refusal("'{param}' must be one of {roles}; got {role!r}.", below=".role", roles=", ".join(ROLES),
+                      role=role)
     if "content" not in raw and role != "assistant":
-        raise bad_request(f"'{param}.content' is required for {role} messages.", param=f"{param}.content")
-    content = _parse_content(raw.get("content"), f"{param}.content")
+        raise Refusal("'{param}' is required for {role} messages.", below=".content", role=role)
+    content = _field(raw, "content", Content, Message)
     if content is None and role != "assistant":
-        raise bad_request(f"'{param}.content' must not be null for {role} messages.", param=f"{param}.content")
-    name = _optional_str(raw, "name", param)
-    tool_call_id = _optional_str(raw, "tool_call_id", param) if role == "tool" else None
+        raise Refusal("'{param}' must not be null for {role} messages.", below=".content", role=role)
+    name = _field(raw, "name", str | None, Message)
+    tool_call_id = _field(raw, "tool_call_id", str | None, Message) if role == "tool" else None
     tool_calls: tuple[ToolCall, ...] = ()
     reasoning = None
     if role == "assistant":
-        tool_calls = _parse_tool_calls(raw.get("tool_calls"), f"{param}.tool_calls")
-        reasoning = _optional_str(raw, "reasoning_content", param)
+        tool_calls = _field(raw, "tool_calls", tuple[ToolCall, ...] | None, Message) or ()
+        reasoning = _field(raw, "reasoning_content", str | None, Message)
         if reasoning is None:
-            reasoning = _optional_str(raw, "reasoning", param)
+            reasoning = _field(raw, "reasoning", str | None, Message)
     elif raw.get("tool_calls"):
-        raise bad_request(f"'{param}.tool_calls' is only allowed on assistant messages.", param=f"{param}.tool_calls")
-    return Message(
-        role=role,
-        content=content,
-        name=name,
-        tool_call_id=tool_call_id,
-        tool_calls=tool_calls,
-        reasoning_content=reasoning,
-    )
+        raise Refusal("'{param}' is only allowed on assistant messages.", below=".tool_calls")
+    return Message(role=role, content=content, name=name, tool_call_id=tool_call_id, tool_calls=tool_calls,
+                   reasoning_content=reasoning)
 
 
+converter.register_structure_hook(Message, _message)
 
 
+def _tool_name(raw: Any, _: Any) -> str:
+    name = _function_name(raw, _)
+    if any(ch in name for ch in '"<>\r\n\t ') or name.startswith(".") or name.endswith("."):
+        raise Refusal("Tool name {name!r} contains characters that cannot appear in a tool call.",
+                      code="invalid_tool_schema", name=name)
+    return name
+
+
+def _schema(raw: Any, _: Any) -> dict[str, Any] | None:
+    return None if raw is None else _expect(raw, dict, "a JSON Schema object")
+
+
+#: the declared function's own fields (``name``, ``description``, ``parameters``, ``strict``)
+_function_fields = _object_factory(
+    ToolDef, converter, name=override(struct_hook=_tool_name), parameters=override(struct_hook=_schema)
+)
+
+
+def _tool(raw: Any, _: Any) -> ToolDef:
+    """A tool: OpenAI's ``{"type": "function", "function": {...}}`` or the function bare."""
+    _expect(raw, dict, "an object")
+    if "function" not in raw and "type" not in raw:
+        return _function_fields(raw, ToolDef)
+    if raw.get("type", "function") != "function":
+        raise Refusal("'{param}' must be 'function'.", below=".type")
+    try:
+        return _function_fields(raw.get("function"), ToolDef)
+    except Exception as exc:
+        exc.add_note(AttributeValidationNote("Structuring the tool's function", "function", ToolDef))
+        raise ClassValidationError("While structuring ToolDef", [exc], ToolDef) from None
+
+
+converter.register_structure_hook(ToolDef, _tool)
+
+
+# -- entry points --------------------------------------------------------------------
 def image_parts(messages: Sequence[Message]) -> list[ImagePart]:
     """The image parts of the history, in prompt order."""
     return [
@@ -291,6 +423,11 @@ def image_parts(messages: Sequence[Message]) -> list[ImagePart]:
     ]
 
 
+def parse_content(raw: Any, param: str) -> Content:
+    """A message's ``content`` at ``param`` (a string, ``null`` or parts), or a 400 naming the field."""
+    return structure(raw, Content, param)
+
+
 def parse_messages(raw: Any) -> list[Message]:
     """Validate and normalise the request's ``messages`` array.
 
@@ -299,7 +436,7 @@ def parse_messages(raw: Any) -> list[Message]:
     """
     if not isinstance(raw, list) or not raw:
         raise bad_request("'messages' must be a non-empty array.", param="messages")
-    messages = [_parse_message(item, f"messages[{index}]") for index, item in enumerate(raw)]
+    messages = structure(raw, list[Message], "messages")
     images = [
         (index, part_index)
         for index, message in enumerate(messages)
@@ -317,34 +454,6 @@ def parse_messages(raw: Any) -> list[Message]:
     return messages
 
 
-def _parse_tool(raw: Any, param: str) -> ToolDef:
-    _expect(raw, (dict,), "an object", param)
-    function = raw
-    if "function" in raw or "type" in raw:
-        if raw.get("type", "function") != "function":
-            raise bad_request(f"'{param}.type' must be 'function'.", param=f"{param}.type")
-        function = raw.get("function")
-        param = f"{param}.function"
-        _expect(function, (dict,), "an object", param)
-    name = function.get("name")
-    if not isinstance(name, str) or not name:
-        raise bad_request(f"'{param}.name' must be a non-empty string.", param=f"{param}.name")
-    if any(ch in name for ch in '"<>\r\n\t ') or name.startswith(".") or name.endswith("."):
-        raise bad_request(
-            f"Tool name {name!r} contains characters that cannot appear in a tool call.",
-            code="invalid_tool_schema",
-            param=f"{param}.name",
-        )
-    description = _optional_str(function, "description", param)
-    parameters = function.get("parameters")
-    if parameters is not None:
-        _expect(parameters, (dict,), "a JSON Schema object", f"{param}.parameters")
-    strict = function.get("strict")
-    if strict is not None:
-        _expect(strict, (bool,), "a boolean", f"{param}.strict")
-    return ToolDef(name=name, description=description, parameters=parameters, strict=strict)
-
-
 def parse_tools(raw: Any) -> list[ToolDef]:
     """Validate the request's ``tools`` array (``null`` and ``[]``: no tools).
 
@@ -355,4 +464,4 @@ def parse_tools(raw: Any) -> list[ToolDef]:
         return []
     if not isinstance(raw, list):
         raise bad_request("'tools' must be an array or null.", param="tools")
-    return [_parse_tool(item, f"tools[{index}]") for index, item in enumerate(raw)]
+    return structure(raw, list[ToolDef], "tools")

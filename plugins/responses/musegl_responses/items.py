@@ -28,7 +28,7 @@ from typing import Any, Sequence
 import attrs
 
 from musegl_core.chat.channels import parse_output
-from musegl_core.chat.messages import FunctionCall, ImagePart, Message, ToolCall, parse_json_arguments, _parse_content
+from musegl_core.chat.messages import FunctionCall, ImagePart, Message, ToolCall, parse_content, parse_json_arguments
 from musegl_core.errors import ApiError, bad_request
 
 log = logging.getLogger("musegl.responses")
@@ -75,7 +75,7 @@ def _parts(raw: Any, param: str, assistant: bool) -> Any:
             raise unsupported(part_param, "file inputs are not supported")
         else:
             raise bad_request(f"unsupported content part type {kind!r} in '{part_param}'", param=f"{part_param}.type")
-    parsed = _parse_content(chat, param)
+    parsed = parse_content(chat, param)
     texts = [getattr(p, "text", None) for p in parsed]
     if all(t is not None for t in texts) and assistant:
         return "".join(texts)
