@@ -182,3 +182,26 @@ def test_the_variant_names_the_parts_a_step_needs():
     assert variant(GREEDY, SamplingParams(top_k=3)) == SamplerVariant(draw=True, sort=True)
     assert variant(SamplingParams(top_p=0.9), logprobs=0) == SamplerVariant(True, True, True)
     assert len(set(SamplerVariant.every())) == 6
+
+
+def test_multi_row_chunks_of_a_verify_step_sample_like_the_eager_sampler():
+    """Rows of decode-only chunks of several rows (drafts being verified) keep their
+    order, masks per row and the penalty ids up to each row; a step with a row that
+    asks for logits is left to the eager sampler."""
+    rng = np.random.default_rng(5)
+    graphs = sampler((8,))
+    warm = SamplingParams(temperature=0.9, top_p=0.8, seed=12)
+    pen = SamplingParams(temperature=0.0, presence_penalty=2.0, logit_bias=((11, 2.0),))
+    step = Step([SeqChunk(0, [4, 5, 6], [10, 11, 12], [0] * 4, sample=3, sampling=warm,
+                          uniforms=[uniform(12, 11 + j) for j in range(3)],
+                          masks=[packed_mask(rng.choice(VOCAB, 30, replace=False)) for _ in range(3)], logprobs=2),
+                 SeqChunk(1, [7, 8], [20, 21], [0] * 6, sample=2, sampling=pen, history=[7, 7, 9], prompt_len=1,
+                          logprobs=0)], width=8)
+    logits = torch.randn(8, VOCAB) * 4
+    graphs.decode.logits[8] = logits
+    out = graphs.launch(step, [0, 3], 8, None).result()
+    ids, lps = eager(logits, step)
+    assert out.tokens == {0: ids[:3], 1: ids[3:]}
+    assert out.logprobs == {0: lps[:3], 1: lps[3:]}
+    wants = Step([SeqChunk(0, [4], [10], [0] * 4, sample=1, sampling=warm, want_logits=True)], width=8)
+    assert graphs.launch(wants, [0], 8, None) is None
