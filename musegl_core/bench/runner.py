@@ -232,7 +232,9 @@ async def _run_agent(
                 history = conversation.next_user_turn()
                 body = chat_body(history, max_tokens=config.max_tokens, session_id=conversation.session_id,
                                  model=config.model)
-                result = await stream_chat(client, config.endpoint, body, RequestResult("turn", index, turn))
+                # the session in X-Session-Id too: the header a router keys its session affinity by
+                result = await stream_chat(client, config.endpoint, body, RequestResult("turn", index, turn),
+                                           headers={"X-Session-Id": conversation.session_id})
                 results.append(result)
                 bar.done(result)
                 if not result.ok:  # the history cannot grow past a failed turn
@@ -284,7 +286,8 @@ async def delete_sessions(client: httpx.AsyncClient, config: BenchConfig, sessio
         deadline = time.monotonic() + patience
         while True:
             try:
-                response = await client.delete(f"{base}/v1/sessions/{name}")
+                # X-Session-Id: behind a router, the DELETE goes to the replica holding the session
+                response = await client.delete(f"{base}/v1/sessions/{name}", headers={"X-Session-Id": name})
             except httpx.HTTPError as exc:
                 cleanup.left[name] = f"{type(exc).__name__}: {exc}".rstrip(": ")
                 break

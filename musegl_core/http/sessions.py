@@ -11,10 +11,10 @@ from __future__ import annotations
 from typing import Any
 
 import attrs
-from litestar import delete, get
+from litestar import Request, delete, get
 from litestar.params import FromPath
 
-from musegl_core.errors import unavailable
+from musegl_core.errors import bad_request, unavailable
 from musegl_core.http import openapi
 from musegl_core.http import schemas as s
 from musegl_core.http.completions import session_id as checked_session_id
@@ -62,9 +62,14 @@ def session_routes(worker: WorkerClient, guards: list) -> list:
     @delete(["/v1/sessions/{session:str}", "/sessions/{session:str}"], guards=guards, status_code=200,
             operation_class=openapi.operation(
                 responses={200: SessionDeleted, **{c: s.ErrorBody for c in (400, 401, 404, 409, 503)}}))
-    async def delete_session(session: FromPath[str]) -> dict[str, Any]:
-        """Close an idle named session: its slot and KV are freed (404 unknown, 409 while active)."""
+    async def delete_session(session: FromPath[str], request: Request) -> dict[str, Any]:
+        """Close an idle named session: its slot and KV are freed (404 unknown, 409 while active).
+        An ``X-Session-Id`` header (which a router routes by) must name the same session."""
         name = checked_session_id(session, None)
+        header = request.headers.get("x-session-id")
+        if header is not None and header != name:
+            raise bad_request("the X-Session-Id header names another session than the path",
+                              param="X-Session-Id")
         require_worker()
         await worker.close_session(name)
         return s.to_json(SessionDeleted(name))

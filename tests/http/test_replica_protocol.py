@@ -115,3 +115,12 @@ def test_metrics_carry_vllms_series_with_the_model_name(server):
         assert series(after, f"{histogram}_count") > series(before, f"{histogram}_count")
     assert series(after, "vllm:generation_tokens_total") == series(after, "musegl_generated_tokens_total")
     httpx.delete(f"{server.url}/v1/sessions/metrics", timeout=30)
+
+
+def test_a_delete_naming_another_session_in_x_session_id_is_refused(server):
+    assert chat(server, "hello", session_id="kept").status_code == 200
+    response = httpx.delete(f"{server.url}/v1/sessions/kept", headers={"X-Session-Id": "other"}, timeout=30)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "X-Session-Id"
+    assert [s["id"] for s in httpx.get(f"{server.url}/v1/sessions", timeout=30).json()["data"]] == ["kept"]
+    response = httpx.delete(f"{server.url}/v1/sessions/kept", headers={"X-Session-Id": "kept"}, timeout=30)
+    assert response.status_code == 200, response.text

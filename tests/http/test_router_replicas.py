@@ -19,8 +19,9 @@ import attrs
 import httpx
 import pytest
 
-from musegl_core.bench import workloads
+from musegl_core.bench import BenchConfig, workloads
 from musegl_core.bench.client import RequestResult, chat_body, stream_chat
+from musegl_core.bench.runner import run_bench_async
 from musegl_core.config import ServeConfig
 from musegl_core.testing.server import free_port, running_server
 
@@ -132,3 +133,27 @@ def test_conversations_stay_on_their_replica_and_spread_over_both(replicas):
             response = httpx.delete(f"{url}/v1/sessions/{name}", headers={"X-Session-Id": name}, timeout=30)
             assert response.status_code == 200, response.text
         assert all(httpx.get(f"{r}/v1/sessions", timeout=30).json()["data"] == [] for r in replicas)
+
+
+def sessions_closed(url: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    found = re.search(r"^musegl_sessions_closed_total ([0-9.e+]+)$", text, re.M)
+    return float(found.group(1)) if found else 0.0
+
+
+def test_musegl_bench_agent_runs_through_the_router(replicas):
+    """``musegl bench --workload agent --url <router>``: every turn after the first reads the
+    conversation's history from its replica, and the run's DELETEs reach the replicas holding
+    the sessions (both replicas end with none)."""
+    closed = [sessions_closed(url) for url in replicas]
+    with router(replicas, "sticky_least_loaded") as url:
+        config = BenchConfig(url=url, workload="agent", concurrency=CONCURRENCY, conversations=CONVERSATIONS,
+                             turns=TURNS, max_tokens=8, prompt_tokens=60, baseline=False)
+        report = asyncio.run(run_bench_async(config, progress=False))
+    assert report.errors == 0, report.error_messages
+    assert report.sessions_deleted == CONVERSATIONS and report.sessions_left == {}
+    for previous, current in zip(report.turns, report.turns[1:]):  # summed over the conversations
+        assert current.cached_tokens >= previous.prompt_tokens, (previous, current)
+    assert all(httpx.get(f"{r}/v1/sessions", timeout=30).json()["data"] == [] for r in replicas)
+    deleted_on = [sessions_closed(url) - start for url, start in zip(replicas, closed)]
+    assert sum(deleted_on) == CONVERSATIONS and all(deleted_on), deleted_on  # both replicas held some
