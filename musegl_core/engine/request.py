@@ -4,6 +4,7 @@
   (a rendered prompt in segments, limits and sampling);
 * :class:`PreparedRequest` is the same request after the worker's control
   thread prepared it once (tokenized, images preprocessed, seed fixed);
+  both carry the fields of :class:`RequestOptions`;
 * :class:`SequenceState` is the engine's running state of one request.
 
 The events a request produces are in :mod:`musegl_core.engine.events`;
@@ -67,11 +68,12 @@ class LazyGrammar:
 
 
 @attrs.frozen
-class GenerateRequest:
-    """A generation request as the front sends it to the worker."""
+class RequestOptions:
+    """What a generation request asks for, the same as the front sends it and
+    once the worker prepared it: :class:`GenerateRequest` and
+    :class:`PreparedRequest` both carry these fields."""
 
     id: str
-    prompt: tuple[PromptSegment, ...]
     max_tokens: int | None = None
     sampling: SamplingParams = SamplingParams()
     stop: tuple[str, ...] = ()  # request stops (win over template stops)
@@ -81,13 +83,6 @@ class GenerateRequest:
     add_bos: bool = True  # False: the prompt is used exactly as given (musegl generate)
     stream: bool = False  # a streamed request confirms a new session on its first output
     logprobs: int = -1  # top alternatives per generated token (-1: no logprobs)
-    #: an output constraint (llguidance Lark grammar of the whole raw output,
-    #: :mod:`musegl_core.constrain.grammar`), compiled by the worker's ``prepare``
-    grammar: str | None = None
-    #: a constraint activated when a tool call opens (exclusive with ``grammar``)
-    lazy_grammar: LazyGrammar | None = None
-    #: the images of the prompt, in order: the i-th fills the i-th ``<|patch|>`` placeholder
-    images: tuple[ImageInput, ...] = ()
     #: ``cache_salt``: KV is reused only from requests with the same salt (None: the unsalted space)
     cache_salt: str | None = None
     #: ``session_id`` names a soft session (a client's own conversation key): it idles out after
@@ -98,11 +93,6 @@ class GenerateRequest:
     #: leave room for it, one position is reserved, and generation ends when the
     #: context is full (``Done.finish_reason`` ``length`` below ``max_tokens``)
     clamp_to_context: bool = False
-
-    @property
-    def completion_reservation(self) -> int:
-        """Positions the prompt must leave free: ``max_tokens`` (1 when absent or clamped)."""
-        return 1 if self.clamp_to_context else (self.max_tokens or 1)
     #: ids that end generation when drawn (vLLM's ``stop_token_ids``; their text is not emitted)
     stop_token_ids: tuple[int, ...] = ()
     #: before this many generated ids, end ids and ``stop_token_ids`` are masked and stop strings not applied
@@ -111,6 +101,26 @@ class GenerateRequest:
     #: ``control`` (only the output grammar's control tokens, which the channel parser reads:
     #: :data:`musegl_core.chat.channels.CONTROL_TOKENS`); ``none``
     special_tokens: str = attrs.field(default="all", validator=attrs.validators.in_(("all", "control", "none")))
+
+    @property
+    def completion_reservation(self) -> int:
+        """Positions the prompt must leave free: ``max_tokens`` (1 when absent or clamped)."""
+        return 1 if self.clamp_to_context else (self.max_tokens or 1)
+
+
+@attrs.frozen
+class GenerateRequest(RequestOptions):
+    """A generation request as the front sends it to the worker: the prompt
+    in segments, its images and its output constraint, with the options."""
+
+    prompt: tuple[PromptSegment, ...] = attrs.field(kw_only=True)
+    #: an output constraint (llguidance Lark grammar of the whole raw output,
+    #: :mod:`musegl_core.constrain.grammar`), compiled by the worker's ``prepare``
+    grammar: str | None = None
+    #: a constraint activated when a tool call opens (exclusive with ``grammar``)
+    lazy_grammar: LazyGrammar | None = None
+    #: the images of the prompt, in order: the i-th fills the i-th ``<|patch|>`` placeholder
+    images: tuple[ImageInput, ...] = ()
 
 
 class LogitsProcessor(Protocol):
@@ -142,7 +152,7 @@ class PlacedImage:
 
 
 @attrs.frozen
-class PreparedRequest:
+class PreparedRequest(RequestOptions):
     """A request prepared once on the worker's control thread, ready for the engine.
 
     ``prompt_ids`` holds the placeholder id on image rows; ``images`` says
@@ -150,30 +160,17 @@ class PreparedRequest:
     the client gave none), so every draw is keyed by (seed, position).
     """
 
-    id: str
-    prompt_ids: tuple[int, ...]
-    max_tokens: int | None = None
-    sampling: SamplingParams = SamplingParams()
-    stop: tuple[str, ...] = ()
-    template_stops: tuple[str, ...] = ()
-    ignore_eos: bool = False
-    session_id: str | None = None
-    add_bos: bool = True
-    stream: bool = False
+    prompt_ids: tuple[int, ...] = attrs.field(kw_only=True)
     images: tuple[PlacedImage, ...] = ()
     processors: tuple[Any, ...] = ()  # LogitsProcessor objects
-    logprobs: int = -1
     replay: Any = None  # a ReplayPlan computed on the control thread (engine.plan_replay)
-    cache_salt: str | None = None  # reuse only from requests with the same salt
-    soft_session: bool = False  # session_id names a soft session (GenerateRequest.soft_session)
-    clamp_to_context: bool = False  # max_tokens only caps the answer (GenerateRequest.clamp_to_context)
+    stop_token_ids: frozenset[int] = attrs.field(default=frozenset(), converter=frozenset)  # looked up per drawn id
 
-    @property
-    def completion_reservation(self) -> int:
-        return 1 if self.clamp_to_context else (self.max_tokens or 1)
-    stop_token_ids: frozenset[int] = frozenset()
-    min_tokens: int = 0
-    special_tokens: str = "all"  # the special tokens the text writes out (GenerateRequest.special_tokens)
+    @classmethod
+    def of(cls, request: RequestOptions, **prepared: Any) -> PreparedRequest:
+        """``request``'s options with what preparing it found (``prompt_ids``, a fixed ``sampling``, ...)."""
+        options = {field.name: getattr(request, field.name) for field in attrs.fields(RequestOptions)}
+        return cls(**{**options, **prepared})
 
 
 class Phase(enum.Enum):

@@ -81,24 +81,10 @@ def prepare(request: GenerateRequest, tokenizer, vocab_size: int = 0,
 
         ends = () if request.ignore_eos else tokenizer.end_of_generation_ids
         processors += (MinTokensProcessor(request.min_tokens, (*ends, *request.stop_token_ids), limit),)
-    return PreparedRequest(
-        id=request.id,
+    return PreparedRequest.of(
+        request,
         prompt_ids=tuple(ids),
-        max_tokens=request.max_tokens,
         sampling=sampling,
-        stop=request.stop,
-        template_stops=request.template_stops,
-        ignore_eos=request.ignore_eos,
-        session_id=request.session_id,
-        add_bos=request.add_bos,
-        stream=request.stream,
-        logprobs=request.logprobs,
-        cache_salt=request.cache_salt,
-        soft_session=request.soft_session,
-        clamp_to_context=request.clamp_to_context,
-        stop_token_ids=frozenset(request.stop_token_ids),
-        min_tokens=request.min_tokens,
-        special_tokens=request.special_tokens,
         processors=processors,
         images=images,
     )
