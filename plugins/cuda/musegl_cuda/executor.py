@@ -468,15 +468,16 @@ class TorchExecutor:
     def _forward_plan(self, plan: StepPlan, kv: torch.Tensor, block_m: int, taps: tuple[int, ...] = (),
                       embeds: tuple[torch.Tensor, torch.Tensor] | None = None):
         """The paged forward of ``plan`` outside any graph (prefill, mixed and wide steps)."""
-        from musegl_cuda.kernels import attention_splits
+        from musegl_cuda.kernels import layer_splits
 
         c = self.config
         dev = self.device
         tiles = len(plan.tiles)
+        sliding, full = layer_splits(tiles, c.num_kv_heads, self.sm_count)
         meta = PagedMeta(torch.from_numpy(plan.slots).to(dev, non_blocking=True),
                          torch.from_numpy(plan.tables).to(dev, non_blocking=True),
                          torch.from_numpy(plan.tiles).to(dev, non_blocking=True), tiles,
-                         attention_splits(tiles, c.num_kv_heads, self.sm_count), block_m, self.block_size)
+                         sliding, block_m, self.block_size, full)
         tokens = torch.from_numpy(plan.tokens).to(dev, non_blocking=True)
         positions = torch.from_numpy(plan.positions).to(dev, non_blocking=True)
         layers_kv = [(kv[i, 0], kv[i, 1]) for i in range(c.num_layers)]

@@ -104,12 +104,12 @@ class DecodeGraphs:
         self.hidden: dict[int, torch.Tensor] = {}  # (len(taps), width, hidden) per width, with taps
 
     def _run(self, width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        from musegl_cuda.kernels import attention_splits  # Triton: only where graphs run
+        from musegl_cuda.kernels import layer_splits  # Triton: only where graphs run
 
         config = self.model.config
-        meta = PagedMeta(self.slots[:width], self.tables, self.tiles[:width], width,
-                         attention_splits(width, config.num_kv_heads, self.sm_count), self.block_m,
-                         self.block_size)
+        sliding, full = layer_splits(width, config.num_kv_heads, self.sm_count)
+        meta = PagedMeta(self.slots[:width], self.tables, self.tiles[:width], width, sliding, self.block_m,
+                         self.block_size, full)
         layers = [(self.kv[i, 0], self.kv[i, 1]) for i in range(config.num_layers)]
         staged = self.tokens[:width]  # >= 0: the token; -1 - r: the id in last_ids[r]
         tokens = torch.where(staged >= 0, staged, self.last_ids[(-1 - staged).clamp_(min=0)])

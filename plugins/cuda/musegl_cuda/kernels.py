@@ -126,11 +126,11 @@ def _combine_gate_kernel(Acc, M, L, QKVG, Out,
     head = tl.program_id(1)
     offs_d = tl.arange(0, HEAD_DIM)
     m_max = tl.load(M + row * stride_ml_row + head)
-    for s in tl.static_range(1, SPLITS):
+    for s in range(1, SPLITS):  # a loop, not unrolled: long global layers take up to GLOBAL_SPLITS_MOST splits
         m_max = tl.maximum(m_max, tl.load(M + s * stride_ml_split + row * stride_ml_row + head))
     total = 0.0
     out = tl.zeros([HEAD_DIM], tl.float32)
-    for s in tl.static_range(SPLITS):
+    for s in range(SPLITS):
         w = tl.exp(tl.load(M + s * stride_ml_split + row * stride_ml_row + head) - m_max)
         total += w * tl.load(L + s * stride_ml_split + row * stride_ml_row + head)
         out += w * tl.load(Acc + s * stride_acc_split + row * stride_acc_row + head * HEAD_DIM + offs_d)
@@ -150,10 +150,28 @@ ATTENTION_WARPS: int | None = None
 ATTENTION_STAGES: int | None = None
 
 
-def attention_splits(tiles: int, kv_heads: int, sm_count: int = 132, most: int = 16) -> int:
+#: Most key splits of a sliding layer (its keys: at most the window) and of a global layer
+#: (all the context's keys): a decode step of few rows at a long context reads most of its
+#: keys in the global layers, and with few KV heads 16 splits left most multiprocessors idle
+#: (30B shape, 2 KV heads, batch 1: 32 programs on 132 SMs).
+SLIDING_SPLITS_MOST = 16
+GLOBAL_SPLITS_MOST = 128
+
+
+def attention_splits(tiles: int, kv_heads: int, sm_count: int = 132, most: int = SLIDING_SPLITS_MOST) -> int:
     """How many key splits keep about :data:`PROGRAMS_PER_SM` programs per multiprocessor busy."""
     want = -(-int(PROGRAMS_PER_SM * sm_count) // max(1, tiles * kv_heads))
     return max(1, min(most, want))
+
+
+def layer_splits(tiles: int, kv_heads: int, sm_count: int = 132) -> tuple[int, int]:
+    """``(sliding, global)`` key splits of a step of ``tiles`` attention tiles: the same
+    target of programs per multiprocessor, capped at :data:`SLIDING_SPLITS_MOST` and
+    :data:`GLOBAL_SPLITS_MOST`. Splits past a row's keys read nothing (short contexts
+    pay one empty program each); a function of the tile count only, so graphs and the
+    dynamic path split alike."""
+    return (attention_splits(tiles, kv_heads, sm_count, SLIDING_SPLITS_MOST),
+            attention_splits(tiles, kv_heads, sm_count, GLOBAL_SPLITS_MOST))
 
 
 def _attention_launch(q, k_cache, v_cache, kv_block, tables, tiles, num_tiles, splits, block_m, window, sliding,

@@ -198,9 +198,14 @@ class PagedMeta:
     tables: torch.Tensor  # (seqs, cols) int32 block tables
     tiles: torch.Tensor  # (>= num_tiles, 4) int32
     num_tiles: int
-    splits: int  # key splits of the attention kernel
+    splits: int  # key splits of the attention kernel (sliding layers; every layer without global_splits)
     block_m: int  # query vectors per attention program
     block_size: int
+    global_splits: int = 0  # key splits of the global layers (0: splits)
+
+    def splits_of(self, sliding: bool) -> int:
+        """The key splits of a sliding or a global layer."""
+        return self.splits if sliding or not self.global_splits else self.global_splits
 
 
 class Attention(nn.Module):
@@ -559,8 +564,8 @@ class MuseGlimmerDecoder(nn.Module):
             q = kernels.qk_norm_rope_store(qkvg, cos, sin, meta.slots, k_flat, v_flat, heads, kv_heads, hd,
                                            attn.eps, attn.qk_scale, attn.use_rope)
             y = kernels.gated_attention(q, k_flat, v_flat, meta.block_size, meta.tables, meta.tiles,
-                                        meta.num_tiles, meta.splits, meta.block_m, c.sliding_window,
-                                        attn.sliding, attn.scaling, qkvg, attn.gate_offset)
+                                        meta.num_tiles, meta.splits_of(attn.sliding), meta.block_m,
+                                        c.sliding_window, attn.sliding, attn.scaling, qkvg, attn.gate_offset)
             o = reduce(F.linear(y, attn.o_proj.weight))
             post, pre = layer.post_attention_layernorm, layer.pre_feedforward_layernorm
             h, x = kernels.add_norm(o, h, post.scale, post.eps, pre.scale, pre.eps)

@@ -102,3 +102,44 @@ def check_kernels(device: str, dtypes: tuple[torch.dtype, ...], heads: int, kv_h
             if cap is not None:
                 eager = torch.tanh(eager / cap) * cap
             assert torch.allclose(kernels.softcap_logits(z, 0.75, cap), eager.float(), rtol=tol, atol=tol)
+
+
+def check_long_decode_attention(device: str, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int,
+                                keys: int, splits: tuple[int, ...]) -> None:
+    """Decode rows at long contexts (``keys`` positions, scattered blocks) split over
+    many programs, as the global layers of a few-row step are
+    (``kernels.layer_splits``): every split count gives the reference attention, splits
+    past a row's keys (the shorter sequence) included, and the one-launch and
+    combined paths agree."""
+    from musegl_core.engine.executor import SeqChunk, Step
+    from musegl_cuda import kernels
+    from musegl_cuda.plan import plan_step, reference_attention, rows_per_tile
+
+    dev = torch.device(device)
+    torch.manual_seed(1)
+    hd, kvh, bs = head_dim, kv_heads, 16
+    group = heads // kvh
+    per_seq = -(-keys // bs)
+    nb = 2 * per_seq
+    order = torch.randperm(nb).tolist()
+    step = Step([SeqChunk(1, [3], [keys - 1], order[:per_seq]), SeqChunk(2, [4], [keys // 3], order[per_seq:]),
+                 SeqChunk(3, [5], [40], order[per_seq:per_seq + 3])])
+    tol = {torch.float32: 1e-5, torch.bfloat16: 2e-2}[dtype]
+    kc = torch.randn(nb + 1, bs, kvh, hd, dtype=dtype, device=dev)
+    vc = torch.randn_like(kc)
+    kf, vf = kc.view(-1, kvh, hd), vc.view(-1, kvh, hd)
+    block_m = max(16, group)
+    plan = plan_step(step, bs, nb, 100, rows_per_tile(block_m, group), width=4, scratch_block=nb, num_tiles=4)
+    q = torch.randn(plan.width, heads, hd, dtype=dtype, device=dev)
+    tables, tiles = torch.from_numpy(plan.tables).to(dev), torch.from_numpy(plan.tiles).to(dev)
+    ref = reference_attention(q.cpu().float(), kf.cpu().float(), vf.cpu().float(), plan, bs, False, 64, hd ** -0.5)
+    gate = torch.full((plan.width, 2 * heads * hd + 2 * kvh * hd), 40.0, dtype=dtype, device=dev)
+    gate_offset = heads * hd + 2 * kvh * hd
+    for n in splits:
+        partial = kernels.paged_attention(q, kf, vf, bs, tables, tiles, len(plan.tiles), n, block_m, 64, False,
+                                          hd ** -0.5)
+        y = kernels.combine_gate(*partial, gate, gate_offset, dtype).view(-1, heads, hd)
+        assert (y[:3].float().cpu() - ref[:3]).abs().max().item() <= tol, (dtype, n)
+        y2 = kernels.gated_attention(q, kf, vf, bs, tables, tiles, len(plan.tiles), n, block_m, 64, False,
+                                     hd ** -0.5, gate, gate_offset)
+        assert torch.equal(y.view(len(y), -1), y2), (dtype, n)

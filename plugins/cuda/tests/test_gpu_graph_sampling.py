@@ -223,3 +223,20 @@ def test_32k_contexts_decode_in_graphs_like_the_dynamic_and_per_sequence_paths(c
             top2 = torch.topk(row, 2).values
             if (top2[0] - top2[1]).item() > 1e-2:  # a clear argmax: both paths must pick it
                 assert g == w
+
+
+def test_long_context_split_attention_matches_the_reference_on_the_gpu():
+    """The compiled attention kernel at the 30B shape's heads over 32k keys, at the
+    split counts of a global layer of batch 1 (``kernels.layer_splits``) and others."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from kernel_checks import check_long_decode_attention
+    from musegl_cuda import kernels
+
+    sm = torch.cuda.get_device_properties(0).multi_processor_count
+    splits = sorted({1, 16, *kernels.layer_splits(1, 2, sm), *kernels.layer_splits(4, 2, sm)})
+    for dtype in (torch.float32, torch.bfloat16):
+        check_long_decode_attention("cuda", dtype, heads=32, kv_heads=2, head_dim=128, keys=32768,
+                                    splits=tuple(splits))
