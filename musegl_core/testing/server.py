@@ -123,3 +123,60 @@ def wait_idle(url: str, timeout: float = 60) -> None:
     while metric(url, "musegl_requests_running") or metric(url, "musegl_requests_waiting"):
         assert time.monotonic() < deadline, "the engine did not become idle"
         time.sleep(0.05)
+
+
+class ServeProcess:
+    """``musegl serve`` as a child process in its own process group (as an operator runs it:
+    signals reach it alone), its stderr collected; ``args`` after the model path."""
+
+    def __init__(self, model: str, *args: str):
+        import subprocess
+        import sys
+
+        argv = [sys.executable, "-m", "musegl_core.cli.main", "serve", model, "--port", "0", *args]
+        self.proc = subprocess.Popen(argv, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+                                     start_new_session=True)
+        self.lines: list[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+        self.url: str | None = None
+
+    def _read(self) -> None:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            self.lines.append(line)
+
+    @property
+    def stderr(self) -> str:
+        return "".join(self.lines)
+
+    def wait_ready(self, timeout: float = 180) -> str:
+        """The server's URL once ``/health`` answers 200."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.url is None:
+                found = re.search(r"listening on (http://\S+)", self.stderr)
+                self.url = found.group(1) if found else None
+            if self.url is not None:
+                with contextlib.suppress(httpx.TransportError):
+                    if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                        return self.url
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.1)
+        raise RuntimeError(f"the server did not become ready:\n{self.stderr}")
+
+    def signal(self, sig: int) -> None:
+        os.killpg(self.proc.pid, sig)
+
+    def wait(self, timeout: float = 60) -> int:
+        code = self.proc.wait(timeout)
+        self._reader.join(5)
+        return code
+
+    def kill(self) -> None:
+        import signal
+
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)

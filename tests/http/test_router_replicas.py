@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -23,7 +25,7 @@ from musegl_core.bench import BenchConfig, workloads
 from musegl_core.bench.client import RequestResult, chat_body, stream_chat
 from musegl_core.bench.runner import run_bench_async
 from musegl_core.config import ServeConfig
-from musegl_core.testing.server import free_port, running_server
+from musegl_core.testing.server import ServeProcess, free_port, running_server, scripted_plugin_env
 
 pytest.importorskip("vllm_router", reason="vllm-router (the test extra, Linux x86-64) is not installed")
 
@@ -35,13 +37,13 @@ CONCURRENCY = 3
 
 
 @contextlib.contextmanager
-def router(workers: list[str], policy: str) -> Iterator[str]:
+def router(workers: list[str], policy: str, *, check_every: int = 2) -> Iterator[str]:
     """``vllm-router`` in front of ``workers``; yields its URL once it answers ``/readiness``."""
     port, metrics_port = free_port(), free_port()
     command = [sys.executable, "-c", "from vllm_router.launch_router import main; main()",
                "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *workers, "--policy", policy,
                "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port),
-               "--health-check-interval-secs", "2", "--log-level", "warning"]
+               "--health-check-interval-secs", str(check_every), "--log-level", "warning"]
     proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -157,3 +159,69 @@ def test_musegl_bench_agent_runs_through_the_router(replicas):
     assert all(httpx.get(f"{r}/v1/sessions", timeout=30).json()["data"] == [] for r in replicas)
     deleted_on = [sessions_closed(url) - start for url, start in zip(replicas, closed)]
     assert sum(deleted_on) == CONVERSATIONS and all(deleted_on), deleted_on  # both replicas held some
+
+
+DRAIN_SCRIPT = [{"when": "", "reply": " to=user<|message|>" + "word " * 24 + "<|eot|>", "token_delay": 0.05}]
+
+
+def turn(url: str, messages: list[dict], session: str) -> tuple[list[dict], str]:
+    """One streamed turn through ``url``: its chunks (the last has the usage) and its text."""
+    body = {"model": "m", "messages": messages, "stream": True, "stream_options": {"include_usage": True},
+            "max_tokens": 200, "session_id": session}
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, headers={"X-Session-Id": session},
+                      timeout=60) as response:
+        assert response.status_code == 200, response.read()
+        chunks = [json.loads(line[6:]) for line in response.iter_lines()
+                  if line.startswith("data: ") and line != "data: [DONE]"]
+    return chunks, "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+
+
+def resident(url: str) -> list[str]:
+    return [s["id"] for s in httpx.get(f"{url}/v1/sessions", timeout=30).json()["data"]]
+
+
+def test_sigterm_drains_a_replica_behind_the_router(tmp_path):
+    """SIGTERM to the replica holding a conversation, mid-stream: the running turn finishes,
+    the replica exits, the router takes it out of rotation, and the conversation's next turn
+    (its whole history resent) is served by the other replica."""
+    from musegl_core.tiny import default_model_path
+
+    with scripted_plugin_env(tmp_path, DRAIN_SCRIPT):
+        servers = [ServeProcess(str(default_model_path()), "--executor", "scripted", "--max-context", "1024",
+                                "--shutdown-timeout", "30") for _ in range(2)]
+        try:
+            urls = [server.wait_ready() for server in servers]
+            with router(urls, "sticky_least_loaded", check_every=1) as url:
+                messages = [{"role": "user", "content": "Hello there"}]
+                _, reply = turn(url, messages, "drain")
+                home = next(i for i, replica in enumerate(urls) if "drain" in resident(replica))
+                other = 1 - home
+                messages += [{"role": "assistant", "content": reply}, {"role": "user", "content": "Go on"}]
+                body = {"model": "m", "messages": messages, "stream": True, "max_tokens": 200, "session_id": "drain"}
+                with httpx.stream("POST", f"{url}/v1/chat/completions", json=body,
+                                  headers={"X-Session-Id": "drain"}, timeout=60) as response:
+                    lines = response.iter_lines()
+                    for line in lines:
+                        if '"content"' in line:
+                            break
+                    servers[home].signal(signal.SIGTERM)  # mid-stream
+                    rest = [line[6:] for line in lines if line.startswith("data: ")]
+                assert rest[-1] == "[DONE]"
+                finished = [json.loads(p) for p in rest[:-1]]
+                assert not any("error" in c for c in finished)
+                assert finished[-1]["choices"][0]["finish_reason"] == "stop"  # the turn ran to its end
+                assert servers[home].wait(30) in (0, -signal.SIGTERM, 128 + signal.SIGTERM)
+                assert "Traceback" not in servers[home].stderr
+                deadline = time.monotonic() + 30
+                while httpx.get(f"{url}/readiness", timeout=5).json().get("healthy_workers") != 1:
+                    assert time.monotonic() < deadline, "the router kept the drained replica"
+                    time.sleep(0.2)
+                messages += [{"role": "assistant", "content": "".join(
+                    c["choices"][0]["delta"].get("content") or "" for c in finished if c["choices"])},
+                    {"role": "user", "content": "And then?"}]
+                chunks, _ = turn(url, messages, "drain")
+                assert chunks[-1]["usage"]["completion_tokens"] > 0
+                assert resident(urls[other]) == ["drain"]  # the other replica took the conversation over
+        finally:
+            for server in servers:
+                server.kill()
