@@ -43,7 +43,8 @@ from musegl_core.engine.request import Phase, PreparedRequest, SequenceState
 from musegl_core.engine.masks import PendingMasks
 from musegl_core.engine.scheduler import Scheduler, SchedulerLimits
 from musegl_core.engine.sessions import CapacityError, SaltMismatch, Session, SessionBusy, SessionTable
-from musegl_core.engine.speculator import DraftRequest, NoSpeculator, Speculator, accept
+from musegl_core.engine.speculator import (DeviceDrafts, DraftRequest, NoSpeculator, Speculator, accept,
+                                           proposes_on_device)
 from musegl_core.engine.step_book import StepBook
 from musegl_core.engine.stops import StopMatcher
 from musegl_core.engine.throughput import ThroughputLog
@@ -211,6 +212,9 @@ class Engine:
         self.steps_ahead = 0  # steps launched before the previous one was read
         self.discarded_rows = 0  # their rows whose sequence had stopped
         self._async = limits.async_steps
+        # drafts may stay on the device: the speculator leaves them there, the executor reads them
+        self._device_drafts = limits.device_drafts and proposes_on_device(self.speculator)
+        self._on_device: DeviceDrafts | None = None  # this step's drafts, while they are on the device
         self._inflight: InFlight | None = None  # a launched step not committed yet
         self._last_result = 0.0  # when the last launched step's result arrived
 
@@ -558,12 +562,37 @@ class Engine:
                 requests.append(DraftRequest(seq.handle, tuple(seq.tokens), tuple(seq.blocks), room))
         if not requests:
             return
-        proposed = self.speculator.propose(requests)
         by_handle = {r.seq: r for r in requests}
+        if self._device_drafts and all(self._host_free(seq) for seq in self.scheduler.decoders()
+                                       if seq.handle in by_handle):
+            found = self.speculator.propose_on_device(requests)  # type: ignore[attr-defined]
+            self._on_device = found
+            proposed = {seq: [0] * count for seq, count in found.counts.items()}  # placeholders
+        else:
+            proposed = self.speculator.propose(requests)
         for seq in self.scheduler.decoders():
             request = by_handle.get(seq.handle)
             if request is not None:
                 seq.drafts = list(proposed.get(seq.handle, ()))[: request.max_draft]
+
+    @staticmethod
+    def _host_free(seq: SequenceState) -> bool:
+        """Nothing the host computes for the verify rows depends on the drafts' values
+        (grammar masks and penalties do), so they can stay on the device."""
+        request = seq.request
+        generated = len(seq.generated)
+        masked = any(not (hasattr(p, "idle") and p.idle(generated)) for p in request.processors)
+        return not masked and not request.sampling.penalized
+
+    def _place_device_drafts(self, step: Step) -> None:
+        """Point every verify chunk of ``step`` at its row of the drafts on the device."""
+        found, self._on_device = self._on_device, None
+        if found is None:
+            return
+        step.drafts = found.ids
+        for chunk in step.chunks:
+            if chunk.seq in found.rows and len(chunk.tokens) > 1:
+                chunk.draft_row = found.rows[chunk.seq]
 
     def _encode_images(self) -> None:
         """Encode the images of prompts still prefilling, before the step is planned:
@@ -591,6 +620,7 @@ class Engine:
         if planned is None:
             return
         step, plan, copies = planned
+        self._place_device_drafts(step)
         started = self.clock()
         if self._pipelined(plan):
             try:
@@ -709,6 +739,9 @@ class Engine:
             if got != chunk.sample:
                 raise RuntimeError(f"the executor returned {got} sampled ids for sequence {chunk.seq}, "
                                    f"expected {chunk.sample}")
+            if chunk.draft_row >= 0 and not 0 <= output.accepted.get(chunk.seq, -1) < len(chunk.tokens):
+                raise RuntimeError(f"the executor returned no accepted count for the device drafts of sequence "
+                                   f"{chunk.seq}")
 
     def _failed(self, plan: list[tuple[SequenceState, int]], exc: Exception) -> None:
         """An executor failure fails this batch, not the worker."""
@@ -744,7 +777,10 @@ class Engine:
                 self._on_token(seq, sampled[-1], logprobs[-1])
                 continue
             drafts, seq.drafts = seq.drafts, []
-            committed = accept(drafts, sampled) if drafts else list(sampled[-1:])
+            if seq.handle in output.accepted:  # drafts on the device: the executor compared them
+                committed = list(sampled[:output.accepted[seq.handle] + 1])
+            else:
+                committed = accept(drafts, sampled) if drafts else list(sampled[-1:])
             self.drafted_tokens += len(drafts)
             self.accepted_tokens += len(committed) - 1
             self.verify_blocks += bool(drafts)

@@ -159,6 +159,13 @@ class SeqChunk:
     sampled row of the sequence); ``tokens[0]`` is a placeholder. Only a
     one-row decode chunk (one token, ``sample == 1``) can follow.
 
+    ``draft_row`` (>= 0; executors announcing ``limits.device_drafts`` only)
+    says the chunk is a verify block whose drafts are on the device: its
+    ``tokens[1:]`` are placeholders for the first ``len(tokens) - 1`` ids of
+    row ``draft_row`` of :attr:`Step.drafts`, and the executor reports in
+    :attr:`StepOutput.accepted` how many of them agree with its sampled ids
+    (draft ``j`` with the id sampled after row ``j``, while all before agree).
+
     ``logprobs`` asks, for every sampled row, the log-probability of the chosen
     id and of the ``logprobs`` most likely ids (-1: none). ``want_logits`` asks
     the float32 logits of the last row as well; ``logit_rows`` those of every
@@ -180,6 +187,7 @@ class SeqChunk:
     want_logits: bool = False
     logit_rows: bool = False
     follows: bool = False
+    draft_row: int = -1
 
     def __attrs_post_init__(self) -> None:
         if len(self.tokens) != len(self.positions) or not self.tokens:
@@ -189,6 +197,9 @@ class SeqChunk:
             raise ValueError(f"sample={self.sample} must lie in 0..{len(self.tokens)} (the chunk's rows)")
         if self.follows and (len(self.tokens) != 1 or self.sample != 1 or self.embeds):
             raise ValueError("only a one-row decode chunk (one token, sample=1) can follow the previous step")
+        if self.draft_row >= 0 and (len(self.tokens) < 2 or self.sample != len(self.tokens) or self.embeds):
+            raise ValueError("only a verify block (drafts after its first row, every row sampled) reads drafts "
+                             "on the device")
         for span in self.embeds:
             if span.offset < 0 or span.count < 1 or span.offset + span.count > len(self.tokens):
                 raise ValueError("an embedding span must lie inside its chunk")
@@ -209,12 +220,15 @@ class Step:
     rows that write no cache and sample nothing). ``taps`` names decoder
     layers whose *input* residual (the output of the previous layer, GGUF
     convention; ``num_layers`` is the last layer's output) is returned for
-    every row, for drafts such as DFlash.
+    every row, for drafts such as DFlash. ``drafts`` holds the device drafts
+    (:class:`~musegl_core.engine.speculator.DeviceDrafts` ``ids``, a backend
+    array ``(rows, k)``) that chunks with a ``draft_row`` read.
     """
 
     chunks: list[SeqChunk]
     taps: tuple[int, ...] = ()
     width: int = 0
+    drafts: Any = None
 
     def __attrs_post_init__(self) -> None:
         self.width = max(self.width, self.num_tokens)
@@ -252,12 +266,15 @@ class StepOutput:
     ``(vocab,)``) or ``logit_rows`` (shape ``(rows, vocab)``); ``hidden`` maps
     a sequence to an array of shape ``(len(taps), rows, hidden)``. Arrays are
     backend-native (torch, mlx) or numpy; the engine only passes them on.
+    ``accepted[seq]``, for a chunk with a ``draft_row``: how many of its
+    drafts agree with its sampled ids (the engine commits ``accepted + 1`` ids).
     """
 
     tokens: dict[int, list[int]] = attrs.field(factory=dict)
     logprobs: dict[int, list[TokenLogprobs]] = attrs.field(factory=dict)
     logits: dict[int, Any] = attrs.field(factory=dict)
     hidden: dict[int, Any] = attrs.field(factory=dict)
+    accepted: dict[int, int] = attrs.field(factory=dict)
 
 
 @attrs.frozen
@@ -325,13 +342,17 @@ class ExecutorLimits:
     when the forward runs on the host's CPU cores (the engine then computes
     grammar masks between steps by default, instead of on threads that would
     take cores from the forward; ``--grammar-threads``). ``async_steps`` is
-    True when the executor is an :class:`AsyncExecutor`.
+    True when the executor is an :class:`AsyncExecutor`. ``device_drafts`` is
+    True when the executor reads verify blocks' drafts from the device
+    (:attr:`SeqChunk.draft_row`, :attr:`Step.drafts`) and reports
+    :attr:`StepOutput.accepted` for them.
     """
 
     max_step_tokens: int = 4096
     step_sizes: tuple[int, ...] = ()
     host_compute: bool = False
     async_steps: bool = False
+    device_drafts: bool = False
 
     def padded_width(self, rows: int) -> int:
         """The width a decode-only step of ``rows`` rows runs at."""

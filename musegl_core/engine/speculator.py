@@ -23,11 +23,21 @@ it in the engine's block ids, like the executor: :meth:`Speculator.copy_blocks`
 follows copy-on-write, and :meth:`Speculator.observe` sees every step with
 the hidden states it asked for (``taps``), so sessions, snapshots, rewinds and
 cancellation need nothing special.
+
+Drafts may also stay on the device (:class:`DeviceDrafts`), where both the
+speculator's class defines ``propose_on_device`` and the executor announces
+``limits.device_drafts``: the engine then sends placeholder draft rows that
+name their row of the drafts (``SeqChunk.draft_row``), and the executor reads
+the draft ids there, compares them with its sampled ids and returns how many
+agree (``StepOutput.accepted``), so a step needs one wait for the device
+instead of one for the drafts and one for the step. The engine does this only
+for steps whose decoding sequences need nothing the host computes from the
+drafts (grammar masks, penalties); the committed tokens are the same.
 """
 
 from __future__ import annotations
 
-from typing import Protocol, Sequence, runtime_checkable
+from typing import Any, Protocol, Sequence, runtime_checkable
 
 import attrs
 
@@ -49,6 +59,23 @@ class DraftRequest:
     tokens: Sequence[int]
     blocks: Sequence[int]
     max_draft: int
+
+
+@attrs.frozen
+class DeviceDrafts:
+    """Drafts left on the device: ``ids`` is a backend array ``(rows, k)``; sequence
+    ``seq``'s drafts are the first ``counts[seq]`` ids of row ``rows[seq]``."""
+
+    ids: Any
+    rows: dict[int, int]
+    counts: dict[int, int]
+
+
+def proposes_on_device(speculator: object) -> bool:
+    """Does the speculator's class define ``propose_on_device(requests) -> DeviceDrafts``?
+    (Looked up on the class: a wrapper that forwards other attributes to an inner
+    speculator, and replaces its drafts, keeps the host path.)"""
+    return callable(getattr(type(speculator), "propose_on_device", None))
 
 
 @runtime_checkable

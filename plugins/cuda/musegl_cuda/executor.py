@@ -47,6 +47,7 @@ from musegl_core.engine.sample_rows import SampleRows
 from musegl_core.engine.kv_sizing import kv_block_bytes
 from musegl_core.engine.step_checks import check_positions, check_taps, check_tokens, kv_allocated, table_of
 from musegl_cuda.cpu.stored_matrix import HalfRows
+from musegl_cuda.drafts import DraftRows
 from musegl_cuda.model import AttentionBatch, DecodeAttention, MuseGlimmerDecoder, PagedMeta, SequenceAttention
 from musegl_cuda.parallel.shard import TensorShard
 from musegl_cuda.plan import StepPlan, plan_step, rows_per_tile
@@ -181,7 +182,8 @@ class TorchExecutor:
         base = limits or ExecutorLimits()
         self.limits = ExecutorLimits(base.max_step_tokens, sizes or base.step_sizes,
                                      host_compute=self.device.type == "cpu",
-                                     async_steps=self.paged if async_steps is None else async_steps)
+                                     async_steps=self.paged if async_steps is None else async_steps,
+                                     device_drafts=True)
         self.config = config = checkpoint.config
         self.info = ModelInfo(
             name=checkpoint.name,
@@ -236,6 +238,7 @@ class TorchExecutor:
                          if self.paged else 1)
         self.samplers = None  # the sampler graphs of decode graph steps (musegl_cuda.sampling_graphs)
         self._previous: PendingStep | None = None  # the last launch (a following chunk reads its ids)
+        self._drafted: DraftRows | None = None  # the launch's device-draft blocks, until judged
         self._unresolved: collections.deque[Launched] = collections.deque()  # launches not read yet
 
     # -- KV storage ------------------------------------------------------------
@@ -364,6 +367,7 @@ class TorchExecutor:
         take its ids on the device where that launch was a graph step of one row
         per sequence, else from its result."""
         previous, self._previous = self._previous, None
+        self._drafted = None
         if not step.chunks:
             return FinishedStep(StepOutput())
         kv = self._require_kv()
@@ -384,6 +388,8 @@ class TorchExecutor:
                         pending.settle()
                 else:
                     pending = self._outputs(step, *self._run_eager(step, kv))
+        if self._drafted is not None and isinstance(pending, Launched):  # a launch _outputs did not judge
+            pending.judged = self._judge(pending.device_ids, pending.ids_by_row)
         self._previous = pending
         if isinstance(pending, Launched):
             self._unresolved.append(pending)
@@ -398,6 +404,7 @@ class TorchExecutor:
         token_ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
         positions = torch.tensor([p for c in step.chunks for p in c.positions], device=self.device)
         starts = [seq.rows.start for seq in batch.sequences]
+        self._place_drafts(step, starts, token_ids)
         embeds = self._embedding_rows(step, starts)
         layers_kv = [(kv[i, 0], kv[i, 1]) for i in range(self.config.num_layers)]
         normed, hidden = self.model(token_ids, positions, batch, layers_kv, tuple(step.taps), embeds)
@@ -438,11 +445,13 @@ class TorchExecutor:
                                  width=width, scratch_block=self.num_blocks, num_tiles=width)
                 if graphs.fits(plan):
                     graphs.stage_plan(plan)
+                    self._place_drafts(step, plan.starts, graphs.tokens)
                     graphs.replay(width)
                     starts = plan.starts
                     hidden = graphs.tapped_rows(width, step.num_tokens) if tapped else None
                     if all(plain_greedy(ch) for ch in chunks):
-                        return GreedyIds(chunks, graphs.fetch_ids(width, step.num_tokens), None, starts, hidden)
+                        return GreedyIds(chunks, graphs.fetch_ids(width, step.num_tokens), None, starts, hidden,
+                                         graphs.ids[width])
                     sampled = self._sample_in_graph(step, width, starts, None, hidden)
                     if sampled is not None:
                         return sampled
@@ -454,7 +463,7 @@ class TorchExecutor:
         plan = plan_step(step, self.block_size, self.num_blocks, c.vocab_size,
                          rows_per_tile(block_m, c.num_heads // c.num_kv_heads))
         normed, hidden = self._forward_plan(plan, kv, block_m, tuple(step.taps),
-                                            self._embedding_rows(step, plan.starts))
+                                            self._embedding_rows(step, plan.starts), step)
         return self._outputs(step, lambda rows: self.model.logits(normed[rows]), hidden, plan.starts)
 
     def _sample_in_graph(self, step: Step, width: int, starts: list[int], rows: dict[int, int] | None,
@@ -466,8 +475,9 @@ class TorchExecutor:
         return self.samplers.launch(step, starts, width, rows, hidden)
 
     def _forward_plan(self, plan: StepPlan, kv: torch.Tensor, block_m: int, taps: tuple[int, ...] = (),
-                      embeds: tuple[torch.Tensor, torch.Tensor] | None = None):
-        """The paged forward of ``plan`` outside any graph (prefill, mixed and wide steps)."""
+                      embeds: tuple[torch.Tensor, torch.Tensor] | None = None, step: Step | None = None):
+        """The paged forward of ``plan`` outside any graph (prefill, mixed and wide steps);
+        ``step``: the planned step, whose device drafts are placed into the tokens."""
         from musegl_cuda.kernels import layer_splits
 
         c = self.config
@@ -479,9 +489,24 @@ class TorchExecutor:
                          torch.from_numpy(plan.tiles).to(dev, non_blocking=True), tiles,
                          sliding, block_m, self.block_size, full)
         tokens = torch.from_numpy(plan.tokens).to(dev, non_blocking=True)
+        if step is not None:
+            self._place_drafts(step, plan.starts, tokens)
         positions = torch.from_numpy(plan.positions).to(dev, non_blocking=True)
         layers_kv = [(kv[i, 0], kv[i, 1]) for i in range(c.num_layers)]
         return self.model.forward_paged(tokens, positions, meta, layers_kv, taps, embeds)
+
+    def _place_drafts(self, step: Step, starts: Sequence[int], tokens: torch.Tensor) -> None:
+        """Write the step's device drafts into ``tokens`` (the forward's token ids on the
+        device) and keep their layout for :meth:`_judge`."""
+        self._drafted = DraftRows.of(step, starts)
+        if self._drafted is not None:
+            self._drafted.place(tokens)
+
+    def _judge(self, ids: torch.Tensor | None, by_row: bool):
+        """The accepted counts of the placed drafts against the step's sampled ``ids``
+        (:meth:`DraftRows.judge`), once; None when the step had no device drafts."""
+        drafted, self._drafted = self._drafted, None
+        return None if drafted is None else drafted.judge(ids, by_row)
 
     def _outputs(self, step: Step, head, hidden, starts: list[int], rows: dict[int, int] | None = None,
                  last_ids: torch.Tensor | None = None) -> "Launched":
@@ -500,7 +525,10 @@ class TorchExecutor:
             drawn = choose(logits[on_device(plan.sampled, self.device, torch.long)], sample_rows)
         if last_ids is not None and drawn.chosen is not None:
             last_ids[:drawn.size].copy_(drawn.chosen)
-        return Sampled(step, starts, plan, logits, hidden, drawn.fetch(), rows)
+        judged = self._judge(drawn.chosen, by_row=False)  # before fetch() moves the ids to the host
+        launched = Sampled(step, starts, plan, logits, hidden, drawn.fetch(), rows)
+        launched.judged = judged
+        return launched
 
     def _embedding_rows(self, step: Step, starts: list[int]) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(packed row indices, their input rows) of every embedding span of the step

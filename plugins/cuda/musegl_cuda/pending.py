@@ -29,6 +29,12 @@ class Launched:
     holds its id (None: its ids are only in the result)."""
 
     device_rows: dict[int, int] | None = None
+    #: the step's sampled ids on the device, per packed row (``ids_by_row``) or in
+    #: sampled-row order; None where they are not one tensor
+    device_ids = None
+    ids_by_row = True
+    #: the accepted counts of its device-draft blocks (:mod:`musegl_cuda.drafts`), if any
+    judged = None
     _output: StepOutput | None = None
     _error: BaseException | None = None
 
@@ -38,7 +44,10 @@ class Launched:
     def result(self) -> StepOutput:
         if self._output is None and self._error is None:
             try:
-                self._output = self._read()
+                output = self._read()
+                if self.judged is not None:
+                    output.accepted = self.judged.values(output)
+                self._output = output
             except BaseException as exc:
                 self._error = exc
         if self._error is not None:
@@ -62,8 +71,9 @@ class GreedyIds(Launched):
     rows ``(taps, rows, hidden)`` on the device (None: no taps asked)."""
 
     def __init__(self, chunks: Sequence[SeqChunk], fetched: tuple, rows: dict[int, int] | None,
-                 starts: Sequence[int] | None = None, hidden=None) -> None:
+                 starts: Sequence[int] | None = None, hidden=None, device_ids=None) -> None:
         self.chunks = chunks
+        self.device_ids = device_ids
         self.host, self.event = fetched
         self.device_rows = rows
         self.starts = starts
@@ -126,4 +136,4 @@ def follow_on_host(step: Step, previous: PendingStep | None) -> Step:
                 raise ValueError(f"sequence {ch.seq} follows the previous step, which sampled nothing for it")
             ch = attrs.evolve(ch, tokens=[ids[-1]], follows=False)
         chunks.append(ch)
-    return Step(chunks, step.taps, step.width)
+    return Step(chunks, step.taps, step.width, step.drafts)

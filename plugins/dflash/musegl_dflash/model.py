@@ -180,15 +180,29 @@ class DFlashDraft(nn.Module):
         return rms_norm(h, self.w("norm.weight"), c.rms_norm_eps)
 
 
+def context_reach(config: DraftConfig) -> int | None:
+    """How many positions before a block its keys reach back (None: all of them)."""
+    window = config.sliding_window
+    return None if window is None or not all(config.sliding) else window
+
+
+def context_width(config: DraftConfig, starts: Sequence[int]) -> int:
+    """``S`` of :func:`gather_context`: the most context keys one of the blocks sees."""
+    reach = context_reach(config)
+    return max((p if reach is None else min(p, reach) for p in starts), default=0)
+
+
 def gather_context(config: DraftConfig, block_size: int, starts: Sequence[int], tables: Sequence[Sequence[int]],
-                   device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   device: torch.device, width: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Cache slots, positions and validity ``(B, S)`` of the context keys each block can
     see: positions ``max(0, P − window) .. P−1`` (all of ``0 .. P−1`` when a layer has
-    no window), padded to the longest."""
-    window = config.sliding_window
-    reach = None if window is None or not all(config.sliding) else window
+    no window), padded to the longest (or to ``width`` columns, at least that)."""
+    reach = context_reach(config)
     ranges = [range(0 if reach is None else max(0, p - reach), p) for p in starts]
-    width = max((len(r) for r in ranges), default=0)
+    longest = max((len(r) for r in ranges), default=0)
+    if width is not None and width < longest:
+        raise ValueError(f"{longest} context keys do not fit {width} columns")
+    width = longest if width is None else width
     slots = torch.zeros(len(starts), width, dtype=torch.long)
     positions = torch.zeros(len(starts), width, dtype=torch.long)
     valid = torch.zeros(len(starts), width, dtype=torch.bool)

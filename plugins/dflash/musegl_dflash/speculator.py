@@ -15,6 +15,12 @@ and verify blocks) and writes the context K/V of the rows the engine kept
 enter the store. Copy-on-write (:meth:`copy_blocks`) mirrors the target's, so
 sessions, prefix snapshots, rewinds and cancellation need nothing else: a
 sequence's store holds exactly the positions its target KV holds.
+
+On CUDA the draft forward replays a CUDA graph per padded shape
+(:mod:`musegl_dflash.graphs`), and :meth:`propose_on_device` leaves the drafts
+on the device for an executor that reads them there (``limits.device_drafts``):
+the verify step takes its draft rows from them and compares them with its
+sampled ids itself, so a step waits for the device once.
 """
 
 from __future__ import annotations
@@ -27,8 +33,9 @@ import numpy as np
 import torch
 
 from musegl_core.engine.executor import Step, StepOutput
-from musegl_core.engine.speculator import DraftRequest
+from musegl_core.engine.speculator import DeviceDrafts, DraftRequest
 from musegl_core.engine.step_checks import coverage_error, kv_allocated
+from musegl_dflash.graphs import DraftGraphs, block_drafts
 from musegl_dflash.model import DFlashDraft, DraftBatch, gather_context, linear
 
 log = logging.getLogger("musegl.dflash")
@@ -59,7 +66,10 @@ class TargetHead:
 class DFlashSpeculator:
     """Block drafting with a DFlash draft over a target executor (any backend)."""
 
-    def __init__(self, draft: DFlashDraft, target: TargetHead, n_draft: int, block_size: int) -> None:
+    def __init__(self, draft: DFlashDraft, target: TargetHead, n_draft: int, block_size: int,
+                 graphs: bool | None = None) -> None:
+        """``graphs``: run the draft forward through :class:`DraftGraphs` (None: on CUDA;
+        on the CPU they run their body eagerly, for tests)."""
         config = draft.config
         if not 1 <= n_draft < config.block_size:
             raise ValueError(f"n_draft must be in 1..{config.block_size - 1}")
@@ -71,6 +81,8 @@ class DFlashSpeculator:
         self.max_draft = n_draft
         self.kv: torch.Tensor | None = None
         self.num_blocks = 0
+        self.use_graphs = draft.device.type == "cuda" if graphs is None else graphs
+        self.graphs: DraftGraphs | None = None
         # Counters for the log line and tests: verify blocks seen and the tokens they committed.
         self.blocks = 0
         self.committed_tokens = 0
@@ -85,6 +97,9 @@ class DFlashSpeculator:
         self.kv = torch.zeros(c.num_layers, 2, num_blocks * self.block_size, c.num_kv_heads, c.head_dim,
                               dtype=self.draft.dtype, device=self.draft.device)
         self.num_blocks = num_blocks
+        if self.use_graphs:
+            self.graphs = DraftGraphs(self.draft, self.target.rows, self.target.logits, self.max_draft,
+                                      self.block_size)
 
     def _require_kv(self) -> torch.Tensor:
         return kv_allocated(self.kv, "drafting")
@@ -105,29 +120,37 @@ class DFlashSpeculator:
 
     def close(self) -> None:
         self.kv = None
+        self.graphs = None
         self.num_blocks = 0
 
     # -- drafting ----------------------------------------------------------------------
     def propose(self, requests: Sequence[DraftRequest]) -> dict[int, list[int]]:
+        found = self.propose_on_device(requests)
+        drafts = found.ids.tolist()
+        return {seq: drafts[row][:found.counts[seq]] for seq, row in found.rows.items()}
+
+    def propose_on_device(self, requests: Sequence[DraftRequest]) -> DeviceDrafts:
+        """:meth:`propose`, the drafts left on the device (queued, not waited for)."""
         kv = self._require_kv()
         requests = [r for r in requests if r.max_draft > 0 and r.tokens]
         if not requests:
-            return {}
-        c, n, device = self.config, self.max_draft, self.draft.device
+            return DeviceDrafts(torch.zeros(0, self.max_draft, dtype=torch.long), {}, {})
+        device = self.draft.device
         starts = [len(r.tokens) - 1 for r in requests]
         for r, start in zip(requests, starts):
             if start > 0 and (start - 1) // self.block_size >= len(r.blocks):
                 raise coverage_error(r.seq, start - 1, self.block_size, len(r.blocks))
+        anchors = [r.tokens[-1] for r in requests]
+        tables = [r.blocks for r in requests]
         with torch.inference_mode():
-            ids = torch.full((len(requests), n + 1), c.mask_token_id, dtype=torch.long, device=device)
-            ids[:, 0] = torch.tensor([r.tokens[-1] for r in requests], dtype=torch.long, device=device)
-            slots, positions, valid = gather_context(c, self.block_size, starts, [r.blocks for r in requests], device)
-            batch = DraftBatch(ids[:, 0], torch.tensor(starts, dtype=torch.long, device=device), slots, positions, valid)
-            embeddings = self.target.rows(ids).to(self.draft.dtype)  # raw rows: no embedding norm
-            hidden = self.draft.hidden(embeddings, batch, kv)[:, 1:]  # the mask rows
-            logits = self.target.logits(hidden.reshape(-1, c.hidden_size))
-            drafts = logits.float().argmax(dim=-1).view(len(requests), n).tolist()
-        return {r.seq: drafts[b][:r.max_draft] for b, r in enumerate(requests)}
+            ids = None if self.graphs is None else self.graphs.run(anchors, starts, tables, kv)
+            if ids is None:  # no graphs, or a shape past their limits
+                slots, positions, valid = gather_context(self.config, self.block_size, starts, tables, device)
+                batch = DraftBatch(torch.tensor(anchors, dtype=torch.long, device=device),
+                                   torch.tensor(starts, dtype=torch.long, device=device), slots, positions, valid)
+                ids = block_drafts(self.draft, self.target.rows, self.target.logits, kv, batch, self.max_draft)
+        return DeviceDrafts(ids, {r.seq: b for b, r in enumerate(requests)},
+                            {r.seq: min(r.max_draft, self.max_draft) for r in requests})
 
     def observe(self, step: Step, output: StepOutput, committed: dict[int, int]) -> None:
         """Store the context K/V of every committed row of the step."""

@@ -1,0 +1,91 @@
+"""The draft forward through :class:`~musegl_dflash.graphs.DraftGraphs`, on the CPU.
+
+On the CPU nothing is captured: the graphs' staging fills their static inputs
+(batch and context padded to the shape's powers of two) and the body a CUDA
+graph records runs over them. Its drafts must be the unpadded eager forward's,
+for batches and contexts of several sizes, with a window shorter than the
+context and with full-attention layers (every earlier position a key); a shape
+past the graphs' limits runs eagerly.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import musegl_dflash.graphs as draft_graphs
+from dflash_support import build_reference_draft, save_draft
+from musegl_core.engine.speculator import DraftRequest
+from musegl_dflash.graphs import DraftGraphs
+from musegl_dflash.loader import load_draft
+from musegl_dflash.speculator import DFlashSpeculator, TargetHead
+
+VOCAB, HIDDEN, MASK, BLOCK = 512, 64, 500, 4
+
+
+@pytest.fixture(scope="module", params=["window40", "full"])
+def speculator(request, tmp_path_factory):
+    overrides = dict(sliding_window=40) if request.param == "window40" else dict(
+        layer_types=["full_attention", "sliding_attention"])
+    model = build_reference_draft(seed=3, mask_token_id=MASK, **overrides)
+    draft = load_draft(str(save_draft(model, tmp_path_factory.mktemp("draft"))), torch.device("cpu"), torch.float32)
+    gen = torch.Generator().manual_seed(4)
+    head = TargetHead.of_tensors(torch.randn(VOCAB, HIDDEN, generator=gen), torch.randn(VOCAB, HIDDEN, generator=gen))
+    spec = DFlashSpeculator(draft, head, 5, BLOCK, graphs=True)
+    spec.allocate_kv(80)
+    c = draft.config
+    for table, length in zip(TABLES, LENGTHS):  # every sequence's context, at scattered blocks
+        positions = torch.arange(length)
+        slots = torch.tensor([table[p // BLOCK] * BLOCK + p % BLOCK for p in range(length)])
+        features = torch.randn(length, len(c.target_layer_ids) * HIDDEN, generator=gen)
+        draft.write_context(features, positions, slots, spec.kv)
+    return spec
+
+
+TABLES = [list(range(40, 70)), list(range(5, 8)), list(range(10, 40))]
+LENGTHS = [110, 9, 77]
+
+
+def ask(lengths, room=5):
+    return [DraftRequest(seq, [7 + seq] * (n + 1), TABLES[seq], room) for seq, n in lengths]
+
+
+def eager(spec, requests):
+    graphs, spec.graphs = spec.graphs, None
+    try:
+        return spec.propose_on_device(requests)
+    finally:
+        spec.graphs = graphs
+
+
+@pytest.mark.parametrize("lengths", [[(0, 110), (1, 9), (2, 77)], [(1, 9)], [(2, 30), (0, 0)]])
+def test_padded_graph_inputs_give_the_eager_drafts(speculator, lengths):
+    requests = ask(lengths)
+    got = speculator.propose_on_device(requests)
+    want = eager(speculator, requests)
+    assert torch.equal(got.ids, want.ids)
+    assert got.rows == want.rows == {seq: i for i, (seq, _) in enumerate(lengths)}
+    assert got.counts == want.counts == {seq: 5 for seq, _ in lengths}
+    config = speculator.draft.config
+    key = speculator.graphs.shape(len(lengths), draft_graphs.context_width(config, [n for _, n in lengths]))
+    assert key in speculator.graphs.inputs
+    assert key[0] >= len(lengths) and key[1] >= draft_graphs.MIN_CONTEXT
+    assert speculator.propose(requests) == {r.seq: want.ids[i].tolist() for i, r in enumerate(requests)}
+
+
+def test_shapes_are_powers_of_two_within_the_limits():
+    graphs = DraftGraphs.__new__(DraftGraphs)
+    assert graphs.shape(3, 0) == (4, draft_graphs.MIN_CONTEXT)
+    assert graphs.shape(1, 65) == (1, 128)
+    assert graphs.shape(64, 2048) == (64, 2048)
+    assert graphs.shape(draft_graphs.MAX_WIDTH + 1, 10) is None
+    assert graphs.shape(2, draft_graphs.MAX_CONTEXT + 1) is None
+
+
+def test_a_shape_past_the_limits_runs_eagerly(speculator, monkeypatch):
+    monkeypatch.setattr(draft_graphs, "MAX_CONTEXT", 8)
+    requests = ask([(0, 110), (2, 77)])
+    before = set(speculator.graphs.inputs)
+    assert speculator.graphs.run([1, 2], [110, 77], [TABLES[0], TABLES[2]], speculator.kv) is None
+    assert torch.equal(speculator.propose_on_device(requests).ids, eager(speculator, requests).ids)
+    assert set(speculator.graphs.inputs) == before
