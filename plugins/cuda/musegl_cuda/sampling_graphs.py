@@ -425,7 +425,7 @@ class SamplerGraphs:
             event.record()
         wanted = rows.wanted
         return GraphSampled(step, starts, plan, ids, lp, event, wanted, [rows.logprobs[i] for i in wanted],
-                            device_rows, hidden)
+                            device_rows, hidden, self.out.ids[:n])
 
 
 class GraphSampled(Launched):
@@ -434,12 +434,16 @@ class GraphSampled(Launched):
 
     def __init__(self, step: Step, starts: Sequence[int], plan: HeadRows, ids: torch.Tensor,
                  lp: torch.Tensor | None, event, wanted: list[int], counts: list[int],
-                 device_rows: dict[int, int] | None, hidden=None) -> None:
+                 device_rows: dict[int, int] | None, hidden=None, device_ids: torch.Tensor | None = None) -> None:
         self.step, self.starts, self.plan = step, starts, plan
         self.ids, self.lp, self.event = ids, lp, event
         self.wanted, self.counts = wanted, counts
         self.device_rows = device_rows
         self.hidden = hidden
+        # the drawn ids on the device in sampled-row order (``last_ids``: valid until the next replay),
+        # for what judges drafts on the device right after the launch
+        self.device_ids = device_ids
+        self.ids_by_row = False
 
     def _read(self) -> StepOutput:
         if self.event is not None:
