@@ -66,6 +66,7 @@ def chat_body(
     session_id: str | None = None,
     seed: int | None = None,
     model: str = "musegl-bench",
+    tools: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """The request body the bench sends: greedy, exactly ``max_tokens`` tokens."""
     body: dict[str, Any] = {
@@ -81,6 +82,8 @@ def chat_body(
         body["seed"] = seed
     if session_id is not None:
         body["session_id"] = session_id
+    if tools:
+        body["tools"] = tools
     return body
 
 

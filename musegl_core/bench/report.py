@@ -35,18 +35,19 @@ def percentile(values: Sequence[float], q: float) -> float | None:
 
 @attrs.frozen
 class LatencyStats:
-    """p50 / p95 / mean of a latency sample, in seconds (None when empty)."""
+    """p50 / p95 / p99 / mean of a latency sample, in seconds (None when empty)."""
 
     count: int
     p50: float | None
     p95: float | None
     mean: float | None
+    p99: float | None = None
 
     @classmethod
     def of(cls, values: Iterable[float]) -> "LatencyStats":
         sample = list(values)
         mean = sum(sample) / len(sample) if sample else None
-        return cls(len(sample), percentile(sample, 50), percentile(sample, 95), mean)
+        return cls(len(sample), percentile(sample, 50), percentile(sample, 95), mean, percentile(sample, 99))
 
 
 @attrs.frozen
@@ -376,7 +377,7 @@ def render(report: BenchReport, console: Console) -> None:
     summary.add_row("prompt tokens (cached)", f"{report.prompt_tokens} ({report.cached_tokens})")
     summary.add_row("cached-token ratio", f"{report.cached_ratio:.1%}")
     for name, stats in (("TTFT", report.ttft), ("inter-token latency", report.itl), ("request latency", report.latency)):
-        summary.add_row(f"{name} p50 / p95", f"{_ms(stats.p50)} / {_ms(stats.p95)}")
+        summary.add_row(f"{name} p50 / p95 / p99", f"{_ms(stats.p50)} / {_ms(stats.p95)} / {_ms(stats.p99)}")
     spec = report.speculation
     if spec is not None and spec.target_steps:
         summary.add_row("output tokens per target step", f"{spec.tokens_per_target_step:.2f}")

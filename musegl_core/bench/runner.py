@@ -41,7 +41,7 @@ import httpx
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from musegl_core.bench import workloads
+from musegl_core.bench import agent_script, workloads
 from musegl_core.bench.cli_wire import APIS, Sizes
 from musegl_core.bench.client import RequestResult, chat_body, stream_chat
 from musegl_core.bench.replay import run_replays
@@ -95,10 +95,18 @@ class BenchConfig:
     api: str = attrs.field(default="chat", validator=attrs.validators.in_(APIS))
     #: ``--api messages|responses``: approximate tokens of the system prompt's text (tools come on top)
     system_tokens: int = attrs.field(default=12000, validator=_positive)
+    #: ``agent`` over Chat Completions: a system prompt of about this many tokens, the same in every
+    #: conversation (a coding agent's rules and project notes); 0: the one-line prompt
+    shared_system_tokens: int = attrs.field(default=0, validator=attrs.validators.ge(0))
+    #: ``agent`` over Chat Completions: send the coding agent's ten tool definitions with every turn
+    tools: bool = False
 
     def __attrs_post_init__(self) -> None:
         if self.api != "chat" and self.workload != "agent":
             raise ValueError(f"api {self.api} replays an agent conversation: workload must be agent")
+        if (self.shared_system_tokens or self.tools) and (self.workload != "agent" or self.api != "chat"):
+            raise ValueError("shared_system_tokens and tools belong to the agent workload over Chat Completions "
+                             "(--api messages|responses send their own system prompt and tools)")
         if self.api != "chat" and self.concurrency != 1:
             raise ValueError(f"api {self.api} replays one conversation at a time, interleaved with its "
                              "Chat Completions reference: concurrency must be 1")
@@ -215,23 +223,41 @@ async def _run_chat(client: httpx.AsyncClient, config: BenchConfig, words: int, 
     return results
 
 
+def agent_tools(config: BenchConfig) -> list[dict] | None:
+    """The Chat Completions ``tools`` of an agent run with ``tools`` (Claude Code's ten), else None."""
+    if not config.tools:
+        return None
+    return [{"type": "function", "function": {"name": t.name, "description": t.description,
+                                              "parameters": t.parameters}} for t in agent_script.CLAUDE_TOOLS]
+
+
+def shared_system(config: BenchConfig, calibration: "Calibration") -> str:
+    """The system prompt every agent conversation starts with."""
+    if not config.shared_system_tokens:
+        return workloads.SYSTEM_PROMPT
+    words = calibration.words(config.shared_system_tokens, whole_prompt=False)
+    return agent_script.system_text(config.seed, f"shared-{config.seed}", words=words)
+
+
 async def _run_agent(
-    client: httpx.AsyncClient, config: BenchConfig, words: int, bar: _Bar, sessions: list[str]
+    client: httpx.AsyncClient, config: BenchConfig, words: int, bar: _Bar, sessions: list[str],
+    system: str = workloads.SYSTEM_PROMPT,
 ) -> tuple[list[RequestResult], list[tuple[int, int, tuple[dict, ...]]]]:
     """The conversations; every session id used is appended to ``sessions`` before its first turn."""
     run_id = uuid.uuid4().hex[:10]
+    tools = agent_tools(config)
     gate = asyncio.Semaphore(config.concurrency)
     results: list[RequestResult] = []
     last_histories: list[tuple[int, int, tuple[dict, ...]]] = []
 
     async def conversation_task(index: int) -> None:
-        conversation = workloads.Conversation(index, f"bench-{run_id}-{index}", config.seed, words)
+        conversation = workloads.Conversation(index, f"bench-{run_id}-{index}", config.seed, words, system=system)
         async with gate:
             sessions.append(conversation.session_id)
             for turn in range(1, config.turns + 1):
                 history = conversation.next_user_turn()
                 body = chat_body(history, max_tokens=config.max_tokens, session_id=conversation.session_id,
-                                 model=config.model)
+                                 model=config.model, tools=tools)
                 # the session in X-Session-Id too: the header a router keys its session affinity by
                 result = await stream_chat(client, config.endpoint, body, RequestResult("turn", index, turn),
                                            headers={"X-Session-Id": conversation.session_id})
@@ -243,7 +269,7 @@ async def _run_agent(
                         results.append(missed)
                         bar.done(missed)
                     return
-                conversation.record_reply(result.content, result.reasoning)
+                conversation.record_reply(result.content, result.reasoning, result.reply)
             last_histories.append((index, config.turns, history))
 
     await asyncio.gather(*(conversation_task(i) for i in range(config.conversation_count)))
@@ -257,7 +283,7 @@ async def _run_baselines(
 
     async def replay(index: int, turn: int, history: tuple[dict, ...]) -> RequestResult:
         async with gate:
-            body = chat_body(history, max_tokens=config.max_tokens, model=config.model)
+            body = chat_body(history, max_tokens=config.max_tokens, model=config.model, tools=agent_tools(config))
             result = await stream_chat(client, config.endpoint, body, RequestResult("baseline", index, turn))
             bar.done(result)
             return result
@@ -361,7 +387,8 @@ async def run_bench_async(config: BenchConfig, *, progress: bool = True,
                 elif config.workload == "chat":
                     results = await _run_chat(client, config, words, bar)
                 else:
-                    results, histories = await _run_agent(client, config, words, bar, sessions)
+                    results, histories = await _run_agent(client, config, words, bar, sessions,
+                                                          shared_system(config, calibration))
                 duration = time.perf_counter() - started
                 after = await engine_counters(client, config)
                 await delete_sessions(client, config, sessions, cleanup)  # the baseline needs the slots

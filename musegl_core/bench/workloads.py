@@ -89,21 +89,38 @@ class Conversation:
     turn_words: int
     messages: list[dict[str, Any]] = attrs.field(factory=list)
     turns_done: int = 0
+    #: the system prompt (``--shared-system-tokens``: the same long one in every conversation)
+    system: str = SYSTEM_PROMPT
+    #: ids of the tool calls of the last reply, answered before the next user message
+    open_calls: list[str] = attrs.field(factory=list)
 
     def __attrs_post_init__(self) -> None:
         if not self.messages:
-            self.messages.append({"role": "system", "content": SYSTEM_PROMPT})
+            self.messages.append({"role": "system", "content": self.system})
 
     def next_user_turn(self) -> tuple[dict[str, Any], ...]:
-        """Append the next user message and return the history to submit."""
-        text = filler_text(self.seed, "agent", self.index, self.turns_done + 1, words=self.turn_words)
+        """Append a tool result for each call of the last reply, then the next user message,
+        and return the history to submit."""
+        turn = self.turns_done + 1
+        for n, call_id in enumerate(self.open_calls):
+            self.messages.append({"role": "tool", "tool_call_id": call_id,
+                                  "content": filler_text(self.seed, "agent-tool", self.index, turn, n,
+                                                         words=self.turn_words)})
+        self.open_calls = []
+        text = filler_text(self.seed, "agent", self.index, turn, words=self.turn_words)
         self.messages.append({"role": "user", "content": text})
         return tuple(dict(message) for message in self.messages)
 
-    def record_reply(self, content: str, reasoning: str) -> None:
-        """Append the assistant reply exactly as the client received it."""
+    def record_reply(self, content: str, reasoning: str, tool_calls: list[dict[str, Any]] | None = None) -> None:
+        """Append the assistant reply exactly as the client received it (its tool calls too)."""
         message: dict[str, Any] = {"role": "assistant", "content": content}
         if reasoning:
             message["reasoning_content"] = reasoning
+        if tool_calls:
+            message["tool_calls"] = tool_calls
+            self.open_calls = [call.get("id") or f"call_{self.index}_{self.turns_done}_{n}"
+                               for n, call in enumerate(tool_calls)]
+            for call, call_id in zip(tool_calls, self.open_calls):
+                call["id"] = call_id
         self.messages.append(message)
         self.turns_done += 1

@@ -14,7 +14,11 @@ workloads:
   agent  --conversations conversations of --turns turns in named sessions; each
          turn adds the reply and a new user message of about --prompt-tokens
          tokens, then the last turn's history is replayed without a session;
-         the run deletes its sessions when its turns end (and when interrupted)
+         the run deletes its sessions when its turns end (and when interrupted).
+         --shared-system-tokens N opens every conversation with the same system
+         prompt of about N tokens (a coding agent's rules and project notes) and
+         --tools sends ten tool definitions each turn; a reply's tool calls are
+         answered with a tool result before the next user message
 
 apis (--api):
   chat       Chat Completions, the workloads above (the default)
@@ -53,6 +57,11 @@ def main(argv: list[str]) -> int:
                    help="the API to drive (default chat; see below)")
     p.add_argument("--system-tokens", type=int, default=12000,
                    help="--api messages|responses: approximate tokens of the system prompt (default 12000)")
+    p.add_argument("--shared-system-tokens", type=int, default=0,
+                   help="agent over chat: a system prompt of about N tokens shared by every conversation "
+                        "(default 0: one line)")
+    p.add_argument("--tools", action="store_true",
+                   help="agent over chat: send a coding agent's ten tool definitions with every turn")
     p.add_argument("--concurrency", "-c", type=int, default=1, help="concurrent clients (default 1)")
     p.add_argument("--requests", "-n", type=int, default=16, help="chat: number of requests (default 16)")
     p.add_argument("--conversations", type=int, default=None, help="agent: conversations (default: --concurrency)")
@@ -95,6 +104,7 @@ def main(argv: list[str]) -> int:
             conversations=args.conversations, turns=args.turns, max_tokens=args.max_tokens,
             prompt_tokens=args.prompt_tokens, seed=args.seed, timeout=args.timeout, api_key=args.api_key,
             baseline=args.baseline, api=args.api, system_tokens=args.system_tokens,
+            shared_system_tokens=args.shared_system_tokens, tools=args.tools,
         )
     except ValueError as exc:
         raise ConfigError(str(exc).replace("_", "-")) from None

@@ -106,7 +106,7 @@ def test_cli_json(server, capsys):
     payload = json.loads(capsys.readouterr().out)
     assert payload["workload"] == "chat" and payload["requests"] == 2 and payload["errors"] == 0
     assert payload["output_tokens"] == 6
-    assert set(payload["ttft"]) == {"count", "p50", "p95", "mean"}
+    assert set(payload["ttft"]) == {"count", "p50", "p95", "p99", "mean"}
 
 
 def test_cli_reports_unreachable_server(capsys):
@@ -353,3 +353,27 @@ def test_each_replayed_conversation_frees_its_sessions_for_the_next(server):
     assert [t.requests for t in report.replay.cli.turns] == [3, 3]
     assert all(r.turns[1].cached_tokens >= r.turns[0].prompt_tokens for r in (report.replay.cli, report.replay.reference))
     assert soft_and_bench_sessions(server.url) == []
+
+
+def test_agent_shares_a_long_system_prompt_and_sends_tools(server):
+    config = BenchConfig(url=server.url, workload="agent", concurrency=2, conversations=2, turns=2,
+                         max_tokens=MAX_TOKENS, prompt_tokens=40, timeout=120, baseline=False,
+                         shared_system_tokens=600, tools=True)
+    report, sent = run_recording(config)
+    assert report.errors == 0 and len(sent) == 4
+    systems = {body["messages"][0]["content"] for _, _, body in sent}
+    assert len(systems) == 1 and len(next(iter(systems)).split()) > 150  # one long prompt, shared
+    assert all(len(body["tools"]) == 10 and body["tools"][0]["type"] == "function" for _, _, body in sent)
+    first_turns = [t for t in report.turns if t.turn == 1]
+    assert first_turns[0].prompt_tokens / 2 >= 600  # each first turn holds the system prompt (and tools)
+    with pytest.raises(ValueError, match="agent workload over Chat Completions"):
+        BenchConfig(workload="chat", shared_system_tokens=100)
+
+
+def test_tool_calls_are_answered_before_the_next_user_message():
+    conversation = Conversation(0, "s", seed=1, turn_words=10)
+    conversation.next_user_turn()
+    conversation.record_reply("", "", [{"type": "function", "function": {"name": "Read", "arguments": "{}"}}])
+    history = conversation.next_user_turn()
+    assert [m["role"] for m in history] == ["system", "user", "assistant", "tool", "user"]
+    assert history[3]["tool_call_id"] == history[2]["tool_calls"][0]["id"]

@@ -85,4 +85,7 @@ def load_draft(path: str, device: torch.device, dtype: torch.dtype, progress=Non
 def load_speculator(path: str, executor: Any, options: ExecutorOptions, n_draft: int) -> DFlashSpeculator:
     head, device, dtype = target_head(executor, options)
     draft = load_draft(path, device, dtype, options.progress)
-    return DFlashSpeculator(draft, head, n_draft, executor.block_size)
+    speculator = DFlashSpeculator(draft, head, n_draft, executor.block_size)
+    from musegl_dflash.replay import benchmark_replay  # BENCHMARK ONLY, off unless its variable is set
+
+    return benchmark_replay(speculator, n_draft)
