@@ -37,15 +37,15 @@ from __future__ import annotations
 
 import json
 import secrets
-import time
 import uuid
+from collections.abc import AsyncIterator
 from typing import Any
 
 import attrs
 import httpx
 
 from musegl_core.bench import agent_script
-from musegl_core.bench.client import RequestResult, stream_chat
+from musegl_core.bench.client import OutputClock, RequestResult, error_text, post_stream, read_chat
 from musegl_core.constrain.lark_embed import LARK_KEY
 
 #: The values ``musegl bench --api`` accepts.
@@ -86,6 +86,13 @@ class _Conversation:
     turn: int = 0
     #: (call id, kind) of the calls in the previous answer, answered at the next turn
     pending: list[tuple[str, str]] = attrs.field(factory=list)
+    #: the client's conversation key (the Chat Completions reference's: its session's name)
+    session_key: str = attrs.field(factory=lambda: str(uuid.uuid4()))
+
+    @property
+    def session_name(self) -> str:
+        """The session the server runs the conversation in."""
+        return _SESSION_PREFIXES[self.api] + self.session_key
 
     def _next_parts(self) -> tuple[str | None, list[tuple[str, str, str]]]:
         """The next turn's user text, or the tool results ``(call id, kind, output)`` to send."""
@@ -107,18 +114,24 @@ class _Conversation:
         base = self.base_url.rstrip("/").removesuffix("/v1")
         return f"{base}/v1/{path}"
 
+    def next_request(self) -> tuple[str, dict[str, str], dict[str, Any]]:
+        """The next turn's URL, headers and body (the history resent in full)."""
+        raise NotImplementedError
+
+    async def send(self, client: httpx.AsyncClient, result: RequestResult) -> RequestResult:
+        """Send the next turn and read its answer into ``result``."""
+        url, headers, body = self.next_request()
+        result.request_bytes = len(json.dumps(body))
+        read, end = _READERS[self.api]
+        return await post_stream(client, url, body, result, read, headers=headers, end=end)
+
 
 @attrs.define
 class MessagesConversation(_Conversation):
     """Claude Code's conversation: ``/v1/messages?beta=true``."""
 
     api: str = "messages"
-    session_key: str = attrs.field(factory=lambda: str(uuid.uuid4()))
     messages: list[dict[str, Any]] = attrs.field(factory=list)
-
-    @property
-    def session_name(self) -> str:
-        return f"claude-code:{self.session_key}"
 
     def system_blocks(self, nonce: str) -> list[dict[str, Any]]:
         text = agent_script.system_text(self.seed, self.workspace, words=self.sizes.system_words)
@@ -163,23 +176,13 @@ class MessagesConversation(_Conversation):
         self.messages.append({"role": "assistant", "content": content or [{"type": "text", "text": ""}]})
         self.pending = [(block["id"], "tool_use") for block in result.reply if block["type"] == "tool_use"]
 
-    async def send(self, client: httpx.AsyncClient, result: RequestResult) -> RequestResult:
-        url, headers, body = self.next_request()
-        result.request_bytes = len(json.dumps(body))
-        return await stream_messages(client, url, headers, body, result)
-
 
 @attrs.define
 class ResponsesConversation(_Conversation):
     """Codex CLI's conversation: ``/v1/responses`` with ``store: false``."""
 
     api: str = "responses"
-    session_key: str = attrs.field(factory=lambda: str(uuid.uuid4()))
     items: list[dict[str, Any]] = attrs.field(factory=list)
-
-    @property
-    def session_name(self) -> str:
-        return f"codex:{self.session_key}"
 
     def next_request(self) -> tuple[str, dict[str, str], dict[str, Any]]:
         text, results = self._next_parts()
@@ -244,11 +247,6 @@ class ResponsesConversation(_Conversation):
                 self.items.append(echoed)
                 self.pending.append((item["call_id"], kind))
 
-    async def send(self, client: httpx.AsyncClient, result: RequestResult) -> RequestResult:
-        url, headers, body = self.next_request()
-        result.request_bytes = len(json.dumps(body))
-        return await stream_responses(client, url, headers, body, result)
-
 
 @attrs.define
 class ChatConversation(_Conversation):
@@ -257,12 +255,7 @@ class ChatConversation(_Conversation):
     api: str = "chat"
     #: the conversation it mirrors (``messages`` or ``responses``): same system text and tools
     mirrors: str = "messages"
-    session_key: str = ""
     messages: list[dict[str, Any]] = attrs.field(factory=list)
-
-    @property
-    def session_name(self) -> str:
-        return self.session_key
 
     def next_request(self) -> tuple[str, dict[str, str], dict[str, Any]]:
         text, results = self._next_parts()
@@ -314,101 +307,49 @@ class ChatConversation(_Conversation):
             self.pending = [(call["id"], "tool") for call in result.reply]
         self.messages.append(message)
 
-    async def send(self, client: httpx.AsyncClient, result: RequestResult) -> RequestResult:
-        url, headers, body = self.next_request()
-        result.request_bytes = len(json.dumps(body))
-        return await stream_chat(client, url, body, result, headers=headers)
 
 
 # -- stream readers -----------------------------------------------------------------------
-
-
-def _first_output(result: RequestResult, start: float, last: list[float | None]) -> None:
-    now = time.perf_counter()
-    if last[0] is None:
-        result.ttft = now - start
-    else:
-        result.itls.append(now - last[0])
-    last[0] = now
-
-
-def _error(payload: Any) -> str:
-    error = payload.get("error") if isinstance(payload, dict) else None
-    if isinstance(error, dict):
-        code = error.get("code") or error.get("type") or "error"
-        return f"{code}: {error.get('message', '')}".strip()
-    return str(payload)[:200]
-
-
-async def _events(client: httpx.AsyncClient, url: str, headers: dict, body: dict, result: RequestResult):
-    """The JSON ``data:`` payloads of the SSE answer (an error status fills ``result.error``)."""
-    async with client.stream("POST", url, json=body, headers=headers) as response:
-        if response.status_code != 200:
-            raw = await response.aread()
-            try:
-                payload = json.loads(raw)
-            except ValueError:
-                payload = raw[:200].decode(errors="replace")
-            result.error = f"HTTP {response.status_code} {_error(payload)}"
-            return
-        async for line in response.aiter_lines():
-            if line.startswith("data:"):
-                yield json.loads(line[5:].strip())
-
-
-async def stream_messages(client: httpx.AsyncClient, url: str, headers: dict, body: dict,
-                          result: RequestResult) -> RequestResult:
-    """Send a Messages request and fill ``result`` (``reply``: the content blocks, in order)."""
-    result.started = start = time.perf_counter()
-    last: list[float | None] = [None]
-    blocks: dict[int, dict[str, Any]] = {}
+async def _read_messages(data: AsyncIterator[str], result: RequestResult, clock: OutputClock,
+                         blocks: dict[int, dict[str, Any]]) -> bool:
+    """Messages events; ``blocks``: the content blocks by index."""
     partial: dict[int, str] = {}
-    done = False
-    try:
-        async for event in _events(client, url, headers, body, result):
-            kind = event.get("type")
-            if kind == "content_block_start":
-                blocks[event["index"]] = dict(event["content_block"])
-            elif kind == "content_block_delta":
-                block, delta = blocks[event["index"]], event["delta"]
-                piece = delta.get("text") or delta.get("thinking") or delta.get("partial_json") or ""
-                if delta["type"] == "text_delta":
-                    block["text"] += piece
-                    result.content += piece
-                elif delta["type"] == "thinking_delta":
-                    block["thinking"] += piece
-                    result.reasoning += piece
-                elif delta["type"] == "signature_delta":
-                    block["signature"] = delta["signature"]
-                elif delta["type"] == "input_json_delta":
-                    partial[event["index"]] = partial.get(event["index"], "") + piece
-                if piece:
-                    _first_output(result, start, last)
-            elif kind == "content_block_stop" and event["index"] in partial:
-                blocks[event["index"]]["input"] = json.loads(partial.pop(event["index"]) or "{}")
-            elif kind in ("message_start", "message_delta"):
-                usage = (event.get("message") or event).get("usage") or {}
-                cached = int(usage.get("cache_read_input_tokens") or 0)
-                result.prompt_tokens = (int(usage.get("input_tokens") or 0) + cached
-                                        + int(usage.get("cache_creation_input_tokens") or 0))
-                result.cached_tokens = cached
-                result.output_tokens = int(usage.get("output_tokens") or 0)
-                result.finish_reason = (event.get("delta") or {}).get("stop_reason") or result.finish_reason
-            elif kind == "message_stop":
-                done = True
-                break
-            elif kind == "error":
-                result.error = "stream " + _error(event)
-                break
-    except httpx.HTTPError as exc:
-        result.error = f"{type(exc).__name__}: {exc}".rstrip(": ")
-    except (ValueError, KeyError) as exc:
-        result.error = f"bad SSE data: {exc!r}"
-    result.latency = time.perf_counter() - start
-    result.reply = [blocks[i] for i in sorted(blocks)]
-    if result.error is None and not done:
-        result.error = "the stream ended without message_stop"
-    return result
+    async for line in data:
+        event = json.loads(line)
+        kind = event.get("type")
+        if kind == "content_block_start":
+            blocks[event["index"]] = dict(event["content_block"])
+        elif kind == "content_block_delta":
+            block, delta = blocks[event["index"]], event["delta"]
+            piece = delta.get("text") or delta.get("thinking") or delta.get("partial_json") or ""
+            if delta["type"] == "text_delta":
+                block["text"] += piece
+                result.content += piece
+            elif delta["type"] == "thinking_delta":
+                block["thinking"] += piece
+                result.reasoning += piece
+            elif delta["type"] == "signature_delta":
+                block["signature"] = delta["signature"]
+            elif delta["type"] == "input_json_delta":
+                partial[event["index"]] = partial.get(event["index"], "") + piece
+            if piece:
+                clock.output(result)
+        elif kind == "content_block_stop" and event["index"] in partial:
+            blocks[event["index"]]["input"] = json.loads(partial.pop(event["index"]) or "{}")
+        elif kind in ("message_start", "message_delta"):
+            usage = (event.get("message") or event).get("usage") or {}
+            cached = int(usage.get("cache_read_input_tokens") or 0)
+            result.prompt_tokens = (int(usage.get("input_tokens") or 0) + cached
+                                    + int(usage.get("cache_creation_input_tokens") or 0))
+            result.cached_tokens = cached
+            result.output_tokens = int(usage.get("output_tokens") or 0)
+            result.finish_reason = (event.get("delta") or {}).get("stop_reason") or result.finish_reason
+        elif kind == "message_stop":
+            return True
+        elif kind == "error":
+            result.error = "stream " + error_text(event, str(event)[:200])
+            return False
+    return False
 
 
 #: Responses events that carry generated output (the summary deltas repeat the reasoning: not timed).
@@ -416,43 +357,38 @@ _OUTPUT_DELTAS = ("response.output_text.delta", "response.reasoning_text.delta",
                   "response.function_call_arguments.delta", "response.custom_tool_call_input.delta")
 
 
-async def stream_responses(client: httpx.AsyncClient, url: str, headers: dict, body: dict,
-                           result: RequestResult) -> RequestResult:
-    """Send a Responses request and fill ``result`` (``reply``: the output items, in order)."""
-    result.started = start = time.perf_counter()
-    last: list[float | None] = [None]
-    items: dict[int, dict[str, Any]] = {}
-    done = False
-    try:
-        async for event in _events(client, url, headers, body, result):
-            kind = event.get("type", "")
-            if kind in _OUTPUT_DELTAS and event.get("delta"):
-                _first_output(result, start, last)
-                if kind == "response.output_text.delta":
-                    result.content += event["delta"]
-                elif kind == "response.reasoning_text.delta":
-                    result.reasoning += event["delta"]
-            elif kind == "response.output_item.done":
-                items[event["output_index"]] = event["item"]
-            elif kind in ("response.completed", "response.incomplete"):
-                response = event["response"]
-                usage = response.get("usage") or {}
-                result.prompt_tokens = int(usage.get("input_tokens") or 0)
-                result.cached_tokens = int((usage.get("input_tokens_details") or {}).get("cached_tokens") or 0)
-                result.output_tokens = int(usage.get("output_tokens") or 0)
-                result.finish_reason = ((response.get("incomplete_details") or {}).get("reason")
-                                        or response.get("status"))
-                done = True
-                break
-            elif kind in ("response.failed", "error"):
-                result.error = "stream " + _error(event.get("response") or event)
-                break
-    except httpx.HTTPError as exc:
-        result.error = f"{type(exc).__name__}: {exc}".rstrip(": ")
-    except (ValueError, KeyError) as exc:
-        result.error = f"bad SSE data: {exc!r}"
-    result.latency = time.perf_counter() - start
-    result.reply = [items[i] for i in sorted(items)]
-    if result.error is None and not done:
-        result.error = "the stream ended without response.completed"
-    return result
+async def _read_responses(data: AsyncIterator[str], result: RequestResult, clock: OutputClock,
+                          items: dict[int, dict[str, Any]]) -> bool:
+    """Responses events; ``items``: the output items by index."""
+    async for line in data:
+        event = json.loads(line)
+        kind = event.get("type", "")
+        if kind in _OUTPUT_DELTAS and event.get("delta"):
+            clock.output(result)
+            if kind == "response.output_text.delta":
+                result.content += event["delta"]
+            elif kind == "response.reasoning_text.delta":
+                result.reasoning += event["delta"]
+        elif kind == "response.output_item.done":
+            items[event["output_index"]] = event["item"]
+        elif kind in ("response.completed", "response.incomplete"):
+            response = event["response"]
+            usage = response.get("usage") or {}
+            result.prompt_tokens = int(usage.get("input_tokens") or 0)
+            result.cached_tokens = int((usage.get("input_tokens_details") or {}).get("cached_tokens") or 0)
+            result.output_tokens = int(usage.get("output_tokens") or 0)
+            result.finish_reason = ((response.get("incomplete_details") or {}).get("reason")
+                                    or response.get("status"))
+            return True
+        elif kind in ("response.failed", "error"):
+            payload = event.get("response") or event
+            result.error = "stream " + error_text(payload, str(payload)[:200])
+            return False
+    return False
+
+
+#: the soft session the surfaces name after a CLI's conversation key (the reference's key is its name)
+_SESSION_PREFIXES = {"messages": "claude-code:", "responses": "codex:", "chat": ""}
+#: each API's stream reader and the event that ends its stream
+_READERS = {"chat": (read_chat, "[DONE]"), "messages": (_read_messages, "message_stop"),
+            "responses": (_read_responses, "response.completed")}

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import attrs
@@ -87,7 +88,8 @@ def chat_body(
     return body
 
 
-def _error_text(payload: Any, fallback: str) -> str:
+def error_text(payload: Any, fallback: str) -> str:
+    """An error body's ``code: message`` (OpenAI's and Anthropic's error objects), or ``fallback``."""
     error = payload.get("error") if isinstance(payload, dict) else None
     if isinstance(error, dict):
         code = error.get("code") or error.get("type") or "error"
@@ -95,70 +97,103 @@ def _error_text(payload: Any, fallback: str) -> str:
     return fallback
 
 
+@attrs.define
+class OutputClock:
+    """Times a stream's output: the first piece is the TTFT, each later one an inter-token latency."""
+
+    start: float
+    last: float | None = None
+
+    def output(self, result: RequestResult) -> None:
+        now = time.perf_counter()
+        if self.last is None:
+            result.ttft = now - self.start
+        else:
+            result.itls.append(now - self.last)
+        self.last = now
+
+
+#: A stream reader: takes the ``data:`` payloads, fills the result (``reply``: index -> item,
+#: in the API's own shape), and says whether the stream reached its end.
+Reader = Callable[[AsyncIterator[str], RequestResult, OutputClock, dict[int, dict[str, Any]]], Awaitable[bool]]
+
+
+async def _data(client: httpx.AsyncClient, url: str, body: dict[str, Any], headers: dict[str, str] | None,
+                result: RequestResult) -> AsyncIterator[str]:
+    """The ``data:`` payloads of the SSE answer, as text; an error status fills ``result.error``."""
+    async with client.stream("POST", url, json=body, headers=headers) as response:
+        if response.status_code != 200:
+            raw = await response.aread()
+            try:
+                payload = json.loads(raw)
+            except ValueError:
+                payload = None
+            result.error = f"HTTP {response.status_code} " + error_text(payload, raw[:200].decode(errors="replace"))
+            return
+        async for line in response.aiter_lines():
+            if line.startswith("data:"):  # not blank separators and keepalive comments
+                yield line[5:].strip()
+
+
+async def post_stream(client: httpx.AsyncClient, url: str, body: dict[str, Any], result: RequestResult,
+                      read: Reader, *, headers: dict[str, str] | None = None,
+                      end: str = "[DONE]") -> RequestResult:
+    """Send ``body`` and fill ``result`` with ``read``; a transport error, data that is not
+    JSON or a stream that stops before its ``end`` becomes ``result.error``."""
+    result.started = start = time.perf_counter()
+    reply: dict[int, dict[str, Any]] = {}
+    done = False
+    try:
+        done = await read(_data(client, url, body, headers, result), result, OutputClock(start), reply)
+    except httpx.HTTPError as exc:
+        result.error = f"{type(exc).__name__}: {exc}".rstrip(": ")
+    except (ValueError, KeyError) as exc:  # a data line that is not JSON, an event without its fields
+        result.error = f"bad SSE data: {exc!r}"
+    result.latency = time.perf_counter() - start
+    result.reply = [reply[i] for i in sorted(reply)]
+    if result.error is None and not done:
+        result.error = f"the stream ended without {end}"
+    return result
+
+
+async def read_chat(data: AsyncIterator[str], result: RequestResult, clock: OutputClock,
+                     calls: dict[int, dict[str, Any]]) -> bool:
+    """Chat Completions chunks; tool calls merged from their deltas."""
+    async for line in data:
+        if line == "[DONE]":
+            return True
+        chunk = json.loads(line)
+        if "error" in chunk:
+            result.error = "stream " + error_text(chunk, "error")
+            return False
+        usage = chunk.get("usage")
+        if usage:
+            result.output_tokens = int(usage.get("completion_tokens") or 0)
+            result.prompt_tokens = int(usage.get("prompt_tokens") or 0)
+            details = usage.get("prompt_tokens_details") or {}
+            result.cached_tokens = int(details.get("cached_tokens") or 0)
+        for choice in chunk.get("choices") or ():
+            delta = choice.get("delta") or {}
+            text = delta.get("content") or ""
+            reasoning = delta.get("reasoning_content") or ""
+            for call in delta.get("tool_calls") or ():
+                merged = calls.setdefault(int(call.get("index") or 0),
+                                          {"type": "function", "function": {"name": "", "arguments": ""}})
+                merged["id"] = call.get("id") or merged.get("id", "")
+                function = call.get("function") or {}
+                merged["function"]["name"] += function.get("name") or ""
+                merged["function"]["arguments"] += function.get("arguments") or ""
+            if text or reasoning or delta.get("tool_calls"):
+                clock.output(result)
+                result.content += text
+                result.reasoning += reasoning
+            if choice.get("finish_reason"):
+                result.finish_reason = choice["finish_reason"]
+    return False
+
+
 async def stream_chat(client: httpx.AsyncClient, url: str, body: dict[str, Any], result: RequestResult,
                       *, headers: dict[str, str] | None = None) -> RequestResult:
     """Send ``body`` to ``url`` and fill ``result`` from the SSE stream (tool calls, merged
     from their deltas, go to ``result.reply``)."""
-    result.started = start = time.perf_counter()
-    last_delta: float | None = None
-    done = False
-    calls: dict[int, dict[str, Any]] = {}
-    try:
-        async with client.stream("POST", url, json=body, headers=headers) as response:
-            if response.status_code != 200:
-                raw = await response.aread()
-                try:
-                    payload = json.loads(raw)
-                except ValueError:
-                    payload = None
-                result.error = f"HTTP {response.status_code} " + _error_text(payload, raw[:200].decode(errors="replace"))
-                result.latency = time.perf_counter() - start
-                return result
-            async for line in response.aiter_lines():
-                if not line.startswith("data:"):
-                    continue  # blank separators and keepalive comments
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    done = True
-                    break
-                chunk = json.loads(data)
-                if "error" in chunk:
-                    result.error = "stream " + _error_text(chunk, "error")
-                    break
-                usage = chunk.get("usage")
-                if usage:
-                    result.output_tokens = int(usage.get("completion_tokens") or 0)
-                    result.prompt_tokens = int(usage.get("prompt_tokens") or 0)
-                    details = usage.get("prompt_tokens_details") or {}
-                    result.cached_tokens = int(details.get("cached_tokens") or 0)
-                for choice in chunk.get("choices") or ():
-                    delta = choice.get("delta") or {}
-                    text = delta.get("content") or ""
-                    reasoning = delta.get("reasoning_content") or ""
-                    for call in delta.get("tool_calls") or ():
-                        merged = calls.setdefault(int(call.get("index") or 0),
-                                                  {"type": "function", "function": {"name": "", "arguments": ""}})
-                        merged["id"] = call.get("id") or merged.get("id", "")
-                        function = call.get("function") or {}
-                        merged["function"]["name"] += function.get("name") or ""
-                        merged["function"]["arguments"] += function.get("arguments") or ""
-                    if text or reasoning or delta.get("tool_calls"):
-                        now = time.perf_counter()
-                        if last_delta is None:
-                            result.ttft = now - start
-                        else:
-                            result.itls.append(now - last_delta)
-                        last_delta = now
-                        result.content += text
-                        result.reasoning += reasoning
-                    if choice.get("finish_reason"):
-                        result.finish_reason = choice["finish_reason"]
-    except httpx.HTTPError as exc:
-        result.error = f"{type(exc).__name__}: {exc}".rstrip(": ")
-    except ValueError as exc:  # a data line that is not JSON
-        result.error = f"bad SSE data: {exc}"
-    result.latency = time.perf_counter() - start
-    result.reply = [calls[i] for i in sorted(calls)]
-    if result.error is None and not done:
-        result.error = "the stream ended without [DONE]"
-    return result
+    return await post_stream(client, url, body, result, read_chat, headers=headers)
