@@ -124,3 +124,23 @@ def test_a_delete_naming_another_session_in_x_session_id_is_refused(server):
     assert [s["id"] for s in httpx.get(f"{server.url}/v1/sessions", timeout=30).json()["data"]] == ["kept"]
     response = httpx.delete(f"{server.url}/v1/sessions/kept", headers={"X-Session-Id": "kept"}, timeout=30)
     assert response.status_code == 200, response.text
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_messages_and_responses_echo_the_named_session_too(server, stream):
+    name = f"plugin-echo-{int(stream)}"
+    messages = httpx.post(f"{server.url}/v1/messages", headers={"X-Session-Id": f"{name}-m"}, timeout=60,
+                          json={"model": "m", "max_tokens": 30, "stream": stream,
+                                "messages": [{"role": "user", "content": "hello"}]})
+    assert messages.status_code == 200, messages.text
+    assert messages.headers["x-session-id"] == f"{name}-m"
+    responses = httpx.post(f"{server.url}/v1/responses", headers={"X-Session-Id": f"{name}-r"}, timeout=60,
+                           json={"model": "m", "max_output_tokens": 30, "stream": stream, "store": False,
+                                 "input": "hello"})
+    assert responses.status_code == 200, responses.text
+    assert responses.headers["x-session-id"] == f"{name}-r"
+    anonymous = httpx.post(f"{server.url}/v1/messages", timeout=60,
+                           json={"model": "m", "max_tokens": 30, "messages": [{"role": "user", "content": "hi"}]})
+    assert "x-session-id" not in anonymous.headers
+    for session in (f"{name}-m", f"{name}-r"):
+        assert httpx.delete(f"{server.url}/v1/sessions/{session}", timeout=30).status_code == 200

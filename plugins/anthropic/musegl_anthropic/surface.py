@@ -35,6 +35,7 @@ from musegl_core.http import schemas as s
 from musegl_core.http import sse
 from musegl_core.http.surface import ApiSurface, unless_disconnected
 from musegl_core.service import events as ev
+from musegl_core.service.sessions import session_echo
 from musegl_anthropic import errors
 from musegl_anthropic import schemas as a
 from musegl_anthropic.blocks import BlockWriter
@@ -127,15 +128,16 @@ class MessagesSurface(ApiSurface):
         plan = service.prepare(call.conversation, request_id=rid)
         service.require_ready()
         generation = service.generation(plan, arrived=arrived)
+        echo = session_echo(plan.generate.session_id, plan.generate.soft_session)
         writer = BlockWriter(message_id=rid, model=call.model, output=generation.outputs[0], seal=context.seal,
                              tokenizer=service.tokenizer, omit_thinking_text=call.omit_thinking_text)
         if not call.stream:
             message = await unless_disconnected(request, self._complete(generation, writer))
-            return Response(s.to_json(message), media_type="application/json")
+            return Response(s.to_json(message), media_type="application/json", headers=echo)
         await unless_disconnected(request, generation.open(until="admitted"))
         writer.prompt = generation.counts(0) or writer.prompt  # message_start's exact counts
         body = sse.with_keepalive(self._stream(generation, writer), PING, PING_INTERVAL)
-        return Stream(body, media_type=sse.MEDIA_TYPE, headers=sse.HEADERS)
+        return Stream(body, media_type=sse.MEDIA_TYPE, headers={**sse.HEADERS, **echo})
 
     @staticmethod
     async def _complete(generation: Any, writer: BlockWriter) -> a.Message:

@@ -35,6 +35,7 @@ from musegl_core.http import schemas as s
 from musegl_core.http import sse
 from musegl_core.http.surface import ApiSurface, unless_disconnected
 from musegl_core.service import events as ev
+from musegl_core.service.sessions import session_echo
 from musegl_core.tokenizer import TokenizationError
 
 from musegl_responses import schemas as rs
@@ -200,20 +201,22 @@ class ResponsesSurface(ApiSurface):
             service.require_ready()
             prepared = service.prepare(plan.conversation, request_id=plan.id)
             generation = service.generation(prepared, arrived=arrived)
+            echo = session_echo(prepared.generate.session_id, prepared.generate.soft_session)
             builder = ResponseBuilder(plan, context.served_model.name, seal=context.seal, tokenizer=service.tokenizer)
             builder.output_assembler = generation.outputs[0]
             running = Running(builder)
             if not plan.conversation.settings.stream:
                 return Response(await unless_disconnected(request, surface._complete(generation, builder, running)),
-                                media_type="application/json")
+                                media_type="application/json", headers=echo)
             try:
                 await unless_disconnected(request, generation.open(until="admitted"))
             except ApiError as error:
                 if error.code != "context_length_exceeded":
                     raise
-                return Stream(surface._failed_stream(builder, error), media_type=sse.MEDIA_TYPE, headers=sse.HEADERS)
+                return Stream(surface._failed_stream(builder, error), media_type=sse.MEDIA_TYPE,
+                              headers={**sse.HEADERS, **echo})
             return Stream(surface._stream(generation, builder, running), media_type=sse.MEDIA_TYPE,
-                          headers=sse.HEADERS)
+                          headers={**sse.HEADERS, **echo})
 
         @post("/v1/responses/input_tokens", status_code=200,
               operation_class=openapi.operation(body=rs.ResponseRequest, responses={200: rs.InputTokens, **_ERRORS}))
