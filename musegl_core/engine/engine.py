@@ -548,6 +548,7 @@ class Engine:
     # -- one forward -----------------------------------------------------------------
     def _propose_drafts(self) -> None:
         """Ask the speculator for drafts for the sequences the next step decodes."""
+        self._on_device = None  # drafts of a step that was never planned are not this step's
         if not self.speculator.max_draft:
             return
         requests = []
