@@ -345,9 +345,11 @@ class SamplerGraphs:
     :class:`~musegl_cuda.graphs.DecodeGraphs`' logits (see the module docstring)."""
 
     def __init__(self, decode, vocab: int | None = None) -> None:
-        """``vocab``: the logits' width (None: the model's vocabulary)."""
+        """``vocab``: the logits' width (None: that of the captured decode graphs' logits)."""
         self.decode = decode
-        self.vocab = vocab = decode.model.config.vocab_size if vocab is None else vocab
+        if vocab is None:
+            vocab = decode.logits[decode.widest].shape[-1]
+        self.vocab = vocab
         device = decode.last_ids.device
         self.inputs = SamplerInputs(decode.widest, vocab, device)
         self.out = SamplerOutputs.on(decode.last_ids)
