@@ -172,6 +172,9 @@ class BenchReport:
     #: ``chat`` (Chat Completions), ``messages`` or ``responses`` (the CLI replays)
     api: str = "chat"
     replay: ReplaySummary | None = None
+    #: devices the server's model spans (``--tensor-parallel-size``), and the output tokens/s per device
+    tensor_parallel_size: int = 1
+    output_tokens_per_s_per_device: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict (what ``musegl bench --json`` prints)."""
@@ -210,6 +213,7 @@ def build_report(
     sessions_left: dict[str, str] | None = None,
     api: str = "chat",
     references: Sequence[RequestResult] = (),
+    tensor_parallel_size: int = 1,
 ) -> BenchReport:
     """Aggregate the measured ``results`` (and the agent ``baselines``) of one run; an ``--api``
     replay's ``results`` are the CLI's turns and ``references`` its Chat Completions turns."""
@@ -259,6 +263,8 @@ def build_report(
         sessions_left=dict(sessions_left or {}),
         api=api,
         replay=replay_summary(api, results, references) if api != "chat" else None,
+        tensor_parallel_size=tensor_parallel_size,
+        output_tokens_per_s_per_device=output / duration / tensor_parallel_size,
     )
 
 
@@ -373,6 +379,9 @@ def render(report: BenchReport, console: Console) -> None:
     summary.add_row("duration", f"{report.duration_s:.2f} s")
     summary.add_row("requests/s", f"{report.requests_per_s:.3f}")
     summary.add_row("output tokens/s", f"{report.output_tokens_per_s:.2f}")
+    if report.tensor_parallel_size > 1:
+        summary.add_row(f"output tokens/s per device ({report.tensor_parallel_size} devices)",
+                        f"{report.output_tokens_per_s_per_device:.2f}")
     summary.add_row("output tokens", str(report.output_tokens))
     summary.add_row("prompt tokens (cached)", f"{report.prompt_tokens} ({report.cached_tokens})")
     summary.add_row("cached-token ratio", f"{report.cached_ratio:.1%}")

@@ -100,6 +100,9 @@ class BenchConfig:
     shared_system_tokens: int = attrs.field(default=0, validator=attrs.validators.ge(0))
     #: ``agent`` over Chat Completions: send the coding agent's ten tool definitions with every turn
     tools: bool = False
+    #: devices the server's model spans (its ``--tensor-parallel-size``): the report adds the
+    #: output throughput per device, the figure tensor parallelism and replicas compare by
+    tensor_parallel_size: int = attrs.field(default=1, validator=_positive)
 
     def __attrs_post_init__(self) -> None:
         if self.api != "chat" and self.workload != "agent":
@@ -416,6 +419,7 @@ async def run_bench_async(config: BenchConfig, *, progress: bool = True,
         sessions_left=dict(cleanup.left),
         api=config.api,
         references=references,
+        tensor_parallel_size=config.tensor_parallel_size,
     )
 
 

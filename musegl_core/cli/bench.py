@@ -75,6 +75,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--seed", type=int, default=0, help="seed of the filler text (default 0)")
     p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout in seconds (default 600)")
     p.add_argument("--api-key", default=None, help="bearer token (env MUSEGL_API_KEY)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+                   help="devices the server's model spans (its --tensor-parallel-size): the report adds the "
+                        "output tokens/s per device, to compare tensor parallelism with replicas (default 1)")
     p.add_argument("--json", action="store_true", help="print the report as one JSON object")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="hide the progress bar")
     args = p.parse_args(argv)
@@ -105,6 +108,7 @@ def main(argv: list[str]) -> int:
             prompt_tokens=args.prompt_tokens, seed=args.seed, timeout=args.timeout, api_key=args.api_key,
             baseline=args.baseline, api=args.api, system_tokens=args.system_tokens,
             shared_system_tokens=args.shared_system_tokens, tools=args.tools,
+            tensor_parallel_size=args.tensor_parallel_size,
         )
     except ValueError as exc:
         raise ConfigError(str(exc).replace("_", "-")) from None

@@ -377,3 +377,16 @@ def test_tool_calls_are_answered_before_the_next_user_message():
     history = conversation.next_user_turn()
     assert [m["role"] for m in history] == ["system", "user", "assistant", "tool", "user"]
     assert history[3]["tool_call_id"] == history[2]["tool_calls"][0]["id"]
+
+
+def test_tensor_parallel_size_gives_the_throughput_per_device(capsys):
+    from musegl_core.bench.client import RequestResult
+    from musegl_core.bench.report import build_report
+
+    results = [RequestResult("chat", output_tokens=40, ttft=0.1, latency=1.0)]
+    report = build_report(results, url="u", workload="chat", concurrency=1, max_tokens=40, tokens_per_word=1.0,
+                          prompt_overhead=0, duration_s=2.0, tensor_parallel_size=4)
+    assert report.output_tokens_per_s == 20.0 and report.output_tokens_per_s_per_device == 5.0
+    assert report.to_dict()["tensor_parallel_size"] == 4
+    assert cli_main(["bench", "--tensor-parallel-size", "0"]) == 2
+    assert "tensor-parallel-size" in capsys.readouterr().err
