@@ -11,13 +11,13 @@ declared and accepted. The nested shapes (``messages``, ``system``,
 here and are checked by :mod:`musegl_anthropic.request`, whose errors name
 the exact path (``messages[2].content[0].source.type``).
 
-Responses are written with the same converter; ``omittable`` fields vanish
-while ``None``.
+Responses are written with the same converter; a response object's ``type``
+is its class's (:class:`Typed`) and comes first in its JSON.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import attrs
 
@@ -78,27 +78,38 @@ class MessagesRequest:
 
 # -- responses ----------------------------------------------------------------------------
 @attrs.frozen
-class TextBlock:
-    text: str
-    type: str = "text"
+class Typed:
+    """A response object named by its ``type``, which its class fixes
+    (``class TextBlock(Typed, type="text")``); the field comes first, so the
+    JSON writes it first, as Anthropic's API does."""
+
+    TYPE: ClassVar[str] = ""
+    type: str = attrs.field(kw_only=True, default=attrs.Factory(lambda self: self.TYPE, takes_self=True))
+
+    def __init_subclass__(cls, type: str = "", **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.TYPE = type or cls.TYPE  # attrs rebuilds a slotted class without the keyword
 
 
 @attrs.frozen
-class ThinkingBlock:
+class TextBlock(Typed, type="text"):
+    text: str
+
+
+@attrs.frozen
+class ThinkingBlock(Typed, type="thinking"):
     """A reasoning block; ``signature`` seals the generated ids (empty when they
     could not be sealed: the block then goes back as plain text)."""
 
     thinking: str
     signature: str
-    type: str = "thinking"
 
 
 @attrs.frozen
-class ToolUseBlock:
+class ToolUseBlock(Typed, type="tool_use"):
     id: str
     name: str
     input: Any
-    type: str = "tool_use"
 
 
 @attrs.frozen
@@ -114,14 +125,13 @@ class Usage:
 
 
 @attrs.frozen
-class Message:
+class Message(Typed, type="message"):
     id: str
     model: str
     content: list[Any]
     stop_reason: str | None
     stop_sequence: str | None
     usage: Usage
-    type: str = "message"
     role: str = "assistant"
 
 
@@ -132,58 +142,55 @@ class TokenCount:
 
 # -- stream events ---------------------------------------------------------------------------
 @attrs.frozen
-class MessageStart:
+class MessageStart(Typed, type="message_start"):
     message: Message
-    type: str = "message_start"
 
 
 @attrs.frozen
-class Ping:
-    type: str = "ping"
+class Ping(Typed, type="ping"):
+    """Sent while a stream is idle (keepalive)."""
 
 
 @attrs.frozen
-class ContentBlockStart:
+class BlockEvent(Typed):
+    """An event of the content block at ``index`` (its start, a delta, its stop)."""
+
     index: int
+
+
+@attrs.frozen
+class ContentBlockStart(BlockEvent, type="content_block_start"):
     content_block: Any
-    type: str = "content_block_start"
 
 
 @attrs.frozen
-class TextDelta:
+class ContentBlockDelta(BlockEvent, type="content_block_delta"):
+    delta: Any  # a TextDelta, ThinkingDelta, SignatureDelta or InputJsonDelta
+
+
+@attrs.frozen
+class ContentBlockStop(BlockEvent, type="content_block_stop"):
+    """The block at ``index`` is complete."""
+
+
+@attrs.frozen
+class TextDelta(Typed, type="text_delta"):
     text: str
-    type: str = "text_delta"
 
 
 @attrs.frozen
-class ThinkingDelta:
+class ThinkingDelta(Typed, type="thinking_delta"):
     thinking: str
-    type: str = "thinking_delta"
 
 
 @attrs.frozen
-class SignatureDelta:
+class SignatureDelta(Typed, type="signature_delta"):
     signature: str
-    type: str = "signature_delta"
 
 
 @attrs.frozen
-class InputJsonDelta:
+class InputJsonDelta(Typed, type="input_json_delta"):
     partial_json: str
-    type: str = "input_json_delta"
-
-
-@attrs.frozen
-class ContentBlockDelta:
-    index: int
-    delta: Any
-    type: str = "content_block_delta"
-
-
-@attrs.frozen
-class ContentBlockStop:
-    index: int
-    type: str = "content_block_stop"
 
 
 @attrs.frozen
@@ -193,12 +200,11 @@ class StopDelta:
 
 
 @attrs.frozen
-class MessageDelta:
+class MessageDelta(Typed, type="message_delta"):
     delta: StopDelta
     usage: Usage  # cumulative
-    type: str = "message_delta"
 
 
 @attrs.frozen
-class MessageStop:
-    type: str = "message_stop"
+class MessageStop(Typed, type="message_stop"):
+    """The last event of a stream."""
