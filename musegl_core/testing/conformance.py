@@ -31,6 +31,7 @@ import numpy as np
 import pytest
 
 from musegl_core.engine.executor import SamplingParams, SeqChunk, Step, check_executor
+from musegl_core.engine.speculator import accept
 from musegl_core.testing.reference_sampler import RowContext, processed_logits, row_logprobs, sample_row
 
 #: Sampling settings every conforming executor honours or refuses.
@@ -255,6 +256,42 @@ class ExecutorConformance:
                                    rtol=0)
         for seq_ in (seq, reference):
             executor.release_sequence(seq_)
+
+    def test_drafts_on_the_device_are_read_and_judged(self, allocated):
+        """With ``limits.device_drafts``: a verify block whose drafts are a row of
+        ``Step.drafts`` (given here as numpy) samples what the block with the drafts
+        inline samples, and ``accepted`` counts the leading drafts that agree."""
+        executor, state = allocated
+        if not executor.limits.device_drafts:
+            pytest.skip("the executor does not read drafts on the device")
+        ids = self.prompt(executor, salt=8)
+        n = len(ids)
+        greedy = SamplingParams(temperature=0.0)
+        inline_seq, device_seq = next(state["seqs"]), next(state["seqs"])
+        found = {}
+        for seq in (inline_seq, device_seq):
+            blocks = self.blocks(state, n + 5)
+            out = self.run(executor, SeqChunk(seq, ids, list(range(n)), blocks, sample=1, uniforms=[0.5]))
+            continuation = list(out.tokens[seq])
+            for k in range(3):  # the greedy continuation, one row at a time
+                out = self.run(executor, SeqChunk(seq, [continuation[-1]], [n + k], blocks, sample=1,
+                                                  uniforms=[0.5], sampling=greedy))
+                continuation += out.tokens[seq]
+            found[seq] = (blocks, continuation)
+        blocks, continuation = found[inline_seq]
+        drafts = [continuation[1], continuation[2], (continuation[3] + 1) % executor.info.vocab_size]
+        positions = list(range(n, n + 4))
+        inline = self.run(executor, SeqChunk(inline_seq, [continuation[0]] + drafts, positions, blocks, sample=4,
+                                             uniforms=[0.5] * 4, sampling=greedy))
+        table = np.array([[7, 7, 7, 7], drafts + [0]], dtype=np.int64)
+        on_device = executor.step(Step([SeqChunk(device_seq, [continuation[0], 0, 0, 0], positions,
+                                                 found[device_seq][0], sample=4, uniforms=[0.5] * 4,
+                                                 sampling=greedy, draft_row=1)], drafts=table))
+        assert on_device.tokens[device_seq] == inline.tokens[inline_seq]
+        agreed = len(accept(drafts, inline.tokens[inline_seq])) - 1
+        assert on_device.accepted == {device_seq: agreed}  # 2 where the block samples the continuation
+        for seq in (inline_seq, device_seq):
+            executor.release_sequence(seq)
 
     def test_a_step_it_cannot_run_raises(self, allocated):
         executor, state = allocated

@@ -92,15 +92,16 @@ class DraftRows:
         """None when no chunk of ``step`` reads drafts on the device."""
         if step.drafts is None or all(ch.draft_row < 0 for ch in step.chunks):
             return None
-        stride = int(step.drafts.shape[1])
+        drafts = torch.as_tensor(step.drafts)  # a torch tensor (no copy), or numpy
+        stride = int(drafts.shape[1])
         rows, flat, seqs, draft_rows, counts, row_base, sample_base = [], [], [], [], [], [], []
         sampled = 0
         for chunk, start in zip(step.chunks, starts):
             if chunk.draft_row >= 0:
                 k = len(chunk.tokens) - 1
-                if not 0 <= chunk.draft_row < step.drafts.shape[0] or k > stride:
+                if not 0 <= chunk.draft_row < drafts.shape[0] or k > stride:
                     raise ValueError(f"sequence {chunk.seq}: {k} drafts at row {chunk.draft_row} are outside the "
-                                     f"step's drafts {tuple(step.drafts.shape)}")
+                                     f"step's drafts {tuple(drafts.shape)}")
                 rows.extend(range(int(start) + 1, int(start) + 1 + k))
                 flat.extend(range(chunk.draft_row * stride, chunk.draft_row * stride + k))
                 seqs.append(chunk.seq)
@@ -109,7 +110,7 @@ class DraftRows:
                 row_base.append(int(start))
                 sample_base.append(sampled)
             sampled += chunk.sample
-        return cls(rows, flat, seqs, draft_rows, counts, row_base, sample_base, step.drafts)
+        return cls(rows, flat, seqs, draft_rows, counts, row_base, sample_base, drafts.long())
 
     @property
     def stride(self) -> int:
