@@ -121,19 +121,30 @@ def _store_gated(y, QKVG, Out, rows, head, offs_d, valid_m, stride_g_row, gate_o
 def _combine_gate_kernel(Acc, M, L, QKVG, Out,
                          stride_acc_split, stride_acc_row, stride_ml_split, stride_ml_row,
                          stride_g_row, gate_offset, stride_out_row,
-                         HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr):
+                         HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr,
+                         CHUNK: tl.constexpr):
+    # the splits in chunks of CHUNK, each loaded at once (a long global layer has up to
+    # GLOBAL_SPLITS_MOST of them); masked splits weigh 0
     row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     offs_d = tl.arange(0, HEAD_DIM)
-    m_max = tl.load(M + row * stride_ml_row + head)
-    for s in range(1, SPLITS):  # a loop, not unrolled: long global layers take up to GLOBAL_SPLITS_MOST splits
-        m_max = tl.maximum(m_max, tl.load(M + s * stride_ml_split + row * stride_ml_row + head))
+    offs_c = tl.arange(0, CHUNK)
+    ml = row * stride_ml_row + head
+    m_max = tl.max(tl.load(M + offs_c * stride_ml_split + ml, mask=offs_c < SPLITS, other=float("-inf")), 0)
+    for s0 in tl.static_range(CHUNK, SPLITS, CHUNK):
+        s = s0 + offs_c
+        m_max = tl.maximum(m_max, tl.max(tl.load(M + s * stride_ml_split + ml, mask=s < SPLITS,
+                                                 other=float("-inf")), 0))
     total = 0.0
     out = tl.zeros([HEAD_DIM], tl.float32)
-    for s in range(SPLITS):
-        w = tl.exp(tl.load(M + s * stride_ml_split + row * stride_ml_row + head) - m_max)
-        total += w * tl.load(L + s * stride_ml_split + row * stride_ml_row + head)
-        out += w * tl.load(Acc + s * stride_acc_split + row * stride_acc_row + head * HEAD_DIM + offs_d)
+    for s0 in tl.static_range(0, SPLITS, CHUNK):
+        s = s0 + offs_c
+        valid = s < SPLITS
+        w = tl.exp(tl.load(M + s * stride_ml_split + ml, mask=valid, other=float("-inf")) - m_max)
+        total += tl.sum(w * tl.load(L + s * stride_ml_split + ml, mask=valid, other=0.0), 0)
+        acc = tl.load(Acc + s[:, None] * stride_acc_split + row * stride_acc_row + head * HEAD_DIM + offs_d[None, :],
+                      mask=valid[:, None], other=0.0)
+        out += tl.sum(w[:, None] * acc, 0)
     y = (out / total).to(Out.dtype.element_ty)
     g = tl.load(QKVG + row * stride_g_row + gate_offset + head * HEAD_DIM + offs_d).to(tl.float32)
     gate = (1.0 / (1.0 + tl.exp(-g))).to(Out.dtype.element_ty)
@@ -156,6 +167,8 @@ ATTENTION_STAGES: int | None = None
 #: (30B shape, 2 KV heads, batch 1: 32 programs on 132 SMs).
 SLIDING_SPLITS_MOST = 16
 GLOBAL_SPLITS_MOST = 128
+#: splits the merge loads at once
+COMBINE_CHUNK = 16
 
 
 def attention_splits(tiles: int, kv_heads: int, sm_count: int = 132, most: int = SLIDING_SPLITS_MOST) -> int:
@@ -238,7 +251,8 @@ def combine_gate(acc: torch.Tensor, m: torch.Tensor, l: torch.Tensor, qkvg: torc
     out = torch.empty(rows, heads * hd, dtype=out_dtype, device=acc.device)
     _combine_gate_kernel[(rows, heads)](
         acc, m, l, qkvg, out, acc.stride(0), acc.stride(1), m.stride(0), m.stride(1),
-        qkvg.stride(0), gate_offset, out.stride(0), HEADS=heads, HEAD_DIM=hd, SPLITS=splits, num_warps=1,
+        qkvg.stride(0), gate_offset, out.stride(0), HEADS=heads, HEAD_DIM=hd, SPLITS=splits,
+        CHUNK=min(COMBINE_CHUNK, triton.next_power_of_2(splits)), num_warps=1,
     )
     return out
 
