@@ -123,6 +123,7 @@ class TensorParallelExecutor:
         if self._closing:
             return
         rank = sentinels[ended[0]]
+        self.ranks[rank].join(1.0)  # reaped: its exit status (or -signal) is known
         code = self.ranks[rank].exitcode
         self._fail(f"tensor-parallel rank {rank} (pid {self.ranks[rank].pid}) exited with status {code}")
 
@@ -194,6 +195,10 @@ class TensorParallelExecutor:
             return available_ram()
         free = [f for f in self.loaded.free_memory if f is not None]
         return min(free) if free else None
+
+    def expect_taps(self, taps: Sequence[int]) -> None:
+        """The speculator's taps, before :meth:`allocate_kv` (the ranks capture their graphs with them)."""
+        self._call(msg.ExpectTaps(self._number(), tuple(taps)))
 
     def allocate_kv(self, num_blocks: int) -> None:
         self._call(msg.AllocateKV(self._number(), num_blocks))

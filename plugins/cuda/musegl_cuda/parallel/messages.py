@@ -28,6 +28,14 @@ class Loaded:
 
 
 @attrs.frozen
+class ExpectTaps:
+    """A speculator's taps, before :class:`AllocateKV` (the decode graphs are captured with them)."""
+
+    number: int
+    taps: tuple[int, ...]
+
+
+@attrs.frozen
 class AllocateKV:
     number: int
     num_blocks: int

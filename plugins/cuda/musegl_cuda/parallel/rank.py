@@ -178,6 +178,9 @@ class Rank:
         if isinstance(request, msg.CopyBlocks):
             ex.copy_blocks(request.pairs)
             return None
+        if isinstance(request, msg.ExpectTaps):
+            ex.expect_taps(request.taps)
+            return None
         if isinstance(request, msg.AllocateKV):
             ex.allocate_kv(request.num_blocks)
             dist.barrier(group=self.control)  # every rank has its cache (and graphs)
@@ -223,6 +226,9 @@ def _run(rank: int, spec: RankSpec, store: str, requests: StepChannel, replies: 
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // spec.size))
     file_store = dist.FileStore(store, spec.size)
     if spec.device == "cuda":
+        # NVLink SHARP (NVLS, multicast) is off on this project's multi-GPU hosts; NCCL's
+        # ring and tree all-reduces run without it, and without probing for it
+        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
         torch.cuda.set_device(rank)
         dist.init_process_group("nccl", store=file_store, rank=rank, world_size=spec.size,
                                 device_id=torch.device("cuda", rank))
