@@ -101,8 +101,8 @@ def attention_part(args) -> dict:
                                             qkvg, gate_offset)
             return fn
 
-        default_splits = kernels.attention_splits(batch, kvh)
-        for splits in sorted({1, 2, 3, 4, 6, 8, 16, 32, default_splits}):
+        default_splits = kernels.layer_splits(batch, kvh)[1]  # a global layer's (the probe is not sliding)
+        for splits in sorted({1, 2, 3, 4, 6, 8, 16, 32, 64, 128, default_splits}):
             if splits > 4 * ctx // 64:
                 continue
             us = graph_us(run(splits)) / layers
