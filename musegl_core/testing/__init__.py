@@ -9,7 +9,8 @@
   (for tool parsers, dialects and API surfaces: the real engine, worker and tokenizer,
   with a script for the model);
 * :mod:`~musegl_core.testing.server`: a real front + worker in-process
-  (:func:`running_server`), and installing a test-only plugin for its worker.
+  (:func:`running_server`), and installing a test-only plugin for its worker;
+* :mod:`~musegl_core.testing.images`: PNG test images with real content and their data URLs.
 
 Nothing here is used to serve.
 """

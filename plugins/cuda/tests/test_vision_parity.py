@@ -21,25 +21,11 @@ from musegl_core.engine.request import ImageInput
 from musegl_core.vision.preprocess import ImagePreprocessor, pixel_values
 from musegl_cuda.executor import TorchExecutor
 from musegl_core.testing.server import running_server
+from musegl_core.testing.images import data_url, png
 from musegl_core.testing.reference_models import build_tiny_vl_model
 
 FEATURE_TOL = 1e-4
 VOCAB = 202048
-
-
-def png(width: int, height: int, seed: int) -> bytes:
-    rng = np.random.default_rng(seed)
-    # smooth-ish content (a gradient plus noise) so resizing does something real
-    y, x = np.mgrid[0:height, 0:width]
-    base = np.stack([x * 255 // max(width - 1, 1), y * 255 // max(height - 1, 1), (x + y) % 256], -1)
-    values = np.clip(base + rng.integers(-40, 41, base.shape), 0, 255).astype(np.uint8)
-    buffer = io.BytesIO()
-    Image.fromarray(values).save(buffer, format="PNG")
-    return buffer.getvalue()
-
-
-def data_url(data: bytes) -> str:
-    return "data:image/png;base64," + base64.b64encode(data).decode()
 
 
 def twin(model, tmp, *, tokenizer=None):

@@ -9,37 +9,25 @@ and ``--mmproj`` at serve time is refused with one line."""
 from __future__ import annotations
 
 import base64
-import io
 import json
 import shutil
 
 import httpx
-import numpy as np
 import pytest
 import torch
-from PIL import Image
 
 from musegl_core.checkpoint.loader import load_checkpoint
 from musegl_core.checkpoint.vision import hf_vision_config, hf_vision_weights, write_mmproj_gguf
 from musegl_core.cli.main import main
 from musegl_core.config import ServeConfig
 from musegl_core.engine.request import ImageInput
+from musegl_core.testing.images import data_url, png
 from musegl_core.testing.reference_models import build_tiny_vl_model
 from musegl_core.testing.server import running_server
 from musegl_core.vision.preprocess import ImagePreprocessor, pixel_values
 
 VOCAB = 202048
 CAPACITY = 256  # the exported patch capacity
-
-
-def png(width: int, height: int, seed: int) -> bytes:
-    rng = np.random.default_rng(seed)
-    y, x = np.mgrid[0:height, 0:width]
-    base = np.stack([x * 255 // max(width - 1, 1), y * 255 // max(height - 1, 1), (x + y) % 256], -1)
-    values = np.clip(base + rng.integers(-40, 41, base.shape), 0, 255).astype(np.uint8)
-    buffer = io.BytesIO()
-    Image.fromarray(values).save(buffer, format="PNG")
-    return buffer.getvalue()
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +61,7 @@ def vl(tmp_path_factory):
 def body(image: bytes | None, text: str = "What is in this picture?", **extra) -> dict:
     content = [{"type": "text", "text": text}]
     if image is not None:
-        url = "data:image/png;base64," + base64.b64encode(image).decode()
+        url = data_url(image)
         content.insert(0, {"type": "image_url", "image_url": {"url": url}})
     return {"model": "musegl", "messages": [{"role": "user", "content": content}], "max_tokens": 32,
             "temperature": 0, "ignore_eos": True, **extra}
