@@ -47,6 +47,7 @@ EXAMPLES = {
     "logit_bias": {"logit_bias": {"100": -5}},
     "stop_token_ids": {"stop_token_ids": [100, 101]},
     "min_tokens": {"min_tokens": 2},
+    "skip_special_tokens": {"skip_special_tokens": True},
     # capabilities: OpenRouter's name for what a field provides
     "structured_outputs": {"response_format": {"type": "json_schema", "json_schema": {
         "name": "n", "schema": {"type": "object", "properties": {"b": {"type": "boolean"}}, "required": ["b"]}}}},
