@@ -27,9 +27,10 @@ import logging
 import time
 from typing import Callable, Sequence
 
+import numpy as np
 import torch
 
-from musegl_dflash.model import DFlashDraft, DraftBatch, context_width, gather_context
+from musegl_dflash.model import DFlashDraft, DraftBatch, context_reach, context_width
 
 log = logging.getLogger("musegl.dflash")
 
@@ -92,7 +93,8 @@ class DraftGraphs:
 
     def stage(self, key: tuple[int, int], anchors: Sequence[int], starts: Sequence[int],
               tables: Sequence[Sequence[int]]) -> None:
-        """Write the inputs of ``len(anchors)`` blocks into ``key``'s static buffer (padding the rest)."""
+        """Write the inputs of ``len(anchors)`` blocks into ``key``'s static buffer (padding
+        the rest): the context keys of :func:`~musegl_dflash.model.gather_context`."""
         width, context = key
         words = 2 * width + 3 * width * context
         if key not in self.inputs:
@@ -102,18 +104,29 @@ class DraftGraphs:
             self._staged = None
         if self._host is None or self._host.numel() < words:
             self._host = torch.zeros(words, dtype=torch.long, pin_memory=self.capturing)
-        host = self._host[:words]
-        host.zero_()
-        staged = self._split(host, width, context)
-        b = len(anchors)
-        staged.anchors[:b] = torch.as_tensor(list(anchors), dtype=torch.long)
-        staged.starts[:b] = torch.as_tensor(list(starts), dtype=torch.long)
-        slots, positions, valid = gather_context(self.draft.config, self.block_size, starts, tables,
-                                                 torch.device("cpu"), context)
-        staged.context_slots[:b] = slots
-        staged.context_positions[:b] = positions
-        host[2 * width + 2 * width * context:].view(width, context)[:b] = valid.long()
-        self.inputs[key].copy_(host, non_blocking=True)
+        host = self._host[:words].numpy()
+        b, w, ws = len(anchors), width, width * context
+        host[:w] = 0
+        host[:b] = anchors
+        host[w:2 * w] = 0
+        host[w:w + b] = starts
+        slots, positions, valid = (host[2 * w + i * ws:2 * w + (i + 1) * ws].reshape(width, context) for i in range(3))
+        reach, bs = context_reach(self.draft.config), self.block_size
+        for i, (p, table) in enumerate(zip(starts, tables)):
+            lo = 0 if reach is None else max(0, p - reach)
+            n = p - lo
+            if n:
+                span = np.arange(lo, p)
+                blocks = np.asarray(table[lo // bs:(p - 1) // bs + 1], dtype=np.int64)
+                slots[i, :n] = blocks[span // bs - lo // bs] * bs + span % bs
+                positions[i, :n] = span
+                valid[i, :n] = 1
+            slots[i, n:] = 0
+            positions[i, n:] = 0
+            valid[i, n:] = 0
+        for part in (slots, positions, valid):
+            part[b:] = 0
+        self.inputs[key].copy_(self._host[:words], non_blocking=True)
         if self.capturing:
             self._staged = torch.cuda.Event()
             self._staged.record()
