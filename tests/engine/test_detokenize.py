@@ -6,7 +6,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from musegl_core.engine.detokenize import IncrementalDetokenizer
+from musegl_core.engine.detokenize import IncrementalDetokenizer, hidden_ids
 from musegl_core.engine.stops import StopMatcher
 from musegl_core.tiny import build_tiny_tokenizer
 from musegl_core.tokenizer import MuseTokenizer, byte_level_alphabet
@@ -192,3 +192,15 @@ def test_emitted_text_never_contains_a_stop_prefix_that_could_complete(text: str
         assert stop not in emitted
         assert emitted + matcher.held == text[: len(emitted) + len(matcher.held)]
         assert len(matcher.held) < len(stop)
+
+
+@pytest.mark.parametrize("special_tokens, expected", [
+    ("all", "a<|patch|>b<|reserved_special_token_5|> c<|eom|>"),
+    ("control", "ab c<|eom|>"),  # skip_special_tokens on chat: the channel parser still reads <|eom|>
+    ("none", "ab c"),  # skip_special_tokens on /v1/completions
+])
+def test_skip_special_tokens_leaves_the_hidden_ids_out(tokenizer: MuseTokenizer, special_tokens: str,
+                                                      expected: str) -> None:
+    ids = tokenizer.encode("a<|patch|>b<|reserved_special_token_5|> c<|eom|>", special=True)
+    detokenizer = IncrementalDetokenizer(tokenizer, hidden_ids(tokenizer, special_tokens))
+    assert "".join(detokenizer.push(i) for i in ids) + detokenizer.flush() == expected
