@@ -440,14 +440,12 @@ class TorchExecutor:
             elif step.decode_only and not any(ch.embeds for ch in chunks):
                 step = follow_on_host(step, previous)
                 chunks = step.chunks
-                plan = plan_step(step, self.block_size, self.num_blocks, c.vocab_size,
-                                 rows_per_tile(self.decode_block_m, c.num_heads // c.num_kv_heads),
-                                 width=width, scratch_block=self.num_blocks, num_tiles=width)
-                if graphs.fits(plan):
-                    graphs.stage_plan(plan)
-                    self._place_drafts(step, plan.starts, graphs.tokens)
+                # staged without a plan: only new table columns are sent (long contexts)
+                starts = graphs.stage_rows(chunks, width, self.num_blocks, c.vocab_size,
+                                           rows_per_tile(self.decode_block_m, c.num_heads // c.num_kv_heads))
+                if starts is not None:
+                    self._place_drafts(step, starts, graphs.tokens)
                     graphs.replay(width)
-                    starts = plan.starts
                     hidden = graphs.tapped_rows(width, step.num_tokens) if tapped else None
                     if all(plain_greedy(ch) for ch in chunks):
                         return GreedyIds(chunks, graphs.fetch_ids(width, step.num_tokens), None, starts, hidden,

@@ -15,9 +15,11 @@ A step of a captured width is staged on the host in one pinned buffer
 (tokens, positions, slots, tiles) and sent with one copy. Block tables stay
 on the device between steps: a host mirror remembers which block ids each
 table row holds, and only rows that changed (a new block, another sequence
-in that row) are sent. Decode steps of one row per sequence are staged by
-:meth:`DecodeGraphs.stage_decode` (no :class:`~musegl_cuda.plan.StepPlan`);
-other decode-only steps (draft verification rows) by :meth:`stage_plan`.
+in that row) are sent: a table that grew sends its new columns only. Decode
+steps of one row per sequence are staged by :meth:`DecodeGraphs.stage_decode`
+and other decode-only steps (draft blocks being verified) by
+:meth:`DecodeGraphs.stage_rows`, neither through a
+:class:`~musegl_cuda.plan.StepPlan` (:meth:`stage_plan` stages a plan).
 Padding rows use the last table row (the scratch block) and write nothing
 real. Steps are launched without waiting for the previous one
 (:meth:`~musegl_cuda.executor.TorchExecutor.launch`), so staging first waits
@@ -43,7 +45,8 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from musegl_core.engine.step_checks import check_block_ids, check_tokens, coverage_error, positions_error
+from musegl_core.engine.step_checks import (check_block_ids, check_positions, check_tokens, coverage_error,
+                                            positions_error)
 from musegl_cuda.model import MuseGlimmerDecoder, PagedMeta
 from musegl_cuda.plan import StepPlan
 
@@ -198,6 +201,48 @@ class DecodeGraphs:
         self.tables[r0:r1, c0:c1].copy_(self._host_tables[:h * w].view(h, w), non_blocking=True)
         self.table_box = (r0, r1, c0, c1)
 
+    def _check_tables(self, chunks: Sequence, lasts: Sequence[int], num_blocks: int) -> tuple[list, list]:
+        """Each chunk's table against what device row ``i`` holds, raising (nothing
+        changed) for a table that does not cover position ``lasts[i]`` or names a block
+        outside the pool: ``(changed, lists)``, the rows to send as (row, its blocks,
+        the first column to send, the columns needed) and every chunk's blocks as a list."""
+        bs = self.block_size
+        rows, sent = self._rows, self._sent
+        changed: list[tuple[int, list[int], int, int]] = []
+        lists: list[list[int]] = []
+        for i, c in enumerate(chunks):
+            last = lasts[i]
+            need = last // bs + 1
+            blocks = c.blocks
+            if type(blocks) is not list:
+                blocks = list(blocks)
+            old = rows[i]
+            if need > sent[i] or blocks != old:  # the device row lacks blocks, or holds others
+                if need > len(blocks):
+                    raise coverage_error(c.seq, last, bs, len(blocks))
+                # the device keeps its first sent[i] ids when they are still the row's (a table grew):
+                # only the new columns are checked and sent, not the whole table
+                was = sent[i]
+                first = was if old is not None and was and blocks[:was] == old[:was] else 0
+                check_block_ids(blocks[first:need], num_blocks, c.seq)
+                changed.append((i, blocks, first, need))
+            lists.append(blocks)
+        return changed, lists
+
+    def _apply_tables(self, chunks: Sequence, changed: list) -> None:
+        """Update the mirror with :meth:`_check_tables`' changes and send them (one box)."""
+        self.table_box = None
+        if not changed:
+            return
+        mirror, rows, sent = self._mirror, self._rows, self._sent
+        c0, c1 = self.cols, 1
+        for i, blocks, first, need in changed:
+            mirror[i, first:need] = blocks[first:need]
+            rows[i] = list(blocks) if blocks is chunks[i].blocks else blocks  # a copy: lists grow in place
+            sent[i] = need
+            c0, c1 = min(c0, first), max(c1, need)
+        self._send_tables([i for i, _, _, _ in changed], min(c0, c1 - 1), c1)
+
     def _wait_staged(self) -> None:
         """Before the pinned staging buffers are rewritten: the copies out of them done."""
         if self._staged is not None:
@@ -239,37 +284,9 @@ class DecodeGraphs:
             known = tokens
         check_tokens(known, vocab)
         self._wait_staged()
-        rows, sent = self._rows, self._sent
-        self.table_box = None
-        changed: list[tuple[int, list[int], int]] = []  # (row, its blocks, the first column to send)
-        slots: list[int] = []
-        for i, c in enumerate(chunks):
-            p = positions[i]
-            need = p // bs + 1
-            blocks = c.blocks
-            if type(blocks) is not list:
-                blocks = list(blocks)
-            old = rows[i]
-            if need > sent[i] or blocks != old:  # the device row lacks blocks, or holds others
-                if need > len(blocks):
-                    raise coverage_error(c.seq, p, bs, len(blocks))
-                # the device keeps its first sent[i] ids when they are still the row's (a table grew):
-                # only the new columns are checked and sent, not the whole table
-                was = sent[i]
-                first = was if old is not None and was and blocks[:was] == old[:was] else 0
-                check_block_ids(blocks[first:need], num_blocks, c.seq)
-                changed.append((i, blocks, first))
-            slots.append(blocks[p // bs] * bs + p % bs)
-        if changed:
-            mirror = self._mirror
-            c0, c1 = self.cols, 1
-            for i, blocks, first in changed:
-                need = positions[i] // bs + 1
-                mirror[i, first:need] = blocks[first:need]
-                rows[i] = list(blocks) if blocks is chunks[i].blocks else blocks  # a copy: lists grow in place
-                sent[i] = need
-                c0, c1 = min(c0, first), max(c1, need)
-            self._send_tables([i for i, _, _ in changed], min(c0, c1 - 1), c1)
+        changed, lists = self._check_tables(chunks, positions, num_blocks)
+        self._apply_tables(chunks, changed)
+        slots = [blocks[p // bs] * bs + p % bs for blocks, p in zip(lists, positions)]
         tiles = self._h_tiles
         if self._layout != (n, width):  # padding rows and tile columns 0 change only with the layout
             self._h_tokens[n:width] = 0
@@ -278,6 +295,8 @@ class DecodeGraphs:
             tiles[:n, 0] = self._arange[:n]
             tiles[n:width, 0] = self.widest
             tiles[n:width, 3] = 0
+            tiles[:width, 1] = self._arange[:width]  # a planned or multi-row step in between rewrote them
+            tiles[:width, 2] = 1
             self._layout = (n, width)
         self._h_tokens[:n] = tokens
         self._h_positions[:n] = positions
@@ -303,11 +322,59 @@ class DecodeGraphs:
         for i in range(seqs):
             self._rows[i], self._sent[i] = None, 0  # holds the plan's row now, not a mirrored table
         self._device_in.copy_(self._host_in, non_blocking=True)
-        # the next stage_decode rewrites every column of the tiles it uses but 1 and 2
-        self._h_tiles[:width, 1] = self._arange[:width]
-        self._h_tiles[:width, 2] = 1
+        self._layout = None  # the next stage_decode rewrites its layout (after this copy is done)
+        self._record_staged()
+
+    def stage_rows(self, chunks: Sequence, width: int, num_blocks: int, vocab: int,
+                   tile_rows: int) -> list[int] | None:
+        """Check and stage a decode-only step whose chunks may hold several rows (draft
+        blocks being verified), padded to ``width``, without a plan: the tiles are
+        :func:`~musegl_cuda.plan.plan_step`'s (up to ``tile_rows`` rows of one chunk,
+        then one per padding row, then empty ones up to ``width``), the tables go
+        through the mirror as :meth:`stage_decode`'s do (new columns only). Returns
+        each chunk's first row; None (nothing sent) when a table is wider than the
+        graphs' tables; raises ``ValueError`` (nothing sent) for a step that cannot run."""
+        bs = self.block_size
+        n = sum(len(c.tokens) for c in chunks)
+        if n > width:
+            raise ValueError(f"width {width} is below the step's {n} rows")
+        lasts = []
+        for c in chunks:
+            check_positions(c)
+            lasts.append(c.positions[0] + len(c.tokens) - 1)
+        if max(lasts) // bs >= self.cols:
+            return None
+        tokens = [t for c in chunks for t in c.tokens]
+        check_tokens(tokens, vocab)
+        self._wait_staged()
+        changed, lists = self._check_tables(chunks, lasts, num_blocks)
+        self._apply_tables(chunks, changed)
+        positions: list[int] = []
+        slots: list[int] = []
+        starts: list[int] = []
+        tiles: list[tuple[int, int, int, int]] = []
+        for i, c in enumerate(chunks):
+            blocks, first, k, row = lists[i], c.positions[0], len(c.tokens), len(positions)
+            starts.append(row)
+            for p in range(first, first + k):
+                positions.append(p)
+                slots.append(blocks[p // bs] * bs + p % bs)
+            tiles.extend((i, row + off, min(tile_rows, k - off), first + off) for off in range(0, k, tile_rows))
+        tiles.extend((self.widest, r, 1, 0) for r in range(n, width))  # the padding rows' table row
+        if len(tiles) > width:
+            raise ValueError(f"{len(tiles)} tiles exceed the {width} a graph launches")
+        tiles.extend((0, 0, 0, 0) for _ in range(width - len(tiles)))
+        self._h_tokens[:n] = tokens
+        self._h_positions[:n] = positions
+        self._h_slots[:n] = slots
+        self._h_tokens[n:width] = 0
+        self._h_positions[n:width] = 0
+        self._h_slots[n:width] = self.scratch_block * bs
+        self._h_tiles[:width] = tiles
+        self._device_in.copy_(self._host_in, non_blocking=True)
         self._layout = None
         self._record_staged()
+        return starts
 
     def replay(self, width: int) -> None:
         """Replay the graph of ``width`` over what was staged last."""

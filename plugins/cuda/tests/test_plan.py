@@ -224,3 +224,51 @@ def test_decode_staging_of_long_tables_sends_only_the_new_columns():
     tables[3][10] = nb - 1  # a block replaced (copy-on-write): its row again
     assert decode([1, 2, 3]) == (2, 3, 0, 5005 // BS + 1)
     assert decode([3, 1, 2])[2] == 0  # rows moved
+
+
+def test_multi_row_staging_fills_the_graph_inputs_like_a_plan():
+    """DecodeGraphs.stage_rows (decode-only steps of draft blocks, no plan) leaves the
+    graph inputs plan_step makes of the same step (tiles of several rows included),
+    sends only new table columns, and stage_decode steps before and after it still
+    stage like their plans (the tile columns it rewrote are restored)."""
+    from musegl_cuda.graphs import DecodeGraphs
+
+    nb, tile_rows = 60, 2
+    graphs = DecodeGraphs(None, torch.zeros(1), (4, 8), BS, 16, 16, 1)
+    graphs.reset(nb)
+    tables = {1: [3, 9, 30, 31, 32], 2: [0, 1, 2, 7, 15, 16, 17], 3: [5, 6, 8, 40, 41]}
+    pos = {1: 6, 2: 13, 3: 2}
+
+    def verify(rows: dict[int, int], width: int):
+        step = Step([SeqChunk(s, [100 + s] * k, list(range(pos[s], pos[s] + k)), tables[s], sample=k)
+                     for s, k in rows.items()], width=width)
+        starts = graphs.stage_rows(step.chunks, width, nb, 1000, tile_rows)
+        plan = plan_step(step, BS, nb, 1000, tile_rows, width=width, scratch_block=nb, num_tiles=width)
+        assert starts == plan.starts
+        got = _Staged(graphs, width)
+        assert (got.tokens, got.positions, got.slots) == (plan.tokens.tolist(), plan.positions.tolist(),
+                                                          plan.slots.tolist())
+        for (seq, row0, nrows, pos0), (pseq, prow0, prows, ppos0) in zip(got.tiles, plan.tiles.tolist()):
+            assert (row0, nrows, pos0) == (prow0, prows, ppos0)
+            used = (pos0 + max(nrows, 1) - 1) // BS + 1
+            assert got.tables[seq, :used].tolist() == plan.tables[pseq, :used].tolist()
+        for s, k in rows.items():
+            pos[s] += k
+        return graphs.table_box
+
+    def decode(seqs, width):
+        step = Step([SeqChunk(s, [100 + s + pos[s]], [pos[s]], tables[s]) for s in seqs], width=width)
+        assert graphs.stage_decode(step.chunks, width, nb, 1000)
+        assert_staged_like_the_plan(graphs, step, width, nb)
+        for s in seqs:
+            pos[s] += 1
+
+    assert verify({1: 3, 2: 4}, 8) == (0, 2, 0, 5)
+    decode([1, 2, 3], 4)
+    assert verify({1: 2, 2: 3, 3: 1}, 8) == (1, 2, 5, 6)  # sequence 2 reaches a new block: that column
+    assert verify({1: 4, 2: 1, 3: 3}, 8) == (0, 3, 1, 4)  # sequences 1 and 3 do: one box over both
+    decode([1, 2, 3], 4)
+    decode([2, 3, 1], 4)
+    with pytest.raises(ValueError):  # a block the table lacks: nothing staged
+        graphs.stage_rows([SeqChunk(1, [5] * 3, list(range(pos[1], pos[1] + 3)), tables[1][:4])], 4, nb, 1000, 2)
+    assert graphs.stage_rows([SeqChunk(1, [5], [16 * BS], tables[1] + [1] * 12)], 4, nb, 1000, 2) is None
