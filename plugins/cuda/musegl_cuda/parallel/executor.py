@@ -32,7 +32,7 @@ from musegl_core.engine.executor import PromptImage, Step, StepOutput
 from musegl_core.engine.memory import available_ram
 from musegl_cuda.parallel import messages as msg
 from musegl_cuda.parallel.channel import PeerGone, StepChannel
-from musegl_cuda.parallel.rank import RankSpec, run_rank
+from musegl_cuda.parallel.rank import RankSpec, run_rank, text_config
 
 log = logging.getLogger("musegl.cuda")
 
@@ -107,6 +107,7 @@ class TensorParallelExecutor:
             raise
         self._numbers = 1
         self.info = loaded.info
+        self.config = text_config(spec)  # the whole model's (each rank's layers hold a share of its heads)
         self.limits = loaded.limits
         self.block_size = loaded.block_size
         self.loaded = loaded
