@@ -5,8 +5,10 @@ context keys ``S`` the widest block sees (:func:`~musegl_dflash.model.context_wi
 :class:`DraftGraphs` pads ``B`` up to a power of two (at most :data:`MAX_WIDTH`)
 and ``S`` up to a power of two (at least :data:`MIN_CONTEXT`, at most
 :data:`MAX_CONTEXT`); each such shape has static inputs (one int64 device
-buffer: anchors | starts | context slots | positions | validity) and is
-captured the first time a step needs it, then replayed. Padding sequences
+buffer: per block its anchor, its start and the block ids its context keys
+use, a window's worth: the host's work per step is that, not every key) and
+is captured the first time a step needs it, then replayed. The graph turns
+them into the context keys' slots, positions and validity on the device. Padding sequences
 see no context and their drafts are ignored; padding context entries are
 invalid, so a real block's attention is the unpadded one.
 
@@ -27,7 +29,6 @@ import logging
 import time
 from typing import Callable, Sequence
 
-import numpy as np
 import torch
 
 from musegl_dflash.model import DFlashDraft, DraftBatch, context_reach, context_width
@@ -84,19 +85,39 @@ class DraftGraphs:
             return None
         return next_power(batch), next_power(context, MIN_CONTEXT)
 
-    @staticmethod
-    def _split(buffer: torch.Tensor, width: int, context: int) -> DraftBatch:
-        w, ws = width, width * context
-        return DraftBatch(buffer[:w], buffer[w:2 * w], buffer[2 * w:2 * w + ws].view(width, context),
-                          buffer[2 * w + ws:2 * w + 2 * ws].view(width, context),
-                          buffer[2 * w + 2 * ws:].view(width, context) != 0)
+    def _columns(self, context: int) -> int:
+        """Block ids a block's context keys can span: ``context`` positions from any offset."""
+        return context // self.block_size + 2
+
+    def _words(self, key: tuple[int, int]) -> int:
+        width, context = key
+        return width * (2 + self._columns(context))
+
+    def _batch(self, buffer: torch.Tensor, width: int, context: int) -> DraftBatch:
+        """The :class:`DraftBatch` of a staged buffer (anchors | starts | the block ids of
+        each block's context keys, from the block of its first key), on its device: key
+        ``j`` of block ``b`` is position ``lo_b + j`` (``lo_b = max(0, P_b − reach)``),
+        valid below ``P_b − lo_b``, as :func:`~musegl_dflash.model.gather_context` lays them out."""
+        bs, cols = self.block_size, self._columns(context)
+        anchors, starts = buffer[:width], buffer[width:2 * width]
+        table = buffer[2 * width:].view(width, cols)
+        reach = context_reach(self.draft.config)
+        lo = torch.zeros_like(starts) if reach is None else (starts - reach).clamp(min=0)
+        j = torch.arange(context, device=buffer.device)
+        positions = lo[:, None] + j[None, :]
+        valid = j[None, :] < (starts - lo)[:, None]
+        column = (positions // bs - (lo // bs)[:, None]).clamp(0, cols - 1)
+        slots = table.gather(1, column) * bs + positions % bs
+        zero = torch.zeros_like(positions)
+        return DraftBatch(anchors, starts, torch.where(valid, slots, zero), torch.where(valid, positions, zero), valid)
 
     def stage(self, key: tuple[int, int], anchors: Sequence[int], starts: Sequence[int],
               tables: Sequence[Sequence[int]]) -> None:
-        """Write the inputs of ``len(anchors)`` blocks into ``key``'s static buffer (padding
-        the rest): the context keys of :func:`~musegl_dflash.model.gather_context`."""
+        """Write the inputs of ``len(anchors)`` blocks into ``key``'s static buffer, the
+        rest padding: per block its anchor, its start and the block ids its context
+        keys use (a window's worth, not the whole table)."""
         width, context = key
-        words = 2 * width + 3 * width * context
+        words = self._words(key)
         if key not in self.inputs:
             self.inputs[key] = torch.zeros(words, dtype=torch.long, device=self.device)
         if self._staged is not None:
@@ -105,27 +126,19 @@ class DraftGraphs:
         if self._host is None or self._host.numel() < words:
             self._host = torch.zeros(words, dtype=torch.long, pin_memory=self.capturing)
         host = self._host[:words].numpy()
-        b, w, ws = len(anchors), width, width * context
-        host[:w] = 0
+        b, w, cols, bs = len(anchors), width, self._columns(context), self.block_size
+        host[:2 * w] = 0
         host[:b] = anchors
-        host[w:2 * w] = 0
         host[w:w + b] = starts
-        slots, positions, valid = (host[2 * w + i * ws:2 * w + (i + 1) * ws].reshape(width, context) for i in range(3))
-        reach, bs = context_reach(self.draft.config), self.block_size
-        for i, (p, table) in enumerate(zip(starts, tables)):
-            lo = 0 if reach is None else max(0, p - reach)
-            n = p - lo
-            if n:
-                span = np.arange(lo, p)
-                blocks = np.asarray(table[lo // bs:(p - 1) // bs + 1], dtype=np.int64)
-                slots[i, :n] = blocks[span // bs - lo // bs] * bs + span % bs
-                positions[i, :n] = span
-                valid[i, :n] = 1
-            slots[i, n:] = 0
-            positions[i, n:] = 0
-            valid[i, n:] = 0
-        for part in (slots, positions, valid):
-            part[b:] = 0
+        table = host[2 * w:].reshape(width, cols)
+        table[:] = 0
+        reach = context_reach(self.draft.config)
+        for i, (p, blocks) in enumerate(zip(starts, tables)):
+            if p <= 0:
+                continue
+            first = (0 if reach is None else max(0, p - reach)) // bs
+            used = blocks[first:(p - 1) // bs + 1]
+            table[i, :len(used)] = used
         self.inputs[key].copy_(self._host[:words], non_blocking=True)
         if self.capturing:
             self._staged = torch.cuda.Event()
@@ -133,7 +146,7 @@ class DraftGraphs:
 
     def _body(self, key: tuple[int, int], kv: torch.Tensor) -> None:
         width, context = key
-        block_drafts(self.draft, self.rows, self.logits, kv, self._split(self.inputs[key], width, context), self.n,
+        block_drafts(self.draft, self.rows, self.logits, kv, self._batch(self.inputs[key], width, context), self.n,
                      self.out[:width])
 
     def _capture(self, key: tuple[int, int], kv: torch.Tensor) -> None:
