@@ -1,40 +1,61 @@
-"""GPU decode/prefill figures of the cuda executor, and transformers' on the same weights.
+"""GPU decode/prefill figures of the cuda executor, and of ``musegl serve`` on the same shape.
 
 Builds the torch executor at a Muse Glimmer config (default: the 30B shape of
-transformers' ``MuseGlimmerTextConfig()``) with dummy weights made on the GPU
-(``--load-format dummy``: seeded, repeatable), captures its decode graphs,
-and prints one JSON line per figure:
+transformers' ``MuseGlimmerTextConfig()``; ``--layers N`` keeps the first N
+layers; ``--tiny`` a 4-layer hidden-64 shape for a CPU smoke run) with dummy
+weights made on the device (``--load-format dummy``: seeded, repeatable) and
+prints one JSON line per figure (also appended to ``--out``):
 
-* ``bandwidth``: measured device-to-device copy bandwidth and the roofline
-  ms/token of a batch-1 decode step (every weight but the embedding table
-  read once);
+* ``bandwidth`` (CUDA): measured device-to-device copy bandwidth and the
+  roofline ms/token of a batch-1 decode step (every weight but the embedding
+  table read once);
 * ``prefill``: one ``--prefill-tokens`` step of one fresh sequence, tok/s;
-* ``decode``: at each batch size, ms per step and tok/s, each sequence at
-  ``--context`` positions. Steps run as the engine runs them: on an
-  asynchronous executor (CUDA) step N+1 is launched, its rows following step
-  N's ids on the device, before step N is read (``pipelined: true``); the
-  host's work (building the chunks, staging, reading the ids, building the
-  output) is included. ``sync_ms_per_step`` is the same with one
-  ``executor.step`` at a time (the host's work between the steps);
-* the same ``prefill``/``decode`` figures for transformers (``generate``,
-  greedy, ``min_new_tokens`` = ``max_new_tokens``) on the same weights in
-  the same run (``engine: transformers``), unless ``--no-baseline``;
-* ``serve``: then the same config through ``musegl serve --load-format
-  dummy`` (a bare config.json, so the demo tokenizer) and ``musegl bench``
-  at each ``--serve-concurrency`` (default 1,64), unless ``--no-serve``:
-  output tok/s, TTFT and inter-token p50, and ``decode_tok_s`` =
-  concurrency / inter-token p50 next to the executor-level decode tok/s at
-  that batch (``vs_executor``: their ratio).
+  ``ttft``: a ``--ttft-tokens`` prompt prefilled in ``--prefill-chunk``
+  chunks, as the engine splits it, seconds to its first sampled token;
+* ``decode``: at each ``--contexts`` value and batch size, ms per step and
+  tok/s, each sequence at that many positions, then ``--wide-batches`` at
+  ``--wide-context``. Steps run as the engine runs them: on an asynchronous
+  executor (CUDA) step N+1 is launched, its rows following step N's ids on the
+  device, before step N is read (``pipelined: true``); the host's work
+  (building the chunks, staging, reading the ids) is included.
+  ``sync_ms_per_step`` is the same with one ``executor.step`` at a time. The
+  positions before the context are the cache as ``allocate_kv`` left it
+  (zeros; ``--fill prefill`` prefills them instead): attention reads the same
+  bytes either way. A point whose KV does not fit the pool (device memory
+  less the weights and ``--headroom-gib``) is printed with ``skipped``;
+* the same ``prefill``/``decode`` figures for transformers on the same
+  weights (``engine: transformers``), with ``--baseline``;
+* ``serve`` (phase ``serve``): the same config through ``musegl serve
+  --load-format dummy`` (a bare config.json, so the demo tokenizer) and
+  ``musegl bench`` at each ``--serve-concurrency``: output tok/s, TTFT and
+  inter-token p50, ``decode_tok_s`` = concurrency / inter-token p50; then
+  ``serve_ttft``: a ``--ttft-tokens`` prompt's TTFT through HTTP;
+* ``rows`` (phase ``rows``): ``--rows-batch`` concurrent requests (sampled,
+  ``ignore_eos``) plain, with a quarter of them under a JSON schema (an open
+  array of strings, which random weights never close), and with top-5
+  logprobs on every row; completion tok/s and each ratio to plain;
+* ``dflash`` (phase ``dflash``): ``musegl serve --dflash DRAFT`` with a
+  random draft at ``MuseGlimmerAssistantConfig()`` defaults (tapped layers
+  spread over the target's depth) and the benchmark-only replay
+  (``MUSEGL_DFLASH_BENCHMARK_ACCEPT``, plugins/dflash/musegl_dflash/replay.py):
+  at each ``--dflash-batches`` concurrency the requests run once to record the
+  target's output, then once per ``--dflash-accept`` length with the same
+  prompts; output tok/s, the measured acceptance length (engine counters) and
+  the ratio to the plain server at that concurrency (phase ``serve`` of the
+  same run, else measured here).
 
-Needs a CUDA GPU and transformers with Muse Glimmer.
+``--phases`` picks any of ``executor,serve,rows,dflash`` (default all).
+``--device cpu`` runs everything on the CPU (``torch-cpu``, float32) for the
+smoke run: ``python benchmarks/gpu_decode.py --device cpu --tiny`` plus the
+small-shape options in benchmarks/README.md.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -46,15 +67,40 @@ import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "plugins" / "cuda")]
+sys.path[:0] = [str(ROOT), str(ROOT / "plugins" / "cuda"), str(ROOT / "benchmarks")]
 
 from musegl_core.engine.executor import SeqChunk, Step  # noqa: E402
 from musegl_cuda.executor import TorchExecutor  # noqa: E402
-from musegl_cuda.plugin import ConfigOnly, read_config_only  # noqa: E402
+from musegl_cuda.plugin import ConfigOnly  # noqa: E402
+
+PHASES = ("executor", "serve", "rows", "dflash")
+#: ``--tiny``: a shape the CPU runs in seconds (the demo tokenizer's vocabulary).
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, sliding_window=64)
+TINY_DRAFT = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, sliding_window=64)
+#: The open array of strings of benchmarks/constrained.py: random weights never close it.
+SCHEMA = {"type": "object", "properties": {"items": {"type": "array", "items": {"type": "string"}}},
+          "required": ["items"]}
+
+OUT: list = []  # the --out file, when given
 
 
 def emit(**fields) -> None:
-    print(json.dumps(fields), flush=True)
+    line = json.dumps(fields)
+    print(line, flush=True)
+    for path in OUT:
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(line + "\n")
+
+
+def is_cuda(args) -> bool:
+    return args.device.startswith("cuda")
+
+
+def sync(args) -> None:
+    if is_cuda(args):
+        torch.cuda.synchronize()
 
 
 def copy_bandwidth(gib: float = 2.0) -> float:
@@ -74,18 +120,36 @@ def copy_bandwidth(gib: float = 2.0) -> float:
     return 2 * gib * 2**30 / statistics.median(times)
 
 
-def text_config(args):
+def raw_text_config(args) -> dict:
+    """The text config as a transformers dict: ``--config``, else ``MuseGlimmerTextConfig()``
+    (``--tiny``: the small shape), cut to ``--layers``."""
     if args.config:
-        return read_config_only(args.config)
-    from transformers import MuseGlimmerTextConfig
+        src = Path(args.config) / "config.json" if Path(args.config).is_dir() else Path(args.config)
+        raw = json.loads(src.read_text())
+        raw = raw.get("text_config", raw)
+    else:
+        from transformers import MuseGlimmerTextConfig
 
+        raw = MuseGlimmerTextConfig(**(TINY if args.tiny else {})).to_dict()
+    if args.layers:
+        if not 1 <= args.layers <= raw["num_hidden_layers"]:
+            raise SystemExit(f"--layers must be in 1..{raw['num_hidden_layers']}")
+        raw["num_hidden_layers"] = args.layers
+        if raw.get("layer_types"):
+            raw["layer_types"] = raw["layer_types"][:args.layers]
+    return raw
+
+
+def text_config(args) -> ConfigOnly:
     from musegl_core.checkpoint.hf_reader import text_config_dict, text_config_from_dict
 
-    raw = MuseGlimmerTextConfig().to_dict()
-    return ConfigOnly(text_config_from_dict(text_config_dict(raw, "MuseGlimmerTextConfig()")), "muse-glimmer-30b")
+    raw = raw_text_config(args)
+    name = "muse-glimmer-tiny" if args.tiny else "muse-glimmer-30b"
+    return ConfigOnly(text_config_from_dict(text_config_dict(raw, "MuseGlimmerTextConfig()")),
+                      f"{name}-{raw['num_hidden_layers']}l")
 
 
-def replay_ms(graph: torch.cuda.CUDAGraph, repeat: int = 10) -> float:
+def replay_ms(graph, repeat: int = 10) -> float:
     """Milliseconds of one replay of ``graph``, replayed back to back (GPU time alone, no host work)."""
     graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -97,139 +161,173 @@ def replay_ms(graph: torch.cuda.CUDAGraph, repeat: int = 10) -> float:
     return start.elapsed_time(end) / repeat
 
 
-def timed(fn, repeat: int) -> list[float]:
+def timed(args, fn, repeat: int) -> list[float]:
     out = []
     for _ in range(repeat):
-        torch.cuda.synchronize()
+        sync(args)
         t = time.perf_counter()
         fn()
-        torch.cuda.synchronize()
+        sync(args)
         out.append(time.perf_counter() - t)
     return out
 
 
-def run_musegl(args, checkpoint, rng, tok_s: dict[int, float]):
+def decode_points(args) -> list[tuple[int, int]]:
+    """(context, batch) in the order they run."""
+    points = [(ctx, b) for ctx in int_list(args.contexts) for b in int_list(args.batches)]
+    points += [(args.wide_context, b) for b in int_list(args.wide_batches)]
+    return points
+
+
+def int_list(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def run_musegl(args, checkpoint, rng, tok_s: dict[tuple[int, int], float]):
     c = checkpoint.config
-    executor = TorchExecutor(checkpoint, device="cuda", dtype="bfloat16", dummy_seed=0,
-                             forward_sizes=tuple(int(x) for x in args.forward_sizes.split(",")))
+    cuda = is_cuda(args)
+    executor = TorchExecutor(checkpoint, device=args.device, dtype="bfloat16" if cuda else "float32", dummy_seed=0,
+                             forward_sizes=tuple(int_list(args.forward_sizes)) if cuda else None)
     model = executor.model
     weight_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
                        if not n.endswith((".q_proj.weight", ".k_proj.weight", ".v_proj.weight",
                                           "attn.gate_proj.weight", "mlp.gate_proj.weight", ".up_proj.weight")))
-    read_bytes = weight_bytes - model.embed_tokens.numel() * model.embed_tokens.element_size()
-    bw = copy_bandwidth()
-    emit(figure="bandwidth", copy_gbps=round(bw / 1e9, 1), weight_gb=round(weight_bytes / 1e9, 2),
-         roofline_ms_per_token=round(read_bytes / bw * 1e3, 2))
+    if cuda:
+        read_bytes = weight_bytes - model.embed_tokens.numel() * model.embed_tokens.element_size()
+        bw = copy_bandwidth()
+        emit(figure="bandwidth", copy_gbps=round(bw / 1e9, 1), weight_gb=round(weight_bytes / 1e9, 2),
+             roofline_ms_per_token=round(read_bytes / bw * 1e3, 2))
     bs = executor.block_size
-    batches = [int(b) for b in args.batches.split(",")]
-    per_seq = -(-(args.context + 2 * args.steps + 16) // bs)  # warm-up, synchronous and pipelined steps
-    blocks = max(max(batches) * per_seq, -(-args.prefill_tokens // bs)) + 8
+    limit = c.max_position_embeddings - 2 * args.steps - 16  # the last decode position stays inside the model
+
+    def per_seq(context: int) -> int:  # warm-up, synchronous and pipelined steps
+        return -(-(min(context, limit) + 2 * args.steps + 16) // bs)
+
+    wanted = max([b * per_seq(ctx) for ctx, b in decode_points(args)] + [-(-args.ttft_tokens // bs)]) + 8
+    per_block = executor.kv_bytes_per_block()
+    room = executor.kv_memory_available()
+    fits = max(64, int((room - args.headroom_gib * 2**30) // per_block)) if room is not None else wanted
+    blocks = min(wanted, fits)
     t = time.perf_counter()
     executor.allocate_kv(blocks)
-    emit(figure="startup", graphs_s=round(time.perf_counter() - t, 1), kv_blocks=blocks)
+    emit(figure="startup", graphs_s=round(time.perf_counter() - t, 1), kv_blocks=blocks, kv_blocks_wanted=wanted,
+         kv_gib=round(blocks * per_block / 2**30, 1), block_size=bs)
 
     # prefill: one fresh sequence of prefill_tokens rows in one step
     n = args.prefill_tokens
     prompt = rng.integers(4, c.vocab_size, size=n).tolist()
     table = list(range(-(-n // bs)))
     step = Step([SeqChunk(0, prompt, list(range(n)), table, sample=1)])
-    times = timed(lambda: executor.step(step), 1 + args.prefill_repeat)[1:]
+    times = timed(args, lambda: executor.step(step), 1 + args.prefill_repeat)[1:]
     emit(engine="musegl", figure="prefill", tokens=n, s=round(statistics.median(times), 4),
          tok_s=round(n / statistics.median(times), 1))
 
-    results = {}
-    for b in batches:
-        seqs = [(i, list(range(i * per_seq, (i + 1) * per_seq))) for i in range(b)]
-        # prefill every sequence to `context` positions, several per step
-        per_step = max(1, 8192 // args.context)
-        for lo in range(0, b, per_step):
-            executor.step(Step([SeqChunk(1000 * b + i, rng.integers(4, c.vocab_size, size=args.context).tolist(),
-                                         list(range(args.context)), t, sample=1) for i, t in seqs[lo:lo + per_step]]))
-        last = [int(x) for x in rng.integers(4, c.vocab_size, size=b)]
-        width = executor.limits.padded_width(b)
+    # time to the first token of a long prompt, in the engine's chunks
+    n, chunk = args.ttft_tokens, args.prefill_chunk
+    if -(-n // bs) <= blocks:
+        prompt = rng.integers(4, c.vocab_size, size=n).tolist()
+        table = list(range(-(-n // bs)))
 
-        def build(pos, follows=False):
-            return Step([SeqChunk(1000 * b + i, [last[k]], [pos], t, sample=1, follows=follows)
-                         for k, (i, t) in enumerate(seqs)], width=width)
+        def ttft():
+            for lo in range(0, n, chunk):
+                hi = min(n, lo + chunk)
+                executor.step(Step([SeqChunk(1, prompt[lo:hi], list(range(lo, hi)), table,
+                                             sample=1 if hi == n else 0)]))
 
-        def read(out):
-            for k, (i, _) in enumerate(seqs):
-                last[k] = out.tokens[1000 * b + i][0]
+        times = timed(args, ttft, 2)
+        emit(engine="musegl", figure="ttft", tokens=n, chunk=chunk, s=round(times[-1], 3),
+             tok_s=round(n / times[-1], 1))
+    else:
+        emit(engine="musegl", figure="ttft", tokens=n, skipped=f"needs {-(-n // bs)} KV blocks, the pool has {blocks}")
 
-        def decode(pos):
-            read(executor.step(build(pos)))
-
-        def pipelined(first, steps):
-            """``steps`` decode steps as the engine runs them on an asynchronous executor:
-            step N+1 (following N's ids on the device) is launched before N is read."""
-            pending = executor.launch(build(first))
-            for s in range(1, steps):
-                ahead = executor.launch(build(first + s, follows=True))
-                read(pending.result())
-                pending = ahead
-            read(pending.result())
-
-        for w in range(3):
-            decode(args.context + w)
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for s in range(args.steps):
-            decode(args.context + 3 + s)
-        torch.cuda.synchronize()
-        sync_ms = (time.perf_counter() - t0) / args.steps * 1e3
-        ms = sync_ms
-        if executor.limits.async_steps:
-            at = args.context + 3 + args.steps
-            pipelined(at, 3)
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            pipelined(at + 3, args.steps)
-            torch.cuda.synchronize()
-            ms = (time.perf_counter() - t0) / args.steps * 1e3
-        results[b] = ms
-        tok_s[b] = round(b / ms * 1e3, 1)
-        graph_ms = None
-        if executor.graphs is not None and width in executor.graphs.graphs:  # the replay alone, no host work
-            graph_ms = round(replay_ms(executor.graphs.graphs[width]), 2)
-        if args.profile:
-            from torch.profiler import ProfilerActivity, profile
-
-            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-                for s in range(4):
-                    decode(args.context + 6 + 2 * args.steps + s)
-                torch.cuda.synchronize()
-            print(f"--- profile: 4 decode steps at batch {b}", file=sys.stderr)
-            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60),
-                  file=sys.stderr)
-        if args.profile and graph_ms is not None:  # where a step's time goes outside the graph
-            pos = args.context + 10 + 2 * args.steps
-            graphs = executor.graphs
-
-            def build():
-                return Step([SeqChunk(1000 * b + i, [last[k]], [pos], t, sample=1)
-                             for k, (i, t) in enumerate(seqs)], width=width)
-
-            parts = {"build": [], "stage": [], "replay_sync": []}
-            for _ in range(10):
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                step = build()
-                t1 = time.perf_counter()
-                graphs.stage_decode(step.chunks, width, executor.num_blocks, c.vocab_size)
-                t2 = time.perf_counter()
-                torch.cuda.synchronize()
-                t3 = time.perf_counter()
-                graphs.replay(width)
-                graphs.greedy_ids(width, b)
-                t4 = time.perf_counter()
-                for key, v in zip(parts, (t1 - t0, t2 - t1, t4 - t3)):
-                    parts[key].append(v * 1e3)
-            emit(engine="musegl", figure="decode_parts", batch=b,
-                 **{f"{k}_ms": round(statistics.median(v), 3) for k, v in parts.items()})
-        emit(engine="musegl", figure="decode", batch=b, context=args.context, graph=width in executor.limits.step_sizes,
-             pipelined=executor.limits.async_steps, ms_per_step=round(ms, 2), tok_s=round(b / ms * 1e3, 1),
-             sync_ms_per_step=round(sync_ms, 2), graph_ms=graph_ms)
+    for context, b in decode_points(args):
+        decode_one(args, executor, rng, context, min(context, limit), b, per_seq(context), blocks, tok_s)
     return executor
+
+
+def decode_one(args, executor, rng, context, at, b, per_seq, blocks, tok_s) -> None:
+    c = executor.config
+    need = b * per_seq
+    if need > blocks:
+        emit(engine="musegl", figure="decode", batch=b, context=context,
+             skipped=f"needs {need} KV blocks ({b} x {per_seq}), the pool has {blocks}")
+        return
+    seqs = [(i, list(range(i * per_seq, (i + 1) * per_seq))) for i in range(b)]
+    handle = 10_000 * (context + 1) + b * 1000
+    if args.fill == "prefill":  # every sequence prefilled to `context` positions, several per step
+        per_step = max(1, args.prefill_chunk // at)
+        for lo in range(0, b, per_step):
+            executor.step(Step([SeqChunk(handle + i, rng.integers(4, c.vocab_size, size=at).tolist(),
+                                         list(range(at)), t, sample=1) for i, t in seqs[lo:lo + per_step]]))
+    last = [int(x) for x in rng.integers(4, c.vocab_size, size=b)]
+    width = executor.limits.padded_width(b)
+
+    def build(pos, follows=False):
+        return Step([SeqChunk(handle + i, [last[k]], [pos], t, sample=1, follows=follows)
+                     for k, (i, t) in enumerate(seqs)], width=width)
+
+    def read(out):
+        for k, (i, _) in enumerate(seqs):
+            last[k] = out.tokens[handle + i][0]
+
+    def decode(pos):
+        read(executor.step(build(pos)))
+
+    def pipelined(first, steps):
+        """``steps`` decode steps as the engine runs them on an asynchronous executor:
+        step N+1 (following N's ids on the device) is launched before N is read."""
+        pending = executor.launch(build(first))
+        for s in range(1, steps):
+            ahead = executor.launch(build(first + s, follows=True))
+            read(pending.result())
+            pending = ahead
+        read(pending.result())
+
+    for w in range(3):
+        decode(at + w)
+    sync(args)
+    t0 = time.perf_counter()
+    for s in range(args.steps):
+        decode(at + 3 + s)
+    sync(args)
+    sync_ms = (time.perf_counter() - t0) / args.steps * 1e3
+    ms = sync_ms
+    if executor.limits.async_steps:
+        start = at + 3 + args.steps
+        pipelined(start, 3)
+        sync(args)
+        t0 = time.perf_counter()
+        pipelined(start + 3, args.steps - 3)
+        sync(args)
+        ms = (time.perf_counter() - t0) / (args.steps - 3) * 1e3
+    tok_s[(context, b)] = round(b / ms * 1e3, 1)
+    graphs = getattr(executor, "graphs", None)
+    graph_ms = None
+    if graphs is not None and width in graphs.graphs:  # the replay alone, no host work
+        graph_ms = round(replay_ms(graphs.graphs[width]), 2)
+    if args.profile and is_cuda(args):
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for s in range(4):
+                decode(at + 3 + 2 * args.steps + s)
+            torch.cuda.synchronize()
+        print(f"--- profile: 4 decode steps at batch {b}, context {context}", file=sys.stderr)
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60),
+              file=sys.stderr)
+    emit(engine="musegl", figure="decode", batch=b, context=context, positions=at,
+         graph=width in executor.limits.step_sizes, pipelined=executor.limits.async_steps,
+         ms_per_step=round(ms, 2), tok_s=round(b / ms * 1e3, 1), sync_ms_per_step=round(sync_ms, 2),
+         graph_ms=graph_ms, fill=args.fill)
+
+
+def release_kv(executor) -> None:
+    """Drop the cache and the graphs that hold it (the weights stay, for the baseline to copy)."""
+    for name in ("graphs", "samplers", "kv"):
+        if hasattr(executor, name):
+            setattr(executor, name, None)
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def run_transformers(args, checkpoint, holder: list, rng):
@@ -240,24 +338,19 @@ def run_transformers(args, checkpoint, holder: list, rng):
     from musegl_cuda.model import CenteredRMSNorm
 
     c = checkpoint.config
-    if args.config:
-        raw = json.loads((Path(args.config) / "config.json" if Path(args.config).is_dir()
-                          else Path(args.config)).read_text())
-        text = raw.get("text_config", raw)
-    else:
-        from transformers import MuseGlimmerTextConfig
-
-        text = MuseGlimmerTextConfig().to_dict()
-    config = MuseGlimmerConfig(text_config=text,
+    device = args.device
+    config = MuseGlimmerConfig(text_config=raw_text_config(args),
                                vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                                   num_attention_heads=2, pos_emb_height=4, pos_emb_width=4),
                                out_hidden_size=128, projector_hidden_size=64)
-    torch.set_default_dtype(torch.bfloat16)
-    with torch.device("cuda"):
+    executor = holder.pop()
+    release_kv(executor)
+    dtype = torch.bfloat16 if is_cuda(args) else torch.float32
+    torch.set_default_dtype(dtype)
+    with torch.device(device):
         hf = MuseGlimmerForConditionalGeneration(config).eval()
     torch.set_default_dtype(torch.float32)
     params = dict(hf.named_parameters())
-    executor = holder.pop()
     with torch.no_grad():
         for name in text_weight_names(c):
             target = executor.model._target(name)
@@ -266,18 +359,20 @@ def run_transformers(args, checkpoint, holder: list, rng):
             params[key].copy_(value)
     executor.close()
     del executor
-    torch.cuda.empty_cache()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
     hf.generation_config.eos_token_id = None
     hf.generation_config.pad_token_id = 0
 
     n = args.prefill_tokens
-    ids = torch.tensor([rng.integers(4, c.vocab_size, size=n).tolist()], device="cuda")
+    ids = torch.tensor([rng.integers(4, c.vocab_size, size=n).tolist()], device=device)
     with torch.no_grad():
-        times = timed(lambda: hf(input_ids=ids, logits_to_keep=1), 1 + args.prefill_repeat)[1:]
+        times = timed(args, lambda: hf(input_ids=ids, logits_to_keep=1), 1 + args.prefill_repeat)[1:]
     emit(engine="transformers", figure="prefill", tokens=n, s=round(statistics.median(times), 4),
          tok_s=round(n / statistics.median(times), 1))
-    for b in [int(x) for x in args.batches.split(",")]:
-        ids = torch.tensor(rng.integers(4, c.vocab_size, size=(b, args.context)).tolist(), device="cuda")
+    context = int_list(args.contexts)[0]
+    for b in int_list(args.batches):
+        ids = torch.tensor(rng.integers(4, c.vocab_size, size=(b, context)).tolist(), device=device)
         steps = args.baseline_steps
 
         def gen(k):
@@ -286,121 +381,282 @@ def run_transformers(args, checkpoint, holder: list, rng):
                             do_sample=False)
 
         gen(2)
-        first = statistics.median(timed(lambda: gen(1), 2))
-        total = timed(lambda: gen(steps + 1), 1)[0]
+        first = statistics.median(timed(args, lambda: gen(1), 2))
+        total = timed(args, lambda: gen(steps + 1), 1)[0]
         ms = (total - first) / steps * 1e3
-        emit(engine="transformers", figure="decode", batch=b, context=args.context, ms_per_step=round(ms, 2),
+        emit(engine="transformers", figure="decode", batch=b, context=context, ms_per_step=round(ms, 2),
              tok_s=round(b / ms * 1e3, 1))
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+# -- served phases -------------------------------------------------------------------------
+def write_model_dir(args, tmp: Path) -> Path:
+    model = tmp / "target"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(raw_text_config(args)))
+    return model
 
 
-def run_serve(args, executor_tok_s: dict[int, float]) -> None:
+def write_draft(args, tmp: Path, num_layers: int) -> Path:
+    """A random DFlash draft at ``MuseGlimmerAssistantConfig()`` defaults (``--tiny``: its small
+    shape), reading target layers spread over the target's depth, saved as a Hugging Face directory."""
+    from transformers import MuseGlimmerAssistantConfig, MuseGlimmerAssistantModel
+
+    base = MuseGlimmerAssistantConfig(**(TINY_DRAFT if args.tiny else {}))
+    taps = len(base.target_layer_ids)
+    layers = list(base.target_layer_ids)  # the released draft's taps, where the target has them
+    if max(layers) >= num_layers:
+        layers = sorted({round(1 + i * (num_layers - 2) / max(taps - 1, 1)) for i in range(taps)}) \
+            if num_layers >= 3 else list(range(num_layers))
+    config = MuseGlimmerAssistantConfig(**(TINY_DRAFT if args.tiny else {}), target_layer_ids=layers)
+    dtype = torch.bfloat16 if is_cuda(args) else torch.float32
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(args.device):
+            draft = MuseGlimmerAssistantModel(config).eval()
+    finally:
+        torch.set_default_dtype(torch.float32)
+    path = tmp / "draft"
+    draft.save_pretrained(path)
+    del draft
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    emit(figure="dflash_draft", layers=config.num_hidden_layers, hidden=config.hidden_size,
+         target_layer_ids=layers, block_size=config.block_size)
+    return path
+
+
+def server_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    return {**os.environ, **(extra or {}),
+            "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "plugins" / "cuda"), os.environ.get("PYTHONPATH", "")])}
+
+
+def serve_flags(args, width: int) -> list[str]:
+    executor = "cuda" if is_cuda(args) else "torch-cpu"
+    flags = ["--load-format", "dummy", "--executor", executor, "--max-sessions", str(width),
+             "--max-inflight-requests", str(width), "--max-decode-sequences", str(width),
+             "--max-context", str(max(args.serve_context, args.ttft_tokens + 64))]
+    if is_cuda(args):
+        flags += ["--forward-sizes", args.forward_sizes]
+    return flags + [part for flag in args.serve_flag for part in flag.split("=", 1)]
+
+
+def bench(args, url: str, concurrency: int, requests: int, max_tokens: int, prompt_tokens: int,
+          env: dict[str, str]) -> dict | str:
+    command = [sys.executable, "-m", "musegl_core.cli.main", "bench", "--url", url, "-c", str(concurrency),
+               "-n", str(requests), "--max-tokens", str(max_tokens), "--prompt-tokens", str(prompt_tokens),
+               "--seed", "0", "--json", "--no-progress"]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1800)
+    if done.returncode != 0:
+        return done.stderr[-400:] or done.stdout[-400:]
+    return json.loads(done.stdout)
+
+
+def served(report: dict) -> dict:
+    itl = report["itl"]["p50"]
+    return dict(requests=report["requests"], errors=report["errors"],
+                output_tok_s=round(report["output_tokens_per_s"], 1),
+                ttft_p50_ms=round(report["ttft"]["p50"] * 1e3, 1) if report["ttft"]["p50"] is not None else None,
+                itl_p50_ms=round(itl * 1e3, 2) if itl else None)
+
+
+def run_serve(args, tmp: Path, executor_tok_s: dict, plain: dict[int, float]) -> None:
     """The HTTP path at the same shape: ``musegl serve --load-format dummy`` + ``musegl bench``."""
-    import httpx
+    from common import serve_process
 
-    levels = [int(x) for x in args.serve_concurrency.split(",")]
-    with tempfile.TemporaryDirectory() as tmp:
-        if args.config:
-            src = Path(args.config) / "config.json" if Path(args.config).is_dir() else Path(args.config)
-            raw = json.loads(src.read_text())
-        else:
-            from transformers import MuseGlimmerTextConfig
-
-            raw = MuseGlimmerTextConfig().to_dict()
-        (Path(tmp) / "config.json").write_text(json.dumps(raw))
-        port = free_port()
-        url = f"http://127.0.0.1:{port}"
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "plugins" / "cuda"),
-                                                            os.environ.get("PYTHONPATH", "")])}
-        command = [sys.executable, "-m", "musegl_core.cli.main", "serve", "--load-format", "dummy",
-                   "--model", tmp, "--executor", "cuda", "--port", str(port),
-                   "--max-sessions", str(max(levels)), "--max-inflight-requests", str(max(levels)),
-                   "--max-decode-sequences", str(max(levels)), "--max-context", str(args.serve_context),
-                   "--forward-sizes", args.forward_sizes]
-        t0 = time.perf_counter()
-        server = subprocess.Popen(command, env=env, stdout=sys.stderr, stderr=sys.stderr)
-        try:
-            while True:
-                if server.poll() is not None:
-                    emit(engine="musegl-serve", figure="serve", error=f"musegl serve exited {server.returncode}")
-                    return
-                try:
-                    if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                time.sleep(1)
-            emit(engine="musegl-serve", figure="serve_startup", s=round(time.perf_counter() - t0, 1))
+    levels = int_list(args.serve_concurrency)
+    model = write_model_dir(args, tmp)
+    env = server_env()
+    width = max(levels + [args.rows_batch if "rows" in args.phases else 1])
+    t0 = time.perf_counter()
+    os.environ["PYTHONPATH"] = env["PYTHONPATH"]
+    with serve_process(model, *serve_flags(args, width), ready_timeout=args.ready_timeout) as (url, _):
+        emit(engine="musegl-serve", figure="serve_startup", s=round(time.perf_counter() - t0, 1))
+        if "serve" in args.phases:
             for c in levels:
-                bench = [sys.executable, "-m", "musegl_core.cli.main", "bench", "--url", url, "-c", str(c),
-                         "-n", str(max(2 * c, 8)), "--max-tokens", str(args.serve_max_tokens),
-                         "--prompt-tokens", str(args.serve_prompt_tokens), "--json", "--no-progress"]
-                done = subprocess.run(bench, env=env, capture_output=True, text=True, timeout=1800)
-                if done.returncode != 0:
-                    emit(engine="musegl-serve", figure="serve", concurrency=c, error=done.stderr[-400:])
+                report = bench(args, url, c, max(2 * c, 4), args.serve_max_tokens, args.serve_prompt_tokens, env)
+                if isinstance(report, str):
+                    emit(engine="musegl-serve", figure="serve", concurrency=c, error=report)
                     continue
-                report = json.loads(done.stdout)
+                fig = served(report)
+                plain[c] = fig["output_tok_s"]
                 itl = report["itl"]["p50"]
                 decode_tok_s = c / itl if itl else None
-                base = executor_tok_s.get(c)
-                emit(engine="musegl-serve", figure="serve", concurrency=c, requests=report["requests"],
-                     errors=report["errors"], output_tok_s=round(report["output_tokens_per_s"], 1),
-                     ttft_p50_ms=round(report["ttft"]["p50"] * 1e3, 1), itl_p50_ms=round(itl * 1e3, 2),
+                base = executor_tok_s.get((int_list(args.contexts)[0], c))
+                emit(engine="musegl-serve", figure="serve", concurrency=c, **fig,
                      decode_tok_s=round(decode_tok_s, 1) if decode_tok_s else None, executor_tok_s=base,
                      vs_executor=round(decode_tok_s / base, 3) if decode_tok_s and base else None)
-        finally:
-            server.terminate()
-            try:
-                server.wait(60)
-            except subprocess.TimeoutExpired:
-                server.kill()
+            report = bench(args, url, 1, 3, 2, args.ttft_tokens, env)
+            if isinstance(report, str):
+                emit(engine="musegl-serve", figure="serve_ttft", error=report)
+            else:
+                emit(engine="musegl-serve", figure="serve_ttft", prompt_tokens=report["prompt_tokens"] // 3,
+                     ttft_p50_s=round(report["ttft"]["p50"], 3))
+        if "rows" in args.phases:
+            run_rows(args, url)
+
+
+async def completions(url: str, n: int, max_tokens: int, body_of) -> tuple[int, float]:
+    """``n`` concurrent chat requests; (completion tokens, seconds)."""
+    import httpx
+
+    async with httpx.AsyncClient(timeout=1800, limits=httpx.Limits(max_connections=n + 2)) as http:
+        async def one(i: int) -> int:
+            response = await http.post(f"{url}/v1/chat/completions", json=body_of(i))
+            response.raise_for_status()
+            return response.json()["usage"]["completion_tokens"]
+
+        started = time.perf_counter()
+        tokens = await asyncio.gather(*(one(i) for i in range(n)))
+        return sum(tokens), time.perf_counter() - started
+
+
+def run_rows(args, url: str) -> None:
+    """A batch of sampled rows: plain, a quarter under a JSON schema, top-5 logprobs on all."""
+    n, m = args.rows_batch, args.rows_max_tokens
+
+    def body(i: int, constrained: bool = False, logprobs: bool = False) -> dict:
+        out = {"model": "m", "messages": [{"role": "user", "content": f"List things, case {i}. " * 8}],
+               "max_tokens": m, "ignore_eos": True, "temperature": 0.8, "seed": i}
+        if constrained:
+            out["response_format"] = {"type": "json_schema", "json_schema": {"name": "list", "schema": SCHEMA}}
+        if logprobs:
+            out |= {"logprobs": True, "top_logprobs": 5}
+        return out
+
+    cases = {"plain": lambda i: body(i), "json_schema_quarter": lambda i: body(i, constrained=i % 4 == 0),
+             "top5_logprobs": lambda i: body(i, logprobs=True)}
+    asyncio.run(completions(url, 2, 4, cases["json_schema_quarter"]))  # warm-up: the grammar vocabulary
+    rates = {}
+    for name, body_of in cases.items():
+        tokens, seconds = asyncio.run(completions(url, n, m, body_of))
+        rates[name] = tokens / seconds
+        emit(engine="musegl-serve", figure="rows", case=name, batch=n, max_tokens=m, completion_tokens=tokens,
+             s=round(seconds, 2), tok_s=round(rates[name], 1),
+             vs_plain=round(rates[name] / rates["plain"], 3))
+
+
+def run_dflash(args, tmp: Path, plain: dict[int, float]) -> None:
+    """Served DFlash at fixed acceptance lengths (the benchmark-only replay)."""
+    from common import serve_process
+
+    from musegl_dflash.replay import ENV
+
+    raw = raw_text_config(args)
+    model = tmp / "target" if (tmp / "target").exists() else write_model_dir(args, tmp)
+    draft = write_draft(args, tmp, raw["num_hidden_layers"])
+    control = tmp / "accept"
+    control.write_text("0")
+    batches = int_list(args.dflash_batches)
+    env = server_env({ENV: str(control)})
+    width = max(batches)
+    missing = [c for c in batches if c not in plain]
+    if missing:  # the plain figures at these concurrencies, same prompts, same run
+        with serve_process(model, *serve_flags(args, width), ready_timeout=args.ready_timeout) as (url, _):
+            for c in missing:
+                report = bench(args, url, c, c, args.dflash_max_tokens, args.serve_prompt_tokens, server_env())
+                if not isinstance(report, str):
+                    plain[c] = served(report)["output_tok_s"]
+    plain_at = {c: plain.get(c) for c in batches}
+    os.environ[ENV] = str(control)
+    try:
+        with serve_process(model, *serve_flags(args, width), "--dflash", str(draft),
+                           ready_timeout=args.ready_timeout) as (url, _):
+            from musegl_core.testing.speculation import draft_metric
+
+            for c in batches:
+                control.write_text("0")
+                bench(args, url, c, c, args.dflash_max_tokens, args.serve_prompt_tokens, env)  # recorded
+                for k in int_list(args.dflash_accept):
+                    control.write_text(str(k))
+                    before = [draft_metric(url, n) for n in ("spec_verify_blocks", "spec_accepted_tokens")]
+                    report = bench(args, url, c, c, args.dflash_max_tokens, args.serve_prompt_tokens, env)
+                    blocks, accepted = (draft_metric(url, n) - b for n, b in
+                                        zip(("spec_verify_blocks", "spec_accepted_tokens"), before))
+                    if isinstance(report, str):
+                        emit(engine="musegl-serve", figure="dflash", concurrency=c, accept=k, error=report)
+                        continue
+                    fig = served(report)
+                    base = plain_at.get(c)
+                    emit(engine="musegl-serve", figure="dflash", concurrency=c, accept=k,
+                         measured_acceptance=round((accepted + blocks) / blocks, 2) if blocks else None,
+                         verify_blocks=int(blocks), **fig, plain_output_tok_s=base,
+                         vs_plain=round(fig["output_tok_s"] / base, 3) if base else None)
+    finally:
+        os.environ.pop(ENV, None)
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", help="a Hugging Face directory or config.json (default: MuseGlimmerTextConfig())")
+    p.add_argument("--tiny", action="store_true", help="a 4-layer hidden-64 shape (CPU smoke runs)")
+    p.add_argument("--layers", type=int, default=None, help="keep the first N layers (reduced depth)")
+    p.add_argument("--device", default="cuda", help="cuda (default) or cpu (float32, the torch-cpu executor)")
+    p.add_argument("--phases", default=",".join(PHASES), help=f"any of {','.join(PHASES)} (default all)")
+    p.add_argument("--out", default=None, help="also append every JSON line to this file")
     p.add_argument("--batches", default="1,8,32,64")
-    p.add_argument("--context", type=int, default=512, help="positions in the cache of each decoding sequence")
-    p.add_argument("--steps", type=int, default=32, help="timed decode steps per batch size")
+    p.add_argument("--contexts", default="512", help="positions in the cache of each decoding sequence, "
+                   "comma-separated (e.g. 512,8192,32768,131072; capped at the model's positions)")
+    p.add_argument("--wide-batches", default="", help="more batch sizes, at --wide-context (e.g. 128,256)")
+    p.add_argument("--wide-context", type=int, default=2048)
+    p.add_argument("--fill", choices=("zeros", "prefill"), default="zeros",
+                   help="the positions before the context: the zeroed cache (default) or prefilled")
+    p.add_argument("--headroom-gib", type=float, default=12.0,
+                   help="device memory left beside the KV pool (activations, graphs, the server phases)")
+    p.add_argument("--steps", type=int, default=32, help="timed decode steps per point")
     p.add_argument("--prefill-tokens", type=int, default=4096)
     p.add_argument("--prefill-repeat", type=int, default=3)
+    p.add_argument("--ttft-tokens", type=int, default=32768, help="the long prompt of the ttft figures")
+    p.add_argument("--prefill-chunk", type=int, default=8192, help="prefill chunk of the executor's ttft figure")
     p.add_argument("--forward-sizes", default="1,2,4,8,16,32,64")
-    p.add_argument("--no-baseline", action="store_true", help="skip transformers")
-    p.add_argument("--profile", action="store_true", help="print torch.profiler's top kernels of 4 decode steps")
+    p.add_argument("--baseline", action="store_true", help="also transformers on the same weights")
     p.add_argument("--baseline-steps", type=int, default=16)
+    p.add_argument("--profile", action="store_true", help="print torch.profiler's top kernels of 4 decode steps")
     p.add_argument("--blas", choices=("cublas", "cublaslt"), help="torch's preferred BLAS library (default: torch's)")
-    p.add_argument("--no-serve", action="store_true", help="skip musegl serve + musegl bench")
-    p.add_argument("--serve-only", action="store_true", help="only musegl serve + musegl bench")
-    p.add_argument("--serve-concurrency", default="1,64")
+    p.add_argument("--serve-concurrency", default="1,8,32,64")
     p.add_argument("--serve-max-tokens", type=int, default=128)
     p.add_argument("--serve-prompt-tokens", type=int, default=256)
-    p.add_argument("--serve-context", type=int, default=2048, help="--max-context of the server")
+    p.add_argument("--serve-context", type=int, default=2048, help="--max-context of the servers (at least "
+                   "--ttft-tokens + 64)")
+    p.add_argument("--serve-flag", action="append", default=[], help="extra musegl serve flag (repeatable)")
+    p.add_argument("--ready-timeout", type=float, default=600.0)
+    p.add_argument("--rows-batch", type=int, default=64)
+    p.add_argument("--rows-max-tokens", type=int, default=128)
+    p.add_argument("--dflash-batches", default="1,8,32")
+    p.add_argument("--dflash-accept", default="2,4,8,16", help="acceptance lengths to replay (at most 16)")
+    p.add_argument("--dflash-max-tokens", type=int, default=256)
     args = p.parse_args()
-    if not torch.cuda.is_available():
-        print("gpu_decode.py needs a CUDA GPU", file=sys.stderr)
+    args.phases = [x for x in args.phases.split(",") if x]
+    unknown = set(args.phases) - set(PHASES)
+    if unknown:
+        p.error(f"unknown phases {', '.join(sorted(unknown))}")
+    if is_cuda(args) and not torch.cuda.is_available():
+        print("gpu_decode.py: no CUDA GPU (use --device cpu for a smoke run)", file=sys.stderr)
         return 2
+    if args.out:
+        OUT.append(args.out)
     if args.blas:
         torch.backends.cuda.preferred_blas_library(args.blas)
     rng = np.random.default_rng(0)
     checkpoint = text_config(args)
-    emit(figure="setup", device=torch.cuda.get_device_name(), torch=torch.__version__, model=checkpoint.name,
-         layers=checkpoint.config.num_layers, hidden=checkpoint.config.hidden_size)
-    executor_tok_s: dict[int, float] = {}
-    if not args.serve_only:
+    emit(figure="setup", device=torch.cuda.get_device_name() if is_cuda(args) else "cpu", torch=torch.__version__,
+         model=checkpoint.name, layers=checkpoint.config.num_layers, hidden=checkpoint.config.hidden_size,
+         phases=args.phases)
+    executor_tok_s: dict = {}
+    if "executor" in args.phases:
         holder = [run_musegl(args, checkpoint, rng, executor_tok_s)]
-        if not args.no_baseline:
+        if args.baseline:
             run_transformers(args, checkpoint, holder, rng)
         else:
             holder.pop().close()
         holder.clear()
-        torch.cuda.empty_cache()
-    if not args.no_serve:
-        run_serve(args, executor_tok_s)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    plain: dict[int, float] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        if "serve" in args.phases or "rows" in args.phases:
+            run_serve(args, Path(tmp), executor_tok_s, plain)
+        if "dflash" in args.phases:
+            run_dflash(args, Path(tmp), plain)
     return 0
 
 

@@ -8,6 +8,7 @@ directory or a DFlash GGUF). torch is imported only when a draft is loaded.
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -80,22 +81,35 @@ def _draft_config(options: DFlashOptions) -> "DraftConfig":
         raise ConfigError(f"--dflash {options.draft}: {exc}") from None
 
 
+def _target_config(options: ExecutorOptions) -> Any:
+    """The target's text config; a bare ``config.json`` served with ``--load-format dummy``
+    (random weights) has no weights to open, so its config is read alone."""
+    config_path = Path(options.model) / "config.json"
+    if options.extra.get("load_format") == "dummy" and config_path.is_file():
+        import json
+
+        from musegl_core.checkpoint.hf_reader import text_config_dict, text_config_from_dict
+
+        return text_config_from_dict(text_config_dict(json.loads(config_path.read_text()), str(config_path)))
+    from musegl_core.checkpoint.loader import load_checkpoint
+
+    checkpoint = load_checkpoint(options.model)
+    try:
+        return checkpoint.config
+    finally:
+        checkpoint.close()
+
+
 def check(options: ExecutorOptions) -> None:
     """Validate the flags against the draft's and the target's configs before anything loads
     (called by ``musegl serve`` in the front; numpy only)."""
-    from musegl_core.checkpoint.loader import load_checkpoint
-
     flags = DFlashOptions.from_extra(options.extra)
     if flags.draft is None:
         if flags.n_draft is not None:
             raise ConfigError("--dflash-n-draft needs --dflash DRAFT")
         return
     draft = _draft_config(flags)
-    checkpoint = load_checkpoint(options.model)
-    try:
-        c = checkpoint.config
-    finally:
-        checkpoint.close()
+    c = _target_config(options)
     resolve(flags, draft, TargetShape(c.vocab_size, c.hidden_size, c.num_layers))
 
 
