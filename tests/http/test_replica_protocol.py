@@ -144,3 +144,22 @@ def test_messages_and_responses_echo_the_named_session_too(server, stream):
     assert "x-session-id" not in anonymous.headers
     for session in (f"{name}-m", f"{name}-r"):
         assert httpx.delete(f"{server.url}/v1/sessions/{session}", timeout=30).status_code == 200
+
+
+def test_health_says_shutting_down_once_a_shutdown_began():
+    """A router's health check on a kept-alive connection sees the drain begin (the listening
+    socket is closed by then, so new connections are refused anyway: docs/serving.md)."""
+    from litestar.testing import TestClient
+
+    from musegl_core.http.app import create_app
+    from musegl_core.plugins.manager import PluginManager
+    from musegl_core.worker.client import WorkerClient
+
+    config = ServeConfig().validate()
+    app = create_app(config, PluginManager(only=[]), WorkerClient(config), manage_worker=False)
+    with TestClient(app) as client:
+        assert client.get("/health").json()["error"]["code"] == "model_loading"  # no worker here
+        app.state["front"].shutting_down = True  # what SIGTERM's begin_shutdown sets first
+        response = client.get("/health")
+        assert response.status_code == 503
+        assert response.json()["error"]["code"] == "server_shutting_down"
