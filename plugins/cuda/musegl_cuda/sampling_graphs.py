@@ -238,15 +238,19 @@ def penalty_entries(rows: SampleRows, vocab: int) -> tuple[np.ndarray, np.ndarra
     rs, cs, vs = [], [], []
     for i in rows.penalized:
         ids, prompt_len = rows.counted[i]
-        ids = np.asarray(list(ids), dtype=np.int64)
-        inside = (ids >= 0) & (ids < vocab)
-        seen = np.unique(ids[inside])
+        ids = np.asarray(ids, dtype=np.int64)
+        inside = ids[(ids >= 0) & (ids < vocab)]
         generated = ids[prompt_len:]
         generated = generated[(generated >= 0) & (generated < vocab)]
-        counts = np.zeros(len(seen), dtype=np.float32)
-        if len(generated):
-            gen_ids, gen_counts = np.unique(generated, return_counts=True)
-            counts[np.searchsorted(seen, gen_ids)] = gen_counts
+        if len(ids) * 16 < vocab:  # a short history: sorting it beats counting over the vocabulary
+            seen = np.unique(inside)
+            counts = np.zeros(len(seen), dtype=np.float32)
+            if len(generated):
+                gen_ids, gen_counts = np.unique(generated, return_counts=True)
+                counts[np.searchsorted(seen, gen_ids)] = gen_counts
+        else:
+            seen = np.flatnonzero(np.bincount(inside, minlength=vocab))
+            counts = np.bincount(generated, minlength=vocab)[seen].astype(np.float32)
         rs.append(np.full(len(seen), i, dtype=np.int64))
         cs.append(seen)
         vs.append(counts)

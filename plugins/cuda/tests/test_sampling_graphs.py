@@ -205,3 +205,21 @@ def test_multi_row_chunks_of_a_verify_step_sample_like_the_eager_sampler():
     assert out.logprobs == {0: lps[:3], 1: lps[3:]}
     wants = Step([SeqChunk(0, [4], [10], [0] * 4, sample=1, sampling=warm, want_logits=True)], width=8)
     assert graphs.launch(wants, [0], 8, None) is None
+
+
+def test_penalty_entries_count_short_and_long_histories_alike():
+    """The distinct counted ids and their generated counts, by sorting (a history short
+    against the vocabulary) or by counting over the vocabulary (a long one)."""
+    rng = np.random.default_rng(4)
+    for n in (5, VOCAB // 16 - 1, VOCAB // 16, 4 * VOCAB):
+        history = rng.integers(-3, VOCAB + 3, size=n).tolist()
+        step = Step([SeqChunk(0, [7], [n], [0], sample=1, history=history, prompt_len=n // 3,
+                              sampling=SamplingParams(presence_penalty=1.0))])
+        rows = SampleRows.of(step)
+        r, c, v = penalty_entries(rows, VOCAB)
+        ids = np.asarray(history + [7])
+        inside = ids[(ids >= 0) & (ids < VOCAB)]
+        assert c.tolist() == sorted(set(inside.tolist())) and (r == 0).all()
+        gen = ids[n // 3:]
+        gen = gen[(gen >= 0) & (gen < VOCAB)]
+        assert v.tolist() == [float((gen == i).sum()) for i in c]
