@@ -29,6 +29,8 @@ import logging
 import time
 from typing import Callable, Sequence
 
+import attrs
+import numpy as np
 import torch
 
 from musegl_dflash.model import DFlashDraft, DraftBatch, context_reach, context_width
@@ -61,6 +63,66 @@ def block_drafts(draft: DFlashDraft, rows: Callable, logits: Callable, kv: torch
     return out
 
 
+@attrs.frozen
+class BlockInputs:
+    """The inputs of ``width`` blocks seeing at most ``context`` keys, as one int64 buffer:
+    anchors | starts | per block the ids of the KV blocks its context keys use, from
+    the block of its first key (``columns`` of them). Key ``j`` of block ``b`` is
+    position ``lo_b + j`` (``lo_b = max(0, P_b − reach)``), valid below ``P_b − lo_b``:
+    :func:`~musegl_dflash.model.gather_context`'s layout, computed on the device by
+    :meth:`batch` from a window's worth of block ids instead of every key on the host."""
+
+    width: int
+    context: int
+    block_size: int
+    reach: int | None
+
+    @property
+    def columns(self) -> int:
+        return self.context // self.block_size + 2  # ``context`` positions from any offset
+
+    @property
+    def words(self) -> int:
+        return self.width * (2 + self.columns)
+
+    def write(self, host: np.ndarray, anchors: Sequence[int], starts: Sequence[int],
+              tables: Sequence[Sequence[int]]) -> None:
+        """Fill ``host`` (``words`` int64) for ``len(anchors)`` blocks, the rest padding."""
+        b, w, bs = len(anchors), self.width, self.block_size
+        host[:2 * w] = 0
+        host[:b] = anchors
+        host[w:w + b] = starts
+        table = host[2 * w:self.words].reshape(w, self.columns)
+        table[:] = 0
+        for i, (p, blocks) in enumerate(zip(starts, tables)):
+            if p > 0:
+                used = blocks[(0 if self.reach is None else max(0, p - self.reach)) // bs:(p - 1) // bs + 1]
+                table[i, :len(used)] = used
+
+    def batch(self, buffer: torch.Tensor) -> DraftBatch:
+        """The :class:`DraftBatch` of a written buffer, on the buffer's device."""
+        w, bs, cols = self.width, self.block_size, self.columns
+        anchors, starts = buffer[:w], buffer[w:2 * w]
+        table = buffer[2 * w:].view(w, cols)
+        lo = torch.zeros_like(starts) if self.reach is None else (starts - self.reach).clamp(min=0)
+        j = torch.arange(self.context, device=buffer.device)
+        positions = lo[:, None] + j[None, :]
+        valid = j[None, :] < (starts - lo)[:, None]
+        column = (positions // bs - (lo // bs)[:, None]).clamp(0, cols - 1)
+        slots = table.gather(1, column) * bs + positions % bs
+        zero = torch.zeros_like(positions)
+        return DraftBatch(anchors, starts, torch.where(valid, slots, zero), torch.where(valid, positions, zero), valid)
+
+    @classmethod
+    def exact(cls, config, block_size: int, anchors: Sequence[int], starts: Sequence[int],
+              tables: Sequence[Sequence[int]], device: torch.device) -> DraftBatch:
+        """The unpadded batch of these blocks on ``device`` (the forward without graphs)."""
+        layout = cls(len(anchors), context_width(config, starts), block_size, context_reach(config))
+        host = np.zeros(layout.words, dtype=np.int64)
+        layout.write(host, anchors, starts, tables)
+        return layout.batch(torch.from_numpy(host).to(device))
+
+
 class DraftGraphs:
     """The draft forward's graphs of one speculator (see the module docstring)."""
 
@@ -85,39 +147,13 @@ class DraftGraphs:
             return None
         return next_power(batch), next_power(context, MIN_CONTEXT)
 
-    def _columns(self, context: int) -> int:
-        """Block ids a block's context keys can span: ``context`` positions from any offset."""
-        return context // self.block_size + 2
-
-    def _words(self, key: tuple[int, int]) -> int:
-        width, context = key
-        return width * (2 + self._columns(context))
-
-    def _batch(self, buffer: torch.Tensor, width: int, context: int) -> DraftBatch:
-        """The :class:`DraftBatch` of a staged buffer (anchors | starts | the block ids of
-        each block's context keys, from the block of its first key), on its device: key
-        ``j`` of block ``b`` is position ``lo_b + j`` (``lo_b = max(0, P_b − reach)``),
-        valid below ``P_b − lo_b``, as :func:`~musegl_dflash.model.gather_context` lays them out."""
-        bs, cols = self.block_size, self._columns(context)
-        anchors, starts = buffer[:width], buffer[width:2 * width]
-        table = buffer[2 * width:].view(width, cols)
-        reach = context_reach(self.draft.config)
-        lo = torch.zeros_like(starts) if reach is None else (starts - reach).clamp(min=0)
-        j = torch.arange(context, device=buffer.device)
-        positions = lo[:, None] + j[None, :]
-        valid = j[None, :] < (starts - lo)[:, None]
-        column = (positions // bs - (lo // bs)[:, None]).clamp(0, cols - 1)
-        slots = table.gather(1, column) * bs + positions % bs
-        zero = torch.zeros_like(positions)
-        return DraftBatch(anchors, starts, torch.where(valid, slots, zero), torch.where(valid, positions, zero), valid)
-
     def stage(self, key: tuple[int, int], anchors: Sequence[int], starts: Sequence[int],
               tables: Sequence[Sequence[int]]) -> None:
         """Write the inputs of ``len(anchors)`` blocks into ``key``'s static buffer, the
         rest padding: per block its anchor, its start and the block ids its context
         keys use (a window's worth, not the whole table)."""
-        width, context = key
-        words = self._words(key)
+        layout = self.layout(key)
+        words = layout.words
         if key not in self.inputs:
             self.inputs[key] = torch.zeros(words, dtype=torch.long, device=self.device)
         if self._staged is not None:
@@ -125,29 +161,18 @@ class DraftGraphs:
             self._staged = None
         if self._host is None or self._host.numel() < words:
             self._host = torch.zeros(words, dtype=torch.long, pin_memory=self.capturing)
-        host = self._host[:words].numpy()
-        b, w, cols, bs = len(anchors), width, self._columns(context), self.block_size
-        host[:2 * w] = 0
-        host[:b] = anchors
-        host[w:w + b] = starts
-        table = host[2 * w:].reshape(width, cols)
-        table[:] = 0
-        reach = context_reach(self.draft.config)
-        for i, (p, blocks) in enumerate(zip(starts, tables)):
-            if p <= 0:
-                continue
-            first = (0 if reach is None else max(0, p - reach)) // bs
-            used = blocks[first:(p - 1) // bs + 1]
-            table[i, :len(used)] = used
+        layout.write(self._host[:words].numpy(), anchors, starts, tables)
         self.inputs[key].copy_(self._host[:words], non_blocking=True)
         if self.capturing:
             self._staged = torch.cuda.Event()
             self._staged.record()
 
+    def layout(self, key: tuple[int, int]) -> "BlockInputs":
+        return BlockInputs(key[0], key[1], self.block_size, context_reach(self.draft.config))
+
     def _body(self, key: tuple[int, int], kv: torch.Tensor) -> None:
-        width, context = key
-        block_drafts(self.draft, self.rows, self.logits, kv, self._batch(self.inputs[key], width, context), self.n,
-                     self.out[:width])
+        block_drafts(self.draft, self.rows, self.logits, kv, self.layout(key).batch(self.inputs[key]), self.n,
+                     self.out[:key[0]])
 
     def _capture(self, key: tuple[int, int], kv: torch.Tensor) -> None:
         start = time.perf_counter()

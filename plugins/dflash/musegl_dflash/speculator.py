@@ -35,8 +35,8 @@ import torch
 from musegl_core.engine.executor import Step, StepOutput
 from musegl_core.engine.speculator import DeviceDrafts, DraftRequest
 from musegl_core.engine.step_checks import coverage_error, kv_allocated
-from musegl_dflash.graphs import DraftGraphs, block_drafts
-from musegl_dflash.model import DFlashDraft, DraftBatch, gather_context, linear
+from musegl_dflash.graphs import BlockInputs, DraftGraphs, block_drafts
+from musegl_dflash.model import DFlashDraft, linear
 
 log = logging.getLogger("musegl.dflash")
 
@@ -145,9 +145,7 @@ class DFlashSpeculator:
         with torch.inference_mode():
             ids = None if self.graphs is None else self.graphs.run(anchors, starts, tables, kv)
             if ids is None:  # no graphs, or a shape past their limits
-                slots, positions, valid = gather_context(self.config, self.block_size, starts, tables, device)
-                batch = DraftBatch(torch.tensor(anchors, dtype=torch.long, device=device),
-                                   torch.tensor(starts, dtype=torch.long, device=device), slots, positions, valid)
+                batch = BlockInputs.exact(self.config, self.block_size, anchors, starts, tables, device)
                 ids = block_drafts(self.draft, self.target.rows, self.target.logits, kv, batch, self.max_draft)
         return DeviceDrafts(ids, {r.seq: b for b, r in enumerate(requests)},
                             {r.seq: min(r.max_draft, self.max_draft) for r in requests})

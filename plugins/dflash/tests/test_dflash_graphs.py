@@ -1,8 +1,11 @@
 """The draft forward through :class:`~musegl_dflash.graphs.DraftGraphs`, on the CPU.
 
 On the CPU nothing is captured: the graphs' staging fills their static inputs
-(batch and context padded to the shape's powers of two) and the body a CUDA
-graph records runs over them. Its drafts must be the unpadded eager forward's,
+(batch and context padded to the shape's powers of two; per block its anchor,
+start and the block ids of its window, from which the body computes the keys'
+slots as :func:`gather_context` lays them out) and the body a CUDA graph
+records runs over them. Its drafts must be the unpadded forward's over
+``gather_context``'s keys,
 for batches and contexts of several sizes, with a window shorter than the
 context and with full-attention layers (every earlier position a key); a shape
 past the graphs' limits runs eagerly.
@@ -10,14 +13,18 @@ past the graphs' limits runs eagerly.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
+import numpy as np
 import pytest
 import torch
 
 import musegl_dflash.graphs as draft_graphs
 from dflash_support import build_reference_draft, save_draft
 from musegl_core.engine.speculator import DraftRequest
-from musegl_dflash.graphs import DraftGraphs
+from musegl_dflash.graphs import BlockInputs, DraftGraphs, block_drafts
 from musegl_dflash.loader import load_draft
+from musegl_dflash.model import DraftBatch, gather_context
 from musegl_dflash.speculator import DFlashSpeculator, TargetHead
 
 VOCAB, HIDDEN, MASK, BLOCK = 512, 64, 500, 4
@@ -50,7 +57,18 @@ def ask(lengths, room=5):
     return [DraftRequest(seq, [7 + seq] * (n + 1), TABLES[seq], room) for seq, n in lengths]
 
 
+def reference(spec, requests):
+    """The drafts of the unpadded forward over gather_context's keys."""
+    starts = [len(r.tokens) - 1 for r in requests]
+    slots, positions, valid = gather_context(spec.config, BLOCK, starts, [r.blocks for r in requests],
+                                             torch.device("cpu"))
+    batch = DraftBatch(torch.tensor([r.tokens[-1] for r in requests]), torch.tensor(starts), slots, positions, valid)
+    with torch.inference_mode():
+        return block_drafts(spec.draft, spec.target.rows, spec.target.logits, spec.kv, batch, spec.max_draft)
+
+
 def eager(spec, requests):
+    """The speculator without graphs."""
     graphs, spec.graphs = spec.graphs, None
     try:
         return spec.propose_on_device(requests)
@@ -64,6 +82,7 @@ def test_padded_graph_inputs_give_the_eager_drafts(speculator, lengths):
     got = speculator.propose_on_device(requests)
     want = eager(speculator, requests)
     assert torch.equal(got.ids, want.ids)
+    assert torch.equal(want.ids, reference(speculator, requests))
     assert got.rows == want.rows == {seq: i for i, (seq, _) in enumerate(lengths)}
     assert got.counts == want.counts == {seq: 5 for seq, _ in lengths}
     config = speculator.draft.config
@@ -71,6 +90,26 @@ def test_padded_graph_inputs_give_the_eager_drafts(speculator, lengths):
     assert key in speculator.graphs.inputs
     assert key[0] >= len(lengths) and key[1] >= draft_graphs.MIN_CONTEXT
     assert speculator.propose(requests) == {r.seq: want.ids[i].tolist() for i, r in enumerate(requests)}
+
+
+@pytest.mark.parametrize("reach", [None, 40, 5])
+@pytest.mark.parametrize("padded", [False, True])
+def test_block_inputs_lay_out_the_keys_like_gather_context(reach, padded):
+    config = SimpleNamespace(sliding_window=reach, sliding=(reach is not None,))
+    starts = [110, 0, 9, 77, 1]
+    tables = [TABLES[0], TABLES[1], TABLES[1], TABLES[2], TABLES[2]]
+    slots, positions, valid = gather_context(config, BLOCK, starts, tables, torch.device("cpu"))
+    width, context = len(starts), slots.shape[1]
+    layout = BlockInputs(8 if padded else width, 128 if padded else context, BLOCK, reach)
+    host = np.full(layout.words, 99, dtype=np.int64)  # what an earlier staging left
+    layout.write(host, [3, 4, 5, 6, 7], starts, tables)
+    batch = layout.batch(torch.from_numpy(host))
+    assert batch.anchors[:width].tolist() == [3, 4, 5, 6, 7] and batch.starts[:width].tolist() == starts
+    assert torch.equal(batch.context_valid[:width, :context], valid)
+    assert torch.equal(batch.context_slots[:width, :context], slots)
+    assert torch.equal(batch.context_positions[:width, :context], positions)
+    assert not batch.context_valid[width:].any() and not batch.context_valid[:, context:].any()
+    assert not batch.anchors[width:].any() and not batch.starts[width:].any()
 
 
 def test_shapes_are_powers_of_two_within_the_limits():
