@@ -22,13 +22,13 @@ had been decoded one per step.
 from __future__ import annotations
 
 import logging
-import math
 import queue
 import time
 from typing import Callable
 
 import attrs
 
+from musegl_core.engine import errors
 from musegl_core.engine import events as ev
 from musegl_core.engine.admission import AdmissionQueue
 from musegl_core.engine.detokenize import IncrementalDetokenizer, hidden_ids
@@ -42,6 +42,7 @@ from musegl_core.engine.replay import ReplayLog, ReplayPlan, Replayer
 from musegl_core.engine.request import Phase, PreparedRequest, SequenceState
 from musegl_core.engine.masks import PendingMasks
 from musegl_core.engine.scheduler import Scheduler, SchedulerLimits
+from musegl_core.engine.errors import constraint_failure, context_error  # noqa: F401 (importable from here too)
 from musegl_core.engine.sessions import CapacityError, SaltMismatch, Session, SessionBusy, SessionTable
 from musegl_core.engine.speculator import (DeviceDrafts, DraftRequest, NoSpeculator, Speculator, accept,
                                            proposes_on_device)
@@ -88,34 +89,6 @@ class EngineConfig:
         )
 
 
-def context_error(prompt_tokens: int, reservation: int, max_context: int, source: str = "worker") -> ApiError:
-    """400 ``context_length_exceeded`` with the counts a client needs to compact."""
-    budget = max_context - reservation
-    return ApiError(
-        400,
-        f"This model's maximum context length is {max_context} tokens. However, you requested "
-        f"{prompt_tokens + reservation} tokens ({prompt_tokens} in the messages, {reservation} in the "
-        f"completion). Please reduce the length of the messages or completion.",
-        "invalid_request_error",
-        "context_length_exceeded",
-        "messages",
-        metadata={
-            "context_length": max_context,
-            "prompt_tokens": prompt_tokens,
-            "max_prompt_tokens": budget,
-            "completion_reservation": reservation,
-            "source": source,
-        },
-    )
-
-
-def busy_error(running: int, queued: int, retry_after: int) -> ApiError:
-    """503 ``server_busy``: every running place and every queue place is taken."""
-    return ApiError(503, f"the server is busy: {running} requests run (--max-inflight-requests) and {queued} "
-                    f"wait (--max-queued-requests, full); retry in about {retry_after} s",
-                    "unavailable_error", "server_busy", retry_after=retry_after)
-
-
 @attrs.define
 class InFlight:
     """A step launched on an asynchronous executor, not committed yet."""
@@ -124,20 +97,6 @@ class InFlight:
     plan: list[tuple[SequenceState, int]]
     pending: PendingStep
     started: float
-
-
-def constraint_failure(processors) -> ApiError | None:
-    """The error of a logits processor that can no longer enforce its
-    constraint (its ``failure`` attribute: :class:`~musegl_core.constrain.matcher.GrammarProcessor`),
-    or None. The request then fails (400 ``constraint_failed``) rather than
-    go on unconstrained."""
-    for processor in processors:
-        reason = getattr(processor, "failure", None)
-        if reason:
-            return ApiError(400, f"the output constraint could not be enforced: the grammar engine failed "
-                                 f"during generation ({reason}); simplify the schema",
-                            "invalid_request_error", "constraint_failed")
-    return None
 
 
 def grammar_threads(configured: int | None, limits: ExecutorLimits) -> int:
@@ -340,10 +299,9 @@ class Engine:
         try:
             self.sessions.close(name)
         except KeyError:
-            reply(ApiError(404, f"no session {name!r}", "not_found_error", "session_not_found", "session_id"))
+            reply(errors.no_session(name))
         except SessionBusy:
-            reply(ApiError(409, f"session {name!r} has a request running or queued; close it when idle",
-                           "invalid_request_error", "session_active", "session_id"))
+            reply(errors.session_active(name))
         else:
             self._dispatch_due = True  # a slot is free
             reply(None)
@@ -360,12 +318,12 @@ class Engine:
         request that has to wait in a full queue is refused (503 ``server_busy``)."""
         config = self.config
         if request.id in self._running or request.id in self._queue:
-            self._fail(request.id, ApiError(400, f"duplicate request id {request.id}"))
+            self._fail(request.id, errors.duplicate_id(request.id))
             return
         prompt = len(request.prompt_ids)
         reservation = request.completion_reservation
         if prompt + reservation > config.max_context:
-            self._fail(request.id, context_error(prompt, reservation, config.max_context))
+            self._fail(request.id, errors.context_error(prompt, reservation, config.max_context))
             return
         self._queue.push(request)
         self._link(request)
@@ -375,7 +333,7 @@ class Engine:
         if self._queue.over:  # queue overload never evicts a session
             self._unlink(request)
             self._queue.refuse(request.id)
-            self._fail(request.id, busy_error(len(self._running), len(self._queue), self._queue.retry_after()))
+            self._fail(request.id, errors.busy_error(len(self._running), len(self._queue), self._queue.retry_after()))
             return
         self._queue.admitted += 1
 
@@ -407,16 +365,14 @@ class Engine:
                 session, _created = self.sessions.open(name, request.cache_salt, soft=request.soft_session)
             except SaltMismatch as exc:
                 self._unqueue(request)
-                self._fail(request.id, ApiError(400, f"{exc}: a named session keeps the cache_salt of its first "
-                                                "request (close it with DELETE /v1/sessions/{id} to change it)",
-                                                "invalid_request_error", "cache_salt_mismatch", "cache_salt"))
+                self._fail(request.id, errors.salt_mismatch(exc))
                 continue
             except CapacityError as exc:
                 if self._slot_frees_later():
                     slots_full = True
                     continue  # it waits for a slot
                 self._unqueue(request)
-                self._fail(request.id, self._capacity_error(exc))
+                self._fail(request.id, errors.capacity_error(exc, self.sessions))
                 continue
             self._unlink(request)
             self._queue_seconds[request.id] = self._queue.take(request.id)
@@ -472,21 +428,6 @@ class Engine:
         table = self.sessions
         return (bool(table.anonymous) or any(s.active and s.soft for s in table.named.values())
                 or (table.evict_idle and any(s.active for s in table.named.values())))
-
-    def _capacity_error(self, exc: CapacityError) -> ApiError:
-        """503 ``session_capacity``; its ``Retry-After`` is only what is known: with
-        ``--session-idle-timeout``, when the first named session can expire (absent otherwise:
-        no slot frees until a client deletes a session)."""
-        table, retry = self.sessions, None
-        if table.idle_timeout is not None and table.named:
-            now = time.monotonic()
-            idle = [s.last_used + table.idle_timeout - now for s in table.named.values() if s.idle]
-            retry = max(1, math.ceil(min(idle) if idle else table.idle_timeout))
-            when = f"the first named session can expire in about {retry} s (--session-idle-timeout)"
-        else:
-            when = "named sessions persist until DELETE /v1/sessions/{id}"
-        return ApiError(503, f"no session slot is free: {exc}; {when}", "unavailable_error", "session_capacity",
-                        retry_after=retry)
 
     def _start(self, request: PreparedRequest, session: Session) -> None:
         session.active = True
@@ -609,7 +550,7 @@ class Engine:
             except Exception as exc:
                 log.exception("image encoding failed")
                 self._finish(seq, None, None)
-                self._fail(seq.id, ApiError(500, f"image encoding failed: {exc}", "server_error"))
+                self._fail(seq.id, errors.image_encoding_failed(exc))
 
     def step(self) -> None:
         if self._inflight is not None:  # a launched step: launch the next one, then commit it
@@ -751,7 +692,7 @@ class Engine:
             if seq.phase is Phase.FINISHED:
                 continue
             self._finish(seq, None, None)
-            self._fail(seq.id, ApiError(500, f"model execution failed: {exc}", "server_error"))
+            self._fail(seq.id, errors.execution_failed(exc))
 
     def _record(self, plan: list[tuple[SequenceState, int]], seconds: float) -> None:
         self.steps += 1
@@ -820,7 +761,7 @@ class Engine:
 
     def _on_token(self, seq: SequenceState, token: int, logprobs: TokenLogprobs | None = None) -> None:
         request = seq.request
-        failure = constraint_failure(request.processors)
+        failure = errors.constraint_failure(request.processors)
         if failure is not None:  # the token was drawn without the constraint: never emitted
             self._finish(seq, None, None)
             self._fail(seq.id, failure)

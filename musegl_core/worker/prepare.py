@@ -94,7 +94,7 @@ def prompt_too_long(at_least: int, reservation: int, max_context: int) -> ApiErr
     """400 ``context_length_exceeded`` for a prompt found too long before it was
     fully tokenized: ``at_least`` is a lower bound of its token count (the
     metadata says so: ``prompt_tokens_exact`` false)."""
-    from musegl_core.engine.engine import context_error
+    from musegl_core.engine.errors import context_error
 
     error = context_error(at_least, reservation, max_context)
     error.message = (
