@@ -29,7 +29,8 @@ prints one JSON line per figure (also appended to ``--out``):
   --load-format dummy`` (a bare config.json, so the demo tokenizer) and
   ``musegl bench`` at each ``--serve-concurrency``: output tok/s, TTFT and
   inter-token p50, ``decode_tok_s`` = concurrency / inter-token p50; then
-  ``serve_ttft``: a ``--ttft-tokens`` prompt's TTFT through HTTP;
+  ``serve_ttft``: a ``--ttft-tokens`` prompt's TTFT through HTTP (a one-slot
+  server: every slot reserves ``--max-context``);
 * ``rows`` (phase ``rows``): ``--rows-batch`` concurrent requests (sampled,
   ``ignore_eos``) plain, with a quarter of them under a JSON schema (an open
   array of strings, which random weights never close), and with top-5
@@ -41,8 +42,8 @@ prints one JSON line per figure (also appended to ``--out``):
   at each ``--dflash-batches`` concurrency the requests run once to record the
   target's output, then once per ``--dflash-accept`` length with the same
   prompts; output tok/s, the measured acceptance length (engine counters) and
-  the ratio to the plain server at that concurrency (phase ``serve`` of the
-  same run, else measured here).
+  the ratio to the plain server on the same requests (``dflash_plain``,
+  measured in the same run).
 
 ``--phases`` picks any of ``executor,serve,rows,dflash`` (default all).
 ``--device cpu`` runs everything on the CPU (``torch-cpu``, float32) for the
@@ -430,11 +431,11 @@ def server_env(extra: dict[str, str] | None = None) -> dict[str, str]:
             "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "plugins" / "cuda"), os.environ.get("PYTHONPATH", "")])}
 
 
-def serve_flags(args, width: int) -> list[str]:
+def serve_flags(args, width: int, context: int | None = None) -> list[str]:
     executor = "cuda" if is_cuda(args) else "torch-cpu"
     flags = ["--load-format", "dummy", "--executor", executor, "--max-sessions", str(width),
              "--max-inflight-requests", str(width), "--max-decode-sequences", str(width),
-             "--max-context", str(max(args.serve_context, args.ttft_tokens + 64))]
+             "--max-context", str(context or args.serve_context)]
     if is_cuda(args):
         flags += ["--forward-sizes", args.forward_sizes]
     return flags + [part for flag in args.serve_flag for part in flag.split("=", 1)]
@@ -466,7 +467,8 @@ def run_serve(args, tmp: Path, executor_tok_s: dict, plain: dict[int, float]) ->
     levels = int_list(args.serve_concurrency)
     model = write_model_dir(args, tmp)
     env = server_env()
-    width = max(levels + [args.rows_batch if "rows" in args.phases else 1])
+    width = max(levels + [args.rows_batch if "rows" in args.phases else 1]
+                + (int_list(args.dflash_batches) if "dflash" in args.phases else []))
     t0 = time.perf_counter()
     os.environ["PYTHONPATH"] = env["PYTHONPATH"]
     with serve_process(model, *serve_flags(args, width), ready_timeout=args.ready_timeout) as (url, _):
@@ -478,21 +480,29 @@ def run_serve(args, tmp: Path, executor_tok_s: dict, plain: dict[int, float]) ->
                     emit(engine="musegl-serve", figure="serve", concurrency=c, error=report)
                     continue
                 fig = served(report)
-                plain[c] = fig["output_tok_s"]
                 itl = report["itl"]["p50"]
                 decode_tok_s = c / itl if itl else None
                 base = executor_tok_s.get((int_list(args.contexts)[0], c))
                 emit(engine="musegl-serve", figure="serve", concurrency=c, **fig,
                      decode_tok_s=round(decode_tok_s, 1) if decode_tok_s else None, executor_tok_s=base,
                      vs_executor=round(decode_tok_s / base, 3) if decode_tok_s and base else None)
+        if "rows" in args.phases:
+            run_rows(args, url)
+        if "dflash" in args.phases:  # the plain figures the DFlash runs are compared with: same requests
+            for c in int_list(args.dflash_batches):
+                report = bench(args, url, c, c, args.dflash_max_tokens, args.serve_prompt_tokens, env)
+                if not isinstance(report, str):
+                    plain[c] = served(report)["output_tok_s"]
+                    emit(engine="musegl-serve", figure="dflash_plain", concurrency=c, **served(report))
+    if "serve" in args.phases:  # one slot holding the long prompt (every slot reserves --max-context)
+        flags = serve_flags(args, 1, args.ttft_tokens + 64)
+        with serve_process(model, *flags, ready_timeout=args.ready_timeout) as (url, _):
             report = bench(args, url, 1, 3, 2, args.ttft_tokens, env)
             if isinstance(report, str):
                 emit(engine="musegl-serve", figure="serve_ttft", error=report)
             else:
                 emit(engine="musegl-serve", figure="serve_ttft", prompt_tokens=report["prompt_tokens"] // 3,
-                     ttft_p50_s=round(report["ttft"]["p50"], 3))
-        if "rows" in args.phases:
-            run_rows(args, url)
+                     ttft_p50_s=round(report["ttft"]["p50"], 3), ttft_p95_s=round(report["ttft"]["p95"], 3))
 
 
 async def completions(url: str, n: int, max_tokens: int, body_of) -> tuple[int, float]:
@@ -550,12 +560,13 @@ def run_dflash(args, tmp: Path, plain: dict[int, float]) -> None:
     env = server_env({ENV: str(control)})
     width = max(batches)
     missing = [c for c in batches if c not in plain]
-    if missing:  # the plain figures at these concurrencies, same prompts, same run
+    if missing:  # the plain figures at these concurrencies, same requests, same run (no phase serve/rows)
         with serve_process(model, *serve_flags(args, width), ready_timeout=args.ready_timeout) as (url, _):
             for c in missing:
                 report = bench(args, url, c, c, args.dflash_max_tokens, args.serve_prompt_tokens, server_env())
                 if not isinstance(report, str):
                     plain[c] = served(report)["output_tok_s"]
+                    emit(engine="musegl-serve", figure="dflash_plain", concurrency=c, **served(report))
     plain_at = {c: plain.get(c) for c in batches}
     os.environ[ENV] = str(control)
     try:
@@ -615,8 +626,8 @@ def main() -> int:
     p.add_argument("--serve-concurrency", default="1,8,32,64")
     p.add_argument("--serve-max-tokens", type=int, default=128)
     p.add_argument("--serve-prompt-tokens", type=int, default=256)
-    p.add_argument("--serve-context", type=int, default=2048, help="--max-context of the servers (at least "
-                   "--ttft-tokens + 64)")
+    p.add_argument("--serve-context", type=int, default=2048,
+                   help="--max-context of the servers (the TTFT server: --ttft-tokens + 64, one slot)")
     p.add_argument("--serve-flag", action="append", default=[], help="extra musegl serve flag (repeatable)")
     p.add_argument("--ready-timeout", type=float, default=600.0)
     p.add_argument("--rows-batch", type=int, default=64)

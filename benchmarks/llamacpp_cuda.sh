@@ -84,15 +84,9 @@ build() {
             # python3 with torch has (CUBLAS_ROOT: a directory with include/cublas_v2.h and lib/).
             local root=${CUBLAS_ROOT:-}
             if [ -z "$root" ]; then
-                root=$(python3 - <<'PY' 2>/dev/null || true
-import glob, os
-import nvidia
-for base in nvidia.__path__:
-    for header in sorted(glob.glob(os.path.join(base, "*", "include", "cublas_v2.h"))):
-        print(os.path.dirname(os.path.dirname(header)))
-        raise SystemExit
-PY
-)
+                root=$(python3 -c 'import glob, os, nvidia
+hits = [h for b in nvidia.__path__ for h in sorted(glob.glob(os.path.join(b, "*", "include", "cublas_v2.h")))]
+print(os.path.dirname(os.path.dirname(hits[0])) if hits else "")' 2>/dev/null || true)
             fi
             [ -n "$root" ] && [ -f "$root/include/cublas_v2.h" ] ||
                 { echo "no cuBLAS: neither in $toolkit nor in python3's nvidia packages (set CUBLAS_ROOT)" >&2; return 1; }

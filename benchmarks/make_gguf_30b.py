@@ -134,15 +134,23 @@ def write(path: Path, raw: dict, file_type: str, seed: int) -> None:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("out", type=Path)
+    p.add_argument("out", type=Path, nargs="?", help="the GGUF to write (not with --config-only)")
     p.add_argument("--layers", type=int, default=None, help="keep the first N of the 52 layers")
     p.add_argument("--file-type", default="bf16", choices=["bf16", "f16"])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tiny", action="store_true", help="the 4-layer hidden-64 shape (local checks)")
     p.add_argument("--config-out", type=Path, default=None,
                    help="also write the same shape's bare config.json into this directory")
+    p.add_argument("--config-only", action="store_true", help="write only --config-out's config.json")
     args = p.parse_args()
     raw = raw_config(args.layers, args.tiny)
+    if args.config_only or args.out is None:
+        if args.config_out is None:
+            p.error("give OUT.gguf, or --config-only with --config-out DIR")
+        args.config_out.mkdir(parents=True, exist_ok=True)
+        (args.config_out / "config.json").write_text(json.dumps(raw))
+        print(args.config_out / "config.json")
+        return 0
     args.out.parent.mkdir(parents=True, exist_ok=True)
     tmp = args.out.with_suffix(".partial")
     write(tmp, raw, args.file_type, args.seed)

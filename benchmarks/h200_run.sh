@@ -1,0 +1,110 @@
+#!/usr/bin/env bash
+# The H200 run of issue 32 in three commands of under 9 minutes each, on one warm machine
+# (the files of stage 1 live in /tmp/h200 and are gone if the machine is given back).
+#
+#   benchmarks/h200_run.sh build     # llama-server (CUDA, sm_90) and the reduced-depth GGUF, in the
+#                                    # background; the GPU tests (-m gpu) meanwhile; waits for both
+#   benchmarks/h200_run.sh decode    # gpu_decode.py (full depth): executor decode at 512/8k/32k/128k x
+#                                    # 1/8/32/64 and 128/256 at 2k, prefill, 32k TTFT; then served
+#                                    # levels, 32k TTFT, rows (JSON schema, logprobs), DFlash at
+#                                    # acceptance 2/4/8/16 x batch 1/8/32; waits for stage 1's jobs first
+#   benchmarks/h200_run.sh compare   # the agent workload and plain decode, musegl vs llama-server
+#
+# Each writes JSON lines (and logs) into $OUT (default ./h200_out). Run from the repository root
+# with the `run` tool's carry: [".whl", "benchmarks/llamacpp-src.tar.xz"] (the wheels the device
+# lacks, gguf among them; the trimmed llama.cpp tree: benchmarks/llamacpp_cuda.sh pack).
+# LAYERS (default 26) is the depth of the llama.cpp comparison, the same for both servers (the
+# full 52-layer GGUF is ~53 GB, the disk 64 GiB); gpu_decode runs the full depth.
+set -uo pipefail
+
+stage=${1:?usage: h200_run.sh build|decode|compare}
+OUT=${OUT:-$PWD/h200_out}
+LAYERS=${LAYERS:-26}
+WORK=/tmp/h200
+mkdir -p "$OUT" "$WORK"
+here=$(cd "$(dirname "$0")" && pwd)
+root=$(dirname "$here")
+cd "$root"
+export PYTHONUNBUFFERED=1
+
+setup() {
+    # The carried wheels, and musegl with the plugins it serves with (entry points) in /tmp/site;
+    # the repository's own directories come first on the path, so the tree's code runs.
+    if [ ! -f /tmp/site/.musegl-installed ]; then
+        if compgen -G ".whl/*.whl" >/dev/null; then
+            python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+                .whl/*.whl || return 1
+        fi
+        python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --target /tmp/site \
+            . plugins/cuda plugins/dflash plugins/atem >"$WORK/install.log" 2>&1 || { tail -20 "$WORK/install.log"; return 1; }
+        touch /tmp/site/.musegl-installed
+    fi
+    export PYTHONPATH="$root:$root/plugins/cuda:$root/plugins/dflash:$root/plugins/atem:/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+    export PATH="/tmp/site/bin:$PATH"
+}
+
+note() { echo "{\"stage\": \"$stage\", $1}" | tee -a "$OUT/h200_run.jsonl"; }
+
+wait_for() {  # wait_for NAME SECONDS: a background job of stage 1 (its .done file holds its status)
+    local name=$1 limit=$2 waited=0
+    while [ ! -f "$WORK/$name.done" ] && [ "$waited" -lt "$limit" ]; do sleep 5; waited=$((waited + 5)); done
+    if [ -f "$WORK/$name.done" ]; then
+        note "\"job\": \"$name\", \"status\": $(cat "$WORK/$name.done"), \"waited_s\": $waited"
+    else
+        note "\"job\": \"$name\", \"status\": \"running\", \"waited_s\": $waited"
+        return 1
+    fi
+}
+
+background() {  # background NAME COMMAND...: run in its own session (it outlives this command)
+    local name=$1; shift
+    rm -f "$WORK/$name.done"
+    setsid nohup bash -c '"$@" >"'"$WORK/$name.log"'" 2>&1; echo $? >"'"$WORK/$name.done"'"' _ "$@" </dev/null \
+        >/dev/null 2>&1 &
+}
+
+setup || { note "\"error\": \"setup failed\""; exit 1; }
+case $stage in
+build)
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+    df -h /tmp | tail -1 | tee -a "$OUT/gpu.txt"
+    background llamacpp env JOBS=$(( $(nproc) - 2 )) nice -n 10 \
+        "$here/llamacpp_cuda.sh" build "$here/llamacpp-src.tar.xz" "$WORK/llamacpp"
+    background gguf python3 "$here/make_gguf_30b.py" "$WORK/model.gguf" --layers "$LAYERS" --config-out "$WORK/model"
+    timeout 330 python3 -m pytest -m gpu -q -n 0 -p no:cacheprovider plugins/cuda/tests plugins/dflash/tests tests \
+        >"$OUT/gpu_tests.log" 2>&1
+    note "\"gpu_tests_rc\": $?, \"summary\": \"$(tail -1 "$OUT/gpu_tests.log" | tr -d '"')\""
+    wait_for gguf 60
+    wait_for llamacpp 150
+    cp "$WORK"/*.log "$OUT/" 2>/dev/null
+    ;;
+decode)
+    wait_for gguf 60
+    wait_for llamacpp 120
+    timeout 240 python3 "$here/gpu_decode.py" --phases executor --contexts 512,8192,32768,131072 \
+        --batches 1,8,32,64 --wide-batches 128,256 --wide-context 2048 --forward-sizes 1,2,4,8,16,32,64,128,256 \
+        --ttft-tokens 32768 --out "$OUT/gpu_decode.jsonl" 2>"$OUT/gpu_decode_executor.stderr"
+    note "\"gpu_decode_executor_rc\": $?"
+    timeout 270 python3 "$here/gpu_decode.py" --phases serve,rows,dflash --ttft-tokens 32768 \
+        --serve-concurrency 1,8,32,64 --rows-batch 64 --dflash-batches 1,8,32 --dflash-accept 2,4,8,16 \
+        --dflash-max-tokens 256 --out "$OUT/gpu_decode.jsonl" 2>"$OUT/gpu_decode_served.stderr"
+    note "\"gpu_decode_served_rc\": $?"
+    ;;
+compare)
+    server="$WORK/llamacpp/llama.cpp/build-cuda/bin/llama-server"
+    sides=musegl,llamacpp
+    if [ ! -x "$server" ] || [ ! -f "$WORK/model.gguf" ]; then
+        note "\"error\": \"no llama-server or GGUF from stage 1 (see llamacpp.log, gguf.log): musegl side only\""
+        sides=musegl
+        python3 "$here/make_gguf_30b.py" --config-only --layers "$LAYERS" --config-out "$WORK/model"
+    fi
+    timeout 520 python3 "$here/llamacpp_cuda_compare.py" --llama-server "$server" --gguf "$WORK/model.gguf" \
+        --model "$WORK/model" --sides "$sides" \
+        --chat-template "$WORK/llamacpp/llama.cpp/models/templates/muse-glimmer.jinja" \
+        --conversations 32 --turns 10 --shared-system-tokens 12000 --prompt-tokens 500 --max-tokens 256 \
+        --decode-concurrency 1,32 --out "$OUT/llamacpp_compare.jsonl" 2>"$OUT/llamacpp_compare.stderr"
+    note "\"compare_rc\": $?, \"layers\": $LAYERS"
+    ;;
+*)
+    echo "unknown stage $stage (build, decode or compare)" >&2; exit 2 ;;
+esac
