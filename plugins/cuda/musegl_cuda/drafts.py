@@ -29,19 +29,26 @@ from musegl_core.engine.speculator import accept
 from musegl_cuda.sampling import on_device
 
 
+def copy_to_host(values: torch.Tensor) -> tuple[torch.Tensor, "torch.cuda.Event | None"]:
+    """Queue the copy of a small device tensor into pinned host memory: (the host
+    tensor, an event recorded after the copy; None on the CPU, where it is done)."""
+    pinned = values.device.type == "cuda"
+    host = torch.empty(values.shape, dtype=values.dtype, pin_memory=pinned)
+    host.copy_(values, non_blocking=pinned)
+    if not pinned:
+        return host, None
+    event = torch.cuda.Event()
+    event.record()
+    return host, event
+
+
 class Accepted:
     """The accepted counts of a step's device-draft blocks, computed on the device and
-    copied into host memory behind the step (an event recorded after the copy)."""
+    copied into host memory behind the step."""
 
     def __init__(self, seqs: Sequence[int], counts: torch.Tensor) -> None:
         self.seqs = list(seqs)
-        pinned = counts.device.type == "cuda"
-        self.host = torch.empty(len(self.seqs), dtype=torch.long, pin_memory=pinned)
-        self.host.copy_(counts, non_blocking=pinned)
-        self.event = None
-        if pinned:
-            self.event = torch.cuda.Event()
-            self.event.record()
+        self.host, self.event = copy_to_host(counts)
 
     def values(self, output: StepOutput) -> dict[int, int]:
         if self.event is not None:
@@ -56,11 +63,13 @@ class HostJudged:
     def __init__(self, drafted: "DraftRows") -> None:
         self.drafted = drafted
         drafts = drafted.drafts
-        self.values_on_host = drafts.reshape(-1).index_select(
-            0, on_device(drafted.flat, drafts.device, torch.long)).to("cpu")
+        self.host, self.event = copy_to_host(
+            drafts.reshape(-1).index_select(0, on_device(drafted.flat, drafts.device, torch.long)))
 
     def values(self, output: StepOutput) -> dict[int, int]:
-        values = self.values_on_host.tolist()
+        if self.event is not None:
+            self.event.synchronize()
+        values = self.host.tolist()
         found, at = {}, 0
         for seq, k in zip(self.drafted.seqs, self.drafted.counts):
             found[seq] = len(accept(values[at:at + k], output.tokens[seq])) - 1
