@@ -1,9 +1,10 @@
 """The engine loop: admits prepared requests, runs executor steps, emits events.
 
 One engine thread owns the executor. Other threads talk to it only through
-:meth:`Engine.submit` and :meth:`Engine.cancel`, which enqueue commands; the
-loop applies them between steps, so a cancellation takes effect within one
-step. Events (:mod:`musegl_core.engine.events`) go to the ``emit`` callback.
+:meth:`Engine.submit` and :meth:`Engine.cancel`, which enqueue commands
+(:mod:`musegl_core.engine.commands`); the loop applies them between steps, so a
+cancellation takes effect within one step. Events
+(:mod:`musegl_core.engine.events`) go to the ``emit`` callback.
 
 Every request runs on a session (:mod:`musegl_core.engine.sessions`): its
 named session, or a temporary one for an anonymous request. Requests on the
@@ -28,7 +29,7 @@ from typing import Callable
 
 import attrs
 
-from musegl_core.engine import errors
+from musegl_core.engine import commands, errors
 from musegl_core.engine import events as ev
 from musegl_core.engine.admission import AdmissionQueue
 from musegl_core.engine.detokenize import IncrementalDetokenizer, hidden_ids
@@ -179,25 +180,25 @@ class Engine:
 
     # -- thread-safe commands ---------------------------------------------------------
     def submit(self, request: PreparedRequest) -> None:
-        self._inbox.put(("submit", request))
+        self._inbox.put(commands.Submit(request))
 
     def cancel(self, request_id: str) -> None:
-        self._inbox.put(("cancel", request_id))
+        self._inbox.put(commands.Cancel(request_id))
 
     def stop(self) -> None:
-        self._inbox.put(("stop", None))
+        self._inbox.put(commands.Stop())
 
     def list_sessions(self, reply: Callable[[list], None]) -> None:
         """``reply(infos)`` on the engine thread: every named session (``GET /v1/sessions``)."""
-        self._inbox.put(("sessions", reply))
+        self._inbox.put(commands.ListSessions(reply))
 
     def close_session(self, name: str, reply: Callable[[ApiError | None], None]) -> None:
         """Close an idle named session; ``reply(None)`` or ``reply(error)`` (404, 409)."""
-        self._inbox.put(("close_session", (name, reply)))
+        self._inbox.put(commands.CloseSession(name, reply))
 
     def expire_idle_sessions(self) -> None:
         """Apply ``--session-idle-timeout`` now (the worker calls this every second)."""
-        self._inbox.put(("expire", None))
+        self._inbox.put(commands.ExpireIdle())
 
     def stats(self) -> dict:
         """Pool and session counters (read by the worker between steps)."""
@@ -256,26 +257,29 @@ class Engine:
         except queue.Empty:
             return
         while True:
-            kind, arg = command
-            if kind == "submit":
-                self._admit(arg)
-            elif kind == "cancel":
-                self._cancel(arg)
-            elif kind == "call":
-                arg(self.stats())
-            elif kind == "sessions":
-                self._dispatch_due |= bool(self.sessions.expire_idle())
-                arg(self.sessions.describe())
-            elif kind == "close_session":
-                self._close_session(*arg)
-            elif kind == "expire":
-                self._dispatch_due |= bool(self.sessions.expire_idle())
-            elif kind == "stop":
-                self._stopping = True
+            self._apply_command(command)
             try:
                 command = self._inbox.get_nowait()
             except queue.Empty:
                 return
+
+    def _apply_command(self, command: commands.Command) -> None:
+        match command:
+            case commands.Submit(request):
+                self._admit(request)
+            case commands.Cancel(request_id):
+                self._cancel(request_id)
+            case commands.Call(function):
+                function(self.stats())
+            case commands.ListSessions(reply):
+                self._dispatch_due |= bool(self.sessions.expire_idle())
+                reply(self.sessions.describe())
+            case commands.CloseSession(name, reply):
+                self._close_session(name, reply)
+            case commands.ExpireIdle():
+                self._dispatch_due |= bool(self.sessions.expire_idle())
+            case commands.Stop():
+                self._stopping = True
 
     def plan_replay(self, request: PreparedRequest) -> PreparedRequest:
         """Generated-token replay computed ahead, on the caller's (control) thread.
@@ -293,7 +297,7 @@ class Engine:
 
     def call(self, function: Callable[[dict], None]) -> None:
         """Run ``function(stats)`` on the engine thread between steps."""
-        self._inbox.put(("call", function))
+        self._inbox.put(commands.Call(function))
 
     def _close_session(self, name: str, reply: Callable[[ApiError | None], None]) -> None:
         try:
