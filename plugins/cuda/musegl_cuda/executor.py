@@ -564,7 +564,9 @@ class TorchExecutor:
         return check_image_rows(rows, image)
 
     def release_sequence(self, seq: int) -> None:
-        pass  # no per-sequence state: sampling is keyed by (seed, position)
+        # sampling is keyed by (seed, position); the sampler graphs keep a penalized sequence's counts
+        if self.samplers is not None:
+            self.samplers.release(seq)
 
     def close(self) -> None:
         for pending in self._unresolved:

@@ -49,6 +49,7 @@ import torch
 
 from musegl_core.engine.executor import HeadRows, Step, StepOutput, TokenLogprobs
 from musegl_core.engine.sample_rows import SampleRows, bias_entries
+from musegl_cuda.penalty_counts import PenaltyCounts
 from musegl_cuda.pending import Launched
 from musegl_cuda.sampling import NEG_INF, draw, top_logprobs
 
@@ -63,8 +64,8 @@ PENALTY_ENTRIES = 1 << 17
 
 # the words of a row's parameters: float32 ...
 TEMPERATURE, TOP_P, MIN_P, UNIFORM, REPETITION, FREQUENCY, PRESENCE, LP_TEMPERATURE = range(8)
-# ... then int32
-TOP_K, GREEDY = 8, 9
+# ... then int32: top-k, greedy, the row's slot of the penalty counts (musegl_cuda.penalty_counts)
+TOP_K, GREEDY, SLOT = 8, 9, 10
 PARAM_WORDS = 12
 ALL_ALLOWED = -1  # a mask word with every bit set, as int32
 
@@ -94,8 +95,10 @@ class SamplerInputs:
     two pinned host twins (see the module docstring)."""
 
     def __init__(self, widest: int, vocab: int, device: torch.device, bias_entries_cap: int | None = None,
-                 penalty_entries_cap: int = PENALTY_ENTRIES) -> None:
+                 penalty_entries_cap: int = PENALTY_ENTRIES, zero_slot: int = 0) -> None:
+        """``zero_slot``: the all-zero row of the penalty counts (what rows without a slot read)."""
         self.widest = widest
+        self.zero_slot = zero_slot
         self.vocab = vocab
         self.words = -(-vocab // 32)
         self.bias_cap = widest * BIAS_PER_ROW if bias_entries_cap is None else bias_entries_cap
@@ -131,25 +134,28 @@ class SamplerInputs:
     def _clear(self, host: torch.Tensor) -> None:
         """Every row a padding row, every entry padding, every mask word all-allowed."""
         params = self._region(host, "params").view(self.widest, PARAM_WORDS).numpy()
-        padding_params(params)
+        padding_params(params, self.zero_slot)
         for name in ("bias", "penalties"):
             entries = self._region(host, name).numpy().reshape(-1, 3)
             entries[:, 0] = -1
             entries[:, 1:] = 0
         self._region(host, "masks").numpy()[:] = ALL_ALLOWED
 
-    def stage(self, rows: SampleRows, width: int) -> bool:
+    def stage(self, rows: SampleRows, width: int, slots: Sequence[int | None] | None = None) -> bool:
         """Write ``rows`` (padded to ``width`` rows) into the next pinned buffer and queue
         its copies to the device; False (nothing written) when they exceed what the
         graphs hold (more rows than ``width``, a row asking for more than
         :data:`TOP_LOGPROBS` alternatives, more bias or penalty entries than the
-        capacities): the caller samples them eagerly."""
+        capacities): the caller samples them eagerly. ``slots``: each row's slot of
+        the penalty counts on the device (None: its penalties go as entries)."""
         n = len(rows)
         if not n <= width <= self.widest or any(k > TOP_LOGPROBS for k in rows.logprobs):
             return False
         bias = bias_entries(rows, self.vocab)
         bias_count = 0 if bias is None else len(bias[0])
-        pen = penalty_entries(rows, self.vocab) if rows.penalized else None
+        slots = slots if slots is not None else [None] * n
+        counted_here = [i for i in rows.penalized if slots[i] is None]
+        pen = penalty_entries(rows, self.vocab, counted_here) if counted_here else None
         pen_count = 0 if pen is None else len(pen[0])
         if bias_count > self.bias_cap or pen_count > self.penalty_cap:
             return False
@@ -162,7 +168,8 @@ class SamplerInputs:
         host = self._host[turn]
         params = self._region(host, "params").view(self.widest, PARAM_WORDS).numpy()
         row_params(params[:n], rows, self.vocab)
-        padding_params(params[n:width])
+        params[:n, SLOT] = [self.zero_slot if s is None else s for s in slots]
+        padding_params(params[n:width], self.zero_slot)
         copies = [("params", 0, width * PARAM_WORDS)]
         self._bias_used = self._stage_entries(host, "bias", bias, bias_count, self._bias_used, copies)
         self._penalty_used = self._stage_entries(host, "penalties", pen, pen_count, self._penalty_used, copies)
@@ -204,13 +211,14 @@ class SamplerInputs:
         return count
 
 
-def padding_params(params: np.ndarray) -> None:
+def padding_params(params: np.ndarray, zero_slot: int) -> None:
     """Padding rows: greedy, no filter, no penalty."""
     f = params[:, :8].view(np.float32)
     f[:] = (1.0, 1.0, 0.0, 0.5, 1.0, 0.0, 0.0, 1.0)
     params[:, TOP_K] = 0
     params[:, GREEDY] = 1
-    params[:, 10:] = 0
+    params[:, SLOT] = zero_slot
+    params[:, 11:] = 0
 
 
 def row_params(params: np.ndarray, rows: SampleRows, vocab: int) -> None:
@@ -228,15 +236,16 @@ def row_params(params: np.ndarray, rows: SampleRows, vocab: int) -> None:
     f[:, LP_TEMPERATURE] = [p.temperature if not p.greedy else 1.0 for p in ps]
     params[:, TOP_K] = [p.top_k if 0 < p.top_k < vocab else 0 for p in ps]
     params[:, GREEDY] = [int(p.greedy) for p in ps]
-    params[:, 10:] = 0
+    params[:, 11:] = 0
 
 
-def penalty_entries(rows: SampleRows, vocab: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def penalty_entries(rows: SampleRows, vocab: int,
+                    only: Sequence[int] | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(row, id, generated count) for every distinct counted id of every penalized row
-    (prompt included; ids outside the vocabulary not counted): the nonzero part of
-    :func:`musegl_core.engine.sample_rows.penalty_counts`."""
+    (``only`` those rows; prompt included; ids outside the vocabulary not counted): the
+    nonzero part of :func:`musegl_core.engine.sample_rows.penalty_counts`."""
     rs, cs, vs = [], [], []
-    for i in rows.penalized:
+    for i in rows.penalized if only is None else only:
         ids, prompt_len = rows.counted[i]
         ids = np.asarray(ids, dtype=np.int64)
         inside = ids[(ids >= 0) & (ids < vocab)]
@@ -275,7 +284,7 @@ class SamplerOutputs:
 
 
 def sample_static(logits: torch.Tensor, inputs: SamplerInputs, width: int, variant: SamplerVariant,
-                  out: SamplerOutputs) -> None:
+                  out: SamplerOutputs, counts: PenaltyCounts) -> None:
     """Sample rows ``0..width`` of ``logits`` (float32 ``(>= width, vocab)``) from the
     staged ``inputs`` into ``out``: the eager chain of :func:`musegl_cuda.sampling.choose`
     with no host value, so it can be captured (it runs eagerly too)."""
@@ -297,14 +306,20 @@ def sample_static(logits: torch.Tensor, inputs: SamplerInputs, width: int, varia
     rows = pen[:, 0].long()
     rows = torch.where(rows >= 0, rows, width)
     at = rows * vocab + pen[:, 1].long()
-    counts = pen[:, 2].view(torch.float32)
+    times = pen[:, 2].view(torch.float32)
     of_row = rows.clamp(max=width - 1)
     rep, freq, pres = f[:, REPETITION][of_row], f[:, FREQUENCY][of_row], f[:, PRESENCE][of_row]
     v = flat[at]
     v = torch.where(v > 0, v / rep, v * rep)
-    v = v - counts * freq - (counts > 0).float() * pres
+    v = v - times * freq - (times > 0).float() * pres
     flat.scatter_(0, at, v)  # distinct (row, id) entries; padding ones all write the scratch row's 0
     zz = z[:width]
+    # rows with a slot: their counts on the device (the zero slot, every other row: no change)
+    slot = params[:, SLOT].long()
+    seen, generated = counts.seen[slot], counts.generated[slot]
+    rep = f[:, REPETITION:REPETITION + 1]
+    zz.copy_(torch.where(seen, torch.where(zz > 0, zz / rep, zz * rep), zz)
+             - generated * f[:, FREQUENCY:FREQUENCY + 1] - (generated > 0).float() * f[:, PRESENCE:PRESENCE + 1])
     shifts = torch.arange(32, dtype=torch.int32, device=device)
     bits = (inputs.masks[:width, :, None] >> shifts) & 1
     zz.masked_fill_(bits.view(width, -1)[:, :vocab] == 0, NEG_INF)
@@ -355,7 +370,8 @@ class SamplerGraphs:
             vocab = decode.logits[decode.widest].shape[-1]
         self.vocab = vocab
         device = decode.last_ids.device
-        self.inputs = SamplerInputs(decode.widest, vocab, device)
+        self.counts = PenaltyCounts(decode.widest, vocab, device)
+        self.inputs = SamplerInputs(decode.widest, vocab, device, zero_slot=self.counts.zero)
         self.out = SamplerOutputs.on(decode.last_ids)
         self.graphs: dict[tuple[int, SamplerVariant], torch.cuda.CUDAGraph] = {}
         pinned = device.type == "cuda"
@@ -395,7 +411,11 @@ class SamplerGraphs:
         return elapsed
 
     def _run(self, width: int, variant: SamplerVariant) -> None:
-        sample_static(self.decode.logits[width], self.inputs, width, variant, self.out)
+        sample_static(self.decode.logits[width], self.inputs, width, variant, self.out, self.counts)
+
+    def release(self, seq: int) -> None:
+        """The sequence ended: its penalty counts' slot is free."""
+        self.counts.release(seq)
 
     def launch(self, step: Step, starts: Sequence[int], width: int, device_rows: dict[int, int] | None,
                hidden=None) -> "GraphSampled | None":
@@ -408,7 +428,15 @@ class SamplerGraphs:
         if plan.rows != list(range(len(plan.rows))) or plan.sampled != plan.rows:
             return None
         rows = SampleRows.of(step)  # reads the masks: computed while the forward graph runs
-        if not self.inputs.stage(rows, width):
+        slots = None
+        if rows.penalized:  # one-row chunks count on the device, adding only their new ids
+            single = [ch.seq if len(ch.tokens) == 1 else None for ch in step.chunks for _ in ch.sampled_rows]
+            index = rows.penalized
+            got = self.counts.assign([single[i] for i in index], [rows.counted[i] for i in index])
+            slots = [None] * len(rows)
+            for i, slot in zip(index, got):
+                slots[i] = slot
+        if not self.inputs.stage(rows, width, slots):
             return None
         variant = SamplerVariant.of(rows, self.vocab)
         graph = self.graphs.get((width, variant))

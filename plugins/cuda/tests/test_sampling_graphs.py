@@ -223,3 +223,58 @@ def test_penalty_entries_count_short_and_long_histories_alike():
         gen = ids[n // 3:]
         gen = gen[(gen >= 0) & (gen < VOCAB)]
         assert v.tolist() == [float((gen == i).sum()) for i in c]
+
+
+def test_penalized_sequences_count_on_the_device_step_after_step():
+    """Penalized one-row chunks keep their counts in a device slot and add only the ids
+    counted since their last step; a rewound history, a sequence back after losing
+    its slot and a released one are counted again; every step samples as the eager
+    sampler does."""
+    rng = np.random.default_rng(12)
+    graphs = sampler((4,))
+    counts = graphs.counts
+    params = [SamplingParams(temperature=0.8, repetition_penalty=1.3, frequency_penalty=0.5, seed=1),
+              SamplingParams(temperature=0.0, frequency_penalty=0.7, presence_penalty=0.4),
+              SamplingParams(temperature=1.1, top_k=30, presence_penalty=1.5, seed=3),
+              SamplingParams(temperature=0.0, repetition_penalty=0.8, frequency_penalty=0.2),
+              SamplingParams(temperature=0.9, frequency_penalty=1.0, seed=5),
+              SamplingParams(temperature=0.6, top_p=0.9)]  # not penalized
+    histories = {s: rng.integers(0, VOCAB, size=int(rng.integers(3, 40))).tolist() for s in range(6)}
+    prompts = {s: len(h) // 2 for s, h in histories.items()}
+    token = {s: int(rng.integers(VOCAB)) for s in range(6)}
+
+    def step_of(seqs):
+        chunks = [SeqChunk(s, [token[s]], [len(histories[s])], [0] * 16, sample=1, sampling=params[s],
+                           uniforms=[uniform(params[s].seed or 0, len(histories[s]) + 1)],
+                           history=list(histories[s]) if params[s].penalized else (), prompt_len=prompts[s])
+                  for s in seqs]
+        return Step(chunks, width=4)
+
+    def run(seqs):
+        step = step_of(seqs)
+        logits = torch.randn(4, VOCAB)
+        logits[:, :12] += 4.0  # a few likely ids: they repeat, and the penalties move the picks
+        graphs.decode.logits[4] = logits
+        out = graphs.launch(step, list(range(len(seqs))), 4, None).result()
+        ids, _ = eager(logits, step)
+        assert [out.tokens[s][0] for s in seqs] == ids
+        for s, t in zip(seqs, ids):
+            histories[s].append(token[s])
+            token[s] = t
+
+    for _ in range(5):
+        run([0, 1, 2, 5])
+    assert counts.recounted == 3  # each penalized sequence counted its whole history once
+    del histories[1][-3:]  # sequence 1 rewound: counted again
+    run([0, 1, 2, 5])
+    assert counts.recounted == 4
+    for _ in range(3):  # sequences 3 and 4 take the slots of the least recently used
+        run([3, 4, 2, 5])
+    assert counts.recounted == 6
+    run([0, 1, 3, 4])  # 0 lost its slot to 4; it takes 2's (the one sequence not in this step)
+    assert counts.recounted == 7
+    graphs.release(3)
+    run([3, 0, 1, 4])  # 3 is counted again in the slot it gave back
+    assert counts.recounted == 8
+    run([0, 1, 2, 3])  # four penalized rows, four slots: 2 takes 4's
+    assert counts.recounted == 9
