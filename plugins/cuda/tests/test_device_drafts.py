@@ -184,16 +184,20 @@ class Recording(TorchExecutor):
         return super().launch(step)
 
 
-def run(checkpoint, requests, speculator=None):
+@pytest.fixture(scope="module")
+def tokenizer():
     from musegl_core.tiny import default_model_path
     from musegl_core.tokenizer import MuseTokenizer
 
+    return MuseTokenizer.load(str(default_model_path()))
+
+
+def run(checkpoint, tokenizer, requests, speculator=None):
     executor = Recording(checkpoint, device="cpu", block_size=BLOCK)
     events: list = []
     config = EngineConfig(max_context=128, max_sessions=8, max_inflight_requests=8, max_decode_sequences=8,
                           max_prefill_chunk=64)
-    engine = Engine(executor, MuseTokenizer.load(str(default_model_path())), config, events.append,
-                    speculator=speculator)
+    engine = Engine(executor, tokenizer, config, events.append, speculator=speculator)
     for r in requests:
         engine.submit(r)
     engine.run_until_idle()
@@ -217,12 +221,12 @@ def requests():
     return made
 
 
-def test_device_drafts_give_what_host_drafts_and_no_drafts_give(checkpoint):
-    plain, _, _ = run(checkpoint, requests())
+def test_device_drafts_give_what_host_drafts_and_no_drafts_give(checkpoint, tokenizer):
+    plain, _, _ = run(checkpoint, tokenizer, requests())
     answers = [list(r.prompt_ids) + plain[r.id][0] for r in requests()]  # prompt, then answer
-    on_host, host_ex, host_stats = run(checkpoint, requests(), RecordedOnHost(answers))
+    on_host, host_ex, host_stats = run(checkpoint, tokenizer, requests(), RecordedOnHost(answers))
     speculator = Recorded(answers)
-    on_device, device_ex, device_stats = run(checkpoint, requests(), speculator)
+    on_device, device_ex, device_stats = run(checkpoint, tokenizer, requests(), speculator)
     assert on_host == plain and on_device == plain
     assert device_stats["accepted_tokens"] == host_stats["accepted_tokens"] > 0
     assert device_stats["drafted_tokens"] == host_stats["drafted_tokens"] > device_stats["accepted_tokens"]
