@@ -8,10 +8,11 @@ CPU tensors, where the copies are plain memcpy):
   each (``stage_decode``) and verify blocks of ``--draft + 1`` rows
   (``stage_rows``), against the planned staging verify blocks took before
   (``plan_step`` + ``stage_plan``: every table converted and sent each step);
-* ``sampler``: the host work of a step of ``--batch`` rows under grammar masks
-  and penalties at the 30B vocabulary: the sampler graphs' staging
-  (``SamplerInputs.stage``) against the eager sampler's host arrays
-  (``unpack_masks`` + ``penalty_counts``).
+* ``sampler``: the host work of a decode step of ``--batch`` rows under grammar
+  masks and a penalty at the 30B vocabulary, histories of ``--context`` ids
+  growing by one a step: the sampler graphs' (``PenaltyCounts.assign``, which
+  adds the new ids, and ``SamplerInputs.stage``) against the eager sampler's
+  host arrays (``unpack_masks`` + ``penalty_counts``).
 
 Figures are medians in milliseconds and ratios to the baseline of the same
 run. ``python benchmarks/graph_staging.py --context 4096 --steps 8`` runs in
@@ -32,6 +33,7 @@ from musegl_core.engine.executor import SamplingParams, SeqChunk, Step
 from musegl_core.engine.sample_rows import SampleRows, penalty_counts, unpack_masks
 from musegl_cuda.graphs import DecodeGraphs
 from musegl_cuda.plan import plan_step
+from musegl_cuda.penalty_counts import PenaltyCounts
 from musegl_cuda.sampling_graphs import SamplerInputs
 
 
@@ -82,20 +84,37 @@ def sampler_part(args) -> dict:
     vocab, batch = args.vocab, args.batch
     rng = np.random.default_rng(1)
     words = -(-vocab // 32)
-    history = rng.integers(0, vocab, size=args.context).tolist()
+    histories = [rng.integers(0, vocab, size=args.context).tolist() for _ in range(batch)]
     params = SamplingParams(temperature=0.7, top_p=0.9, frequency_penalty=0.3, seed=1)
-    step = Step([SeqChunk(i, [5], [args.context], [0], sample=1, sampling=params, uniforms=[0.5],
-                          masks=[rng.integers(0, 2**32, size=words, dtype=np.uint32)], history=history,
-                          prompt_len=args.context // 2, logprobs=5) for i in range(batch)])
-    rows = SampleRows.of(step)
-    inputs = SamplerInputs(batch, vocab, torch.device("cpu"), penalty_entries_cap=batch * vocab)
+    masks = [rng.integers(0, 2**32, size=words, dtype=np.uint32) for _ in range(batch)]
 
-    def eager(_s: int) -> None:
+    def rows_at(s: int) -> SampleRows:
+        """Step ``s``: every history one id longer than at step ``s - 1``, as decoding makes it."""
+        step = Step([SeqChunk(i, [histories[i][args.context + s]], [args.context + s], [0], sample=1,
+                              sampling=params, uniforms=[0.5],
+                              masks=[masks[i]], history=histories[i][:args.context + s],
+                              prompt_len=args.context // 2, logprobs=5) for i in range(batch)])
+        return SampleRows.of(step)
+
+    for h in histories:
+        h.extend(rng.integers(0, vocab, size=args.steps + 1).tolist())
+    counts = PenaltyCounts(batch, vocab, torch.device("cpu"))
+    inputs = SamplerInputs(batch, vocab, torch.device("cpu"), zero_slot=counts.zero)
+    staged_rows = [rows_at(s) for s in range(args.steps)]
+
+    def eager(s: int) -> None:
+        rows = staged_rows[s]
         unpack_masks(rows.masks, vocab)
         penalty_counts(rows, rows.penalized, vocab)
 
+    def graph(s: int) -> None:
+        rows = staged_rows[s]
+        slots = counts.assign(list(range(batch)), rows.counted)
+        inputs.stage(rows, batch, slots)
+
+    graph(0)  # the first step counts every history once; the figure is for the steps after it
     before = median_ms(eager, args.steps)
-    staged = median_ms(lambda _s: inputs.stage(rows, batch), args.steps)
+    staged = median_ms(lambda s: graph(s + 1) if s + 1 < args.steps else graph(s), args.steps)
     return {"figure": "sampler", "vocab": vocab, "batch": batch, "history": args.context,
             "eager_host_ms": round(before, 3), "graph_stage_ms": round(staged, 3),
             "graph_stage_vs_eager": round(staged / before, 4)}
