@@ -48,21 +48,24 @@ class RankFailure(RuntimeError):
 
 def wire_step(step: Step) -> Step:
     """``step`` as it crosses to the ranks: grammar masks computed (a :class:`PendingMasks`
-    waits for its task here), and only the rows of an image embedding the step uses."""
-    chunks = []
-    for chunk in step.chunks:
-        masks = list(chunk.masks) if chunk.masks else chunk.masks
-        embeds = tuple(attrs.evolve(span, embedding=_rows(span.embedding, span.first, span.count), first=0)
-                       for span in chunk.embeds)
-        chunks.append(attrs.evolve(chunk, masks=masks, embeds=embeds))
-    return attrs.evolve(step, chunks=chunks)
-
-
-def _rows(embedding: Any, first: int, count: int) -> Any:
+    waits for its task here), and only the rows of an image embedding the step uses, as a
+    :class:`~.messages.HostTensor` (one copy of their bytes)."""
     import torch
 
-    part = embedding[first:first + count]
-    return part.clone() if isinstance(part, torch.Tensor) else part.copy()
+    chunks = []
+    for chunk in step.chunks:
+        if not chunk.masks and not chunk.embeds:
+            chunks.append(chunk)
+            continue
+        masks = list(chunk.masks) if chunk.masks else chunk.masks
+        embeds = []
+        for span in chunk.embeds:
+            rows = span.embedding[span.first:span.first + span.count]
+            if isinstance(rows, torch.Tensor):
+                rows = msg.HostTensor.of(rows)
+            embeds.append(attrs.evolve(span, embedding=rows, first=0))
+        chunks.append(attrs.evolve(chunk, masks=masks, embeds=tuple(embeds)))
+    return attrs.evolve(step, chunks=chunks)
 
 
 class RankPending:
@@ -177,7 +180,7 @@ class TensorParallelExecutor:
             reply = self._answers.pop(number)
         if reply.error is not None:
             raise reply.error
-        return reply.value
+        return msg.unpack(reply.value)
 
     def _call(self, request: Any) -> Any:
         self._send(request)
@@ -227,7 +230,7 @@ class TensorParallelExecutor:
         """TargetAccess (a draft's head), computed by the ranks; a CPU tensor."""
         import torch
 
-        return self._call(msg.HeadLogits(self._number(), torch.as_tensor(hidden).detach().to("cpu")))
+        return self._call(msg.HeadLogits(self._number(), msg.HostTensor.of(torch.as_tensor(hidden))))
 
     def release_sequence(self, seq: int) -> None:
         pass  # no per-sequence state (as TorchExecutor)

@@ -10,8 +10,78 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 import attrs
+import numpy as np
 
 from musegl_core.engine.executor import ExecutorLimits, ModelInfo, PromptImage, Step
+
+
+@attrs.frozen
+class HostTensor:
+    """A tensor as it crosses the channel: a numpy array (pickled as one copy of its bytes,
+    where a torch tensor pickles through its whole storage), bfloat16 as its int16 bits."""
+
+    array: np.ndarray
+    dtype: str
+
+    @classmethod
+    def of(cls, tensor) -> "HostTensor":
+        import torch
+
+        t = tensor.detach().to("cpu").contiguous()
+        name = str(t.dtype).removeprefix("torch.")
+        return cls((t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy(), name)
+
+    def tensor(self):
+        import torch
+
+        t = torch.from_numpy(self.array)
+        return t.view(torch.bfloat16) if self.dtype == "bfloat16" else t
+
+
+def pack(value: Any) -> Any:
+    """``value`` with every torch tensor a :class:`HostTensor` (lists, dicts, tuples and attrs
+    classes searched; a list of plain numbers is left as it is)."""
+    return _convert(value, True)
+
+
+def unpack(value: Any) -> Any:
+    """:func:`pack` undone: every :class:`HostTensor` a CPU torch tensor again."""
+    return _convert(value, False)
+
+
+def _convert(value: Any, packing: bool) -> Any:
+    import torch
+
+    if packing and isinstance(value, torch.Tensor):
+        return HostTensor.of(value)
+    if not packing and isinstance(value, HostTensor):
+        return value.tensor()
+    if isinstance(value, (list, tuple)):
+        if not value or isinstance(value[0], (int, float, str, bytes, type(None))):
+            return value
+        return type(value)(_convert(v, packing) for v in value)
+    if isinstance(value, dict):
+        return {k: _convert(v, packing) for k, v in value.items()}
+    if attrs.has(type(value)):
+        fields = [a for a in attrs.fields(type(value)) if a.init]
+        changes = {}
+        for a in fields:
+            old = getattr(value, a.name)
+            new = _convert(old, packing)
+            if new is not old:
+                changes[a.name] = new
+        return attrs.evolve(value, **changes) if changes else value
+    return value
+
+
+def unpack_embeddings(step: Step) -> Step:
+    """The embedding rows of ``step``'s chunks as tensors again (the rest of a step carries none)."""
+    if not any(span for chunk in step.chunks for span in chunk.embeds):
+        return step
+    chunks = [attrs.evolve(chunk, embeds=tuple(attrs.evolve(span, embedding=unpack(span.embedding))
+                                               for span in chunk.embeds)) if chunk.embeds else chunk
+              for chunk in step.chunks]
+    return attrs.evolve(step, chunks=chunks)
 
 
 @attrs.frozen
@@ -73,7 +143,7 @@ class HeadLogits:
     """TargetAccess: the raw head product of ``hidden`` (every rank takes part)."""
 
     number: int
-    hidden: Any
+    hidden: HostTensor
 
 
 @attrs.frozen

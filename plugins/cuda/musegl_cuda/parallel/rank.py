@@ -84,23 +84,6 @@ def text_config(spec: RankSpec):
     return read_config_only(spec.model).config
 
 
-def host(value: Any) -> Any:
-    """``value`` with every tensor a compact CPU copy (what the engine's process unpickles
-    without a device, and without the rest of a buffer a tensor is a view of)."""
-    import torch
-
-    if isinstance(value, torch.Tensor):
-        return value.detach().to("cpu").clone()
-    if isinstance(value, dict):
-        return {k: host(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [host(v) for v in value]
-    if attrs.has(type(value)):
-        return attrs.evolve(value, **{a.name: host(getattr(value, a.name))
-                                      for a in attrs.fields(type(value)) if a.init})
-    return value
-
-
 def portable(error: BaseException) -> BaseException:
     """``error`` as it can cross to the engine's process (its own type where it pickles)."""
     try:
@@ -126,7 +109,7 @@ class Rank:
 
     def answer(self, number: int, value: Any = None, error: BaseException | None = None) -> None:
         if self.rank == 0:
-            self.replies.write(msg.Reply(number, host(value), None if error is None else portable(error)),
+            self.replies.write(msg.Reply(number, msg.pack(value), None if error is None else portable(error)),
                                self.parent_alive)
 
     def loaded(self) -> None:
@@ -174,7 +157,7 @@ class Rank:
 
         ex = self.executor
         if isinstance(request, msg.RunStep):
-            return ex.launch(request.step).result()
+            return ex.launch(msg.unpack_embeddings(request.step)).result()
         if isinstance(request, msg.CopyBlocks):
             ex.copy_blocks(request.pairs)
             return None
@@ -192,7 +175,7 @@ class Rank:
                 return ex.embedding_rows(request.ids)
         if isinstance(request, msg.HeadLogits):
             with torch.inference_mode():
-                return ex.head_logits(request.hidden)
+                return ex.head_logits(request.hidden.tensor())
         raise TypeError(f"unknown request {type(request).__name__}")
 
 
