@@ -72,6 +72,17 @@ def resolve(options: DFlashOptions, draft: "DraftConfig", target: TargetShape) -
     return n
 
 
+EXPORT_MANIFEST = "musegl-export.json"
+
+
+def names_an_export(path: str) -> bool:
+    """Does ``--dflash`` name an exported program (a ``musegl export ... --dflash``
+    directory or its ``.pte``)? Its draft runs inside the program: the executor that
+    serves the export checks and creates it."""
+    p = Path(path)
+    return (p.is_dir() and (p / EXPORT_MANIFEST).is_file()) or (p.is_file() and p.suffix == ".pte")
+
+
 def _draft_config(options: DFlashOptions) -> "DraftConfig":
     from musegl_dflash.checkpoint import read_draft_config
 
@@ -108,6 +119,8 @@ def check(options: ExecutorOptions) -> None:
         if flags.n_draft is not None:
             raise ConfigError("--dflash-n-draft needs --dflash DRAFT")
         return
+    if names_an_export(flags.draft):
+        return  # the executor of the export checks its own draft program
     draft = _draft_config(flags)
     c = _target_config(options)
     resolve(flags, draft, TargetShape(c.vocab_size, c.hidden_size, c.num_layers))
@@ -120,6 +133,12 @@ def create(executor: Any, options: ExecutorOptions) -> "DFlashSpeculator | None"
         if flags.n_draft is not None:
             raise ConfigError("--dflash-n-draft needs --dflash DRAFT")
         return None
+    if names_an_export(flags.draft):
+        host = getattr(executor, "dflash_speculator", None)
+        if host is None:
+            raise ConfigError(f"--dflash {flags.draft} is an exported program's draft, which runs only inside "
+                              f"that export: musegl serve {flags.draft} --dflash {flags.draft}")
+        return host(flags)
     draft_config = _draft_config(flags)
     info = executor.info
     n_draft = resolve(flags, draft_config, TargetShape(info.vocab_size, info.hidden_size, info.num_layers))

@@ -13,6 +13,7 @@ import cattrs
 from musegl_core.checkpoint.config import TextConfig
 from musegl_core.checkpoint.vision import VisionConfig
 from musegl_core.errors import ConfigError
+from musegl_dflash.checkpoint import DraftConfig
 
 MANIFEST = "musegl-export.json"
 #: The off-graph KV ABI this plugin writes and runs (bumped on any change of the inputs).
@@ -20,6 +21,9 @@ ABI = "musegl-offgraph-kv/1"
 FORMAT = "musegl-executorch"
 
 converter = cattrs.Converter()
+
+#: The inputs of the ``vision_encoder`` method (``musegl_executorch/export/vision.py``).
+VISION_INPUTS = ("pixels", "pos_index", "pos_weight", "cos", "sin", "windows", "window_keys", "unwindow", "shuffle")
 
 
 @attrs.frozen
@@ -39,6 +43,30 @@ class VisionExport:
     config: VisionConfig
     max_patches: int  # the most ViT patches one image may have (the exported patch capacity)
     source: str = ""  # the projector (or Hugging Face directory) it came from
+    #: the vision_encoder's inputs (musegl_executorch.export.vision.VISION_INPUTS); () in the
+    #: manifests of earlier exports, whose encoder took a whole-image window mask instead
+    inputs: tuple[str, ...] = ()
+
+
+@attrs.frozen
+class DFlashExport:
+    """The DFlash draft inside the program (``musegl export --dflash DRAFT``): the target
+    methods return the draft's taps as a fourth output ``hidden``, and the program has
+    ``draft_context`` and ``draft_block``."""
+
+    config: DraftConfig
+    max_owners: int  # most blocks one draft_block call drafts
+    context_keys: int  # most context keys one block reads (the draft's window, or the pool)
+    source: str = ""  # the draft checkpoint it came from
+
+    @property
+    def taps(self) -> tuple[int, ...]:
+        return self.config.taps
+
+    @property
+    def max_block(self) -> int:
+        """Rows of the widest block (``[anchor, MASK × n]``): the draft's trained block size."""
+        return self.config.block_size
 
 
 @attrs.frozen
@@ -62,6 +90,7 @@ class Manifest:
     executorch_version: str = ""
     export_seconds: float = 0.0
     vision: VisionExport | None = None  # None: a text-only program
+    dflash: DFlashExport | None = None  # None: no draft (the methods return no hidden states)
 
     def dump(self) -> str:
         return json.dumps(converter.unstructure(self), indent=2) + "\n"
@@ -105,4 +134,7 @@ def read_manifest(model: str) -> Manifest:
     for name in (manifest.program, manifest.data):
         if not (directory / name).is_file():
             raise ConfigError(f"{model}: {name} is missing from the export directory")
+    if manifest.vision is not None and manifest.vision.inputs != VISION_INPUTS:
+        raise ConfigError(f"{model}: its vision encoder takes {list(manifest.vision.inputs) or 'a whole-image mask'} "
+                          f"(an earlier musegl export), not {list(VISION_INPUTS)}; re-export it with musegl export MODEL --mmproj PROJECTOR")
     return manifest

@@ -42,6 +42,7 @@ class ExecuTorchExecutor:
         from executorch.runtime import Runtime
 
         self.manifest: Manifest = read_manifest(model)
+        self.model = model
         m = self.manifest
         if max_context is not None and max_context > m.limits.native_context:
             raise ConfigError(f"--max-context {max_context} is beyond the exported native context "
@@ -64,7 +65,7 @@ class ExecuTorchExecutor:
         self.info = ModelInfo(
             name=m.name, vocab_size=c.vocab_size, hidden_size=c.hidden_size, num_layers=c.num_layers,
             native_context=m.limits.native_context, dtype=m.activation_dtype, backend="executorch-xnnpack",
-            vision=m.vision is not None, hidden_states=False,
+            vision=m.vision is not None, hidden_states=m.dflash is not None,
             vision_patches=m.vision.max_patches if m.vision else None,
         )
         self.k_pool: torch.Tensor | None = None
@@ -113,8 +114,7 @@ class ExecuTorchExecutor:
         then sample every sampled row in one batched call."""
         if not step.chunks:
             return StepOutput()
-        if step.taps:
-            raise ValueError("the ExecuTorch program returns no hidden states (no speculator can tap it)")
+        taps = self._tap_index(step.taps)
         embedded = frozenset(i for i, chunk in enumerate(step.chunks) if chunk.embeds)
         if embedded and self.manifest.vision is None:
             raise ValueError("the ExecuTorch program has no image input; this model cannot encode images")
@@ -128,6 +128,8 @@ class ExecuTorchExecutor:
                            max_chunk=lim.max_prefill_chunk, embedded=embedded)
         # the head's rows in HeadRows order, copied once out of each call's output
         logits = torch.empty((len(plan.rows), c.vocab_size), dtype=torch.float32) if plan.rows else None
+        hidden = None if taps is None else torch.empty((len(taps), int(starts[-1]) + len(step.chunks[-1].tokens),
+                                                        c.hidden_size), dtype=self.dtype)
         for call in calls:
             i = call.inputs
             inputs = [torch.from_numpy(i["tokens"]), torch.from_numpy(i["positions"]), k_pool, v_pool,
@@ -136,7 +138,7 @@ class ExecuTorchExecutor:
                       torch.from_numpy(i["head_rows"])]
             if call.method == FROM_EMBEDDINGS:
                 inputs[0] = self._input_rows(step.chunks[call.pieces[0].chunk], call.pieces[0], i["tokens"])
-            out, new_k, new_v = self._execute(call.method, inputs)
+            out, new_k, new_v, *tapped = self._execute(call.method, inputs)
             real = np.flatnonzero(call.write_slots >= 0)
             if real.size:
                 at = torch.from_numpy(call.write_slots[real])
@@ -145,10 +147,41 @@ class ExecuTorchExecutor:
                 v_pool[:, at] = new_v[:, rows]
             if call.head_of:
                 gather_rows(logits, [plan.where[i][r] for i, r in call.head_of], out, list(call.head_of.values()))
+            if hidden is not None:
+                rows = call.inputs["tokens"].shape[1]
+                for g, piece in enumerate(call.pieces):
+                    at = int(starts[piece.chunk]) + piece.lo
+                    n = piece.hi - piece.lo
+                    hidden[:, at:at + n] = tapped[0][taps, g * rows:g * rows + n]
         sampled = None if not plan.sampled else (
             logits if plan.sampled == list(range(len(plan.rows))) else logits[plan.sampled])
         ids, logprobs = sample(sampled, SampleRows.of(step)) if plan.sampled else ([], [])
-        return plan.output(step, starts, logits, ids, logprobs, None)
+        return plan.output(step, starts, logits, ids, logprobs, hidden)
+
+    def _tap_index(self, taps: Sequence[int]) -> list[int] | None:
+        """Where each requested tap is in the program's ``hidden`` output (None: no taps)."""
+        if not taps:
+            return None
+        exported = self.manifest.dflash.taps if self.manifest.dflash else ()
+        missing = [t for t in taps if t not in exported]
+        if missing:
+            raise ValueError(f"the ExecuTorch program returns the hidden states of layers {list(exported)}, "
+                             f"not {missing} (export it with musegl export MODEL --dflash DRAFT)")
+        return [exported.index(t) for t in taps]
+
+    def dflash_speculator(self, flags):
+        """The speculator over the program's own draft (``draft_context``/``draft_block``),
+        for the DFlash plugin's flags (``--dflash`` naming this export, ``--dflash-n-draft``;
+        checked by :func:`musegl_executorch.plugin.check_dflash` when the executor loaded)."""
+        from musegl_dflash.plugin import TargetShape, resolve
+        from musegl_executorch.drafter import ProgramDrafter
+
+        d = self.manifest.dflash
+        if d is None:
+            raise ConfigError(f"{self.model}: the export holds no DFlash draft")
+        c = self.config
+        n_draft = resolve(flags, d.config, TargetShape(c.vocab_size, c.hidden_size, c.num_layers))
+        return ProgramDrafter(self, d, n_draft)
 
     def _execute(self, method: str, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
         """One program call. The outputs alias the method's planned memory (no copy:
@@ -190,11 +223,11 @@ class ExecuTorchExecutor:
                              f"{vision.max_patches} (musegl export --max-vision-patches)")
         if gh < 1 or gw < 1 or gh % 2 or gw % 2 or pixels.shape != (gh * gw, 3 * vision.config.patch_size ** 2):
             raise ValueError(f"image pixels {tuple(pixels.shape)} do not fit the patch grid {gh}x{gw}")
-        pos_index, pos_weight, cos, sin, bias, shuffle = grid_inputs(vision.config, (gh, gw))
+        pos_index, pos_weight, cos, sin, *windows = grid_inputs(vision.config, (gh, gw))
         # the eager tower casts its RoPE table to the activation dtype before the float32 rotation
         cos, sin = cos.to(self.dtype).float(), sin.to(self.dtype).float()
-        rows = self._execute(VISION_ENCODER, [pixels.contiguous(), pos_index, pos_weight, cos, sin, bias,
-                                              shuffle])[0].clone()
+        rows = self._execute(VISION_ENCODER, [pixels.contiguous(), pos_index, pos_weight, cos, sin,
+                                              *windows])[0].clone()
         return check_image_rows(rows, image)
 
     def release_sequence(self, seq: int) -> None:

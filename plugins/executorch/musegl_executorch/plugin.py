@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from musegl_core.errors import ConfigError
 from musegl_core.plugins.hookspecs import hookimpl
 from musegl_core.plugins.specs import CommandSpec, ExecutorOptions, ExecutorSpec
-from musegl_executorch.artifact import claims, read_manifest
+from musegl_executorch.artifact import claims, directory_of, read_manifest
 
 if TYPE_CHECKING:
     from musegl_executorch.executor import ExecuTorchExecutor
@@ -39,9 +39,38 @@ def check(options: ExecutorOptions) -> None:
     if options.mmproj:
         raise ConfigError(f"{options.model} already holds its vision encoder (exported from "
                           f"{manifest.vision.source or 'a projector'}); serve it without --mmproj")
+    check_dflash(options, manifest)
     if options.dtype and options.dtype != manifest.activation_dtype:
         raise ConfigError(f"--dtype {options.dtype}: the program was exported with activation dtype "
                           f"{manifest.activation_dtype} (re-export with --activation-dtype)")
+
+
+def check_dflash(options: ExecutorOptions, manifest) -> None:
+    """``--dflash`` with an export: the draft runs inside the program, so ``--dflash`` names
+    the served export itself, which must hold a draft that fits its target."""
+    from pathlib import Path
+
+    draft = options.extra.get("dflash")
+    if draft is None:
+        return
+    if manifest.dflash is None:
+        raise ConfigError(f"{options.model} was exported without a DFlash draft (its methods return no hidden "
+                          f"states); re-export with musegl export MODEL --dflash {draft} -o DIR")
+    served = directory_of(options.model).resolve()
+    if Path(draft).exists() and directory_of(draft).resolve() == served and claims(draft):
+        from musegl_dflash.plugin import DFlashOptions, TargetShape, resolve
+
+        c = manifest.config
+        resolve(DFlashOptions.from_extra(options.extra), manifest.dflash.config,
+                TargetShape(c.vocab_size, c.hidden_size, c.num_layers))
+        return
+    if claims(draft):
+        other = read_manifest(draft)
+        raise ConfigError(f"--dflash {draft}: that draft program belongs to the export of {other.source or other.name}, "
+                          f"not to {options.model} (exported from {manifest.source or manifest.name}); a draft "
+                          f"program runs only with the target it was exported with: --dflash {options.model}")
+    raise ConfigError(f"{options.model} already holds its DFlash draft (exported from "
+                      f"{manifest.dflash.source or 'a draft'}); serve it with --dflash {options.model}")
 
 
 def create(options: ExecutorOptions) -> "ExecuTorchExecutor":

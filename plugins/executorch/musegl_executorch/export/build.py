@@ -9,9 +9,10 @@ from typing import Callable
 
 import torch
 
-from musegl_executorch.artifact import ABI, FORMAT, MANIFEST, ExportLimits, Manifest, VisionExport
-from musegl_executorch.export.graph import INPUT_NAMES, OUTPUT_NAMES, OffGraphDecoder
-from musegl_executorch.export.lower import Limits, export_methods, lower, write
+from musegl_executorch.artifact import (ABI, FORMAT, MANIFEST, VISION_INPUTS, DFlashExport, ExportLimits, Manifest,
+                                        VisionExport)
+from musegl_executorch.export.graph import HIDDEN_OUTPUT, INPUT_NAMES, OUTPUT_NAMES, OffGraphDecoder
+from musegl_executorch.export.lower import Limits, draft_context_keys, export_methods, lower, write
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -81,10 +82,20 @@ def load_vision_module(vision_weights, config, dtype: torch.dtype):
         return ExportVisionEncoder(load_vision_encoder(vision_weights, config, dtype, torch.device("cpu")))
 
 
+def load_draft_module(path: str, dtype: torch.dtype):
+    """The DFlash draft's weights in the exportable modules (through the eager loader)."""
+    from musegl_dflash.loader import load_draft
+    from musegl_executorch.export.draft import DraftWeights
+
+    with torch.no_grad():
+        return DraftWeights.from_draft(load_draft(path, torch.device("cpu"), dtype), dtype)
+
+
 def build_artifact(checkpoint, tokenizer, out: Path, *, forward_sizes: tuple[int, ...], max_prefill_chunk: int,
                    max_cells: int, activation_dtype: str, quantization: str,
                    progress: Callable[[int, int, str], None] | None = None, vision_weights=None,
-                   vision_patches: int = 0, vision_source: str = "") -> Manifest:
+                   vision_patches: int = 0, vision_source: str = "", draft_path: str | None = None,
+                   draft_owners: int = 8) -> Manifest:
     from executorch.version import __version__ as et_version
 
     started = time.perf_counter()
@@ -96,8 +107,11 @@ def build_artifact(checkpoint, tokenizer, out: Path, *, forward_sizes: tuple[int
                     config.sliding_window)
     vision = None if vision_weights is None else load_vision_module(vision_weights, config,
                                                                      DTYPES[activation_dtype])
+    draft = None if draft_path is None else load_draft_module(draft_path, DTYPES[activation_dtype])
+    if draft is not None:
+        module.taps = draft.config.taps
     with torch.no_grad():
-        methods = export_methods(module, limits, progress, vision, vision_patches)
+        methods = export_methods(module, limits, progress, vision, vision_patches, draft, draft_owners)
         if progress:
             progress(len(methods), len(methods) + 1, "lowering with XNNPACK")
         program = lower(methods)
@@ -111,9 +125,11 @@ def build_artifact(checkpoint, tokenizer, out: Path, *, forward_sizes: tuple[int
         quantization=quantization,
         limits=ExportLimits(config.max_position_embeddings, max_prefill_chunk, max_cells, forward_sizes),
         methods=tuple(methods),
-        inputs=INPUT_NAMES, outputs=OUTPUT_NAMES, source=str(checkpoint.path), executorch_version=et_version,
+        inputs=INPUT_NAMES, outputs=OUTPUT_NAMES + ((HIDDEN_OUTPUT,) if draft is not None else ()), source=str(checkpoint.path), executorch_version=et_version,
         export_seconds=round(time.perf_counter() - started, 2),
-        vision=None if vision is None else VisionExport(vision.config, vision_patches, vision_source),
+        vision=None if vision is None else VisionExport(vision.config, vision_patches, vision_source, VISION_INPUTS),
+        dflash=None if draft is None else DFlashExport(draft.config, draft_owners,
+                                                       draft_context_keys(draft.config, limits), str(draft_path)),
     )
     (out / MANIFEST).write_text(manifest.dump())  # last: a directory without it is no export
     if progress:

@@ -17,6 +17,7 @@ DEFAULT_FORWARD_SIZES = (1, 2, 4, 8, 16, 32, 64)
 DEFAULT_MAX_PREFILL_CHUNK = 512
 DEFAULT_MAX_CELLS = 65536
 DEFAULT_VISION_PATCHES = 1024
+DEFAULT_DRAFT_OWNERS = 8
 DTYPES = ("float32", "float16", "bfloat16")
 QUANTIZATIONS = {"none": "none", "int8": "int8-weight-only"}
 
@@ -46,6 +47,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-vision-patches", type=int, default=DEFAULT_VISION_PATCHES, metavar="N",
                         help="most ViT patches one image may have, the vision encoder's capacity (default "
                              "%(default)s; the server clips its --max-vision-patches to it)")
+    parser.add_argument("--dflash", default=None, metavar="DRAFT",
+                        help="a DFlash draft (Hugging Face directory or DFlash GGUF) of MODEL: the token methods also "
+                             "return the draft's tapped layers and the program gains draft_context and draft_block "
+                             "(serve it with musegl serve OUTDIR --dflash OUTDIR)")
+    parser.add_argument("--max-draft-owners", type=int, default=DEFAULT_DRAFT_OWNERS, metavar="N",
+                        help="most blocks one draft_block call drafts (default %(default)s; more decoding sequences "
+                             "run as several calls)")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing export in OUTDIR")
 
 
@@ -83,6 +91,10 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--mmproj {args.mmproj!r} is not a file")
     if args.max_vision_patches < 4 or args.max_vision_patches % 4:
         raise ConfigError(f"--max-vision-patches must be a positive multiple of 4, got {args.max_vision_patches}")
+    if args.dflash is not None and not os.path.exists(args.dflash):
+        raise ConfigError(f"--dflash {args.dflash!r} does not exist")
+    if args.max_draft_owners < 1:
+        raise ConfigError(f"--max-draft-owners must be at least 1, got {args.max_draft_owners}")
 
     from musegl_core.checkpoint.loader import load_checkpoint
     from musegl_core.checkpoint.validate import one_line
@@ -101,6 +113,8 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"cannot export the vision projector {args.mmproj or args.model!r}: {one_line(exc)}") from None
     config = checkpoint.config
     check_exportable(config, sizes, args.max_prefill_chunk, args.max_cells)
+    if args.dflash is not None:
+        check_draft(args.dflash, config)
 
     from musegl_executorch.export.build import build_artifact
 
@@ -112,7 +126,8 @@ def run(args: argparse.Namespace) -> int:
                                       activation_dtype=args.activation_dtype,
                                       quantization=QUANTIZATIONS[args.quantize], progress=progress,
                                       vision_weights=vision, vision_patches=args.max_vision_patches,
-                                      vision_source=str(args.mmproj or args.model) if vision else "")
+                                      vision_source=str(args.mmproj or args.model) if vision else "",
+                                      draft_path=args.dflash, draft_owners=args.max_draft_owners)
         finally:
             checkpoint.close()
             if vision is not None:
@@ -121,7 +136,8 @@ def run(args: argparse.Namespace) -> int:
     sizes_on_disk = {name: (out / name).stat().st_size for name in (manifest.program, manifest.data)}
     print(json.dumps({"output_dir": str(out), "seconds": round(seconds, 2), "bytes": sizes_on_disk,
                       "methods": list(manifest.methods), "native_context": manifest.limits.native_context,
-                      "vision_patches": manifest.vision.max_patches if manifest.vision else None}))
+                      "vision_patches": manifest.vision.max_patches if manifest.vision else None,
+                      "dflash_block": manifest.dflash.max_block if manifest.dflash else None}))
     return 0
 
 
@@ -140,3 +156,15 @@ def check_exportable(config, sizes: tuple[int, ...], max_prefill_chunk: int, max
         raise ConfigError(f"--max-prefill-chunk {max_prefill_chunk} exceeds the native context {native}")
     if sizes and sizes[-1] * 16 > max_cells:
         raise ConfigError(f"--forward-sizes up to {sizes[-1]} need at least {sizes[-1] * 16} --max-cells")
+
+
+def check_draft(path: str, config) -> None:
+    """One line for a DFlash draft that does not fit the target (the serve-time checks)."""
+    from musegl_dflash.checkpoint import read_draft_config
+    from musegl_dflash.plugin import DFlashOptions, TargetShape, resolve
+
+    try:
+        draft = read_draft_config(path)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"--dflash {path}: {exc}") from None
+    resolve(DFlashOptions(draft=path), draft, TargetShape(config.vocab_size, config.hidden_size, config.num_layers))

@@ -32,7 +32,9 @@ sliding layers): the graph derives that part of the mask from ``positions``,
 so nothing has to be written to the pool before the call. Outputs:
 ``logits (R, vocab)`` float32 (softcapped), ``new_k`` and ``new_v``
 ``(L, G·T, kvh, hd)`` in the activation dtype, which the caller writes into
-the pool at the rows' cells.
+the pool at the rows' cells. With ``taps`` (an export with a DFlash draft) a
+fourth output ``hidden (taps, G·T, hidden)`` holds every row's input residual
+of each tapped layer (tap ``num_layers``: the last layer's output).
 """
 
 from __future__ import annotations
@@ -47,6 +49,8 @@ from musegl_core.checkpoint.config import TextConfig
 INPUT_NAMES = ("tokens", "positions", "k_pool", "v_pool", "full_slots", "full_bias",
                "window_slots", "window_bias", "head_rows")
 OUTPUT_NAMES = ("logits", "new_k", "new_v")
+#: The fourth output of a program exported with a DFlash draft: the tapped rows.
+HIDDEN_OUTPUT = "hidden"
 
 
 def rms(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -149,6 +153,9 @@ class OffGraphDecoder(nn.Module):
         self.lm_head = nn.Linear(h, config.vocab_size, bias=False, dtype=dtype)
         exponent = torch.arange(0, config.head_dim, 2, dtype=torch.float32) / config.head_dim
         self.register_buffer("inv_freq", 1.0 / (config.rope_theta ** exponent))
+        #: layers whose input residual every call also returns (``num_layers``: the last
+        #: layer's output), as a fourth output ``hidden (taps, G·T, hidden)``; () for none
+        self.taps: tuple[int, ...] = ()
         self.requires_grad_(False)
 
     @classmethod
@@ -192,18 +199,24 @@ class OffGraphDecoder(nn.Module):
         cells = k_pool.shape[1]
         k_flat = k_pool.reshape(-1, c.num_kv_heads, c.head_dim)  # views (no copy in the program)
         v_flat = v_pool.reshape(-1, c.num_kv_heads, c.head_dim)
-        for layer in self.layers:
+        tapped = {}
+        for i, layer in enumerate(self.layers):
+            if i in self.taps:
+                tapped[i] = h
             if layer.sliding:
                 h, k, v = layer(h, cos, sin, k_flat, v_flat, cells, window_slots, window_bias, own_window)
             else:
                 h, k, v = layer(h, cos, sin, k_flat, v_flat, cells, full_slots, full_bias, own_full)
             new_k.append(k)
             new_v.append(v)
+        tapped[len(self.layers)] = h
         hf = torch.index_select(h, 0, head_rows).float()
         normed = (hf * torch.pow(hf.pow(2).mean(-1, keepdim=True) + c.rms_norm_eps, -0.5) * self.norm).type_as(h)
         z = self.lm_head(normed) * c.output_multiplier
         if c.final_logit_softcapping is not None:
             z = torch.tanh(z / c.final_logit_softcapping) * c.final_logit_softcapping
+        if self.taps:
+            return z.float(), torch.stack(new_k), torch.stack(new_v), torch.stack([tapped[t] for t in self.taps])
         return z.float(), torch.stack(new_k), torch.stack(new_v)
 
 
@@ -217,6 +230,7 @@ class FromEmbeddings(nn.Module):
         super().__init__()
         self.config, self.dtype = decoder.config, decoder.dtype
         self.layers, self.lm_head = decoder.layers, decoder.lm_head
+        self.taps = decoder.taps
         self.register_buffer("norm", decoder.norm)
         self.register_buffer("inv_freq", decoder.inv_freq)
 

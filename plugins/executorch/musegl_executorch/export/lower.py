@@ -20,6 +20,7 @@ from musegl_core.checkpoint.config import TextConfig
 from musegl_executorch.export.graph import OffGraphDecoder
 
 if TYPE_CHECKING:
+    from musegl_executorch.export.draft import DraftWeights
     from musegl_executorch.export.vision import ExportVisionEncoder
 
 log = logging.getLogger(__name__)
@@ -30,6 +31,8 @@ OTHERS = "forward_others"
 EMBED_TEXT = "embed_text"
 FROM_EMBEDDINGS = "forward_from_embeddings"
 VISION_ENCODER = "vision_encoder"
+DRAFT_CONTEXT = "draft_context"
+DRAFT_BLOCK = "draft_block"
 
 
 @attrs.frozen
@@ -101,21 +104,34 @@ def method_shapes(limits: Limits, groups: int | None):
 def export_methods(module: OffGraphDecoder, limits: Limits,
                    progress: Callable[[int, int, str], None] | None = None,
                    vision: "ExportVisionEncoder | None" = None,
-                   vision_patches: int = 0) -> dict[str, torch.export.ExportedProgram]:
+                   vision_patches: int = 0, draft: "DraftWeights | None" = None,
+                   draft_owners: int = 0) -> dict[str, torch.export.ExportedProgram]:
     """``torch.export`` of every method, weights tagged for the external data file; with
     ``vision``, also ``embed_text``, ``forward_from_embeddings`` and ``vision_encoder``
-    (images of up to ``vision_patches`` patches)."""
+    (images of up to ``vision_patches`` patches); with ``draft`` (and ``module.taps``
+    set to its taps), also ``draft_context`` and ``draft_block`` (up to ``draft_owners``
+    blocks per call)."""
     from musegl_executorch.export.graph import EmbedText, FromEmbeddings
 
     names = [f"forward_{n}" for n in limits.forward_sizes] + [OTHERS]
     if vision is not None:
         names += [EMBED_TEXT, FROM_EMBEDDINGS, VISION_ENCODER]
+    if draft is not None:
+        names += [DRAFT_CONTEXT, DRAFT_BLOCK]
     methods: dict[str, torch.export.ExportedProgram] = {}
     for done, name in enumerate(names):
         if progress:
             progress(done, len(names), f"exporting {name}")
         if name == VISION_ENCODER:
             methods[name] = _export(vision, *vision_shapes(vision.config, vision_patches))
+            continue
+        if name in (DRAFT_CONTEXT, DRAFT_BLOCK):
+            from musegl_executorch.export.draft import DraftBlock, DraftContext
+
+            if name == DRAFT_CONTEXT:
+                methods[name] = _export(DraftContext(draft), *draft_context_shapes(draft, limits))
+            else:
+                methods[name] = _export(DraftBlock(draft, module), *draft_block_shapes(draft, limits, draft_owners))
             continue
         if name == EMBED_TEXT:
             t = _axis("rows", limits.max_prefill_chunk)
@@ -137,37 +153,91 @@ def export_methods(module: OffGraphDecoder, limits: Limits,
 
 
 def _export(module: torch.nn.Module, inputs: tuple, dynamic) -> torch.export.ExportedProgram:
-    """One method, its weights tagged as constants of the external data file."""
-    from executorch.exir.passes.external_constants_pass import delegate_external_constants_pass_unlifted
+    """One method, its weights tagged as constants of the external data file. The tag
+    goes on the lifted weights' placeholders (what XNNPACK's serializer reads), so the
+    method is traced once (tagging the unlifted module's attributes and exporting again,
+    as ``delegate_external_constants_pass_unlifted`` needs, traced it twice)."""
+    from torch.export.graph_signature import InputKind
 
     program = torch.export.export(module, inputs, dynamic_shapes=dynamic, strict=False)
-    tagged = program.module()
-    delegate_external_constants_pass_unlifted(module=tagged, gen_tag_fn=lambda _node: DATA_NAME)
-    return torch.export.export(tagged, inputs, dynamic_shapes=dynamic, strict=False)
+    kinds = (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR)
+    weights = {spec.arg.name for spec in program.graph_signature.input_specs if spec.kind in kinds}
+    for node in program.graph.nodes:
+        if node.op == "placeholder" and node.name in weights:
+            node.meta.setdefault("custom", {})["delegate_constant_tag"] = DATA_NAME
+    return program
 
 
-def vision_shapes(config, max_patches: int):
-    """Example inputs and dynamic shapes of ``vision_encoder``: ``N = 4·M`` patches,
-    ``M`` merged rows in 1 .. max_patches / 4."""
-    from musegl_executorch.export.vision import example_vision_inputs
+def draft_context_keys(config, limits: Limits) -> int:
+    """Most context keys one draft block reads: the window when every draft layer slides
+    (positions ``P - window .. P - 1``), else every position the pool can hold."""
+    reach = min(limits.native_context, limits.max_cells)
+    if config.sliding_window is not None and all(config.sliding):
+        return max(1, min(config.sliding_window, reach))
+    return reach
 
-    merged = Dim("merged", min=1, max=max(2, max_patches // 4))
-    n = 4 * merged
-    inputs = example_vision_inputs(config, (4, 6))
-    return inputs, ({0: n}, {0: n}, {0: n}, {0: n}, {0: n}, {0: n, 1: n}, {0: merged})
+
+def draft_context_shapes(draft: "DraftWeights", limits: Limits):
+    """Example inputs and dynamic shapes of ``draft_context``: up to ``max_prefill_chunk`` rows."""
+    c = draft.config
+    n = _axis("rows", limits.max_prefill_chunk)
+    rows = min(3, limits.max_prefill_chunk)
+    inputs = (torch.zeros(rows, len(c.target_layer_ids) * c.hidden_size, dtype=draft.dtype),
+              torch.arange(rows, dtype=torch.long))
+    return inputs, ({0: n} if n is not None else None, {0: n} if n is not None else None)
+
+
+def draft_block_shapes(draft: "DraftWeights", limits: Limits, owners: int):
+    """Example inputs and dynamic shapes of ``draft_block``: 1 .. ``owners`` blocks of
+    2 .. the draft's block size rows, 1 .. :func:`draft_context_keys` context keys."""
+    c = draft.config
+    b = _axis("owners", owners)
+    r = Dim("block", min=2, max=c.block_size) if c.block_size > 2 else None
+    keys = draft_context_keys(c, limits)
+    s = _axis("context", keys)
+    cells = Dim("cells", min=2, max=limits.max_cells)
+    blocks, rows, cached, pool = min(2, owners), min(3, c.block_size), min(3, keys), 8
+    kv = (c.num_layers, pool, c.num_kv_heads, c.head_dim)
+    inputs = (
+        torch.zeros(blocks, rows, dtype=torch.long),
+        torch.arange(blocks * rows, dtype=torch.long).reshape(blocks, rows) + cached,
+        torch.zeros(kv, dtype=draft.dtype),
+        torch.zeros(kv, dtype=draft.dtype),
+        torch.arange(blocks * cached, dtype=torch.long).reshape(blocks, cached) % pool,
+        torch.zeros(blocks, rows, cached, dtype=torch.float32),
+        torch.zeros(blocks, rows, cached, dtype=torch.float32),
+        torch.tensor([b * rows + r for b in range(blocks) for r in range(1, rows)], dtype=torch.long),
+    )
+
+    def axes(**named) -> dict | None:
+        found = {int(k[1:]): v for k, v in named.items() if v is not None}
+        return found or None
+
+    m = _axis("drafted", owners * (c.block_size - 1))
+    dynamic = (axes(d0=b, d1=r), axes(d0=b, d1=r), {1: cells}, {1: cells}, axes(d0=b, d1=s),
+               axes(d0=b, d1=r, d2=s), axes(d0=b, d1=r, d2=s), axes(d0=m))
+    return inputs, dynamic
 
 
 def lower(methods: dict[str, torch.export.ExportedProgram]):
     """XNNPACK-partitioned ExecuTorch program; graph inputs are not memory-planned
     (the pool is handed in by the caller without a copy). XNNPACK takes the linear
-    layers and the head's softcap ``tanh``: the portable ``tanh`` kernel is scalar and
-    took about half of a decode call over the 202,048-wide logits."""
-    from executorch.backends.xnnpack.partition.config import LinearConfig, TanhConfig
+    layers, the head's softcap ``tanh`` (the portable ``tanh`` kernel is scalar and
+    took about half of a decode call over the 202,048-wide logits), and the
+    attention's batched products and softmax (scalar portable kernels too: they
+    made the vision encoder 2.4x slower). ``vision_encoder`` gets the partitioner's
+    every op (its elementwise ops too: 0.010 -> 0.008 s of CPU for a 32 x 32-patch
+    image on the tiny tower, the eager time); the token methods keep the short
+    list."""
+    from executorch.backends.xnnpack.partition.config import BMMConfig, LinearConfig, SoftmaxConfig, TanhConfig
     from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
     from executorch.exir import EdgeCompileConfig, ExecutorchBackendConfig, to_edge_transform_and_lower
     from executorch.exir.passes import MemoryPlanningPass
 
-    edge = to_edge_transform_and_lower(methods, partitioner=[XnnpackPartitioner(configs=[LinearConfig, TanhConfig])],
+    configs = [LinearConfig, TanhConfig, BMMConfig, SoftmaxConfig]
+    partitioners = {name: [XnnpackPartitioner() if name == VISION_ENCODER else XnnpackPartitioner(configs=configs)]
+                    for name in methods}
+    edge = to_edge_transform_and_lower(methods, partitioner=partitioners,
                                        compile_config=EdgeCompileConfig(_check_ir_validity=False))
     return edge.to_executorch(ExecutorchBackendConfig(
         memory_planning_pass=MemoryPlanningPass(alloc_graph_input=False),

@@ -16,7 +16,9 @@ is the same attention as per-window SDPA up to float rounding order).
 ``pos_index``       ``(N, 4)`` int64   position-table rows of each patch's 4 taps
 ``pos_weight``      ``(N, 4)`` f32     their bilinear weights (0 outside the table)
 ``cos``, ``sin``    ``(N, hd)`` f32    the axial 2-D RoPE of every patch
-``window_bias``     ``(N, N)`` f32     0 inside the query's window, -inf outside
+``windows``         ``(W, S)`` int64   each window's patches (``S = side²``; padding: 0)
+``window_keys``     ``(W, S)`` f32     0 for a real patch, -inf for padding
+``unwindow``        ``(N,)`` int64     each patch's row ``w·S + s`` in the window batch
 ``shuffle``         ``(M, 4)`` int64   the 4 patches (2x2, row-major) of each merged row
 ==================  =================  ==============================================
 
@@ -31,7 +33,7 @@ from torch import nn
 
 from musegl_core.checkpoint.vision import VisionConfig
 
-VISION_INPUTS = ("pixels", "pos_index", "pos_weight", "cos", "sin", "window_bias", "shuffle")
+from musegl_executorch.artifact import VISION_INPUTS  # noqa: F401  (the names, in this order)
 
 
 class ExportVisionEncoder(nn.Module):
@@ -45,7 +47,7 @@ class ExportVisionEncoder(nn.Module):
         self.vision = eager  # its parameters, under vision.* names in the data file
         self.requires_grad_(False)
 
-    def forward(self, pixels, pos_index, pos_weight, cos, sin, window_bias, shuffle):
+    def forward(self, pixels, pos_index, pos_weight, cos, sin, windows, window_keys, unwindow, shuffle):
         v, c = self.vision, self.config
         x = v.patch_embedding(pixels.to(v.dtype))
         pos = (F.embedding(pos_index, v.position_embedding) * pos_weight[:, :, None]).sum(1)
@@ -58,13 +60,23 @@ class ExportVisionEncoder(nn.Module):
             q = att.q_proj(a).reshape(n, heads, hd).float()
             k = att.k_proj(a).reshape(n, heads, hd).float()
             val = att.v_proj(a).reshape(n, heads, hd)
-            q = (q * cos + _rotate_half(q) * sin).to(x.dtype).permute(1, 0, 2)  # (heads, N, hd)
-            k = (k * cos + _rotate_half(k) * sin).to(x.dtype).permute(1, 0, 2)
-            scores = torch.matmul(q, k.transpose(1, 2)) * (hd ** -0.5)
-            if not layer.full:
-                scores = scores + window_bias[None].to(scores.dtype)
-            probs = torch.softmax(scores.float(), dim=-1).to(x.dtype)
-            y = torch.matmul(probs, val.permute(1, 0, 2)).permute(1, 0, 2).reshape(n, heads * hd)
+            q = (q * cos + _rotate_half(q) * sin).to(x.dtype)
+            k = (k * cos + _rotate_half(k) * sin).to(x.dtype)
+            if layer.full:
+                q, k, val = q.permute(1, 0, 2), k.permute(1, 0, 2), val.permute(1, 0, 2)  # (heads, N, hd)
+                scores = torch.matmul(q, k.transpose(1, 2)) * (hd ** -0.5)
+                probs = torch.softmax(scores.float(), dim=-1).to(x.dtype)
+                y = torch.matmul(probs, val).permute(1, 0, 2).reshape(n, heads * hd)
+            else:
+                count, size = windows.shape[0], windows.shape[1]
+                at = windows.reshape(-1)
+                q, k, val = (torch.index_select(t, 0, at).reshape(count, size, heads, hd).permute(0, 2, 1, 3)
+                             for t in (q, k, val))  # (W, heads, S, hd)
+                scores = torch.matmul(q, k.transpose(2, 3)) * (hd ** -0.5)
+                scores = scores.float() + window_keys[:, None, None, :]
+                probs = torch.softmax(scores, dim=-1).to(x.dtype)
+                y = torch.matmul(probs, val).permute(0, 2, 1, 3).reshape(count * size, heads * hd)
+                y = torch.index_select(y, 0, unwindow)
             x = x + att.proj(y)
             x = x + layer.fc2(F.gelu(layer.fc1(layer.norm2(x))))
         x = v.ln_post(x)
@@ -83,8 +95,9 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def grid_inputs(config: VisionConfig, grid: tuple[int, int]) -> tuple[torch.Tensor, ...]:
-    """(pos_index, pos_weight, cos, sin, window_bias, shuffle) of a ``gh x gw`` patch grid:
-    the eager tower's own grid computations (:mod:`musegl_cuda.vision`), as tensors."""
+    """(pos_index, pos_weight, cos, sin, windows, window_keys, unwindow, shuffle) of a
+    ``gh x gw`` patch grid: the eager tower's own grid computations
+    (:mod:`musegl_cuda.vision`), as tensors."""
     from musegl_cuda.vision import position_taps, window_groups
 
     gh, gw = grid
@@ -101,12 +114,28 @@ def grid_inputs(config: VisionConfig, grid: tuple[int, int]) -> tuple[torch.Tens
     fw, fh = cols[:, None].float() * inv, rows[:, None].float() * inv
     angles = torch.cat((fw, fh, fw, fh), dim=-1)
     n = gh * gw
-    window = torch.empty(n, dtype=torch.long)
-    for number, index in enumerate(block for group in window_groups(gh, gw, side, cpu) for block in group):
-        window[index] = number
-    bias = torch.where(window[:, None] == window[None, :], 0.0, float("-inf")).to(torch.float32)
+    size = side * side
+    blocks = [block for group in window_groups(gh, gw, side, cpu) for block in group]
+    windows = torch.zeros(len(blocks), size, dtype=torch.long)
+    keys = torch.full((len(blocks), size), float("-inf"), dtype=torch.float32)
+    unwindow = torch.empty(n, dtype=torch.long)
+    for number, index in enumerate(blocks):
+        windows[number, :len(index)] = index
+        keys[number, :len(index)] = 0.0
+        unwindow[index] = number * size + torch.arange(len(index))
     grid_ids = torch.arange(n).view(gh // m, m, gw // m, m).permute(0, 2, 1, 3).reshape(n // (m * m), m * m)
-    return pos_index, pos_weight.float(), angles.cos(), angles.sin(), bias, grid_ids
+    return pos_index, pos_weight.float(), angles.cos(), angles.sin(), windows, keys, unwindow, grid_ids
+
+
+def most_windows(side: int, max_patches: int) -> int:
+    """The most ``side x side`` windows (edge windows included) of any even ``gh x gw``
+    grid of at most ``max_patches`` patches: the bound of the window axis."""
+    best = 1
+    for gh in range(2, max_patches // 2 + 1, 2):
+        gw = (max_patches // gh) // 2 * 2
+        if gw >= 2:
+            best = max(best, -(-gh // side) * -(-gw // side))
+    return best
 
 
 def example_vision_inputs(config: VisionConfig, grid: tuple[int, int]) -> tuple[torch.Tensor, ...]:
