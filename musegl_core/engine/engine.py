@@ -42,6 +42,7 @@ from musegl_core.engine.randomness import random_seed
 from musegl_core.engine.replay import ReplayLog, ReplayPlan, Replayer
 from musegl_core.engine.request import Phase, PreparedRequest, SequenceState
 from musegl_core.engine.masks import PendingMasks
+from musegl_core.engine.output import push_token
 from musegl_core.engine.scheduler import Scheduler, SchedulerLimits
 from musegl_core.engine.errors import constraint_failure, context_error  # noqa: F401 (importable from here too)
 from musegl_core.engine.sessions import CapacityError, SaltMismatch, Session, SessionBusy, SessionTable
@@ -772,42 +773,12 @@ class Engine:
             return
         if request.stream:
             seq.session.confirmed = True  # first raw output confirms a streamed session
-        seq.generated.append(token)
         self.throughput.generated += 1
-        seq.tokens.append(token)
-        seq.keys.append(token)
-        eos = token in self.end_ids and not request.ignore_eos
-        stop_token = token in request.stop_token_ids  # masked before min_tokens
-        piece = "" if eos or stop_token else seq.detokenizer.push(token)
-        seq.chars.append(len(piece))
-        # stop strings apply to the text of ids after the first min_tokens (vLLM's rule)
-        checked = len(seq.generated) > request.min_tokens
-        text, matched = seq.stops.push(piece) if checked else (piece, None)
-        at_end = eos or stop_token or len(seq.generated) >= seq.max_new
-        if matched is None and at_end:
-            # End of generation: release held bytes and held stop prefixes.
-            tail = seq.detokenizer.flush()
-            if checked:
-                tail, matched = seq.stops.push(tail)
-            text += tail
-            if matched is None and checked:
-                text += seq.stops.flush()
-                matched = seq.stops.matched
-            if matched is None and stop_token:  # like a stop string: its text is not part of the answer
-                matched = self.tokenizer.token_bytes(token).decode("utf-8", "replace")
-        seq.unreported.append(token)
-        if logprobs is not None:
-            seq.unreported_logprobs.append(logprobs)
-        if text:
-            self.emit(ev.Tokens(seq.id, tuple(seq.unreported), text, tuple(seq.unreported_logprobs)))
-            seq.unreported.clear()
-            seq.unreported_logprobs.clear()
-        if matched is not None:
-            self._finish(seq, "stop", matched)
-        elif eos:
-            self._finish(seq, "stop", None)
-        elif at_end:
-            self._finish(seq, "length", None)
+        output = push_token(seq, token, logprobs, self.end_ids, self.tokenizer)
+        if output.event is not None:
+            self.emit(output.event)
+        if output.finish is not None:
+            self._finish(seq, output.finish, output.matched_stop)
 
     def _finish(self, seq: SequenceState, reason: str | None, matched_stop: str | None) -> None:
         """End ``seq``: ``reason`` None means it failed (the caller reports why)."""
