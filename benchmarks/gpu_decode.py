@@ -495,7 +495,7 @@ def run_serve(args, tmp: Path, executor_tok_s: dict, plain: dict[int, float]) ->
                     plain[c] = served(report)["output_tok_s"]
                     emit(engine="musegl-serve", figure="dflash_plain", concurrency=c, **served(report))
     if "serve" in args.phases:  # one slot holding the long prompt (every slot reserves --max-context)
-        flags = serve_flags(args, 1, args.ttft_tokens + 64)
+        flags = serve_flags(args, 1, args.ttft_tokens + 1024)  # the prompt, its template, the calibration
         with serve_process(model, *flags, ready_timeout=args.ready_timeout) as (url, _):
             report = bench(args, url, 1, 3, 2, args.ttft_tokens, env)
             if isinstance(report, str):
@@ -627,7 +627,7 @@ def main() -> int:
     p.add_argument("--serve-max-tokens", type=int, default=128)
     p.add_argument("--serve-prompt-tokens", type=int, default=256)
     p.add_argument("--serve-context", type=int, default=2048,
-                   help="--max-context of the servers (the TTFT server: --ttft-tokens + 64, one slot)")
+                   help="--max-context of the servers (the TTFT server: --ttft-tokens + 1024, one slot)")
     p.add_argument("--serve-flag", action="append", default=[], help="extra musegl serve flag (repeatable)")
     p.add_argument("--ready-timeout", type=float, default=600.0)
     p.add_argument("--rows-batch", type=int, default=64)

@@ -15,12 +15,34 @@
 # lacks, gguf among them; the trimmed llama.cpp tree: benchmarks/llamacpp_cuda.sh pack).
 # LAYERS (default 26) is the depth of the llama.cpp comparison, the same for both servers (the
 # full 52-layer GGUF is ~53 GB, the disk 64 GiB); gpu_decode runs the full depth.
+# SMOKE=1 runs the same three stages on the CPU at the tiny shape with small counts (the local
+# check of this script; the GPU tests are skipped; WORK=/tmp/h200 and SITE=/tmp/site unless set).
 set -uo pipefail
 
 stage=${1:?usage: h200_run.sh build|decode|compare}
 OUT=${OUT:-$PWD/h200_out}
 LAYERS=${LAYERS:-26}
-WORK=/tmp/h200
+WORK=${WORK:-/tmp/h200}
+SMOKE=${SMOKE:-0}
+if [ "$SMOKE" = 1 ]; then
+    shape=(--device cpu --tiny)
+    build_flag=(--cpu); binary=build-cpu; gguf_shape=(--tiny)
+    executor_args=(--contexts 64,256 --batches 1,4 --wide-batches 8 --wide-context 128 --steps 6
+                   --prefill-tokens 128 --prefill-repeat 1 --ttft-tokens 512 --prefill-chunk 128)
+    served_args=(--ttft-tokens 512 --serve-concurrency 1,2 --serve-max-tokens 8 --serve-prompt-tokens 64
+                 --rows-batch 4 --rows-max-tokens 8 --dflash-batches 1,2 --dflash-accept 2,4 --dflash-max-tokens 16)
+    compare_args=(--device cpu --threads 2 --conversations 2 --turns 2 --shared-system-tokens 300 --prompt-tokens 40
+                  --max-tokens 8 --decode-concurrency 1,2 --decode-max-tokens 8 --decode-prompt-tokens 64)
+else
+    shape=()
+    build_flag=(); binary=build-cuda; gguf_shape=(--layers "$LAYERS")
+    executor_args=(--contexts 512,8192,32768,131072 --batches 1,8,32,64 --wide-batches 128,256 --wide-context 2048
+                   --forward-sizes 1,2,4,8,16,32,64,128,256 --ttft-tokens 32768)
+    served_args=(--ttft-tokens 32768 --serve-concurrency 1,8,32,64 --rows-batch 64 --dflash-batches 1,8,32
+                 --dflash-accept 2,4,8,16 --dflash-max-tokens 256)
+    compare_args=(--conversations 32 --turns 10 --shared-system-tokens 12000 --prompt-tokens 500 --max-tokens 256
+                  --decode-concurrency 1,32)
+fi
 mkdir -p "$OUT" "$WORK"
 here=$(cd "$(dirname "$0")" && pwd)
 root=$(dirname "$here")
@@ -30,17 +52,18 @@ export PYTHONUNBUFFERED=1
 setup() {
     # The carried wheels, and musegl with the plugins it serves with (entry points) in /tmp/site;
     # the repository's own directories come first on the path, so the tree's code runs.
-    if [ ! -f /tmp/site/.musegl-installed ]; then
-        if compgen -G ".whl/*.whl" >/dev/null; then
-            python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+    local site=${SITE:-/tmp/site}
+    if [ ! -f "$site/.musegl-installed" ]; then
+        if [ "$SMOKE" != 1 ] && compgen -G ".whl/*.whl" >/dev/null; then  # (SMOKE: this machine's venv has them)
+            python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" \
                 .whl/*.whl || return 1
         fi
-        python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --target /tmp/site \
+        python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --target "$site" \
             . plugins/cuda plugins/dflash plugins/atem >"$WORK/install.log" 2>&1 || { tail -20 "$WORK/install.log"; return 1; }
-        touch /tmp/site/.musegl-installed
+        touch "$site/.musegl-installed"
     fi
-    export PYTHONPATH="$root:$root/plugins/cuda:$root/plugins/dflash:$root/plugins/atem:/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
-    export PATH="/tmp/site/bin:$PATH"
+    export PYTHONPATH="$root:$root/plugins/cuda:$root/plugins/dflash:$root/plugins/atem:$site${PYTHONPATH:+:$PYTHONPATH}"
+    export PATH="$site/bin:$PATH"
 }
 
 note() { echo "{\"stage\": \"$stage\", $1}" | tee -a "$OUT/h200_run.jsonl"; }
@@ -66,14 +89,19 @@ background() {  # background NAME COMMAND...: run in its own session (it outlive
 setup || { note "\"error\": \"setup failed\""; exit 1; }
 case $stage in
 build)
-    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+    if [ "$SMOKE" = 1 ]; then echo cpu | tee "$OUT/gpu.txt"; else
+        nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"; fi
     df -h /tmp | tail -1 | tee -a "$OUT/gpu.txt"
-    background llamacpp env JOBS=$(( $(nproc) - 2 )) nice -n 10 \
-        "$here/llamacpp_cuda.sh" build "$here/llamacpp-src.tar.xz" "$WORK/llamacpp"
-    background gguf python3 "$here/make_gguf_30b.py" "$WORK/model.gguf" --layers "$LAYERS" --config-out "$WORK/model"
-    timeout 330 python3 -m pytest -m gpu -q -n 0 -p no:cacheprovider plugins/cuda/tests plugins/dflash/tests tests \
-        >"$OUT/gpu_tests.log" 2>&1
-    note "\"gpu_tests_rc\": $?, \"summary\": \"$(tail -1 "$OUT/gpu_tests.log" | tr -d '"')\""
+    background llamacpp env JOBS=$(( $(nproc) > 2 ? $(nproc) - 2 : 1 )) nice -n 10 \
+        "$here/llamacpp_cuda.sh" build "${build_flag[@]}" "$here/llamacpp-src.tar.xz" "$WORK/llamacpp"
+    background gguf python3 "$here/make_gguf_30b.py" "$WORK/model.gguf" "${gguf_shape[@]}" --config-out "$WORK/model"
+    if [ "$SMOKE" = 1 ]; then
+        note "\"gpu_tests\": \"skipped (SMOKE)\""
+    else
+        timeout 330 python3 -m pytest -m gpu -q -n 0 -p no:cacheprovider plugins/cuda/tests plugins/dflash/tests tests \
+            >"$OUT/gpu_tests.log" 2>&1
+        note "\"gpu_tests_rc\": $?, \"summary\": \"$(tail -1 "$OUT/gpu_tests.log" | tr -d '"')\""
+    fi
     wait_for gguf 60
     wait_for llamacpp 150
     cp "$WORK"/*.log "$OUT/" 2>/dev/null
@@ -81,29 +109,26 @@ build)
 decode)
     wait_for gguf 60
     wait_for llamacpp 120
-    timeout 240 python3 "$here/gpu_decode.py" --phases executor --contexts 512,8192,32768,131072 \
-        --batches 1,8,32,64 --wide-batches 128,256 --wide-context 2048 --forward-sizes 1,2,4,8,16,32,64,128,256 \
-        --ttft-tokens 32768 --out "$OUT/gpu_decode.jsonl" 2>"$OUT/gpu_decode_executor.stderr"
+    timeout 240 python3 "$here/gpu_decode.py" --phases executor "${shape[@]}" "${executor_args[@]}" \
+        --out "$OUT/gpu_decode.jsonl" 2>"$OUT/gpu_decode_executor.stderr"
     note "\"gpu_decode_executor_rc\": $?"
-    timeout 270 python3 "$here/gpu_decode.py" --phases serve,rows,dflash --ttft-tokens 32768 \
-        --serve-concurrency 1,8,32,64 --rows-batch 64 --dflash-batches 1,8,32 --dflash-accept 2,4,8,16 \
-        --dflash-max-tokens 256 --out "$OUT/gpu_decode.jsonl" 2>"$OUT/gpu_decode_served.stderr"
+    timeout 270 python3 "$here/gpu_decode.py" --phases serve,rows,dflash "${shape[@]}" "${served_args[@]}" \
+        --out "$OUT/gpu_decode.jsonl" 2>"$OUT/gpu_decode_served.stderr"
     note "\"gpu_decode_served_rc\": $?"
     ;;
 compare)
-    server="$WORK/llamacpp/llama.cpp/build-cuda/bin/llama-server"
+    server="$WORK/llamacpp/llama.cpp/$binary/bin/llama-server"
     sides=musegl,llamacpp
     if [ ! -x "$server" ] || [ ! -f "$WORK/model.gguf" ]; then
         note "\"error\": \"no llama-server or GGUF from stage 1 (see llamacpp.log, gguf.log): musegl side only\""
         sides=musegl
-        python3 "$here/make_gguf_30b.py" --config-only --layers "$LAYERS" --config-out "$WORK/model"
+        python3 "$here/make_gguf_30b.py" --config-only "${gguf_shape[@]}" --config-out "$WORK/model"
     fi
     timeout 520 python3 "$here/llamacpp_cuda_compare.py" --llama-server "$server" --gguf "$WORK/model.gguf" \
         --model "$WORK/model" --sides "$sides" \
-        --chat-template "$WORK/llamacpp/llama.cpp/models/templates/muse-glimmer.jinja" \
-        --conversations 32 --turns 10 --shared-system-tokens 12000 --prompt-tokens 500 --max-tokens 256 \
-        --decode-concurrency 1,32 --out "$OUT/llamacpp_compare.jsonl" 2>"$OUT/llamacpp_compare.stderr"
-    note "\"compare_rc\": $?, \"layers\": $LAYERS"
+        --chat-template "$WORK/llamacpp/llama.cpp/models/templates/muse-glimmer.jinja" "${compare_args[@]}" \
+        --out "$OUT/llamacpp_compare.jsonl" 2>"$OUT/llamacpp_compare.stderr"
+    note "\"compare_rc\": $?, \"layers\": \"$([ "$SMOKE" = 1 ] && echo tiny || echo "$LAYERS")\""
     ;;
 *)
     echo "unknown stage $stage (build, decode or compare)" >&2; exit 2 ;;
