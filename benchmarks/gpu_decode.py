@@ -45,6 +45,10 @@ prints one JSON line per figure (also appended to ``--out``):
   the ratio to the plain server on the same requests (``dflash_plain``,
   measured in the same run).
 
+``--tensor-parallel-size N`` splits the model over N devices (the executor phase
+through ``TensorParallelExecutor``, the served phases through ``musegl serve
+--tensor-parallel-size N``; ``output_tok_s_per_device`` is tok/s over N).
+
 ``--phases`` picks any of ``executor,serve,rows,dflash`` (default all).
 ``--device cpu`` runs everything on the CPU (``torch-cpu``, float32) for the
 smoke run: ``python benchmarks/gpu_decode.py --device cpu --tiny`` plus the
@@ -187,13 +191,27 @@ def int_list(text: str) -> list[int]:
 def run_musegl(args, checkpoint, rng, tok_s: dict[tuple[int, int], float]):
     c = checkpoint.config
     cuda = is_cuda(args)
-    executor = TorchExecutor(checkpoint, device=args.device, dtype="bfloat16" if cuda else "float32", dummy_seed=0,
-                             forward_sizes=tuple(int_list(args.forward_sizes)) if cuda else None)
-    model = executor.model
-    weight_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
-                       if not n.endswith((".q_proj.weight", ".k_proj.weight", ".v_proj.weight",
-                                          "attn.gate_proj.weight", "mlp.gate_proj.weight", ".up_proj.weight")))
-    if cuda:
+    if args.tensor_parallel_size > 1:  # the ranks' processes, the config from a bare config.json
+        from musegl_cuda.parallel.executor import TensorParallelExecutor
+        from musegl_cuda.parallel.rank import RankSpec
+
+        folder = Path(tempfile.mkdtemp(prefix="gpu-decode-tp-"))
+        (folder / "config.json").write_text(json.dumps(raw_text_config(args)))
+        executor = TensorParallelExecutor(RankSpec(
+            str(folder), "cuda" if cuda else "cpu", args.tensor_parallel_size,
+            dtype="bfloat16" if cuda else "float32", dummy=True,
+            forward_sizes=tuple(int_list(args.forward_sizes)) if cuda else None))
+        model = None  # no roofline figure: the weights are spread over the ranks
+        emit(figure="tensor_parallel", ranks=args.tensor_parallel_size,
+             weight_gb_total=round(sum(executor.weight_bytes.values()) / 1e9, 2))
+    else:
+        executor = TorchExecutor(checkpoint, device=args.device, dtype="bfloat16" if cuda else "float32",
+                                 dummy_seed=0, forward_sizes=tuple(int_list(args.forward_sizes)) if cuda else None)
+        model = executor.model
+    if cuda and model is not None:
+        weight_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
+                           if not n.endswith((".q_proj.weight", ".k_proj.weight", ".v_proj.weight",
+                                              "attn.gate_proj.weight", "mlp.gate_proj.weight", ".up_proj.weight")))
         read_bytes = weight_bytes - model.embed_tokens.numel() * model.embed_tokens.element_size()
         bw = copy_bandwidth()
         emit(figure="bandwidth", copy_gbps=round(bw / 1e9, 1), weight_gb=round(weight_bytes / 1e9, 2),
@@ -438,6 +456,8 @@ def serve_flags(args, width: int, context: int | None = None) -> list[str]:
              "--max-context", str(context or args.serve_context)]
     if is_cuda(args):
         flags += ["--forward-sizes", args.forward_sizes]
+    if args.tensor_parallel_size > 1:
+        flags += ["--tensor-parallel-size", str(args.tensor_parallel_size)]
     return flags + [part for flag in args.serve_flag for part in flag.split("=", 1)]
 
 
@@ -445,7 +465,7 @@ def bench(args, url: str, concurrency: int, requests: int, max_tokens: int, prom
           env: dict[str, str]) -> dict | str:
     command = [sys.executable, "-m", "musegl_core.cli.main", "bench", "--url", url, "-c", str(concurrency),
                "-n", str(requests), "--max-tokens", str(max_tokens), "--prompt-tokens", str(prompt_tokens),
-               "--seed", "0", "--json", "--no-progress"]
+               "--seed", "0", "--json", "--no-progress", "--tensor-parallel-size", str(args.tensor_parallel_size)]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1800)
     if done.returncode != 0:
         return done.stderr[-400:] or done.stdout[-400:]
@@ -456,6 +476,7 @@ def served(report: dict) -> dict:
     itl = report["itl"]["p50"]
     return dict(requests=report["requests"], errors=report["errors"],
                 output_tok_s=round(report["output_tokens_per_s"], 1),
+                output_tok_s_per_device=round(report["output_tokens_per_s_per_device"], 1),
                 ttft_p50_ms=round(report["ttft"]["p50"] * 1e3, 1) if report["ttft"]["p50"] is not None else None,
                 itl_p50_ms=round(itl * 1e3, 2) if itl else None)
 
@@ -619,6 +640,9 @@ def main() -> int:
     p.add_argument("--ttft-tokens", type=int, default=32768, help="the long prompt of the ttft figures")
     p.add_argument("--prefill-chunk", type=int, default=8192, help="prefill chunk of the executor's ttft figure")
     p.add_argument("--forward-sizes", default="1,2,4,8,16,32,64")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+                   help="the model split over N devices (rank processes; served: musegl serve "
+                        "--tensor-parallel-size N, musegl bench's tokens/s per device)")
     p.add_argument("--baseline", action="store_true", help="also transformers on the same weights")
     p.add_argument("--baseline-steps", type=int, default=16)
     p.add_argument("--profile", action="store_true", help="print torch.profiler's top kernels of 4 decode steps")
@@ -651,7 +675,9 @@ def main() -> int:
     checkpoint = text_config(args)
     emit(figure="setup", device=torch.cuda.get_device_name() if is_cuda(args) else "cpu", torch=torch.__version__,
          model=checkpoint.name, layers=checkpoint.config.num_layers, hidden=checkpoint.config.hidden_size,
-         phases=args.phases)
+         phases=args.phases, tensor_parallel_size=args.tensor_parallel_size)
+    if args.baseline and args.tensor_parallel_size > 1:
+        p.error("--baseline copies one device's weights into transformers: run it without --tensor-parallel-size")
     executor_tok_s: dict = {}
     if "executor" in args.phases:
         holder = [run_musegl(args, checkpoint, rng, executor_tok_s)]
