@@ -23,8 +23,8 @@ from musegl_executorch.abi import plan_calls
 from musegl_executorch.artifact import DFlashExport
 from musegl_executorch.drafter import ProgramDrafter
 from musegl_executorch.export.draft import DraftBlock, DraftContext, DraftWeights
-from musegl_executorch.export.graph import OffGraphDecoder
-from musegl_executorch.export.lower import DRAFT_BLOCK, DRAFT_CONTEXT
+from musegl_executorch.export.graph import EmbedText, FromEmbeddings, OffGraphDecoder
+from musegl_executorch.export.lower import DRAFT_BLOCK, DRAFT_CONTEXT, example_inputs
 
 BLOCKS = 32
 TAPS_IDS = [0, 2, 5]  # transformers' target_layer_ids: taps 1, 3 and 6 (6: the last layer's output)
@@ -110,6 +110,25 @@ def test_the_tapped_rows_are_the_torch_executors(target):
     theirs = reference.step(Step(chunks=chunks, taps=taps)).hidden
     assert mine[0].shape == (3, 19, 64) and mine[1].shape == (3, 1, 64)
     assert torch.allclose(mine[0], theirs[1], atol=1e-4) and torch.allclose(mine[1], theirs[2], atol=1e-4)
+
+
+def test_forward_from_embeddings_returns_the_same_taps(target):
+    """``--mmproj`` with ``--dflash``: the image prefill's method returns the taps too."""
+    _, module = target
+    inputs = list(example_inputs(module.config, torch.float32, groups=1, rows=5, cached=3, windowed=2, cells=32,
+                                 heads=2))
+    inputs[0] = torch.tensor([[5, 400, 17, 300, 42]])
+    inputs[2], inputs[3] = torch.randn_like(inputs[2]), torch.randn_like(inputs[3])
+    module.taps = (2, 6)
+    try:
+        with torch.no_grad():
+            theirs = module(*inputs)
+            mine = FromEmbeddings(module)(EmbedText(module)(inputs[0][0])[None], *inputs[1:])
+    finally:
+        module.taps = ()
+    assert len(mine) == len(theirs) == 4 and theirs[3].shape == (2, 5, 64)
+    for a, b in zip(mine, theirs):
+        assert torch.equal(a, b)
 
 
 def test_the_program_drafter_drafts_what_the_eager_speculator_drafts(target, draft):
