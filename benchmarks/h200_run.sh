@@ -98,7 +98,7 @@ build)
     if [ "$SMOKE" = 1 ]; then
         note "\"gpu_tests\": \"skipped (SMOKE)\""
     else
-        timeout 330 python3 -m pytest -m gpu -q -n 0 -p no:cacheprovider plugins/cuda/tests plugins/dflash/tests tests \
+        timeout 330 python3 -m pytest -m gpu -q -n 0 -p no:cacheprovider plugins/cuda/tests plugins/dflash/tests \
             >"$OUT/gpu_tests.log" 2>&1
         note "\"gpu_tests_rc\": $?, \"summary\": \"$(tail -1 "$OUT/gpu_tests.log" | tr -d '"')\""
     fi
