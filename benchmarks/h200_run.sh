@@ -98,21 +98,21 @@ build)
     if [ "$SMOKE" = 1 ]; then
         note "\"gpu_tests\": \"skipped (SMOKE)\""
     else
-        timeout 330 python3 -m pytest -m gpu -q -n 0 -p no:cacheprovider plugins/cuda/tests plugins/dflash/tests \
+        timeout 300 python3 -m pytest -m gpu -q -n 0 -p no:cacheprovider plugins/cuda/tests plugins/dflash/tests \
             >"$OUT/gpu_tests.log" 2>&1
         note "\"gpu_tests_rc\": $?, \"summary\": \"$(tail -1 "$OUT/gpu_tests.log" | tr -d '"')\""
     fi
     wait_for gguf 60
-    wait_for llamacpp 150
+    wait_for llamacpp 120
     cp "$WORK"/*.log "$OUT/" 2>/dev/null
     ;;
 decode)
-    wait_for gguf 60
-    wait_for llamacpp 120
-    timeout 240 python3 "$here/gpu_decode.py" --phases executor "${shape[@]}" "${executor_args[@]}" \
+    wait_for gguf 15  # (a build still running goes on beside the measurements, at nice 10)
+    wait_for llamacpp 45
+    timeout 220 python3 "$here/gpu_decode.py" --phases executor "${shape[@]}" "${executor_args[@]}" \
         --out "$OUT/gpu_decode.jsonl" 2>"$OUT/gpu_decode_executor.stderr"
     note "\"gpu_decode_executor_rc\": $?"
-    timeout 270 python3 "$here/gpu_decode.py" --phases serve,rows,dflash "${shape[@]}" "${served_args[@]}" \
+    timeout 260 python3 "$here/gpu_decode.py" --phases serve,rows,dflash "${shape[@]}" "${served_args[@]}" \
         --out "$OUT/gpu_decode.jsonl" 2>"$OUT/gpu_decode_served.stderr"
     note "\"gpu_decode_served_rc\": $?"
     ;;
