@@ -3,11 +3,12 @@
 # (the files of stage 1 live in /tmp/h200 and are gone if the machine is given back).
 #
 #   benchmarks/h200_run.sh build     # llama-server (CUDA, sm_90) and the reduced-depth GGUF, in the
-#                                    # background; the GPU tests (-m gpu) meanwhile; waits for both
+#                                    # background; meanwhile the GPU tests (-m gpu) and served DFlash
+#                                    # at acceptance 2/4/8/16 x batch 1/8/32 (gpu_decode --phases dflash)
 #   benchmarks/h200_run.sh decode    # gpu_decode.py (full depth): executor decode at 512/8k/32k/128k x
 #                                    # 1/8/32/64 and 128/256 at 2k, prefill, 32k TTFT; then served
-#                                    # levels, 32k TTFT, rows (JSON schema, logprobs), DFlash at
-#                                    # acceptance 2/4/8/16 x batch 1/8/32; waits for stage 1's jobs first
+#                                    # levels, 32k TTFT, rows (JSON schema, logprobs); waits for
+#                                    # stage 1's jobs first (up to 2 minutes)
 #   benchmarks/h200_run.sh compare   # the agent workload and plain decode, musegl vs llama-server
 #
 # Each writes JSON lines (and logs) into $OUT (default ./h200_out). Run from the repository root
@@ -30,7 +31,8 @@ if [ "$SMOKE" = 1 ]; then
     executor_args=(--contexts 64,256 --batches 1,4 --wide-batches 8 --wide-context 128 --steps 6
                    --prefill-tokens 128 --prefill-repeat 1 --ttft-tokens 512 --prefill-chunk 128)
     served_args=(--ttft-tokens 512 --serve-concurrency 1,2 --serve-max-tokens 8 --serve-prompt-tokens 64
-                 --rows-batch 4 --rows-max-tokens 8 --dflash-batches 1,2 --dflash-accept 2,4 --dflash-max-tokens 16)
+                 --rows-batch 4 --rows-max-tokens 8)
+    dflash_args=(--serve-prompt-tokens 64 --dflash-batches 1,2 --dflash-accept 2,4 --dflash-max-tokens 16)
     compare_args=(--device cpu --threads 2 --conversations 2 --turns 2 --shared-system-tokens 300 --prompt-tokens 40
                   --max-tokens 8 --decode-concurrency 1,2 --decode-max-tokens 8 --decode-prompt-tokens 64)
 else
@@ -38,8 +40,8 @@ else
     build_flag=(); binary=build-cuda; gguf_shape=(--layers "$LAYERS")
     executor_args=(--contexts 512,8192,32768,131072 --batches 1,8,32,64 --wide-batches 128,256 --wide-context 2048
                    --forward-sizes 1,2,4,8,16,32,64,128,256 --ttft-tokens 32768)
-    served_args=(--ttft-tokens 32768 --serve-concurrency 1,8,32,64 --rows-batch 64 --dflash-batches 1,8,32
-                 --dflash-accept 2,4,8,16 --dflash-max-tokens 256)
+    served_args=(--ttft-tokens 32768 --serve-concurrency 1,8,32,64 --rows-batch 64)
+    dflash_args=(--dflash-batches 1,8,32 --dflash-accept 2,4,8,16 --dflash-max-tokens 256)
     compare_args=(--conversations 32 --turns 10 --shared-system-tokens 12000 --prompt-tokens 500 --max-tokens 256
                   --decode-concurrency 1,32)
 fi
@@ -98,23 +100,29 @@ build)
     if [ "$SMOKE" = 1 ]; then
         note "\"gpu_tests\": \"skipped (SMOKE)\""
     else
-        timeout 300 python3 -m pytest -m gpu -q -n 0 -p no:cacheprovider plugins/cuda/tests plugins/dflash/tests \
+        timeout 240 python3 -m pytest -m gpu -q -n 0 -p no:cacheprovider plugins/cuda/tests plugins/dflash/tests \
             >"$OUT/gpu_tests.log" 2>&1
         note "\"gpu_tests_rc\": $?, \"summary\": \"$(tail -1 "$OUT/gpu_tests.log" | tr -d '"')\""
     fi
-    wait_for gguf 60
-    wait_for llamacpp 120
+    # served DFlash here, beside the build: both sides of each ratio (DFlash / the same requests
+    # without a draft) are measured in this same stage
+    timeout 240 python3 "$here/gpu_decode.py" --phases dflash "${shape[@]}" "${dflash_args[@]}" \
+        --out "$OUT/gpu_decode.jsonl" 2>"$OUT/gpu_decode_dflash.stderr"
+    note "\"gpu_decode_dflash_rc\": $?"
+    wait_for gguf 10
+    wait_for llamacpp 20
     cp "$WORK"/*.log "$OUT/" 2>/dev/null
     ;;
 decode)
-    wait_for gguf 15  # (a build still running goes on beside the measurements, at nice 10)
-    wait_for llamacpp 45
+    wait_for gguf 30
+    wait_for llamacpp 90  # (a build still running goes on beside the measurements, at nice 10)
     timeout 220 python3 "$here/gpu_decode.py" --phases executor "${shape[@]}" "${executor_args[@]}" \
         --out "$OUT/gpu_decode.jsonl" 2>"$OUT/gpu_decode_executor.stderr"
     note "\"gpu_decode_executor_rc\": $?"
-    timeout 260 python3 "$here/gpu_decode.py" --phases serve,rows,dflash "${shape[@]}" "${served_args[@]}" \
+    timeout 180 python3 "$here/gpu_decode.py" --phases serve,rows "${shape[@]}" "${served_args[@]}" \
         --out "$OUT/gpu_decode.jsonl" 2>"$OUT/gpu_decode_served.stderr"
     note "\"gpu_decode_served_rc\": $?"
+    cp "$WORK"/*.log "$OUT/" 2>/dev/null
     ;;
 compare)
     server="$WORK/llamacpp/llama.cpp/$binary/bin/llama-server"
