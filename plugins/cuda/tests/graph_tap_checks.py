@@ -3,7 +3,8 @@
 Run on the CPU by Triton's interpreter (``TRITON_INTERPRET=1``, set before
 Triton is imported: ``test_graph_taps.py`` starts it in a subprocess). The
 graphs' staging (:meth:`DecodeGraphs.stage_decode` for one row per sequence,
-:meth:`DecodeGraphs.stage_plan` for verify blocks) fills CPU tensors; the body
+:meth:`DecodeGraphs.stage_plan` and :meth:`DecodeGraphs.stage_rows` for verify
+blocks, the latter with drafts placed from the device) fills CPU tensors; the body
 (:meth:`DecodeGraphs._run`, what ``capture`` records) then runs eagerly over
 them. Its argmax ids and its static tap rows must match the CPU executor's
 reference path for the same steps (float32).
@@ -22,6 +23,7 @@ def check_tapped_graph_body() -> None:
     from musegl_core.engine.executor import SeqChunk, Step
     from musegl_core.tiny import default_model_path
     from musegl_cuda.executor import TorchExecutor
+    from musegl_cuda.drafts import DraftRows
     from musegl_cuda.graphs import DecodeGraphs
     from musegl_cuda.plan import plan_step, rows_per_tile
 
@@ -63,6 +65,19 @@ def check_tapped_graph_body() -> None:
     plan = plan_step(verify, bs, pool, c.vocab_size, rows_per_tile(ex.decode_block_m, c.num_heads // c.num_kv_heads),
                      width=8, scratch_block=scratch, num_tiles=8)
     compare(verify, 8, lambda: graphs.stage_plan(plan))
+    # the same blocks staged without a plan (stage_rows, the executor's path), their drafts
+    # written into the graph's tokens on the device from a row of Step.drafts
+    drafts = torch.tensor([[0, 0, 0], [9, 10, 11], [6, 7, 0]])
+    placed = Step([SeqChunk(0, [5, 0, 0], verify.chunks[0].positions, tables[0], sample=3, draft_row=2),
+                   SeqChunk(1, [8, 0, 0, 0], verify.chunks[1].positions, tables[1], sample=4, draft_row=1)],
+                  taps=TAPS, width=8, drafts=drafts)
+
+    def stage_rows() -> None:
+        starts = graphs.stage_rows(placed.chunks, 8, pool, c.vocab_size,
+                                   rows_per_tile(ex.decode_block_m, c.num_heads // c.num_kv_heads))
+        DraftRows.of(placed, starts).place(graphs.tokens)
+
+    compare(verify, 8, stage_rows)
     # graphs built without taps leave none
     plain = DecodeGraphs(ex.model, ex.kv, (4,), bs, 8, ex.decode_block_m, 1)
     plain.reset(scratch)
