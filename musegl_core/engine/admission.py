@@ -6,9 +6,9 @@ order, holding no KV: for a running place, for a session slot that frees on
 its own (an anonymous request's, or an evictable one with
 ``--evict-idle-sessions``), or for its named session's previous request.
 ``--max-queued-requests`` bounds the queue; a request that finds it full is
-refused with 503 ``server_busy``. The engine (:mod:`musegl_core.engine.engine`)
-owns the decisions; this module keeps the order, the bound, the wait times and
-the estimate behind a refusal's ``Retry-After``.
+refused with 503 ``server_busy``. :class:`AdmissionQueue` keeps the order, the
+bound, the wait times and the estimate behind a refusal's ``Retry-After``;
+:class:`Admission` decides, on the engine thread, which request starts when.
 """
 
 from __future__ import annotations
@@ -16,11 +16,17 @@ from __future__ import annotations
 import collections
 import math
 import time
+from collections.abc import Mapping
 from typing import Callable, Iterator
 
 import attrs
 
+from musegl_core.engine import errors
+from musegl_core.engine.identity import prompt_keys
+from musegl_core.engine.replay import Replayer
 from musegl_core.engine.request import PreparedRequest
+from musegl_core.engine.sessions import CapacityError, SaltMismatch, Session, SessionTable
+from musegl_core.errors import ApiError
 
 #: departures (starts and cancellations) the Retry-After estimate looks back over
 DEPARTURES_SEEN = 16
@@ -88,3 +94,149 @@ class AdmissionQueue:
         span = self._departures[-1] - self._departures[0]
         gap = span / (len(self._departures) - 1)
         return max(1, math.ceil(gap))
+
+
+class Admission:
+    """The engine's admission decisions (see the module docstring): a new request
+    is checked, queued and started at once when it may run; :meth:`dispatch`
+    starts queued requests as places and slots free.
+
+    ``running`` is the engine's running requests by id (read here only);
+    ``start(request, session, waited)`` makes a request run on its session,
+    ``fail(request_id, error)`` reports a refusal. ``due`` is set by the engine when
+    something finished or freed a slot: the queue is to be looked at again."""
+
+    def __init__(self, config, sessions: SessionTable, replayer: Replayer, running: Mapping[str, object],
+                 start: Callable[[PreparedRequest, Session, float], None],
+                 fail: Callable[[str, ApiError], None]):
+        self.config = config
+        self.sessions = sessions
+        self.replayer = replayer
+        self.running = running
+        self.start = start
+        self.fail = fail
+        self.queue = AdmissionQueue(config.max_queued_requests)  # admitted, not running
+        self.due = False
+
+    def admit(self, request: PreparedRequest) -> None:
+        """Check a new request, queue it, and start it at once when it may run; a
+        request that has to wait in a full queue is refused (503 ``server_busy``)."""
+        config = self.config
+        if request.id in self.running or request.id in self.queue:
+            self.fail(request.id, errors.duplicate_id(request.id))
+            return
+        prompt = len(request.prompt_ids)
+        reservation = request.completion_reservation
+        if prompt + reservation > config.max_context:
+            self.fail(request.id, errors.context_error(prompt, reservation, config.max_context))
+            return
+        self.queue.push(request)
+        self.link(request)
+        self.dispatch()
+        if request.id not in self.queue:
+            return  # started, or failed for a reason of its own
+        if self.queue.over:  # queue overload never evicts a session
+            self.unlink(request)
+            self.queue.refuse(request.id)
+            self.fail(request.id, errors.busy_error(len(self.running), len(self.queue), self.queue.retry_after()))
+            return
+        self.queue.admitted += 1
+
+    def dispatch(self) -> None:
+        """Start the queued requests that may run now, in arrival order: while a running
+        place is free, each one whose session is not busy with an earlier request and
+        that gets a session slot. One that waits for a slot that will never free on its
+        own fails (503 ``session_capacity``) instead of waiting for ever."""
+        self.due = False
+        slots_full = False  # once a new slot was refused, later requests needing one wait too
+        for entry in self.queue:
+            if len(self.running) >= self.config.max_inflight_requests:
+                return
+            request = entry.request
+            if request.id not in self.queue:
+                continue
+            name = request.session_id
+            existing = self.sessions.named.get(name) if name is not None else None
+            if request.soft_session and not self.soft_fits(request, existing, slots_full):
+                self.unlink(request)  # it runs anonymously, on the prefix cache
+                request = attrs.evolve(request, session_id=None, soft_session=False, replay=None)
+                name = existing = None
+            if existing is not None and existing.active:
+                self.link(request)  # it waits for the session's running request
+                continue
+            if existing is None and slots_full:
+                continue
+            try:
+                session, _created = self.sessions.open(name, request.cache_salt, soft=request.soft_session)
+            except SaltMismatch as exc:
+                self.unqueue(request)
+                self.fail(request.id, errors.salt_mismatch(exc))
+                continue
+            except CapacityError as exc:
+                if self.slot_frees_later():
+                    slots_full = True
+                    continue  # it waits for a slot
+                self.unqueue(request)
+                self.fail(request.id, errors.capacity_error(exc, self.sessions))
+                continue
+            self.unlink(request)
+            self.start(request, session, self.queue.take(request.id))
+
+    def soft_fits(self, request: PreparedRequest, session: Session | None, slots_full: bool) -> bool:
+        """May a soft-session request run on its session? Not while the session
+        is busy, and not when it is new and no slot is free (the request then runs
+        anonymously rather than wait or fail). An idle session is used when the
+        prompt extends its last executed prompt (after generated-token replay), or
+        when the prompt is at least as long as the session's history: a soft
+        session keeps the longest conversation that uses it, so a client's short
+        side request never displaces its main conversation."""
+        if session is None:
+            return not slots_full and self.sessions.can_open_soft()
+        if session.active or session.salt != request.cache_salt:
+            return False
+        keys = prompt_keys(request.prompt_ids, request.images)
+        executed = session.replay.executed
+        if session.clean and executed:
+            plan = request.replay
+            if plan is not None and plan.log is session.replay:
+                replayed = plan.keys
+            else:
+                replayed, _ = self.replayer.apply(session.replay, keys)
+            if tuple(replayed[: len(executed)]) == executed:
+                return True
+        return len(keys) >= len(session.tokens)
+
+    def unqueue(self, request: PreparedRequest) -> None:
+        self.unlink(request)
+        self.queue.drop(request.id)
+
+    def link(self, request: PreparedRequest) -> None:
+        """Record a queued request on its existing named session (then not idle: never
+        evicted, expired or closed under it, and counted in ``queued_requests``)."""
+        session = self.sessions.named.get(request.session_id) if request.session_id else None
+        if session is not None and not any(r is request for r in session.waiting):
+            session.waiting.append(request)
+
+    def unlink(self, request: PreparedRequest) -> None:
+        session = self.sessions.named.get(request.session_id) if request.session_id else None
+        if session is not None:
+            for index, queued in enumerate(session.waiting):
+                if queued is request:
+                    del session.waiting[index]
+                    return
+
+    def slot_frees_later(self) -> bool:
+        """Will a session slot free without a client's action? An anonymous request's
+        does when it ends; with ``--evict-idle-sessions`` so does a named session's,
+        which turns evictable once its request ends. Named sessions otherwise persist."""
+        table = self.sessions
+        return (bool(table.anonymous) or any(s.active and s.soft for s in table.named.values())
+                or (table.evict_idle and any(s.active for s in table.named.values())))
+
+    def cancel(self, request_id: str) -> None:
+        """Take a queued request out of the queue (it holds no KV)."""
+        entry = self.queue.get(request_id)
+        if entry is not None:
+            self.unlink(entry.request)
+            self.queue.take(request_id)
+            self.due = True  # a place behind it may run now (its session's next request)

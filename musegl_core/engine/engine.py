@@ -31,7 +31,7 @@ import attrs
 
 from musegl_core.engine import commands, errors
 from musegl_core.engine import events as ev
-from musegl_core.engine.admission import AdmissionQueue
+from musegl_core.engine.admission import Admission
 from musegl_core.engine.detokenize import IncrementalDetokenizer, hidden_ids
 from musegl_core.engine.executor import Executor, ExecutorLimits, PendingStep, Step, TokenLogprobs
 from musegl_core.engine.identity import prompt_keys, split_keys
@@ -45,7 +45,7 @@ from musegl_core.engine.masks import PendingMasks
 from musegl_core.engine.output import push_token
 from musegl_core.engine.scheduler import Scheduler, SchedulerLimits
 from musegl_core.engine.errors import constraint_failure, context_error  # noqa: F401 (importable from here too)
-from musegl_core.engine.sessions import CapacityError, SaltMismatch, Session, SessionBusy, SessionTable
+from musegl_core.engine.sessions import Session, SessionBusy, SessionTable
 from musegl_core.engine.speculator import (DeviceDrafts, DraftRequest, NoSpeculator, Speculator, accept,
                                            proposes_on_device)
 from musegl_core.engine.step_book import StepBook
@@ -159,8 +159,7 @@ class Engine:
         self.replayer = Replayer(tokenizer, self.end_ids)
         self._inbox: queue.Queue = queue.Queue()
         self._running: dict[str, SequenceState] = {}
-        self._queue = AdmissionQueue(config.max_queued_requests)  # admitted, not running (admission.py)
-        self._dispatch_due = False  # something finished or freed a slot: look at the queue again
+        self.admission = Admission(config, self.sessions, self.replayer, self._running, self._start, self._fail)
         self._queue_seconds: dict[str, float] = {}  # how long each running request waited, until Started
         self.throughput = ThroughputLog(config.throughput_log_interval)
         self._next_handle = 0
@@ -208,8 +207,8 @@ class Engine:
             "kv_blocks_used": self.pool.used_blocks,
             "kv_blocks_reserved": self.pool.reserved_blocks,
             "running": len(self._running),
-            "waiting": len(self._queue),
-            "queue_refused": self._queue.refused,
+            "waiting": len(self.admission.queue),
+            "queue_refused": self.admission.queue.refused,
             "steps": self.steps,
             "drafted_tokens": self.drafted_tokens,
             "accepted_tokens": self.accepted_tokens,
@@ -237,7 +236,7 @@ class Engine:
                 self._dispatch()
             if not self.idle:
                 self.step()
-                self.throughput.tick(running=len(self._running), queued=len(self._queue),
+                self.throughput.tick(running=len(self._running), queued=len(self.admission.queue),
                                      blocks_used=self.pool.used_blocks, blocks_total=self.pool.num_blocks)
         if self.scheduler.mask_workers is not None:
             self.scheduler.mask_workers.close()
@@ -267,7 +266,7 @@ class Engine:
     def _apply_command(self, command: commands.Command) -> None:
         match command:
             case commands.Submit(request):
-                self._admit(request)
+                self.admission.admit(request)
             case commands.Cancel(request_id):
                 self._cancel(request_id)
             case commands.Call(function):
@@ -318,123 +317,22 @@ class Engine:
                       dict(error.metadata), error.retry_after)
         )
 
-    def _admit(self, request: PreparedRequest) -> None:
-        """Check a new request, queue it, and start it at once when it may run; a
-        request that has to wait in a full queue is refused (503 ``server_busy``)."""
-        config = self.config
-        if request.id in self._running or request.id in self._queue:
-            self._fail(request.id, errors.duplicate_id(request.id))
-            return
-        prompt = len(request.prompt_ids)
-        reservation = request.completion_reservation
-        if prompt + reservation > config.max_context:
-            self._fail(request.id, errors.context_error(prompt, reservation, config.max_context))
-            return
-        self._queue.push(request)
-        self._link(request)
-        self._dispatch()
-        if request.id not in self._queue:
-            return  # started, or failed for a reason of its own
-        if self._queue.over:  # queue overload never evicts a session
-            self._unlink(request)
-            self._queue.refuse(request.id)
-            self._fail(request.id, errors.busy_error(len(self._running), len(self._queue), self._queue.retry_after()))
-            return
-        self._queue.admitted += 1
+    @property
+    def _dispatch_due(self) -> bool:
+        """Something finished or freed a slot: the queue is to be looked at again."""
+        return self.admission.due
+
+    @_dispatch_due.setter
+    def _dispatch_due(self, due: bool) -> None:
+        self.admission.due = due
 
     def _dispatch(self) -> None:
-        """Start the queued requests that may run now, in arrival order: while a running
-        place is free, each one whose session is not busy with an earlier request and
-        that gets a session slot. One that waits for a slot that will never free on its
-        own fails (503 ``session_capacity``) instead of waiting for ever."""
-        self._dispatch_due = False
-        slots_full = False  # once a new slot was refused, later requests needing one wait too
-        for entry in self._queue:
-            if len(self._running) >= self.config.max_inflight_requests:
-                return
-            request = entry.request
-            if request.id not in self._queue:
-                continue
-            name = request.session_id
-            existing = self.sessions.named.get(name) if name is not None else None
-            if request.soft_session and not self._soft_fits(request, existing, slots_full):
-                self._unlink(request)  # it runs anonymously, on the prefix cache
-                request = attrs.evolve(request, session_id=None, soft_session=False, replay=None)
-                name = existing = None
-            if existing is not None and existing.active:
-                self._link(request)  # it waits for the session's running request
-                continue
-            if existing is None and slots_full:
-                continue
-            try:
-                session, _created = self.sessions.open(name, request.cache_salt, soft=request.soft_session)
-            except SaltMismatch as exc:
-                self._unqueue(request)
-                self._fail(request.id, errors.salt_mismatch(exc))
-                continue
-            except CapacityError as exc:
-                if self._slot_frees_later():
-                    slots_full = True
-                    continue  # it waits for a slot
-                self._unqueue(request)
-                self._fail(request.id, errors.capacity_error(exc, self.sessions))
-                continue
-            self._unlink(request)
-            self._queue_seconds[request.id] = self._queue.take(request.id)
-            self._start(request, session)
+        """Start the queued requests that may run now (:meth:`Admission.dispatch`)."""
+        self.admission.dispatch()
 
-    def _soft_fits(self, request: PreparedRequest, session: Session | None, slots_full: bool) -> bool:
-        """May a soft-session request run on its session? Not while the session
-        is busy, and not when it is new and no slot is free (the request then runs
-        anonymously rather than wait or fail). An idle session is used when the
-        prompt extends its last executed prompt (after generated-token replay), or
-        when the prompt is at least as long as the session's history: a soft
-        session keeps the longest conversation that uses it, so a client's short
-        side request never displaces its main conversation."""
-        if session is None:
-            return not slots_full and self.sessions.can_open_soft()
-        if session.active or session.salt != request.cache_salt:
-            return False
-        keys = prompt_keys(request.prompt_ids, request.images)
-        executed = session.replay.executed
-        if session.clean and executed:
-            plan = request.replay
-            if plan is not None and plan.log is session.replay:
-                replayed = plan.keys
-            else:
-                replayed, _ = self.replayer.apply(session.replay, keys)
-            if tuple(replayed[: len(executed)]) == executed:
-                return True
-        return len(keys) >= len(session.tokens)
-
-    def _unqueue(self, request: PreparedRequest) -> None:
-        self._unlink(request)
-        self._queue.drop(request.id)
-
-    def _link(self, request: PreparedRequest) -> None:
-        """Record a queued request on its existing named session (then not idle: never
-        evicted, expired or closed under it, and counted in ``queued_requests``)."""
-        session = self.sessions.named.get(request.session_id) if request.session_id else None
-        if session is not None and not any(r is request for r in session.waiting):
-            session.waiting.append(request)
-
-    def _unlink(self, request: PreparedRequest) -> None:
-        session = self.sessions.named.get(request.session_id) if request.session_id else None
-        if session is not None:
-            for index, queued in enumerate(session.waiting):
-                if queued is request:
-                    del session.waiting[index]
-                    return
-
-    def _slot_frees_later(self) -> bool:
-        """Will a session slot free without a client's action? An anonymous request's
-        does when it ends; with ``--evict-idle-sessions`` so does a named session's,
-        which turns evictable once its request ends. Named sessions otherwise persist."""
-        table = self.sessions
-        return (bool(table.anonymous) or any(s.active and s.soft for s in table.named.values())
-                or (table.evict_idle and any(s.active for s in table.named.values())))
-
-    def _start(self, request: PreparedRequest, session: Session) -> None:
+    def _start(self, request: PreparedRequest, session: Session, waited: float) -> None:
+        """Run ``request`` on ``session`` (it waited ``waited`` seconds in the queue)."""
+        self._queue_seconds[request.id] = waited
         session.active = True
         session.last_used = time.monotonic()
         if request.sampling.seed is None:  # every draw is keyed by (seed, position)
@@ -478,11 +376,7 @@ class Engine:
         if seq is not None:
             self._finish(seq, "cancelled", None)
             return
-        entry = self._queue.get(request_id)
-        if entry is not None:  # a queued request holds no KV: it just leaves the queue
-            self._unlink(entry.request)
-            self._queue.take(request_id)
-            self._dispatch_due = True  # a place behind it may run now (its session's next request)
+        self.admission.cancel(request_id)
 
     def _embedding(self, seq: SequenceState, index: int):
         """The embedding rows of the request's ``index``-th image, computed once per request."""
