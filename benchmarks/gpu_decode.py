@@ -139,9 +139,11 @@ def raw_text_config(args) -> dict:
     if args.layers:
         if not 1 <= args.layers <= raw["num_hidden_layers"]:
             raise SystemExit(f"--layers must be in 1..{raw['num_hidden_layers']}")
+        full = raw["num_hidden_layers"]
         raw["num_hidden_layers"] = args.layers
-        if raw.get("layer_types"):
-            raw["layer_types"] = raw["layer_types"][:args.layers]
+        for key, value in raw.items():  # the per-layer lists (layer_types, layer_rope_theta)
+            if isinstance(value, list) and len(value) == full:
+                raw[key] = value[:args.layers]
     return raw
 
 

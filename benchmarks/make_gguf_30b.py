@@ -63,8 +63,11 @@ def raw_config(layers: int | None, tiny: bool) -> dict:
     if layers:
         if not 1 <= layers <= raw["num_hidden_layers"]:
             raise SystemExit(f"--layers must be in 1..{raw['num_hidden_layers']}")
+        full = raw["num_hidden_layers"]
         raw["num_hidden_layers"] = layers
-        raw["layer_types"] = raw["layer_types"][:layers]
+        for key, value in raw.items():  # the per-layer lists (layer_types, layer_rope_theta)
+            if isinstance(value, list) and len(value) == full:
+                raw[key] = value[:layers]
     return raw
 
 
