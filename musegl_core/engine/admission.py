@@ -17,7 +17,7 @@ import collections
 import math
 import time
 from collections.abc import Mapping
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import attrs
 
@@ -96,6 +96,7 @@ class AdmissionQueue:
         return max(1, math.ceil(gap))
 
 
+@attrs.define(eq=False)
 class Admission:
     """The engine's admission decisions (see the module docstring): a new request
     is checked, queued and started at once when it may run; :meth:`dispatch`
@@ -106,17 +107,17 @@ class Admission:
     ``fail(request_id, error)`` reports a refusal. ``due`` is set by the engine when
     something finished or freed a slot: the queue is to be looked at again."""
 
-    def __init__(self, config, sessions: SessionTable, replayer: Replayer, running: Mapping[str, object],
-                 start: Callable[[PreparedRequest, Session, float], None],
-                 fail: Callable[[str, ApiError], None]):
-        self.config = config
-        self.sessions = sessions
-        self.replayer = replayer
-        self.running = running
-        self.start = start
-        self.fail = fail
-        self.queue = AdmissionQueue(config.max_queued_requests)  # admitted, not running
-        self.due = False
+    config: Any  # the EngineConfig: max_context, max_inflight_requests, max_queued_requests
+    sessions: SessionTable
+    replayer: Replayer
+    running: Mapping[str, object]
+    start: Callable[[PreparedRequest, Session, float], None]
+    fail: Callable[[str, ApiError], None]
+    queue: AdmissionQueue = attrs.field(init=False)  # admitted, not running
+    due: bool = False
+
+    def __attrs_post_init__(self) -> None:
+        self.queue = AdmissionQueue(self.config.max_queued_requests)
 
     def admit(self, request: PreparedRequest) -> None:
         """Check a new request, queue it, and start it at once when it may run; a
