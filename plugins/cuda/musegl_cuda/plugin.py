@@ -145,7 +145,9 @@ def check_cpu_model(options: ExecutorOptions) -> None:
 
 
 def tensor_parallel_size(options: ExecutorOptions) -> int:
-    value = options.extra.get("tensor_parallel_size") or 1
+    value = options.extra.get("tensor_parallel_size")
+    if value is None:
+        return 1
     if not isinstance(value, int) or value < 1:
         raise ConfigError(f"--tensor-parallel-size must be a positive integer, got {value!r}")
     return value

@@ -171,3 +171,17 @@ def test_a_dead_peer_ends_the_wait():
         channel.write("two", lambda: False)
     assert channel.read(0, lambda: True) == "one"
     channel.close()
+
+
+def test_serve_refuses_a_size_that_does_not_split_the_model_before_spawning(tiny_hf):
+    from musegl_core.errors import ConfigError
+    from musegl_core.plugins.specs import ExecutorOptions
+    from musegl_cuda.plugin import create_torch_cpu
+
+    with pytest.raises(ConfigError, match="--tensor-parallel-size 3 must divide the 4 attention heads"):
+        create_torch_cpu(ExecutorOptions(model=str(tiny_hf.path), extra={"tensor_parallel_size": 3}))
+    with pytest.raises(ConfigError, match="names one device"):
+        create_torch_cpu(ExecutorOptions(model=str(tiny_hf.path), device="cuda:1",
+                                         extra={"tensor_parallel_size": 2}))
+    with pytest.raises(ConfigError, match="positive integer"):
+        create_torch_cpu(ExecutorOptions(model=str(tiny_hf.path), extra={"tensor_parallel_size": 0}))
