@@ -152,6 +152,8 @@ class ReplaySpeculator:
                     "target output; for timing the speculative path only, never for serving")
 
     def __getattr__(self, name: str) -> Any:
+        if name == "inner":  # not set yet (copy, pickle): no recursion through it
+            raise AttributeError(name)
         return getattr(self.inner, name)
 
     # -- the contract ----------------------------------------------------------------

@@ -1,6 +1,8 @@
 """The benchmark-only replay (``MUSEGL_DFLASH_BENCHMARK_ACCEPT``): a recorded target continuation
 replaces a random draft's proposals, so every verify block commits exactly K tokens, while the
-responses stay the plain server's."""
+responses stay the plain server's. The served test runs the device-draft path (the torch
+executors announce ``device_drafts`` and the DFlash speculator proposes on the device, so the
+replay is :class:`ReplayOnDevice`, overwriting the drafts' rows in place)."""
 
 from __future__ import annotations
 
@@ -41,6 +43,17 @@ def test_the_book_finds_a_recording_by_any_prefix():
 def test_values_the_drafts_cannot_give_are_refused(value):
     with pytest.raises(ConfigError, match=ENV):
         benchmark_replay(object(), 15, {ENV: value})
+
+
+def test_the_replay_keeps_the_inner_speculators_device_path():
+    from musegl_core.engine.speculator import proposes_on_device
+    from musegl_dflash.replay import ReplayOnDevice, ReplaySpeculator
+    from musegl_dflash.speculator import DFlashSpeculator
+
+    assert proposes_on_device(ReplayOnDevice.__new__(ReplayOnDevice))
+    assert not proposes_on_device(ReplaySpeculator.__new__(ReplaySpeculator))  # over a host-only drafter
+    inner = DFlashSpeculator.__new__(DFlashSpeculator)  # the class decides; nothing is loaded
+    assert type(benchmark_replay(inner, 15, {ENV: "4"})) is ReplayOnDevice
 
 
 def test_off_unless_the_variable_is_set():
