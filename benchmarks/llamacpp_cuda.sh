@@ -77,8 +77,10 @@ build() {
         command -v nvcc >/dev/null || { echo "nvcc not found (CUDA toolkit needed for the CUDA build)" >&2; return 1; }
         flags+=(-DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_CUDA_FA=ON -DGGML_CUDA_FA_ALL_QUANTS=OFF
                 -DGGML_CUDA_GRAPHS=ON)
-        local toolkit
-        toolkit=$(dirname "$(dirname "$(readlink -f "$(command -v nvcc)")")")
+        local toolkit="" rpath="" candidate
+        for candidate in "${CUDA_HOME:-}" /usr/local/cuda "$(dirname "$(dirname "$(readlink -f "$(command -v nvcc)")")")"; do
+            if [ -n "$candidate" ] && [ -x "$candidate/bin/nvcc" ]; then toolkit=$candidate; break; fi
+        done  # (nvcc on the PATH may be a wrapper script elsewhere)
         if [ ! -f "$toolkit/include/cublas_v2.h" ] && [ ! -f "$toolkit/targets/x86_64-linux/include/cublas_v2.h" ]; then
             # A toolkit without cuBLAS (the device image's): use the nvidia-cublas wheel's, which the
             # python3 with torch has (CUBLAS_ROOT: a directory with include/cublas_v2.h and lib/).
@@ -93,8 +95,8 @@ print(os.path.dirname(os.path.dirname(hits[0])) if hits else "")' 2>/dev/null ||
             local lib="$root/lib"
             flags+=("-DCUDA_cublas_LIBRARY=$(ls "$lib"/libcublas.so* | head -1)"
                     "-DCUDA_cublasLt_LIBRARY=$(ls "$lib"/libcublasLt.so* | head -1)"
-                    "-DCMAKE_CXX_FLAGS=-I$root/include" "-DCMAKE_CUDA_FLAGS=-I$root/include"
-                    "-DCMAKE_EXE_LINKER_FLAGS=-Wl,-rpath,$lib -Wl,-rpath-link,$lib")
+                    "-DCMAKE_CXX_FLAGS=-I$root/include" "-DCMAKE_CUDA_FLAGS=-I$root/include")
+            rpath="-Wl,-rpath,$lib -Wl,-rpath-link,$lib"
             echo "cuBLAS from $root" >&2
         fi
         # llama.cpp links the driver library for its VMM memory pool: the machine's libcuda, else
@@ -108,6 +110,11 @@ print(os.path.dirname(os.path.dirname(hits[0])) if hits else "")' 2>/dev/null ||
             flags+=(-DGGML_CUDA_NO_VMM=ON)
             echo "no libcuda found: building without the VMM pool (GGML_CUDA_NO_VMM)" >&2
         fi
+        # the binary finds the toolkit's runtime (and the wheel's cuBLAS) without LD_LIBRARY_PATH
+        for dir in "$toolkit/lib64" "$toolkit/lib" "$toolkit/targets/x86_64-linux/lib"; do
+            [ -d "$dir" ] && rpath="$rpath -Wl,-rpath,$dir"
+        done
+        flags+=("-DCMAKE_EXE_LINKER_FLAGS=${rpath# }")
     fi
     local generator=()
     command -v ninja >/dev/null && generator=(-G Ninja)
