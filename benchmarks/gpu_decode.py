@@ -10,8 +10,10 @@ prints one JSON line per figure (also appended to ``--out``):
   roofline ms/token of a batch-1 decode step (every weight but the embedding
   table read once);
 * ``prefill``: one ``--prefill-tokens`` step of one fresh sequence, tok/s;
-  ``ttft``: a ``--ttft-tokens`` prompt prefilled in ``--prefill-chunk``
-  chunks, as the engine splits it, seconds to its first sampled token;
+  ``ttft`` (after the decode points): a ``--ttft-tokens`` prompt prefilled in
+  ``--prefill-chunk`` chunks, as the engine splits it, seconds to its first
+  sampled token (a point that fails, e.g. out of memory, prints ``error``
+  and the others go on);
 * ``decode``: at each ``--contexts`` value and batch size, ms per step and
   tok/s, each sequence at that many positions, then ``--wide-batches`` at
   ``--wide-context``. Steps run as the engine runs them: on an asynchronous
@@ -243,7 +245,14 @@ def run_musegl(args, checkpoint, rng, tok_s: dict[tuple[int, int], float]):
     emit(engine="musegl", figure="prefill", tokens=n, s=round(statistics.median(times), 4),
          tok_s=round(n / statistics.median(times), 1))
 
-    # time to the first token of a long prompt, in the engine's chunks
+    for context, b in decode_points(args):
+        try:
+            decode_one(args, executor, rng, context, min(context, limit), b, per_seq(context), blocks, tok_s)
+        except (RuntimeError, MemoryError) as exc:  # one point failing (memory) leaves the others
+            emit(engine="musegl", figure="decode", batch=b, context=context, error=f"{type(exc).__name__}: {exc}"[:300])
+            release_cached()
+
+    # time to the first token of a long prompt, in the engine's chunks (last: the most memory)
     n, chunk = args.ttft_tokens, args.prefill_chunk
     if -(-n // bs) <= blocks:
         prompt = rng.integers(4, c.vocab_size, size=n).tolist()
@@ -255,14 +264,15 @@ def run_musegl(args, checkpoint, rng, tok_s: dict[tuple[int, int], float]):
                 executor.step(Step([SeqChunk(1, prompt[lo:hi], list(range(lo, hi)), table,
                                              sample=1 if hi == n else 0)]))
 
-        times = timed(args, ttft, 2)
-        emit(engine="musegl", figure="ttft", tokens=n, chunk=chunk, s=round(times[-1], 3),
-             tok_s=round(n / times[-1], 1))
+        try:
+            times = timed(args, ttft, 2)
+            emit(engine="musegl", figure="ttft", tokens=n, chunk=chunk, s=round(times[-1], 3),
+                 tok_s=round(n / times[-1], 1))
+        except (RuntimeError, MemoryError) as exc:
+            emit(engine="musegl", figure="ttft", tokens=n, chunk=chunk, error=f"{type(exc).__name__}: {exc}"[:300])
+            release_cached()
     else:
         emit(engine="musegl", figure="ttft", tokens=n, skipped=f"needs {-(-n // bs)} KV blocks, the pool has {blocks}")
-
-    for context, b in decode_points(args):
-        decode_one(args, executor, rng, context, min(context, limit), b, per_seq(context), blocks, tok_s)
     return executor
 
 
@@ -340,6 +350,12 @@ def decode_one(args, executor, rng, context, at, b, per_seq, blocks, tok_s) -> N
          graph=width in executor.limits.step_sizes, pipelined=executor.limits.async_steps,
          ms_per_step=round(ms, 2), tok_s=round(b / ms * 1e3, 1), sync_ms_per_step=round(sync_ms, 2),
          graph_ms=graph_ms, fill=args.fill)
+
+
+def release_cached() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
 
 
 def release_kv(executor) -> None:
