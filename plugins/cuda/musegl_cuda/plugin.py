@@ -213,15 +213,30 @@ def _create(options: ExecutorOptions, default_device: str) -> "TorchExecutor":
 
 
 def kv_layout(options: ExecutorOptions, default_device: str) -> tuple[int, int]:
-    """``(bytes per KV block, block size)`` from the checkpoint's config, no weights read."""
+    """``(bytes per KV block, block size)`` from the checkpoint's config, no weights read.
+    With ``--tensor-parallel-size`` N, what TensorParallelExecutor.kv_bytes_per_block says:
+    a rank's share of a block (its KV heads) on CUDA, where each device holds its own; the
+    N shares together on the CPU, where the ranks share the host's memory."""
     import torch
 
     from musegl_core.engine.kv_sizing import kv_block_bytes
     from musegl_cuda.executor import DEFAULT_BLOCK_SIZE, resolve_dtype
 
-    dtype = resolve_dtype(options.dtype, torch.device(options.device or default_device))
+    device = torch.device(options.device or default_device)
+    dtype = resolve_dtype(options.dtype, device)
     size = torch.empty((), dtype=dtype).element_size()
-    return kv_block_bytes(read_config_only(options.model).config, DEFAULT_BLOCK_SIZE, size), DEFAULT_BLOCK_SIZE
+    config = read_config_only(options.model).config
+    per_block = kv_block_bytes(config, DEFAULT_BLOCK_SIZE, size)
+    ranks = tensor_parallel_size(options)
+    if ranks > 1:
+        from musegl_cuda.parallel.shard import ShardPlan
+
+        try:
+            per_rank = per_block * ShardPlan.of(config, ranks).kv_heads.size // config.num_kv_heads
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        per_block = per_rank * ranks if device.type == "cpu" else per_rank
+    return per_block, DEFAULT_BLOCK_SIZE
 
 
 def create_cuda(options: ExecutorOptions) -> "TorchExecutor":

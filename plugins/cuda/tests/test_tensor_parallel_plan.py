@@ -185,3 +185,16 @@ def test_serve_refuses_a_size_that_does_not_split_the_model_before_spawning(tiny
                                          extra={"tensor_parallel_size": 2}))
     with pytest.raises(ConfigError, match="positive integer"):
         create_torch_cpu(ExecutorOptions(model=str(tiny_hf.path), extra={"tensor_parallel_size": 0}))
+
+
+def test_the_kv_layout_before_loading_is_what_the_ranks_report(tiny_hf):
+    from musegl_core.plugins.specs import ExecutorOptions
+    from musegl_cuda.plugin import kv_layout
+
+    one = kv_layout(ExecutorOptions(model=str(tiny_hf.path)), "cpu")[0]  # 2 KV heads
+    two = ExecutorOptions(model=str(tiny_hf.path), extra={"tensor_parallel_size": 2})
+    four = ExecutorOptions(model=str(tiny_hf.path), extra={"tensor_parallel_size": 4})
+    # each rank one KV head: on the CPU the ranks' shares add up (4 ranks: each KV head twice)
+    assert kv_layout(two, "cpu")[0] == one and kv_layout(four, "cpu")[0] == 2 * one
+    # on CUDA each device holds its own share, in bfloat16 (the CUDA default): a quarter
+    assert kv_layout(two, "cuda")[0] == kv_layout(four, "cuda")[0] == one // 4
