@@ -10,7 +10,10 @@ the ratio to one process. On a CPU the ranks share the cores (each gets
 and the per-step messages cost, not a speed-up; the GPU figures come from
 benchmarks/gpu_decode.py ``--tensor-parallel-size``.
 
-    python benchmarks/tensor_parallel_cpu.py --sizes 2,4 --batches 1,8
+    OMP_NUM_THREADS=1 python benchmarks/tensor_parallel_cpu.py --sizes 2,4 --batches 1,8
+
+(``OMP_NUM_THREADS=1`` on a loaded machine: the one process's idle intra-op threads
+otherwise spin against the load and its figures, not the ranks', measure that.)
 """
 
 from __future__ import annotations
