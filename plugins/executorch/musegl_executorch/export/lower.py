@@ -168,6 +168,20 @@ def _export(module: torch.nn.Module, inputs: tuple, dynamic) -> torch.export.Exp
     return program
 
 
+def vision_shapes(config, max_patches: int):
+    """Example inputs and dynamic shapes of ``vision_encoder``: ``N = 4·M`` patches,
+    ``M`` merged rows in 1 .. max_patches / 4, ``W`` windows in 1 .. the most windows
+    a grid of that many patches has."""
+    from musegl_executorch.export.vision import example_vision_inputs, most_windows
+
+    merged = Dim("merged", min=1, max=max(2, max_patches // 4))
+    n = 4 * merged
+    w = Dim("windows", min=1, max=max(2, most_windows(config.pos_side, max_patches)))
+    side = config.pos_side
+    inputs = example_vision_inputs(config, (2, 2 * side + 2))  # three windows, one of them an edge window
+    return inputs, ({0: n}, {0: n}, {0: n}, {0: n}, {0: n}, {0: w}, {0: w}, {0: n}, {0: merged})
+
+
 def draft_context_keys(config, limits: Limits) -> int:
     """Most context keys one draft block reads: the window when every draft layer slides
     (positions ``P - window .. P - 1``), else every position the pool can hold."""
