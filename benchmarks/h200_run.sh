@@ -100,13 +100,13 @@ build)
     if [ "$SMOKE" = 1 ]; then
         note "\"gpu_tests\": \"skipped (SMOKE)\""
     else
-        timeout 240 python3 -m pytest -m gpu -q -n 0 -p no:cacheprovider plugins/cuda/tests plugins/dflash/tests \
+        timeout 270 python3 -m pytest -m gpu -q -n 0 -p no:cacheprovider plugins/cuda/tests plugins/dflash/tests \
             >"$OUT/gpu_tests.log" 2>&1
         note "\"gpu_tests_rc\": $?, \"summary\": \"$(tail -1 "$OUT/gpu_tests.log" | tr -d '"')\""
     fi
     # served DFlash here, beside the build: both sides of each ratio (DFlash / the same requests
     # without a draft) are measured in this same stage
-    timeout 240 python3 "$here/gpu_decode.py" --phases dflash "${shape[@]}" "${dflash_args[@]}" \
+    timeout 210 python3 "$here/gpu_decode.py" --phases dflash "${shape[@]}" "${dflash_args[@]}" \
         --out "$OUT/gpu_decode.jsonl" 2>"$OUT/gpu_decode_dflash.stderr"
     note "\"gpu_decode_dflash_rc\": $?"
     wait_for gguf 10
