@@ -16,6 +16,8 @@
 # lacks, gguf among them; the trimmed llama.cpp tree: benchmarks/llamacpp_cuda.sh pack).
 # LAYERS (default 26) is the depth of the llama.cpp comparison, the same for both servers (the
 # full 52-layer GGUF is ~53 GB, the disk 64 GiB); gpu_decode runs the full depth.
+# T_TESTS, T_DFLASH, T_EXECUTOR, T_SERVED, T_COMPARE (seconds) cap each part; GPU_TESTS names the test
+# paths of stage 1; SERVE_CONCURRENCY and COMPARE_MAX_TOKENS shrink the served levels and the turns.
 # SMOKE=1 runs the same three stages on the CPU at the tiny shape with small counts (the local
 # check of this script; the GPU tests are skipped; WORK=/tmp/h200 and SITE=/tmp/site unless set).
 set -uo pipefail
@@ -40,9 +42,9 @@ else
     build_flag=(); binary=build-cuda; gguf_shape=(--layers "$LAYERS")
     executor_args=(--contexts 512,8192,32768,131072 --batches 1,8,32,64 --wide-batches 128,256 --wide-context 2048
                    --forward-sizes 1,2,4,8,16,32,64,128,256 --ttft-tokens 32768)
-    served_args=(--ttft-tokens 32768 --serve-concurrency 1,8,32,64 --rows-batch 64)
+    served_args=(--ttft-tokens 32768 --serve-concurrency "${SERVE_CONCURRENCY:-1,8,32,64}" --rows-batch 64)
     dflash_args=(--dflash-batches 1,8,32 --dflash-accept 2,4,8,16 --dflash-max-tokens 256)
-    compare_args=(--conversations 32 --turns 10 --shared-system-tokens 12000 --prompt-tokens 500 --max-tokens 256
+    compare_args=(--conversations 32 --turns 10 --shared-system-tokens 12000 --prompt-tokens 500 --max-tokens "${COMPARE_MAX_TOKENS:-256}"
                   --decode-concurrency 1,32)
 fi
 mkdir -p "$OUT" "$WORK"
@@ -100,13 +102,13 @@ build)
     if [ "$SMOKE" = 1 ]; then
         note "\"gpu_tests\": \"skipped (SMOKE)\""
     else
-        timeout 270 python3 -m pytest -m gpu -q -n 0 -p no:cacheprovider plugins/cuda/tests plugins/dflash/tests \
+        timeout "${T_TESTS:-270}" python3 -m pytest -m gpu -q -n 0 -p no:cacheprovider ${GPU_TESTS:-plugins/cuda/tests plugins/dflash/tests} \
             >"$OUT/gpu_tests.log" 2>&1
         note "\"gpu_tests_rc\": $?, \"summary\": \"$(tail -1 "$OUT/gpu_tests.log" | tr -d '"')\""
     fi
     # served DFlash here, beside the build: both sides of each ratio (DFlash / the same requests
     # without a draft) are measured in this same stage
-    timeout 210 python3 "$here/gpu_decode.py" --phases dflash "${shape[@]}" "${dflash_args[@]}" \
+    timeout "${T_DFLASH:-210}" python3 "$here/gpu_decode.py" --phases dflash "${shape[@]}" "${dflash_args[@]}" \
         --out "$OUT/gpu_decode.jsonl" 2>"$OUT/gpu_decode_dflash.stderr"
     note "\"gpu_decode_dflash_rc\": $?"
     wait_for gguf 10
@@ -116,10 +118,10 @@ build)
 decode)
     wait_for gguf 30
     wait_for llamacpp 90  # (a build still running goes on beside the measurements, at nice 10)
-    timeout 220 python3 "$here/gpu_decode.py" --phases executor "${shape[@]}" "${executor_args[@]}" \
+    timeout "${T_EXECUTOR:-220}" python3 "$here/gpu_decode.py" --phases executor "${shape[@]}" "${executor_args[@]}" \
         --out "$OUT/gpu_decode.jsonl" 2>"$OUT/gpu_decode_executor.stderr"
     note "\"gpu_decode_executor_rc\": $?"
-    timeout 180 python3 "$here/gpu_decode.py" --phases serve,rows "${shape[@]}" "${served_args[@]}" \
+    timeout "${T_SERVED:-180}" python3 "$here/gpu_decode.py" --phases serve,rows "${shape[@]}" "${served_args[@]}" \
         --out "$OUT/gpu_decode.jsonl" 2>"$OUT/gpu_decode_served.stderr"
     note "\"gpu_decode_served_rc\": $?"
     cp "$WORK"/*.log "$OUT/" 2>/dev/null
@@ -132,7 +134,7 @@ compare)
         sides=musegl
         python3 "$here/make_gguf_30b.py" --config-only "${gguf_shape[@]}" --config-out "$WORK/model"
     fi
-    timeout 520 python3 "$here/llamacpp_cuda_compare.py" --llama-server "$server" --gguf "$WORK/model.gguf" \
+    timeout "${T_COMPARE:-520}" python3 "$here/llamacpp_cuda_compare.py" --llama-server "$server" --gguf "$WORK/model.gguf" \
         --model "$WORK/model" --sides "$sides" \
         --chat-template "$WORK/llamacpp/llama.cpp/models/templates/muse-glimmer.jinja" "${compare_args[@]}" \
         --out "$OUT/llamacpp_compare.jsonl" 2>"$OUT/llamacpp_compare.stderr"
