@@ -209,3 +209,11 @@ def test_a_rank_killed_mid_step_fails_the_step_and_every_later_call(tiny_hf):
         assert not any(p.is_alive() for p in ex.ranks)  # the other rank was stopped too
     finally:
         ex.close()
+
+
+def test_a_rank_that_fails_to_load_fails_the_load_and_nothing_more(tiny_hf):
+    failures: list[str] = []
+    started = time.monotonic()
+    with pytest.raises(RankFailure, match="exited with status 1"):
+        TensorParallelExecutor(RankSpec(str(tiny_hf.path), "cpu", 2, weights="bogus"), on_failure=failures.append)
+    assert failures == [] and time.monotonic() - started < 120

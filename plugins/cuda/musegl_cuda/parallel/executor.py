@@ -86,7 +86,7 @@ class TensorParallelExecutor:
         import torch.multiprocessing as tmp
 
         self.spec = spec
-        self.on_failure = on_failure
+        self.on_failure = None  # a rank that dies while loading fails the load (below), nothing more
         self.failure: str | None = None
         self._closing = False
         ctx = tmp.get_context("spawn")
@@ -115,6 +115,7 @@ class TensorParallelExecutor:
         self.block_size = loaded.block_size
         self.loaded = loaded
         self.weight_bytes = loaded.weight_bytes
+        self.on_failure = on_failure
         log.info("tensor parallel: %d ranks on %s (pids %s)", spec.size, spec.device,
                  ", ".join(map(str, loaded.pids)))
 
