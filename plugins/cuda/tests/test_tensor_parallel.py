@@ -217,3 +217,46 @@ def test_a_rank_that_fails_to_load_fails_the_load_and_nothing_more(tiny_hf):
     with pytest.raises(RankFailure, match="exited with status 1"):
         TensorParallelExecutor(RankSpec(str(tiny_hf.path), "cpu", 2, weights="bogus"), on_failure=failures.append)
     assert failures == [] and time.monotonic() - started < 120
+
+
+def pipelined_ids(ex, pipelined: bool, steps: int = 6) -> dict[int, list[int]]:
+    """Two sequences (one greedy, one seeded) decoding ``steps`` steps; ``pipelined``: each step
+    launched before the previous one is read, its chunks following that step's ids."""
+    seeded = SamplingParams(temperature=0.9, top_p=0.95, seed=5)
+    kw = {0: {}, 1: {"sampling": seeded}}
+    ids_, fed = {}, {}
+    for s in (0, 1):
+        tokens = ids(20 + s, 9 + s)
+        out = ex.step(Step([chunk(s, tokens, 0, [s], sample=1, **kw[s])]))
+        ids_[s], fed[s] = list(out.tokens[s]), len(tokens)
+    pending = None
+
+    def collect(out):
+        for s in (0, 1):
+            ids_[s] += out.tokens[s]
+
+    for i in range(steps):
+        follows = pipelined and pending is not None
+        step = Step([chunk(s, [ids_[s][-1]], fed[s] + i, [s], sample=1, follows=follows, **kw[s]) for s in (0, 1)])
+        launched = ex.launch(step)
+        if pipelined:
+            if pending is not None:
+                collect(pending.result())
+            pending = launched
+        else:
+            collect(launched.result())
+    if pending is not None:
+        collect(pending.result())
+    return ids_
+
+
+def test_ranks_of_an_asynchronous_executor_answer_launched_steps_in_order(tiny_hf, single):
+    """--sync-steps off on the ranks (what CUDA does): a rank answers a launched step after it
+    launched the next one; the ids are those of one process stepping synchronously."""
+    ex = TensorParallelExecutor(RankSpec(str(tiny_hf.path), "cpu", 2, async_steps=True))
+    try:
+        assert ex.limits.async_steps
+        ex.allocate_kv(BLOCKS)
+        assert pipelined_ids(ex, pipelined=True) == pipelined_ids(single, pipelined=False)
+    finally:
+        ex.close()

@@ -90,6 +90,15 @@ class StepChannel:
         """The next message for reader ``reader``; None when ``timeout`` seconds pass first."""
         if not _wait(self.ready[reader], alive, timeout):
             return None
+        return self._take()
+
+    def poll(self, reader: int) -> Any:
+        """The next message for reader ``reader`` if one is there, else None (no wait)."""
+        if not self.ready[reader].acquire(block=False):
+            return None
+        return self._take()
+
+    def _take(self) -> Any:
         at = self._offset(self.taken)
         buf = self.buf
         number, length, _, kind = HEADER.unpack_from(buf, at)

@@ -22,6 +22,7 @@ import logging
 import os
 import pickle
 import sys
+import time
 from typing import Any
 
 import attrs
@@ -33,6 +34,8 @@ log = logging.getLogger("musegl.cuda")
 
 #: errors a request's input causes on every rank alike (before any collective): answered, not fatal
 INPUT_ERRORS = (ValueError, KeyError, IndexError, TypeError)
+#: seconds between two looks at the device and the requests while a launched step runs
+IDLE_POLL = 20e-6
 
 
 @attrs.frozen
@@ -103,6 +106,7 @@ class Rank:
         self.parent = parent
         self.control = control  # the gloo group for control (barriers, gathering small objects)
         self.executor = executor
+        self.inflight: tuple[int, Any] | None = None  # (number, pending) of a step launched, not answered
 
     def parent_alive(self) -> bool:
         return os.getppid() == self.parent
@@ -131,25 +135,82 @@ class Rank:
                                   [e[1] for e in every], weights, [e[3] for e in every]))
 
     def serve(self) -> None:
+        """Run the requests in order. On an asynchronous executor (CUDA) a launched step is
+        answered once the next request has been launched or the device is done with it,
+        whichever comes first: the next step is staged while this one runs, as the engine
+        pipelines steps on one GPU."""
         while True:
-            request = self.requests.read(self.rank, self.parent_alive)
+            request = self.next_request()
             if isinstance(request, msg.Shutdown):
+                self.settle()
                 return
-            number = getattr(request, "number", None)
-            try:
-                value = self.handle(request)
-            except INPUT_ERRORS as exc:
-                log.debug("rank %d: request %s failed", self.rank, number, exc_info=True)
-                if number is not None:
-                    self.answer(number, error=exc)
-                continue
-            except Exception as exc:
-                log.exception("rank %d failed; it exits", self.rank)
-                if number is not None:
-                    self.answer(number, error=exc)
-                raise
-            if number is not None:
-                self.answer(number, value)
+            if isinstance(request, msg.RunStep) and self.executor.limits.async_steps:
+                self.launch(request)
+            else:
+                self.run(request)
+
+    def next_request(self) -> Any:
+        if self.inflight is None:
+            return self.requests.read(self.rank, self.parent_alive)
+        while True:
+            request = self.requests.poll(self.rank)
+            if request is not None:
+                return request
+            if self.device_idle():
+                self.settle()
+                return self.requests.read(self.rank, self.parent_alive)
+            if not self.parent_alive():
+                raise PeerGone("the engine's process is gone")
+            time.sleep(IDLE_POLL)
+
+    def device_idle(self) -> bool:
+        import torch
+
+        device = self.executor.device
+        return device.type != "cuda" or torch.cuda.current_stream(device).query()
+
+    def launch(self, request: msg.RunStep) -> None:
+        """Launch the step; then answer the step launched before it."""
+        try:
+            pending = self.executor.launch(msg.unpack_embeddings(request.step))
+        except Exception as exc:
+            self.failed(request.number, exc)
+            return
+        self.settle()
+        self.inflight = (request.number, pending)
+
+    def settle(self) -> None:
+        """Answer the launched step not answered yet, if any."""
+        if self.inflight is None:
+            return
+        (number, pending), self.inflight = self.inflight, None
+        try:
+            value = pending.result()
+        except Exception as exc:
+            self.failed(number, exc)
+            return
+        self.answer(number, value)
+
+    def run(self, request: Any) -> None:
+        number = getattr(request, "number", None)
+        try:
+            value = self.handle(request)
+        except Exception as exc:
+            self.failed(number, exc)
+            return
+        if number is not None:
+            self.answer(number, value)
+
+    def failed(self, number: int | None, exc: Exception) -> None:
+        """Answer ``exc``; an error that is not the input's ends the rank (re-raised)."""
+        if isinstance(exc, INPUT_ERRORS):
+            log.debug("rank %d: request %s failed", self.rank, number, exc_info=True)
+        else:
+            log.error("rank %d failed; it exits", self.rank, exc_info=exc)
+        if number is not None:
+            self.answer(number, error=exc)
+        if not isinstance(exc, INPUT_ERRORS):
+            raise exc
 
     def handle(self, request: Any) -> Any:
         import torch
