@@ -32,7 +32,9 @@ ROOT = Path(__file__).resolve().parents[3]
 CASES = ["greedy0", "greedy1", "seeded0", "seeded1", "short0", "short1", "stop0", "stop1", "batch8", "session0",
          "session1", "session2", "after_cancel", "rewound"]
 
-pytestmark = pytest.mark.slow  # an export and a trained pair: minutes on two cores
+# An export and a trained pair: minutes on two cores, and past the suite's 600 s per test
+# (fixture set-up included) when the machine is shared: a wall-clock bound that fits both.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400)]
 
 
 def trained_pair() -> tuple[Path, Path]:
@@ -56,7 +58,7 @@ def trained_pair() -> tuple[Path, Path]:
 def exported(tmp_path_factory):
     target, draft = trained_pair()
     out = tmp_path_factory.mktemp("et_dflash") / "export"
-    assert main(["export", str(target), "-o", str(out), "--forward-sizes", "1,8", "--max-prefill-chunk", "64",
+    assert main(["export", str(target), "-o", str(out), "--forward-sizes", "8", "--max-prefill-chunk", "64",
                  "--max-cells", "32768", "--dflash", str(draft), "--max-draft-owners", "4"]) == 0
     return out
 
@@ -78,7 +80,7 @@ def runs(exported):
 
 def test_the_manifest_records_the_draft(exported):
     manifest = json.loads((exported / "musegl-export.json").read_text())
-    assert manifest["methods"] == ["forward_1", "forward_8", "forward_others", "draft_context", "draft_block"]
+    assert manifest["methods"] == ["forward_8", "forward_others", "draft_context", "draft_block"]
     assert manifest["outputs"] == ["logits", "new_k", "new_v", "hidden"]
     assert manifest["dflash"]["max_owners"] == 4 and manifest["dflash"]["context_keys"] == 2048  # the window
     assert manifest["dflash"]["config"]["target_layer_ids"] == [0, 1, 2]
