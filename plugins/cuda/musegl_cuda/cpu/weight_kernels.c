@@ -146,8 +146,8 @@ ALWAYS_INLINE __m128 v_sum4(vf a, vf b, vf c, vf d) {
 #define NR 4         /* weight rows of a register tile */
 #ifndef NR_WIDE
 #if VL == 16
-#define NR_WIDE 4
-#define MR_WIDE 4
+#define NR_WIDE 8
+#define MR_WIDE 3
 #else
 #define NR_WIDE 4
 #define MR_WIDE 3
@@ -258,8 +258,7 @@ ALWAYS_INLINE void tile(const int type, const int NRT, const int MRT, const int 
     for (int j = 0; j < NRT; ++j)
         for (int m = 0; m < MRT; ++m) acc[j][m] = v_zero();
     const long bytes = rb / (k / 32);  /* stored bytes per 32 values (Q4_K: an average) */
-#if VL == 8
-    if (type == MW_F32 || type == MW_F16 || type == MW_BF16) {
+    if (VL == 8 ? (type == MW_F32 || type == MW_F16 || type == MW_BF16) : type == MW_F32) {
         /* 16 registers: per VL values, MRT x vectors and one weight vector at a time (the
          * same order per output as below: block by block, VL values by VL values) */
         for (long i = 0; i < k; i += VL) {
@@ -276,7 +275,6 @@ ALWAYS_INLINE void tile(const int type, const int NRT, const int MRT, const int 
         store_sums(NRT, MRT, acc, y, ldy);
         return;
     }
-#endif
     for (long b = 0; b < k / 32; ++b) {
 #if VL == 16
         vf xv[SMALL_M][NV];  /* MRT x NV used: the x block stays in registers for every weight row */
@@ -328,17 +326,41 @@ ALWAYS_INLINE void tile_nr_mr(const int type, const int pf, int mr, const uint8_
     }
 }
 
-/* NR_WIDE scratch rows against up to MR_WIDE activation rows. */
-ALWAYS_INLINE void tile_wide_mr(int mr, const float *w, long ldw, long k, const float *x, long ldx, float *y,
-                                long ldy) {
-    const uint8_t *wb = (const uint8_t *)w;
+/* NR_WIDE scratch rows against MRT activation rows over values [k0, k1) of k: the
+ * accumulators start at zero (k0 == 0) or from acc_mem, where the previous slice left
+ * them, and end in acc_mem or, on the last slice (k1 == k), as the outputs' lane sums.
+ * Each output's vector accumulator sees the same FMAs in the same order as in tile()
+ * (VL values by VL values along k): storing a vector and loading it back changes no bit. */
+ALWAYS_INLINE void tile_wide(const int MRT, const float *w, long ldw, long k0, long k1, long k, const float *x,
+                             long ldx, vf *acc_mem, float *y, long ldy) {
+    vf acc[NR_WIDE][MR_WIDE];
+    for (int j = 0; j < NR_WIDE; ++j)
+        for (int m = 0; m < MRT; ++m) acc[j][m] = k0 == 0 ? v_zero() : acc_mem[j * MR_WIDE + m];
+    for (long i = k0; i < k1; i += VL) {
+        vf xv[MR_WIDE];
+        for (int m = 0; m < MRT; ++m) xv[m] = v_load(x + m * ldx + i);
+        for (int j = 0; j < NR_WIDE; ++j) {
+            const vf wv = v_load(w + j * ldw + i);
+            for (int m = 0; m < MRT; ++m) acc[j][m] = v_fma(wv, xv[m], acc[j][m]);
+        }
+    }
+    if (k1 == k) {
+        store_sums(NR_WIDE, MRT, acc, y, ldy);
+    } else {
+        for (int j = 0; j < NR_WIDE; ++j)
+            for (int m = 0; m < MRT; ++m) acc_mem[j * MR_WIDE + m] = acc[j][m];
+    }
+}
+
+ALWAYS_INLINE void tile_wide_mr(int mr, const float *w, long ldw, long k0, long k1, long k, const float *x, long ldx,
+                                vf *acc_mem, float *y, long ldy) {
     switch (mr) {
-    case 1: tile(MW_F32, NR_WIDE, 1, 0, wb, ldw * 4, k, x, ldx, y, ldy); break;
-    case 2: tile(MW_F32, NR_WIDE, 2, 0, wb, ldw * 4, k, x, ldx, y, ldy); break;
+    case 1: tile_wide(1, w, ldw, k0, k1, k, x, ldx, acc_mem, y, ldy); break;
+    case 2: tile_wide(2, w, ldw, k0, k1, k, x, ldx, acc_mem, y, ldy); break;
 #if MR_WIDE > 3
-    case 3: tile(MW_F32, NR_WIDE, 3, 0, wb, ldw * 4, k, x, ldx, y, ldy); break;
+    case 3: tile_wide(3, w, ldw, k0, k1, k, x, ldx, acc_mem, y, ldy); break;
 #endif
-    default: tile(MW_F32, NR_WIDE, MR_WIDE, 0, wb, ldw * 4, k, x, ldx, y, ldy); break;
+    default: tile_wide(MR_WIDE, w, ldw, k0, k1, k, x, ldx, acc_mem, y, ldy); break;
     }
 }
 
@@ -397,6 +419,9 @@ static void direct_rows(int type, const uint8_t *w, long rb, long k, const float
 #ifndef BLOCK_X_BYTES
 #define BLOCK_X_BYTES (384 * 1024)
 #endif
+#ifndef K_SLICE_BYTES
+#define K_SLICE_BYTES (32 * 1024)
+#endif
 
 static void decode_rows(int type, const uint8_t *w, long rb, long k, int rows, float *out) {
     for (int j = 0; j < rows; ++j)
@@ -423,14 +448,18 @@ static void decode_rows(int type, const uint8_t *w, long rb, long k, int rows, f
 static int wide_rows(int type, const uint8_t *w, long rb, long k, const float *x, long ldx, long m,
                      float *y, long ldy, long begin, long end) {
     const long ldw = PADDED(k);
+    /* k in slices whose NR_WIDE scratch rows fit in L1 (the whole row where it does) */
+    const long kc = NR_WIDE * k * 4 <= K_SLICE_BYTES ? k : K_SLICE_BYTES / (NR_WIDE * 4) / 32 * 32;
     long mb = BLOCK_X_BYTES / (k * 4);
     mb = mb < MR_WIDE ? MR_WIDE : mb / MR_WIDE * MR_WIDE;
     if (mb > m) mb = m;
     float *scratch = aligned_alloc(64, (size_t)(NR_WIDE * ldw * 4 + 63) / 64 * 64);
     float *xb = aligned_alloc(64, (size_t)(mb * ldw * 4 + 63) / 64 * 64);
-    if (!scratch || !xb) {
+    vf *accs = aligned_alloc(64, (size_t)((mb + MR_WIDE - 1) / MR_WIDE * NR_WIDE * MR_WIDE) * sizeof(vf));
+    if (!scratch || !xb || !accs) {
         free(scratch);
         free(xb);
+        free(accs);
         return 0;
     }
     for (long m0 = 0; m0 < m; m0 += mb) {
@@ -440,9 +469,13 @@ static int wide_rows(int type, const uint8_t *w, long rb, long k, const float *x
             int nr = (int)(end - r < NR_WIDE ? end - r : NR_WIDE);
             for (int j = 0; j < nr; ++j) decode_rows(type, w + (r + j) * rb, rb, k, 1, scratch + j * ldw);
             if (nr == NR_WIDE) {
-                for (long m1 = m0; m1 < mend; m1 += MR_WIDE) {
-                    int mr = (int)(mend - m1 < MR_WIDE ? mend - m1 : MR_WIDE);
-                    tile_wide_mr(mr, scratch, ldw, k, xb + (m1 - m0) * ldw, ldw, y + m1 * ldy + r, ldy);
+                for (long k0 = 0; k0 < k; k0 += kc) {
+                    const long k1 = k0 + kc < k ? k0 + kc : k;
+                    for (long m1 = m0; m1 < mend; m1 += MR_WIDE) {
+                        int mr = (int)(mend - m1 < MR_WIDE ? mend - m1 : MR_WIDE);
+                        tile_wide_mr(mr, scratch, ldw, k0, k1, k, xb + (m1 - m0) * ldw, ldw,
+                                     accs + (m1 - m0) / MR_WIDE * (NR_WIDE * MR_WIDE), y + m1 * ldy + r, ldy);
+                    }
                 }
             } else {
                 for (int j = 0; j < nr; ++j)
@@ -456,6 +489,7 @@ static int wide_rows(int type, const uint8_t *w, long rb, long k, const float *x
     }
     free(scratch);
     free(xb);
+    free(accs);
     return 1;
 }
 
