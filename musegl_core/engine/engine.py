@@ -43,11 +43,10 @@ from musegl_core.engine.replay import ReplayLog, ReplayPlan, Replayer
 from musegl_core.engine.request import Phase, PreparedRequest, SequenceState
 from musegl_core.engine.masks import PendingMasks
 from musegl_core.engine.output import push_token
-from musegl_core.engine.scheduler import Scheduler, SchedulerLimits
+from musegl_core.engine.scheduler import ScheduledStep, Scheduler, SchedulerLimits
 from musegl_core.engine.errors import constraint_failure, context_error  # noqa: F401 (importable from here too)
 from musegl_core.engine.sessions import Session, SessionBusy, SessionTable
-from musegl_core.engine.speculator import (DeviceDrafts, DraftRequest, NoSpeculator, Speculator, accept,
-                                           proposes_on_device)
+from musegl_core.engine.speculator import DeviceDrafts, DraftRequest, NoSpeculator, Speculator, proposes_on_device
 from musegl_core.engine.step_book import StepBook
 from musegl_core.engine.stops import StopMatcher
 from musegl_core.engine.throughput import ThroughputLog
@@ -95,8 +94,7 @@ class EngineConfig:
 class InFlight:
     """A step launched on an asynchronous executor, not committed yet."""
 
-    step: Step
-    plan: list[tuple[SequenceState, int]]
+    scheduled: ScheduledStep
     pending: PendingStep
     started: float
 
@@ -158,16 +156,13 @@ class Engine:
         self.end_ids = frozenset(tokenizer.end_of_generation_ids)
         self.replayer = Replayer(tokenizer, self.end_ids)
         self._inbox: queue.Queue = queue.Queue()
-        self._running: dict[str, SequenceState] = {}
-        self.admission = Admission(config, self.sessions, self.replayer, self._running, self._start, self._fail)
+        self.admission = Admission(config, self.sessions, self.replayer, self.scheduler.by_id, self._start,
+                                   self._fail)
         self._queue_seconds: dict[str, float] = {}  # how long each running request waited, until Started
         self.throughput = ThroughputLog(config.throughput_log_interval)
         self._next_handle = 0
         self._stopping = False
         self.steps = 0
-        self.drafted_tokens = 0
-        self.accepted_tokens = 0
-        self.verify_blocks = 0  # decode chunks that carried drafts
         self.step_book = StepBook()
         self.steps_ahead = 0  # steps launched before the previous one was read
         self.discarded_rows = 0  # their rows whose sequence had stopped
@@ -206,13 +201,13 @@ class Engine:
             "kv_blocks_total": self.pool.num_blocks,
             "kv_blocks_used": self.pool.used_blocks,
             "kv_blocks_reserved": self.pool.reserved_blocks,
-            "running": len(self._running),
+            "running": len(self.scheduler.by_id),
             "waiting": len(self.admission.queue),
             "queue_refused": self.admission.queue.refused,
             "steps": self.steps,
-            "drafted_tokens": self.drafted_tokens,
-            "accepted_tokens": self.accepted_tokens,
-            "verify_blocks": self.verify_blocks,
+            "drafted_tokens": self.scheduler.drafted_tokens,
+            "accepted_tokens": self.scheduler.accepted_tokens,
+            "verify_blocks": self.scheduler.verify_blocks,
             "steps_ahead": self.steps_ahead,
             "discarded_rows": self.discarded_rows,
             "mask_seconds": self.scheduler.mask_clock.compute,
@@ -236,7 +231,7 @@ class Engine:
                 self._dispatch()
             if not self.idle:
                 self.step()
-                self.throughput.tick(running=len(self._running), queued=len(self.admission.queue),
+                self.throughput.tick(running=len(self.scheduler.by_id), queued=len(self.admission.queue),
                                      blocks_used=self.pool.used_blocks, blocks_total=self.pool.num_blocks)
         if self.scheduler.mask_workers is not None:
             self.scheduler.mask_workers.close()
@@ -367,12 +362,11 @@ class Engine:
             stops=StopMatcher(request.stop, request.template_stops),
         )
         self._next_handle += 1
-        self._running[request.id] = seq
         self.scheduler.add(seq)
         self.emit(ev.Admitted(seq.id, seq.prompt_len, seq.cached))
 
     def _cancel(self, request_id: str) -> None:
-        seq = self._running.get(request_id)
+        seq = self.scheduler.by_id.get(request_id)
         if seq is not None:
             self._finish(seq, "cancelled", None)
             return
@@ -439,7 +433,7 @@ class Engine:
         """Encode the images of prompts still prefilling, before the step is planned:
         an image the executor cannot encode fails its own request (500) and nothing
         else, and planning never stops halfway through (block copies promised)."""
-        for seq in list(self._running.values()):
+        for seq in list(self.scheduler.running):
             if seq.phase is not Phase.PREFILL or not seq.request.images:
                 continue
             try:
@@ -457,10 +451,10 @@ class Engine:
             return
         self._propose_drafts()
         self._encode_images()
-        planned = self.scheduler.schedule()
-        if planned is None:
+        scheduled = self.scheduler.schedule()
+        if scheduled is None:
             return
-        step, plan, copies = planned
+        step, plan, copies = scheduled
         self._place_device_drafts(step)
         started = self.clock()
         if self._pipelined(plan):
@@ -470,7 +464,7 @@ class Engine:
             except Exception as exc:
                 self._failed(plan, exc)
                 return
-            self._inflight = InFlight(step, plan, pending, started)
+            self._inflight = InFlight(scheduled, pending, started)
             return
         try:
             self._copy_blocks(copies)
@@ -485,7 +479,7 @@ class Engine:
             self._failed(plan, exc)
             return
         self._record(plan, self.clock() - started)
-        self._apply(step, plan, output)
+        self._update(scheduled, output)
 
     # -- asynchronous steps ------------------------------------------------------------
     def _followable(self, seq: SequenceState) -> bool:
@@ -510,24 +504,24 @@ class Engine:
         ahead = self._launch_ahead(current)
         try:
             output = current.pending.result()
-            self._check_output(current.step, output)
+            self._check_output(current.scheduled.step, output)
         except Exception as exc:
             if ahead is not None:  # it followed the failed step's ids: discard it too
                 try:
                     ahead.pending.result()
                 except Exception:
                     pass
-            self._failed(current.plan, exc)
+            self._failed(current.scheduled.plan, exc)
             return
         now = self.clock()
-        self._record(current.plan, now - max(current.started, self._last_result))
+        self._record(current.scheduled.plan, now - max(current.started, self._last_result))
         self._last_result = now
-        self._apply(current.step, current.plan, output)
+        self._update(current.scheduled, output)
         if ahead is None:
             return
         self.steps_ahead += 1
-        self.discarded_rows += sum(seq.phase is Phase.FINISHED for seq, _ in ahead.plan)
-        if any(seq.phase is not Phase.FINISHED for seq, _ in ahead.plan):
+        self.discarded_rows += sum(seq.phase is Phase.FINISHED for seq, _ in ahead.scheduled.plan)
+        if any(seq.phase is not Phase.FINISHED for seq, _ in ahead.scheduled.plan):
             self._inflight = ahead
             return
         try:  # every sequence of the launched step stopped at N: nothing of it is needed
@@ -537,35 +531,24 @@ class Engine:
 
     def _launch_ahead(self, current: "InFlight") -> "InFlight | None":
         running = self.scheduler.running
-        handles = {seq.handle for seq, _ in current.plan}
-        if not running or not self._pipelined(current.plan):
+        handles = {seq.handle for seq, _ in current.scheduled.plan}
+        if not running or not self._pipelined(current.scheduled.plan):
             return None
         for seq in running:
             if (seq.handle not in handles or not self._followable(seq)
                     or len(seq.generated) + 1 >= seq.max_new):  # new, or it will stop at N
                 return None
-        for seq in running:  # the state as if step N's ids had arrived
-            seq.tokens.append(0)
-            seq.computed += 1
-        try:
-            planned = self.scheduler.schedule()
-        finally:
-            for seq in running:
-                seq.tokens.pop()
-                seq.computed -= 1
-        if planned is None:
+        scheduled = self.scheduler.schedule_ahead()
+        if scheduled is None:
             return None
-        step, plan, copies = planned
-        for chunk in step.chunks:
-            chunk.follows = True
         started = self.clock()
         try:
-            self._copy_blocks(copies)
-            pending = self.executor.launch(step)  # type: ignore[attr-defined]
+            self._copy_blocks(scheduled.copies)
+            pending = self.executor.launch(scheduled.step)  # type: ignore[attr-defined]
         except Exception:  # the step is planned again, synchronously, after N
             log.exception("launching a step ahead failed")
             return None
-        return InFlight(step, plan, pending, started)
+        return InFlight(scheduled, pending, started)
 
     # -- committing a step -------------------------------------------------------------
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
@@ -599,57 +582,11 @@ class Engine:
         self.step_book.record(kind, seconds)
         self.prefill_budget.observe(kind[1], kind[2], seconds)
 
-    def _apply(self, step, plan: list[tuple[SequenceState, int]], output) -> None:
-        """Commit a step's output: prefill progress, sampled tokens, accepted drafts."""
-        committed_rows: dict[int, int] = {}
-        for seq, rows in plan:
-            if seq.phase is Phase.FINISHED:  # cancelled, or stopped before a step launched ahead
-                continue
-            sampled = output.tokens.get(seq.handle)
-            if seq.phase is Phase.PREFILL:
-                seq.computed += rows
-                self.throughput.prompt += rows
-                committed_rows[seq.handle] = rows
-                if not sampled:
-                    continue  # a prefill chunk that did not reach the end of the prompt
-                seq.phase = Phase.DECODE
-                self._prefilled(seq)
-                logprobs = output.logprobs.get(seq.handle) or [None]
-                self._on_token(seq, sampled[-1], logprobs[-1])
-                continue
-            drafts, seq.drafts = seq.drafts, []
-            if seq.handle in output.accepted:  # drafts on the device: the executor compared them
-                committed = list(sampled[:output.accepted[seq.handle] + 1])
-            else:
-                committed = accept(drafts, sampled) if drafts else list(sampled[-1:])
-            self.drafted_tokens += len(drafts)
-            self.accepted_tokens += len(committed) - 1
-            self.verify_blocks += bool(drafts)
-            seq.drafted += len(drafts)
-            seq.accepted += len(committed) - 1
-            committed_rows[seq.handle] = self._commit(seq, committed, output.logprobs.get(seq.handle, []))
-            if seq.phase is not Phase.FINISHED and drafts:
-                self._trim_blocks(seq)
-        self.speculator.observe(step, output, committed_rows)
-
-    def _commit(self, seq: SequenceState, tokens: list[int], logprobs: list[TokenLogprobs]) -> int:
-        """Feed a decode step's committed tokens one by one: each makes the row that
-        preceded it (the pending token, then each accepted draft) part of the cache.
-        Stops at the token that ends the sequence. Returns the rows kept."""
-        kept = 0
-        for i, token in enumerate(tokens):
-            if seq.phase is Phase.FINISHED:
-                break
-            seq.computed += 1
-            kept += 1
-            self._on_token(seq, token, logprobs[i] if i < len(logprobs) else None)
-        return kept
-
-    def _trim_blocks(self, seq: SequenceState) -> None:
-        """Give back blocks that only held rejected draft rows."""
-        keep = self.pool.blocks_for(seq.computed + 1)
-        if len(seq.blocks) > keep:
-            seq.session.slot.truncate(keep)
+    def _update(self, scheduled: ScheduledStep, output) -> None:
+        """The scheduler commits the step (:meth:`Scheduler.update`); the speculator sees what was kept."""
+        update = self.scheduler.update(scheduled, output, self._prefilled, self._on_token)
+        self.throughput.prompt += update.prompt_rows
+        self.speculator.observe(scheduled.step, output, update.committed_rows)
 
     def _prefilled(self, seq: SequenceState) -> None:
         session = seq.session
@@ -683,7 +620,6 @@ class Engine:
         self.scheduler.remove(seq)
         self.executor.release_sequence(seq.handle)
         self.speculator.release_sequence(seq.handle)
-        self._running.pop(seq.id, None)
         session = seq.session
         # Positions with K/V in the cache: the prompt and every generated token but the last.
         session.tokens = seq.keys[: seq.computed]

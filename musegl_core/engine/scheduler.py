@@ -20,21 +20,29 @@ row: the position-keyed random number, the processors' masks (computed by
 :class:`~musegl_core.engine.masks.MaskWorkers` while the forward runs, or
 inline with ``mask_threads=0``), the penalty history, and the embedding rows
 of images the chunk covers.
+
+The scheduler owns the running sequences (:meth:`Scheduler.add`,
+:meth:`Scheduler.remove`, ``by_id``) and hears what each step did: the engine
+plans with :meth:`Scheduler.schedule`, has the executor run the step, and hands
+the output back to :meth:`Scheduler.update`, which commits it (prefill
+progress, the sampled ids the drafts agree with, blocks that held only
+rejected drafts) and passes every committed id to the engine's output pipeline.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import attrs
 
-from musegl_core.engine.executor import EmbeddingSpan, ExecutorLimits, SeqChunk, Step
+from musegl_core.engine.executor import EmbeddingSpan, ExecutorLimits, SeqChunk, Step, StepOutput, TokenLogprobs
 from musegl_core.engine.kv_pool import KVPool
 from musegl_core.engine.masks import MaskClock, MaskWorkers
 from musegl_core.engine.prefill_budget import PrefillBudget
 from musegl_core.engine.randomness import uniform
 from musegl_core.engine.request import Phase, SequenceState
+from musegl_core.engine.speculator import accept
 
 
 @attrs.frozen
@@ -52,6 +60,27 @@ class SchedulerLimits:
 #: ``embed(seq, placed_image_index)`` returns the image's embedding rows (computed once per request).
 EmbedFn = Callable[[SequenceState, int], Any]
 
+#: ``on_token(seq, token, logprobs)``: one committed id, through stops, detokenization and the end
+TokenFn = Callable[[SequenceState, int, "TokenLogprobs | None"], None]
+
+
+class ScheduledStep(NamedTuple):
+    """A planned forward: the executor's step, the (sequence, rows) it carries, and
+    the (src, dst) block copies to make before it runs."""
+
+    step: Step
+    plan: list[tuple[SequenceState, int]]
+    copies: list[tuple[int, int]]
+
+
+@attrs.frozen
+class StepUpdate:
+    """What :meth:`Scheduler.update` committed of a step."""
+
+    #: rows per sequence handle that are now part of the cache (what the speculator observes)
+    committed_rows: dict[int, int]
+    prompt_rows: int  # prompt positions prefilled
+
 
 class Scheduler:
     def __init__(self, pool: KVPool, limits: SchedulerLimits, embed: EmbedFn | None = None,
@@ -63,6 +92,11 @@ class Scheduler:
         self.embed = embed
         self.taps = taps
         self.running: list[SequenceState] = []
+        #: the running sequences by request id (the same sequences as ``running``)
+        self.by_id: dict[str, SequenceState] = {}
+        self.drafted_tokens = 0  # drafts the committed steps carried, and how many of them were accepted
+        self.accepted_tokens = 0
+        self.verify_blocks = 0  # decode chunks that carried drafts
         self.mask_clock = MaskClock()
         #: grammar masks computed while the forward runs (None: inline, here)
         self.mask_workers = MaskWorkers(mask_threads, self.mask_clock) if mask_threads > 0 else None
@@ -70,11 +104,14 @@ class Scheduler:
     # -- membership ------------------------------------------------------------------
     def add(self, seq: SequenceState) -> None:
         self.running.append(seq)
+        self.by_id[seq.id] = seq
 
     def remove(self, seq: SequenceState) -> None:
         """Take ``seq`` out of the batch (its blocks belong to its session)."""
         if seq in self.running:
             self.running.remove(seq)
+        if self.by_id.get(seq.id) is seq:
+            del self.by_id[seq.id]
 
     @property
     def idle(self) -> bool:
@@ -162,7 +199,7 @@ class Scheduler:
                 combined = mask if combined is None else combined & mask
         return combined
 
-    def schedule(self) -> tuple[Step, list[tuple[SequenceState, int]], list[tuple[int, int]]] | None:
+    def schedule(self) -> ScheduledStep | None:
         """Plan the next forward: the step, (sequence, rows) pairs, and the
         (src, dst) block copies to make before it runs."""
         limits = self.limits
@@ -202,4 +239,85 @@ class Scheduler:
         step = Step(chunks=chunks, taps=self.taps)
         if limits.step_sizes and step.decode_only:
             step.width = limits.executor.padded_width(step.num_tokens)
-        return step, plan, copies
+        return ScheduledStep(step, plan, copies)
+
+    def schedule_ahead(self) -> ScheduledStep | None:
+        """Plan step N+1 while step N is in flight: as if N's sampled id had arrived
+        for every running sequence (every one decodes in N). Its chunks follow N's
+        ids on the device (``SeqChunk.follows``)."""
+        running = list(self.running)
+        for seq in running:
+            seq.tokens.append(0)
+            seq.computed += 1
+        try:
+            planned = self.schedule()
+        finally:
+            for seq in running:
+                seq.tokens.pop()
+                seq.computed -= 1
+        if planned is None:
+            return None
+        for chunk in planned.step.chunks:
+            chunk.follows = True
+        return planned
+
+    # -- committing a step -----------------------------------------------------------
+    def update(self, scheduled: ScheduledStep, output: StepOutput,
+               on_prefilled: Callable[[SequenceState], None], on_token: TokenFn) -> StepUpdate:
+        """Commit a step's output: prefill progress, then the sampled ids the drafts
+        agree with (all of them without drafts; ``StepOutput.accepted`` when the
+        executor compared drafts on the device), fed one by one to ``on_token``
+        exactly as if they had been decoded one per step; ``on_prefilled(seq)``
+        when a prompt is done, before its first id. A sequence that ends (or was
+        cancelled, or stopped before a step launched ahead) takes nothing more."""
+        committed_rows: dict[int, int] = {}
+        prompt_rows = 0
+        for seq, rows in scheduled.plan:
+            if seq.phase is Phase.FINISHED:
+                continue
+            sampled = output.tokens.get(seq.handle)
+            if seq.phase is Phase.PREFILL:
+                seq.computed += rows
+                prompt_rows += rows
+                committed_rows[seq.handle] = rows
+                if not sampled:
+                    continue  # a prefill chunk that did not reach the end of the prompt
+                seq.phase = Phase.DECODE
+                on_prefilled(seq)
+                logprobs = output.logprobs.get(seq.handle) or [None]
+                on_token(seq, sampled[-1], logprobs[-1])
+                continue
+            drafts, seq.drafts = seq.drafts, []
+            if seq.handle in output.accepted:  # drafts on the device: the executor compared them
+                committed = list(sampled[:output.accepted[seq.handle] + 1])
+            else:
+                committed = accept(drafts, sampled) if drafts else list(sampled[-1:])
+            self.drafted_tokens += len(drafts)
+            self.accepted_tokens += len(committed) - 1
+            self.verify_blocks += bool(drafts)
+            seq.drafted += len(drafts)
+            seq.accepted += len(committed) - 1
+            committed_rows[seq.handle] = self._commit(seq, committed, output.logprobs.get(seq.handle, []), on_token)
+            if seq.phase is not Phase.FINISHED and drafts:
+                self._trim_blocks(seq)
+        return StepUpdate(committed_rows, prompt_rows)
+
+    @staticmethod
+    def _commit(seq: SequenceState, tokens: list[int], logprobs: list[TokenLogprobs], on_token: TokenFn) -> int:
+        """Feed a decode step's committed tokens one by one: each makes the row that
+        preceded it (the pending token, then each accepted draft) part of the cache.
+        Stops at the token that ends the sequence. Returns the rows kept."""
+        kept = 0
+        for i, token in enumerate(tokens):
+            if seq.phase is Phase.FINISHED:
+                break
+            seq.computed += 1
+            kept += 1
+            on_token(seq, token, logprobs[i] if i < len(logprobs) else None)
+        return kept
+
+    def _trim_blocks(self, seq: SequenceState) -> None:
+        """Give back blocks that only held rejected draft rows."""
+        keep = self.pool.blocks_for(seq.computed + 1)
+        if len(seq.blocks) > keep:
+            seq.session.slot.truncate(keep)
