@@ -83,3 +83,18 @@ def test_dflash_given_to_an_export_is_checked_before_loading(tiny_hf, tmp_path, 
                 "misfit": "the draft reads target layers [0, 9] but the target has 6 layers",
                 "n-draft": "--dflash-n-draft must be between 1 and 7"}[case]
     assert err.count("\n") == 1 and expected in err, err
+
+
+def test_export_refuses_a_draft_that_does_not_fit_the_target(tiny_gguf, tmp_path, capsys):
+    """``musegl export --dflash``: the serve-time checks, before anything is traced."""
+    from transformers import MuseGlimmerAssistantConfig, MuseGlimmerAssistantModel
+
+    config = MuseGlimmerAssistantConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=1,
+                                        num_attention_heads=4, num_key_value_heads=2, head_dim=16, block_size=4,
+                                        mask_token_id=500, target_layer_ids=[0, 7])
+    MuseGlimmerAssistantModel(config).save_pretrained(tmp_path / "draft")
+    capsys.readouterr()
+    assert main(["export", str(tiny_gguf), "-o", str(tmp_path / "out"), "--dflash", str(tmp_path / "draft")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "reads target layers [0, 7] but the target has 6 layers" in err, err
+    assert not (tmp_path / "out").exists()
