@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from musegl_cuda.cpu import fixed_blocks, native
-from musegl_cuda.cpu.stored_matrix import DenseMatrix, StoredMatrix, stored_matrix
+from musegl_cuda.cpu.stored_matrix import DenseMatrix, HalfRows, StoredMatrix, stored_matrix
 from stored_weights_support import stored_weight
 
 DTYPES = ["f32", "f16", "bf16", "q8_0", "q4_0", "q4_k"]
@@ -96,6 +96,28 @@ def test_float32_fallback_rows_ignore_their_batch():
     assert_rows_ignore_their_batch(matrix.matmul, x)
     with fixed_blocks.torch_threads(1):
         assert torch.equal(matrix.matmul(x), torch.cat([matrix.matmul(x[i:i + 1]) for i in range(70)]))
+
+
+def test_float32_fallback_prompt_rows_and_sampled_rows_each_ignore_their_batch():
+    """The fallback runs sampled rows as one-row products and prompt rows nobody samples
+    (``HalfRows.half``) in 16-row blocks: a sampled row gets the same bits whatever rows
+    share its step, and so does a prompt row, however its prompt is cut into chunks."""
+    rng = np.random.default_rng(5)
+    w = torch.from_numpy(rng.standard_normal((300, 96)).astype(np.float32))
+    matrix = DenseMatrix(w, "f16")
+    x = torch.randn(40, 96, generator=torch.Generator().manual_seed(6))
+    sampled = [i % 9 == 4 for i in range(40)]
+    mixed = matrix.matmul(x, HalfRows.of(sampled))
+    assert_float32_accuracy(mixed, x, w)
+    prompt_rows = fixed_blocks.fixed_block_linear(x, w)
+    for i, flag in enumerate(sampled):
+        if flag:  # a sampled row: its decode-step product alone
+            assert torch.equal(mixed[i:i + 1], matrix.matmul(x[i:i + 1]))
+        else:  # a prompt row: the same in a chunk of other rows, or alone in its chunk
+            assert torch.equal(mixed[i:i + 1], prompt_rows[i:i + 1])
+            alone = matrix.matmul(x[i:i + 1].repeat(2, 1), HalfRows.of([False, True]))
+            assert torch.equal(alone[0:1], mixed[i:i + 1])
+    assert_rows_ignore_their_batch(matrix.matmul, x)
 
 
 def test_default_is_the_best_path_the_cpu_has():

@@ -26,7 +26,7 @@ import torch
 
 from musegl_core.checkpoint.stored import StoredTensor
 from musegl_cuda.cpu import native
-from musegl_cuda.cpu.fixed_blocks import fixed_block_linear
+from musegl_cuda.cpu.fixed_blocks import fixed_block_linear, single_row_linear
 
 log = logging.getLogger("musegl.cuda")
 
@@ -53,9 +53,11 @@ class HalfRows:
 
     @classmethod
     def of(cls, sampled: list[bool]) -> "HalfRows | None":
-        """From each packed row's "is sampled" flag; None when no row may use float16
-        or :data:`HALF_GEMM` is off."""
-        if not HALF_GEMM or all(sampled):
+        """From each packed row's "is sampled" flag; None when every row is sampled.
+        (Whether float16 arithmetic applies is :attr:`StoredMatrix.half_capable`'s
+        business, :data:`HALF_GEMM` included; the float32 fallback runs the two kinds
+        of rows in different fixed shapes, :class:`DenseMatrix`.)"""
+        if all(sampled):
             return None
         flags = torch.tensor(sampled, dtype=torch.bool)
         return cls(torch.nonzero(~flags).flatten(), torch.nonzero(flags).flatten())
@@ -203,8 +205,18 @@ class DenseMatrix:
         return self.weight.numel() * 4
 
     def matmul(self, x: torch.Tensor, half: HalfRows | None = None) -> torch.Tensor:
-        """``x @ W^T`` in float32 (``half`` does not apply to float32 weights)."""
-        return fixed_block_linear(x, self.weight)
+        """``x @ W^T`` in float32. Sampled rows (all of them when ``half`` is None: decode
+        rows, a prompt's last row) run as one-row products, the rows ``half`` names
+        (prompt rows nobody samples) in fixed 16-row blocks; each way a row's result
+        does not depend on the other rows (see :mod:`~musegl_cuda.cpu.fixed_blocks`)."""
+        if half is None:
+            return single_row_linear(x, self.weight)
+        if not half.exact.numel():
+            return fixed_block_linear(x, self.weight)
+        y = fixed_block_linear(x.index_select(0, half.half), self.weight)
+        out = torch.empty(x.shape[0], self.rows, dtype=torch.float32)
+        out.index_copy_(0, half.half, y)
+        return out.index_copy_(0, half.exact, single_row_linear(x.index_select(0, half.exact), self.weight))
 
     def dequantize(self, rows: torch.Tensor | None = None) -> torch.Tensor:
         return self.weight.clone() if rows is None else self.weight[rows]
