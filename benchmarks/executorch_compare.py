@@ -130,7 +130,8 @@ def main() -> int:
     p.add_argument("--layers", type=int, default=None, help="override the preset's layer count")
     p.add_argument("--native-context", type=int, default=4096, help="the checkpoint's max_position_embeddings")
     p.add_argument("--forward-sizes", default="1,8")
-    p.add_argument("--max-prefill-chunk", type=int, default=64)
+    p.add_argument("--max-prefill-chunk", type=int, default=512,
+                   help="as musegl export's default; the image prefill is one call up to this many rows")
     p.add_argument("--max-cells", type=int, default=4096)
     p.add_argument("--activation-dtype", default="float32", choices=("float32", "float16", "bfloat16"))
     p.add_argument("--quantize", default="none", choices=tuple(QUANTIZATIONS))
