@@ -1,4 +1,4 @@
-"""The engine loop: admits prepared requests, runs executor steps, emits events.
+"""The engine: admits prepared requests, runs their steps, emits events.
 
 One engine thread owns the executor. Other threads talk to it only through
 :meth:`Engine.submit` and :meth:`Engine.cancel`, which enqueue commands
@@ -12,12 +12,15 @@ same named session run one after another; the next one reuses the KV of the
 longest common prefix of its prompt with the session's transcript (or with a
 snapshot), always executing at least one fresh prompt position.
 
-A step commits 0..k+1 tokens per sequence: a decoding sequence may carry
-draft tokens from a speculator (:mod:`musegl_core.engine.speculator`); the
-engine keeps the sampled tokens the drafts agree with, rolls its length back
-past the rest, and feeds the committed tokens one by one through stops,
-``max_tokens``, detokenization and session bookkeeping, exactly as if they
-had been decoded one per step.
+Steps run in :class:`~musegl_core.engine.loop.StepLoop`: the scheduler plans
+one, the executor runs it, and :meth:`Scheduler.update
+<musegl_core.engine.scheduler.Scheduler.update>` commits it. A step commits
+0..k+1 tokens per sequence: a decoding sequence may carry draft tokens from a
+speculator (:mod:`musegl_core.engine.speculator`); the scheduler keeps the
+sampled tokens the drafts agree with, rolls the length back past the rest,
+and hands the committed tokens one by one to this engine (``_on_token``:
+stops, ``max_tokens``, detokenization; ``_finish``: session bookkeeping),
+exactly as if they had been decoded one per step.
 """
 
 from __future__ import annotations
@@ -33,20 +36,20 @@ from musegl_core.engine import commands, errors
 from musegl_core.engine import events as ev
 from musegl_core.engine.admission import Admission
 from musegl_core.engine.detokenize import IncrementalDetokenizer, hidden_ids
-from musegl_core.engine.executor import Executor, ExecutorLimits, PendingStep, Step, TokenLogprobs
+from musegl_core.engine.executor import Executor, ExecutorLimits, TokenLogprobs
 from musegl_core.engine.identity import prompt_keys, split_keys
 from musegl_core.engine.kv_pool import KVPool
 from musegl_core.engine.kv_sizing import plan_pool
 from musegl_core.engine.prefill_budget import PrefillBudget
 from musegl_core.engine.randomness import random_seed
 from musegl_core.engine.replay import ReplayLog, ReplayPlan, Replayer
+from musegl_core.engine.loop import StepLoop
 from musegl_core.engine.request import Phase, PreparedRequest, SequenceState
-from musegl_core.engine.masks import PendingMasks
 from musegl_core.engine.output import push_token
-from musegl_core.engine.scheduler import ScheduledStep, Scheduler, SchedulerLimits
+from musegl_core.engine.scheduler import Scheduler, SchedulerLimits
 from musegl_core.engine.errors import constraint_failure, context_error  # noqa: F401 (importable from here too)
 from musegl_core.engine.sessions import Session, SessionBusy, SessionTable
-from musegl_core.engine.speculator import DeviceDrafts, DraftRequest, NoSpeculator, Speculator, proposes_on_device
+from musegl_core.engine.speculator import NoSpeculator, Speculator
 from musegl_core.engine.step_book import StepBook
 from musegl_core.engine.stops import StopMatcher
 from musegl_core.engine.throughput import ThroughputLog
@@ -88,15 +91,6 @@ class EngineConfig:
             max_context=self.max_context,
             snapshots=self.prefix_cache_entries,
         )
-
-
-@attrs.define
-class InFlight:
-    """A step launched on an asynchronous executor, not committed yet."""
-
-    scheduled: ScheduledStep
-    pending: PendingStep
-    started: float
 
 
 def grammar_threads(configured: int | None, limits: ExecutorLimits) -> int:
@@ -162,16 +156,10 @@ class Engine:
         self.throughput = ThroughputLog(config.throughput_log_interval)
         self._next_handle = 0
         self._stopping = False
-        self.steps = 0
         self.step_book = StepBook()
-        self.steps_ahead = 0  # steps launched before the previous one was read
-        self.discarded_rows = 0  # their rows whose sequence had stopped
-        self._async = limits.async_steps
-        # drafts may stay on the device: the speculator leaves them there, the executor reads them
-        self._device_drafts = limits.device_drafts and proposes_on_device(self.speculator)
-        self._on_device: DeviceDrafts | None = None  # this step's drafts, while they are on the device
-        self._inflight: InFlight | None = None  # a launched step not committed yet
-        self._last_result = 0.0  # when the last launched step's result arrived
+        self.loop = StepLoop(executor, self.speculator, self.scheduler, config.max_context, clock, self.step_book,
+                             self.prefill_budget, self.throughput, embed=self._embedding,
+                             on_prefilled=self._prefilled, on_token=self._on_token, fail=self._end_failed)
 
     # -- thread-safe commands ---------------------------------------------------------
     def submit(self, request: PreparedRequest) -> None:
@@ -204,12 +192,12 @@ class Engine:
             "running": len(self.scheduler.by_id),
             "waiting": len(self.admission.queue),
             "queue_refused": self.admission.queue.refused,
-            "steps": self.steps,
+            "steps": self.loop.steps,
             "drafted_tokens": self.scheduler.drafted_tokens,
             "accepted_tokens": self.scheduler.accepted_tokens,
             "verify_blocks": self.scheduler.verify_blocks,
-            "steps_ahead": self.steps_ahead,
-            "discarded_rows": self.discarded_rows,
+            "steps_ahead": self.loop.steps_ahead,
+            "discarded_rows": self.loop.discarded_rows,
             "mask_seconds": self.scheduler.mask_clock.compute,
             "mask_blocked_seconds": self.scheduler.mask_clock.blocked,
             **self.step_book.stats(),
@@ -220,7 +208,7 @@ class Engine:
     @property
     def idle(self) -> bool:
         """Nothing to run and no launched step left to commit."""
-        return self.scheduler.idle and self._inflight is None
+        return self.scheduler.idle and self.loop.inflight is None
 
     def run_forever(self) -> None:
         while not self._stopping:
@@ -379,215 +367,16 @@ class Engine:
             rows = seq.embeddings[index] = self.executor.embed_image(seq.request.images[index].image)
         return rows
 
-    # -- one forward -----------------------------------------------------------------
-    def _propose_drafts(self) -> None:
-        """Ask the speculator for drafts for the sequences the next step decodes."""
-        self._on_device = None  # drafts of a step that was never planned are not this step's
-        if not self.speculator.max_draft:
-            return
-        requests = []
-        for seq in self.scheduler.decoders():
-            room = min(
-                self.speculator.max_draft,
-                seq.max_new - len(seq.generated) - 1,  # the block commits up to drafts + 1 tokens
-                self.config.max_context - len(seq.tokens),  # the last draft sits at position len(tokens)
-            )
-            seq.drafts = []
-            if room > 0:
-                requests.append(DraftRequest(seq.handle, tuple(seq.tokens), tuple(seq.blocks), room))
-        if not requests:
-            return
-        by_handle = {r.seq: r for r in requests}
-        if self._device_drafts and all(self._host_free(seq) for seq in self.scheduler.decoders()
-                                       if seq.handle in by_handle):
-            found = self.speculator.propose_on_device(requests)  # type: ignore[attr-defined]
-            self._on_device = found
-            proposed = {seq: [0] * count for seq, count in found.counts.items()}  # placeholders
-        else:
-            proposed = self.speculator.propose(requests)
-        for seq in self.scheduler.decoders():
-            request = by_handle.get(seq.handle)
-            if request is not None:
-                seq.drafts = list(proposed.get(seq.handle, ()))[: request.max_draft]
-
-    @staticmethod
-    def _host_free(seq: SequenceState) -> bool:
-        """Nothing the host computes for the verify rows depends on the drafts' values
-        (grammar masks and penalties do), so they can stay on the device."""
-        request = seq.request
-        generated = len(seq.generated)
-        masked = any(not (hasattr(p, "idle") and p.idle(generated)) for p in request.processors)
-        return not masked and not request.sampling.penalized
-
-    def _place_device_drafts(self, step: Step) -> None:
-        """Point every verify chunk of ``step`` at its row of the drafts on the device."""
-        found, self._on_device = self._on_device, None
-        if found is None:
-            return
-        step.drafts = found.ids
-        for chunk in step.chunks:
-            if chunk.seq in found.rows and len(chunk.tokens) > 1:
-                chunk.draft_row = found.rows[chunk.seq]
-
-    def _encode_images(self) -> None:
-        """Encode the images of prompts still prefilling, before the step is planned:
-        an image the executor cannot encode fails its own request (500) and nothing
-        else, and planning never stops halfway through (block copies promised)."""
-        for seq in list(self.scheduler.running):
-            if seq.phase is not Phase.PREFILL or not seq.request.images:
-                continue
-            try:
-                for index, placed in enumerate(seq.request.images):
-                    if placed.start + placed.image.rows > seq.computed:  # rows a cached prefix does not cover
-                        self._embedding(seq, index)
-            except Exception as exc:
-                log.exception("image encoding failed")
-                self._finish(seq, None, None)
-                self._fail(seq.id, errors.image_encoding_failed(exc))
-
+    # -- one forward (engine/loop.py): schedule, run, update -----------------------------
     def step(self) -> None:
-        if self._inflight is not None:  # a launched step: launch the next one, then commit it
-            self._step_ahead()
-            return
-        self._propose_drafts()
-        self._encode_images()
-        scheduled = self.scheduler.schedule()
-        if scheduled is None:
-            return
-        step, plan, copies = scheduled
-        self._place_device_drafts(step)
-        started = self.clock()
-        if self._pipelined(plan):
-            try:
-                self._copy_blocks(copies)
-                pending = self.executor.launch(step)  # type: ignore[attr-defined]
-            except Exception as exc:
-                self._failed(plan, exc)
-                return
-            self._inflight = InFlight(scheduled, pending, started)
-            return
-        try:
-            self._copy_blocks(copies)
-            try:
-                output = self.executor.step(step)
-            finally:  # no mask computation of this step outlives it
-                for chunk in step.chunks:
-                    if isinstance(chunk.masks, PendingMasks):
-                        chunk.masks.wait()
-            self._check_output(step, output)
-        except Exception as exc:  # an executor failure fails this batch, not the worker
-            self._failed(plan, exc)
-            return
-        self._record(plan, self.clock() - started)
-        self._update(scheduled, output)
+        self.loop.step()
 
-    # -- asynchronous steps ------------------------------------------------------------
-    def _followable(self, seq: SequenceState) -> bool:
-        """A decoding sequence whose next row needs nothing the host computes from its
-        previous token (grammar masks, penalty history, drafts)."""
-        request = seq.request
-        generated = len(seq.generated)
-        masked = any(not (hasattr(p, "idle") and p.idle(generated)) for p in request.processors)
-        return seq.phase is Phase.DECODE and not seq.drafts and not masked and not request.sampling.penalized
+    @property
+    def steps(self) -> int:
+        """Steps committed so far."""
+        return self.loop.steps
 
-    def _pipelined(self, plan: list[tuple[SequenceState, int]]) -> bool:
-        """Launch this step without waiting for it: an asynchronous executor, no
-        speculator, and every row a one-row decode of a followable sequence."""
-        return (self._async and not self.speculator.max_draft
-                and all(rows == 1 and self._followable(seq) for seq, rows in plan))
-
-    def _step_ahead(self) -> None:
-        """Step N is in flight: launch step N+1 (its rows following N's ids) when
-        every running sequence decodes in N and needs another token, then wait
-        for N and commit it. N+1 stays in flight."""
-        current, self._inflight = self._inflight, None
-        ahead = self._launch_ahead(current)
-        try:
-            output = current.pending.result()
-            self._check_output(current.scheduled.step, output)
-        except Exception as exc:
-            if ahead is not None:  # it followed the failed step's ids: discard it too
-                try:
-                    ahead.pending.result()
-                except Exception:
-                    pass
-            self._failed(current.scheduled.plan, exc)
-            return
-        now = self.clock()
-        self._record(current.scheduled.plan, now - max(current.started, self._last_result))
-        self._last_result = now
-        self._update(current.scheduled, output)
-        if ahead is None:
-            return
-        self.steps_ahead += 1
-        self.discarded_rows += sum(seq.phase is Phase.FINISHED for seq, _ in ahead.scheduled.plan)
-        if any(seq.phase is not Phase.FINISHED for seq, _ in ahead.scheduled.plan):
-            self._inflight = ahead
-            return
-        try:  # every sequence of the launched step stopped at N: nothing of it is needed
-            ahead.pending.result()
-        except Exception:
-            log.exception("a discarded step failed")
-
-    def _launch_ahead(self, current: "InFlight") -> "InFlight | None":
-        running = self.scheduler.running
-        handles = {seq.handle for seq, _ in current.scheduled.plan}
-        if not running or not self._pipelined(current.scheduled.plan):
-            return None
-        for seq in running:
-            if (seq.handle not in handles or not self._followable(seq)
-                    or len(seq.generated) + 1 >= seq.max_new):  # new, or it will stop at N
-                return None
-        scheduled = self.scheduler.schedule_ahead()
-        if scheduled is None:
-            return None
-        started = self.clock()
-        try:
-            self._copy_blocks(scheduled.copies)
-            pending = self.executor.launch(scheduled.step)  # type: ignore[attr-defined]
-        except Exception:  # the step is planned again, synchronously, after N
-            log.exception("launching a step ahead failed")
-            return None
-        return InFlight(scheduled, pending, started)
-
-    # -- committing a step -------------------------------------------------------------
-    def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
-        if copies:
-            self.executor.copy_blocks(copies)
-            self.speculator.copy_blocks(copies)
-
-    @staticmethod
-    def _check_output(step, output) -> None:
-        for chunk in step.chunks:
-            got = len(output.tokens.get(chunk.seq, ()))
-            if got != chunk.sample:
-                raise RuntimeError(f"the executor returned {got} sampled ids for sequence {chunk.seq}, "
-                                   f"expected {chunk.sample}")
-            if chunk.draft_row >= 0 and not 0 <= output.accepted.get(chunk.seq, -1) < len(chunk.tokens):
-                raise RuntimeError(f"the executor returned no accepted count for the device drafts of sequence "
-                                   f"{chunk.seq}")
-
-    def _failed(self, plan: list[tuple[SequenceState, int]], exc: Exception) -> None:
-        """An executor failure fails this batch, not the worker."""
-        log.error("executor step failed", exc_info=exc)
-        for seq, _ in plan:
-            if seq.phase is Phase.FINISHED:
-                continue
-            self._finish(seq, None, None)
-            self._fail(seq.id, errors.execution_failed(exc))
-
-    def _record(self, plan: list[tuple[SequenceState, int]], seconds: float) -> None:
-        self.steps += 1
-        kind = StepBook.kind(plan)
-        self.step_book.record(kind, seconds)
-        self.prefill_budget.observe(kind[1], kind[2], seconds)
-
-    def _update(self, scheduled: ScheduledStep, output) -> None:
-        """The scheduler commits the step (:meth:`Scheduler.update`); the speculator sees what was kept."""
-        update = self.scheduler.update(scheduled, output, self._prefilled, self._on_token)
-        self.throughput.prompt += update.prompt_rows
-        self.speculator.observe(scheduled.step, output, update.committed_rows)
-
+    # -- what a step committed (Scheduler.update calls these) --------------------------
     def _prefilled(self, seq: SequenceState) -> None:
         session = seq.session
         session.tokens = seq.keys[: seq.computed]
@@ -599,8 +388,7 @@ class Engine:
         request = seq.request
         failure = errors.constraint_failure(request.processors)
         if failure is not None:  # the token was drawn without the constraint: never emitted
-            self._finish(seq, None, None)
-            self._fail(seq.id, failure)
+            self._end_failed(seq, failure)
             return
         if request.stream:
             seq.session.confirmed = True  # first raw output confirms a streamed session
@@ -610,6 +398,11 @@ class Engine:
             self.emit(output.event)
         if output.finish is not None:
             self._finish(seq, output.finish, output.matched_stop)
+
+    def _end_failed(self, seq: SequenceState, error: ApiError) -> None:
+        """End ``seq`` because it cannot go on, and report why."""
+        self._finish(seq, None, None)
+        self._fail(seq.id, error)
 
     def _finish(self, seq: SequenceState, reason: str | None, matched_stop: str | None) -> None:
         """End ``seq``: ``reason`` None means it failed (the caller reports why)."""

@@ -142,3 +142,53 @@ def test_mask_threads_default_to_none_for_an_executor_on_the_host_cpu():
     assert grammar_threads(None, ExecutorLimits(host_compute=True)) == 0
     assert grammar_threads(None, ExecutorLimits()) == 2
     assert grammar_threads(3, ExecutorLimits(host_compute=True)) == 3
+
+
+def test_update_commits_prefill_then_the_ids_the_drafts_agree_with():
+    """Scheduler.update: a finished prefill reports the prompt and its first id; a verify
+    block commits the sampled ids while the drafts agree, one by one, gives back the
+    block that held only rejected drafts, and counts drafted and accepted tokens; a
+    sequence that ends inside the block takes nothing after its last id."""
+    from musegl_core.engine.executor import StepOutput
+
+    pool = KVPool(64, 4)
+    table = make_table(pool, context=64)
+    sched = Scheduler(pool, SchedulerLimits(4, 16, 20))
+    seq = make_seq(table, 0, 6, max_new=20)
+    sched.add(seq)
+    assert sched.by_id == {"r0": seq}
+    seen = []
+
+    def on_token(s, token, logprobs):
+        seen.append(("token", token, s.computed))
+        s.tokens.append(token)
+        s.generated.append(token)
+
+    scheduled = sched.schedule()
+    update = sched.update(scheduled, StepOutput(tokens={0: [40]}), lambda s: seen.append(("prefilled", s.computed)),
+                          on_token)
+    assert seen == [("prefilled", 6), ("token", 40, 6)]
+    assert (seq.phase, seq.computed, update.committed_rows, update.prompt_rows) == (Phase.DECODE, 6, {0: 6}, 6)
+
+    seq.drafts = [41, 42, 43, 44, 45, 46, 47, 48]  # rows 6..14: four blocks of 4
+    scheduled = sched.schedule()
+    assert len(seq.blocks) == 4
+    seen.clear()
+    update = sched.update(scheduled, StepOutput(tokens={0: [41, 42, 9, 9, 9, 9, 9, 9, 9]}), None, on_token)
+    assert seen == [("token", 41, 7), ("token", 42, 8), ("token", 9, 9)]
+    assert (seq.computed, update.committed_rows, update.prompt_rows, seq.drafts) == (9, {0: 3}, 0, [])
+    assert len(seq.blocks) == pool.blocks_for(seq.computed + 1) == 3  # the fourth held only rejected rows
+    assert (sched.drafted_tokens, sched.accepted_tokens, sched.verify_blocks) == (8, 2, 1)
+    assert (seq.drafted, seq.accepted) == (8, 2)
+
+    seq.drafts = [50, 51]
+
+    def ends_at_first(s, token, logprobs):
+        on_token(s, token, logprobs)
+        s.phase = Phase.FINISHED
+
+    seen.clear()
+    update = sched.update(sched.schedule(), StepOutput(tokens={0: [50, 51, 52]}), None, ends_at_first)
+    assert seen == [("token", 50, 10)] and update.committed_rows == {0: 1}
+    sched.remove(seq)
+    assert sched.by_id == {} and sched.idle
