@@ -99,7 +99,7 @@ def test_float32_fallback_rows_ignore_their_batch():
 
 
 def test_float32_fallback_prompt_rows_and_sampled_rows_each_ignore_their_batch():
-    """The fallback runs sampled rows as one-row products and prompt rows nobody samples
+    """The fallback runs sampled rows in 2-row blocks and prompt rows nobody samples
     (``HalfRows.half``) in 16-row blocks: a sampled row gets the same bits whatever rows
     share its step, and so does a prompt row, however its prompt is cut into chunks."""
     rng = np.random.default_rng(5)
@@ -109,7 +109,7 @@ def test_float32_fallback_prompt_rows_and_sampled_rows_each_ignore_their_batch()
     sampled = [i % 9 == 4 for i in range(40)]
     mixed = matrix.matmul(x, HalfRows.of(sampled))
     assert_float32_accuracy(mixed, x, w)
-    prompt_rows = fixed_blocks.fixed_block_linear(x, w)
+    prompt_rows = fixed_blocks.fixed_block_linear(x, w, native.FALLBACK_ROWS)
     for i, flag in enumerate(sampled):
         if flag:  # a sampled row: its decode-step product alone
             assert torch.equal(mixed[i:i + 1], matrix.matmul(x[i:i + 1]))

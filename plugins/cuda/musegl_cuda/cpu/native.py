@@ -213,15 +213,17 @@ def load() -> Kernels | None:
     _decided = True
     if _chosen is None:
         log.warning("stored-weight kernels unavailable (%s): matrices are decoded to float32 and multiplied "
-                    "by torch in blocks of exactly %d rows, so a row's result does not depend on the rows "
-                    "beside it (slower than the kernels, and twice the memory for f16/bf16 weights)",
-                    _reason, FALLBACK_ROWS)
+                    "by torch in blocks of exactly %d rows (prompt rows) or %d (sampled rows), so a row's "
+                    "result does not depend on the rows beside it (slower than the kernels, and twice the "
+                    "memory for f16/bf16 weights)", _reason, FALLBACK_ROWS, SAMPLED_ROWS)
     return _chosen
 
 
-#: The float32 fallback multiplies activation rows in blocks of exactly this many rows
-#: (see :class:`~musegl_cuda.cpu.stored_matrix.DenseMatrix`).
+#: The float32 fallback multiplies prompt rows nobody samples in blocks of exactly this
+#: many rows, and sampled rows in blocks of exactly SAMPLED_ROWS (see
+#: :class:`~musegl_cuda.cpu.stored_matrix.DenseMatrix`).
 FALLBACK_ROWS = 16
+SAMPLED_ROWS = 2
 
 
 def selected_path() -> str:

@@ -26,7 +26,7 @@ import torch
 
 from musegl_core.checkpoint.stored import StoredTensor
 from musegl_cuda.cpu import native
-from musegl_cuda.cpu.fixed_blocks import fixed_block_linear, single_row_linear
+from musegl_cuda.cpu.fixed_blocks import fixed_block_linear
 
 log = logging.getLogger("musegl.cuda")
 
@@ -206,17 +206,19 @@ class DenseMatrix:
 
     def matmul(self, x: torch.Tensor, half: HalfRows | None = None) -> torch.Tensor:
         """``x @ W^T`` in float32. Sampled rows (all of them when ``half`` is None: decode
-        rows, a prompt's last row) run as one-row products, the rows ``half`` names
-        (prompt rows nobody samples) in fixed 16-row blocks; each way a row's result
-        does not depend on the other rows (see :mod:`~musegl_cuda.cpu.fixed_blocks`)."""
+        rows, a prompt's last row) run in blocks of :data:`native.SAMPLED_ROWS` rows, the
+        rows ``half`` names (prompt rows nobody samples) in blocks of
+        :data:`native.FALLBACK_ROWS`; each way a row's result does not depend on the other
+        rows (see :mod:`~musegl_cuda.cpu.fixed_blocks`)."""
         if half is None:
-            return single_row_linear(x, self.weight)
+            return fixed_block_linear(x, self.weight, native.SAMPLED_ROWS)
         if not half.exact.numel():
-            return fixed_block_linear(x, self.weight)
-        y = fixed_block_linear(x.index_select(0, half.half), self.weight)
+            return fixed_block_linear(x, self.weight, native.FALLBACK_ROWS)
         out = torch.empty(x.shape[0], self.rows, dtype=torch.float32)
-        out.index_copy_(0, half.half, y)
-        return out.index_copy_(0, half.exact, single_row_linear(x.index_select(0, half.exact), self.weight))
+        out.index_copy_(0, half.half, fixed_block_linear(x.index_select(0, half.half), self.weight,
+                                                         native.FALLBACK_ROWS))
+        return out.index_copy_(0, half.exact, fixed_block_linear(x.index_select(0, half.exact), self.weight,
+                                                                 native.SAMPLED_ROWS))
 
     def dequantize(self, rows: torch.Tensor | None = None) -> torch.Tensor:
         return self.weight.clone() if rows is None else self.weight[rows]
