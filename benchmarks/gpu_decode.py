@@ -636,6 +636,9 @@ def run_dflash(args, tmp: Path, plain: dict[int, float]) -> None:
 
 
 def main() -> int:
+    from common import exit_on_termination
+
+    exit_on_termination()  # SIGTERM (timeout) ends through the cleanup: the servers' groups are stopped
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", help="a Hugging Face directory or config.json (default: MuseGlimmerTextConfig())")
     p.add_argument("--tiny", action="store_true", help="a 4-layer hidden-64 shape (CPU smoke runs)")

@@ -70,6 +70,16 @@ setup() {
     export PATH="$site/bin:$PATH"
 }
 
+# every server the Python scripts start writes its process group here (benchmarks/common.py); after
+# each timed part, reap stops the groups still alive (a script killed before its cleanup ran)
+export MUSEGL_BENCH_SERVER_GROUPS="$WORK/server_groups.$stage"
+: >"$MUSEGL_BENCH_SERVER_GROUPS"
+reap() {  # reap PART: stop the servers PART left behind, say which
+    local left
+    left=$(python3 "$here/common.py" reap "$MUSEGL_BENCH_SERVER_GROUPS")
+    [ -z "$left" ] || note "\"part\": \"$1\", \"reaped_server_groups\": \"$left\""
+}
+
 note() { echo "{\"stage\": \"$stage\", $1}" | tee -a "$OUT/h200_run.jsonl"; }
 
 wait_for() {  # wait_for NAME SECONDS: a background job of stage 1 (its .done file holds its status)
@@ -102,15 +112,16 @@ build)
     if [ "$SMOKE" = 1 ]; then
         note "\"gpu_tests\": \"skipped (SMOKE)\""
     else
-        timeout "${T_TESTS:-270}" python3 -m pytest -m gpu -q -n 0 -p no:cacheprovider ${GPU_TESTS:-plugins/cuda/tests plugins/dflash/tests} \
+        timeout -k 40 "${T_TESTS:-270}" python3 -m pytest -m gpu -q -n 0 -p no:cacheprovider ${GPU_TESTS:-plugins/cuda/tests plugins/dflash/tests} \
             >"$OUT/gpu_tests.log" 2>&1
         note "\"gpu_tests_rc\": $?, \"summary\": \"$(tail -1 "$OUT/gpu_tests.log" | tr -d '"')\""
     fi
     # served DFlash here, beside the build: both sides of each ratio (DFlash / the same requests
     # without a draft) are measured in this same stage
-    timeout "${T_DFLASH:-210}" python3 "$here/gpu_decode.py" --phases dflash "${shape[@]}" "${dflash_args[@]}" \
+    timeout -k 40 "${T_DFLASH:-210}" python3 "$here/gpu_decode.py" --phases dflash "${shape[@]}" "${dflash_args[@]}" \
         --out "$OUT/gpu_decode.jsonl" 2>"$OUT/gpu_decode_dflash.stderr"
     note "\"gpu_decode_dflash_rc\": $?"
+    reap dflash
     wait_for gguf 10
     wait_for llamacpp 20
     cp "$WORK"/*.log "$OUT/" 2>/dev/null
@@ -118,12 +129,14 @@ build)
 decode)
     wait_for gguf 30
     wait_for llamacpp 90  # (a build still running goes on beside the measurements, at nice 10)
-    timeout "${T_EXECUTOR:-220}" python3 "$here/gpu_decode.py" --phases executor "${shape[@]}" "${executor_args[@]}" \
+    timeout -k 40 "${T_EXECUTOR:-220}" python3 "$here/gpu_decode.py" --phases executor "${shape[@]}" "${executor_args[@]}" \
         --out "$OUT/gpu_decode.jsonl" 2>"$OUT/gpu_decode_executor.stderr"
     note "\"gpu_decode_executor_rc\": $?"
-    timeout "${T_SERVED:-180}" python3 "$here/gpu_decode.py" --phases serve,rows "${shape[@]}" "${served_args[@]}" \
+    reap executor
+    timeout -k 40 "${T_SERVED:-180}" python3 "$here/gpu_decode.py" --phases serve,rows "${shape[@]}" "${served_args[@]}" \
         --out "$OUT/gpu_decode.jsonl" 2>"$OUT/gpu_decode_served.stderr"
     note "\"gpu_decode_served_rc\": $?"
+    reap served
     cp "$WORK"/*.log "$OUT/" 2>/dev/null
     ;;
 compare)
@@ -134,11 +147,13 @@ compare)
         sides=musegl
         python3 "$here/make_gguf_30b.py" --config-only "${gguf_shape[@]}" --config-out "$WORK/model"
     fi
-    timeout "${T_COMPARE:-520}" python3 "$here/llamacpp_cuda_compare.py" --llama-server "$server" --gguf "$WORK/model.gguf" \
+    timeout -k 40 "${T_COMPARE:-520}" python3 "$here/llamacpp_cuda_compare.py" --llama-server "$server" --gguf "$WORK/model.gguf" \
         --model "$WORK/model" --sides "$sides" \
         --chat-template "$WORK/llamacpp/llama.cpp/models/templates/muse-glimmer.jinja" "${compare_args[@]}" \
         --out "$OUT/llamacpp_compare.jsonl" 2>"$OUT/llamacpp_compare.stderr"
-    note "\"compare_rc\": $?, \"layers\": \"$([ "$SMOKE" = 1 ] && echo tiny || echo "$LAYERS")\""
+    rc=$?
+    reap compare
+    note "\"compare_rc\": $rc, \"layers\": \"$([ "$SMOKE" = 1 ] && echo tiny || echo "$LAYERS")\""
     ;;
 *)
     echo "unknown stage $stage (build, decode or compare)" >&2; exit 2 ;;

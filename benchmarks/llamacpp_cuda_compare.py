@@ -38,7 +38,7 @@ from typing import Iterator
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
-from common import free_port, serve, server_process  # noqa: E402
+from common import exit_on_termination, free_port, serve, server_process  # noqa: E402
 from musegl_core.bench import BenchConfig, run_bench  # noqa: E402
 from musegl_core.bench.report import BenchReport  # noqa: E402
 
@@ -132,6 +132,7 @@ def measure(args, side: str, url: str) -> dict:
 
 
 def main() -> int:
+    exit_on_termination()  # SIGTERM (timeout) ends through the cleanup: the servers' groups are stopped
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--llama-server", default=os.environ.get("LLAMA_SERVER"), help="llama.cpp's server binary")
     p.add_argument("--gguf", type=Path, help="the GGUF llama.cpp serves (make_gguf_30b.py)")
