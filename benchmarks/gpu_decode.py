@@ -41,11 +41,15 @@ prints one JSON line per figure (also appended to ``--out``):
   random draft at ``MuseGlimmerAssistantConfig()`` defaults (tapped layers
   spread over the target's depth) and the benchmark-only replay
   (``MUSEGL_DFLASH_BENCHMARK_ACCEPT``, plugins/dflash/musegl_dflash/replay.py):
-  at each ``--dflash-batches`` concurrency the requests run once to record the
-  target's output, then once per ``--dflash-accept`` length with the same
-  prompts; output tok/s, the measured acceptance length (engine counters) and
-  the ratio to the plain server on the same requests (``dflash_plain``,
-  measured in the same run).
+  each ``--dflash-batches`` concurrency ``c`` has prompts of its own (bench
+  seed ``c``); before its first timed run they run once short (warm-up: the
+  shapes of batch ``c``), then once to record the target's output; the
+  ``--dflash-accept`` lengths run in the order given, each at every
+  concurrency (default 4, 16, 2, 8), replaying the newest recording; output
+  tok/s, ``decode_only_tok_s`` (without the time to the first token), the
+  measured acceptance length (engine counters) and both ratios to the plain
+  server on the same requests (``dflash_plain``, measured in the same run,
+  warmed up the same way).
 
 ``--tensor-parallel-size N`` splits the model over N devices (the executor phase
 through ``TensorParallelExecutor``, the served phases through ``musegl serve
@@ -480,26 +484,36 @@ def serve_flags(args, width: int, context: int | None = None) -> list[str]:
 
 
 def bench(args, url: str, concurrency: int, requests: int, max_tokens: int, prompt_tokens: int,
-          env: dict[str, str]) -> dict | str:
+          env: dict[str, str], seed: int = 0) -> dict | str:
     command = [sys.executable, "-m", "musegl_core.cli.main", "bench", "--url", url, "-c", str(concurrency),
                "-n", str(requests), "--max-tokens", str(max_tokens), "--prompt-tokens", str(prompt_tokens),
-               "--seed", "0", "--json", "--no-progress", "--tensor-parallel-size", str(args.tensor_parallel_size)]
+               "--seed", str(seed), "--json", "--no-progress", "--tensor-parallel-size", str(args.tensor_parallel_size)]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1800)
     if done.returncode != 0:
         return done.stderr[-400:] or done.stdout[-400:]
     return json.loads(done.stdout)
 
 
+def decode_only_tok_s(report: dict) -> float | None:
+    """Output tok/s without the time to the first token: the tokens after each request's first,
+    over the mean time from first token to last (the requests run as one wave)."""
+    latency, ttft = report["latency"]["mean"], report["ttft"]["mean"]
+    tokens = report["output_tokens"] - report["succeeded"]
+    if latency is None or ttft is None or latency <= ttft or tokens <= 0:
+        return None
+    return round(tokens / (latency - ttft), 1)
+
+
 def served(report: dict) -> dict:
     itl = report["itl"]["p50"]
     return dict(requests=report["requests"], errors=report["errors"],
-                output_tok_s=round(report["output_tokens_per_s"], 1),
+                output_tok_s=round(report["output_tokens_per_s"], 1), decode_only_tok_s=decode_only_tok_s(report),
                 output_tok_s_per_device=round(report["output_tokens_per_s_per_device"], 1),
                 ttft_p50_ms=round(report["ttft"]["p50"] * 1e3, 1) if report["ttft"]["p50"] is not None else None,
                 itl_p50_ms=round(itl * 1e3, 2) if itl else None)
 
 
-def run_serve(args, tmp: Path, executor_tok_s: dict, plain: dict[int, float]) -> None:
+def run_serve(args, tmp: Path, executor_tok_s: dict, plain: dict[int, dict]) -> None:
     """The HTTP path at the same shape: ``musegl serve --load-format dummy`` + ``musegl bench``."""
     from common import serve_process
 
@@ -528,11 +542,7 @@ def run_serve(args, tmp: Path, executor_tok_s: dict, plain: dict[int, float]) ->
         if "rows" in args.phases:
             run_rows(args, url)
         if "dflash" in args.phases:  # the plain figures the DFlash runs are compared with: same requests
-            for c in int_list(args.dflash_batches):
-                report = bench(args, url, c, c, args.dflash_max_tokens, args.serve_prompt_tokens, env)
-                if not isinstance(report, str):
-                    plain[c] = served(report)["output_tok_s"]
-                    emit(engine="musegl-serve", figure="dflash_plain", concurrency=c, **served(report))
+            run_dflash_plain(args, url, plain)
     if "serve" in args.phases:  # one slot holding the long prompt (every slot reserves --max-context)
         flags = serve_flags(args, 1, args.ttft_tokens + 1024)  # the prompt, its template, the calibration
         with serve_process(model, *flags, ready_timeout=args.ready_timeout) as (url, _):
@@ -584,8 +594,39 @@ def run_rows(args, url: str) -> None:
              vs_plain=round(rates[name] / rates["plain"], 3))
 
 
-def run_dflash(args, tmp: Path, plain: dict[int, float]) -> None:
-    """Served DFlash at fixed acceptance lengths (the benchmark-only replay)."""
+def dflash_bench(args, url: str, c: int, env: dict[str, str], max_tokens: int | None = None) -> dict | str:
+    """The DFlash phase's requests at concurrency ``c``: ``c`` prompts of their own (seed ``c``: a
+    replay never follows another concurrency's recording, made under another batch mix)."""
+    return bench(args, url, c, c, max_tokens or args.dflash_max_tokens, args.serve_prompt_tokens, env, seed=c)
+
+
+def warm_up(args, url: str, c: int, env: dict[str, str]) -> None:
+    """The same requests, shorter and untimed: the shapes of batch ``c`` (prefill of ``c`` prompts,
+    ``c``-row steps) run once before anything at ``c`` is timed or recorded."""
+    dflash_bench(args, url, c, env, max_tokens=min(32, args.dflash_max_tokens))
+
+
+def run_dflash_plain(args, url: str, plain: dict[int, dict]) -> None:
+    for c in int_list(args.dflash_batches):
+        if c in plain:
+            continue
+        warm_up(args, url, c, server_env())
+        report = dflash_bench(args, url, c, server_env())
+        if isinstance(report, str):
+            emit(engine="musegl-serve", figure="dflash_plain", concurrency=c, error=report)
+            continue
+        plain[c] = served(report)
+        emit(engine="musegl-serve", figure="dflash_plain", concurrency=c, **plain[c])
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return round(a / b, 3) if a and b else None
+
+
+def run_dflash(args, tmp: Path, plain: dict[int, dict]) -> None:
+    """Served DFlash at fixed acceptance lengths (the benchmark-only replay), in the order of
+    ``--dflash-accept``: every batch at the first length, then every batch at the next, ... (so
+    that a time cap cuts the last lengths, not the last batches)."""
     from common import serve_process
 
     from musegl_dflash.replay import ENV
@@ -598,39 +639,42 @@ def run_dflash(args, tmp: Path, plain: dict[int, float]) -> None:
     batches = int_list(args.dflash_batches)
     env = server_env({ENV: str(control)})
     width = max(batches)
-    missing = [c for c in batches if c not in plain]
-    if missing:  # the plain figures at these concurrencies, same requests, same run (no phase serve/rows)
+    if any(c not in plain for c in batches):  # the plain figures, same requests, same run (no phase serve/rows)
         with serve_process(model, *serve_flags(args, width), ready_timeout=args.ready_timeout) as (url, _):
-            for c in missing:
-                report = bench(args, url, c, c, args.dflash_max_tokens, args.serve_prompt_tokens, server_env())
-                if not isinstance(report, str):
-                    plain[c] = served(report)["output_tok_s"]
-                    emit(engine="musegl-serve", figure="dflash_plain", concurrency=c, **served(report))
-    plain_at = {c: plain.get(c) for c in batches}
+            run_dflash_plain(args, url, plain)
     os.environ[ENV] = str(control)
     try:
         with serve_process(model, *serve_flags(args, width), "--dflash", str(draft),
                            ready_timeout=args.ready_timeout) as (url, _):
             from musegl_core.testing.speculation import draft_metric
 
-            for c in batches:
-                control.write_text("0")
-                bench(args, url, c, c, args.dflash_max_tokens, args.serve_prompt_tokens, env)  # recorded
-                for k in int_list(args.dflash_accept):
+            recorded: set[int] = set()
+            for k in int_list(args.dflash_accept):
+                for c in batches:
+                    if c not in recorded:
+                        # warm first, then record: a recording made while batch c's shapes ran for
+                        # the first time followed other numerics than every later run (on the
+                        # H200, batch 8's first length replayed at 1.07 instead of 2)
+                        control.write_text("0")
+                        warm_up(args, url, c, env)
+                        dflash_bench(args, url, c, env)
+                        recorded.add(c)
                     control.write_text(str(k))
                     before = [draft_metric(url, n) for n in ("spec_verify_blocks", "spec_accepted_tokens")]
-                    report = bench(args, url, c, c, args.dflash_max_tokens, args.serve_prompt_tokens, env)
+                    report = dflash_bench(args, url, c, env)
                     blocks, accepted = (draft_metric(url, n) - b for n, b in
                                         zip(("spec_verify_blocks", "spec_accepted_tokens"), before))
                     if isinstance(report, str):
                         emit(engine="musegl-serve", figure="dflash", concurrency=c, accept=k, error=report)
                         continue
                     fig = served(report)
-                    base = plain_at.get(c)
+                    base = plain.get(c, {})
                     emit(engine="musegl-serve", figure="dflash", concurrency=c, accept=k,
                          measured_acceptance=round((accepted + blocks) / blocks, 2) if blocks else None,
-                         verify_blocks=int(blocks), **fig, plain_output_tok_s=base,
-                         vs_plain=round(fig["output_tok_s"] / base, 3) if base else None)
+                         verify_blocks=int(blocks), **fig, plain_output_tok_s=base.get("output_tok_s"),
+                         plain_decode_only_tok_s=base.get("decode_only_tok_s"),
+                         vs_plain=ratio(fig["output_tok_s"], base.get("output_tok_s")),
+                         decode_only_vs_plain=ratio(fig["decode_only_tok_s"], base.get("decode_only_tok_s")))
     finally:
         os.environ.pop(ENV, None)
 
@@ -678,7 +722,8 @@ def main() -> int:
     p.add_argument("--rows-batch", type=int, default=64)
     p.add_argument("--rows-max-tokens", type=int, default=128)
     p.add_argument("--dflash-batches", default="1,8,32")
-    p.add_argument("--dflash-accept", default="2,4,8,16", help="acceptance lengths to replay (at most 16)")
+    p.add_argument("--dflash-accept", default="4,16,2,8",
+                   help="acceptance lengths to replay (at most 16), in this order (each at every batch)")
     p.add_argument("--dflash-max-tokens", type=int, default=256)
     args = p.parse_args()
     args.phases = [x for x in args.phases.split(",") if x]
@@ -709,7 +754,7 @@ def main() -> int:
         holder.clear()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-    plain: dict[int, float] = {}
+    plain: dict[int, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
         if "serve" in args.phases or "rows" in args.phases:
             run_serve(args, Path(tmp), executor_tok_s, plain)

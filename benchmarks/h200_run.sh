@@ -34,7 +34,7 @@ if [ "$SMOKE" = 1 ]; then
                    --prefill-tokens 128 --prefill-repeat 1 --ttft-tokens 512 --prefill-chunk 128)
     served_args=(--ttft-tokens 512 --serve-concurrency 1,2 --serve-max-tokens 8 --serve-prompt-tokens 64
                  --rows-batch 4 --rows-max-tokens 8)
-    dflash_args=(--serve-prompt-tokens 64 --dflash-batches 1,2 --dflash-accept 2,4 --dflash-max-tokens 16)
+    dflash_args=(--serve-prompt-tokens 64 --dflash-batches 1,2 --dflash-accept 4,2 --dflash-max-tokens 16)
     compare_args=(--device cpu --threads 2 --conversations 2 --turns 2 --shared-system-tokens 300 --prompt-tokens 40
                   --max-tokens 8 --decode-concurrency 1,2 --decode-max-tokens 8 --decode-prompt-tokens 64)
 else
@@ -43,7 +43,7 @@ else
     executor_args=(--contexts 512,8192,32768,131072 --batches 1,8,32,64 --wide-batches 128,256 --wide-context 2048
                    --forward-sizes 1,2,4,8,16,32,64,128,256 --ttft-tokens 32768)
     served_args=(--ttft-tokens 32768 --serve-concurrency "${SERVE_CONCURRENCY:-1,8,32,64}" --rows-batch 64)
-    dflash_args=(--dflash-batches 1,8,32 --dflash-accept 2,4,8,16 --dflash-max-tokens 256)
+    dflash_args=(--dflash-batches 1,8,32 --dflash-accept 4,16,2,8 --dflash-max-tokens 256)  # (the order they run in)
     compare_args=(--conversations 32 --turns 10 --shared-system-tokens 12000 --prompt-tokens 500 --max-tokens "${COMPARE_MAX_TOKENS:-256}"
                   --decode-concurrency 1,32)
 fi
