@@ -17,7 +17,8 @@
 # LAYERS (default 26) is the depth of the llama.cpp comparison, the same for both servers (the
 # full 52-layer GGUF is ~53 GB, the disk 64 GiB); gpu_decode runs the full depth.
 # T_TESTS, T_DFLASH, T_EXECUTOR, T_SERVED, T_COMPARE (seconds) cap each part; GPU_TESTS names the test
-# paths of stage 1; SERVE_CONCURRENCY and COMPARE_MAX_TOKENS shrink the served levels and the turns.
+# paths of stage 1; SERVE_CONCURRENCY, COMPARE_TURNS and COMPARE_MAX_TOKENS size the served levels and the
+# agent workload; SIDES (default musegl,llamacpp) picks the compare stage's servers.
 # SMOKE=1 runs the same three stages on the CPU at the tiny shape with small counts (the local
 # check of this script; the GPU tests are skipped; WORK=/tmp/h200 and SITE=/tmp/site unless set).
 set -uo pipefail
@@ -44,8 +45,12 @@ else
                    --forward-sizes 1,2,4,8,16,32,64,128,256 --ttft-tokens 32768)
     served_args=(--ttft-tokens 32768 --serve-concurrency "${SERVE_CONCURRENCY:-1,8,32,64}" --rows-batch 64)
     dflash_args=(--dflash-batches 1,8,32 --dflash-accept 4,16,2,8 --dflash-max-tokens 256)  # (the order they run in)
-    compare_args=(--conversations 32 --turns 10 --shared-system-tokens 12000 --prompt-tokens 500 --max-tokens "${COMPARE_MAX_TOKENS:-256}"
-                  --decode-concurrency 1,32)
+    # both sides' plain decode (first, short) and agent part within T_COMPARE: llama-server took 357 s
+    # for 6 turns of the agent workload at 26 layers (32 conversations, 12k system + tools, 500 + 128
+    # a turn), so the stage runs COMPARE_TURNS (default 5) of the issue's 10; 10 need about a stage per side
+    # (SIDES=musegl, then SIDES=llamacpp)
+    compare_args=(--conversations 32 --turns "${COMPARE_TURNS:-5}" --shared-system-tokens 12000 --prompt-tokens 500
+                  --max-tokens "${COMPARE_MAX_TOKENS:-128}" --decode-concurrency 1,32 --decode-max-tokens 128)
 fi
 mkdir -p "$OUT" "$WORK"
 here=$(cd "$(dirname "$0")" && pwd)
@@ -141,7 +146,7 @@ decode)
     ;;
 compare)
     server="$WORK/llamacpp/llama.cpp/$binary/bin/llama-server"
-    sides=musegl,llamacpp
+    sides=${SIDES:-musegl,llamacpp}
     if [ ! -x "$server" ] || [ ! -f "$WORK/model.gguf" ]; then
         note "\"error\": \"no llama-server or GGUF from stage 1 (see llamacpp.log, gguf.log): musegl side only\""
         sides=musegl

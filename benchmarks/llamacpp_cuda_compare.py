@@ -2,15 +2,17 @@
 
 The agent workload of issue 32 and plain decode, each against both servers one after the other:
 
+* **decode** (first, so that it is measured when the agent part outlasts a time cap): the
+  ``chat`` workload at each ``--decode-concurrency`` (``--decode-prompt-tokens`` prompt,
+  ``--decode-max-tokens`` generated tokens): output tok/s, inter-token p50;
 * **agent**: ``musegl bench --workload agent`` with ``--conversations`` conversations (all in
   flight) of ``--turns`` turns, every conversation opening with the same system prompt of about
   ``--shared-system-tokens`` tokens and ten tool definitions (``--tools``), ``--prompt-tokens``
   new tokens a turn (user text or tool results) and ``--max-tokens`` generated tokens a turn
   (``ignore_eos``), musegl's sessions on (each conversation is a named session; llama.cpp keeps a
   slot's prompt cache); TTFT p50/p99, inter-token p50/p99, output tok/s, cached share of the
-  prompt tokens;
-* **decode**: the ``chat`` workload at each ``--decode-concurrency`` (``--decode-prompt-tokens``
-  prompt, ``--decode-max-tokens`` generated tokens): output tok/s, inter-token p50.
+  prompt tokens. Each slot holds ``slot_context`` positions (``--slot-context``, else sized from
+  what the workload sends: see :func:`slot_context`).
 
 musegl serves ``--model`` (a directory with the bare ``config.json`` that ``make_gguf_30b.py
 --config-out`` writes) with ``--load-format dummy`` (random weights on the GPU, the demo
@@ -32,6 +34,7 @@ import contextlib
 import json
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Iterator
 
@@ -54,12 +57,30 @@ def emit(**fields) -> None:
             f.write(line + "\n")
 
 
+#: Tokens of the ten tool definitions (Claude Code's, as the chat template writes them) and the
+#: template's own text around the system prompt, rounded up.
+TOOLS_AND_TEMPLATE_TOKENS = 4000
+#: A reply of ``--max-tokens`` random-weight tokens, detokenized and sent back in the next turn's
+#: history, tokenizes again into up to this many times as many tokens (random ids decode to rare
+#: pieces that re-tokenize shorter).
+REPLY_RETOKENIZE = 4
+#: Added to the sum, for the estimate's errors.
+SLOT_MARGIN = 1.25
+
+
 def slot_context(args) -> int:
-    """Positions one conversation needs (``--slot-context``, else: the system prompt, 4000 for the
-    tool definitions and the template, every turn's new tokens and answer)."""
+    """Positions one conversation needs (``--slot-context``, else from what the workload sends):
+    the system prompt, the tool definitions and the template; then each turn's new user text, one
+    tool result of the same size (an answer to each reply's tool call), the reply as it comes back
+    in the history and the template's turn markers; with :data:`SLOT_MARGIN`. On the H200 run of
+    issue 32 (12000 + tools, 500 a turn, 128 generated) a conversation grew by 1450-2030 tokens a
+    turn and both servers refused turn 7 of the earlier estimate (22920 positions)."""
     if args.slot_context:
         return args.slot_context
-    return args.shared_system_tokens + 4000 + args.turns * (args.prompt_tokens + args.max_tokens + 64)
+    tools = 0 if args.no_tools else TOOLS_AND_TEMPLATE_TOKENS
+    per_turn = args.prompt_tokens * (1 if args.no_tools else 2) + args.max_tokens * REPLY_RETOKENIZE + 64
+    need = args.shared_system_tokens + tools + 256 + args.turns * per_turn + args.max_tokens
+    return int(need * SLOT_MARGIN)
 
 
 @contextlib.contextmanager
@@ -110,7 +131,21 @@ def agent_figures(report: BenchReport) -> dict:
 
 
 def measure(args, side: str, url: str) -> dict:
+    """Plain decode first (short: it must not wait behind the long agent part under the stage's
+    time cap), then the agent workload; each part's line is printed as it finishes."""
     figures = {}
+    for c in [int(x) for x in args.decode_concurrency.split(",") if x]:
+        started = time.perf_counter()
+        config = BenchConfig(url=url, workload="chat", concurrency=c, requests=c, max_tokens=args.decode_max_tokens,
+                             prompt_tokens=args.decode_prompt_tokens, timeout=args.request_timeout)
+        report = run_bench(config, progress=False)
+        fig = dict(output_tok_s=round(report.output_tokens_per_s, 1), errors=report.errors,
+                   itl_p50_ms=None if report.itl.p50 is None else round(report.itl.p50 * 1e3, 2),
+                   decode_tok_s=round(c / report.itl.p50, 1) if report.itl.p50 else None,
+                   wall_s=round(time.perf_counter() - started, 1))
+        figures[f"decode_c{c}"] = fig
+        emit(side=side, figure="decode", concurrency=c, max_tokens=args.decode_max_tokens, **fig)
+    started = time.perf_counter()
     agent = BenchConfig(url=url, workload="agent", concurrency=args.conversations, conversations=args.conversations,
                         turns=args.turns, prompt_tokens=args.prompt_tokens, max_tokens=args.max_tokens,
                         baseline=False, shared_system_tokens=args.shared_system_tokens, tools=not args.no_tools,
@@ -118,16 +153,7 @@ def measure(args, side: str, url: str) -> dict:
     figures["agent"] = agent_figures(run_bench(agent, progress=False))
     emit(side=side, figure="agent", conversations=args.conversations, turns=args.turns,
          shared_system_tokens=args.shared_system_tokens, prompt_tokens_per_turn=args.prompt_tokens,
-         max_tokens=args.max_tokens, **figures["agent"])
-    for c in [int(x) for x in args.decode_concurrency.split(",") if x]:
-        config = BenchConfig(url=url, workload="chat", concurrency=c, requests=c, max_tokens=args.decode_max_tokens,
-                             prompt_tokens=args.decode_prompt_tokens, timeout=args.request_timeout)
-        report = run_bench(config, progress=False)
-        fig = dict(output_tok_s=round(report.output_tokens_per_s, 1), errors=report.errors,
-                   itl_p50_ms=None if report.itl.p50 is None else round(report.itl.p50 * 1e3, 2),
-                   decode_tok_s=round(c / report.itl.p50, 1) if report.itl.p50 else None)
-        figures[f"decode_c{c}"] = fig
-        emit(side=side, figure="decode", concurrency=c, max_tokens=args.decode_max_tokens, **fig)
+         max_tokens=args.max_tokens, **figures["agent"], wall_s=round(time.perf_counter() - started, 1))
     return figures
 
 
@@ -151,7 +177,7 @@ def main() -> int:
     p.add_argument("--slot-context", type=int, default=None, help="context per conversation (default: computed)")
     p.add_argument("--decode-concurrency", default="1,32")
     p.add_argument("--decode-prompt-tokens", type=int, default=256)
-    p.add_argument("--decode-max-tokens", type=int, default=256)
+    p.add_argument("--decode-max-tokens", type=int, default=128)
     p.add_argument("--request-timeout", type=float, default=900.0)
     p.add_argument("--ready-timeout", type=float, default=900.0)
     p.add_argument("--musegl-flag", action="append", default=[], help="extra musegl serve flag (repeatable)")
