@@ -68,7 +68,8 @@ def body(image: bytes | None, text: str = "What is in this picture?", **extra) -
 
 
 def reference(model, request: dict, tokenizer, image: bytes | None, patches: int = 4096) -> tuple[list[int], list[int]]:
-    """musegl's prompt ids and transformers' greedy 32 tokens after them."""
+    """musegl's prompt ids and transformers' greedy tokens after them, up to the first special one
+    (and ``request["max_tokens"]`` set to their number)."""
     from musegl_core.cli.render import render_request
     from musegl_core.plugins.manager import PluginManager
 
@@ -82,7 +83,14 @@ def reference(model, request: dict, tokenizer, image: bytes | None, patches: int
     with torch.no_grad():
         out = model.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False, **extra)
     expected = out[0, len(ids):].tolist()
-    assert all(i < 200000 for i in expected), "the reference emitted special tokens (not comparable as text)"
+    # Text compares only up to the first special token (the chat output leaves most of them out).
+    # Which greedy token of a random model comes first can flip at a near-tie with the CPU's
+    # float32 kernels (seen: id 201727 at position 14 on an AVX-512 Xeon, not on the AMD CI
+    # machines), so the comparable prefix is found here and the server is asked for exactly it.
+    first_special = next((k for k, i in enumerate(expected) if i >= 200000), len(expected))
+    assert first_special >= 8, f"the reference's first special token came at {first_special}: no text to compare"
+    expected = expected[:first_special]
+    request["max_tokens"] = len(expected)
     return ids, expected
 
 
