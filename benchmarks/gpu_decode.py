@@ -82,7 +82,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "plugins" / "cuda"), str(ROOT / "benchmark
 
 from musegl_core.engine.executor import SeqChunk, Step  # noqa: E402
 from musegl_cuda.executor import TorchExecutor  # noqa: E402
-from musegl_cuda.plugin import ConfigOnly  # noqa: E402
+from musegl_cuda.config_only import ConfigOnly  # noqa: E402
 
 PHASES = ("executor", "serve", "rows", "dflash")
 #: ``--tiny``: a shape the CPU runs in seconds (the demo tokenizer's vocabulary).

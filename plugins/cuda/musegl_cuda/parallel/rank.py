@@ -62,7 +62,7 @@ def build_executor(spec: RankSpec, rank: int, shard):
     from musegl_core.checkpoint.loader import load_checkpoint
     from musegl_core.checkpoint.vision import load_vision
     from musegl_cuda.executor import TorchExecutor
-    from musegl_cuda.plugin import read_config_only
+    from musegl_cuda.config_only import read_config_only
 
     device = spec.device_of(rank)
     if spec.dummy:
@@ -82,7 +82,7 @@ def build_executor(spec: RankSpec, rank: int, shard):
 
 
 def text_config(spec: RankSpec):
-    from musegl_cuda.plugin import read_config_only
+    from musegl_cuda.config_only import read_config_only
 
     return read_config_only(spec.model).config
 
