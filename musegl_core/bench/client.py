@@ -16,6 +16,7 @@ ends without ``[DONE]`` or a transport error becomes :attr:`RequestResult.error`
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -144,7 +145,10 @@ async def post_stream(client: httpx.AsyncClient, url: str, body: dict[str, Any],
     reply: dict[int, dict[str, Any]] = {}
     done = False
     try:
-        done = await read(_data(client, url, body, headers, result), result, OutputClock(start), reply)
+        # aclosing: a reader that returns at the end event closes the stream (and frees its
+        # connection) here, not whenever the abandoned generator is collected
+        async with contextlib.aclosing(_data(client, url, body, headers, result)) as data:
+            done = await read(data, result, OutputClock(start), reply)
     except httpx.HTTPError as exc:
         result.error = f"{type(exc).__name__}: {exc}".rstrip(": ")
     except (ValueError, KeyError) as exc:  # a data line that is not JSON, an event without its fields

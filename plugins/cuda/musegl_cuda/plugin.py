@@ -128,6 +128,8 @@ def _create_parallel(options: ExecutorOptions, default_device: str, size: int):
     from musegl_cuda.parallel.shard import check_size
 
     device = torch.device(options.device or default_device)
+    if device.type not in ("cuda", "cpu"):
+        raise ConfigError(f"--tensor-parallel-size {size} runs on cuda or cpu devices, not {device.type}")
     if device.index is not None:
         raise ConfigError(f"--tensor-parallel-size {size} uses cuda:0 .. cuda:{size - 1}; "
                           f"--device {options.device} names one device")

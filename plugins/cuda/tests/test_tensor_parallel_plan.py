@@ -185,6 +185,36 @@ def test_serve_refuses_a_size_that_does_not_split_the_model_before_spawning(tiny
                                          extra={"tensor_parallel_size": 2}))
     with pytest.raises(ConfigError, match="positive integer"):
         create_torch_cpu(ExecutorOptions(model=str(tiny_hf.path), extra={"tensor_parallel_size": 0}))
+    with pytest.raises(ConfigError, match="runs on cuda or cpu devices, not meta"):
+        create_torch_cpu(ExecutorOptions(model=str(tiny_hf.path), device="meta",
+                                         extra={"tensor_parallel_size": 2}))
+
+
+def test_executors_without_tensor_parallelism_refuse_the_flag(tiny_hf, tmp_path):
+    """--tensor-parallel-size is the cuda plugin's flag, but every executor sees it: the
+    ones that run one process refuse it in the front instead of serving on one device."""
+    from musegl_core.errors import ConfigError
+    from musegl_core.plugins.specs import ExecutorOptions
+
+    options = ExecutorOptions(model=str(tiny_hf.path), extra={"tensor_parallel_size": 2})
+    checks = []
+    try:
+        from musegl_mlx.plugin import check as mlx_check
+        checks.append(("mlx", mlx_check))
+    except ImportError:
+        pass
+    try:
+        from musegl_executorch.plugin import check as executorch_check
+        checks.append(("executorch", executorch_check))
+    except ImportError:
+        pass
+    assert checks, "neither the mlx nor the executorch plugin is installed"
+    for name, check in checks:
+        with pytest.raises(ConfigError, match=f"--tensor-parallel-size: the {name} executor"):
+            check(options)
+    if checks[0][0] == "mlx":  # at size 1 the core's check applies as before (this fixture has no tokenizer)
+        with pytest.raises(ConfigError, match="no tokenizer.json"):
+            checks[0][1](ExecutorOptions(model=str(tiny_hf.path), extra={"tensor_parallel_size": 1}))
 
 
 def test_the_kv_layout_before_loading_is_what_the_ranks_report(tiny_hf):

@@ -29,6 +29,9 @@ def executorch_available() -> bool:
 
 def check(options: ExecutorOptions) -> None:
     """The front's check: an export with the off-graph ABI, within its native context."""
+    if (options.extra.get("tensor_parallel_size") or 1) > 1:
+        raise ConfigError("--tensor-parallel-size: the executorch executor runs the program in one process "
+                          "(tensor parallelism is the cuda and torch-cpu executors')")
     manifest = read_manifest(options.model)
     if options.max_context is not None and options.max_context > manifest.limits.native_context:
         raise ConfigError(f"--max-context {options.max_context} is beyond the exported native context "

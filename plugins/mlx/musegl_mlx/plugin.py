@@ -107,11 +107,22 @@ def kv_layout(options: ExecutorOptions) -> tuple[int, int]:
     return kv_block_bytes(checkpoint.config, DEFAULT_BLOCK_SIZE, size), DEFAULT_BLOCK_SIZE
 
 
+def check(options: ExecutorOptions) -> None:
+    """The front's check: the core's (a checkpoint with a tokenizer), and no flag of another
+    executor that MLX would not honour."""
+    from musegl_core.checkpoint.validate import check_servable
+
+    if (options.extra.get("tensor_parallel_size") or 1) > 1:
+        raise ConfigError("--tensor-parallel-size: the mlx executor runs on one device "
+                          "(tensor parallelism is the cuda and torch-cpu executors')")
+    check_servable(options.model)
+
+
 @hookimpl
 def musegl_executors() -> list[ExecutorSpec]:
     return [
         ExecutorSpec(name="mlx", description="Muse Glimmer decoder in MLX (Apple silicon; MLX's CPU build elsewhere)",
                      create=create_mlx, available=mlx_available,
                      priority=APPLE_PRIORITY if apple_silicon() else OTHER_PRIORITY,
-                     kv_layout=kv_layout, unavailable_reason=unavailable_reason),
+                     kv_layout=kv_layout, unavailable_reason=unavailable_reason, check=check),
     ]

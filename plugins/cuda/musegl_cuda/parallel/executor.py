@@ -10,10 +10,11 @@ while the ranks compute.
 A rank that dies is noticed at once (a thread waits on the rank processes):
 the steps in flight and every later call raise :class:`RankFailure`, the other
 ranks are stopped (a collective with a dead peer would wait forever), and
-``on_failure`` is called with the reason; ``musegl serve`` passes one that ends
-the worker process after its failed requests are answered, so the front
-restarts it with fresh ranks (the KV cache died with the ranks: nothing
-short of a new worker starts from a clean state).
+``on_failure`` is called with the reason; the cuda plugin passes one that ends
+the process a second after its failed requests are answered (exit status 3):
+under ``musegl serve`` that is the worker, and the front restarts it with
+fresh ranks (the KV cache died with the ranks: nothing short of a new worker
+starts from a clean state); ``musegl generate`` ends with that status.
 """
 
 from __future__ import annotations
@@ -234,7 +235,15 @@ class TensorParallelExecutor:
         return self._call(msg.HeadLogits(self._number(), msg.HostTensor.of(torch.as_tensor(hidden))))
 
     def release_sequence(self, seq: int) -> None:
-        pass  # no per-sequence state (as TorchExecutor)
+        """The ranks' sampler graphs keep a penalized sequence's counts: drop them. Once a
+        rank has failed there is nothing left to release (and the engine is ending this
+        sequence because of that failure), so nothing is raised."""
+        if self.failure is not None or self._closing:
+            return
+        try:
+            self._send(msg.ReleaseSequence(seq))
+        except RankFailure:
+            pass
 
     def close(self) -> None:
         if self._closing:

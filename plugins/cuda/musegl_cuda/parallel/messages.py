@@ -2,7 +2,7 @@
 
 Every rank reads every request (in order); only rank 0 answers, with a
 :class:`Reply` carrying the request's ``number``. Requests without a number
-(:class:`CopyBlocks`) get no answer: the next request's answer follows them.
+(:class:`CopyBlocks`, :class:`ReleaseSequence`) get no answer: the next request's answer follows them.
 """
 
 from __future__ import annotations
@@ -120,6 +120,14 @@ class RunStep:
 @attrs.frozen
 class CopyBlocks:
     pairs: Sequence[tuple[int, int]]
+
+
+@attrs.frozen
+class ReleaseSequence:
+    """A sequence ended: each rank's executor drops what it keeps for it (the sampler
+    graphs' penalty counts)."""
+
+    seq: int
 
 
 @attrs.frozen

@@ -222,6 +222,9 @@ class Rank:
         if isinstance(request, msg.CopyBlocks):
             ex.copy_blocks(request.pairs)
             return None
+        if isinstance(request, msg.ReleaseSequence):
+            ex.release_sequence(request.seq)
+            return None
         if isinstance(request, msg.ExpectTaps):
             ex.expect_taps(request.taps)
             return None
