@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from gpu_checkpoint_support import write_gpu_checkpoint
 
 torch = pytest.importorskip("torch")
 
@@ -26,25 +27,7 @@ TAPS = (1, 4, 8)
 
 @pytest.fixture(scope="module")
 def checkpoint_path(tmp_path_factory):
-    from musegl_core.checkpoint.config import TextConfig
-    from musegl_core.checkpoint.gguf_writer import write_text_gguf
-    from musegl_core.checkpoint.hf_reader import expected_shape, text_weight_names
-    from musegl_core.testing.reference_models import tiny_tokenizer_data
-
-    layout = TextConfig.default_layout(8)
-    config = TextConfig(vocab_size=4096, hidden_size=512, intermediate_size=1024, num_layers=8, num_heads=8,
-                        num_kv_heads=2, head_dim=64, sliding_window=32, sliding=layout, rope=layout,
-                        bos_token_id=1, eos_token_ids=(2,))
-    rng = np.random.default_rng(0)
-    weights = {}
-    for name in text_weight_names(config):
-        shape = expected_shape(config, name)
-        scale, base = (0.1, 1.0) if name == "norm.weight" else (0.1, 0.0) if name.endswith("layernorm.weight") \
-            else (0.05, 0.0)
-        weights[name] = (base + scale * rng.standard_normal(shape)).astype(np.float32)
-    path = tmp_path_factory.mktemp("gpu_taps") / "model.gguf"
-    write_text_gguf(path, config, weights, tiny_tokenizer_data(4096), file_type="f32")
-    return path
+    return write_gpu_checkpoint(tmp_path_factory.mktemp("gpu_taps"))
 
 
 def executor(path, graphs: bool):
