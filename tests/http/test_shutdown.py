@@ -7,8 +7,6 @@ cleanly: in-flight requests finish within ``--shutdown-timeout`` or end with
 from __future__ import annotations
 
 import json
-import os
-import re
 import signal
 import socket
 import subprocess
@@ -19,7 +17,7 @@ import time
 import httpx
 import pytest
 
-from musegl_core.testing.server import scripted_plugin_env
+from musegl_core.testing.server import ServeProcess, scripted_plugin_env
 
 SCRIPT = [
     {"when": "Short?", "reply": " to=user<|message|>" + "word " * 15 + "<|eot|>", "token_delay": 0.1},
@@ -27,58 +25,11 @@ SCRIPT = [
 ]
 
 
-class Serve:
-    """A ``musegl serve`` child in its own process group, its stderr collected."""
+def Serve(*args: str) -> ServeProcess:  # noqa: N802 (reads as the class it builds)
+    """The scripted demo model under ``musegl serve``, a child in its own process group."""
+    from musegl_core.tiny import default_model_path
 
-    def __init__(self, *args: str):
-        from musegl_core.tiny import default_model_path
-
-        argv = [sys.executable, "-m", "musegl_core.cli.main", "serve", str(default_model_path()),
-                "--executor", "scripted", "--max-context", "1024", "--port", "0", *args]
-        self.proc = subprocess.Popen(argv, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
-                                     start_new_session=True)
-        self.lines: list[str] = []
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        for line in self.proc.stderr:
-            self.lines.append(line)
-
-    @property
-    def stderr(self) -> str:
-        return "".join(self.lines)
-
-    def wait_ready(self, timeout: float = 120) -> str:
-        deadline = time.monotonic() + timeout
-        url = None
-        while time.monotonic() < deadline:
-            if url is None:
-                found = re.search(r"listening on (http://\S+)", self.stderr)
-                url = found.group(1) if found else None
-            if url is not None:
-                try:
-                    if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                        return url
-                except httpx.TransportError:
-                    pass
-            if self.proc.poll() is not None:
-                break
-            time.sleep(0.1)
-        raise AssertionError(f"the server did not become ready:\n{self.stderr}")
-
-    def signal(self, sig: int) -> None:
-        os.killpg(self.proc.pid, sig)
-
-    def wait(self, timeout: float = 60) -> int:
-        code = self.proc.wait(timeout)
-        self._reader.join(5)
-        return code
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(10)
+    return ServeProcess(str(default_model_path()), "--executor", "scripted", "--max-context", "1024", *args)
 
 
 @pytest.fixture
