@@ -95,6 +95,13 @@ SCHEMA = {"type": "object", "properties": {"items": {"type": "array", "items": {
           "required": ["items"]}
 
 OUT: list = []  # the --out file, when given
+PROFILE_DIR: list = []  # --profile: the servers' table directory
+
+
+def start_profile(label: str, skip: int = 4, count: int = 12) -> None:
+    """--profile: the server records launches skip+1 .. skip+count from now (musegl_cuda.step_profile)."""
+    if PROFILE_DIR:
+        (PROFILE_DIR[0] / "start").write_text(f"{skip} {count} {label}")
 
 
 def emit(**fields) -> None:
@@ -248,6 +255,8 @@ def run_musegl(args, checkpoint, rng, tok_s: dict[tuple[int, int], float]):
     times = timed(args, lambda: executor.step(step), 1 + args.prefill_repeat)[1:]
     emit(engine="musegl", figure="prefill", tokens=n, s=round(statistics.median(times), 4),
          tok_s=round(n / statistics.median(times), 1))
+    if args.profile and cuda:
+        print_profile(f"a {n}-token prefill step", 1, lambda: executor.step(step))
 
     for context, b in decode_points(args):
         try:
@@ -340,20 +349,30 @@ def decode_one(args, executor, rng, context, at, b, per_seq, blocks, tok_s) -> N
     graph_ms = None
     if graphs is not None and width in graphs.graphs:  # the replay alone, no host work
         graph_ms = round(replay_ms(graphs.graphs[width]), 2)
-    if args.profile and is_cuda(args):
-        from torch.profiler import ProfilerActivity, profile
-
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            for s in range(4):
-                decode(at + 3 + 2 * args.steps + s)
-            torch.cuda.synchronize()
-        print(f"--- profile: 4 decode steps at batch {b}, context {context}", file=sys.stderr)
-        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60),
-              file=sys.stderr)
+    if args.profile and is_cuda(args) and f"{context}x{b}" in args.profile_at.split(","):
+        print_profile(f"4 decode steps at batch {b}, context {context}", 4,
+                      lambda: [decode(at + 3 + 2 * args.steps + s) for s in range(4)])
     emit(engine="musegl", figure="decode", batch=b, context=context, positions=at,
          graph=width in executor.limits.step_sizes, pipelined=executor.limits.async_steps,
          ms_per_step=round(ms, 2), tok_s=round(b / ms * 1e3, 1), sync_ms_per_step=round(sync_ms, 2),
          graph_ms=graph_ms, fill=args.fill)
+
+
+def print_profile(what: str, launches: int, fn) -> None:
+    """torch.profiler's kernels of ``fn`` by total GPU time, and their sum per launch, on stderr."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    wall_ms = (time.perf_counter() - t) * 1e3
+    events = prof.key_averages()
+    kernel_ms = sum(getattr(e, "self_device_time_total", 0) or 0 for e in events) / 1e3
+    print(f"--- profile: {what}: {wall_ms / launches:.2f} ms wall and {kernel_ms / launches:.2f} ms of GPU "
+          f"kernels a launch (under the profiler)", file=sys.stderr)
+    print(events.table(sort_by="self_cuda_time_total", row_limit=24, max_name_column_width=70), file=sys.stderr)
 
 
 def release_cached() -> None:
@@ -467,6 +486,10 @@ def write_draft(args, tmp: Path, num_layers: int) -> Path:
 
 
 def server_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    if PROFILE_DIR:  # --profile: the servers record windows of steps when start_profile asks
+        from musegl_cuda.step_profile import ENV as PROFILE_ENV
+
+        extra = {**(extra or {}), PROFILE_ENV: str(PROFILE_DIR[0])}
     return {**os.environ, **(extra or {}),
             "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "plugins" / "cuda"), os.environ.get("PYTHONPATH", "")])}
 
@@ -528,6 +551,7 @@ def run_serve(args, tmp: Path, executor_tok_s: dict, plain: dict[int, dict]) -> 
         emit(engine="musegl-serve", figure="serve_startup", s=round(time.perf_counter() - t0, 1))
         if "serve" in args.phases:
             for c in levels:
+                start_profile(f"serve_c{c}", skip=8)
                 report = bench(args, url, c, max(2 * c, 4), args.serve_max_tokens, args.serve_prompt_tokens, env)
                 if isinstance(report, str):
                     emit(engine="musegl-serve", figure="serve", concurrency=c, error=report)
@@ -611,6 +635,7 @@ def run_dflash_plain(args, url: str, plain: dict[int, dict]) -> None:
         if c in plain:
             continue
         warm_up(args, url, c, server_env())
+        start_profile(f"dflash_plain_c{c}")
         report = dflash_bench(args, url, c, server_env())
         if isinstance(report, str):
             emit(engine="musegl-serve", figure="dflash_plain", concurrency=c, error=report)
@@ -660,6 +685,7 @@ def run_dflash(args, tmp: Path, plain: dict[int, dict]) -> None:
                         dflash_bench(args, url, c, env)
                         recorded.add(c)
                     control.write_text(str(k))
+                    start_profile(f"dflash_c{c}_accept{k}")
                     before = [draft_metric(url, n) for n in ("spec_verify_blocks", "spec_accepted_tokens")]
                     report = dflash_bench(args, url, c, env)
                     blocks, accepted = (draft_metric(url, n) - b for n, b in
@@ -710,7 +736,14 @@ def main() -> int:
                         "--tensor-parallel-size N, musegl bench's tokens/s per device)")
     p.add_argument("--baseline", action="store_true", help="also transformers on the same weights")
     p.add_argument("--baseline-steps", type=int, default=16)
-    p.add_argument("--profile", action="store_true", help="print torch.profiler's top kernels of 4 decode steps")
+    p.add_argument("--profile", action="store_true",
+                   help="torch.profiler tables (CUDA): the executor's prefill step and 4 decode steps at each "
+                        "--profile-at point (stderr); the served plain and DFlash runs' steps (the servers' "
+                        "MUSEGL_BENCHMARK_PROFILE, tables in --profile-dir)")
+    p.add_argument("--profile-at", default="512x1,512x64",
+                   help="the decode points profiled, CONTEXTxBATCH, comma-separated")
+    p.add_argument("--profile-dir", default=None,
+                   help="where the servers write their tables (default: profiles/ beside --out)")
     p.add_argument("--blas", choices=("cublas", "cublaslt"), help="torch's preferred BLAS library (default: torch's)")
     p.add_argument("--serve-concurrency", default="1,8,32,64")
     p.add_argument("--serve-max-tokens", type=int, default=128)
@@ -735,6 +768,10 @@ def main() -> int:
         return 2
     if args.out:
         OUT.append(args.out)
+    if args.profile and is_cuda(args):
+        folder = Path(args.profile_dir or (Path(args.out).resolve().parent / "profiles" if args.out else "profiles"))
+        folder.mkdir(parents=True, exist_ok=True)
+        PROFILE_DIR.append(folder)
     if args.blas:
         torch.backends.cuda.preferred_blas_library(args.blas)
     rng = np.random.default_rng(0)

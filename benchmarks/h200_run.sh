@@ -10,6 +10,8 @@
 #                                    # levels, 32k TTFT, rows (JSON schema, logprobs); waits for
 #                                    # stage 1's jobs first (up to 2 minutes)
 #   benchmarks/h200_run.sh compare   # the agent workload and plain decode, musegl vs llama-server
+#   benchmarks/h200_run.sh probe     # gpu_gemv.py (the four weight products: cuBLAS vs a Triton kernel),
+#                                    # then the executor phase of gpu_decode.py as in decode, profiled
 #
 # Each writes JSON lines (and logs) into $OUT (default ./h200_out). Run from the repository root
 # with the `run` tool's carry: [".whl", "benchmarks/llamacpp-src.tar.xz"] (the wheels the device
@@ -19,11 +21,13 @@
 # T_TESTS, T_DFLASH, T_EXECUTOR, T_SERVED, T_COMPARE (seconds) cap each part; GPU_TESTS names the test
 # paths of stage 1; SERVE_CONCURRENCY, COMPARE_TURNS and COMPARE_MAX_TOKENS size the served levels and the
 # agent workload; SIDES (default musegl,llamacpp) picks the compare stage's servers.
+# PROFILE=1 adds gpu_decode's --profile (torch.profiler tables of the executor's prefill and decode points
+# on stderr, and of the served plain/DFlash steps in $OUT/profiles; the probe stage always profiles).
 # SMOKE=1 runs the same three stages on the CPU at the tiny shape with small counts (the local
 # check of this script; the GPU tests are skipped; WORK=/tmp/h200 and SITE=/tmp/site unless set).
 set -uo pipefail
 
-stage=${1:?usage: h200_run.sh build|decode|compare}
+stage=${1:?usage: h200_run.sh build|decode|compare|probe}
 OUT=${OUT:-$PWD/h200_out}
 LAYERS=${LAYERS:-26}
 WORK=${WORK:-/tmp/h200}
@@ -52,6 +56,8 @@ else
     compare_args=(--conversations 32 --turns "${COMPARE_TURNS:-5}" --shared-system-tokens 12000 --prompt-tokens 500
                   --max-tokens "${COMPARE_MAX_TOKENS:-128}" --decode-concurrency 1,32 --decode-max-tokens 128)
 fi
+profile=()
+[ "${PROFILE:-0}" = 1 ] && profile=(--profile --profile-at "${PROFILE_AT:-512x1,512x64,32768x1}")
 mkdir -p "$OUT" "$WORK"
 here=$(cd "$(dirname "$0")" && pwd)
 root=$(dirname "$here")
@@ -89,6 +95,10 @@ note() { echo "{\"stage\": \"$stage\", $1}" | tee -a "$OUT/h200_run.jsonl"; }
 
 wait_for() {  # wait_for NAME SECONDS: a background job of stage 1 (its .done file holds its status)
     local name=$1 limit=$2 waited=0
+    if [ ! -f "$WORK/$name.done" ] && [ ! -f "$WORK/$name.log" ]; then  # never started (no build stage here)
+        note "\"job\": \"$name\", \"status\": \"not started\""
+        return 1
+    fi
     while [ ! -f "$WORK/$name.done" ] && [ "$waited" -lt "$limit" ]; do sleep 5; waited=$((waited + 5)); done
     if [ -f "$WORK/$name.done" ]; then
         note "\"job\": \"$name\", \"status\": $(cat "$WORK/$name.done"), \"waited_s\": $waited"
@@ -123,7 +133,7 @@ build)
     fi
     # served DFlash here, beside the build: both sides of each ratio (DFlash / the same requests
     # without a draft) are measured in this same stage
-    timeout -k 40 "${T_DFLASH:-210}" python3 "$here/gpu_decode.py" --phases dflash "${shape[@]}" "${dflash_args[@]}" \
+    timeout -k 40 "${T_DFLASH:-210}" python3 "$here/gpu_decode.py" --phases dflash "${shape[@]}" "${dflash_args[@]}" "${profile[@]}" \
         --out "$OUT/gpu_decode.jsonl" 2>"$OUT/gpu_decode_dflash.stderr"
     note "\"gpu_decode_dflash_rc\": $?"
     reap dflash
@@ -134,11 +144,11 @@ build)
 decode)
     wait_for gguf 30
     wait_for llamacpp 90  # (a build still running goes on beside the measurements, at nice 10)
-    timeout -k 40 "${T_EXECUTOR:-220}" python3 "$here/gpu_decode.py" --phases executor "${shape[@]}" "${executor_args[@]}" \
+    timeout -k 40 "${T_EXECUTOR:-220}" python3 "$here/gpu_decode.py" --phases executor "${shape[@]}" "${executor_args[@]}" "${profile[@]}" \
         --out "$OUT/gpu_decode.jsonl" 2>"$OUT/gpu_decode_executor.stderr"
     note "\"gpu_decode_executor_rc\": $?"
     reap executor
-    timeout -k 40 "${T_SERVED:-180}" python3 "$here/gpu_decode.py" --phases serve,rows "${shape[@]}" "${served_args[@]}" \
+    timeout -k 40 "${T_SERVED:-180}" python3 "$here/gpu_decode.py" --phases "${SERVED_PHASES:-serve,rows}" "${shape[@]}" "${served_args[@]}" "${profile[@]}" \
         --out "$OUT/gpu_decode.jsonl" 2>"$OUT/gpu_decode_served.stderr"
     note "\"gpu_decode_served_rc\": $?"
     reap served
@@ -159,6 +169,17 @@ compare)
     rc=$?
     reap compare
     note "\"compare_rc\": $rc, \"layers\": \"$([ "$SMOKE" = 1 ] && echo tiny || echo "$LAYERS")\""
+    ;;
+probe)
+    if [ "$SMOKE" = 1 ]; then note "\"gpu_gemv\": \"skipped (SMOKE)\""; else
+        timeout -k 20 "${T_GEMV:-150}" python3 "$here/gpu_gemv.py" >"$OUT/gpu_gemv.jsonl" 2>"$OUT/gpu_gemv.stderr"
+        note "\"gpu_gemv_rc\": $?"
+    fi
+    [ ${#profile[@]} -gt 0 ] || profile=(--profile --profile-at "${PROFILE_AT:-512x1,512x64,32768x1}")
+    timeout -k 40 "${T_EXECUTOR:-220}" python3 "$here/gpu_decode.py" --phases executor "${shape[@]}" "${executor_args[@]}" "${profile[@]}" \
+        --out "$OUT/gpu_decode.jsonl" 2>"$OUT/gpu_decode_executor.stderr"
+    note "\"gpu_decode_executor_rc\": $?"
+    reap executor
     ;;
 *)
     echo "unknown stage $stage (build, decode or compare)" >&2; exit 2 ;;

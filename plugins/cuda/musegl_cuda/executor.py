@@ -54,6 +54,7 @@ from musegl_cuda.plan import StepPlan, plan_step, rows_per_tile
 from musegl_cuda.vision import load_vision_encoder
 from musegl_cuda.pending import GreedyIds, Launched, Sampled, device_sources, follow_on_host
 from musegl_cuda.sampling import Draw, choose, on_device
+from musegl_cuda.step_profile import StepProfiler
 
 DEFAULT_BLOCK_SIZE = 16
 #: Decode widths captured as CUDA graphs unless ``--forward-sizes`` says otherwise.
@@ -240,6 +241,7 @@ class TorchExecutor:
         self._previous: PendingStep | None = None  # the last launch (a following chunk reads its ids)
         self._drafted: DraftRows | None = None  # the launch's device-draft blocks, until judged
         self._unresolved: collections.deque[Launched] = collections.deque()  # launches not read yet
+        self._profiler = StepProfiler.from_env()  # benchmark only (MUSEGL_BENCHMARK_PROFILE)
 
     # -- KV storage ------------------------------------------------------------
 
@@ -366,6 +368,8 @@ class TorchExecutor:
         padding rows). Chunks that :attr:`~SeqChunk.follows` the previous launch
         take its ids on the device where that launch was a graph step of one row
         per sequence, else from its result."""
+        if self._profiler is not None:
+            self._profiler.tick()
         previous, self._previous = self._previous, None
         self._drafted = None
         if not step.chunks:
