@@ -1,0 +1,106 @@
+"""Prefill attention alone at the 30B shape: how the launch settings of the paged attention kernel change it.
+
+A ``--tokens``-token prompt of one sequence (default 4096) attends over its own
+keys in the paged cache, as a prefill step's layers do: 32 query heads over 2
+KV heads, head dimension 128, bf16, causal, the sliding layers with the
+2048-key window and the global ones without. For the executor's setting (rows
+per program ``block_m`` = 128, i.e. 8 positions of the 16 heads of a KV head;
+64 keys a block; 8 warps; 2 stages) and every setting of a small sweep, one
+JSON line: microseconds per sliding and per global layer (median of CUDA-graph
+replays of 8 launches), the 52-layer sum (39 sliding + 13 global layers), and
+the largest difference from the executor's setting's output.
+
+Needs a CUDA GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path[:0] = [str(Path(__file__).resolve().parents[1] / "plugins" / "cuda")]
+
+from musegl_cuda import kernels  # noqa: E402
+
+
+def emit(**fields) -> None:
+    print(json.dumps(fields), flush=True)
+
+
+def graph_us(fn, launches: int = 8, repeat: int = 10) -> float:
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(launches):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeat):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / launches)
+    return statistics.median(times)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tokens", type=int, default=4096)
+    p.add_argument("--window", type=int, default=2048)
+    args = p.parse_args()
+    n, heads, kv_heads, hd, bs = args.tokens, 32, 2, 128, 16
+    group = heads // kv_heads
+    torch.manual_seed(0)
+    dev = "cuda"
+    q = torch.randn(n, heads, hd, device=dev, dtype=torch.bfloat16)
+    blocks = -(-n // bs)
+    k = torch.randn(blocks * bs, kv_heads, hd, device=dev, dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    qkvg = torch.randn(n, heads * hd, device=dev, dtype=torch.bfloat16)
+    tables = torch.arange(blocks, device=dev, dtype=torch.int32)[None, :]
+    scale = hd ** -0.5
+
+    def tiles_of(block_m: int) -> tuple[torch.Tensor, int]:
+        per = block_m // group
+        rows = [(0, r, min(per, n - r), r) for r in range(0, n, per)]
+        return torch.tensor(rows, device=dev, dtype=torch.int32), len(rows)
+
+    def run(block_m: int, sliding: bool) -> torch.Tensor:
+        tiles, count = tiles_of(block_m)
+        return kernels.gated_attention(q, k, v, bs, tables, tiles, count, 1, block_m, args.window, sliding, scale,
+                                       qkvg, 0)
+
+    emit(part="setup", device=torch.cuda.get_device_name(), tokens=n, window=args.window)
+    reference = {s: run(128, s).float() for s in (False, True)}
+    default = dict(block_m=128, block_n=None, warps=None, stages=None)
+    sweep = [default] + [dict(block_m=m, block_n=bn, warps=w, stages=st) for m, bn, w, st in
+                         itertools.product((128, 256), (64, 128), (4, 8), (2, 3))]
+    for s in sweep:
+        kernels.ATTENTION_BLOCK_N, kernels.ATTENTION_WARPS, kernels.ATTENTION_STAGES = (
+            s["block_n"], s["warps"], s["stages"])
+        try:
+            diff = max((run(s["block_m"], sl).float() - reference[sl]).abs().max().item() for sl in (False, True))
+            us = {sl: graph_us(lambda sl=sl: run(s["block_m"], sl)) for sl in (False, True)}
+        except Exception as exc:  # a setting that does not compile or fit
+            emit(part="setting", **s, error=str(exc)[:160])
+            continue
+        emit(part="setting", **s, sliding_us=round(us[True], 1), global_us=round(us[False], 1),
+             layers_ms=round((39 * us[True] + 13 * us[False]) / 1e3, 2), max_diff=round(diff, 4))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
