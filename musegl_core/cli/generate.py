@@ -140,7 +140,9 @@ def main(argv: list[str]) -> int:
     engine.run_until_idle()
     failed = [e for e in events if isinstance(e, ev.Failed)]
     if failed:
-        raise ConfigError(failed[0].message)
+        from musegl_core.http.errors import api_error
+
+        raise ConfigError(api_error(failed[0].error).message)
     done = next(e for e in events if isinstance(e, ev.Done))
     ids = [i for e in events if isinstance(e, ev.Tokens) for i in e.ids]
     text = "".join(e.text for e in events if isinstance(e, ev.Tokens))

@@ -6,7 +6,7 @@ order, holding no KV: for a running place, for a session slot that frees on
 its own (an anonymous request's, or an evictable one with
 ``--evict-idle-sessions``), or for its named session's previous request.
 ``--max-queued-requests`` bounds the queue; a request that finds it full is
-refused with 503 ``server_busy``. :class:`AdmissionQueue` keeps the order, the
+refused (``Busy``: 503 ``server_busy``). :class:`AdmissionQueue` keeps the order, the
 bound, the wait times and the estimate behind a refusal's ``Retry-After``;
 :class:`Admission` decides, on the engine thread, which request starts when.
 """
@@ -26,7 +26,6 @@ from musegl_core.engine.identity import prompt_keys
 from musegl_core.engine.replay import Replayer
 from musegl_core.engine.request import PreparedRequest
 from musegl_core.engine.sessions import CapacityError, SaltMismatch, Session, SessionTable
-from musegl_core.errors import ApiError
 
 #: departures (starts and cancellations) the Retry-After estimate looks back over
 DEPARTURES_SEEN = 16
@@ -112,7 +111,7 @@ class Admission:
     replayer: Replayer
     running: Mapping[str, object]
     start: Callable[[PreparedRequest, Session, float], None]
-    fail: Callable[[str, ApiError], None]
+    fail: Callable[[str, errors.EngineError], None]
     queue: AdmissionQueue = attrs.field(init=False)  # admitted, not running
     due: bool = False
 
@@ -121,15 +120,15 @@ class Admission:
 
     def admit(self, request: PreparedRequest) -> None:
         """Check a new request, queue it, and start it at once when it may run; a
-        request that has to wait in a full queue is refused (503 ``server_busy``)."""
+        request that has to wait in a full queue is refused (:class:`~musegl_core.engine.errors.Busy`)."""
         config = self.config
         if request.id in self.running or request.id in self.queue:
-            self.fail(request.id, errors.duplicate_id(request.id))
+            self.fail(request.id, errors.DuplicateId(request.id))
             return
         prompt = len(request.prompt_ids)
         reservation = request.completion_reservation
         if prompt + reservation > config.max_context:
-            self.fail(request.id, errors.context_error(prompt, reservation, config.max_context))
+            self.fail(request.id, errors.ContextTooLong(prompt, reservation, config.max_context))
             return
         self.queue.push(request)
         self.link(request)
@@ -139,7 +138,7 @@ class Admission:
         if self.queue.over:  # queue overload never evicts a session
             self.unlink(request)
             self.queue.refuse(request.id)
-            self.fail(request.id, errors.busy_error(len(self.running), len(self.queue), self.queue.retry_after()))
+            self.fail(request.id, errors.Busy(len(self.running), len(self.queue), self.queue.retry_after()))
             return
         self.queue.admitted += 1
 
@@ -147,7 +146,7 @@ class Admission:
         """Start the queued requests that may run now, in arrival order: while a running
         place is free, each one whose session is not busy with an earlier request and
         that gets a session slot. One that waits for a slot that will never free on its
-        own fails (503 ``session_capacity``) instead of waiting for ever."""
+        own fails (:class:`~musegl_core.engine.errors.NoSessionSlot`) instead of waiting for ever."""
         self.due = False
         slots_full = False  # once a new slot was refused, later requests needing one wait too
         for entry in self.queue:

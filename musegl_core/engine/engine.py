@@ -32,7 +32,7 @@ from typing import Callable
 
 import attrs
 
-from musegl_core.engine import commands, errors
+from musegl_core.engine import commands
 from musegl_core.engine import events as ev
 from musegl_core.engine.admission import Admission
 from musegl_core.engine.detokenize import IncrementalDetokenizer, hidden_ids
@@ -47,13 +47,12 @@ from musegl_core.engine.loop import StepLoop
 from musegl_core.engine.request import Phase, PreparedRequest, SequenceState
 from musegl_core.engine.output import push_token
 from musegl_core.engine.scheduler import Scheduler, SchedulerLimits
-from musegl_core.engine.errors import constraint_failure, context_error  # noqa: F401 (importable from here too)
+from musegl_core.engine.errors import EngineError, NoSession, SessionActive, constraint_failure
 from musegl_core.engine.sessions import Session, SessionBusy, SessionTable
 from musegl_core.engine.speculator import NoSpeculator, Speculator
 from musegl_core.engine.step_book import StepBook
 from musegl_core.engine.stops import StopMatcher
 from musegl_core.engine.throughput import ThroughputLog
-from musegl_core.errors import ApiError
 
 log = logging.getLogger("musegl.engine")
 
@@ -175,8 +174,9 @@ class Engine:
         """``reply(infos)`` on the engine thread: every named session (``GET /v1/sessions``)."""
         self._inbox.put(commands.ListSessions(reply))
 
-    def close_session(self, name: str, reply: Callable[[ApiError | None], None]) -> None:
-        """Close an idle named session; ``reply(None)`` or ``reply(error)`` (404, 409)."""
+    def close_session(self, name: str, reply: Callable[[EngineError | None], None]) -> None:
+        """Close an idle named session; ``reply(None)`` or ``reply(error)`` (:class:`NoSession`,
+        :class:`SessionActive`)."""
         self._inbox.put(commands.CloseSession(name, reply))
 
     def expire_idle_sessions(self) -> None:
@@ -282,23 +282,20 @@ class Engine:
         """Run ``function(stats)`` on the engine thread between steps."""
         self._inbox.put(commands.Call(function))
 
-    def _close_session(self, name: str, reply: Callable[[ApiError | None], None]) -> None:
+    def _close_session(self, name: str, reply: Callable[[EngineError | None], None]) -> None:
         try:
             self.sessions.close(name)
         except KeyError:
-            reply(errors.no_session(name))
+            reply(NoSession(name))
         except SessionBusy:
-            reply(errors.session_active(name))
+            reply(SessionActive(name))
         else:
             self._dispatch_due = True  # a slot is free
             reply(None)
 
     # -- admission -------------------------------------------------------------------
-    def _fail(self, request_id: str, error: ApiError) -> None:
-        self.emit(
-            ev.Failed(request_id, error.status, error.message, error.type, error.code, error.param,
-                      dict(error.metadata), error.retry_after)
-        )
+    def _fail(self, request_id: str, error: EngineError) -> None:
+        self.emit(ev.Failed(request_id, error))
 
     @property
     def _dispatch_due(self) -> bool:
@@ -386,7 +383,7 @@ class Engine:
 
     def _on_token(self, seq: SequenceState, token: int, logprobs: TokenLogprobs | None = None) -> None:
         request = seq.request
-        failure = errors.constraint_failure(request.processors)
+        failure = constraint_failure(request.processors)
         if failure is not None:  # the token was drawn without the constraint: never emitted
             self._end_failed(seq, failure)
             return
@@ -399,7 +396,7 @@ class Engine:
         if output.finish is not None:
             self._finish(seq, output.finish, output.matched_stop)
 
-    def _end_failed(self, seq: SequenceState, error: ApiError) -> None:
+    def _end_failed(self, seq: SequenceState, error: EngineError) -> None:
         """End ``seq`` because it cannot go on, and report why."""
         self._finish(seq, None, None)
         self._fail(seq.id, error)

@@ -6,10 +6,9 @@ the front turns them into HTTP responses.
 
 from __future__ import annotations
 
-from typing import Any
-
 import attrs
 
+from musegl_core.engine.errors import EngineError
 from musegl_core.engine.executor import TokenLogprobs
 
 
@@ -68,11 +67,9 @@ class Done:
 
 @attrs.frozen
 class Failed:
+    """The request failed (or, with ``id`` None, a frame did): ``error`` says what
+    happened, as an error kind and its details (:mod:`musegl_core.engine.errors`);
+    the front gives it its status and message (:mod:`musegl_core.http.errors`)."""
+
     id: str | None
-    status: int
-    message: str
-    type: str = "server_error"
-    code: str | None = None
-    param: str | None = None
-    metadata: dict[str, Any] = attrs.field(factory=dict)
-    retry_after: int | None = None  # seconds, for a Retry-After header (503s); None: none is sent
+    error: EngineError

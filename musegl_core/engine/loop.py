@@ -17,7 +17,7 @@ Drafts may stay on the device (``ExecutorLimits.device_drafts`` and a
 speculator that proposes there): the executor then compares them and reports
 ``StepOutput.accepted``.
 
-An executor failure fails the requests of that step (500), not the engine.
+An executor failure fails the requests of that step (``ExecutionFailed``), not the engine.
 """
 
 from __future__ import annotations
@@ -36,7 +36,6 @@ from musegl_core.engine.scheduler import ScheduledStep, Scheduler, TokenFn
 from musegl_core.engine.speculator import DeviceDrafts, DraftRequest, Speculator, proposes_on_device
 from musegl_core.engine.step_book import StepBook
 from musegl_core.engine.throughput import ThroughputLog
-from musegl_core.errors import ApiError
 
 log = logging.getLogger("musegl.engine")
 
@@ -68,7 +67,7 @@ class StepLoop:
     embed: Callable[[SequenceState, int], Any]
     on_prefilled: Callable[[SequenceState], None]
     on_token: TokenFn
-    fail: Callable[[SequenceState, ApiError], None]
+    fail: Callable[[SequenceState, errors.EngineError], None]
     steps: int = 0
     steps_ahead: int = 0  # steps launched before the previous one was read
     discarded_rows: int = 0  # their rows whose sequence had stopped
@@ -172,7 +171,7 @@ class StepLoop:
 
     def _encode_images(self) -> None:
         """Encode the images of prompts still prefilling, before the step is planned:
-        an image the executor cannot encode fails its own request (500) and nothing
+        an image the executor cannot encode fails its own request (``ImageEncodingFailed``) and nothing
         else, and planning never stops halfway through (block copies promised)."""
         for seq in list(self.scheduler.running):
             if seq.phase is not Phase.PREFILL or not seq.request.images:
@@ -183,7 +182,7 @@ class StepLoop:
                         self.embed(seq, index)
             except Exception as exc:
                 log.exception("image encoding failed")
-                self.fail(seq, errors.image_encoding_failed(exc))
+                self.fail(seq, errors.ImageEncodingFailed(str(exc)))
 
     # -- asynchronous steps ------------------------------------------------------------
     @staticmethod
@@ -278,7 +277,7 @@ class StepLoop:
         for seq, _ in plan:
             if seq.phase is Phase.FINISHED:
                 continue
-            self.fail(seq, errors.execution_failed(exc))
+            self.fail(seq, errors.ExecutionFailed(str(exc)))
 
     def _record(self, plan: list[tuple[SequenceState, int]], seconds: float) -> None:
         self.steps += 1

@@ -33,6 +33,7 @@ import attrs
 
 from musegl_core.config import ServeConfig
 from musegl_core.errors import ApiError, shutting_down, unavailable
+from musegl_core.http.errors import api_error
 from musegl_core.worker import messages as m
 
 log = logging.getLogger("musegl.front")
@@ -250,7 +251,7 @@ class WorkerClient:
             if queue is not None:
                 queue.put_nowait(event)
             elif isinstance(event, m.Failed) and event.id is None:
-                log.error("worker error: %s", event.message)
+                log.error("worker error: %s", api_error(event.error).message)
 
     def retry_after(self) -> int | None:
         """Seconds until the worker should be ready, for the ``Retry-After`` of a 503 that
@@ -311,7 +312,7 @@ class WorkerClient:
         if isinstance(item, ApiError):
             raise item
         if isinstance(item, m.Failed):
-            raise ApiError(item.status, item.message, item.type, item.code, item.param, dict(item.metadata))
+            raise api_error(item.error)
         return item
 
     async def stats(self, timeout: float = 10) -> dict:
@@ -350,10 +351,7 @@ class WorkerClient:
                     raise item
                 if isinstance(item, m.Failed):
                     finished = True
-                    raise ApiError(
-                        item.status, item.message, item.type, item.code, item.param, dict(item.metadata),
-                        retry_after=item.retry_after,  # the engine's estimate, or none (engine/admission.py)
-                    )
+                    raise api_error(item.error)
                 yield item
                 if isinstance(item, m.Done):
                     finished = True

@@ -29,7 +29,8 @@ from musegl_core.config import ServeConfig
 from musegl_core.engine.engine import Engine, EngineConfig
 from musegl_core.engine.randomness import seed_requests
 from musegl_core.engine.sessions import session_policy
-from musegl_core.errors import ApiError, ConfigError
+from musegl_core.engine.errors import EngineError, SessionActive
+from musegl_core.errors import ConfigError
 from musegl_core.vision.preprocess import ImagePreprocessor, vision_patches
 from musegl_core.worker import messages as m
 from musegl_core.worker.loading import load
@@ -56,7 +57,7 @@ class EventWriter:
                 line = m.encode(attrs.evolve(event, generated_ids=None, generated_chars=None), m.MAX_EVENT_FRAME)
             else:
                 rid = getattr(event, "id", None)
-                line = m.encode(m.Failed(rid, 500, "an output frame exceeded 1 MiB", "server_error"))
+                line = m.encode(m.Failed(rid, m.EventTooLarge()))
         with self.lock:
             self.stream.write(line)
             self.stream.flush()
@@ -69,13 +70,10 @@ def control_loop(stdin: BinaryIO, engine: Engine, tokenizer, writer: EventWriter
     the next frame (a cancellation, another request)."""
     vocab_size = engine.executor.info.vocab_size
 
-    def fail(request_id: str, err: ApiError) -> None:
-        writer(m.Failed(request_id, err.status, err.message, err.type, err.code, err.param, dict(err.metadata)))
-
     pool = PreparationPool(
         lambda request: engine.plan_replay(prepare(request, tokenizer, vocab_size, vision,
                                                    max_context=engine.config.max_context)),
-        engine.submit, fail)
+        engine.submit, lambda request_id, error: writer(m.Failed(request_id, error)))
     try:
         _read_frames(stdin, engine, writer, limit, pool)
     finally:
@@ -91,12 +89,12 @@ def _read_frames(stdin: BinaryIO, engine: Engine, writer: EventWriter, limit: in
         if not line.endswith(b"\n") and len(line) > limit:
             while line and not line.endswith(b"\n"):  # discard the rest of the oversized frame
                 line = stdin.readline(limit + 1)
-            writer(m.Failed(None, 413, f"request frame over {limit} bytes", "invalid_request_error", "request_too_large"))
+            writer(m.Failed(None, m.FrameTooLarge(limit)))
             continue
         try:
             message = m.decode(line)
         except m.FrameError as exc:
-            writer(m.Failed(None, 400, str(exc), "invalid_request_error"))
+            writer(m.Failed(None, m.BadFrame(str(exc))))
             continue
         if isinstance(message, m.Cancel):
             if not pool.cancel(message.id):  # not in preparation: the engine has it
@@ -107,9 +105,7 @@ def _read_frames(stdin: BinaryIO, engine: Engine, writer: EventWriter, limit: in
             engine.list_sessions(lambda infos, rid=message.id: writer(m.SessionList(rid, tuple(infos))))
         elif isinstance(message, m.CloseSession):
             if pool.session_busy(message.session_id):  # its next request is being prepared
-                writer(_closed(message, ApiError(
-                    409, f"session {message.session_id!r} has a request running or queued; close it when idle",
-                    "invalid_request_error", "session_active", "session_id")))
+                writer(_closed(message, SessionActive(message.session_id)))
             else:
                 engine.close_session(message.session_id, lambda error, msg=message: writer(_closed(msg, error)))
         elif isinstance(message, m.Generate):
@@ -123,10 +119,10 @@ def image_preprocessor(config: ServeConfig, executor) -> ImagePreprocessor | Non
     return ImagePreprocessor(vision_patches(config.max_vision_patches, executor.info), config.max_image_bytes)
 
 
-def _closed(message: m.CloseSession, error: ApiError | None):
+def _closed(message: m.CloseSession, error: EngineError | None):
     if error is None:
         return m.SessionClosed(message.id, message.session_id)
-    return m.Failed(message.id, error.status, error.message, error.type, error.code, error.param)
+    return m.Failed(message.id, error)
 
 
 def _expire_idle_sessions(engine: Engine, timeout: float) -> None:

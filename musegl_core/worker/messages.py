@@ -20,16 +20,18 @@ It is written and read without the converter, so a generated token costs one
 from __future__ import annotations
 
 import json
-from typing import Any, Union
+from typing import Any, ClassVar, Union
 
 import attrs
 import cattrs
 
 from musegl_core.config import ServeConfig
+from musegl_core.engine.errors import ENGINE_ERRORS, EngineError
 from musegl_core.engine.events import Admitted, Done, Failed, Started, Tokens
 from musegl_core.engine.executor import ModelInfo, TokenLogprobs
 from musegl_core.engine.request import GenerateRequest, PromptSegment
 from musegl_core.engine.sessions import SessionInfo
+from musegl_core.errors import ApiError
 
 MAX_EVENT_FRAME = 1 << 20  # 1 MiB, newline included
 
@@ -72,7 +74,8 @@ class ListSessions:
 
 @attrs.frozen
 class CloseSession:
-    """Close an idle named session (answered by ``SessionClosed`` or ``Failed``: 404, 409)."""
+    """Close an idle named session (answered by ``SessionClosed``, or ``Failed`` with
+    ``NoSession`` or ``SessionActive``)."""
 
     id: str
     session_id: str
@@ -112,6 +115,67 @@ class SessionClosed:
     session_id: str
 
 
+# -- the worker's own error kinds (beside the engine's: musegl_core.engine.errors) ---------
+@attrs.frozen
+class FrameTooLarge(EngineError):
+    """A request frame over ``--max-request-bytes`` (``limit``)."""
+
+    kind: ClassVar[str] = "frame_too_large"
+    limit: int
+
+
+@attrs.frozen
+class BadFrame(EngineError):
+    """A request frame that is not a valid message."""
+
+    kind: ClassVar[str] = "bad_frame"
+    reason: str
+
+
+@attrs.frozen
+class EventTooLarge(EngineError):
+    """An event of the request did not fit one event frame (:data:`MAX_EVENT_FRAME`)."""
+
+    kind: ClassVar[str] = "event_too_large"
+    limit: int = MAX_EVENT_FRAME
+
+
+@attrs.frozen
+class PreparationFailed(EngineError):
+    """Preparing the request failed for a reason other than its input (a bug, a library's panic)."""
+
+    kind: ClassVar[str] = "preparation_failed"
+    reason: str
+
+
+@attrs.frozen
+class InputRefused(EngineError):
+    """Preparation refused the request's input. Its checks (tokenizing, images,
+    output constraints: :mod:`musegl_core.worker.prepare`) are shared with
+    ``musegl generate`` and ``musegl render`` and raise
+    :class:`~musegl_core.errors.ApiError`; that error crosses as it is."""
+
+    kind: ClassVar[str] = "input_refused"
+    status: int
+    message: str
+    type: str = "invalid_request_error"
+    code: str | None = None
+    param: str | None = None
+    metadata: dict[str, Any] = attrs.field(factory=dict)
+    retry_after: int | None = None
+
+    @classmethod
+    def of(cls, error: ApiError) -> InputRefused:
+        return cls(error.status, error.message, error.type, error.code, error.param, dict(error.metadata),
+                   error.retry_after)
+
+
+WORKER_ERRORS: tuple[type[EngineError], ...] = (FrameTooLarge, BadFrame, EventTooLarge, PreparationFailed,
+                                                 InputRefused)
+#: every error kind that crosses the pipe, by its ``kind``
+ERROR_KINDS: dict[str, type[EngineError]] = {cls.kind: cls for cls in (*ENGINE_ERRORS, *WORKER_ERRORS)}
+
+
 Request = Union[Setup, Generate, Cancel, Stats, ListSessions, CloseSession]
 Event = Union[Ready, Admitted, Started, Tokens, Done, Failed, StatsReport, SessionList, SessionClosed]
 _OPS: dict[str, type] = {
@@ -122,6 +186,22 @@ _OPS: dict[str, type] = {
 _NAMES = {cls: op for op, cls in _OPS.items()}
 
 converter = cattrs.Converter(omit_if_default=True)
+
+
+def _unstructure_error(error: EngineError) -> dict[str, Any]:
+    return {"kind": error.kind, **converter.unstructure(error, type(error))}
+
+
+def _structure_error(value: Any, _: type) -> EngineError:
+    """An error kind from ``{"kind": ..., details}``; an unknown kind is a malformed frame."""
+    details = dict(value)
+    cls = ERROR_KINDS[details.pop("kind")]
+    return converter.structure(details, cls)
+
+
+# a field typed EngineError (Failed.error) holds any kind: only the base takes these hooks
+converter.register_unstructure_hook_func(lambda cls: cls is EngineError, _unstructure_error)
+converter.register_structure_hook_func(lambda cls: cls is EngineError, _structure_error)
 
 
 class FrameError(ValueError):

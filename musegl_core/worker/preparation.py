@@ -23,9 +23,9 @@ Hand-off rules:
   when the control thread prepared them one by one;
 * a ``Cancel`` for a request still in preparation drops it: nothing of it
   reaches the engine;
-* a failure fails that request alone: an :class:`ApiError` as it is (400 for
-  bad input), anything else a 500 ``server_error``; the threads keep
-  serving.
+* a failure fails that request alone: an :class:`ApiError` (bad input) as
+  it is (``InputRefused``), anything else as ``PreparationFailed`` (a 500
+  ``server_error``); the threads keep serving.
 """
 
 from __future__ import annotations
@@ -42,7 +42,9 @@ import attrs
 
 from musegl_core.checkpoint.validate import one_line
 from musegl_core.engine.request import GenerateRequest, PreparedRequest
+from musegl_core.engine.errors import DuplicateId, EngineError
 from musegl_core.errors import ApiError
+from musegl_core.worker.messages import InputRefused, PreparationFailed
 
 log = logging.getLogger("musegl.worker")
 
@@ -73,7 +75,7 @@ class _Job:
     done: bool = False
     cancelled: bool = False
     prepared: PreparedRequest | None = None
-    error: ApiError | None = None
+    error: EngineError | None = None
 
 
 class PreparationPool:
@@ -81,11 +83,11 @@ class PreparationPool:
 
     :param prepare: request → prepared request (raises :class:`ApiError` for bad input).
     :param submit: called with each prepared request (the engine's ``submit``).
-    :param fail: called with ``(request id, error)`` for a request that failed.
+    :param fail: called with ``(request id, error kind)`` for a request that failed.
     """
 
     def __init__(self, prepare: Callable[[GenerateRequest], PreparedRequest],
-                 submit: Callable[[PreparedRequest], None], fail: Callable[[str, ApiError], None], *,
+                 submit: Callable[[PreparedRequest], None], fail: Callable[[str, EngineError], None], *,
                  light_threads: int = LIGHT_THREADS, heavy_threads: int = HEAVY_THREADS):
         self._prepare = prepare
         self._submit = submit
@@ -112,7 +114,7 @@ class PreparationPool:
                 if request.session_id is not None:
                     self._sessions.setdefault(request.session_id, collections.deque()).append(job)
         if duplicate:
-            self._fail(request.id, ApiError(400, f"duplicate request id {request.id}"))
+            self._fail(request.id, DuplicateId(request.id))
             return
         self._lanes[job.lane].submit(self._run, job)
 
@@ -158,12 +160,12 @@ class PreparationPool:
             try:
                 job.prepared = self._prepare(job.request)
             except ApiError as err:
-                job.error = err
+                job.error = InputRefused.of(err)
             except (KeyboardInterrupt, SystemExit):
                 raise
             except BaseException as exc:  # a bug or a library's panic: this request's 500, never the worker's end
                 log.error("preparing request %s failed", job.request.id, exc_info=True)
-                job.error = ApiError(500, f"preparing the request failed: {one_line(exc)}", "server_error")
+                job.error = PreparationFailed(one_line(exc))
         with self._lock:
             job.done = True
             self._prepared += 1

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import attrs
 
+from musegl_core.engine.errors import ContextTooLong
 from musegl_core.engine.randomness import random_seed
 from musegl_core.engine.request import GenerateRequest, PreparedRequest
 from musegl_core.errors import ApiError
@@ -93,14 +94,8 @@ def prepare(request: GenerateRequest, tokenizer, vocab_size: int = 0,
 def prompt_too_long(at_least: int, reservation: int, max_context: int) -> ApiError:
     """400 ``context_length_exceeded`` for a prompt found too long before it was
     fully tokenized: ``at_least`` is a lower bound of its token count (the
-    metadata says so: ``prompt_tokens_exact`` false)."""
-    from musegl_core.engine.errors import context_error
+    metadata says so: ``prompt_tokens_exact`` false). Written by the front's table
+    (:mod:`musegl_core.http.errors`), as the engine's own refusal is."""
+    from musegl_core.http.errors import api_error
 
-    error = context_error(at_least, reservation, max_context)
-    error.message = (
-        f"This model's maximum context length is {max_context} tokens. However, you requested at least "
-        f"{at_least + reservation} tokens (at least {at_least} in the messages, {reservation} in the "
-        f"completion). Please reduce the length of the messages or completion."
-    )
-    error.metadata["prompt_tokens_exact"] = False
-    return error
+    return api_error(ContextTooLong(at_least, reservation, max_context, exact=False))

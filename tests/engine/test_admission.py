@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from musegl_core.engine import events as ev
+from musegl_core.engine.errors import Busy, NoSessionSlot
 from musegl_core.engine.engine import Engine, EngineConfig
 from musegl_core.engine.executor import GREEDY
 from musegl_core.engine.request import PreparedRequest
@@ -72,8 +73,9 @@ def test_a_full_queue_refuses_with_server_busy_and_a_retry_after(tokenizer):
         engine.submit(request(f"r{i}"))
     engine.run_until_idle()
     (refused,) = of(events, ev.Failed)
-    assert refused.id == "r2" and refused.status == 503 and refused.code == "server_busy"
-    assert refused.retry_after >= 1 and "--max-queued-requests" in refused.message
+    assert refused.id == "r2" and isinstance(refused.error, Busy)
+    assert refused.error == Busy(running=1, queued=1, retry_after=refused.error.retry_after)
+    assert refused.error.retry_after >= 1
     assert {e.id for e in of(events, ev.Done)} == {"r0", "r1"}
     assert engine.stats()["queue_refused"] == 1
 
@@ -83,7 +85,7 @@ def test_no_queue_refuses_what_cannot_run_at_once(tokenizer):
     engine.submit(request("a"))
     engine.submit(request("b"))
     engine.run_until_idle()
-    assert [e.code for e in of(events, ev.Failed)] == ["server_busy"]
+    assert [type(e.error) for e in of(events, ev.Failed)] == [Busy]
 
 
 def test_a_cancelled_queued_request_leaves_the_queue(tokenizer):
@@ -129,8 +131,8 @@ def test_slots_held_by_persisting_sessions_fail_at_once_without_a_retry_after(to
     engine.submit(request("anon"))
     engine.run_until_idle()
     (failed,) = of(events, ev.Failed)
-    assert failed.code == "session_capacity" and failed.retry_after is None  # no slot frees on its own
-    assert "DELETE /v1/sessions" in failed.message
+    assert isinstance(failed.error, NoSessionSlot)
+    assert failed.error.retry_after is None  # no slot frees on its own
 
 
 def test_with_an_idle_timeout_the_retry_after_is_when_a_session_can_expire(tokenizer):
@@ -140,4 +142,4 @@ def test_with_an_idle_timeout_the_retry_after_is_when_a_session_can_expire(token
     engine.submit(request("anon"))
     engine.run_until_idle()
     (failed,) = of(events, ev.Failed)
-    assert failed.code == "session_capacity" and 29 <= failed.retry_after <= 30
+    assert isinstance(failed.error, NoSessionSlot) and 29 <= failed.error.retry_after <= 30

@@ -13,6 +13,7 @@ import pytest
 
 from musegl_core.engine import events as ev
 from musegl_core.engine.engine import Engine, EngineConfig
+from musegl_core.engine.errors import ImageEncodingFailed
 from musegl_core.engine.executor import GREEDY, Executor, ModelInfo, PromptImage, SamplingParams
 from musegl_core.engine.identity import prompt_keys, split_keys
 from musegl_core.engine.kv_sizing import check_fits, parse_bytes, plan_pool
@@ -260,8 +261,7 @@ def test_an_image_the_executor_cannot_encode_fails_only_its_request(tokenizer):
     engine.submit(request("text", [100, 101, 102]))
     engine.run_until_idle()
     failed = [e for e in events if isinstance(e, ev.Failed)]
-    assert [(e.id, e.status) for e in failed] == [("bad", 500)]
-    assert "image encoding failed: unsupported pixels" in failed[0].message
+    assert [(e.id, e.error) for e in failed] == [("bad", ImageEncodingFailed("unsupported pixels"))]
     assert generated(events, "good")[0] and generated(events, "text")[0]
     assert engine.scheduler.idle
 

@@ -11,10 +11,12 @@ import threading
 
 import pytest
 
+from musegl_core.engine.errors import EngineError
 from musegl_core.engine.request import GenerateRequest, ImageInput, PromptSegment
 from musegl_core.errors import ApiError
 from musegl_core.tiny import build_tiny_tokenizer
 from musegl_core.vision import preprocess as vp
+from musegl_core.worker.messages import InputRefused, PreparationFailed
 from musegl_core.worker.prepare import prepare
 from musegl_core.worker.preparation import LIGHT_CHARS, PreparationPool, lane_of
 
@@ -30,7 +32,7 @@ class Recorder:
         self.gates: dict[str, threading.Event] = {}
         self.started: dict[str, threading.Event] = {}
         self.submitted: list[str] = []
-        self.failed: list[tuple[str, ApiError]] = []
+        self.failed: list[tuple[str, EngineError]] = []
         self.done = threading.Condition()
 
     def gate(self, rid: str) -> threading.Event:
@@ -51,7 +53,7 @@ class Recorder:
             self.submitted.append(prepared)
             self.done.notify_all()
 
-    def fail(self, rid: str, error: ApiError) -> None:
+    def fail(self, rid: str, error: EngineError) -> None:
         with self.done:
             self.failed.append((rid, error))
             self.done.notify_all()
@@ -127,9 +129,8 @@ def test_failures_fail_that_request_alone(recorder):
         pool.submit(request(rid))
     recorder.wait(3)
     failed = dict(recorder.failed)
-    assert failed["bad1"].status == 400
-    assert failed["bug1"].status == 500 and failed["bug1"].type == "server_error"
-    assert "a library panicked" in failed["bug1"].message
+    assert failed["bad1"] == InputRefused(400, "bad input")  # the ApiError as it was raised
+    assert failed["bug1"] == PreparationFailed("a library panicked")
     assert recorder.submitted == ["good1"]
     recorder.gate("good2").set()
     pool.submit(request("good2"))  # the threads still serve

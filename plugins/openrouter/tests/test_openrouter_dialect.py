@@ -9,10 +9,11 @@ import sys
 
 import pytest
 
-from musegl_core.engine.engine import context_error
+from musegl_core.engine.errors import ContextTooLong
 from musegl_core.errors import ApiError, ConfigError
 from musegl_core.http import schemas as s
 from musegl_core.http.dialect import Dialect, ServedModel
+from musegl_core.http.errors import api_error
 from musegl_core.plugins.manager import PluginManager
 from musegl_openrouter.dialect import OpenRouterDialect
 from musegl_openrouter.overflow import RECOVERABLE_PATTERN, OverflowCounts, overflow_message
@@ -152,7 +153,7 @@ def test_mid_stream_error_is_a_chunk_with_a_top_level_error_and_no_done():
 
 # -- context overflow -----------------------------------------------------------------------
 def test_recoverable_overflow_wording_is_pinned_by_the_clients_pattern():
-    body = dialect.error_body(context_error(600, 1, 512))["error"]
+    body = dialect.error_body(api_error(ContextTooLong(600, 1, 512)))["error"]
     match = CLIENT_PATTERN.search(body["message"])
     assert match is not None
     budget, text_input, output = map(int, match.groups())
@@ -177,7 +178,7 @@ def test_recoverable_overflow_wording_is_pinned_by_the_clients_pattern():
 
 def test_reservation_filling_the_window_keeps_diagnostics_but_is_not_recoverable():
     for reservation in (512, 4096):
-        error = context_error(12, reservation, 512)
+        error = api_error(ContextTooLong(12, reservation, 512))
         body = dialect.error_body(error)["error"]
         assert CLIENT_PATTERN.search(body["message"]) is None
         assert "context length" not in body["message"]
