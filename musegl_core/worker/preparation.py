@@ -41,8 +41,8 @@ from typing import Callable
 import attrs
 
 from musegl_core.checkpoint.validate import one_line
-from musegl_core.engine.request import GenerateRequest, PreparedRequest
 from musegl_core.engine.errors import DuplicateId, EngineError
+from musegl_core.engine.request import GenerateRequest, PreparedRequest
 from musegl_core.errors import ApiError
 from musegl_core.worker.messages import InputRefused, PreparationFailed
 
