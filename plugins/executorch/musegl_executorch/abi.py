@@ -82,12 +82,15 @@ def group_keys(chunk: SeqChunk, lo: int, hi: int, all_cells: np.ndarray, window:
 
 def plan_calls(chunks: Sequence[SeqChunk], head_rows: Sequence[Sequence[int]], *, block_size: int,
                num_blocks: int, window: int, vocab: int, sizes: Sequence[int], max_chunk: int,
-               embedded: frozenset[int] = frozenset()) -> list[Call]:
+               embedded: frozenset[int] = frozenset(), min_head_rows: int = 1) -> list[Call]:
     """The program calls that run ``chunks``; ``head_rows[i]`` lists the rows of chunk
     ``i`` whose logits are needed (sampled rows, logit rows). The chunks listed in
     ``embedded`` (those with image rows) run alone through ``forward_from_embeddings``
     in pieces of at most ``max_chunk`` rows, one-row chunks included; the caller gives
-    their input rows."""
+    their input rows. ``min_head_rows`` is the export's (the manifest's
+    ``limits.min_head_rows``): with 0, a ``forward_others``/``forward_from_embeddings``
+    piece that needs no logits passes no head row and skips the head; ``forward_{N}``
+    always runs it on at least one row."""
     for chunk in chunks:
         check_positions(chunk)
         check_tokens(chunk.tokens, vocab)
@@ -100,7 +103,7 @@ def plan_calls(chunks: Sequence[SeqChunk], head_rows: Sequence[Sequence[int]], *
             singles = singles[widest:]
             width = min(s for s in sizes if s >= len(take))
             calls.append(_call(f"forward_{width}", [Piece(i, 0, 1) for i in take], width, 1, chunks, head_rows,
-                               block_size, num_blocks, window))
+                               block_size, num_blocks, window, 1))
     for i, chunk in enumerate(chunks):
         if len(chunk.tokens) == 1 and sizes and i not in embedded:
             continue
@@ -108,12 +111,13 @@ def plan_calls(chunks: Sequence[SeqChunk], head_rows: Sequence[Sequence[int]], *
         for lo in range(0, len(chunk.tokens), max_chunk):
             hi = min(lo + max_chunk, len(chunk.tokens))
             calls.append(_call(method, [Piece(i, lo, hi)], 1, hi - lo, chunks, head_rows,
-                               block_size, num_blocks, window))
+                               block_size, num_blocks, window, min_head_rows))
     return calls
 
 
 def _call(method: str, pieces: list[Piece], groups: int, rows: int, chunks: Sequence[SeqChunk],
-          head_rows: Sequence[Sequence[int]], block_size: int, num_blocks: int, window: int) -> Call:
+          head_rows: Sequence[Sequence[int]], block_size: int, num_blocks: int, window: int,
+          min_head_rows: int) -> Call:
     tokens = np.zeros((groups, rows), dtype=np.int64)
     positions = np.zeros((groups, rows), dtype=np.int64)
     write = np.full(groups * rows, -1, dtype=np.int64)
@@ -138,8 +142,8 @@ def _call(method: str, pieces: list[Piece], groups: int, rows: int, chunks: Sequ
         window_slots.append(np.zeros(0, np.int64)), window_bias.append(np.zeros((rows, 0), np.float32))
     fs, fb = pad_keys(full_slots, full_bias, rows)
     ws, wb = pad_keys(window_slots, window_bias, rows)
-    if not heads:
-        heads = [0]  # the head always runs on at least one row; nobody reads it
+    if len(heads) < min_head_rows:
+        heads = [0]  # the method runs the head on at least one row; nobody reads it
     inputs = {"tokens": tokens, "positions": positions, "full_slots": fs, "full_bias": fb,
               "window_slots": ws, "window_bias": wb, "head_rows": np.asarray(heads, dtype=np.int64)}
     return Call(method, inputs, pieces, write, head_of)

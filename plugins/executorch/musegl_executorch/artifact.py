@@ -34,6 +34,10 @@ class ExportLimits:
     max_prefill_chunk: int  # most rows of one forward_others call
     max_cells: int  # most pool cells (blocks x block_size) a method accepts
     forward_sizes: tuple[int, ...]  # the static forward_{N} methods
+    #: the fewest head rows forward_others and forward_from_embeddings take: 0 lets a prefill
+    #: piece whose logits nobody reads skip the head; 1 in the manifests of earlier exports
+    #: (and with --max-prefill-chunk 1), whose pieces run the head on a dummy row
+    min_head_rows: int = 1
 
 
 @attrs.frozen

@@ -12,7 +12,6 @@ as with every executor. Sampling is the torch executor's batched sampler
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Sequence
 
 import numpy as np
@@ -125,7 +124,7 @@ class ExecuTorchExecutor:
         c, lim = self.config, self.manifest.limits
         calls = plan_calls(step.chunks, needed, block_size=self.block_size, num_blocks=self.num_blocks,
                            window=c.sliding_window, vocab=c.vocab_size, sizes=lim.forward_sizes,
-                           max_chunk=lim.max_prefill_chunk, embedded=embedded)
+                           max_chunk=lim.max_prefill_chunk, embedded=embedded, min_head_rows=lim.min_head_rows)
         # the head's rows in HeadRows order, copied once out of each call's output
         logits = torch.empty((len(plan.rows), c.vocab_size), dtype=torch.float32) if plan.rows else None
         hidden = None if taps is None else torch.empty((len(taps), int(starts[-1]) + len(step.chunks[-1].tokens),

@@ -29,14 +29,15 @@ def pair(tiny_hf):
     return reference, module, torch.zeros(shape), torch.zeros(shape)
 
 
-def run(pair, chunks, sizes=(1, 2, 4), max_chunk=16):
-    """Logits of every row of every chunk through the ABI, writing the pools as the executor does."""
+def run(pair, chunks, sizes=(1, 2, 4), max_chunk=16, wanted=None, min_head_rows=1):
+    """Logits of the ``wanted`` rows of each chunk (default: every row) through the ABI,
+    writing the pools as the executor does."""
     reference, module, k_pool, v_pool = pair
     c = reference.config
-    wanted = [list(range(len(ch.tokens))) for ch in chunks]
+    wanted = [list(range(len(ch.tokens))) for ch in chunks] if wanted is None else wanted
     out = {}
     calls = plan_calls(chunks, wanted, block_size=16, num_blocks=BLOCKS, window=c.sliding_window,
-                       vocab=c.vocab_size, sizes=sizes, max_chunk=max_chunk)
+                       vocab=c.vocab_size, sizes=sizes, max_chunk=max_chunk, min_head_rows=min_head_rows)
     for call in calls:
         i = {k: torch.from_numpy(v) for k, v in call.inputs.items()}
         logits, new_k, new_v = module(i["tokens"], i["positions"], k_pool, v_pool, i["full_slots"],
@@ -78,6 +79,23 @@ def test_prefill_in_pieces_then_batched_decode_match_the_torch_executor(pair):
     ref = reference_logits(pair, decode)
     for index, chunk in enumerate(decode):
         assert torch.allclose(mine[(index, 0)], ref[chunk.seq][0], atol=1e-4)
+
+
+def test_pieces_that_sample_nothing_skip_the_head_when_the_export_allows_it(pair):
+    """``min_head_rows=0`` (an export whose prefill methods take an empty head axis): the
+    pieces before the sampled row pass no head row, the last piece's logits are unchanged."""
+    rng = np.random.default_rng(3)
+    prompt = rng.integers(0, 512, 40).tolist()
+    chunks = [SeqChunk(seq=4, tokens=prompt, positions=list(range(40)), blocks=[50, 51, 52], sample=1)]
+    ref = reference_logits(pair, chunks)[4][39]
+    for floor, dummy_rows in ((1, [1, 1]), (0, [0, 0])):
+        calls, mine = run(pair, chunks, wanted=[[39]], min_head_rows=floor)
+        assert [len(call.inputs["head_rows"]) for call in calls] == dummy_rows + [1]
+        assert torch.allclose(mine[(0, 39)], ref, atol=1e-4)
+    # a decode row through forward_{N} still runs the head when nothing is sampled
+    calls, _ = run(pair, [SeqChunk(seq=4, tokens=[1], positions=[40], blocks=[50, 51, 52], sample=0)],
+                   wanted=[[]], min_head_rows=0)
+    assert [(call.method, len(call.inputs["head_rows"])) for call in calls] == [("forward_1", 1)]
 
 
 def test_more_decode_rows_than_the_widest_method_take_several_calls(pair):

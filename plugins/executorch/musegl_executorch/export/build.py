@@ -12,7 +12,7 @@ import torch
 from musegl_executorch.artifact import (ABI, FORMAT, MANIFEST, VISION_INPUTS, DFlashExport, ExportLimits, Manifest,
                                         VisionExport)
 from musegl_executorch.export.graph import HIDDEN_OUTPUT, INPUT_NAMES, OUTPUT_NAMES, OffGraphDecoder
-from musegl_executorch.export.lower import Limits, draft_context_keys, export_methods, lower, write
+from musegl_executorch.export.lower import Limits, draft_context_keys, export_methods, lower, min_head_rows, write
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -123,7 +123,8 @@ def build_artifact(checkpoint, tokenizer, out: Path, *, forward_sizes: tuple[int
     manifest = Manifest(
         format=FORMAT, abi=ABI, name=checkpoint.name, config=config, activation_dtype=activation_dtype,
         quantization=quantization,
-        limits=ExportLimits(config.max_position_embeddings, max_prefill_chunk, max_cells, forward_sizes),
+        limits=ExportLimits(config.max_position_embeddings, max_prefill_chunk, max_cells, forward_sizes,
+                            min_head_rows(limits)),
         methods=tuple(methods),
         inputs=INPUT_NAMES, outputs=OUTPUT_NAMES + ((HIDDEN_OUTPUT,) if draft is not None else ()), source=str(checkpoint.path), executorch_version=et_version,
         export_seconds=round(time.perf_counter() - started, 2),

@@ -69,17 +69,25 @@ def _axis(name: str, upper: int):
     return Dim(name, min=1, max=upper) if upper > 1 else None
 
 
+def min_head_rows(limits: Limits) -> int:
+    """The fewest head rows ``forward_others`` (and ``forward_from_embeddings``) take: 0, so
+    that a prefill piece nobody samples skips the head (a vocabulary-wide product), unless
+    a piece is one row (the axis would be 0..1, which ``torch.export`` specializes)."""
+    return 0 if limits.max_prefill_chunk >= 2 else 1
+
+
 def method_shapes(limits: Limits, groups: int | None):
     """(example sizes, dynamic_shapes) of one method: ``forward_{groups}`` (``groups``
     single-row groups) or, for ``groups=None``, ``forward_others`` (one group of up to
-    ``max_prefill_chunk`` rows)."""
+    ``max_prefill_chunk`` rows, 0 .. ``max_prefill_chunk`` head rows: see
+    :func:`min_head_rows`)."""
     cells = Dim("cells", min=2, max=limits.max_cells)
     kf_max = min(limits.native_context, limits.max_cells)  # a call never reads more keys than the pool holds
     kw_max = max(1, limits.window - 1)
     kf, kw = _axis("cached", kf_max), _axis("windowed", kw_max)
     if groups is None:
         t = _axis("rows", limits.max_prefill_chunk)
-        r = _axis("heads", limits.max_prefill_chunk)
+        r = Dim("heads", min=0, max=limits.max_prefill_chunk) if min_head_rows(limits) == 0 else None
         sizes = dict(groups=1, rows=min(3, limits.max_prefill_chunk), heads=min(2, limits.max_prefill_chunk))
     else:
         t = None
