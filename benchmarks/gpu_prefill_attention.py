@@ -26,7 +26,7 @@ import torch
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[1] / "plugins" / "cuda")]
 
-from musegl_cuda import kernels  # noqa: E402
+from musegl_cuda.cuda import kernels  # noqa: E402
 
 
 def emit(**fields) -> None:
@@ -78,8 +78,10 @@ def main() -> int:
         rows = [(0, r, min(per, n - r), r) for r in range(0, n, per)]
         return torch.tensor(rows, device=dev, dtype=torch.int32), len(rows)
 
+    tiling = {m: tiles_of(m) for m in (128, 256)}  # made before any graph capture
+
     def run(block_m: int, sliding: bool) -> torch.Tensor:
-        tiles, count = tiles_of(block_m)
+        tiles, count = tiling[block_m]
         return kernels.gated_attention(q, k, v, bs, tables, tiles, count, 1, block_m, args.window, sliding, scale,
                                        qkvg, 0)
 
