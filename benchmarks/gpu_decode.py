@@ -395,7 +395,6 @@ def run_transformers(args, checkpoint, holder: list, rng):
     from transformers import MuseGlimmerConfig, MuseGlimmerForConditionalGeneration
 
     from musegl_core.checkpoint.hf_reader import text_weight_names
-    from musegl_cuda.model import CenteredRMSNorm
 
     c = checkpoint.config
     device = args.device
@@ -413,8 +412,7 @@ def run_transformers(args, checkpoint, holder: list, rng):
     params = dict(hf.named_parameters())
     with torch.no_grad():
         for name in text_weight_names(c):
-            target = executor.model._target(name)
-            value = target.scale - 1.0 if isinstance(target, CenteredRMSNorm) else target
+            value = executor.model.checkpoint_weight(name)
             key = "lm_head.weight" if name == "lm_head.weight" else f"model.language_model.{name}"
             params[key].copy_(value)
     executor.close()
@@ -772,6 +770,9 @@ def main() -> int:
         folder = Path(args.profile_dir or (Path(args.out).resolve().parent / "profiles" if args.out else "profiles"))
         folder.mkdir(parents=True, exist_ok=True)
         PROFILE_DIR.append(folder)
+        from musegl_cuda.step_profile import ENV as PROFILE_ENV
+
+        os.environ[PROFILE_ENV] = str(folder)  # the servers inherit this process's environment
     if args.blas:
         torch.backends.cuda.preferred_blas_library(args.blas)
     rng = np.random.default_rng(0)
