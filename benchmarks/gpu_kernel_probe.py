@@ -10,7 +10,7 @@ Three parts, one JSON line per figure:
   each block size / warps / stages setting;
 * ``step``: the whole decode graph of the executor (dummy 30B weights) at
   batch 1 and 64: graph replay time and step time (``executor.step``
-  between two events), for each named setting of :mod:`musegl_cuda.kernels`
+  between two events), for each named setting of :mod:`musegl_cuda.cuda.kernels`
   or :mod:`musegl_cuda.model` (``--settings``), the graphs recaptured for
   each. ``reference`` loads ``--reference`` (another ``kernels.py``, e.g. the
   previous commit's) in place of the current kernels. Every setting decodes
@@ -41,8 +41,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "plugins" / "cuda"), str(ROOT / "benchmarks")]
 
 from musegl_core.engine.executor import SeqChunk, Step  # noqa: E402
-from musegl_cuda import graphs as graphs_module  # noqa: E402
-from musegl_cuda import kernels  # noqa: E402
+from musegl_cuda.cuda import graphs as graphs_module  # noqa: E402
+from musegl_cuda.cuda import kernels  # noqa: E402
 from musegl_cuda import model as model_module  # noqa: E402
 
 
@@ -297,7 +297,7 @@ def main() -> int:
     p.add_argument("--step-context", type=int, default=512)
     p.add_argument("--settings", default="reference;current",
                    help="';'-separated settings: 'reference', 'current', or comma-separated NAME=VALUE of "
-                        "musegl_cuda.kernels (PROGRAMS_PER_SM, ADD_NORM_WARPS, ATTENTION_BLOCK_N, "
+                        "musegl_cuda.cuda.kernels (PROGRAMS_PER_SM, ADD_NORM_WARPS, ATTENTION_BLOCK_N, "
                         "ATTENTION_WARPS, ATTENTION_STAGES) or model.NAME=0|1 of musegl_cuda.model "
                         "(FUSED_FINAL_NORM), blas=cublas|cublaslt, or 'best' (the sweep's best at batch 64)")
     p.add_argument("--reference", help="a kernels.py to compare with (the setting 'reference')")

@@ -1,7 +1,7 @@
 """Host time of staging CUDA graph steps at long contexts (CPU only: no GPU needed).
 
 Measures, in one run, the host's share of a decode step that the CUDA graphs
-do not hide (``musegl_cuda.graphs`` and ``musegl_cuda.sampling_graphs`` built on
+do not hide (``musegl_cuda.cuda.graphs`` and ``musegl_cuda.cuda.sampling_graphs`` built on
 CPU tensors, where the copies are plain memcpy):
 
 * ``tables``: staging ``--batch`` sequences at ``--context`` positions, one row
@@ -31,10 +31,10 @@ import torch
 
 from musegl_core.engine.executor import SamplingParams, SeqChunk, Step
 from musegl_core.engine.sample_rows import SampleRows, penalty_counts, unpack_masks
-from musegl_cuda.graphs import DecodeGraphs
-from musegl_cuda.plan import plan_step
-from musegl_cuda.penalty_counts import PenaltyCounts
-from musegl_cuda.sampling_graphs import SamplerInputs
+from musegl_cuda.cuda.graphs import DecodeGraphs
+from musegl_cuda.cuda.plan import plan_step
+from musegl_cuda.cuda.penalty_counts import PenaltyCounts
+from musegl_cuda.cuda.sampling_graphs import SamplerInputs
 
 
 def median_ms(fn, steps: int) -> float:

@@ -14,11 +14,11 @@ CPU keeps the checkpoint's matrices as stored by default (``weights="stored"``:
 float16, bfloat16, GGUF Q8_0/Q4_0/Q4_K bytes, multiplied by the kernels of
 :mod:`musegl_cuda.cpu`); ``weights="upcast"`` converts them to the activation
 dtype at load, as CUDA always does. A float32 checkpoint runs the same either way. On CUDA (bfloat16 by
-default) a step is flattened once into a :class:`~musegl_cuda.plan.StepPlan`
-and runs through the Triton kernels of :mod:`musegl_cuda.kernels`: paged
+default) a step is flattened once into a :class:`~musegl_cuda.cuda.plan.StepPlan`
+and runs through the Triton kernels of :mod:`musegl_cuda.cuda.kernels`: paged
 attention over every sequence at once, fused norms; decode-only steps whose
 width is one of ``step_sizes`` replay a captured CUDA graph
-(:mod:`musegl_cuda.graphs`), tapped ones too when the graphs were captured
+(:mod:`musegl_cuda.cuda.graphs`), tapped ones too when the graphs were captured
 with the speculator's taps (:meth:`TorchExecutor.expect_taps`); other steps
 run the same kernels eagerly.
 
@@ -50,7 +50,7 @@ from musegl_cuda.cpu.stored_matrix import HalfRows
 from musegl_cuda.drafts import DraftRows
 from musegl_cuda.model import AttentionBatch, DecodeAttention, MuseGlimmerDecoder, PagedMeta, SequenceAttention
 from musegl_cuda.parallel.shard import TensorShard
-from musegl_cuda.plan import StepPlan, plan_step, rows_per_tile
+from musegl_cuda.cuda.plan import StepPlan, plan_step, rows_per_tile
 from musegl_cuda.vision import load_vision_encoder
 from musegl_cuda.pending import GreedyIds, Launched, Sampled, device_sources, follow_on_host
 from musegl_cuda.sampling import Draw, choose, on_device
@@ -237,7 +237,7 @@ class TorchExecutor:
         self.table_cols = -(-config.max_position_embeddings // block_size)
         self.sm_count = (torch.cuda.get_device_properties(self.device).multi_processor_count
                          if self.paged else 1)
-        self.samplers = None  # the sampler graphs of decode graph steps (musegl_cuda.sampling_graphs)
+        self.samplers = None  # the sampler graphs of decode graph steps (musegl_cuda.cuda.sampling_graphs)
         self._previous: PendingStep | None = None  # the last launch (a following chunk reads its ids)
         self._drafted: DraftRows | None = None  # the launch's device-draft blocks, until judged
         self._unresolved: collections.deque[Launched] = collections.deque()  # launches not read yet
@@ -273,7 +273,7 @@ class TorchExecutor:
                               dtype=self.dtype, device=self.device)
         self.num_blocks = num_blocks
         if self.paged and self.limits.step_sizes:
-            from musegl_cuda.graphs import DecodeGraphs
+            from musegl_cuda.cuda.graphs import DecodeGraphs
 
             from musegl_core.progress import loading_progress
 
@@ -281,7 +281,7 @@ class TorchExecutor:
                                        self.table_cols, self.decode_block_m, self.sm_count, self.taps)
             with loading_progress("capturing CUDA graphs") as progress:
                 self.graphs.capture(num_blocks, progress)
-            from musegl_cuda.sampling_graphs import SamplerGraphs
+            from musegl_cuda.cuda.sampling_graphs import SamplerGraphs
 
             self.samplers = SamplerGraphs(self.graphs)
             with loading_progress("capturing sampler graphs") as progress:
@@ -471,7 +471,7 @@ class TorchExecutor:
     def _sample_in_graph(self, step: Step, width: int, starts: list[int], rows: dict[int, int] | None,
                          hidden) -> Launched | None:
         """The sampler graph of ``width`` on the rows of a decode graph step just replayed
-        (:mod:`musegl_cuda.sampling_graphs`); None where it cannot hold them."""
+        (:mod:`musegl_cuda.cuda.sampling_graphs`); None where it cannot hold them."""
         if self.samplers is None:
             return None
         return self.samplers.launch(step, starts, width, rows, hidden)
@@ -480,7 +480,7 @@ class TorchExecutor:
                       embeds: tuple[torch.Tensor, torch.Tensor] | None = None, step: Step | None = None):
         """The paged forward of ``plan`` outside any graph (prefill, mixed and wide steps);
         ``step``: the planned step, whose device drafts are placed into the tokens."""
-        from musegl_cuda.kernels import layer_splits
+        from musegl_cuda.cuda.kernels import layer_splits
 
         c = self.config
         dev = self.device

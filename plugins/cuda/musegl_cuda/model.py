@@ -191,7 +191,7 @@ class AttentionBatch:
 @attrs.define
 class PagedMeta:
     """Attention metadata of one step on the CUDA path (device tensors of a
-    :class:`musegl_cuda.plan.StepPlan`): the kernels read the paged cache
+    :class:`musegl_cuda.cuda.plan.StepPlan`): the kernels read the paged cache
     through it, for every sequence of the step at once."""
 
     slots: torch.Tensor  # (rows,) int64 cache slot each row writes
@@ -426,6 +426,16 @@ class MuseGlimmerDecoder(nn.Module):
             return module.weight
         raise KeyError(f"unknown weight {name!r}")
 
+    def checkpoint_weight(self, name: str) -> torch.Tensor:
+        """One loaded weight as the checkpoint names and holds it, the inverse of
+        :meth:`load_weight`: a centered norm's ``w`` (not the ``1+w`` it keeps), every
+        other weight the tensor itself (a shard's part of it). Dense weights only: in
+        stored mode the matrices are :class:`StoredMatrix` bytes, not tensors."""
+        if self.stored and not name.endswith("norm.weight"):
+            raise ValueError(f"{name!r} is kept as stored bytes (stored mode), not as a tensor")
+        target = self._target(name)
+        return target.scale - 1.0 if isinstance(target, CenteredRMSNorm) else target
+
     def load_stored(self, stored: StoredTensor) -> None:
         """Take one checkpoint weight in its stored form (stored mode): 1-D weights
         go through :meth:`load_weight`, matrices are kept as they are stored
@@ -537,11 +547,11 @@ class MuseGlimmerDecoder(nn.Module):
                       embeds: tuple[torch.Tensor, torch.Tensor] | None = None
                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """:meth:`forward` on a GPU, through the Triton kernels of
-        :mod:`musegl_cuda.kernels`: one product for q/k/v/gate and one for
+        :mod:`musegl_cuda.cuda.kernels`: one product for q/k/v/gate and one for
         gate/up, QK norm + RoPE + cache write in one launch, paged attention
         over every sequence at once, and the sandwich norms fused with the
         residual adds. Same inputs and results (up to float rounding order)."""
-        from musegl_cuda import kernels
+        from musegl_cuda.cuda import kernels
 
         c = self.local
         heads, kv_heads, hd = c.num_heads, c.num_kv_heads, c.head_dim
@@ -589,7 +599,7 @@ class MuseGlimmerDecoder(nn.Module):
         """Softcapped logits (float32) of final-normed rows: ``×mult, ÷cap, tanh, ×cap``."""
         cap = self.config.final_logit_softcapping
         if normed.is_cuda and FUSED_SOFTCAP:
-            from musegl_cuda import kernels
+            from musegl_cuda.cuda import kernels
 
             return kernels.softcap_logits(self.head_product(normed), self.config.output_multiplier, cap)
         # in place: the head's output is a fresh tensor, and a chain of new 800 KB-per-row

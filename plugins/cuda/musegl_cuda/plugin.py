@@ -3,7 +3,7 @@
 Two executors share one implementation: ``cuda`` (a GPU is visible) and
 ``torch-cpu`` (always available, the fallback). torch is imported inside the
 functions that build an executor, never to answer whether one is available
-(:mod:`musegl_cuda.availability`), so that ``musegl plugins`` and the front
+(:mod:`musegl_cuda.cuda.availability`), so that ``musegl plugins`` and the front
 stay fast.
 """
 
@@ -16,7 +16,7 @@ from musegl_core.errors import ConfigError
 from musegl_core.plugins.hookspecs import hookimpl
 from musegl_core.plugins.specs import ExecutorOptions, ExecutorSpec
 
-from musegl_cuda.availability import cuda_available
+from musegl_cuda.cuda.availability import cuda_available
 from musegl_cuda.config_only import read_config_only
 
 if TYPE_CHECKING:

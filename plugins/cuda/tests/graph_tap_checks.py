@@ -24,8 +24,8 @@ def check_tapped_graph_body() -> None:
     from musegl_core.tiny import default_model_path
     from musegl_cuda.executor import TorchExecutor
     from musegl_cuda.drafts import DraftRows
-    from musegl_cuda.graphs import DecodeGraphs
-    from musegl_cuda.plan import plan_step, rows_per_tile
+    from musegl_cuda.cuda.graphs import DecodeGraphs
+    from musegl_cuda.cuda.plan import plan_step, rows_per_tile
 
     ex = TorchExecutor(load_checkpoint(default_model_path()), device="cpu", dtype="float32", weights="upcast")
     ex.allocate_kv(NUM_BLOCKS)

@@ -1,4 +1,4 @@
-"""Every Triton kernel of ``musegl_cuda.kernels`` against plain torch, on any device.
+"""Every Triton kernel of ``musegl_cuda.cuda.kernels`` against plain torch, on any device.
 
 Shared by the GPU test (``test_gpu.py``, the compiled kernels) and the CPU
 test (``test_kernels_interpreted.py``, the same kernels run by Triton's
@@ -16,9 +16,9 @@ def check_kernels(device: str, dtypes: tuple[torch.dtype, ...], heads: int, kv_h
     """Raise AssertionError where a kernel disagrees with its reference. ``small``:
     fewer and shorter chunks and fewer split settings (for the interpreter)."""
     from musegl_core.engine.executor import SeqChunk, Step
-    from musegl_cuda import kernels
+    from musegl_cuda.cuda import kernels
     from musegl_cuda.model import CenteredRMSNorm, RotaryEmbedding, apply_rope, plain_rms_norm
-    from musegl_cuda.plan import plan_step, reference_attention, rows_per_tile
+    from musegl_cuda.cuda.plan import plan_step, reference_attention, rows_per_tile
 
     dev = torch.device(device)
     torch.manual_seed(0)
@@ -112,8 +112,8 @@ def check_long_decode_attention(device: str, dtype: torch.dtype, heads: int, kv_
     past a row's keys (the shorter sequence) included, and the one-launch and
     combined paths agree."""
     from musegl_core.engine.executor import SeqChunk, Step
-    from musegl_cuda import kernels
-    from musegl_cuda.plan import plan_step, reference_attention, rows_per_tile
+    from musegl_cuda.cuda import kernels
+    from musegl_cuda.cuda.plan import plan_step, reference_attention, rows_per_tile
 
     dev = torch.device(device)
     torch.manual_seed(1)

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from musegl_cuda import availability
+from musegl_cuda.cuda import availability
 
 
 def test_choosing_an_executor_imports_no_torch():

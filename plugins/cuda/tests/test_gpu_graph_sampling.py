@@ -3,7 +3,7 @@
 * Rows that are not plain greedy (grammar masks, read from the mask workers'
   pending results; ``logit_bias``; penalties; temperature, top-k, top-p,
   min-p; logprobs) in decode graph steps are sampled by the sampler graphs
-  (:mod:`musegl_cuda.sampling_graphs`) and give exactly the ids and
+  (:mod:`musegl_cuda.cuda.sampling_graphs`) and give exactly the ids and
   log-probabilities of the eager sampler on the same logits, and of an
   executor without graphs.
 * 32k-token contexts: graph decode steps (long block tables kept on the
@@ -64,7 +64,7 @@ def test_constrained_penalized_and_logprobs_rows_in_graph_steps_match_the_eager_
     from musegl_core.engine.sample_rows import SampleRows
     from musegl_cuda.executor import TorchExecutor
     from musegl_cuda.sampling import choose
-    from musegl_cuda.sampling_graphs import GraphSampled
+    from musegl_cuda.cuda.sampling_graphs import GraphSampled
 
     params = [
         GREEDY,                                                      # with a grammar mask
@@ -137,7 +137,7 @@ def test_verify_shaped_steps_with_constrained_rows_sample_in_graphs(checkpoint_p
     from musegl_core.engine.sample_rows import SampleRows
     from musegl_cuda.executor import TorchExecutor
     from musegl_cuda.sampling import choose
-    from musegl_cuda.sampling_graphs import GraphSampled
+    from musegl_cuda.cuda.sampling_graphs import GraphSampled
 
     rng = np.random.default_rng(9)
     prompts = [rng.integers(4, VOCAB, size=n).tolist() for n in (20, 45)]
@@ -233,7 +233,7 @@ def test_long_context_split_attention_matches_the_reference_on_the_gpu():
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from kernel_checks import check_long_decode_attention
-    from musegl_cuda import kernels
+    from musegl_cuda.cuda import kernels
 
     sm = torch.cuda.get_device_properties(0).multi_processor_count
     splits = sorted({1, 16, *kernels.layer_splits(1, 2, sm), *kernels.layer_splits(4, 2, sm)})

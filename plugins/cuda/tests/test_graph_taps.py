@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from musegl_core.engine.executor import HeadRows, SeqChunk, Step
-from musegl_cuda.graphs import DecodeGraphs
+from musegl_cuda.cuda.graphs import DecodeGraphs
 from musegl_cuda.pending import GreedyIds
 
 

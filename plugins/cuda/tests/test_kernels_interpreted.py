@@ -1,6 +1,6 @@
 """The CUDA path's Triton kernels, run on the CPU by Triton's interpreter.
 
-CI has no GPU; this runs every kernel of ``musegl_cuda.kernels`` through
+CI has no GPU; this runs every kernel of ``musegl_cuda.cuda.kernels`` through
 ``TRITON_INTERPRET=1`` (which must be set before Triton is imported, hence
 the subprocess) against the same plain-torch references as the GPU test
 (``kernel_checks.py``), float32, at a small head size (two query heads per KV

@@ -9,7 +9,7 @@ import torch
 
 from musegl_core.engine.executor import ExecutorLimits, SeqChunk, Step
 from musegl_cuda.model import sdpa_rows
-from musegl_cuda.plan import plan_step, reference_attention, rows_per_tile
+from musegl_cuda.cuda.plan import plan_step, reference_attention, rows_per_tile
 from musegl_cuda.plugin import parse_forward_sizes
 from musegl_core.errors import ConfigError
 
@@ -129,7 +129,7 @@ def test_decode_staging_fills_the_graph_inputs_like_a_plan():
     """DecodeGraphs.stage_decode (the fast path of a decode step, no plan) on CPU
     tensors: through width changes, new blocks, a copy-on-write block replaced in
     place, a planned step in between, and refused steps that change nothing."""
-    from musegl_cuda.graphs import DecodeGraphs
+    from musegl_cuda.cuda.graphs import DecodeGraphs
 
     nb = 40
     graphs = DecodeGraphs(None, torch.zeros(1), (4, 8), BS, 8, 16, 1)
@@ -176,7 +176,7 @@ def test_decode_staging_marks_following_rows_with_their_source_row():
     """A chunk that follows the previous step is staged as ``-1 - r`` (the graph reads
     its token from ``last_ids[r]``); the other rows keep their tokens, and a source
     row outside the graphs' rows is refused before anything is staged."""
-    from musegl_cuda.graphs import DecodeGraphs
+    from musegl_cuda.cuda.graphs import DecodeGraphs
 
     nb = 40
     graphs = DecodeGraphs(None, torch.zeros(1), (4, 8), BS, 8, 16, 1)
@@ -199,7 +199,7 @@ def test_decode_staging_of_long_tables_sends_only_the_new_columns():
     """At long contexts a decode step sends no whole block table: a table that grew
     sends its new column only (one box over the rows that changed), a sequence that
     moves to another row or has a block replaced sends its row again."""
-    from musegl_cuda.graphs import DecodeGraphs
+    from musegl_cuda.cuda.graphs import DecodeGraphs
 
     cols, nb = 2048, 8000
     graphs = DecodeGraphs(None, torch.zeros(1), (4,), BS, cols, 16, 1)
@@ -231,7 +231,7 @@ def test_multi_row_staging_fills_the_graph_inputs_like_a_plan():
     graph inputs plan_step makes of the same step (tiles of several rows included),
     sends only new table columns, and stage_decode steps before and after it still
     stage like their plans (the tile columns it rewrote are restored)."""
-    from musegl_cuda.graphs import DecodeGraphs
+    from musegl_cuda.cuda.graphs import DecodeGraphs
 
     nb, tile_rows = 60, 2
     graphs = DecodeGraphs(None, torch.zeros(1), (4, 8), BS, 16, 16, 1)

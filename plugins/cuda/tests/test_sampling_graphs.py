@@ -1,4 +1,4 @@
-"""The sampler graphs' staging and chain (musegl_cuda.sampling_graphs) on the CPU.
+"""The sampler graphs' staging and chain (musegl_cuda.cuda.sampling_graphs) on the CPU.
 
 The chain a sampler graph captures (:func:`sample_static`) runs eagerly here
 over the same staged buffers, and must give exactly what the eager sampler
@@ -17,9 +17,9 @@ from musegl_core.engine.executor import GREEDY, SamplingParams, SeqChunk, Step
 from musegl_core.engine.randomness import uniform
 from musegl_core.engine.sample_rows import SampleRows
 from musegl_core.testing.reference_sampler import RowContext, row_logprobs, sample_row
-from musegl_cuda.graphs import DecodeGraphs
+from musegl_cuda.cuda.graphs import DecodeGraphs
 from musegl_cuda.sampling import choose, top_logprobs
-from musegl_cuda.sampling_graphs import (TOP_LOGPROBS, SamplerGraphs, SamplerInputs, SamplerVariant,
+from musegl_cuda.cuda.sampling_graphs import (TOP_LOGPROBS, SamplerGraphs, SamplerInputs, SamplerVariant,
                                          penalty_entries)
 
 VOCAB = 300

@@ -19,7 +19,7 @@ in that row) are sent: a table that grew sends its new columns only. Decode
 steps of one row per sequence are staged by :meth:`DecodeGraphs.stage_decode`
 and other decode-only steps (draft blocks being verified) by
 :meth:`DecodeGraphs.stage_rows`, neither through a
-:class:`~musegl_cuda.plan.StepPlan` (:meth:`stage_plan` stages a plan).
+:class:`~musegl_cuda.cuda.plan.StepPlan` (:meth:`stage_plan` stages a plan).
 Padding rows use the last table row (the scratch block) and write nothing
 real. Steps are launched without waiting for the previous one
 (:meth:`~musegl_cuda.executor.TorchExecutor.launch`), so staging first waits
@@ -48,7 +48,7 @@ import torch
 from musegl_core.engine.step_checks import (check_block_ids, check_positions, check_tokens, coverage_error,
                                             positions_error)
 from musegl_cuda.model import MuseGlimmerDecoder, PagedMeta
-from musegl_cuda.plan import StepPlan
+from musegl_cuda.cuda.plan import StepPlan
 
 log = logging.getLogger("musegl.cuda")
 
@@ -107,7 +107,7 @@ class DecodeGraphs:
         self.hidden: dict[int, torch.Tensor] = {}  # (len(taps), width, hidden) per width, with taps
 
     def _run(self, width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        from musegl_cuda.kernels import layer_splits  # Triton: only where graphs run
+        from musegl_cuda.cuda.kernels import layer_splits  # Triton: only where graphs run
 
         config = self.model.config
         sliding, full = layer_splits(width, config.num_kv_heads, self.sm_count)
@@ -329,7 +329,7 @@ class DecodeGraphs:
                    tile_rows: int) -> list[int] | None:
         """Check and stage a decode-only step whose chunks may hold several rows (draft
         blocks being verified), padded to ``width``, without a plan: the tiles are
-        :func:`~musegl_cuda.plan.plan_step`'s (up to ``tile_rows`` rows of one chunk,
+        :func:`~musegl_cuda.cuda.plan.plan_step`'s (up to ``tile_rows`` rows of one chunk,
         then one per padding row, then empty ones up to ``width``), the tables go
         through the mirror as :meth:`stage_decode`'s do (new columns only). Returns
         each chunk's first row; None (nothing sent) when a table is wider than the

@@ -1,7 +1,7 @@
 """The sampler of decode graph steps, captured as CUDA graphs per width.
 
 A decode step of a captured width replays its forward graph
-(:mod:`musegl_cuda.graphs`); when some row is not plain greedy (a grammar
+(:mod:`musegl_cuda.cuda.graphs`); when some row is not plain greedy (a grammar
 mask, a penalty, ``logit_bias``, temperature/top-k/top-p/min-p, logprobs)
 the rows are sampled by a second graph of the same width,
 :func:`sample_static`, the chain of :mod:`musegl_cuda.sampling` written over
@@ -49,7 +49,7 @@ import torch
 
 from musegl_core.engine.executor import HeadRows, Step, StepOutput, TokenLogprobs
 from musegl_core.engine.sample_rows import SampleRows, bias_entries
-from musegl_cuda.penalty_counts import PenaltyCounts
+from musegl_cuda.cuda.penalty_counts import PenaltyCounts
 from musegl_cuda.pending import Launched
 from musegl_cuda.sampling import NEG_INF, draw, top_logprobs
 
@@ -64,7 +64,7 @@ PENALTY_ENTRIES = 1 << 17
 
 # the words of a row's parameters: float32 ...
 TEMPERATURE, TOP_P, MIN_P, UNIFORM, REPETITION, FREQUENCY, PRESENCE, LP_TEMPERATURE = range(8)
-# ... then int32: top-k, greedy, the row's slot of the penalty counts (musegl_cuda.penalty_counts)
+# ... then int32: top-k, greedy, the row's slot of the penalty counts (musegl_cuda.cuda.penalty_counts)
 TOP_K, GREEDY, SLOT = 8, 9, 10
 PARAM_WORDS = 12
 ALL_ALLOWED = -1  # a mask word with every bit set, as int32
@@ -361,7 +361,7 @@ def sample_static(logits: torch.Tensor, inputs: SamplerInputs, width: int, varia
 
 class SamplerGraphs:
     """One sampler graph per (width, :class:`SamplerVariant`) over a
-    :class:`~musegl_cuda.graphs.DecodeGraphs`' logits (see the module docstring)."""
+    :class:`~musegl_cuda.cuda.graphs.DecodeGraphs`' logits (see the module docstring)."""
 
     def __init__(self, decode, vocab: int | None = None) -> None:
         """``vocab``: the logits' width (None: that of the captured decode graphs' logits)."""
