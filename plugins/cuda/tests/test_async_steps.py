@@ -91,7 +91,7 @@ def outcome(events: list) -> tuple:
     logprobs = [lp for e in events if isinstance(e, ev.Tokens) for lp in e.logprobs]
     done = [(e.finish_reason, e.matched_stop, e.completion_tokens, e.generated_ids)
             for e in events if isinstance(e, ev.Done)]
-    failed = [(e.status, e.message) for e in events if isinstance(e, ev.Failed)]
+    failed = [e.error for e in events if isinstance(e, ev.Failed)]
     return text, ids, logprobs, done, failed
 
 
