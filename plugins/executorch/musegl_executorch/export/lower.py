@@ -241,6 +241,32 @@ def draft_block_shapes(draft: "DraftWeights", limits: Limits, owners: int):
     return inputs, dynamic
 
 
+def _partitioner(configs=None):
+    """An XNNPACK partitioner whose preserved ops (``aten.linear``) skip ExecuTorch's
+    filtered path when every instance of them passes its check.
+
+    ``to_edge_transform_and_lower`` keeps the ops a partitioner wants whole out of the
+    decompositions. Given a per-node check, it decomposes the program three times (once
+    functionalizing, once with the ops preserved, once more after hiding the nodes that
+    pass the check); given none, it preserves every instance and decomposes twice. Each
+    decomposition retraces the method with fake tensors and symbolic shapes (the
+    largest part of the lowering), so when the check accepts every node anyway (all our
+    linear layers but the int8 ones) this partitioner gives no check: the same ops are
+    preserved, one retrace fewer per method."""
+    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+
+    class Partitioner(XnnpackPartitioner):
+        def ops_to_not_decompose(self, ep):
+            ops, check = super().ops_to_not_decompose(ep)
+            if check is None:
+                return ops, check
+            wanted = set(ops)
+            nodes = [n for n in ep.graph.nodes if n.op == "call_function" and n.target in wanted]
+            return (ops, None) if all(check(n) for n in nodes) else (ops, check)
+
+    return Partitioner() if configs is None else Partitioner(configs=configs)
+
+
 def lower(methods: dict[str, torch.export.ExportedProgram]):
     """XNNPACK-partitioned ExecuTorch program; graph inputs are not memory-planned
     (the pool is handed in by the caller without a copy). XNNPACK takes the linear
@@ -252,13 +278,11 @@ def lower(methods: dict[str, torch.export.ExportedProgram]):
     image on the tiny tower, the eager time); the token methods keep the short
     list."""
     from executorch.backends.xnnpack.partition.config import BMMConfig, LinearConfig, SoftmaxConfig, TanhConfig
-    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
     from executorch.exir import EdgeCompileConfig, ExecutorchBackendConfig, to_edge_transform_and_lower
     from executorch.exir.passes import MemoryPlanningPass
 
     configs = [LinearConfig, TanhConfig, BMMConfig, SoftmaxConfig]
-    partitioners = {name: [XnnpackPartitioner() if name == VISION_ENCODER else XnnpackPartitioner(configs=configs)]
-                    for name in methods}
+    partitioners = {name: [_partitioner() if name == VISION_ENCODER else _partitioner(configs)] for name in methods}
     edge = to_edge_transform_and_lower(methods, partitioner=partitioners,
                                        compile_config=EdgeCompileConfig(_check_ir_validity=False))
     return edge.to_executorch(ExecutorchBackendConfig(
