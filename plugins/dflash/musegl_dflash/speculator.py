@@ -49,6 +49,47 @@ def as_tensor(array: Any, device: torch.device, dtype: torch.dtype) -> torch.Ten
 
 
 @attrs.frozen
+class KeptRows:
+    """The rows of one step a draft's context store takes: every committed row's tapped
+    features ``(n, taps × H)``, its position and its cache slot (``block × block_size +
+    offset`` in the sequence's table), and how many verify blocks the step held and the
+    tokens they committed (for the mean acceptance length)."""
+
+    features: torch.Tensor
+    positions: list[int]
+    slots: list[int]
+    verify_blocks: int
+    verify_tokens: int
+
+
+def kept_rows(step: Step, output: StepOutput, committed: dict[int, int], block_size: int,
+              device: torch.device, dtype: torch.dtype) -> KeptRows | None:
+    """The ``committed[seq]`` leading tapped rows of each chunk of ``step`` (None when no
+    chunk kept a row with hidden states); a row past the chunk's block table is an error."""
+    features, positions, slots = [], [], []
+    verify_blocks = verify_tokens = 0
+    for chunk in step.chunks:
+        kept = committed.get(chunk.seq, 0)
+        hidden = output.hidden.get(chunk.seq)
+        if kept <= 0 or hidden is None:
+            continue
+        if chunk.sample > 1:  # a verify block: ``sample - 1`` drafts
+            verify_blocks += 1
+            verify_tokens += kept
+        rows = as_tensor(hidden, device, dtype)[:, :kept]  # (taps, kept, H)
+        features.append(rows.permute(1, 0, 2).reshape(kept, -1))
+        pos = list(chunk.positions[:kept])
+        blocks = chunk.blocks
+        if pos[-1] // block_size >= len(blocks):
+            raise coverage_error(chunk.seq, pos[-1], block_size, len(blocks))
+        positions.extend(pos)
+        slots.extend(blocks[p // block_size] * block_size + p % block_size for p in pos)
+    if not features:
+        return None
+    return KeptRows(torch.cat(features), positions, slots, verify_blocks, verify_tokens)
+
+
+@attrs.frozen
 class TargetHead:
     """The target's raw token embedding rows and raw lm_head product, which the draft
     borrows (it has neither): ``rows(ids)`` gives ``ids.shape + (hidden,)`` (no
@@ -56,6 +97,9 @@ class TargetHead:
 
     rows: Callable[[torch.Tensor], torch.Tensor]
     logits: Callable[[torch.Tensor], torch.Tensor]
+    #: optional: ``(n, hidden)`` to the head's argmax ids ``(n,)`` without the whole logits
+    #: (a tensor-parallel rank's vocabulary-parallel argmax); None: the argmax of ``logits``
+    argmax: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     @classmethod
     def of_tensors(cls, embed_tokens: torch.Tensor, lm_head: torch.Tensor) -> "TargetHead":
@@ -99,7 +143,7 @@ class DFlashSpeculator:
         self.num_blocks = num_blocks
         if self.use_graphs:
             self.graphs = DraftGraphs(self.draft, self.target.rows, self.target.logits, self.max_draft,
-                                      self.block_size)
+                                      self.block_size, self.target.argmax)
 
     def _require_kv(self) -> torch.Tensor:
         return kv_allocated(self.kv, "drafting")
@@ -146,36 +190,23 @@ class DFlashSpeculator:
             ids = None if self.graphs is None else self.graphs.run(anchors, starts, tables, kv)
             if ids is None:  # no graphs, or a shape past their limits
                 batch = BlockInputs.exact(self.config, self.block_size, anchors, starts, tables, device)
-                ids = block_drafts(self.draft, self.target.rows, self.target.logits, kv, batch, self.max_draft)
+                ids = block_drafts(self.draft, self.target.rows, self.target.logits, kv, batch, self.max_draft,
+                                   argmax=self.target.argmax)
         return DeviceDrafts(ids, {r.seq: b for b, r in enumerate(requests)},
                             {r.seq: min(r.max_draft, self.max_draft) for r in requests})
 
     def observe(self, step: Step, output: StepOutput, committed: dict[int, int]) -> None:
         """Store the context K/V of every committed row of the step."""
         kv = self._require_kv()
-        device, dtype = self.draft.device, self.draft.dtype
-        features, positions, slots = [], [], []
-        for chunk in step.chunks:
-            kept = committed.get(chunk.seq, 0)
-            hidden = output.hidden.get(chunk.seq)
-            if kept <= 0 or hidden is None:
-                continue
-            if chunk.sample > 1:  # a verify block: ``sample - 1`` drafts
-                self.blocks += 1
-                self.committed_tokens += kept
-            rows = as_tensor(hidden, device, dtype)[:, :kept]  # (taps, kept, H)
-            features.append(rows.permute(1, 0, 2).reshape(kept, -1))
-            pos = list(chunk.positions[:kept])
-            blocks = chunk.blocks
-            if pos[-1] // self.block_size >= len(blocks):
-                raise coverage_error(chunk.seq, pos[-1], self.block_size, len(blocks))
-            positions.extend(pos)
-            slots.extend(blocks[p // self.block_size] * self.block_size + p % self.block_size for p in pos)
-        if not features:
+        device = self.draft.device
+        rows = kept_rows(step, output, committed, self.block_size, device, self.draft.dtype)
+        if rows is None:
             return
+        self.blocks += rows.verify_blocks
+        self.committed_tokens += rows.verify_tokens
         with torch.inference_mode():
-            self.draft.write_context(torch.cat(features), torch.tensor(positions, device=device),
-                                     torch.tensor(slots, dtype=torch.long, device=device), kv)
+            self.draft.write_context(rows.features, torch.tensor(rows.positions, device=device),
+                                     torch.tensor(rows.slots, dtype=torch.long, device=device), kv)
 
     @property
     def mean_acceptance_length(self) -> float:

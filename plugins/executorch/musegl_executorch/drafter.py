@@ -29,6 +29,7 @@ from musegl_core.engine.executor import Step, StepOutput
 from musegl_core.engine.speculator import DraftRequest
 from musegl_core.engine.step_checks import coverage_error, kv_allocated
 from musegl_dflash.model import gather_context
+from musegl_dflash.speculator import kept_rows
 from musegl_executorch.export.lower import DRAFT_BLOCK, DRAFT_CONTEXT
 
 if TYPE_CHECKING:
@@ -135,27 +136,14 @@ class ProgramDrafter:
     def observe(self, step: Step, output: StepOutput, committed: dict[int, int]) -> None:
         """Store the context K/V of every committed row of the step."""
         dk, dv = self._pool()
-        features, positions, slots = [], [], []
-        for chunk in step.chunks:
-            kept = committed.get(chunk.seq, 0)
-            hidden = output.hidden.get(chunk.seq)
-            if kept <= 0 or hidden is None:
-                continue
-            if chunk.sample > 1:  # a verify block: ``sample - 1`` drafts
-                self.blocks += 1
-                self.committed_tokens += kept
-            rows = torch.as_tensor(hidden)[:, :kept]  # (taps, kept, H)
-            features.append(rows.permute(1, 0, 2).reshape(kept, -1))
-            pos = list(chunk.positions[:kept])
-            if pos[-1] // self.block_size >= len(chunk.blocks):
-                raise coverage_error(chunk.seq, pos[-1], self.block_size, len(chunk.blocks))
-            positions.extend(pos)
-            slots.extend(chunk.blocks[p // self.block_size] * self.block_size + p % self.block_size for p in pos)
-        if not features:
+        kept = kept_rows(step, output, committed, self.block_size, torch.device("cpu"), self.dtype)
+        if kept is None:
             return
-        rows = torch.cat(features).to(self.dtype)
-        at = torch.tensor(slots, dtype=torch.long)
-        where = torch.tensor(positions, dtype=torch.long)
+        self.blocks += kept.verify_blocks
+        self.committed_tokens += kept.verify_tokens
+        rows = kept.features
+        at = torch.tensor(kept.slots, dtype=torch.long)
+        where = torch.tensor(kept.positions, dtype=torch.long)
         most = self.executor.manifest.limits.max_prefill_chunk
         for lo in range(0, rows.shape[0], most):
             k, v = self.executor._execute(DRAFT_CONTEXT, [rows[lo:lo + most].contiguous(), where[lo:lo + most]])
