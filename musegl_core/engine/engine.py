@@ -76,6 +76,7 @@ class EngineConfig:
     grammar_threads: int | None = None  # None: 0 for an executor on the host CPU, else 2
     prefill_stall_factor: float = 6.0
     throughput_log_interval: float = 10.0  # seconds between throughput lines while busy (0: none)
+    spec_verify_rows: int | None = None  # the verify-rows budget (None: the executor's; 0: none)
 
     @classmethod
     def from_serve(cls, config) -> "EngineConfig":
@@ -99,6 +100,15 @@ def grammar_threads(configured: int | None, limits: ExecutorLimits) -> int:
     if configured is not None:
         return configured
     return 0 if limits.host_compute else 2
+
+
+def verify_rows(configured: int | None, limits: ExecutorLimits) -> int | None:
+    """The verify-rows budget of a step (``StepLoop.draft_cap``): as configured
+    (``--spec-verify-rows``; 0: no budget), else the executor's
+    ``limits.verify_rows`` (None: no budget)."""
+    if configured is not None:
+        return configured or None
+    return limits.verify_rows
 
 
 class Engine:
@@ -158,7 +168,13 @@ class Engine:
         self.step_book = StepBook()
         self.loop = StepLoop(executor, self.speculator, self.scheduler, config.max_context, clock, self.step_book,
                              self.prefill_budget, self.throughput, embed=self._embedding,
-                             on_prefilled=self._prefilled, on_token=self._on_token, fail=self._end_failed)
+                             on_prefilled=self._prefilled, on_token=self._on_token, fail=self._end_failed,
+                             verify_rows=verify_rows(config.spec_verify_rows, limits))
+        if self.speculator.max_draft:
+            budget = self.loop.verify_rows
+            log.info("speculation: up to %d drafts a sequence; %s", self.speculator.max_draft,
+                     "no verify-rows budget" if budget is None else
+                     f"at most {budget} verify rows a step (more than {budget // 2} decoding sequences: no drafts)")
 
     # -- thread-safe commands ---------------------------------------------------------
     def submit(self, request: PreparedRequest) -> None:
@@ -196,6 +212,8 @@ class Engine:
             "drafted_tokens": self.scheduler.drafted_tokens,
             "accepted_tokens": self.scheduler.accepted_tokens,
             "verify_blocks": self.scheduler.verify_blocks,
+            "budget_cut_steps": self.loop.budget_cut_steps,
+            "budget_skipped_steps": self.loop.budget_skipped_steps,
             "steps_ahead": self.loop.steps_ahead,
             "discarded_rows": self.loop.discarded_rows,
             "mask_seconds": self.scheduler.mask_clock.compute,

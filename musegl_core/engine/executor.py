@@ -346,6 +346,15 @@ class ExecutorLimits:
     True when the executor reads verify blocks' drafts from the device
     (:attr:`SeqChunk.draft_row`, :attr:`Step.drafts`) and reports
     :attr:`StepOutput.accepted` for them.
+
+    ``verify_rows`` is the speculation budget: about how many verify rows
+    (each decoding sequence's pending token plus its drafts) one step may
+    carry and still cost about a plain decode step on this backend; the
+    engine gives each of ``b`` decoding sequences at most
+    ``verify_rows // b - 1`` drafts, and none when that is below 1
+    (:meth:`musegl_core.engine.loop.StepLoop.draft_cap`). None: no budget
+    (every sequence may get the speculator's full block). ``--spec-verify-rows``
+    overrides it.
     """
 
     max_step_tokens: int = 4096
@@ -353,6 +362,7 @@ class ExecutorLimits:
     host_compute: bool = False
     async_steps: bool = False
     device_drafts: bool = False
+    verify_rows: int | None = None
 
     def padded_width(self, rows: int) -> int:
         """The width a decode-only step of ``rows`` rows runs at."""

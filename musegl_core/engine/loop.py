@@ -17,6 +17,12 @@ Drafts may stay on the device (``ExecutorLimits.device_drafts`` and a
 speculator that proposes there): the executor then compares them and reports
 ``StepOutput.accepted``.
 
+Drafts are bounded by a verify-rows budget ``B`` (``--spec-verify-rows``, by
+default ``ExecutorLimits.verify_rows``): a step that decodes ``b`` sequences
+gives each at most ``B // b - 1`` drafts, and none when that is below 1
+(:meth:`StepLoop.draft_cap`), so speculation never turns a decode step into a
+prefill-sized one as the batch grows.
+
 An executor failure fails the requests of that step (``ExecutionFailed``), not the engine.
 """
 
@@ -68,7 +74,10 @@ class StepLoop:
     on_prefilled: Callable[[SequenceState], None]
     on_token: TokenFn
     fail: Callable[[SequenceState, errors.EngineError], None]
+    verify_rows: int | None = None  # the verify-rows budget of a step (None: none), see draft_cap
     steps: int = 0
+    budget_cut_steps: int = 0  # steps whose drafts the budget shortened (some still drafted)
+    budget_skipped_steps: int = 0  # steps the budget left without drafts
     steps_ahead: int = 0  # steps launched before the previous one was read
     discarded_rows: int = 0  # their rows whose sequence had stopped
     inflight: InFlight | None = None  # a launched step not committed yet
@@ -120,32 +129,54 @@ class StepLoop:
         self._record(plan, self.clock() - started)
         self._update(scheduled, output)
 
+    def draft_cap(self, decoders: int) -> int:
+        """The most drafts each sequence may get in a step that decodes ``decoders``
+        sequences: ``verify_rows // decoders - 1`` under a budget (every decoding
+        sequence's block is its pending row plus its drafts, so the step's verify rows
+        stay within the budget), 0 when that is below 1 (a plain decode step), the
+        speculator's ``max_draft`` without a budget. ``decoders`` counts every
+        sequence the step decodes, with drafts or not: each takes at least one row."""
+        most = self.speculator.max_draft
+        if self.verify_rows is None or decoders < 1:
+            return most
+        return max(0, min(most, self.verify_rows // decoders - 1))
+
     def _propose_drafts(self) -> None:
-        """Ask the speculator for drafts for the sequences the next step decodes."""
+        """Ask the speculator for drafts for the sequences the next step decodes,
+        at most :meth:`draft_cap` each."""
         self._on_device = None  # drafts of a step that was never planned are not this step's
         if not self.speculator.max_draft:
             return
+        decoders = self.scheduler.decoders()
+        cap = self.draft_cap(len(decoders))
         requests = []
-        for seq in self.scheduler.decoders():
+        capped = False
+        for seq in decoders:
             room = min(
                 self.speculator.max_draft,
                 seq.max_new - len(seq.generated) - 1,  # the block commits up to drafts + 1 tokens
                 self.max_context - len(seq.tokens),  # the last draft sits at position len(tokens)
             )
+            capped |= room > cap
+            room = min(room, cap)
             seq.drafts = []
             if room > 0:
                 requests.append(DraftRequest(seq.handle, tuple(seq.tokens), tuple(seq.blocks), room))
+        if capped:  # the budget, not the sequences' own limits, took drafts from this step
+            if cap > 0:
+                self.budget_cut_steps += 1
+            else:
+                self.budget_skipped_steps += 1
         if not requests:
             return
         by_handle = {r.seq: r for r in requests}
-        if self._device_drafts and all(self._host_free(seq) for seq in self.scheduler.decoders()
-                                       if seq.handle in by_handle):
+        if self._device_drafts and all(self._host_free(seq) for seq in decoders if seq.handle in by_handle):
             found = self.speculator.propose_on_device(requests)  # type: ignore[attr-defined]
             self._on_device = found
             proposed = {seq: [0] * count for seq, count in found.counts.items()}  # placeholders
         else:
             proposed = self.speculator.propose(requests)
-        for seq in self.scheduler.decoders():
+        for seq in decoders:
             request = by_handle.get(seq.handle)
             if request is not None:
                 seq.drafts = list(proposed.get(seq.handle, ()))[: request.max_draft]

@@ -70,6 +70,10 @@ SERIES = {
     "drafted_tokens": ("spec_drafted_tokens", "draft tokens a speculator proposed and the target verified", "counter"),
     "accepted_tokens": ("spec_accepted_tokens", "draft tokens the target accepted", "counter"),
     "verify_blocks": ("spec_verify_blocks", "decode steps of a sequence that verified drafts", "counter"),
+    "budget_cut_steps": ("spec_budget_cut_steps", "steps whose drafts the verify-rows budget shortened "
+                         "(--spec-verify-rows)", "counter"),
+    "budget_skipped_steps": ("spec_budget_skipped_steps", "steps the verify-rows budget left without drafts "
+                             "(more than half as many decoding sequences as --spec-verify-rows)", "counter"),
     "mask_seconds": ("grammar_mask_seconds", "seconds spent computing grammar masks (any thread)", "counter"),
     "mask_blocked_seconds": ("grammar_mask_blocked_seconds", "seconds the engine thread spent computing grammar "
                              "masks or waiting for them (the part on the critical path)", "counter"),

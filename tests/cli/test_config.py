@@ -44,6 +44,7 @@ BAD = [
     (["--throughput-log-interval", "-1"], "--throughput-log-interval"),
     (["--chat-template", "template.jinja"], "not a Jinja template file or text"),
     (["--max-model-len", "1"], "--max-context must be between 2"),
+    (["--spec-verify-rows", "-1"], "--spec-verify-rows must be 0 (no limit) or a number of rows"),
 ]
 
 
@@ -56,6 +57,17 @@ def test_bad_serve_values_exit_2_with_one_line(argv, reason):
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1, proc.stderr
     assert reason in lines[0]
+
+
+def test_the_verify_rows_budget_reaches_the_engine():
+    from musegl_core.cli.serve import build_parser, config_from_args
+    from musegl_core.engine.engine import EngineConfig
+
+    assert EngineConfig.from_serve(ServeConfig().validate()).spec_verify_rows is None  # the executor's
+    parser = build_parser()
+    for flag, value in (("64", 64), ("0", 0)):
+        config = config_from_args(parser.parse_args(["--spec-verify-rows", flag]), parser).validate()
+        assert EngineConfig.from_serve(config).spec_verify_rows == value
 
 
 def test_request_bytes_floor_follows_image_bytes():
