@@ -47,15 +47,20 @@ def next_power(n: int, least: int = 1) -> int:
 
 
 def block_drafts(draft: DFlashDraft, rows: Callable, logits: Callable, kv: torch.Tensor, batch: DraftBatch,
-                 n: int, out: torch.Tensor | None = None) -> torch.Tensor:
+                 n: int, out: torch.Tensor | None = None, argmax: Callable | None = None) -> torch.Tensor:
     """Draft ids ``(B, n)`` of the blocks ``[anchor, MASK × n]``: the argmax of the target's
     raw head (``logits``) over the final-normed mask rows, embedded with the target's raw
-    rows (``rows``). ``out`` (given: ``(B, n)`` int64) receives them."""
+    rows (``rows``). ``out`` (given: ``(B, n)`` int64) receives them. ``argmax`` (given:
+    ``(rows, hidden)`` to the head's argmax ids ``(rows,)``) replaces the logits and their
+    argmax (a vocabulary-parallel head: no logits gathered)."""
     c = draft.config
     b = batch.anchors.shape[0]
     masks = torch.full((b, n), c.mask_token_id, dtype=torch.long, device=batch.anchors.device)
     ids = torch.cat([batch.anchors[:, None], masks], dim=1)
     hidden = draft.hidden(rows(ids).to(draft.dtype), batch, kv)[:, 1:]  # the mask rows
+    if argmax is not None:
+        found = argmax(hidden.reshape(-1, c.hidden_size)).view(b, n)
+        return found if out is None else out.copy_(found)
     scores = logits(hidden.reshape(-1, c.hidden_size)).float()
     if out is None:
         return scores.argmax(dim=-1).view(b, n)
@@ -126,9 +131,10 @@ class BlockInputs:
 class DraftGraphs:
     """The draft forward's graphs of one speculator (see the module docstring)."""
 
-    def __init__(self, draft: DFlashDraft, rows: Callable, logits: Callable, n: int, block_size: int) -> None:
+    def __init__(self, draft: DFlashDraft, rows: Callable, logits: Callable, n: int, block_size: int,
+                 argmax: Callable | None = None) -> None:
         self.draft = draft
-        self.rows, self.logits = rows, logits
+        self.rows, self.logits, self.argmax = rows, logits, argmax
         self.n = n
         self.block_size = block_size
         self.device = device = draft.device
@@ -172,7 +178,7 @@ class DraftGraphs:
 
     def _body(self, key: tuple[int, int], kv: torch.Tensor) -> None:
         block_drafts(self.draft, self.rows, self.logits, kv, self.layout(key).batch(self.inputs[key]), self.n,
-                     self.out[:key[0]])
+                     self.out[:key[0]], self.argmax)
 
     def _capture(self, key: tuple[int, int], kv: torch.Tensor) -> None:
         start = time.perf_counter()

@@ -12,10 +12,18 @@ For any other executor they are read from the target checkpoint
 (``options.model``) once. Where the executor's arrays are not torch
 tensors, the draft runs on ``options.device`` (default CPU) in
 ``options.dtype`` (default float32).
+
+Over a tensor-parallel executor (one that offers ``speculator_on_ranks``: the
+torch plugin's ``TensorParallelExecutor``) the draft is not loaded here: every
+rank loads it onto its own device (:func:`rank_speculator`), with the rank's
+share of the embedding (a vocabulary-parallel lookup) and the head's argmax
+over the ranks (``head_argmax``: each rank's best id, no logits gathered), and
+the engine talks to the ranks' replicas through the executor.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -82,10 +90,23 @@ def load_draft(path: str, device: torch.device, dtype: torch.dtype, progress=Non
     return draft
 
 
-def load_speculator(path: str, executor: Any, options: ExecutorOptions, n_draft: int) -> DFlashSpeculator:
-    head, device, dtype = target_head(executor, options)
-    draft = load_draft(path, device, dtype, options.progress)
-    speculator = DFlashSpeculator(draft, head, n_draft, executor.block_size)
+def rank_speculator(target: Any, path: str, n_draft: int) -> DFlashSpeculator:
+    """The draft on one tensor-parallel rank (called there, on every rank alike, with the
+    rank's ``RankTarget``): loaded onto the rank's device, drafting with the target's
+    embedding and head through the ranks' collectives."""
+    probe = target.embedding_rows(np.zeros((1,), dtype=np.int64))  # the activation dtype, on the device
+    head = TargetHead(target.embedding_rows, target.head_logits, target.head_argmax)
+    return DFlashSpeculator(load_draft(path, probe.device, probe.dtype), head, n_draft, target.block_size)
+
+
+def load_speculator(path: str, executor: Any, options: ExecutorOptions, n_draft: int) -> Any:
+    on_ranks = getattr(executor, "speculator_on_ranks", None)
+    if callable(on_ranks):  # tensor parallel: a replica on every rank (module docstring)
+        speculator = on_ranks("musegl_dflash.loader:rank_speculator", (str(Path(path).resolve()), n_draft))
+    else:
+        head, device, dtype = target_head(executor, options)
+        draft = load_draft(path, device, dtype, options.progress)
+        speculator = DFlashSpeculator(draft, head, n_draft, executor.block_size)
     from musegl_dflash.replay import benchmark_replay  # BENCHMARK ONLY, off unless its variable is set
 
     return benchmark_replay(speculator, n_draft)

@@ -64,3 +64,93 @@ def test_the_drafted_tensor_parallel_answers_are_the_plain_ones(runs, case):
 def test_the_draft_drafted(runs):
     _, drafted = runs
     assert drafted["plain"] == 0 and drafted["tp2-dflash"] > 0
+
+
+# -- the draft on the ranks, against the draft beside one executor ----------------------------
+
+BLOCK = 16
+BLOCKS = 32
+N_DRAFT = 7
+
+
+def drafting_pair(executor, draft_path):
+    """``executor`` and the DFlash speculator loaded next to it, both allocated."""
+    from musegl_core.plugins.specs import ExecutorOptions
+    from musegl_dflash.loader import load_speculator
+
+    speculator = load_speculator(str(draft_path), executor, ExecutorOptions(model=""), N_DRAFT)
+    executor.expect_taps(speculator.taps)
+    executor.allocate_kv(BLOCKS)
+    speculator.allocate_kv(BLOCKS)
+    return speculator
+
+
+def run_turns(executor, speculator, prompt, turns=3):
+    """A prefill, then ``turns`` verify blocks with the drafts on the device; every step
+    observed. Returns the drafts of each turn (read back through ``propose``, and the
+    device drafts' verify: ids and accepted counts)."""
+    from musegl_core.engine.executor import GREEDY, SeqChunk, Step
+    from musegl_core.engine.speculator import DraftRequest
+
+    taps = tuple(speculator.taps)
+    blocks = list(range(4))
+    tokens = list(prompt)
+    step = Step([SeqChunk(seq=0, tokens=tokens, positions=list(range(len(tokens))), blocks=blocks, sample=1,
+                          sampling=GREEDY, uniforms=[0.0])], taps=taps)
+    out = executor.step(step)
+    speculator.observe(step, out, {0: len(tokens)})
+    tokens.append(out.tokens[0][0])
+    seen = []
+    for _ in range(turns):
+        request = DraftRequest(0, tuple(tokens), tuple(blocks), N_DRAFT)
+        host = speculator.propose([request])[0]
+        found = speculator.propose_on_device([request])
+        start = len(tokens) - 1
+        rows = [tokens[-1]] + [0] * found.counts[0]
+        chunk = SeqChunk(seq=0, tokens=rows, positions=list(range(start, start + len(rows))), blocks=blocks,
+                         sample=len(rows), sampling=GREEDY, uniforms=[0.0] * len(rows), draft_row=found.rows[0])
+        step = Step([chunk], taps=taps, drafts=found.ids)
+        out = executor.step(step)
+        kept = out.accepted[0] + 1
+        speculator.observe(step, out, {0: kept})
+        tokens.extend(out.tokens[0][:kept])
+        seen.append((host, out.tokens[0], out.accepted[0]))
+    return seen
+
+
+@pytest.fixture(scope="module")
+def hosted_runs(tiny_hf, tmp_path_factory):
+    from musegl_core.checkpoint.loader import load_checkpoint
+    from musegl_cuda.executor import TorchExecutor
+    from musegl_cuda.parallel.executor import TensorParallelExecutor
+    from musegl_cuda.parallel.rank import RankSpec
+    from musegl_cuda.parallel.speculator import RankSpeculator
+
+    # the tiny model's vocabulary is 512 ids: the draft's mask token among them
+    draft = save_draft(build_reference_draft(seed=7, mask_token_id=511),
+                       tmp_path_factory.mktemp("dflash_tp_hosted") / "hf")
+    prompt = list(range(100, 140))
+    single = TorchExecutor(load_checkpoint(tiny_hf.path), device="cpu", block_size=BLOCK)
+    beside = drafting_pair(single, draft)
+    one = run_turns(single, beside, prompt)
+    parallel = TensorParallelExecutor(RankSpec(str(tiny_hf.path), "cpu", 2))
+    try:
+        hosted = drafting_pair(parallel, draft)
+        assert isinstance(hosted, RankSpeculator)  # the draft lives on the ranks, not here
+        two = run_turns(parallel, hosted, prompt)
+        figures = (beside.kv_bytes_per_block(), hosted.kv_bytes_per_block(), parallel.limits.device_drafts)
+    finally:
+        parallel.close()
+    return one, two, figures
+
+
+def test_the_draft_on_the_ranks_drafts_what_one_device_drafts(hosted_runs):
+    one, two, _ = hosted_runs
+    assert two == one  # the host drafts, the verified ids and the accepted counts of every turn
+    assert any(host for host, _, _ in one)
+
+
+def test_the_draft_on_the_ranks_counts_its_store_per_rank_on_the_cpu(hosted_runs):
+    _, _, (beside, hosted, device_drafts) = hosted_runs
+    assert hosted == 2 * beside  # a replica per rank, in the host's memory
+    assert device_drafts  # the verify steps read the ranks' drafts on their devices

@@ -15,6 +15,11 @@ the process a second after its failed requests are answered (exit status 3):
 under ``musegl serve`` that is the worker, and the front restarts it with
 fresh ranks (the KV cache died with the ranks: nothing short of a new worker
 starts from a clean state); ``musegl generate`` ends with that status.
+
+A speculator may live on the ranks too (:meth:`speculator_on_ranks`, a DFlash
+draft: :mod:`.speculator`), replicated on every rank; or beside the engine,
+borrowing the target's embedding and head through the ranks (TargetAccess:
+:meth:`embedding_rows`, :meth:`head_logits`).
 """
 
 from __future__ import annotations
@@ -233,6 +238,19 @@ class TensorParallelExecutor:
         import torch
 
         return self._call(msg.HeadLogits(self._number(), msg.HostTensor.of(torch.as_tensor(hidden))))
+
+    def speculator_on_ranks(self, factory: str, args: tuple = ()) -> Any:
+        """A speculator hosted on the ranks (replicated: each builds it on its device with
+        ``factory(RankTarget, *args)``, ``factory`` a ``"module:function"`` name), as the
+        :class:`~.speculator.RankSpeculator` the engine talks to. The ranks' free memory is
+        measured again once it is loaded (the KV pool is sized from what is left)."""
+        from musegl_cuda.parallel.speculator import RankSpeculator
+
+        loaded: msg.SpeculatorLoaded = self._call(msg.HostSpeculator(self._number(), factory, tuple(args)))
+        self.loaded = attrs.evolve(self.loaded, free_memory=list(loaded.free_memory))
+        log.info("tensor parallel: speculator %s on every rank (%d taps, %d drafts per step)", factory,
+                 len(loaded.taps), loaded.max_draft)
+        return RankSpeculator(self, loaded)
 
     def release_sequence(self, seq: int) -> None:
         """The ranks' sampler graphs keep a penalized sequence's counts: drop them. Once a

@@ -2,7 +2,14 @@
 
 Every rank reads every request (in order); only rank 0 answers, with a
 :class:`Reply` carrying the request's ``number``. Requests without a number
-(:class:`CopyBlocks`, :class:`ReleaseSequence`) get no answer: the next request's answer follows them.
+(:class:`CopyBlocks`, :class:`ReleaseSequence`, the hosted speculator's :class:`Propose` for
+the device, :class:`Observe`, :class:`DraftCopyBlocks`, :class:`DraftRelease`) get no answer:
+the next request's answer follows them.
+
+A speculator hosted on the ranks (:class:`HostSpeculator`) is replicated: every rank runs
+it on the same requests in the same order. Its drafts stay on each rank's device, named in
+the engine's steps by a :class:`RankDrafts`; the tapped rows of a step stay there too, named
+in rank 0's answer by a :class:`RankRows` per sequence, and :class:`Observe` hands them to it.
 """
 
 from __future__ import annotations
@@ -152,6 +159,79 @@ class HeadLogits:
 
     number: int
     hidden: HostTensor
+
+
+@attrs.frozen
+class HostSpeculator:
+    """Build a speculator on every rank: ``factory`` (``"module:function"``) is called with
+    the rank's :class:`~.rank.RankTarget` and ``args``. Answered with :class:`SpeculatorLoaded`."""
+
+    number: int
+    factory: str
+    args: tuple
+
+
+@attrs.frozen
+class SpeculatorLoaded:
+    """The hosted speculator's contract figures (rank 0's), and every rank's free device
+    memory once it is loaded (CUDA; else None)."""
+
+    taps: tuple[int, ...]
+    max_draft: int
+    kv_bytes_per_block: int  # one rank's
+    free_memory: list[int | None]
+
+
+@attrs.frozen
+class DraftAllocate:
+    """The hosted speculator's :meth:`allocate_kv`."""
+
+    number: int
+    num_blocks: int
+
+
+@attrs.frozen
+class RankDrafts:
+    """``Step.drafts`` of a step whose drafts the ranks hold: those :class:`Propose` ``key`` made."""
+
+    key: int
+
+
+@attrs.frozen
+class Propose:
+    """The hosted speculator drafts for ``requests``. With ``number`` (the host path) rank 0
+    answers the drafts (``propose``); without, each rank keeps them on its device under
+    ``key`` (``propose_on_device``) for the step whose drafts are ``RankDrafts(key)``."""
+
+    number: int | None
+    key: int
+    requests: list
+
+
+@attrs.frozen
+class RankRows:
+    """A sequence's tapped rows of step ``number`` in rank 0's answer: they stay on the ranks."""
+
+    number: int
+
+
+@attrs.frozen
+class Observe:
+    """The hosted speculator's :meth:`observe` of the step numbered ``step`` (whose tapped
+    rows the ranks kept). Not answered (it has no ``number``)."""
+
+    step: int
+    committed: dict
+
+
+@attrs.frozen
+class DraftCopyBlocks:
+    pairs: Sequence[tuple[int, int]]
+
+
+@attrs.frozen
+class DraftRelease:
+    seq: int
 
 
 @attrs.frozen

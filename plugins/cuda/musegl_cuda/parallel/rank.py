@@ -10,7 +10,12 @@ time, so no process ever holds the whole model.
 
 Then every rank runs the same requests in the same order (:mod:`.messages`, read
 from the :class:`~.channel.StepChannel`): the same step, the same sampler over
-the same gathered logits, the same ids. Rank 0 answers. A rank whose request
+the same gathered logits, the same ids. Rank 0 answers. A speculator hosted on
+the ranks (:class:`~.messages.HostSpeculator`, a DFlash draft) is replicated the
+same way: every rank holds it and its per-block state on its own device, drafts
+with its share of the target's embedding and head (:class:`RankTarget`), keeps
+the drafts for the step that verifies them, and keeps each step's tapped rows
+for the speculator's :class:`~.messages.Observe`. A rank whose request
 fails on its input (``ValueError`` and the like, raised before any collective,
 alike on every rank) answers with the error and carries on; any other failure
 ends the rank, which the engine's side sees as a dead rank.
@@ -18,6 +23,7 @@ ends the rank, which the engine's side sees as a dead rank.
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import pickle
@@ -96,17 +102,58 @@ def portable(error: BaseException) -> BaseException:
         return RuntimeError(f"{type(error).__name__}: {error}")
 
 
+class RankTarget:
+    """What a speculator hosted on a rank sees of the target: the rank's executor's
+    model facts and its TargetAccess, the embedding rows (a vocabulary-parallel lookup,
+    summed over the ranks) and the head (logits gathered over the ranks), and
+    :meth:`head_argmax`, the head's argmax without gathering the logits. Every method
+    is a collective: every rank calls it with the same arguments."""
+
+    def __init__(self, executor, shard) -> None:
+        self.executor, self.shard = executor, shard
+        self.info = executor.info
+        self.block_size = executor.block_size
+        self.device = executor.device
+
+    def embedding_rows(self, ids):
+        return self.executor.embedding_rows(ids)
+
+    def head_logits(self, hidden):
+        return self.executor.head_logits(hidden)
+
+    def head_argmax(self, hidden):
+        """The argmax over the whole vocabulary of the raw head product of ``(n, hidden)``
+        rows: ``(n,)`` int64 on the device, the same ids on every rank."""
+        import torch
+
+        model = self.executor.model
+        hidden = torch.as_tensor(hidden, device=self.device)
+        local = model.lm_head(hidden.float() if model.stored else hidden.to(model.dtype))
+        return self.shard.argmax_vocab(local)
+
+
+def load_factory(name: str):
+    """``"module:function"`` as the function."""
+    module, _, function = name.partition(":")
+    return getattr(importlib.import_module(module), function)
+
+
 class Rank:
     """One rank's loop over the requests; see the module docstring."""
 
     def __init__(self, spec: RankSpec, rank: int, requests: StepChannel, replies: StepChannel,
-                 parent: int, control, executor) -> None:
+                 parent: int, control, executor, shard=None) -> None:
         self.spec, self.rank = spec, rank
         self.requests, self.replies = requests, replies
         self.parent = parent
         self.control = control  # the gloo group for control (barriers, gathering small objects)
         self.executor = executor
-        self.inflight: tuple[int, Any] | None = None  # (number, pending) of a step launched, not answered
+        self.shard = shard
+        # (number, pending, step) of a step launched, not answered
+        self.inflight: tuple[int, Any, Any] | None = None
+        self.speculator: Any = None  # a hosted speculator (HostSpeculator), if any
+        self.drafts: dict[int, Any] = {}  # Propose key -> the drafts on the device (or the error making them)
+        self.tapped: dict[int, tuple[Any, Any]] = {}  # step number -> (step, output) until its Observe
 
     def parent_alive(self) -> bool:
         return os.getppid() == self.parent
@@ -172,24 +219,49 @@ class Rank:
     def launch(self, request: msg.RunStep) -> None:
         """Launch the step; then answer the step launched before it."""
         try:
-            pending = self.executor.launch(msg.unpack_embeddings(request.step))
+            step = self.rank_step(request.step)
+            pending = self.executor.launch(step)
         except Exception as exc:
             self.failed(request.number, exc)
             return
         self.settle()
-        self.inflight = (request.number, pending)
+        self.inflight = (request.number, pending, step)
 
     def settle(self) -> None:
         """Answer the launched step not answered yet, if any."""
         if self.inflight is None:
             return
-        (number, pending), self.inflight = self.inflight, None
+        (number, pending, step), self.inflight = self.inflight, None
         try:
             value = pending.result()
         except Exception as exc:
             self.failed(number, exc)
             return
-        self.answer(number, value)
+        self.answer(number, self.keep_taps(number, step, value))
+
+    def rank_step(self, step):
+        """The engine's step as this rank runs it: image rows as tensors, and the drafts a
+        hosted speculator made for it (``RankDrafts``) from this rank's device."""
+        step = msg.unpack_embeddings(step)
+        if not isinstance(step.drafts, msg.RankDrafts):
+            return step
+        key = step.drafts.key
+        drafts = self.drafts.pop(key, None)
+        for old in [k for k in self.drafts if k < key]:  # proposals no step used
+            del self.drafts[old]
+        if drafts is None:
+            raise KeyError(f"the drafts {key} of this step are not on rank {self.rank}")
+        if isinstance(drafts, Exception):
+            raise drafts
+        return attrs.evolve(step, drafts=drafts)
+
+    def keep_taps(self, number: int, step, output):
+        """With a hosted speculator, the step's tapped rows stay here for its Observe: the
+        answer names them (``RankRows``) instead of carrying them."""
+        if self.speculator is None or not output.hidden:
+            return output
+        self.tapped[number] = (step, output)
+        return attrs.evolve(output, hidden={seq: msg.RankRows(number) for seq in output.hidden})
 
     def run(self, request: Any) -> None:
         number = getattr(request, "number", None)
@@ -218,7 +290,8 @@ class Rank:
 
         ex = self.executor
         if isinstance(request, msg.RunStep):
-            return ex.launch(msg.unpack_embeddings(request.step)).result()
+            step = self.rank_step(request.step)
+            return self.keep_taps(request.number, step, ex.launch(step).result())
         if isinstance(request, msg.CopyBlocks):
             ex.copy_blocks(request.pairs)
             return None
@@ -240,7 +313,81 @@ class Rank:
         if isinstance(request, msg.HeadLogits):
             with torch.inference_mode():
                 return ex.head_logits(request.hidden.tensor())
+        if isinstance(request, msg.HostSpeculator):
+            return self.host_speculator(request)
+        if isinstance(request, msg.Propose):
+            return self.propose(request)
+        if isinstance(request, msg.Observe):
+            if self.inflight is not None and self.inflight[0] <= request.step:
+                self.settle()  # the step is done on the engine's side (rank 0 answered it): here too
+            kept = self.tapped.pop(request.step, None)
+            for old in [n for n in self.tapped if n < request.step]:  # steps never observed
+                del self.tapped[old]
+            if kept is not None:
+                self.hosted().observe(kept[0], kept[1], request.committed)
+            return None
+        if isinstance(request, msg.DraftAllocate):
+            self.hosted().allocate_kv(request.num_blocks)
+            dist.barrier(group=self.control)
+            return None
+        if isinstance(request, msg.DraftCopyBlocks):
+            self.hosted().copy_blocks(request.pairs)
+            return None
+        if isinstance(request, msg.DraftRelease):
+            self.hosted().release_sequence(request.seq)
+            return None
         raise TypeError(f"unknown request {type(request).__name__}")
+
+
+    def hosted(self):
+        if self.speculator is None:
+            raise RuntimeError("no speculator is hosted on the ranks")
+        return self.speculator
+
+    def host_speculator(self, request: msg.HostSpeculator) -> msg.SpeculatorLoaded:
+        import torch
+        import torch.distributed as dist
+
+        if self.speculator is not None:
+            raise ValueError("a speculator is already hosted on the ranks")
+        target = RankTarget(self.executor, self.shard)
+        with torch.inference_mode():
+            self.speculator = load_factory(request.factory)(target, *request.args)
+        device = self.executor.device
+        free = int(torch.cuda.mem_get_info(device)[0]) if device.type == "cuda" else None
+        every: list = [None] * self.spec.size
+        dist.all_gather_object(every, free, group=self.control)
+        s = self.speculator
+        return msg.SpeculatorLoaded(tuple(s.taps), int(s.max_draft), int(s.kv_bytes_per_block()), every)
+
+    def propose(self, request: msg.Propose) -> Any:
+        """The hosted speculator's drafts: answered (the host path), or kept under the key."""
+        import torch
+
+        speculator = self.hosted()
+        if request.number is not None:
+            with torch.inference_mode():
+                return speculator.propose(request.requests)
+        try:
+            with torch.inference_mode():
+                found = speculator.propose_on_device(request.requests)
+        except INPUT_ERRORS as exc:  # raised alike on every rank, before any collective
+            self.drafts[request.key] = exc  # the step that reads them fails with it
+            return None
+        rows, counts = hosted_rows(request.requests, speculator.max_draft)
+        if found.rows != rows or found.counts != counts:
+            raise RuntimeError("the hosted speculator's drafts are not in the rows the engine placed them in")
+        self.drafts[request.key] = found.ids
+        return None
+
+
+def hosted_rows(requests, max_draft: int) -> tuple[dict[int, int], dict[int, int]]:
+    """Where a hosted speculator's device drafts are (``DeviceDrafts.rows`` and ``counts``):
+    a row per request with room and tokens, in order, ``min(room, max_draft)`` drafts each.
+    The engine's side places them without asking the ranks."""
+    kept = [r for r in requests if r.max_draft > 0 and r.tokens]
+    return ({r.seq: row for row, r in enumerate(kept)},
+            {r.seq: min(r.max_draft, max_draft) for r in kept})
 
 
 def run_rank(rank: int, spec: RankSpec, store: str, requests: StepChannel, replies: StepChannel,
@@ -288,7 +435,7 @@ def _run(rank: int, spec: RankSpec, store: str, requests: StepChannel, replies: 
     config = text_config(spec)
     shard = TensorShard(ShardPlan.of(config, spec.size, rank), device_group, backend)
     executor = build_executor(spec, rank, shard)
-    worker = Rank(spec, rank, requests, replies, parent, control, executor)
+    worker = Rank(spec, rank, requests, replies, parent, control, executor, shard)
     worker.loaded()
     worker.serve()
     executor.close()

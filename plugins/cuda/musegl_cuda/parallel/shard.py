@@ -10,7 +10,8 @@ Megatron's split of a decoder layer, with the fused products kept fused:
 * vocabulary-parallel: the embedding (each rank looks up the ids in its rows, the
   others give zeros, an all-reduce sums them) and the head (each rank's logits of
   its rows, gathered into the full row for the sampler, so every rank samples the
-  same ids from the same numbers: :meth:`TensorShard.gather_vocab`).
+  same ids from the same numbers: :meth:`TensorShard.gather_vocab`; a draft's
+  argmax over it gathers each rank's best instead: :meth:`TensorShard.argmax_vocab`).
 
 Query heads are split evenly. KV heads are split where there are at least as
 many as ranks; with fewer (2 KV heads, 4 or 8 ranks) each rank holds the one KV
@@ -218,6 +219,34 @@ class TensorShard:
             dist.all_gather(parts, z, group=self.group)
             full = torch.cat(parts, dim=1)
         return full[:, :plan.vocab_size]
+
+    def argmax_vocab(self, z: torch.Tensor) -> torch.Tensor:
+        """The whole vocabulary's argmax of ``z (rows, local vocab)`` without gathering the
+        logits: each rank's best ``(value, global id)`` per row, an all-gather of those pairs,
+        and the best of them (the lowest id among equal values, as ``argmax`` of the gathered
+        row picks): ``(rows,)`` int64, the same on every rank."""
+        plan = self.plan
+        if plan.size == 1:
+            return z.argmax(dim=-1)
+        import torch.distributed as dist
+
+        rows = z.shape[0]
+        pair = torch.empty(rows, 2, dtype=torch.float64, device=z.device)
+        if z.shape[1]:
+            index = z.argmax(dim=-1)
+            pair[:, 0] = z.gather(1, index[:, None])[:, 0]
+            pair[:, 1] = index + plan.vocab.start  # below 2**53: exact in float64
+        else:  # no real rows here (a tiny vocabulary over many ranks)
+            pair[:, 0], pair[:, 1] = float("-inf"), 0
+        if self.backend == "nccl":
+            every = torch.empty(plan.size, rows, 2, dtype=pair.dtype, device=z.device)
+            dist.all_gather_into_tensor(every, pair, group=self.group)
+        else:
+            parts = [torch.empty_like(pair) for _ in range(plan.size)]
+            dist.all_gather(parts, pair, group=self.group)
+            every = torch.stack(parts)
+        best = every[:, :, 0].argmax(dim=0)  # the first rank with the highest value: the lowest id
+        return every[:, :, 1].gather(0, best[None])[0].long()
 
     def embedding(self, lookup, ids: torch.Tensor) -> torch.Tensor:
         """Vocabulary-parallel embedding rows of ``ids``: ``lookup(local ids)`` gives this
