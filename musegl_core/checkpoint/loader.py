@@ -125,3 +125,24 @@ def load_checkpoint(path: str | os.PathLike[str], progress: Progress | None = No
     return Checkpoint(path=str(p), config=reader.config, source=reader.source,
                       file_type=reader.file_type, name=reader.name, tokenizer=reader.tokenizer,
                       reader=reader, progress=progress)
+
+
+def read_text_config(path: str | os.PathLike[str]) -> tuple[TextConfig, str]:
+    """The text config and the name of the checkpoint at ``path`` without its weights:
+    a Hugging Face directory's ``config.json`` (or that file named itself, with no
+    safetensors needed), a GGUF's metadata. Raises ``FileNotFoundError``/``ValueError``
+    with a one-line reason, like :func:`load_checkpoint`."""
+    import json
+
+    from musegl_core.checkpoint.hf_reader import text_config_dict, text_config_from_dict
+
+    p = Path(path)
+    if p.is_dir() or p.name == "config.json":
+        config_path = p / "config.json" if p.is_dir() else p
+        if not config_path.is_file():
+            raise FileNotFoundError(f"{p}: no config.json (not a Hugging Face model directory)")
+        raw = json.loads(config_path.read_text())
+        return text_config_from_dict(text_config_dict(raw, str(config_path))), config_path.parent.name
+    checkpoint = load_checkpoint(p)
+    checkpoint.close()
+    return checkpoint.config, checkpoint.name

@@ -261,3 +261,20 @@ def test_bare_text_config_defaults(tmp_path):
     assert c.bos_token_id == 200000 and c.eos_token_ids == (200001,)
     assert math.isclose(c.output_multiplier, 0.19611613513818404)
     np.testing.assert_array_equal(checkpoint.read("lm_head.weight"), tensors["lm_head.weight"])
+
+
+def test_read_text_config_needs_no_weights(tmp_path, tiny_hf, tiny_gguf):
+    """:func:`read_text_config` reads a directory's config.json (or the file itself) with
+    no safetensors beside it, and a GGUF's metadata, to the config the loader gives."""
+    from musegl_core.checkpoint.loader import read_text_config
+
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "config.json").write_text((tiny_hf.path / "config.json").read_text())
+    want = load_checkpoint(tiny_hf.path).config
+    assert read_text_config(bare) == (want, "bare")
+    assert read_text_config(bare / "config.json") == (want, "bare")
+    gguf_checkpoint = load_checkpoint(tiny_gguf)
+    assert read_text_config(tiny_gguf) == (gguf_checkpoint.config, gguf_checkpoint.name)
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        read_text_config(tmp_path)

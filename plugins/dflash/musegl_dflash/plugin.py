@@ -95,13 +95,10 @@ def _draft_config(options: DFlashOptions) -> "DraftConfig":
 def _target_config(options: ExecutorOptions) -> Any:
     """The target's text config; a bare ``config.json`` served with ``--load-format dummy``
     (random weights) has no weights to open, so its config is read alone."""
-    config_path = Path(options.model) / "config.json"
-    if options.extra.get("load_format") == "dummy" and config_path.is_file():
-        import json
+    if options.extra.get("load_format") == "dummy":
+        from musegl_core.checkpoint.loader import read_text_config
 
-        from musegl_core.checkpoint.hf_reader import text_config_dict, text_config_from_dict
-
-        return text_config_from_dict(text_config_dict(json.loads(config_path.read_text()), str(config_path)))
+        return read_text_config(options.model)[0]
     from musegl_core.checkpoint.loader import load_checkpoint
 
     checkpoint = load_checkpoint(options.model)

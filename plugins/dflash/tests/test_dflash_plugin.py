@@ -93,3 +93,17 @@ def test_generate_takes_the_flags_and_refuses_the_same(demo_draft, demo_model, c
         outputs.append(json.loads(capsys.readouterr().out))
     assert outputs[0]["token_ids"] == outputs[1]["token_ids"]
     assert outputs[0]["speculation"]["drafted_tokens"] == 0 < outputs[1]["speculation"]["drafted_tokens"]
+
+
+def test_a_bare_target_config_served_dummy_is_checked_without_weights(demo_draft, tiny_hf, tmp_path):
+    """``--load-format dummy`` on a directory with only a config.json: the target's shape
+    comes from the config alone (the tiny target's 512 tokens cannot hold the draft's mask token)."""
+    from musegl_core.plugins.specs import ExecutorOptions
+    from musegl_dflash.plugin import check
+
+    (tmp_path / "config.json").write_text((tiny_hf.path / "config.json").read_text())
+    options = ExecutorOptions(str(tmp_path), extra={"dflash": str(demo_draft), "load_format": "dummy"})
+    with pytest.raises(ConfigError, match="outside the target's vocabulary of 512 tokens"):
+        check(options)
+    with pytest.raises(FileNotFoundError, match="no model.safetensors"):  # without dummy, the weights are opened
+        check(ExecutorOptions(str(tmp_path), extra={"dflash": str(demo_draft)}))
