@@ -258,8 +258,10 @@ class SafetensorsFile:
         self._map = None
 
 
-def _safetensors_files(directory: Path) -> tuple[dict[str, str], list[Path]]:
-    """``(weight_map, files)``: which file holds each tensor name."""
+def safetensors_files(directory: Path) -> tuple[dict[str, str], list[Path]]:
+    """``(weight_map, files)`` of a Hugging Face directory: the safetensors files and, from
+    ``model.safetensors.index.json`` when there is one, which file holds each tensor name
+    (empty without an index)."""
     index = directory / "model.safetensors.index.json"
     if index.exists():
         weight_map = json.loads(index.read_text())["weight_map"]
@@ -302,7 +304,7 @@ class HFTextReader:
         self.tokenizer = None
         tied = bool(text.get("tie_word_embeddings", raw.get("tie_word_embeddings", False)))
 
-        weight_map, files = _safetensors_files(self.path)
+        weight_map, files = safetensors_files(self.path)
         self._files = {p.name: SafetensorsFile(p) for p in files}
         located: dict[str, tuple[str, str]] = {}  # canonical -> (file, stored name)
         if weight_map:
