@@ -143,3 +143,19 @@ def test_zero_turns_the_executors_budget_off_and_a_budget_of_one_row_a_sequence_
     assert tight.asked == [] and engine.stats()["drafted_tokens"] == 0
     assert all(len(c.tokens) == 1 for s in executor.steps for c in decode_chunks(s))
     assert engine.stats()["budget_skipped_steps"] > 0
+
+
+def test_the_budget_counters_are_served_on_metrics(tokenizer):
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from musegl_core.http.metrics import _Snapshot
+
+    plain, _, _ = run(tokenizer, "greedy")
+    recorded = [[100 + i, 200 + i, 300 + i, *plain[f"r{i}"]] for i in range(SEQUENCES)]
+    _, _, engine = run(tokenizer, "greedy", RecordedDrafts(recorded, VOCAB), spec_verify_rows=BUDGET)
+    stats = engine.stats()
+    registry = CollectorRegistry()
+    registry.register(_Snapshot(stats, True, 0))
+    text = generate_latest(registry).decode()
+    assert f"musegl_spec_budget_cut_steps_total {float(stats['budget_cut_steps'])}" in text
+    assert f"musegl_spec_budget_skipped_steps_total {float(stats['budget_skipped_steps'])}" in text
