@@ -79,6 +79,7 @@ TABLE: dict[type[e.EngineError], Callable[..., ApiError]] = {
     m.BadFrame: lambda error: ApiError(400, error.reason, "invalid_request_error"),
     m.EventTooLarge: lambda error: ApiError(500, f"an output frame exceeded {error.limit >> 20} MiB",
                                             "server_error"),
+    m.BadEvent: lambda error: ApiError(500, f"the worker sent an unreadable event: {error.reason}", "server_error"),
     m.PreparationFailed: lambda error: ApiError(500, f"preparing the request failed: {error.reason}",
                                                 "server_error"),
     m.InputRefused: lambda error: ApiError(error.status, error.message, error.type, error.code, error.param,

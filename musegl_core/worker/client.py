@@ -234,24 +234,32 @@ class WorkerClient:
             if not line:
                 (log.info if self._closing else log.warning)("worker pipe closed (pid %d)", proc.pid)
                 return
-            try:
-                event = m.decode(line)
-            except m.FrameError as exc:
-                log.error("bad frame from worker: %s", exc)
-                continue
-            if isinstance(event, m.Ready):
-                self.info = event
-                self._ready_at = time.monotonic()
-                if self._spawned_at is not None:
-                    self._load_seconds = self._ready_at - self._spawned_at
-                self._ready.set()
-                log.info("worker ready: %s", event.model.name)
-                continue
-            queue = self._queues.get(getattr(event, "id", None) or "")
-            if queue is not None:
-                queue.put_nowait(event)
-            elif isinstance(event, m.Failed) and event.id is None:
-                log.error("worker error: %s", api_error(event.error).message)
+            self._deliver(line)
+
+    def _deliver(self, line: bytes) -> None:
+        """Route one event frame from the worker to its request's queue. A frame that names
+        a request but cannot be read fails that request (:class:`~musegl_core.worker.messages.BadEvent`;
+        leaving its stream cancels it in the worker) instead of losing its output."""
+        try:
+            event = m.decode(line)
+        except m.FrameError as exc:
+            log.error("bad frame from worker: %s", exc)
+            if exc.id is None or exc.id not in self._queues:
+                return
+            event = m.Failed(exc.id, m.BadEvent(str(exc)))
+        if isinstance(event, m.Ready):
+            self.info = event
+            self._ready_at = time.monotonic()
+            if self._spawned_at is not None:
+                self._load_seconds = self._ready_at - self._spawned_at
+            self._ready.set()
+            log.info("worker ready: %s", event.model.name)
+            return
+        queue = self._queues.get(getattr(event, "id", None) or "")
+        if queue is not None:
+            queue.put_nowait(event)
+        elif isinstance(event, m.Failed) and event.id is None:
+            log.error("worker error: %s", api_error(event.error).message)
 
     def retry_after(self) -> int | None:
         """Seconds until the worker should be ready, for the ``Retry-After`` of a 503 that
@@ -350,7 +358,8 @@ class WorkerClient:
                     finished = True
                     raise item
                 if isinstance(item, m.Failed):
-                    finished = True
+                    # the worker ended the request, unless the front failed it (it still runs there)
+                    finished = not isinstance(item.error, m.BadEvent)
                     raise api_error(item.error)
                 yield item
                 if isinstance(item, m.Done):

@@ -141,6 +141,16 @@ class EventTooLarge(EngineError):
 
 
 @attrs.frozen
+class BadEvent(EngineError):
+    """The front could not read an event frame the worker sent for the request (a
+    :class:`Tokens` frame whose logprobs do not pair with its ids, say): the request
+    fails rather than lose that output; the worker goes on serving the others."""
+
+    kind: ClassVar[str] = "bad_event"
+    reason: str
+
+
+@attrs.frozen
 class PreparationFailed(EngineError):
     """Preparing the request failed for a reason other than its input (a bug, a library's panic)."""
 
@@ -170,8 +180,8 @@ class InputRefused(EngineError):
                    error.retry_after)
 
 
-WORKER_ERRORS: tuple[type[EngineError], ...] = (FrameTooLarge, BadFrame, EventTooLarge, PreparationFailed,
-                                                 InputRefused)
+WORKER_ERRORS: tuple[type[EngineError], ...] = (FrameTooLarge, BadFrame, EventTooLarge, BadEvent,
+                                                 PreparationFailed, InputRefused)
 #: every error kind that crosses the pipe, by its ``kind``
 ERROR_KINDS: dict[str, type[EngineError]] = {cls.kind: cls for cls in (*ENGINE_ERRORS, *WORKER_ERRORS)}
 
@@ -205,7 +215,12 @@ converter.register_structure_hook_func(lambda cls: cls is EngineError, _structur
 
 
 class FrameError(ValueError):
-    """A frame that is too large or not a valid message."""
+    """A frame that is too large or not a valid message; ``id`` is the request it names
+    when that much of it could be read (a malformed :class:`Tokens` frame's), else None."""
+
+    def __init__(self, message: str, id: str | None = None) -> None:
+        super().__init__(message)
+        self.id = id
 
 
 #: the first element of a compact :class:`Tokens` frame
@@ -248,6 +263,7 @@ def encode(message: Any, limit: int | None = None) -> bytes:
 
 
 def decode(line: bytes | str) -> Any:
+    payload: Any = None
     try:
         payload = json.loads(line)
         if isinstance(payload, list):
@@ -255,4 +271,5 @@ def decode(line: bytes | str) -> Any:
         cls = _OPS[payload.pop("op")]
         return converter.structure(payload, cls)
     except (ValueError, KeyError, TypeError, cattrs.BaseValidationError) as exc:
-        raise FrameError(f"malformed frame: {exc}") from exc
+        rid = payload[1] if isinstance(payload, list) and len(payload) > 1 and isinstance(payload[1], str) else None
+        raise FrameError(f"malformed frame: {exc}", rid) from exc

@@ -61,6 +61,8 @@ EXPECTED = [
                             {}, None)),
     (m.BadFrame("malformed frame: x"), (400, "invalid_request_error", None, None, "malformed frame: x", {}, None)),
     (m.EventTooLarge(), (500, "server_error", None, None, "an output frame exceeded 1 MiB", {}, None)),
+    (m.BadEvent("malformed frame: x"), (500, "server_error", None, None,
+                                         "the worker sent an unreadable event: malformed frame: x", {}, None)),
     (m.PreparationFailed("boom"), (500, "server_error", None, None, "preparing the request failed: boom", {}, None)),
     (m.InputRefused(413, "The image is 9 bytes", code="image_too_large", param="image", metadata={"a": 1}), (
         413, "invalid_request_error", "image_too_large", "image", "The image is 9 bytes", {"a": 1}, None)),

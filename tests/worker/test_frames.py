@@ -35,3 +35,15 @@ def test_other_events_keep_their_named_object_frames():
 def test_a_malformed_tokens_frame_is_a_frame_error(line):
     with pytest.raises(m.FrameError):
         m.decode(line)
+
+
+def test_a_malformed_tokens_frame_names_its_request():
+    """The front fails that request (BadEvent) rather than drop its output: it needs the id."""
+    mismatched = m.encode(m.Tokens("r-9", (5, 9), "xy", (TokenLogprobs(-0.25),)))  # one entry for two ids
+    with pytest.raises(m.FrameError, match="one logprobs entry per id") as info:
+        m.decode(mismatched)
+    assert info.value.id == "r-9"
+    for line in (b'["t",1,[1],"a"]', b'{"op":"done"}', b"not json"):
+        with pytest.raises(m.FrameError) as info:
+            m.decode(line)
+        assert info.value.id is None
