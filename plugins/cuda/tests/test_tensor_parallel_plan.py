@@ -228,3 +228,27 @@ def test_the_kv_layout_before_loading_is_what_the_ranks_report(tiny_hf):
     assert kv_layout(two, "cpu")[0] == one and kv_layout(four, "cpu")[0] == 2 * one
     # on CUDA each device holds its own share, in bfloat16 (the CUDA default): a quarter
     assert kv_layout(two, "cuda")[0] == kv_layout(four, "cuda")[0] == one // 4
+
+
+def test_a_token_tail_is_the_last_ids_and_the_count_and_refuses_the_rest():
+    import pickle
+
+    from musegl_cuda.parallel.messages import TokenTail
+
+    tail = pickle.loads(pickle.dumps(TokenTail(40, (7, 9))))
+    assert len(tail) == 40 and bool(tail)
+    assert (tail[-1], tail[-2], tail[39], tail[38], tail[-2:]) == (9, 7, 9, 7, [7, 9])
+    for index in (0, 37, -3, 40):
+        with pytest.raises(IndexError):
+            tail[index]
+    with pytest.raises(TypeError):
+        list(tail)  # never an empty list where the ids did not cross
+
+
+def test_hosted_drafts_take_a_row_per_request_with_room_in_order():
+    from musegl_core.engine.speculator import DraftRequest
+    from musegl_cuda.parallel.rank import hosted_rows
+
+    requests = [DraftRequest(5, (1, 2), (0,), 3), DraftRequest(6, (1,), (0,), 0), DraftRequest(7, (), (0,), 2),
+                DraftRequest(8, (4, 4, 4), (0,), 9)]
+    assert hosted_rows(requests, 7) == ({5: 0, 8: 1}, {5: 3, 8: 7})

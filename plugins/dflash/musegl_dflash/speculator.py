@@ -110,6 +110,10 @@ class TargetHead:
 class DFlashSpeculator:
     """Block drafting with a DFlash draft over a target executor (any backend)."""
 
+    #: how many trailing ids of a request's ``tokens`` it reads (the anchor; the rest only
+    #: by their count): a host that sends the requests to another process sends only these
+    token_tail = 1
+
     def __init__(self, draft: DFlashDraft, target: TargetHead, n_draft: int, block_size: int,
                  graphs: bool | None = None) -> None:
         """``graphs``: run the draft forward through :class:`DraftGraphs` (None: on CUDA;

@@ -14,6 +14,7 @@ in rank 0's answer by a :class:`RankRows` per sequence, and :class:`Observe` han
 
 from __future__ import annotations
 
+import collections.abc
 from typing import Any, Sequence
 
 import attrs
@@ -180,6 +181,7 @@ class SpeculatorLoaded:
     max_draft: int
     kv_bytes_per_block: int  # one rank's
     free_memory: list[int | None]
+    token_tail: int | None = None  # the trailing ids of a request it reads (None: all of them)
 
 
 @attrs.frozen
@@ -195,6 +197,32 @@ class RankDrafts:
     """``Step.drafts`` of a step whose drafts the ranks hold: those :class:`Propose` ``key`` made."""
 
     key: int
+
+
+@attrs.frozen
+class TokenTail(collections.abc.Sequence):
+    """A request's ``tokens`` as they cross to the ranks for a speculator that reads only
+    the last few (``token_tail``): the count, and those ids. Reading an earlier id is an
+    ``IndexError``."""
+
+    length: int
+    tail: tuple[int, ...]
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(self.length))]
+        i = index + self.length if index < 0 else index
+        first = self.length - len(self.tail)
+        if not first <= i < self.length:
+            raise IndexError(f"token {index} of {self.length} did not cross to the ranks (only the last "
+                             f"{len(self.tail)})")
+        return self.tail[i - first]
+
+    def __iter__(self):  # the ABC's iterates from id 0, which did not cross: never an empty list
+        raise TypeError(f"only the last {len(self.tail)} of {self.length} tokens crossed to the ranks")
 
 
 @attrs.frozen

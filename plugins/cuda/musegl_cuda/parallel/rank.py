@@ -358,7 +358,9 @@ class Rank:
         every: list = [None] * self.spec.size
         dist.all_gather_object(every, free, group=self.control)
         s = self.speculator
-        return msg.SpeculatorLoaded(tuple(s.taps), int(s.max_draft), int(s.kv_bytes_per_block()), every)
+        tail = getattr(s, "token_tail", None)
+        return msg.SpeculatorLoaded(tuple(s.taps), int(s.max_draft), int(s.kv_bytes_per_block()), every,
+                                    None if tail is None else int(tail))
 
     def propose(self, request: msg.Propose) -> Any:
         """The hosted speculator's drafts: answered (the host path), or kept under the key."""

@@ -15,6 +15,8 @@ speculator beside a one-device executor sees:
   requests alone (:func:`~.rank.hosted_rows`), so nothing is waited for;
 * ``propose`` (a step whose masks or penalties the host computes from the
   drafts) waits for rank 0's drafts;
+* a request's ``tokens`` cross as the speculator's ``token_tail`` trailing ids
+  and their count (:class:`~.messages.TokenTail`), where it declares one;
 * ``observe`` names the step whose tapped rows the ranks kept (rank 0's answer
   carries a :class:`~.messages.RankRows` for them, not the rows);
 * ``allocate_kv``, ``copy_blocks``, ``release_sequence`` go to every rank.
@@ -23,6 +25,8 @@ speculator beside a one-device executor sees:
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Sequence
+
+import attrs
 
 from musegl_core.engine.executor import Step, StepOutput
 from musegl_core.engine.speculator import DeviceDrafts, DraftRequest
@@ -42,6 +46,7 @@ class RankSpeculator:
         self.taps = tuple(loaded.taps)
         self.max_draft = loaded.max_draft
         self.per_rank_kv = loaded.kv_bytes_per_block
+        self.token_tail = loaded.token_tail
         self._keys = 0
 
     def kv_bytes_per_block(self) -> int:
@@ -58,9 +63,18 @@ class RankSpeculator:
         key, self._keys = self._keys, self._keys + 1
         return key
 
+    def _wire(self, requests: list[DraftRequest]) -> list[DraftRequest]:
+        """The requests as they cross: only the trailing ids the speculator reads (a long
+        context's every id pickled per step would cost more than the draft)."""
+        tail = self.token_tail
+        if tail is None:
+            return requests
+        return [attrs.evolve(r, tokens=msg.TokenTail(len(r.tokens), tuple(r.tokens[len(r.tokens) - tail:])))
+                if len(r.tokens) > tail else r for r in requests]
+
     def propose(self, requests: Sequence[DraftRequest]) -> dict[int, list[int]]:
         ex = self.executor
-        return ex._call(msg.Propose(ex._number(), self._key(), list(requests)))
+        return ex._call(msg.Propose(ex._number(), self._key(), self._wire(list(requests))))
 
     def propose_on_device(self, requests: Sequence[DraftRequest]) -> DeviceDrafts:
         requests = list(requests)
@@ -68,7 +82,7 @@ class RankSpeculator:
         if not rows:
             return DeviceDrafts(None, {}, {})
         key = self._key()
-        self.executor._send(msg.Propose(None, key, requests))
+        self.executor._send(msg.Propose(None, key, self._wire(requests)))
         return DeviceDrafts(msg.RankDrafts(key), rows, counts)
 
     def observe(self, step: Step, output: StepOutput, committed: dict[int, int]) -> None:
