@@ -192,11 +192,11 @@ def tokenizer():
     return MuseTokenizer.load(str(default_model_path()))
 
 
-def run(checkpoint, tokenizer, requests, speculator=None):
+def run(checkpoint, tokenizer, requests, speculator=None, **settings):
     executor = Recording(checkpoint, device="cpu", block_size=BLOCK)
     events: list = []
     config = EngineConfig(max_context=128, max_sessions=8, max_inflight_requests=8, max_decode_sequences=8,
-                          max_prefill_chunk=64)
+                          max_prefill_chunk=64, **settings)
     engine = Engine(executor, tokenizer, config, events.append, speculator=speculator)
     for r in requests:
         engine.submit(r)
@@ -235,3 +235,20 @@ def test_device_drafts_give_what_host_drafts_and_no_drafts_give(checkpoint, toke
     verified = sum(len(ch.tokens) > 1 and ch.sample == len(ch.tokens) for s in device_ex.launched for ch in s.chunks)
     assert 0 < read < verified  # device drafts once the penalized request has ended
     assert speculator.asked_on_device > 0
+
+
+def test_a_verify_rows_budget_gives_device_drafts_fewer_rows_and_the_same_output(checkpoint, tokenizer):
+    """``--spec-verify-rows 9``: 4 decoders draft one each, 3 two, 2 three, 1 four (the
+    speculator's most); the device path reads each block's own count of its row."""
+    plain, _, _ = run(checkpoint, tokenizer, requests())
+    answers = [list(r.prompt_ids) + plain[r.id][0] for r in requests()]
+    budgeted, executor, stats = run(checkpoint, tokenizer, requests(), Recorded(answers), spec_verify_rows=9)
+    assert budgeted == plain
+    counts = set()
+    for step in executor.launched:
+        decoding = [ch for ch in step.chunks if ch.sample == len(ch.tokens)]
+        if decoding:
+            assert max(len(ch.tokens) - 1 for ch in decoding) <= max(0, min(4, 9 // len(decoding) - 1))
+        counts |= {len(ch.tokens) - 1 for ch in decoding if ch.draft_row >= 0}
+    assert 2 in counts and len(counts) > 1, counts  # device blocks of different lengths
+    assert stats["budget_cut_steps"] > 0 and stats["accepted_tokens"] > 0
