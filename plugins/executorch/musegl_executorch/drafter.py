@@ -30,6 +30,7 @@ from musegl_core.engine.speculator import DraftRequest
 from musegl_core.engine.step_checks import coverage_error, kv_allocated
 from musegl_dflash.model import gather_context
 from musegl_dflash.speculator import kept_rows
+from musegl_executorch.executor import copy_pool_blocks
 from musegl_executorch.export.lower import DRAFT_BLOCK, DRAFT_CONTEXT
 
 if TYPE_CHECKING:
@@ -74,13 +75,7 @@ class ProgramDrafter:
         return kv_allocated(self.dk_pool, "drafting"), self.dv_pool
 
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
-        if not pairs:
-            return
-        bs = self.block_size
-        src = torch.tensor([s * bs + o for s, _ in pairs for o in range(bs)], dtype=torch.long)
-        dst = torch.tensor([d * bs + o for _, d in pairs for o in range(bs)], dtype=torch.long)
-        for pool in self._pool():
-            pool[:, dst] = pool[:, src]
+        copy_pool_blocks(self._pool(), pairs, self.block_size)
 
     def release_sequence(self, seq: int) -> None:
         pass  # no per-sequence state: the context lives in the sequence's blocks

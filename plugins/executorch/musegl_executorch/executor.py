@@ -34,6 +34,17 @@ BLOCK_SIZE = 16
 DTYPES = backend_dtypes(lambda name: getattr(torch, name))
 
 
+def copy_pool_blocks(pools: Sequence[torch.Tensor], pairs: Sequence[tuple[int, int]], block_size: int) -> None:
+    """Copy-on-write in off-graph pools ``(layers, cells, ...)``: every cell of block ``src``
+    to the same offset of block ``dst``, for each ``(src, dst)`` pair."""
+    if not pairs:
+        return
+    src = torch.tensor([s * block_size + o for s, _ in pairs for o in range(block_size)], dtype=torch.long)
+    dst = torch.tensor([d * block_size + o for _, d in pairs for o in range(block_size)], dtype=torch.long)
+    for pool in pools:
+        pool[:, dst] = pool[:, src]
+
+
 class ExecuTorchExecutor:
     """The exported Muse Glimmer decoder behind :class:`~musegl_core.engine.executor.Executor`."""
 
@@ -94,13 +105,7 @@ class ExecuTorchExecutor:
         self.num_blocks = num_blocks
 
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
-        if not pairs:
-            return
-        bs = self.block_size
-        src = torch.tensor([s * bs + o for s, _ in pairs for o in range(bs)], dtype=torch.long)
-        dst = torch.tensor([d * bs + o for _, d in pairs for o in range(bs)], dtype=torch.long)
-        for pool in (self._pool()[0], self._pool()[1]):
-            pool[:, dst] = pool[:, src]
+        copy_pool_blocks(self._pool(), pairs, self.block_size)
 
     def _pool(self) -> tuple[torch.Tensor, torch.Tensor]:
         kv_allocated(self.v_pool)
