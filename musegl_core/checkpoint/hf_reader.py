@@ -275,6 +275,16 @@ def safetensors_files(directory: Path) -> tuple[dict[str, str], list[Path]]:
     return {}, files
 
 
+def open_safetensors(directory: Path) -> tuple[dict[str, SafetensorsFile], list[tuple[str, str]]]:
+    """The directory's safetensors files, opened (by file name), and ``(stored name, file
+    name)`` of every tensor they hold (as the index maps them when there is one)."""
+    weight_map, files = safetensors_files(directory)
+    opened = {p.name: SafetensorsFile(p) for p in files}
+    if weight_map:
+        return opened, [(n, Path(f).name) for n, f in weight_map.items()]
+    return opened, [(n, fname) for fname, f in opened.items() for n in f.names()]
+
+
 def canonical_name(name: str) -> str:
     """Strip the wrapper prefix of a checkpoint name (``model.language_model.`` ...)."""
     for prefix in _NAME_PREFIXES:
@@ -304,13 +314,8 @@ class HFTextReader:
         self.tokenizer = None
         tied = bool(text.get("tie_word_embeddings", raw.get("tie_word_embeddings", False)))
 
-        weight_map, files = safetensors_files(self.path)
-        self._files = {p.name: SafetensorsFile(p) for p in files}
+        self._files, stored = open_safetensors(self.path)
         located: dict[str, tuple[str, str]] = {}  # canonical -> (file, stored name)
-        if weight_map:
-            stored = ((n, Path(f).name) for n, f in weight_map.items())
-        else:
-            stored = ((n, fname) for fname, f in self._files.items() for n in f.names())
         wanted = set(text_weight_names(self.config))
         for stored_name, fname in stored:
             canon = canonical_name(stored_name)

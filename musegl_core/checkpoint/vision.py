@@ -32,7 +32,7 @@ import numpy as np
 
 from musegl_core.checkpoint.gguf_file import GGUFFile
 from musegl_core.checkpoint.gguf_reader import dequantize_rows, permute_rope_rows, unpermute_rope_rows
-from musegl_core.checkpoint.hf_reader import SafetensorsFile, safetensors_files
+from musegl_core.checkpoint.hf_reader import open_safetensors
 
 PROJECTOR_TYPE = "muse-glimmer"
 PATCH_SIZE = 14
@@ -202,10 +202,7 @@ class HFVisionReader(VisionWeights):
     def __init__(self, path: str | os.PathLike[str], config: VisionConfig) -> None:
         self.path = Path(path)
         self.config = config
-        weight_map, files = safetensors_files(self.path)
-        self._files = {p.name: SafetensorsFile(p) for p in files}
-        stored = (((n, Path(f).name) for n, f in weight_map.items()) if weight_map
-                  else ((n, fname) for fname, f in self._files.items() for n in f.names()))
+        self._files, stored = open_safetensors(self.path)
         self._located: dict[str, tuple[str, str]] = {}
         for stored_name, fname in stored:
             name = _hf_name(stored_name)

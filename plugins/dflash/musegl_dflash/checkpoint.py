@@ -196,17 +196,14 @@ class HFDraftReader:
     source = "hf"
 
     def __init__(self, path: Path) -> None:
-        from musegl_core.checkpoint.hf_reader import SafetensorsFile, safetensors_files
+        from musegl_core.checkpoint.hf_reader import open_safetensors
 
         self.path = path
         config_path = path / "config.json"
         if not config_path.exists():
             raise FileNotFoundError(f"{path}: no config.json (not a Hugging Face model directory)")
         self.config = config_from_dict(json.loads(config_path.read_text()), str(config_path))
-        weight_map, files = safetensors_files(path)
-        self._files = {p.name: SafetensorsFile(p) for p in files}
-        stored = (((n, Path(f).name) for n, f in weight_map.items()) if weight_map
-                  else ((n, fname) for fname, f in self._files.items() for n in f.names()))
+        self._files, stored = open_safetensors(path)
         self._located = {name.removeprefix("model."): (fname, name) for name, fname in stored}
         missing = [n for n in self.config.weight_names() if n not in self._located]
         if missing:
