@@ -1,12 +1,13 @@
 """DFlash over a tensor-parallel target (``--tensor-parallel-size 2`` on the CPU): the draft
-borrows the target's embedding and head from the ranks (TargetAccess of
-TensorParallelExecutor) and drafts beside them; the answers are the one-rank server's
-without a draft. The float32 demo checkpoint on the stored-weight kernels (every row's
-result independent of the rows beside it, so verify blocks and decode steps agree).
+runs on every rank (``TensorParallelExecutor.speculator_on_ranks``), with the rank's share of
+the target's embedding and a vocabulary-parallel argmax of its head; the engine sees
+``RankSpeculator``. The served answers are the one-rank server's without a draft. The float32
+demo checkpoint on the stored-weight kernels (every row's result independent of the rows
+beside it, so verify blocks and decode steps agree).
 
-A short scenario (greedy and seeded answers, a session over two turns): on the CPU each
-draft's head product is gathered from the ranks over gloo (about 0.1 s for 16 rows of the
-202,048-entry vocabulary on the shared 2-core machine), which makes drafting slow there.
+A short scenario (greedy and seeded answers, a session over two turns); then, without the
+server, the draft on 2 ranks against the draft beside one executor on the tiny model: the same
+drafts, and verify steps (drafts read on the ranks) sampling and accepting the same ids.
 """
 
 from __future__ import annotations

@@ -338,7 +338,6 @@ class Rank:
             return None
         raise TypeError(f"unknown request {type(request).__name__}")
 
-
     def hosted(self):
         if self.speculator is None:
             raise RuntimeError("no speculator is hosted on the ranks")
