@@ -9,7 +9,7 @@ a time.
 from __future__ import annotations
 
 import os
-from typing import Callable, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import gguf
 import numpy as np
@@ -107,11 +107,11 @@ def _nbytes(shape: tuple[int, ...], qtype: gguf.GGMLQuantizationType) -> tuple[t
     return byte_shape, int(np.prod(byte_shape))
 
 
-def _add_metadata(writer: gguf.GGUFWriter, config: TextConfig, file_type: gguf.LlamaFileType,
-                  name: str) -> None:
-    if config.rope != config.sliding:
-        raise ValueError("GGUF cannot express a layout where RoPE layers differ from sliding layers "
-                         "(llama.cpp applies RoPE exactly on SWA layers)")
+def add_decoder_metadata(writer: gguf.GGUFWriter, config: Any, file_type: gguf.LlamaFileType, name: str) -> None:
+    """The keys every decoder GGUF of the converter's layout has: the model type, name and
+    file type, and the shape (layers, context, widths, heads, head size, RoPE base, RMS
+    epsilon) of ``config``, a :class:`TextConfig` or any config with those fields (the
+    DFlash draft's)."""
     writer.add_type(gguf.GGUFType.MODEL)
     writer.add_name(name)
     writer.add_file_type(int(file_type))
@@ -126,6 +126,14 @@ def _add_metadata(writer: gguf.GGUFWriter, config: TextConfig, file_type: gguf.L
     writer.add_value_length(config.head_dim)
     writer.add_rope_freq_base(config.rope_theta)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+
+
+def _add_metadata(writer: gguf.GGUFWriter, config: TextConfig, file_type: gguf.LlamaFileType,
+                  name: str) -> None:
+    if config.rope != config.sliding:
+        raise ValueError("GGUF cannot express a layout where RoPE layers differ from sliding layers "
+                         "(llama.cpp applies RoPE exactly on SWA layers)")
+    add_decoder_metadata(writer, config, file_type, name)
     if config.final_logit_softcapping is not None:
         writer.add_final_logit_softcapping(config.final_logit_softcapping)
     writer.add_logit_scale(config.output_multiplier)

@@ -346,26 +346,14 @@ def write_draft_gguf(path: str | os.PathLike[str], config: DraftConfig, weights:
     """
     import gguf
 
-    from musegl_core.checkpoint.gguf_writer import add_tokenizer_metadata
+    from musegl_core.checkpoint.gguf_writer import add_decoder_metadata, add_tokenizer_metadata
 
     if file_type not in ("f32", "f16"):
         raise ValueError(f"file_type {file_type!r} is not f32 or f16")
     writer = gguf.GGUFWriter(os.fspath(path), ARCH)
     try:
-        writer.add_type(gguf.GGUFType.MODEL)
-        writer.add_name(name)
-        writer.add_file_type(int(gguf.LlamaFileType.ALL_F32 if file_type == "f32" else gguf.LlamaFileType.MOSTLY_F16))
-        writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
-        writer.add_block_count(config.num_layers)
-        writer.add_context_length(config.max_position_embeddings)
-        writer.add_embedding_length(config.hidden_size)
-        writer.add_feed_forward_length(config.intermediate_size)
-        writer.add_head_count(config.num_heads)
-        writer.add_head_count_kv(config.num_kv_heads)
-        writer.add_key_length(config.head_dim)
-        writer.add_value_length(config.head_dim)
-        writer.add_rope_freq_base(config.rope_theta)
-        writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+        add_decoder_metadata(writer, config, gguf.LlamaFileType.ALL_F32 if file_type == "f32"
+                             else gguf.LlamaFileType.MOSTLY_F16, name)
         writer.add_uint32(f"{ARCH}.block_size", config.block_size)
         writer.add_array(f"{ARCH}.target_layers", [int(i) for i in config.taps])
         if config.sliding_window is not None:
