@@ -60,11 +60,12 @@ DEFAULT_BLOCK_SIZE = 16
 #: Decode widths captured as CUDA graphs unless ``--forward-sizes`` says otherwise.
 DEFAULT_FORWARD_SIZES = (1, 2, 4, 8, 16, 32, 64)
 WEIGHT_MODES = ("stored", "upcast")
-#: The verify-rows budget on CUDA (``ExecutorLimits.verify_rows``): rows a step may carry and
-#: still cost about a decode step. H200, 30B bf16 (benchmarks/README.md, second H200 run): 1 row
-#: 14.0 ms, 64 rows 15.4 ms, 128 rows at 2k positions 19.6 ms, a 512-row verify step (32
-#: sequences x 16 rows) 89 ms of kernels. On the CPU: no budget (nothing measured there).
-CUDA_VERIFY_ROWS = 128
+#: The verify-rows budget on CUDA (``ExecutorLimits.verify_rows``): the widest captured decode
+#: graph (64 by default), at least :data:`MIN_VERIFY_ROWS`, so a verify step costs about a decode
+#: step and replays a graph. H200, 30B bf16 (benchmarks/README.md, second H200 run): 1 row 14.0
+#: ms, 64 rows 15.4 ms, 128 rows at 2k positions 19.6 ms, a 512-row verify step (32 sequences x
+#: 16 rows) 89 ms of kernels. On the CPU: no budget (nothing measured there).
+MIN_VERIFY_ROWS = 16
 #: CPU steps of up to this many rows (decode-sized) run torch's own ops on one thread:
 #: they are tiny and gain less from intra-op threads than waking them costs (the stored-weight
 #: kernels keep their own threads).
@@ -190,7 +191,7 @@ class TorchExecutor:
                                      host_compute=self.device.type == "cpu",
                                      async_steps=self.paged if async_steps is None else async_steps,
                                      device_drafts=True,
-                                     verify_rows=CUDA_VERIFY_ROWS if self.paged else None)
+                                     verify_rows=max(max(sizes), MIN_VERIFY_ROWS) if sizes else None)
         self.config = config = checkpoint.config
         self.info = ModelInfo(
             name=checkpoint.name,
