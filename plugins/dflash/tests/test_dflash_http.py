@@ -21,7 +21,7 @@ import json
 
 import pytest
 
-from dflash_support import build_reference_draft, save_draft
+from dflash_support import build_reference_draft, same_draws, save_draft
 from musegl_core.config import ServeConfig
 from musegl_core.testing.server import running_server
 from musegl_core.testing.speculation import chat, draft_metric as metric, scenario
@@ -40,14 +40,6 @@ def draws(url: str) -> list[str]:
 
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         return list(pool.map(one, range(DRAWS)))
-
-
-def same_draws(a: list, b: list) -> float:
-    """The share of seeds that drew the same answer. Position-keyed numbers make it 1 in
-    exact arithmetic; a verify chunk computes a row's logits in a wider forward than a
-    plain decode step, so a draw whose number falls within float rounding of a
-    boundary of the inverse CDF can flip (seen: 1 draw in 160 at temperature 1.5)."""
-    return sum(x == y for x, y in zip(a, b)) / len(a)
 
 
 @pytest.fixture(scope="module")

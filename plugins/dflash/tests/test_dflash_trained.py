@@ -24,6 +24,7 @@ import attrs
 import httpx
 import pytest
 
+from dflash_support import same_draws
 from musegl_core.config import ServeConfig
 from musegl_core.testing.server import running_server
 from musegl_core.testing.speculation import cancel_stream, draft_metric as metric
@@ -102,14 +103,6 @@ def scenario(url: str, plan: dict) -> dict:
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         out["draws"] = list(pool.map(draw, range(DRAWS)))
     return out
-
-
-def same_draws(a: list, b: list) -> float:
-    """The share of seeds that drew the same answer. Position-keyed numbers make it 1 in
-    exact arithmetic; a verify chunk computes a row's logits in a wider forward than a
-    plain decode step, so a draw whose number falls within float rounding of a
-    boundary of the inverse CDF can flip (seen: 1 draw in 160 at temperature 1.5)."""
-    return sum(x == y for x, y in zip(a, b)) / len(a)
 
 
 @pytest.fixture(scope="module")
