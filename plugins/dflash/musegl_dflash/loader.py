@@ -92,11 +92,10 @@ def load_draft(path: str, device: torch.device, dtype: torch.dtype, progress=Non
 
 def rank_speculator(target: Any, path: str, n_draft: int) -> DFlashSpeculator:
     """The draft on one tensor-parallel rank (called there, on every rank alike, with the
-    rank's ``RankTarget``): loaded onto the rank's device, drafting with the target's
-    embedding and head through the ranks' collectives."""
-    probe = target.embedding_rows(np.zeros((1,), dtype=np.int64))  # the activation dtype, on the device
+    rank's ``RankTarget``): loaded onto the rank's device in its activation dtype, drafting
+    with the target's embedding and head through the ranks' collectives (none while it loads)."""
     head = TargetHead(target.embedding_rows, target.head_logits, target.head_argmax)
-    return DFlashSpeculator(load_draft(path, probe.device, probe.dtype), head, n_draft, target.block_size)
+    return DFlashSpeculator(load_draft(path, target.device, target.dtype), head, n_draft, target.block_size)
 
 
 def load_speculator(path: str, executor: Any, options: ExecutorOptions, n_draft: int) -> Any:

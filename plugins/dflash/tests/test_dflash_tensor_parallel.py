@@ -136,10 +136,13 @@ def hosted_runs(tiny_hf, tmp_path_factory):
     one = run_turns(single, beside, prompt)
     parallel = TensorParallelExecutor(RankSpec(str(tiny_hf.path), "cpu", 2))
     try:
+        with pytest.raises(ValueError) as refused:  # a draft the ranks cannot read: answered, they carry on
+            parallel.speculator_on_ranks("musegl_dflash.loader:rank_speculator", (str(draft / "missing"), N_DRAFT))
         hosted = drafting_pair(parallel, draft)
         assert isinstance(hosted, RankSpeculator)  # the draft lives on the ranks, not here
         two = run_turns(parallel, hosted, prompt)
-        figures = (beside.kv_bytes_per_block(), hosted.kv_bytes_per_block(), parallel.limits.device_drafts)
+        figures = (beside.kv_bytes_per_block(), hosted.kv_bytes_per_block(), parallel.limits.device_drafts,
+                   str(refused.value))
     finally:
         parallel.close()
     return one, two, figures
@@ -152,6 +155,11 @@ def test_the_draft_on_the_ranks_drafts_what_one_device_drafts(hosted_runs):
 
 
 def test_the_draft_on_the_ranks_counts_its_store_per_rank_on_the_cpu(hosted_runs):
-    _, _, (beside, hosted, device_drafts) = hosted_runs
+    _, _, (beside, hosted, device_drafts, _) = hosted_runs
     assert hosted == 2 * beside  # a replica per rank, in the host's memory
     assert device_drafts  # the verify steps read the ranks' drafts on their devices
+
+
+def test_a_draft_that_fails_to_load_on_the_ranks_is_an_error_and_the_ranks_carry_on(hosted_runs):
+    _, _, (_, _, _, refused) = hosted_runs
+    assert refused.startswith("the speculator failed to load on rank 0: ") and "missing" in refused

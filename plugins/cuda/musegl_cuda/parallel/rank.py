@@ -107,13 +107,16 @@ class RankTarget:
     model facts and its TargetAccess, the embedding rows (a vocabulary-parallel lookup,
     summed over the ranks) and the head (logits gathered over the ranks), and
     :meth:`head_argmax`, the head's argmax without gathering the logits. Every method
-    is a collective: every rank calls it with the same arguments."""
+    is a collective: every rank calls it with the same arguments (a factory building a
+    speculator calls none of them: a rank that fails to build it must not leave the
+    others waiting in one)."""
 
     def __init__(self, executor, shard) -> None:
         self.executor, self.shard = executor, shard
         self.info = executor.info
         self.block_size = executor.block_size
         self.device = executor.device
+        self.dtype = executor.dtype  # the activation dtype, which embedding_rows returns
 
     def embedding_rows(self, ids):
         return self.executor.embedding_rows(ids)
@@ -350,13 +353,22 @@ class Rank:
         if self.speculator is not None:
             raise ValueError("a speculator is already hosted on the ranks")
         target = RankTarget(self.executor, self.shard)
-        with torch.inference_mode():
-            self.speculator = load_factory(request.factory)(target, *request.args)
+        built, error = None, None
+        try:  # the factory runs no collective: a rank that fails here fails alone
+            with torch.inference_mode():
+                built = load_factory(request.factory)(target, *request.args)
+        except Exception as exc:  # a bad draft file, no memory left on one device, ...
+            log.error("rank %d: the hosted speculator failed to load", self.rank, exc_info=exc)
+            error = f"{type(exc).__name__}: {exc}"
         device = self.executor.device
-        free = int(torch.cuda.mem_get_info(device)[0]) if device.type == "cuda" else None
+        free = int(torch.cuda.mem_get_info(device)[0]) if device.type == "cuda" and built is not None else None
         every: list = [None] * self.spec.size
-        dist.all_gather_object(every, free, group=self.control)
-        s = self.speculator
+        dist.all_gather_object(every, (free, error), group=self.control)
+        failed = [(r, e) for r, (_, e) in enumerate(every) if e is not None]
+        if failed:  # on every rank alike: answered, and the ranks carry on without it
+            raise ValueError(f"the speculator failed to load on rank {failed[0][0]}: {failed[0][1]}")
+        self.speculator = s = built
+        every = [f for f, _ in every]
         tail = getattr(s, "token_tail", None)
         return msg.SpeculatorLoaded(tuple(s.taps), int(s.max_draft), int(s.kv_bytes_per_block()), every,
                                     None if tail is None else int(tail))
