@@ -119,6 +119,15 @@ def run_turns(executor, speculator, prompt, turns=3):
     return seen
 
 
+def tiny_draft(tmp_path_factory):
+    # the tiny model's vocabulary is 512 ids: the draft's mask token among them
+    return save_draft(build_reference_draft(seed=7, mask_token_id=511),
+                      tmp_path_factory.mktemp("dflash_tp_hosted") / "hf")
+
+
+PROMPT = list(range(100, 140))
+
+
 @pytest.fixture(scope="module")
 def hosted_runs(tiny_hf, tmp_path_factory):
     from musegl_core.checkpoint.loader import load_checkpoint
@@ -127,10 +136,8 @@ def hosted_runs(tiny_hf, tmp_path_factory):
     from musegl_cuda.parallel.rank import RankSpec
     from musegl_cuda.parallel.speculator import RankSpeculator
 
-    # the tiny model's vocabulary is 512 ids: the draft's mask token among them
-    draft = save_draft(build_reference_draft(seed=7, mask_token_id=511),
-                       tmp_path_factory.mktemp("dflash_tp_hosted") / "hf")
-    prompt = list(range(100, 140))
+    draft = tiny_draft(tmp_path_factory)
+    prompt = PROMPT
     single = TorchExecutor(load_checkpoint(tiny_hf.path), device="cpu", block_size=BLOCK)
     beside = drafting_pair(single, draft)
     one = run_turns(single, beside, prompt)
@@ -163,3 +170,33 @@ def test_the_draft_on_the_ranks_counts_its_store_per_rank_on_the_cpu(hosted_runs
 def test_a_draft_that_fails_to_load_on_the_ranks_is_an_error_and_the_ranks_carry_on(hosted_runs):
     _, _, (_, _, _, refused) = hosted_runs
     assert refused.startswith("the speculator failed to load on rank 0: ") and "missing" in refused
+
+
+def _gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_gpus() < 2, reason="needs 2 or more CUDA GPUs")
+def test_on_two_gpus_the_draft_on_the_ranks_drafts_what_one_gpu_drafts(tiny_hf, tmp_path_factory):
+    """On CUDA in float32: the draft's graphs on each rank (the embedding's all-reduce and
+    the argmax's all-gather captured inside) against the draft's graphs beside one GPU."""
+    from musegl_core.checkpoint.loader import load_checkpoint
+    from musegl_cuda.executor import TorchExecutor
+    from musegl_cuda.parallel.executor import TensorParallelExecutor
+    from musegl_cuda.parallel.rank import RankSpec
+
+    draft = tiny_draft(tmp_path_factory)
+    single = TorchExecutor(load_checkpoint(tiny_hf.path), device="cuda:0", dtype="float32", block_size=BLOCK)
+    beside = drafting_pair(single, draft)
+    assert beside.graphs is not None
+    one = run_turns(single, beside, PROMPT)
+    single.close()
+    parallel = TensorParallelExecutor(RankSpec(str(tiny_hf.path), "cuda", 2, dtype="float32"))
+    try:
+        two = run_turns(parallel, drafting_pair(parallel, draft), PROMPT)
+    finally:
+        parallel.close()
+    assert two == one
