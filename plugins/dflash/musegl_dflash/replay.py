@@ -263,7 +263,10 @@ class ReplayOnDevice(ReplaySpeculator):
             cols += range(len(lead))
             values += lead
             self.replayed_blocks += 1
-        if values:
+        write = getattr(self.inner, "write_drafts", None)  # drafts on tensor-parallel ranks
+        if values and write is not None:
+            write(found, rows, cols, values)
+        elif values:
             ids = found.ids
             with torch.inference_mode():
                 ids[torch.tensor(rows, device=ids.device), torch.tensor(cols, device=ids.device)] = \

@@ -75,11 +75,25 @@ def model_and_draft(tmp_path_factory):
 
 def test_served_blocks_commit_exactly_k_tokens_and_answers_do_not_change(model_and_draft, tmp_path, monkeypatch):
     model, draft = model_and_draft
+    served_replay(model, {"dflash": draft}, tmp_path, monkeypatch)
+
+
+@pytest.mark.slow
+def test_the_replay_over_the_draft_on_tensor_parallel_ranks(model_and_draft, tmp_path, monkeypatch):
+    """The replayed ids cross to the ranks (``RankSpeculator.write_drafts``), every rank's drafts alike."""
+    from musegl_core.tiny import default_model_path
+
+    _, draft = model_and_draft
+    served_replay(str(default_model_path(file_type="f32")),
+                  {"dflash": draft, "tensor_parallel_size": 2, "weights": "stored"}, tmp_path, monkeypatch)
+
+
+def served_replay(model, extra, tmp_path, monkeypatch):
     control = tmp_path / "accept"
     control.write_text("0")  # record only: the draft's own proposals
     monkeypatch.setenv(ENV, str(control))
     config = ServeConfig(model=model, executor="torch-cpu", port=0, max_context=1024, max_sessions=2,
-                         max_inflight_requests=2, max_decode_sequences=2, extra={"dflash": draft})
+                         max_inflight_requests=2, max_decode_sequences=2, extra=extra)
     with running_server(config) as server:
         first = chat(server.url, PROMPT, max_tokens=MAX_TOKENS)
         for k in (4, 2, 16):

@@ -3,7 +3,8 @@
 Every rank reads every request (in order); only rank 0 answers, with a
 :class:`Reply` carrying the request's ``number``. Requests without a number
 (:class:`CopyBlocks`, :class:`ReleaseSequence`, the hosted speculator's :class:`Propose` for
-the device, :class:`Observe`, :class:`DraftCopyBlocks`, :class:`DraftRelease`) get no answer:
+the device, :class:`WriteDrafts`, :class:`Observe`, :class:`DraftCopyBlocks`, :class:`DraftRelease`)
+get no answer:
 the next request's answer follows them.
 
 A speculator hosted on the ranks (:class:`HostSpeculator`) is replicated: every rank runs
@@ -234,6 +235,17 @@ class Propose:
     number: int | None
     key: int
     requests: list
+
+
+@attrs.frozen
+class WriteDrafts:
+    """Overwrite ids of the drafts ``key`` on every rank: ``values[i]`` at row ``rows[i]``,
+    column ``cols[i]`` (the benchmark's replayed drafts, one source for every rank)."""
+
+    key: int
+    rows: list[int]
+    cols: list[int]
+    values: list[int]
 
 
 @attrs.frozen

@@ -320,6 +320,14 @@ class Rank:
             return self.host_speculator(request)
         if isinstance(request, msg.Propose):
             return self.propose(request)
+        if isinstance(request, msg.WriteDrafts):
+            drafts = self.drafts.get(request.key)
+            if isinstance(drafts, torch.Tensor) and request.values:
+                device = drafts.device
+                with torch.inference_mode():
+                    drafts[torch.tensor(request.rows, device=device), torch.tensor(request.cols, device=device)] = \
+                        torch.tensor(request.values, dtype=drafts.dtype, device=device)
+            return None
         if isinstance(request, msg.Observe):
             if self.inflight is not None and self.inflight[0] <= request.step:
                 self.settle()  # the step is done on the engine's side (rank 0 answered it): here too

@@ -85,6 +85,12 @@ class RankSpeculator:
         self.executor._send(msg.Propose(None, key, self._wire(requests)))
         return DeviceDrafts(msg.RankDrafts(key), rows, counts)
 
+    def write_drafts(self, found: DeviceDrafts, rows: list[int], cols: list[int], values: list[int]) -> None:
+        """Overwrite ids of drafts :meth:`propose_on_device` left on the ranks (``values[i]`` at
+        ``rows[i]``, ``cols[i]``), on every rank alike: the benchmark's replay."""
+        if values and isinstance(found.ids, msg.RankDrafts):
+            self.executor._send(msg.WriteDrafts(found.ids.key, list(rows), list(cols), list(values)))
+
     def observe(self, step: Step, output: StepOutput, committed: dict[int, int]) -> None:
         kept = next((h for h in output.hidden.values() if isinstance(h, msg.RankRows)), None)
         if kept is not None:
