@@ -8,6 +8,7 @@ or need the host between steps (penalties, which are never pipelined)."""
 from __future__ import annotations
 
 import pytest
+from engine_run_support import Recording, demo_tokenizer
 
 from musegl_core.checkpoint.loader import load_checkpoint
 from musegl_core.engine import events as ev
@@ -19,24 +20,9 @@ from musegl_cuda.executor import TorchExecutor
 BLOCK = 4
 
 
-class Recording(TorchExecutor):
-    """The real executor, remembering what it was asked to launch."""
-
-    def __init__(self, *args, **kw):
-        super().__init__(*args, **kw)
-        self.launched: list[Step] = []
-
-    def launch(self, step):
-        self.launched.append(step)
-        return super().launch(step)
-
-
 @pytest.fixture(scope="module")
 def tokenizer():
-    from musegl_core.tiny import default_model_path
-    from musegl_core.tokenizer import MuseTokenizer
-
-    return MuseTokenizer.load(str(default_model_path()))
+    return demo_tokenizer()
 
 
 @pytest.fixture(scope="module")

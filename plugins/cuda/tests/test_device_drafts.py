@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from engine_run_support import Recording, demo_tokenizer
 
 from musegl_core.checkpoint.loader import load_checkpoint
 from musegl_core.engine import events as ev
@@ -174,22 +175,9 @@ class RecordedOnHost(Recorded):
     propose_on_device = None
 
 
-class Recording(TorchExecutor):
-    def __init__(self, *args, **kw):
-        super().__init__(*args, **kw)
-        self.launched: list[Step] = []
-
-    def launch(self, step):
-        self.launched.append(step)
-        return super().launch(step)
-
-
 @pytest.fixture(scope="module")
 def tokenizer():
-    from musegl_core.tiny import default_model_path
-    from musegl_core.tokenizer import MuseTokenizer
-
-    return MuseTokenizer.load(str(default_model_path()))
+    return demo_tokenizer()
 
 
 def run(checkpoint, tokenizer, requests, speculator=None, **settings):

@@ -20,11 +20,11 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from step_support import chunk, decode_run
 
 from musegl_core.checkpoint.loader import load_checkpoint
 from musegl_core.checkpoint.vision import load_vision
-from musegl_core.engine.executor import GREEDY, EmbeddingSpan, SamplingParams, SeqChunk, Step
-from musegl_core.engine.randomness import uniform
+from musegl_core.engine.executor import EmbeddingSpan, SamplingParams, Step
 from musegl_core.engine.request import ImageInput
 from musegl_core.vision.preprocess import ImagePreprocessor
 from musegl_cuda.executor import TorchExecutor
@@ -40,15 +40,6 @@ TOL = 1e-4
 
 def ids(seed: int, n: int) -> list[int]:
     return torch.randint(0, 512, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def chunk(seq, tokens, start, blocks, **kw) -> SeqChunk:
-    positions = list(range(start, start + len(tokens)))
-    params = kw.get("sampling", GREEDY)
-    if kw.get("sample") and "uniforms" not in kw:
-        n = int(kw["sample"])
-        kw["uniforms"] = [uniform(params.seed or 0, p + 1) for p in positions[len(positions) - n:]]
-    return SeqChunk(seq=seq, tokens=tokens, positions=positions, blocks=blocks, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -223,31 +214,8 @@ def pipelined_ids(ex, pipelined: bool, steps: int = 6) -> dict[int, list[int]]:
     """Two sequences (one greedy, one seeded) decoding ``steps`` steps; ``pipelined``: each step
     launched before the previous one is read, its chunks following that step's ids."""
     seeded = SamplingParams(temperature=0.9, top_p=0.95, seed=5)
-    kw = {0: {}, 1: {"sampling": seeded}}
-    ids_, fed = {}, {}
-    for s in (0, 1):
-        tokens = ids(20 + s, 9 + s)
-        out = ex.step(Step([chunk(s, tokens, 0, [s], sample=1, **kw[s])]))
-        ids_[s], fed[s] = list(out.tokens[s]), len(tokens)
-    pending = None
-
-    def collect(out):
-        for s in (0, 1):
-            ids_[s] += out.tokens[s]
-
-    for i in range(steps):
-        follows = pipelined and pending is not None
-        step = Step([chunk(s, [ids_[s][-1]], fed[s] + i, [s], sample=1, follows=follows, **kw[s]) for s in (0, 1)])
-        launched = ex.launch(step)
-        if pipelined:
-            if pending is not None:
-                collect(pending.result())
-            pending = launched
-        else:
-            collect(launched.result())
-    if pending is not None:
-        collect(pending.result())
-    return ids_
+    return decode_run(ex, {s: ids(20 + s, 9 + s) for s in (0, 1)}, {0: [0], 1: [1]},
+                      {0: {}, 1: {"sampling": seeded}}, steps, pipelined)
 
 
 def test_ranks_of_an_asynchronous_executor_answer_launched_steps_in_order(tiny_hf, single):

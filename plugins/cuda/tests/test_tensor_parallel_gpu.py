@@ -14,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from gpu_checkpoint_support import write_gpu_checkpoint
+from step_support import chunk, decode_run
 
 torch = pytest.importorskip("torch")
 
@@ -31,17 +32,6 @@ BLOCKS = 64
 @pytest.fixture(scope="module")
 def checkpoint_path(tmp_path_factory):
     return write_gpu_checkpoint(tmp_path_factory.mktemp("tp_gpu"))
-
-
-def chunk(seq, tokens, start, blocks, **kw):
-    from musegl_core.engine.executor import GREEDY, SeqChunk
-    from musegl_core.engine.randomness import uniform
-
-    positions = list(range(start, start + len(tokens)))
-    params = kw.get("sampling", GREEDY)
-    if kw.get("sample") and "uniforms" not in kw:
-        kw["uniforms"] = [uniform(params.seed or 0, p + 1) for p in positions[len(positions) - int(kw["sample"]):]]
-    return SeqChunk(seq=seq, tokens=tokens, positions=positions, blocks=blocks, **kw)
 
 
 def parallel(path, size, dtype, forward_sizes):
@@ -86,55 +76,29 @@ def test_eager_float32_ranks_match_one_gpu(checkpoint_path, size):
         single.close()
 
 
-def decode_run(ex, seqs, steps, pipelined):
+def decode_seqs(ex, seqs, steps, pipelined):
     """Prefill ``seqs`` sequences (odd ones sample with a seed, even ones are greedy), then
     ``steps`` decode steps of one row per sequence (a graph width); ``pipelined``: each
     step is launched before the previous one is read, its chunks following that step's ids."""
-    from musegl_core.engine.executor import SamplingParams, Step
+    from musegl_core.engine.executor import SamplingParams
 
-    def kw(s):
-        return {"sampling": SamplingParams(temperature=0.8, top_p=0.9, seed=s)} if s % 2 else {}
-
-    blocks = {s: [4 * s + i for i in range(4)] for s in range(seqs)}
-    fed_at, last, ids = {}, {}, {}
-    for s in range(seqs):
-        tokens = prompt(10 + s, 40 + s)
-        out = ex.step(Step([chunk(s, tokens, 0, blocks[s], sample=1, **kw(s))]))
-        fed_at[s], last[s], ids[s] = len(tokens), out.tokens[s][-1], list(out.tokens[s])
-
-    def collect(out):
-        for s in range(seqs):
-            ids[s] += out.tokens[s]
-            last[s] = out.tokens[s][-1]
-
-    pending = None
-    for i in range(steps):
-        follows = pipelined and pending is not None  # then last[s] is a placeholder
-        chunks = [chunk(s, [last[s]], fed_at[s] + i, blocks[s], sample=1, follows=follows, **kw(s))
-                  for s in range(seqs)]
-        launched = ex.launch(Step(chunks, width=seqs))
-        if pipelined:
-            if pending is not None:
-                collect(pending.result())
-            pending = launched
-        else:
-            collect(launched.result())
-    if pending is not None:
-        collect(pending.result())
-    return ids
+    settings = {s: {"sampling": SamplingParams(temperature=0.8, top_p=0.9, seed=s)} if s % 2 else {}
+                for s in range(seqs)}
+    return decode_run(ex, {s: prompt(10 + s, 40 + s) for s in range(seqs)},
+                      {s: [4 * s + i for i in range(4)] for s in range(seqs)}, settings, steps, pipelined, width=seqs)
 
 
 @pytest.mark.parametrize("size", SIZES)
 def test_graphs_with_collectives_inside_replay_the_eager_steps(checkpoint_path, size):
     eager = parallel(checkpoint_path, size, "bfloat16", ())
     try:
-        want = decode_run(eager, 4, 12, pipelined=False)
+        want = decode_seqs(eager, 4, 12, pipelined=False)
     finally:
         eager.close()
     graphs = parallel(checkpoint_path, size, "bfloat16", (1, 2, 4, 8))
     try:
         assert graphs.limits.step_sizes == (1, 2, 4, 8)
-        assert decode_run(graphs, 4, 12, pipelined=False) == want
-        assert decode_run(graphs, 4, 12, pipelined=True) == want
+        assert decode_seqs(graphs, 4, 12, pipelined=False) == want
+        assert decode_seqs(graphs, 4, 12, pipelined=True) == want
     finally:
         graphs.close()
