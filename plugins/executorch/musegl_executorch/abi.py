@@ -144,6 +144,7 @@ def _call(method: str, pieces: list[Piece], groups: int, rows: int, chunks: Sequ
     ws, wb = pad_keys(window_slots, window_bias, rows)
     if len(heads) < min_head_rows:
         heads = [0]  # the method runs the head on at least one row; nobody reads it
+    # np.fromiter: an empty head_rows with stride 1 (np.asarray's has stride 0, which the runtime refuses)
     inputs = {"tokens": tokens, "positions": positions, "full_slots": fs, "full_bias": fb,
-              "window_slots": ws, "window_bias": wb, "head_rows": np.asarray(heads, dtype=np.int64)}
+              "window_slots": ws, "window_bias": wb, "head_rows": np.fromiter(heads, dtype=np.int64, count=len(heads))}
     return Call(method, inputs, pieces, write, head_of)

@@ -91,6 +91,8 @@ def test_pieces_that_sample_nothing_skip_the_head_when_the_export_allows_it(pair
     for floor, dummy_rows in ((1, [1, 1]), (0, [0, 0])):
         calls, mine = run(pair, chunks, wanted=[[39]], min_head_rows=floor)
         assert [len(call.inputs["head_rows"]) for call in calls] == dummy_rows + [1]
+        # the ExecuTorch runtime refuses a tensor whose strides are not the contiguous ones
+        assert all(torch.from_numpy(call.inputs["head_rows"]).stride() == (1,) for call in calls)
         assert torch.allclose(mine[(0, 39)], ref, atol=1e-4)
     # a decode row through forward_{N} still runs the head when nothing is sampled
     calls, _ = run(pair, [SeqChunk(seq=4, tokens=[1], positions=[40], blocks=[50, 51, 52], sample=0)],
