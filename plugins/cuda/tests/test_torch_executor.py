@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from step_support import chunk
 
 from musegl_core.checkpoint.loader import load_checkpoint
-from musegl_core.engine.executor import GREEDY, Executor, SamplingParams, SeqChunk, Step
+from musegl_core.engine.executor import GREEDY, Executor, SamplingParams, Step
 from musegl_core.plugins.specs import ExecutorOptions
 from musegl_cuda.executor import TorchExecutor
-from musegl_core.engine.randomness import uniform
 from musegl_cuda.sampling import SampleRows, filter_logits, sample
 
 BLOCK = 4  # small blocks, so short prompts span several of them
@@ -25,16 +25,6 @@ def ex(tiny_hf) -> TorchExecutor:
     executor = TorchExecutor(load_checkpoint(tiny_hf.path), device="cpu", block_size=BLOCK)
     executor.allocate_kv(64)
     return executor
-
-
-def chunk(seq, tokens, start, blocks, **kw) -> SeqChunk:
-    """A chunk; a sampled one gets its position-keyed uniform numbers, as the engine gives them."""
-    positions = list(range(start, start + len(tokens)))
-    params = kw.get("sampling", GREEDY)
-    if kw.get("sample") and "uniforms" not in kw:
-        n = int(kw["sample"])
-        kw["uniforms"] = [uniform(params.seed or 0, p + 1) for p in positions[len(positions) - n:]]
-    return SeqChunk(seq=seq, tokens=tokens, positions=positions, blocks=blocks, **kw)
 
 
 def test_protocol_info_and_kv_shapes(ex, tiny_hf):
