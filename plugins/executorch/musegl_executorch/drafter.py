@@ -30,7 +30,7 @@ from musegl_core.engine.speculator import DraftRequest
 from musegl_core.engine.step_checks import coverage_error, kv_allocated
 from musegl_dflash.model import gather_context
 from musegl_dflash.speculator import kept_rows
-from musegl_executorch.executor import copy_pool_blocks
+from musegl_executorch.pools import copy_pool_blocks
 from musegl_executorch.export.lower import DRAFT_BLOCK, DRAFT_CONTEXT
 
 if TYPE_CHECKING:

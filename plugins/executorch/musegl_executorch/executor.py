@@ -28,21 +28,11 @@ from musegl_core.errors import ConfigError
 from musegl_cuda.sampling import sample
 from musegl_executorch.abi import plan_calls
 from musegl_executorch.artifact import Manifest, directory_of, read_manifest
+from musegl_executorch.pools import copy_pool_blocks
 from musegl_executorch.export.lower import EMBED_TEXT, FROM_EMBEDDINGS, VISION_ENCODER
 
 BLOCK_SIZE = 16
 DTYPES = backend_dtypes(lambda name: getattr(torch, name))
-
-
-def copy_pool_blocks(pools: Sequence[torch.Tensor], pairs: Sequence[tuple[int, int]], block_size: int) -> None:
-    """Copy-on-write in off-graph pools ``(layers, cells, ...)``: every cell of block ``src``
-    to the same offset of block ``dst``, for each ``(src, dst)`` pair."""
-    if not pairs:
-        return
-    src = torch.tensor([s * block_size + o for s, _ in pairs for o in range(block_size)], dtype=torch.long)
-    dst = torch.tensor([d * block_size + o for _, d in pairs for o in range(block_size)], dtype=torch.long)
-    for pool in pools:
-        pool[:, dst] = pool[:, src]
 
 
 class ExecuTorchExecutor:

@@ -37,6 +37,7 @@ import attrs
 from musegl_core.engine.executor import PromptImage, Step, StepOutput
 from musegl_core.engine.memory import available_ram
 from musegl_cuda.parallel import messages as msg
+from musegl_cuda.parallel.messages import RankFailure
 from musegl_cuda.parallel.channel import PeerGone, StepChannel
 from musegl_cuda.parallel.rank import RankSpec, run_rank, text_config
 
@@ -46,10 +47,6 @@ log = logging.getLogger("musegl.cuda")
 REQUEST_SLOT = 4 << 20
 #: bytes per slot of the answer ring (decode answers are small; logits of many rows get a segment)
 REPLY_SLOT = 1 << 20
-
-
-class RankFailure(RuntimeError):
-    """A rank process died: the request failed, and so will every later one."""
 
 
 def wire_step(step: Step) -> Step:

@@ -24,6 +24,11 @@ import numpy as np
 from musegl_core.engine.executor import ExecutorLimits, ModelInfo, PromptImage, Step
 
 
+class RankFailure(RuntimeError):
+    """A rank process died: the request failed, and so will every later one (raised by the
+    tensor-parallel executor and its hosted speculator)."""
+
+
 @attrs.frozen
 class HostTensor:
     """A tensor as it crosses the channel: a numpy array (pickled as one copy of its bytes,

@@ -31,7 +31,7 @@ import attrs
 from musegl_core.engine.executor import Step, StepOutput
 from musegl_core.engine.speculator import DeviceDrafts, DraftRequest
 from musegl_cuda.parallel import messages as msg
-from musegl_cuda.parallel.executor import RankFailure
+from musegl_cuda.parallel.messages import RankFailure
 from musegl_cuda.parallel.rank import hosted_rows
 
 if TYPE_CHECKING:
