@@ -44,7 +44,7 @@ def test_the_export_directory_holds_program_weights_manifest_and_tokenizer(expor
     assert manifest["abi"] == "musegl-offgraph-kv/1" and manifest["format"] == "musegl-executorch"
     assert manifest["methods"] == ["forward_4", "forward_others"]
     assert manifest["limits"] == {"native_context": 1024, "max_prefill_chunk": 32, "max_cells": 4096,
-                                  "forward_sizes": [4]}
+                                  "forward_sizes": [4], "min_head_rows": 0}
     assert manifest["config"]["num_layers"] == 2 and manifest["activation_dtype"] == "float32"
     # the weights live in the .ptd (once, whatever the number of methods), the program in the .pte
     ptd, pte = (exported / "model.ptd").stat().st_size, (exported / "model.pte").stat().st_size
