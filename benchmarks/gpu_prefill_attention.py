@@ -18,14 +18,14 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import statistics
 import sys
 from pathlib import Path
 
 import torch
 
-sys.path[:0] = [str(Path(__file__).resolve().parents[1] / "plugins" / "cuda")]
+sys.path[:0] = [str(Path(__file__).resolve().parents[1] / "plugins" / "cuda"), str(Path(__file__).resolve().parent)]
 
+from gpu_kernel_probe import graph_us  # noqa: E402
 from musegl_cuda.cuda import kernels  # noqa: E402
 
 
@@ -33,27 +33,12 @@ def emit(**fields) -> None:
     print(json.dumps(fields), flush=True)
 
 
-def graph_us(fn, launches: int = 8, repeat: int = 10) -> float:
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(launches):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeat):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / launches)
-    return statistics.median(times)
+LAUNCHES = 8  # launches per graph replay
+
+
+def per_launch_us(fn) -> float:
+    """Median microseconds of one of :data:`LAUNCHES` launches of ``fn`` in one CUDA graph."""
+    return graph_us(lambda: [fn() for _ in range(LAUNCHES)]) / LAUNCHES
 
 
 def main() -> int:
@@ -95,7 +80,7 @@ def main() -> int:
             s["block_n"], s["warps"], s["stages"])
         try:
             diff = max((run(s["block_m"], sl).float() - reference[sl]).abs().max().item() for sl in (False, True))
-            us = {sl: graph_us(lambda sl=sl: run(s["block_m"], sl)) for sl in (False, True)}
+            us = {sl: per_launch_us(lambda sl=sl: run(s["block_m"], sl)) for sl in (False, True)}
         except Exception as exc:  # a setting that does not compile or fit
             emit(part="setting", **s, error=str(exc)[:160])
             continue
