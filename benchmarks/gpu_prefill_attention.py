@@ -10,6 +10,15 @@ JSON line: microseconds per sliding and per global layer (median of CUDA-graph
 replays of 8 launches), the 52-layer sum (39 sliding + 13 global layers), and
 the largest difference from the executor's setting's output.
 
+``--sdpa`` adds a comparison for the global (unwindowed, causal) layers with
+torch's ``scaled_dot_product_attention`` backends (flash, cuDNN, efficient):
+the keys gathered from the paged cache into one contiguous tensor, the
+causal mask aligned to the bottom right (a chunk of ``--chunk`` queries that
+ends at position ``--context``: the last 8k chunk of a 32k prompt by
+default, and the ``--tokens`` prompt alone), the output gate applied after;
+microseconds per layer with the gather and the gate, against our kernel at
+the same shape, and the largest difference from our kernel's output.
+
 Needs a CUDA GPU.
 """
 
@@ -45,7 +54,16 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tokens", type=int, default=4096)
     p.add_argument("--window", type=int, default=2048)
+    p.add_argument("--sdpa", action="store_true", help="also compare torch's SDPA backends on the global layers")
+    p.add_argument("--sdpa-only", action="store_true", help="only the --sdpa comparison (no sweep)")
+    p.add_argument("--chunk", type=int, default=8192, help="queries of the --sdpa long shape")
+    p.add_argument("--context", type=int, default=32768, help="keys of the --sdpa long shape")
     args = p.parse_args()
+    if args.sdpa or args.sdpa_only:
+        for queries, keys in ((args.tokens, args.tokens), (args.chunk, args.context)):
+            sdpa_part(queries, keys)
+        if args.sdpa_only:
+            return 0
     n, heads, kv_heads, hd, bs = args.tokens, 32, 2, 128, 16
     group = heads // kv_heads
     torch.manual_seed(0)
@@ -87,6 +105,61 @@ def main() -> int:
         emit(part="setting", **s, sliding_us=round(us[True], 1), global_us=round(us[False], 1),
              layers_ms=round((39 * us[True] + 13 * us[False]) / 1e3, 2), max_diff=round(diff, 4))
     return 0
+
+
+def sdpa_part(queries: int, keys: int) -> None:
+    """One global layer's causal attention of ``queries`` rows ending at position ``keys``: our
+    paged kernel against torch's SDPA backends (gather + attention + gate), one line each."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention.bias import causal_lower_right
+
+    heads, kv_heads, hd, bs = 32, 2, 128, 16
+    group = heads // kv_heads
+    dev = "cuda"
+    torch.manual_seed(1)
+    blocks = -(-keys // bs)
+    k = torch.randn(blocks * bs, kv_heads, hd, device=dev, dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    table = torch.randperm(blocks, device=dev).to(torch.int32)  # pages out of order, as a pool hands them out
+    tables = table[None, :]
+    q = torch.randn(queries, heads, hd, device=dev, dtype=torch.bfloat16)
+    qkvg = torch.randn(queries, heads * hd, device=dev, dtype=torch.bfloat16)
+    first = keys - queries
+    per = 128 // group
+    tiles = torch.tensor([(0, r, min(per, queries - r), first + r) for r in range(0, queries, per)],
+                         device=dev, dtype=torch.int32)
+    count = tiles.shape[0]
+    scale = hd ** -0.5
+    slots = (table.long()[:, None] * bs + torch.arange(bs, device=dev)).reshape(-1)[:keys]
+    gate = qkvg.view(queries, heads, hd)
+
+    def ours() -> torch.Tensor:
+        return kernels.gated_attention(q, k, v, bs, tables, tiles, count, 1, 128, 0, False, scale, qkvg, 0)
+
+    mask = causal_lower_right(queries, keys)
+
+    def sdpa() -> torch.Tensor:
+        kk = k.index_select(0, slots).transpose(0, 1)[None]  # (1, kv_heads, keys, hd)
+        vv = v.index_select(0, slots).transpose(0, 1)[None]
+        o = torch.nn.functional.scaled_dot_product_attention(q.transpose(0, 1)[None], kk, vv, attn_mask=mask,
+                                                             scale=scale, enable_gqa=True)
+        return (o[0].transpose(0, 1) * torch.sigmoid(gate)).reshape(queries, heads * hd)
+
+    reference = ours().float()
+    flops = 4 * heads * hd * (queries * keys - queries * (queries - 1) / 2)
+    us = per_launch_us(ours)
+    emit(part="sdpa", queries=queries, keys=keys, backend="ours", us=round(us, 1),
+         tflops=round(flops / us / 1e6, 1))
+    for backend in (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION):
+        try:
+            with sdpa_kernel([backend]):
+                diff = (sdpa().float() - reference).abs().max().item()
+                us = per_launch_us(sdpa)
+        except Exception as exc:  # a backend that does not take this shape or mask
+            emit(part="sdpa", queries=queries, keys=keys, backend=backend.name, error=str(exc)[:200])
+            continue
+        emit(part="sdpa", queries=queries, keys=keys, backend=backend.name, us=round(us, 1),
+             tflops=round(flops / us / 1e6, 1), max_diff=round(diff, 4))
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@
 #   benchmarks/h200_run.sh compare   # the agent workload and plain decode, musegl vs llama-server
 #   benchmarks/h200_run.sh probe     # gpu_gemv.py (the four weight products: cuBLAS vs a Triton kernel),
 #                                    # then the executor phase of gpu_decode.py as in decode, profiled
+#   benchmarks/h200_run.sh exec CMD  # CMD (e.g. one gpu_decode.py phase with other flags) in the same setup
 #
 # Each writes JSON lines (and logs) into $OUT (default ./h200_out). Run from the repository root
 # with the `run` tool's carry: [".whl", "benchmarks/llamacpp-src.tar.xz"] (the wheels the device
@@ -27,7 +28,8 @@
 # check of this script; the GPU tests are skipped; WORK=/tmp/h200 and SITE=/tmp/site unless set).
 set -uo pipefail
 
-stage=${1:?usage: h200_run.sh build|decode|compare|probe}
+stage=${1:?usage: h200_run.sh build|decode|compare|probe|exec CMD...}
+shift
 OUT=${OUT:-$PWD/h200_out}
 LAYERS=${LAYERS:-26}
 WORK=${WORK:-/tmp/h200}
@@ -181,6 +183,13 @@ probe)
     note "\"gpu_decode_executor_rc\": $?"
     reap executor
     ;;
+exec)
+    [ $# -gt 0 ] || { echo "exec needs a command" >&2; exit 2; }
+    "$@"
+    rc=$?
+    reap exec
+    note "\"exec_rc\": $rc, \"command\": \"$(echo "$*" | tr -d '"\\')\""
+    ;;
 *)
-    echo "unknown stage $stage (build, decode or compare)" >&2; exit 2 ;;
+    echo "unknown stage $stage (build, decode, compare, probe or exec)" >&2; exit 2 ;;
 esac
