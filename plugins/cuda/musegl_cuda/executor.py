@@ -50,6 +50,7 @@ from musegl_cuda.cpu.stored_matrix import HalfRows
 from musegl_cuda.drafts import DraftRows
 from musegl_cuda.model import AttentionBatch, DecodeAttention, MuseGlimmerDecoder, PagedMeta, SequenceAttention
 from musegl_cuda.parallel.shard import TensorShard
+from musegl_cuda.cuda import dense_attention
 from musegl_cuda.cuda.plan import StepPlan, plan_step, rows_per_tile
 from musegl_cuda.vision import load_vision_encoder
 from musegl_cuda.pending import GreedyIds, Launched, Sampled, device_sources, follow_on_host
@@ -244,6 +245,9 @@ class TorchExecutor:
         self.table_cols = -(-config.max_position_embeddings // block_size)
         self.sm_count = (torch.cuda.get_device_properties(self.device).multi_processor_count
                          if self.paged else 1)
+        # long single-sequence prefill chunks: their global layers through torch's fused attention
+        self.dense_prefill = self.paged and dense_attention.available(
+            self.device, self.dtype, config.num_heads, config.num_kv_heads, config.head_dim)
         self.samplers = None  # the sampler graphs of decode graph steps (musegl_cuda.cuda.sampling_graphs)
         self._previous: PendingStep | None = None  # the last launch (a following chunk reads its ids)
         self._drafted: DraftRows | None = None  # the launch's device-draft blocks, until judged
@@ -493,10 +497,14 @@ class TorchExecutor:
         dev = self.device
         tiles = len(plan.tiles)
         sliding, full = layer_splits(tiles, c.num_kv_heads, self.sm_count)
-        meta = PagedMeta(torch.from_numpy(plan.slots).to(dev, non_blocking=True),
-                         torch.from_numpy(plan.tables).to(dev, non_blocking=True),
+        tables = torch.from_numpy(plan.tables).to(dev, non_blocking=True)
+        dense = None
+        if self.dense_prefill and len(plan.starts) == 1 and plan.num_tokens >= dense_attention.MIN_ROWS:
+            n = plan.num_tokens
+            dense = dense_attention.DenseKeys.of_table(tables[0], self.block_size, n, int(plan.positions[0]) + n)
+        meta = PagedMeta(torch.from_numpy(plan.slots).to(dev, non_blocking=True), tables,
                          torch.from_numpy(plan.tiles).to(dev, non_blocking=True), tiles,
-                         sliding, block_m, self.block_size, full)
+                         sliding, block_m, self.block_size, full, dense)
         tokens = torch.from_numpy(plan.tokens).to(dev, non_blocking=True)
         if step is not None:
             self._place_drafts(step, plan.starts, tokens)

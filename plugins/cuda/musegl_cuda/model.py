@@ -36,6 +36,7 @@ from musegl_core.checkpoint.config import TextConfig
 from musegl_core.checkpoint.hf_reader import CENTERED_NORMS, text_weight_names
 from musegl_core.checkpoint.stored import StoredTensor
 from musegl_cuda.cpu.attention import attention_rows
+from musegl_cuda.cuda.dense_attention import DenseKeys, dense_gated_attention
 from musegl_cuda.cpu.stored_matrix import DenseMatrix, HalfRows, StoredGroup, StoredMatrix, stored_matrix
 from musegl_cuda.parallel.shard import TensorShard
 
@@ -202,6 +203,9 @@ class PagedMeta:
     block_m: int  # query vectors per attention program
     block_size: int
     global_splits: int = 0  # key splits of the global layers (0: splits)
+    #: one long prefill chunk's keys: its global layers run through torch's fused attention
+    #: (:mod:`musegl_cuda.cuda.dense_attention`); None: every layer through the paged kernel
+    dense: DenseKeys | None = None
 
     def splits_of(self, sliding: bool) -> int:
         """The key splits of a sliding or a global layer."""
@@ -573,9 +577,12 @@ class MuseGlimmerDecoder(nn.Module):
             qkvg = F.linear(x, attn.qkvg)
             q = kernels.qk_norm_rope_store(qkvg, cos, sin, meta.slots, k_flat, v_flat, heads, kv_heads, hd,
                                            attn.eps, attn.qk_scale, attn.use_rope)
-            y = kernels.gated_attention(q, k_flat, v_flat, meta.block_size, meta.tables, meta.tiles,
-                                        meta.num_tiles, meta.splits_of(attn.sliding), meta.block_m,
-                                        c.sliding_window, attn.sliding, attn.scaling, qkvg, attn.gate_offset)
+            if meta.dense is not None and not attn.sliding:
+                y = dense_gated_attention(q, k_flat, v_flat, meta.dense, attn.scaling, qkvg, attn.gate_offset)
+            else:
+                y = kernels.gated_attention(q, k_flat, v_flat, meta.block_size, meta.tables, meta.tiles,
+                                            meta.num_tiles, meta.splits_of(attn.sliding), meta.block_m,
+                                            c.sliding_window, attn.sliding, attn.scaling, qkvg, attn.gate_offset)
             o = reduce(F.linear(y, attn.o_proj.weight))
             post, pre = layer.post_attention_layernorm, layer.pre_feedforward_layernorm
             h, x = kernels.add_norm(o, h, post.scale, post.eps, pre.scale, pre.eps)

@@ -1,0 +1,100 @@
+"""Long prefill chunks' global layers through torch's fused attention (cuDNN / FlashAttention).
+
+The paged Triton kernel (:func:`musegl_cuda.cuda.kernels.gated_attention`) serves every step;
+for a big causal prefill it reaches about 207 TFLOP/s on an H200 (30B shape, a 4,096-token
+prompt), where torch's ``scaled_dot_product_attention`` reaches 445 TFLOP/s through cuDNN on the
+same prompt, and 336 TFLOP/s through FlashAttention for the last 8,192-token chunk of a 32k prompt
+(against our 228; ``benchmarks/gpu_prefill_attention.py --sdpa``). So a step that is one
+sequence's prefill chunk of at least :data:`MIN_ROWS` rows runs its global (unwindowed) layers
+here: the chunk's keys are gathered from the paged cache into one contiguous tensor (its slots
+in table order, a few microseconds), attended with the causal mask aligned to the bottom right
+(the chunk's rows are the last positions of the keys), and the output gate is applied after.
+The sliding layers keep the paged kernel (torch's backends take no window).
+
+The backend is cuDNN for a chunk that starts the sequence (queries = keys) and FlashAttention
+for one that follows cached keys (the measured best of each). Only bf16 and fp16 on CUDA, and
+only where :func:`available` found both backends working on this device at start-up: a backend
+that cannot take a call would otherwise fall back to the unfused math path (32 GB of scores at
+8k x 32k).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import attrs
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger("musegl.cuda")
+
+#: Rows of a single-sequence prefill chunk from which its global layers run here.
+MIN_ROWS = 1024
+
+
+@attrs.frozen
+class DenseKeys:
+    """The keys of a single-sequence chunk: its cache ``slots`` for positions ``0 .. keys-1``
+    (device, int64), of which the chunk's ``queries`` rows are the last."""
+
+    slots: torch.Tensor
+    queries: int
+    keys: int
+
+    @classmethod
+    def of_table(cls, table: torch.Tensor, block_size: int, queries: int, keys: int) -> "DenseKeys":
+        """From one sequence's block table row (``(cols,)`` int32 on the device)."""
+        blocks = -(-keys // block_size)
+        offsets = torch.arange(block_size, device=table.device, dtype=torch.long)
+        slots = (table[:blocks].long()[:, None] * block_size + offsets).reshape(-1)[:keys]
+        return cls(slots, queries, keys)
+
+
+def _backends(starts_sequence: bool):
+    from torch.nn.attention import SDPBackend
+
+    return [SDPBackend.CUDNN_ATTENTION] if starts_sequence else [SDPBackend.FLASH_ATTENTION]
+
+
+def dense_gated_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, dense: DenseKeys,
+                          scale: float, qkvg: torch.Tensor, gate_offset: int,
+                          backends=None) -> torch.Tensor:
+    """Causal gated attention of ``q (rows, heads, hd)`` (the chunk's rows, in order) over the
+    keys ``dense.slots`` of ``k_cache``/``v_cache`` (``(slots, kv_heads, hd)``): the result is
+    :func:`~musegl_cuda.cuda.kernels.gated_attention`'s for a global layer, ``(rows, heads·hd)``.
+    ``backends``: the SDPA backends allowed (default: cuDNN or FlashAttention, see the module)."""
+    from torch.nn.attention import sdpa_kernel
+    from torch.nn.attention.bias import causal_lower_right
+
+    rows, heads, hd = q.shape
+    if rows != dense.queries:
+        raise ValueError(f"{rows} query rows for a chunk of {dense.queries}")
+    kk = k_cache.index_select(0, dense.slots).transpose(0, 1)[None]  # (1, kv_heads, keys, hd)
+    vv = v_cache.index_select(0, dense.slots).transpose(0, 1)[None]
+    qq = q.transpose(0, 1)[None]
+    with sdpa_kernel(_backends(dense.queries == dense.keys) if backends is None else backends):
+        o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=causal_lower_right(rows, dense.keys),
+                                           scale=scale, enable_gqa=True)
+    gate = qkvg[:, gate_offset:gate_offset + heads * hd].view(rows, heads, hd)
+    return (o[0].transpose(0, 1) * torch.sigmoid(gate)).reshape(rows, heads * hd)
+
+
+def available(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int) -> bool:
+    """Whether both backends run a small chunk of this shape on ``device`` (called once at
+    start-up); False (with the reason logged) on the CPU, in float32, or where one fails."""
+    if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
+        return False
+    try:
+        n, keys = 64, 128
+        k = torch.randn(keys, kv_heads, head_dim, device=device, dtype=dtype)
+        q = torch.randn(n, heads, head_dim, device=device, dtype=dtype)
+        g = torch.zeros(n, heads * head_dim, device=device, dtype=dtype)
+        slots = torch.arange(keys, device=device)
+        for chunk in (DenseKeys(slots[:n], n, n), DenseKeys(slots, n, keys)):
+            dense_gated_attention(q, k, k, chunk, head_dim ** -0.5, g, 0)
+        torch.cuda.synchronize(device)
+    except RuntimeError as exc:
+        log.info("long prefill chunks keep the paged attention kernel in every layer: %s",
+                 str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+        return False
+    return True
