@@ -1,4 +1,4 @@
-"""The draft's block forward in CUDA graphs, one per (batch width, context width).
+"""The draft's block forward in CUDA graphs, one per (batch width, context width, drafts).
 
 A draft forward's shapes are its batch ``B`` (decoding sequences) and the
 context keys ``S`` the widest block sees (:func:`~musegl_dflash.model.context_width`).
@@ -12,10 +12,15 @@ them into the context keys' slots, positions and validity on the device. Padding
 see no context and their drafts are ignored; padding context entries are
 invalid, so a real block's attention is the unpadded one.
 
-Every graph writes its draft ids into :attr:`DraftGraphs.out` ``(MAX_WIDTH, n)``,
-allocated outside the graphs' memory pool, so the ids of a replay survive
-later replays of other shapes until the next draft forward (the verify step
-reads them from there on the device). Inputs are staged on the host in one
+A forward drafts ``n`` ids a block, at most the speculator's; a step whose
+sequences may verify fewer (the engine's verify-rows budget, ``max_draft`` of
+each request) runs blocks of fewer mask rows: ``n`` is the largest such count
+rounded up to a power of two (so at most five ``n`` per shape), and is part of
+a graph's key. Every graph of ``n`` writes its draft ids into
+``DraftGraphs.outs[n]`` ``(MAX_WIDTH, n)``, allocated outside the graphs'
+memory pool, so the ids of a replay survive later replays of other shapes
+until the next draft forward (the verify step reads them from there on the
+device). Inputs are staged on the host in one
 pinned buffer and sent with one copy; staging first waits for the previous
 copy out of it.
 
@@ -139,9 +144,10 @@ class DraftGraphs:
         self.block_size = block_size
         self.device = device = draft.device
         self.capturing = device.type == "cuda"
-        self.out = torch.zeros(MAX_WIDTH, n, dtype=torch.long, device=device)
+        #: per drafts count: the ids every graph of that count writes (see the module docstring)
+        self.outs: dict[int, torch.Tensor] = {}
         self.inputs: dict[tuple[int, int], torch.Tensor] = {}
-        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.graphs: dict[tuple[int, int, int], torch.cuda.CUDAGraph] = {}
         self._pool = None
         self._host: torch.Tensor | None = None  # pinned staging buffer, grown to the largest shape
         self._staged: torch.cuda.Event | None = None
@@ -176,11 +182,18 @@ class DraftGraphs:
     def layout(self, key: tuple[int, int]) -> "BlockInputs":
         return BlockInputs(key[0], key[1], self.block_size, context_reach(self.draft.config))
 
-    def _body(self, key: tuple[int, int], kv: torch.Tensor) -> None:
-        block_drafts(self.draft, self.rows, self.logits, kv, self.layout(key).batch(self.inputs[key]), self.n,
-                     self.out[:key[0]], self.argmax)
+    def out(self, n: int) -> torch.Tensor:
+        """The ``(MAX_WIDTH, n)`` ids the forwards of ``n`` drafts a block write."""
+        if n not in self.outs:
+            self.outs[n] = torch.zeros(MAX_WIDTH, n, dtype=torch.long, device=self.device)
+        return self.outs[n]
 
-    def _capture(self, key: tuple[int, int], kv: torch.Tensor) -> None:
+    def _body(self, key: tuple[int, int, int], kv: torch.Tensor) -> None:
+        shape = key[:2]
+        block_drafts(self.draft, self.rows, self.logits, kv, self.layout(shape).batch(self.inputs[shape]), key[2],
+                     self.out(key[2])[:key[0]], self.argmax)
+
+    def _capture(self, key: tuple[int, int, int], kv: torch.Tensor) -> None:
         start = time.perf_counter()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
@@ -193,22 +206,28 @@ class DraftGraphs:
             self._body(key, kv)
         self._pool = graph.pool()
         self.graphs[key] = graph
-        log.info("captured the draft graph of %d blocks x %d context keys in %.2f s", key[0], key[1],
+        log.info("captured the draft graph of %d blocks x %d context keys x %d drafts in %.2f s", *key,
                  time.perf_counter() - start)
 
     def run(self, anchors: Sequence[int], starts: Sequence[int], tables: Sequence[Sequence[int]],
-            kv: torch.Tensor) -> torch.Tensor | None:
-        """The drafts ``(len(anchors), n)`` (a view of :attr:`out`), queued on the device;
-        None (nothing run) when the shape is past the graphs' limits."""
-        key = self.shape(len(anchors), context_width(self.draft.config, starts))
-        if key is None:
+            kv: torch.Tensor, n: int | None = None) -> torch.Tensor | None:
+        """The drafts ``(len(anchors), n)`` (default: the speculator's ``n``; a view of
+        :meth:`out`), queued on the device; None (nothing run) when the shape is past the
+        graphs' limits."""
+        n = self.n if n is None else n
+        if not 1 <= n <= self.n:
+            raise ValueError(f"{n} drafts a block; this speculator drafts 1 .. {self.n}")
+        shape = self.shape(len(anchors), context_width(self.draft.config, starts))
+        if shape is None:
             return None
-        self.stage(key, anchors, starts, tables)
+        key = (*shape, n)
+        out = self.out(n)  # (before any capture: outside the graphs' pool)
+        self.stage(shape, anchors, starts, tables)
         if not self.capturing:
             self._body(key, kv)
         else:
             if key not in self.graphs:
                 self._capture(key, kv)
             self.graphs[key].replay()
-        return self.out[:len(anchors)]
+        return out[:len(anchors)]
 

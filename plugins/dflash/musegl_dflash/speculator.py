@@ -62,6 +62,16 @@ class KeptRows:
     verify_tokens: int
 
 
+def block_drafts_for(requests: Sequence[DraftRequest], most: int) -> int:
+    """Mask rows of this step's draft blocks: the most drafts a request may verify
+    (``max_draft``, which the engine's verify-rows budget lowers as the batch grows),
+    rounded up to a power of two, at most ``most``. A block of fewer mask rows costs
+    less (the draft's layers and the head run over them) and its leading ids are what
+    the verify step reads; verification decides every token either way."""
+    want = max(r.max_draft for r in requests)
+    return min(most, 1 << max(0, want - 1).bit_length())
+
+
 def kept_rows(step: Step, output: StepOutput, committed: dict[int, int], block_size: int,
               device: torch.device, dtype: torch.dtype) -> KeptRows | None:
     """The ``committed[seq]`` leading tapped rows of each chunk of ``step`` (None when no
@@ -190,11 +200,12 @@ class DFlashSpeculator:
                 raise coverage_error(r.seq, start - 1, self.block_size, len(r.blocks))
         anchors = [r.tokens[-1] for r in requests]
         tables = [r.blocks for r in requests]
+        n = block_drafts_for(requests, self.max_draft)
         with torch.inference_mode():
-            ids = None if self.graphs is None else self.graphs.run(anchors, starts, tables, kv)
+            ids = None if self.graphs is None else self.graphs.run(anchors, starts, tables, kv, n)
             if ids is None:  # no graphs, or a shape past their limits
                 batch = BlockInputs.exact(self.config, self.block_size, anchors, starts, tables, device)
-                ids = block_drafts(self.draft, self.target.rows, self.target.logits, kv, batch, self.max_draft,
+                ids = block_drafts(self.draft, self.target.rows, self.target.logits, kv, batch, n,
                                    argmax=self.target.argmax)
         return DeviceDrafts(ids, {r.seq: b for b, r in enumerate(requests)},
                             {r.seq: min(r.max_draft, self.max_draft) for r in requests})

@@ -25,7 +25,7 @@ from musegl_core.engine.speculator import DraftRequest
 from musegl_dflash.graphs import BlockInputs, DraftGraphs, block_drafts
 from musegl_dflash.loader import load_draft
 from musegl_dflash.model import DraftBatch, gather_context
-from musegl_dflash.speculator import DFlashSpeculator, TargetHead
+from musegl_dflash.speculator import DFlashSpeculator, TargetHead, block_drafts_for
 
 VOCAB, HIDDEN, MASK, BLOCK = 512, 64, 500, 4
 
@@ -57,14 +57,14 @@ def ask(lengths, room=5):
     return [DraftRequest(seq, [7 + seq] * (n + 1), TABLES[seq], room) for seq, n in lengths]
 
 
-def reference(spec, requests):
-    """The drafts of the unpadded forward over gather_context's keys."""
+def reference(spec, requests, n=None):
+    """The drafts of the unpadded forward over gather_context's keys (``n`` mask rows a block)."""
     starts = [len(r.tokens) - 1 for r in requests]
     slots, positions, valid = gather_context(spec.config, BLOCK, starts, [r.blocks for r in requests],
                                              torch.device("cpu"))
     batch = DraftBatch(torch.tensor([r.tokens[-1] for r in requests]), torch.tensor(starts), slots, positions, valid)
     with torch.inference_mode():
-        return block_drafts(spec.draft, spec.target.rows, spec.target.logits, spec.kv, batch, spec.max_draft)
+        return block_drafts(spec.draft, spec.target.rows, spec.target.logits, spec.kv, batch, n or spec.max_draft)
 
 
 def eager(spec, requests):
@@ -128,3 +128,22 @@ def test_a_shape_past_the_limits_runs_eagerly(speculator, monkeypatch):
     assert speculator.graphs.run([1, 2], [110, 77], [TABLES[0], TABLES[2]], speculator.kv) is None
     assert torch.equal(speculator.propose_on_device(requests).ids, eager(speculator, requests).ids)
     assert set(speculator.graphs.inputs) == before
+
+
+def test_blocks_shrink_to_what_the_budget_lets_a_step_verify(speculator):
+    """Requests that may verify fewer drafts than the speculator's 5 (the engine's verify-rows
+    budget) get blocks of fewer mask rows: the largest count rounded up to a power of two."""
+    assert [block_drafts_for(ask([(0, 9)], room=k), 5) for k in (1, 2, 3, 4, 5)] == [1, 2, 4, 4, 5]
+    assert block_drafts_for(ask([(0, 9), (1, 9)], room=1) + ask([(2, 9)], room=3), 15) == 4
+    for room, n in ((1, 1), (2, 2), (3, 4)):
+        requests = ask([(0, 110), (1, 9), (2, 77)], room=room)
+        got = speculator.propose_on_device(requests)
+        assert got.ids.shape == (3, n)
+        assert got.counts == {seq: room for seq in range(3)}
+        assert torch.equal(got.ids, eager(speculator, requests).ids)
+        assert torch.equal(got.ids, reference(speculator, requests, n))
+        key = speculator.graphs.shape(3, draft_graphs.context_width(speculator.draft.config, [110, 9, 77]))
+        assert speculator.graphs.out(n).shape == (draft_graphs.MAX_WIDTH, n)
+        assert key in speculator.graphs.inputs
+    with pytest.raises(ValueError, match="6 drafts a block; this speculator drafts 1 .. 5"):
+        speculator.graphs.run([1], [9], [TABLES[1]], speculator.kv, 6)
