@@ -742,6 +742,9 @@ def main() -> int:
                    help="the decode points profiled, CONTEXTxBATCH, comma-separated")
     p.add_argument("--profile-dir", default=None,
                    help="where the servers write their tables (default: profiles/ beside --out)")
+    p.add_argument("--dense-min-rows", type=int, default=None,
+                   help="rows of a single-sequence prefill chunk from which its global layers run through torch's "
+                        "fused attention (musegl_cuda.cuda.dense_attention.MIN_ROWS; a huge value: never)")
     p.add_argument("--blas", choices=("cublas", "cublaslt"), help="torch's preferred BLAS library (default: torch's)")
     p.add_argument("--serve-concurrency", default="1,8,32,64")
     p.add_argument("--serve-max-tokens", type=int, default=128)
@@ -775,6 +778,11 @@ def main() -> int:
         os.environ[PROFILE_ENV] = str(folder)  # the servers inherit this process's environment
     if args.blas:
         torch.backends.cuda.preferred_blas_library(args.blas)
+    if args.dense_min_rows is not None:
+        from musegl_cuda.cuda import dense_attention
+
+        dense_attention.MIN_ROWS = args.dense_min_rows
+        emit(figure="setting", dense_min_rows=args.dense_min_rows)
     rng = np.random.default_rng(0)
     checkpoint = text_config(args)
     emit(figure="setup", device=torch.cuda.get_device_name() if is_cuda(args) else "cpu", torch=torch.__version__,
