@@ -101,10 +101,13 @@ class ExampleExecutor:
             first = chunk.positions[0]
             previous = 0 if first == 0 else int(self.cells[chunk.blocks[(first - 1) // b] * b + (first - 1) % b])
             sampled, logprobs, rows = [], [], []
+            last = len(inputs) - 1
             for r, (position, value) in enumerate(zip(chunk.positions, inputs)):
                 context = _mix(previous, value, position)
                 self.cells[chunk.blocks[position // b] * b + position % b] = context
                 previous = context
+                if not (chunk.logit_rows or r in chunk.sampled_rows or (chunk.want_logits and r == last)):
+                    continue  # nobody reads this row's logits (a prompt row): only its cache cell
                 logits = self._logits(context)
                 rows.append(logits)
                 if r in chunk.sampled_rows:
