@@ -22,6 +22,7 @@ from musegl_cuda.cuda.graphs import DecodeGraphs
 from musegl_cuda.pending import GreedyIds
 
 
+@pytest.mark.slow  # Triton's interpreter (~14 s in the default suite on two shared cores); CI runs the slow tier as its second step
 def test_tapped_graph_body_matches_the_eager_step_in_the_interpreter():
     pytest.importorskip("triton")
     here = Path(__file__).resolve().parent
