@@ -81,8 +81,9 @@ class ServeConfig:
                                      kind="int", metavar="N")
     max_n: int = flag(8, "most choices ('n') one request may ask for; each is a request of its own "
                       "(default %(default)s)", LIMITS, kind="int", metavar="N")
-    max_prefill_chunk: int = flag(512, "most prompt positions one forward pass computes (default %(default)s)",
-                                  LIMITS, kind="int", metavar="TOKENS")
+    max_prefill_chunk: int | None = flag(None, "most prompt positions one forward pass computes (default: the "
+                                         "executor's: 2048 on CUDA, where wide chunks run the products near the "
+                                         "matrix rate; 512 elsewhere)", LIMITS, kind="int", metavar="TOKENS")
     prefill_stall_factor: float = flag(6.0, "while sequences decode, prefill may stretch a step to at most this "
                                        "many decode-only steps (per request; estimated online; 0: off, always "
                                        "--max-prefill-chunk; default %(default)s)", LIMITS, kind="float",
@@ -178,7 +179,8 @@ class ServeConfig:
         t = self.throughput_log_interval
         need(math.isfinite(t) and t >= 0, f"--throughput-log-interval must be 0 or a positive number of seconds, got {t}")
         int_range("--max-decode-sequences", self.max_decode_sequences, 1)
-        int_range("--max-prefill-chunk", self.max_prefill_chunk, 1)
+        if self.max_prefill_chunk is not None:
+            int_range("--max-prefill-chunk", self.max_prefill_chunk, 1)
         int_range("--max-n", self.max_n, 1, 128)
         if self.spec_verify_rows is not None:
             need(0 <= self.spec_verify_rows <= INT32_MAX,

@@ -36,7 +36,7 @@ from musegl_core.engine import commands
 from musegl_core.engine import events as ev
 from musegl_core.engine.admission import Admission
 from musegl_core.engine.detokenize import IncrementalDetokenizer, hidden_ids
-from musegl_core.engine.executor import Executor, ExecutorLimits, TokenLogprobs
+from musegl_core.engine.executor import DEFAULT_PREFILL_CHUNK, Executor, ExecutorLimits, TokenLogprobs
 from musegl_core.engine.identity import prompt_keys, split_keys
 from musegl_core.engine.kv_pool import KVPool
 from musegl_core.engine.kv_sizing import plan_pool
@@ -64,7 +64,7 @@ class EngineConfig:
     max_inflight_requests: int = 4
     max_queued_requests: int = 1024
     max_decode_sequences: int = 4
-    max_prefill_chunk: int = 512
+    max_prefill_chunk: int | None = None  # None: the executor's (ExecutorLimits.prefill_chunk)
     prefix_cache_entries: int = 0
     evict_idle_sessions: bool = False
     kv_blocks: int | None = None
@@ -100,6 +100,14 @@ def grammar_threads(configured: int | None, limits: ExecutorLimits) -> int:
     if configured is not None:
         return configured
     return 0 if limits.host_compute else 2
+
+
+def prefill_chunk(configured: int | None, limits: ExecutorLimits) -> int:
+    """Most prompt rows a step computes: as configured (``--max-prefill-chunk``), else the
+    executor's ``limits.prefill_chunk``, else :data:`DEFAULT_PREFILL_CHUNK`."""
+    if configured is not None:
+        return configured
+    return limits.prefill_chunk or DEFAULT_PREFILL_CHUNK
 
 
 def verify_rows(configured: int | None, limits: ExecutorLimits) -> int | None:
@@ -146,11 +154,12 @@ class Engine:
         )
         limits = executor.limits
         drafts = config.max_decode_sequences * self.speculator.max_draft
-        max_step = min(limits.max_step_tokens, config.max_decode_sequences + drafts + config.max_prefill_chunk)
-        self.prefill_budget = PrefillBudget(config.prefill_stall_factor, config.max_prefill_chunk)
+        chunk = prefill_chunk(config.max_prefill_chunk, limits)
+        max_step = min(limits.max_step_tokens, config.max_decode_sequences + drafts + chunk)
+        self.prefill_budget = PrefillBudget(config.prefill_stall_factor, chunk)
         self.scheduler = Scheduler(
             self.pool,
-            SchedulerLimits(config.max_decode_sequences, config.max_prefill_chunk, max_step, tuple(limits.step_sizes)),
+            SchedulerLimits(config.max_decode_sequences, chunk, max_step, tuple(limits.step_sizes)),
             embed=self._embedding,
             taps=tuple(self.speculator.taps),
             mask_threads=grammar_threads(config.grammar_threads, limits),

@@ -329,6 +329,10 @@ class HeadRows:
         return out
 
 
+#: ``--max-prefill-chunk`` where neither the user nor the executor (``ExecutorLimits.prefill_chunk``) sets one.
+DEFAULT_PREFILL_CHUNK = 512
+
+
 @attrs.frozen
 class ExecutorLimits:
     """Shape limits an executor announces so the scheduler packs steps it can run.
@@ -355,6 +359,12 @@ class ExecutorLimits:
     (:meth:`musegl_core.engine.loop.StepLoop.draft_cap`). None: no budget
     (every sequence may get the speculator's full block). ``--spec-verify-rows``
     overrides it.
+
+    ``prefill_chunk`` is the backend's default of ``--max-prefill-chunk``
+    (the most prompt rows one step computes) where the user sets none: a GPU
+    runs a 2,048-row chunk at a far better share of its matrix rate than a
+    512-row one, a CPU gains nothing from wider chunks and each row stretches
+    the decoders' step. None: :data:`DEFAULT_PREFILL_CHUNK`.
     """
 
     max_step_tokens: int = 4096
@@ -363,6 +373,7 @@ class ExecutorLimits:
     async_steps: bool = False
     device_drafts: bool = False
     verify_rows: int | None = None
+    prefill_chunk: int | None = None
 
     def padded_width(self, rows: int) -> int:
         """The width a decode-only step of ``rows`` rows runs at."""

@@ -67,6 +67,11 @@ WEIGHT_MODES = ("stored", "upcast")
 #: ms, 64 rows 15.4 ms, 128 rows at 2k positions 19.6 ms, a 512-row verify step (32 sequences x
 #: 16 rows) 89 ms of kernels. On the CPU: no budget (nothing measured there).
 MIN_VERIFY_ROWS = 16
+#: ``--max-prefill-chunk`` on CUDA unless given (``ExecutorLimits.prefill_chunk``): a 2,048-row
+#: chunk runs the products near the matrix rate where a 512-row one leaves much of it idle,
+#: and the engine's prefill budget still bounds what a chunk beside decoders may stretch their
+#: step (H200, 30B: a decode step 15 ms, a prompt row ~85 us). The CPU keeps 512.
+CUDA_PREFILL_CHUNK = 2048
 #: CPU steps of up to this many rows (decode-sized) run torch's own ops on one thread:
 #: they are tiny and gain less from intra-op threads than waking them costs (the stored-weight
 #: kernels keep their own threads).
@@ -192,7 +197,8 @@ class TorchExecutor:
                                      host_compute=self.device.type == "cpu",
                                      async_steps=self.paged if async_steps is None else async_steps,
                                      device_drafts=True,
-                                     verify_rows=max(max(sizes), MIN_VERIFY_ROWS) if sizes else None)
+                                     verify_rows=max(max(sizes), MIN_VERIFY_ROWS) if sizes else None,
+                                     prefill_chunk=CUDA_PREFILL_CHUNK if self.paged else None)
         self.config = config = checkpoint.config
         self.info = ModelInfo(
             name=checkpoint.name,
