@@ -13,6 +13,8 @@
 #   benchmarks/h200_run.sh probe     # gpu_gemv.py (the four weight products: cuBLAS vs a Triton kernel),
 #                                    # then the executor phase of gpu_decode.py as in decode, profiled
 #   benchmarks/h200_run.sh exec CMD  # CMD (e.g. one gpu_decode.py phase with other flags) in the same setup
+#   benchmarks/h200_run.sh jobs      # only stage 1's background jobs (llama-server build, the GGUF): then
+#                                    # exec parts beside them, and compare (which waits for them)
 #
 # Each writes JSON lines (and logs) into $OUT (default ./h200_out). Run from the repository root
 # with the `run` tool's carry: [".whl", "benchmarks/llamacpp-src.tar.xz"] (the wheels the device
@@ -28,7 +30,7 @@
 # check of this script; the GPU tests are skipped; WORK=/tmp/h200 and SITE=/tmp/site unless set).
 set -uo pipefail
 
-stage=${1:?usage: h200_run.sh build|decode|compare|probe|exec CMD...}
+stage=${1:?usage: h200_run.sh build|decode|compare|probe|jobs|exec CMD...}
 shift
 OUT=${OUT:-$PWD/h200_out}
 LAYERS=${LAYERS:-26}
@@ -118,14 +120,22 @@ background() {  # background NAME COMMAND...: run in its own session (it outlive
 }
 
 setup || { note "\"error\": \"setup failed\""; exit 1; }
+start_jobs() {
+    background llamacpp env JOBS=$(( $(nproc) > 2 ? $(nproc) - 2 : 1 )) nice -n 10 \
+        "$here/llamacpp_cuda.sh" build "${build_flag[@]}" "$here/llamacpp-src.tar.xz" "$WORK/llamacpp"
+    background gguf python3 "$here/make_gguf_30b.py" "$WORK/model.gguf" "${gguf_shape[@]}" --config-out "$WORK/model"
+}
+
 case $stage in
+jobs)
+    start_jobs
+    note "\"jobs\": \"started\""
+    ;;
 build)
     if [ "$SMOKE" = 1 ]; then echo cpu | tee "$OUT/gpu.txt"; else
         nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"; fi
     df -h /tmp | tail -1 | tee -a "$OUT/gpu.txt"
-    background llamacpp env JOBS=$(( $(nproc) > 2 ? $(nproc) - 2 : 1 )) nice -n 10 \
-        "$here/llamacpp_cuda.sh" build "${build_flag[@]}" "$here/llamacpp-src.tar.xz" "$WORK/llamacpp"
-    background gguf python3 "$here/make_gguf_30b.py" "$WORK/model.gguf" "${gguf_shape[@]}" --config-out "$WORK/model"
+    start_jobs
     if [ "$SMOKE" = 1 ]; then
         note "\"gpu_tests\": \"skipped (SMOKE)\""
     else
@@ -157,6 +167,10 @@ decode)
     cp "$WORK"/*.log "$OUT/" 2>/dev/null
     ;;
 compare)
+    if [ -f "$WORK/gguf.log" ] || [ -f "$WORK/llamacpp.log" ]; then  # stage 1's jobs ran here: wait for them
+        wait_for gguf "${WAIT_JOBS:-120}"
+        wait_for llamacpp "${WAIT_JOBS:-120}"
+    fi
     server="$WORK/llamacpp/llama.cpp/$binary/bin/llama-server"
     sides=${SIDES:-musegl,llamacpp}
     if [ ! -x "$server" ] || [ ! -f "$WORK/model.gguf" ]; then
@@ -191,5 +205,5 @@ exec)
     note "\"exec_rc\": $rc, \"command\": \"$(echo "$*" | tr -d '"\\')\""
     ;;
 *)
-    echo "unknown stage $stage (build, decode, compare, probe or exec)" >&2; exit 2 ;;
+    echo "unknown stage $stage (build, decode, compare, probe, jobs or exec)" >&2; exit 2 ;;
 esac
