@@ -6,21 +6,33 @@ responses are compared between a plain server and one with drafts.
 seed each, a session over three turns, a cancelled stream followed by its
 session's next turn, and a session rewind. A speculator plugin's test runs it
 on a server without and with its drafts and requires identical results
-(:func:`draft_metric` reads the drafting counters).
+(:func:`draft_metric` reads the drafting counters). :func:`draws` samples one
+short completion under many seeds, for comparing the sampled distributions;
+:func:`scenario_config` is the server the scenario is written for.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import re
 
 import httpx
+
+from musegl_core.config import ServeConfig
 
 PROMPTS = [
     [{"role": "user", "content": "Write a few words about the sea."}],
     [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "List three colours " * 5}],
 ]
 SEEDED = {"temperature": 0.9, "top_p": 0.95, "top_k": 40, "seed": 1234}
+DRAWS = 160
+
+
+def scenario_config(model: str, **extra) -> ServeConfig:
+    """The server the scenario runs on: the torch CPU executor, room for its batch of 8 and its sessions."""
+    return ServeConfig(model=model, executor="torch-cpu", port=0, max_context=1024, max_sessions=12,
+                       max_inflight_requests=8, max_decode_sequences=8, extra=extra)
 
 
 def chat(url: str, messages, **extra) -> dict:
@@ -85,6 +97,18 @@ def scenario(url: str, stops: dict) -> dict:
     chat(url, longer, session_id="rewind", **SEEDED)
     out["rewound"] = chat(url, PROMPTS[0], session_id="rewind", **SEEDED)
     return out
+
+
+def draws(url: str, count: int = DRAWS) -> list[str]:
+    """An answer of at most three tokens after a fixed prompt under seeds ``0..count-1`` (temperature
+    1.5 flattens it), each as the JSON of its content and reasoning content."""
+    def one(seed: int) -> str:
+        result = chat(url, [{"role": "user", "content": "Pick a word."}], max_tokens=3, temperature=1.5, seed=seed)
+        message = result["message"]
+        return json.dumps([message.get("content"), message.get("reasoning_content")])
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        return list(pool.map(one, range(count)))
 
 
 def draft_metric(url: str, name: str) -> float:

@@ -1,7 +1,8 @@
 """Multi-token commits through the HTTP API: a speculator's drafts change the speed, never the output.
 
 Three servers run the same scenario on the demo checkpoint (torch executor):
-without a speculator, with a do-nothing speculator (which records the
+without a speculator (the session's shared plain run, ``plain_speculation_run``
+in conftest.py), with a do-nothing speculator (which records the
 sequences it sees), and with a speculator that replays those recordings as
 drafts of up to 4 tokens, one of them corrupted at a varying index, so the
 target accepts 0..4 drafts per step. Every response must be identical to the
@@ -16,8 +17,7 @@ import json
 
 import pytest
 
-from musegl_core.config import ServeConfig
-from musegl_core.testing.speculation import PROMPTS, draft_metric as metric, scenario
+from musegl_core.testing.speculation import PROMPTS, draft_metric as metric, scenario, scenario_config
 from musegl_core.testing.server import running_server
 from tests.support.server import support_plugin_env
 
@@ -25,16 +25,14 @@ K = 4
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tmp_path_factory, plain_speculation_run):
     from musegl_core.tiny import default_model_path
 
     tmp = tmp_path_factory.mktemp("drafts")
-    config = ServeConfig(model=str(default_model_path()), executor="torch-cpu", port=0, max_context=1024,
-                         max_sessions=12, max_inflight_requests=8, max_decode_sequences=8)
-    stops: dict = {}
-    results, figures = {}, {}
-    with running_server(config) as server:
-        results["plain"] = scenario(server.url, stops)
+    config = scenario_config(str(default_model_path()))
+    plain = plain_speculation_run  # the plain server's run (conftest.py)
+    stops = dict(plain["stops"])  # the stops it picked, and its batch's requests alone
+    results, figures = {"plain": plain["results"]}, {}
     record = tmp / "record.jsonl"
     with support_plugin_env(tmp, "drafts", "musegl_drafts", {"MUSEGL_DRAFTS": f"record:{record}"}):
         with running_server(config) as server:

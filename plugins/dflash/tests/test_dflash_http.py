@@ -1,6 +1,7 @@
 """DFlash through the HTTP API: the draft changes the number of target steps, never the output.
 
-The demo checkpoint is served three times: plain, with a random DFlash draft
+The demo checkpoint is served three times: plain (the session's shared plain
+run, ``plain_speculation_run`` in the root conftest.py), with a random DFlash draft
 loaded from a Hugging Face directory (15 drafts per step), and with the same
 draft as a DFlash GGUF at ``--dflash-n-draft 4``. The scenario of
 ``tests/engine/test_speculation_http.py`` runs on each (greedy and seeded sampling,
@@ -16,56 +17,35 @@ two empirical distributions (total variation).
 from __future__ import annotations
 
 import collections
-import concurrent.futures
 import json
 
 import pytest
 
 from dflash_support import build_reference_draft, same_draws, save_draft
-from musegl_core.config import ServeConfig
 from musegl_core.testing.server import running_server
-from musegl_core.testing.speculation import chat, draft_metric as metric, scenario
+from musegl_core.testing.speculation import DRAWS, draft_metric as metric, draws, scenario, scenario_config
 
-DRAWS = 160
 CASES = ["greedy0", "greedy1", "seeded0", "seeded1", "short0", "short1", "stop0", "stop1", "batch8", "session0",
          "session1", "session2", "after_cancel", "rewound"]
 
 
-def draws(url: str) -> list[str]:
-    """One sampled token after a fixed prompt, under DRAWS seeds (temperature 1.5 flattens it)."""
-    def one(seed: int) -> str:
-        result = chat(url, [{"role": "user", "content": "Pick a word."}], max_tokens=3, temperature=1.5, seed=seed)
-        message = result["message"]
-        return json.dumps([message.get("content"), message.get("reasoning_content")])
-
-    with concurrent.futures.ThreadPoolExecutor(8) as pool:
-        return list(pool.map(one, range(DRAWS)))
-
-
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tmp_path_factory, plain_speculation_run):
     from musegl_core.tiny import default_model_path
 
     tmp = tmp_path_factory.mktemp("dflash")
     model = build_reference_draft(seed=7)
     hf, gguf = save_draft(model, tmp / "hf"), save_draft(model, tmp / "gguf", gguf=True)
-    config = ServeConfig(model=str(default_model_path()), executor="torch-cpu", port=0, max_context=1024,
-                         max_sessions=12, max_inflight_requests=8, max_decode_sequences=8)
-    stops: dict = {}
-    results, figures = {}, {}
-    for name, extra in (("plain", {}), ("hf", {"dflash": str(hf)}),
-                        ("gguf", {"dflash": str(gguf), "dflash_n_draft": 4})):
-        with running_server(attrs_evolve(config, extra=extra)) as server:
+    plain = plain_speculation_run  # the plain server's run (conftest.py)
+    stops = dict(plain["stops"])  # the stops it picked
+    results = {"plain": {**plain["results"], "draws": plain["draws"]}}
+    figures = {"plain": (plain["drafted_tokens"],)}
+    for name, extra in (("hf", {"dflash": str(hf)}), ("gguf", {"dflash": str(gguf), "dflash_n_draft": 4})):
+        with running_server(scenario_config(str(default_model_path()), **extra)) as server:
             results[name] = scenario(server.url, stops)
             results[name]["draws"] = draws(server.url)
             figures[name] = (metric(server.url, "spec_drafted_tokens"), metric(server.url, "engine_steps"))
     return results, figures
-
-
-def attrs_evolve(config, **changes):
-    import attrs
-
-    return attrs.evolve(config, **changes)
 
 
 @pytest.mark.parametrize("draft", ["hf", "gguf"])
