@@ -8,6 +8,15 @@ import json
 import os
 from pathlib import Path
 
+# Under pytest-xdist each worker (and the servers and subprocesses it starts) gets its share of
+# the cores for torch's intra-op threads, unless OMP_NUM_THREADS is set: two workers on two
+# cores, each with a two-thread pool, ran torch-bound tests ~3x slower than one thread each
+# (plugins/cuda/tests/test_stored_weights.py twice at once: 18.6 s vs 5.9 s). Tests of the
+# thread count set it themselves (test_kernel_paths runs its products at 1 and 3 threads).
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ and "OMP_NUM_THREADS" not in os.environ:
+    _cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    os.environ["OMP_NUM_THREADS"] = str(max(1, _cores // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+
 import pytest
 
 from musegl_core.testing.reference_models import TinyModel, build_tiny_model, tiny_tokenizer_data
