@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import tempfile
 import time
 from pathlib import Path
 from typing import Callable
@@ -12,7 +13,13 @@ import torch
 from musegl_executorch.artifact import (ABI, FORMAT, MANIFEST, VISION_INPUTS, DFlashExport, ExportLimits, Manifest,
                                         VisionExport)
 from musegl_executorch.export.graph import HIDDEN_OUTPUT, INPUT_NAMES, OUTPUT_NAMES, OffGraphDecoder
-from musegl_executorch.export.lower import Limits, draft_context_keys, export_methods, lower, min_head_rows, write
+from musegl_executorch.export.lower import (Limits, draft_context_keys, export_method, lower_method, method_names,
+                                            min_head_rows, prepare, to_program, write)
+from musegl_executorch.export.workers import Report, lower_all
+
+#: The name of the last bar of :func:`build_artifact`'s ``method_progress``: the program's
+#: emission and writing, after every method is lowered.
+PROGRAM = "program"
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -95,7 +102,11 @@ def build_artifact(checkpoint, tokenizer, out: Path, *, forward_sizes: tuple[int
                    max_cells: int, activation_dtype: str, quantization: str,
                    progress: Callable[[int, int, str], None] | None = None, vision_weights=None,
                    vision_patches: int = 0, vision_source: str = "", draft_path: str | None = None,
-                   draft_owners: int = 8) -> Manifest:
+                   draft_owners: int = 8, jobs: int = 1, method_progress: Report | None = None) -> Manifest:
+    """Export the checkpoint to ``out``. ``jobs`` processes export and lower the methods
+    (:mod:`musegl_executorch.export.workers`); ``method_progress(method, done, total,
+    what)`` follows each method, ``progress(done, total, what)`` the whole export (a
+    step per lowered method, then the program)."""
     from executorch.version import __version__ as et_version
 
     started = time.perf_counter()
@@ -110,14 +121,33 @@ def build_artifact(checkpoint, tokenizer, out: Path, *, forward_sizes: tuple[int
     draft = None if draft_path is None else load_draft_module(draft_path, DTYPES[activation_dtype])
     if draft is not None:
         module.taps = draft.config.taps
-    with torch.no_grad():
-        methods = export_methods(module, limits, progress, vision, vision_patches, draft, draft_owners)
-        if progress:
-            progress(len(methods), len(methods) + 1, "lowering with XNNPACK")
-        program = lower(methods)
+    names = method_names(limits, vision is not None, draft is not None)
+    finished: list[str] = []
+
+    def report(name: str, done: int, total: int, what: str) -> None:
+        if method_progress:
+            method_progress(name, done, total, what)
+        if done == total and total:
+            finished.append(name)
+            if progress:
+                progress(len(finished), len(names) + 1, f"lowered {name}")
+
+    if progress:
+        progress(0, len(names) + 1, "exporting and lowering")
     out.mkdir(parents=True, exist_ok=True)
     for stale in (MANIFEST, "model.pte", "model.ptd"):
         (out / stale).unlink(missing_ok=True)
+    prepare()
+    with tempfile.TemporaryDirectory(prefix=".lowering-", dir=out) as scratch, torch.no_grad():
+        lowered = lower_all(names, lambda name: export_method(name, module, limits, vision, vision_patches, draft,
+                                                              draft_owners),
+                            lower_method, jobs, Path(scratch), report)
+    if method_progress:
+        method_progress(PROGRAM, 0, 2, "to_executorch")
+    with torch.no_grad():
+        program = to_program(lowered)
+    if method_progress:
+        method_progress(PROGRAM, 1, 2, "writing")
     write(program, out)
     write_tokenizer(tokenizer, out)
     manifest = Manifest(
@@ -125,7 +155,7 @@ def build_artifact(checkpoint, tokenizer, out: Path, *, forward_sizes: tuple[int
         quantization=quantization,
         limits=ExportLimits(config.max_position_embeddings, max_prefill_chunk, max_cells, forward_sizes,
                             min_head_rows(limits)),
-        methods=tuple(methods),
+        methods=tuple(lowered),
         inputs=INPUT_NAMES, outputs=OUTPUT_NAMES + ((HIDDEN_OUTPUT,) if draft is not None else ()), source=str(checkpoint.path), executorch_version=et_version,
         export_seconds=round(time.perf_counter() - started, 2),
         vision=None if vision is None else VisionExport(vision.config, vision_patches, vision_source, VISION_INPUTS),
@@ -133,6 +163,8 @@ def build_artifact(checkpoint, tokenizer, out: Path, *, forward_sizes: tuple[int
                                                        draft_context_keys(draft.config, limits), str(draft_path)),
     )
     (out / MANIFEST).write_text(manifest.dump())  # last: a directory without it is no export
+    if method_progress:
+        method_progress(PROGRAM, 2, 2, "written")
     if progress:
-        progress(1, 1, "written")
+        progress(len(names) + 1, len(names) + 1, "written")
     return manifest

@@ -5,11 +5,14 @@ the tokenizer files)."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
+import threading
 import time
 from pathlib import Path
+from typing import Callable, Iterator
 
 from musegl_core.errors import ConfigError
 
@@ -54,6 +57,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-draft-owners", type=int, default=DEFAULT_DRAFT_OWNERS, metavar="N",
                         help="most blocks one draft_block call drafts (default %(default)s; more decoding sequences "
                              "run as several calls)")
+    parser.add_argument("--jobs", type=int, default=None, metavar="N",
+                        help="processes that export and lower the methods side by side (default: 2 when this "
+                             "process may use two cores or more, else 1); each holds its own copies of the "
+                             "weights while it lowers")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing export in OUTDIR")
 
 
@@ -70,8 +77,6 @@ def parse_sizes(text: str) -> tuple[int, ...]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from musegl_core.progress import loading_progress
-
     sizes = parse_sizes(args.forward_sizes)
     if args.max_prefill_chunk < 1:
         raise ConfigError(f"--max-prefill-chunk must be at least 1, got {args.max_prefill_chunk}")
@@ -95,6 +100,8 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--dflash {args.dflash!r} does not exist")
     if args.max_draft_owners < 1:
         raise ConfigError(f"--max-draft-owners must be at least 1, got {args.max_draft_owners}")
+    if args.jobs is not None and args.jobs < 1:
+        raise ConfigError(f"--jobs must be at least 1, got {args.jobs}")
 
     from musegl_core.checkpoint.loader import load_checkpoint
     from musegl_core.checkpoint.validate import one_line
@@ -117,28 +124,65 @@ def run(args: argparse.Namespace) -> int:
         check_draft(args.dflash, config)
 
     from musegl_executorch.export.build import build_artifact
+    from musegl_executorch.export.workers import default_jobs
 
-    started, cpu = time.perf_counter(), time.process_time()
-    with loading_progress(f"exporting {os.path.basename(os.path.normpath(args.model))}") as progress:
+    jobs = args.jobs or default_jobs()
+    started, cpu = time.perf_counter(), _cpu_seconds()
+    print(f"exporting {os.path.basename(os.path.normpath(args.model))} ({jobs} process{'es' if jobs > 1 else ''})",
+          file=sys.stderr, flush=True)
+    with method_bars() as progress:
         try:
             manifest = build_artifact(checkpoint, tokenizer, out, forward_sizes=sizes,
                                       max_prefill_chunk=args.max_prefill_chunk, max_cells=args.max_cells,
                                       activation_dtype=args.activation_dtype,
-                                      quantization=QUANTIZATIONS[args.quantize], progress=progress,
+                                      quantization=QUANTIZATIONS[args.quantize], method_progress=progress,
                                       vision_weights=vision, vision_patches=args.max_vision_patches,
                                       vision_source=str(args.mmproj or args.model) if vision else "",
-                                      draft_path=args.dflash, draft_owners=args.max_draft_owners)
+                                      draft_path=args.dflash, draft_owners=args.max_draft_owners, jobs=jobs)
         finally:
             checkpoint.close()
             if vision is not None:
                 vision.close()
-    seconds, cpu = time.perf_counter() - started, time.process_time() - cpu
+    seconds, cpu = time.perf_counter() - started, _cpu_seconds() - cpu
     sizes_on_disk = {name: (out / name).stat().st_size for name in (manifest.program, manifest.data)}
     print(json.dumps({"output_dir": str(out), "seconds": round(seconds, 2), "cpu_seconds": round(cpu, 2), "bytes": sizes_on_disk,
                       "methods": list(manifest.methods), "native_context": manifest.limits.native_context,
                       "vision_patches": manifest.vision.max_patches if manifest.vision else None,
                       "dflash_block": manifest.dflash.max_block if manifest.dflash else None}))
     return 0
+
+
+def _cpu_seconds() -> float:
+    """CPU time of this process and of its ended children (the lowering workers)."""
+    times = os.times()
+    return times.user + times.system + times.children_user + times.children_system
+
+
+@contextlib.contextmanager
+def method_bars() -> Iterator[Callable[[str, int, int, str], None]]:
+    """A rich progress bar per method on stderr, in the order the methods first report;
+    yields ``progress(method, done, total, what)`` (callable from any thread)."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from musegl_executorch.export.workers import WAITING
+
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TextColumn("{task.fields[what]}", style="dim"), TimeElapsedColumn(),
+                  console=Console(file=sys.stderr), transient=False) as bar:
+        tasks: dict[str, int] = {}
+        lock = threading.Lock()
+
+        def update(method: str, done: int, total: int, what: str = "") -> None:
+            with lock:
+                if method not in tasks:
+                    tasks[method] = bar.add_task(method, total=total, what=what, start=False)
+                task = tasks[method]
+                if what != WAITING:
+                    bar.start_task(task)  # the clock runs from the method's first step
+                bar.update(task, completed=done, total=total, what=what)
+
+        yield update
 
 
 def check_exportable(config, sizes: tuple[int, ...], max_prefill_chunk: int, max_cells: int) -> None:

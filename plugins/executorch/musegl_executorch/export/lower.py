@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 import attrs
 import torch
@@ -109,55 +109,46 @@ def method_shapes(limits: Limits, groups: int | None):
     return sizes, dynamic
 
 
-def export_methods(module: OffGraphDecoder, limits: Limits,
-                   progress: Callable[[int, int, str], None] | None = None,
-                   vision: "ExportVisionEncoder | None" = None,
-                   vision_patches: int = 0, draft: "DraftWeights | None" = None,
-                   draft_owners: int = 0) -> dict[str, torch.export.ExportedProgram]:
-    """``torch.export`` of every method, weights tagged for the external data file; with
-    ``vision``, also ``embed_text``, ``forward_from_embeddings`` and ``vision_encoder``
-    (images of up to ``vision_patches`` patches); with ``draft`` (and ``module.taps``
-    set to its taps), also ``draft_context`` and ``draft_block`` (up to ``draft_owners``
-    blocks per call)."""
+def method_names(limits: Limits, vision: bool = False, draft: bool = False) -> list[str]:
+    """The program's methods, in the program's order: ``forward_{N}`` per forward size,
+    ``forward_others``; with ``vision``, ``embed_text``, ``forward_from_embeddings`` and
+    ``vision_encoder``; with ``draft``, ``draft_context`` and ``draft_block``."""
+    names = [f"forward_{n}" for n in limits.forward_sizes] + [OTHERS]
+    if vision:
+        names += [EMBED_TEXT, FROM_EMBEDDINGS, VISION_ENCODER]
+    if draft:
+        names += [DRAFT_CONTEXT, DRAFT_BLOCK]
+    return names
+
+
+def export_method(name: str, module: OffGraphDecoder, limits: Limits,
+                  vision: "ExportVisionEncoder | None" = None, vision_patches: int = 0,
+                  draft: "DraftWeights | None" = None, draft_owners: int = 0) -> torch.export.ExportedProgram:
+    """``torch.export`` of one method (a name of :func:`method_names`), weights tagged for
+    the external data file: ``vision_encoder`` takes images of up to ``vision_patches``
+    patches, ``draft_block`` up to ``draft_owners`` blocks per call (``module.taps`` set
+    to the draft's taps)."""
     from musegl_executorch.export.graph import EmbedText, FromEmbeddings
 
-    names = [f"forward_{n}" for n in limits.forward_sizes] + [OTHERS]
-    if vision is not None:
-        names += [EMBED_TEXT, FROM_EMBEDDINGS, VISION_ENCODER]
-    if draft is not None:
-        names += [DRAFT_CONTEXT, DRAFT_BLOCK]
-    methods: dict[str, torch.export.ExportedProgram] = {}
-    for done, name in enumerate(names):
-        if progress:
-            progress(done, len(names), f"exporting {name}")
-        if name == VISION_ENCODER:
-            methods[name] = _export(vision, *vision_shapes(vision.config, vision_patches))
-            continue
-        if name in (DRAFT_CONTEXT, DRAFT_BLOCK):
-            from musegl_executorch.export.draft import DraftBlock, DraftContext
+    if name == VISION_ENCODER:
+        return _export(vision, *vision_shapes(vision.config, vision_patches))
+    if name in (DRAFT_CONTEXT, DRAFT_BLOCK):
+        from musegl_executorch.export.draft import DraftBlock, DraftContext
 
-            if name == DRAFT_CONTEXT:
-                methods[name] = _export(DraftContext(draft), *draft_context_shapes(draft, limits))
-            else:
-                methods[name] = _export(DraftBlock(draft, module), *draft_block_shapes(draft, limits, draft_owners))
-            continue
-        if name == EMBED_TEXT:
-            t = _axis("rows", limits.max_prefill_chunk)
-            rows = min(3, limits.max_prefill_chunk)
-            methods[name] = _export(EmbedText(module), (torch.zeros(rows, dtype=torch.long),),
-                                    ({0: t} if t is not None else None,))
-            continue
-        groups = None if name in (OTHERS, FROM_EMBEDDINGS) else int(name.removeprefix("forward_"))
-        sizes, dyn = method_shapes(limits, groups)
-        inputs = example_inputs(module.config, module.dtype, **sizes)
-        if name == FROM_EMBEDDINGS:
-            first = torch.zeros(*inputs[0].shape, module.config.hidden_size, dtype=module.dtype)
-            methods[name] = _export(FromEmbeddings(module), (first,) + inputs[1:], dyn)
-        else:
-            methods[name] = _export(module, inputs, dyn)
-    if progress:
-        progress(len(names), len(names), "exported")
-    return methods
+        if name == DRAFT_CONTEXT:
+            return _export(DraftContext(draft), *draft_context_shapes(draft, limits))
+        return _export(DraftBlock(draft, module), *draft_block_shapes(draft, limits, draft_owners))
+    if name == EMBED_TEXT:
+        t = _axis("rows", limits.max_prefill_chunk)
+        rows = min(3, limits.max_prefill_chunk)
+        return _export(EmbedText(module), (torch.zeros(rows, dtype=torch.long),), ({0: t} if t is not None else None,))
+    groups = None if name in (OTHERS, FROM_EMBEDDINGS) else int(name.removeprefix("forward_"))
+    sizes, dyn = method_shapes(limits, groups)
+    inputs = example_inputs(module.config, module.dtype, **sizes)
+    if name == FROM_EMBEDDINGS:
+        first = torch.zeros(*inputs[0].shape, module.config.hidden_size, dtype=module.dtype)
+        return _export(FromEmbeddings(module), (first,) + inputs[1:], dyn)
+    return _export(module, inputs, dyn)
 
 
 def _export(module: torch.nn.Module, inputs: tuple, dynamic) -> torch.export.ExportedProgram:
@@ -268,24 +259,53 @@ def _partitioner(configs=None):
     return Partitioner() if configs is None else Partitioner(configs=configs)
 
 
-def lower(methods: dict[str, torch.export.ExportedProgram]):
-    """XNNPACK-partitioned ExecuTorch program; graph inputs are not memory-planned
-    (the pool is handed in by the caller without a copy). XNNPACK takes the linear
-    layers, the head's softcap ``tanh`` (the portable ``tanh`` kernel is scalar and
-    took about half of a decode call over the 202,048-wide logits), and the
-    attention's batched products and softmax (scalar portable kernels too: they
-    made the vision encoder 2.4x slower). ``vision_encoder`` gets the partitioner's
-    every op (its elementwise ops too: 0.010 -> 0.008 s of CPU for a 32 x 32-patch
-    image on the tiny tower, the eager time); the token methods keep the short
-    list."""
+def prepare() -> None:
+    """Import the lowering and build what XNNPACK's passes build once per process (the
+    patterns its SDPA and bilinear-upsample passes match: a few seconds), so that the
+    forked workers of :mod:`musegl_executorch.export.workers` inherit them instead of
+    each doing it again."""
+    from executorch.backends.xnnpack.partition.graphs import bilinear_2d, sdpa
+    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner  # noqa: F401
+    from executorch.exir import to_edge_transform_and_lower  # noqa: F401
+    from executorch.exir.serde import serialize  # noqa: F401
+
+    sdpa.get_graphs()
+    bilinear_2d.get_graphs()
+
+
+def lower_method(name: str, program: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
+    """One method in the edge dialect, XNNPACK-partitioned and lowered. XNNPACK takes the
+    linear layers, the head's softcap ``tanh`` (the portable ``tanh`` kernel is scalar and
+    took about half of a decode call over the 202,048-wide logits), and the attention's
+    batched products and softmax (scalar portable kernels too: they made the vision
+    encoder 2.4x slower). ``vision_encoder`` gets the partitioner's every op (its
+    elementwise ops too: 0.010 -> 0.008 s of CPU for a 32 x 32-patch image on the tiny
+    tower, the eager time); the token methods keep the short list.
+
+    ExecuTorch lowers each method on its own (decompositions, edge passes, partitions,
+    XNNPACK's preprocessing: nothing is shared between methods until the program is
+    emitted), so lowering the methods one at a time, in any process, gives the same
+    program as lowering them in one call (the same ``.pte`` bytes: :func:`to_program`)."""
     from executorch.backends.xnnpack.partition.config import BMMConfig, LinearConfig, SoftmaxConfig, TanhConfig
-    from executorch.exir import EdgeCompileConfig, ExecutorchBackendConfig, to_edge_transform_and_lower
-    from executorch.exir.passes import MemoryPlanningPass
+    from executorch.exir import EdgeCompileConfig, to_edge_transform_and_lower
 
     configs = [LinearConfig, TanhConfig, BMMConfig, SoftmaxConfig]
-    partitioners = {name: [_partitioner() if name == VISION_ENCODER else _partitioner(configs)] for name in methods}
-    edge = to_edge_transform_and_lower(methods, partitioner=partitioners,
+    partitioner = _partitioner() if name == VISION_ENCODER else _partitioner(configs)
+    edge = to_edge_transform_and_lower({name: program}, partitioner={name: [partitioner]},
                                        compile_config=EdgeCompileConfig(_check_ir_validity=False))
+    return edge.exported_program(name)
+
+
+def to_program(lowered: dict[str, torch.export.ExportedProgram]):
+    """The ExecuTorch program of the lowered methods (:func:`lower_method`, in the
+    program's order); graph inputs are not memory-planned (the pool is handed in by the
+    caller without a copy), the weights go to the external data file."""
+    from executorch.exir import EdgeCompileConfig, EdgeProgramManager, ExecutorchBackendConfig
+    from executorch.exir.passes import MemoryPlanningPass
+
+    # What to_edge_transform_and_lower returns for several methods (its to_backend step
+    # builds this manager from the lowered programs, with this config).
+    edge = EdgeProgramManager(lowered, None, EdgeCompileConfig(_check_ir_validity=False))
     return edge.to_executorch(ExecutorchBackendConfig(
         memory_planning_pass=MemoryPlanningPass(alloc_graph_input=False),
         external_constants=lambda _node: DATA_NAME,
