@@ -646,6 +646,36 @@ def ratio(a: float | None, b: float | None) -> float | None:
     return round(a / b, 3) if a and b else None
 
 
+def replay_counts(control: Path) -> dict:
+    """The replay's counts (``musegl_dflash.replay.ReplayCounts``, written beside the control file)."""
+    try:
+        return json.loads(control.with_name(control.name + ".stats").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def replayed_run(args, url: str, c: int, env: dict[str, str], control: Path) -> dict:
+    """One DFlash run of batch ``c`` at the control file's length: its report (or error text) under
+    ``report``, the acceptance the engine measured, and what the replay did meanwhile (sequences that
+    followed a recording from their first proposal, that found none, of those the ones whose first
+    token differs from the recorded one, the times one left its recording and the median of the
+    tokens it had generated then)."""
+    from musegl_core.testing.speculation import draft_metric
+
+    names = ("spec_verify_blocks", "spec_accepted_tokens")
+    before = [draft_metric(url, n) for n in names]
+    counts = replay_counts(control)
+    report = dflash_bench(args, url, c, env)
+    blocks, accepted = (draft_metric(url, n) - b for n, b in zip(names, before))
+    after = replay_counts(control)
+    moved = {f"replay_{key}": after.get(key, 0) - counts.get(key, 0)
+             for key in ("followed", "unmatched", "first_token_differs", "left")}
+    left_after = sorted(after.get("left_after", [])[len(counts.get("left_after", [])):])
+    return dict(report=report, measured_acceptance=round((accepted + blocks) / blocks, 2) if blocks else None,
+                verify_blocks=int(blocks), **moved,
+                replay_left_after_median=left_after[len(left_after) // 2] if left_after else None)
+
+
 def run_dflash(args, tmp: Path, plain: dict[int, dict]) -> None:
     """Served DFlash at fixed acceptance lengths (the benchmark-only replay), in the order of
     ``--dflash-accept``: every batch at the first length, then every batch at the next, ... (so
@@ -669,8 +699,6 @@ def run_dflash(args, tmp: Path, plain: dict[int, dict]) -> None:
     try:
         with serve_process(model, *serve_flags(args, width), "--dflash", str(draft),
                            ready_timeout=args.ready_timeout) as (url, _):
-            from musegl_core.testing.speculation import draft_metric
-
             recorded: set[int] = set()
             for k in int_list(args.dflash_accept):
                 for c in batches:
@@ -681,21 +709,26 @@ def run_dflash(args, tmp: Path, plain: dict[int, dict]) -> None:
                         control.write_text("0")
                         warm_up(args, url, c, env)
                         dflash_bench(args, url, c, env)
+                        # then one untimed replay, whose own output the timed runs follow: on the
+                        # H200 the first replay after the recording run left it early at batches 8
+                        # and 32 (1.07 of 2; 1.86 of 4, then 1.01 of 2 under the verify budget),
+                        # every replay after a replay ran at its length (3.71, 7.38, 13.47; 1.94 of 2)
+                        control.write_text(str(k))
+                        settle = replayed_run(args, url, c, env, control)
+                        settle.pop("report")
+                        emit(engine="musegl-serve", figure="dflash_settle", concurrency=c, accept=k, **settle)
                         recorded.add(c)
                     control.write_text(str(k))
                     start_profile(f"dflash_c{c}_accept{k}")
-                    before = [draft_metric(url, n) for n in ("spec_verify_blocks", "spec_accepted_tokens")]
-                    report = dflash_bench(args, url, c, env)
-                    blocks, accepted = (draft_metric(url, n) - b for n, b in
-                                        zip(("spec_verify_blocks", "spec_accepted_tokens"), before))
+                    measured = replayed_run(args, url, c, env, control)
+                    report = measured.pop("report")
                     if isinstance(report, str):
                         emit(engine="musegl-serve", figure="dflash", concurrency=c, accept=k, error=report)
                         continue
                     fig = served(report)
                     base = plain.get(c, {})
-                    emit(engine="musegl-serve", figure="dflash", concurrency=c, accept=k,
-                         measured_acceptance=round((accepted + blocks) / blocks, 2) if blocks else None,
-                         verify_blocks=int(blocks), **fig, plain_output_tok_s=base.get("output_tok_s"),
+                    emit(engine="musegl-serve", figure="dflash", concurrency=c, accept=k, **measured,
+                         **fig, plain_output_tok_s=base.get("output_tok_s"),
                          plain_decode_only_tok_s=base.get("decode_only_tok_s"),
                          vs_plain=ratio(fig["output_tok_s"], base.get("output_tok_s")),
                          decode_only_vs_plain=ratio(fig["decode_only_tok_s"], base.get("decode_only_tok_s")))

@@ -22,7 +22,9 @@ file holding one, re-read whenever the file changes, so that one server measures
 lengths (``0``: record only, propose the draft's own tokens). Where the target's output
 differs from the recording (numerics of another batch mix), the replay stops for that
 sequence and the draft's own proposals are used; the engine's counters
-(``musegl_spec_mean_acceptance_length``) say what acceptance was measured.
+(``musegl_spec_mean_acceptance_length``) say what acceptance was measured, and
+:class:`ReplayCounts` where the replay stopped: with ``K`` in a file, they are written beside
+it (``<file>.stats``, JSON, rewritten whenever a sequence is released).
 
 The served output is the target's either way (verification decides every token): this changes
 only which drafts are proposed, never what is returned. It exists to time the speculative path
@@ -31,9 +33,12 @@ and must not be enabled for serving: the recordings grow without bound.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from typing import Any, Sequence
+
+import attrs
 
 from musegl_core.engine.executor import Step, StepOutput
 from musegl_core.engine.speculator import DraftRequest
@@ -129,6 +134,29 @@ class ContinuationBook:
         return None
 
 
+@attrs.define
+class ReplayCounts:
+    """What the replay did since the server started (for the benchmark's diagnosis). Sequences are
+    counted at their first proposal while ``K >= 1``: ``followed`` found a recording then,
+    ``unmatched`` found none, ``first_token_differs`` of those found one of the prompt alone (so the
+    target's first token, from the prefill, is not the recorded one). ``left`` counts the times a
+    followed recording stopped matching the target's tokens with no other recording matching, and
+    ``left_after`` the sequence's tokens after its first proposal's at each of those times."""
+
+    replayed_blocks: int = 0
+    drafted_blocks: int = 0
+    followed: int = 0
+    unmatched: int = 0
+    first_token_differs: int = 0
+    left: int = 0
+    left_after: list[int] = attrs.Factory(list)
+
+
+def stats_path(accept: AcceptanceSource) -> str | None:
+    """Where the counts are written: beside the file holding ``K`` (None for a fixed ``K``)."""
+    return None if accept.path is None else accept.path + ".stats"
+
+
 class ReplaySpeculator:
     """A DFlash speculator whose proposals are replaced by recorded target output (module doc).
 
@@ -146,8 +174,9 @@ class ReplaySpeculator:
         self.closing: dict[int, tuple[tuple[int, ...], list[int]]] = {}
         #: seq -> the recording it follows
         self.following: dict[int, tuple[int, ...]] = {}
-        self.replayed_blocks = 0
-        self.drafted_blocks = 0
+        #: seq -> its token count at its first proposal while K >= 1 (see ReplayCounts)
+        self.first_seen: dict[int, int] = {}
+        self.counts = ReplayCounts()
         log.warning("dflash benchmark replay is ON (MUSEGL_DFLASH_BENCHMARK_ACCEPT): drafts are replaced by recorded "
                     "target output; for timing the speculative path only, never for serving")
 
@@ -179,10 +208,10 @@ class ReplaySpeculator:
                 continue
             recorded = self._recording(r.seq, tokens)
             if recorded is None:
-                self.drafted_blocks += 1
+                self.counts.drafted_blocks += 1
                 continue
             drafts[r.seq] = replace_drafts(recorded, len(tokens), drafts.get(r.seq, []), r.max_draft, accept)
-            self.replayed_blocks += 1
+            self.counts.replayed_blocks += 1
         return drafts
 
     def observe(self, step: Step, output: StepOutput, committed: dict[int, int]) -> None:
@@ -200,18 +229,42 @@ class ReplaySpeculator:
     def release_sequence(self, seq: int) -> None:
         entry = self.seen.pop(seq, None)
         self.following.pop(seq, None)
+        self.first_seen.pop(seq, None)
         if entry is not None:
             self.closing[seq] = entry
         self.inner.release_sequence(seq)
+        self._write_counts()
+
+    def _write_counts(self) -> None:
+        path = stats_path(self.accept)
+        if path is None:
+            return
+        try:
+            with open(path + ".tmp", "w", encoding="utf-8") as out:
+                json.dump(attrs.asdict(self.counts), out)
+            os.replace(path + ".tmp", path)
+        except OSError as exc:  # a diagnosis only: the replay goes on without it
+            log.warning("dflash benchmark replay: cannot write %s: %s", path, exc)
 
     # -- lookup ----------------------------------------------------------------------
     def _recording(self, seq: int, tokens: tuple[int, ...]) -> tuple[int, ...] | None:
-        recorded = self.following.get(seq)
+        followed = self.following.get(seq)
         n = len(tokens)
-        if recorded is not None and len(recorded) > n and recorded[n - 1] == tokens[-1] \
-                and recorded[max(0, n - 64):n] == tokens[max(0, n - 64):]:
-            return recorded  # still on it (the engine's tokens only grow while decoding)
+        if followed is not None and len(followed) > n and followed[n - 1] == tokens[-1] \
+                and followed[max(0, n - 64):n] == tokens[max(0, n - 64):]:
+            return followed  # still on it (the engine's tokens only grow while decoding)
         recorded = self.book.find(tokens)
+        first = seq not in self.first_seen
+        if first:
+            self.first_seen[seq] = n
+            if recorded is not None:
+                self.counts.followed += 1
+            else:
+                self.counts.unmatched += 1
+                self.counts.first_token_differs += self.book.find(tokens[:-1]) is not None
+        elif recorded is None and followed is not None and len(followed) > n:
+            self.counts.left += 1  # the target's tokens went another way than every recording's
+            self.counts.left_after.append(n - self.first_seen[seq])
         if recorded is None:
             self.following.pop(seq, None)
         else:
@@ -256,13 +309,13 @@ class ReplayOnDevice(ReplaySpeculator):
                 continue
             recorded = self._recording(r.seq, tokens)
             if recorded is None:
-                self.drafted_blocks += 1
+                self.counts.drafted_blocks += 1
                 continue
             lead = replace_drafts(recorded, len(tokens), [], found.counts[r.seq], accept)
             rows += [found.rows[r.seq]] * len(lead)
             cols += range(len(lead))
             values += lead
-            self.replayed_blocks += 1
+            self.counts.replayed_blocks += 1
         write = getattr(self.inner, "write_drafts", None)  # drafts on tensor-parallel ranks
         if values and write is not None:
             write(found, rows, cols, values)

@@ -6,6 +6,8 @@ replay is :class:`ReplayOnDevice`, overwriting the drafts' rows in place)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from dflash_support import build_reference_draft, save_draft
@@ -104,3 +106,94 @@ def served_replay(model, extra, tmp_path, monkeypatch):
             assert (again["message"], again["finish"]) == (first["message"], first["finish"])
             # 32 tokens after the prefill's, k per block (the last block's drafts all fit: no miss)
             assert (blocks, accepted) == (32 // k, 32 // k * (k - 1)), k
+
+
+@pytest.fixture(scope="module")
+def graphed_speculator(tmp_path_factory):
+    """A real DFlash speculator whose draft forward runs through :class:`DraftGraphs` (on the CPU
+    their body runs eagerly over the same static buffers a CUDA graph writes: the drafts of a
+    step are a view of ``DraftGraphs.outs[n]``), with some context in its store."""
+    import torch
+
+    from musegl_dflash.loader import load_draft
+    from musegl_dflash.speculator import DFlashSpeculator, TargetHead
+
+    vocab, hidden = 512, 64
+    model = build_reference_draft(seed=3, mask_token_id=500)
+    draft = load_draft(str(save_draft(model, tmp_path_factory.mktemp("draft"))), torch.device("cpu"), torch.float32)
+    gen = torch.Generator().manual_seed(4)
+    head = TargetHead.of_tensors(torch.randn(vocab, hidden, generator=gen), torch.randn(vocab, hidden, generator=gen))
+    spec = DFlashSpeculator(draft, head, 15, 4, graphs=True)
+    spec.allocate_kv(64)
+    positions = torch.arange(40)
+    features = torch.randn(40, len(draft.config.target_layer_ids) * hidden, generator=gen)
+    for blocks in TABLES:
+        slots = torch.tensor([blocks[p // 4] * 4 + p % 4 for p in range(40)])
+        draft.write_context(features, positions, slots, spec.kv)
+    return spec
+
+
+TABLES = [list(range(0, 16)), list(range(16, 32)), list(range(32, 48))]
+
+
+def recording(seq: int) -> tuple[int, ...]:
+    """A prompt of 34 ids and 20 generated ones, its own for each sequence."""
+    return tuple(range(10 * seq, 10 * seq + 34)) + tuple(300 + 7 * seq + i for i in range(20))
+
+
+@pytest.mark.parametrize("room", [1, 2, 3, 15])
+def test_replayed_ids_on_the_device_under_a_verify_budget(graphed_speculator, tmp_path, room):
+    """Requests capped by the engine's verify-rows budget (``max_draft`` 1 at batch 32 of a 64-row
+    budget): each row of the device drafts starts with the recorded continuation, at most
+    ``max_draft`` of it (``K - 1`` then a miss where the room allows), and a verify step reading its
+    first ``counts[seq]`` ids commits what the replay promises."""
+    import torch
+
+    from musegl_core.engine.speculator import DraftRequest, accept
+    from musegl_dflash.replay import AcceptanceSource, ReplayOnDevice
+
+    control = tmp_path / "accept"
+    control.write_text("4")
+    replay = ReplayOnDevice(graphed_speculator, AcceptanceSource(str(control)))
+    for seq in range(3):
+        replay.book.add(recording(seq))
+    at = [35, 40, 50]  # tokens each sequence holds: the prompt and 1, 6, 16 generated
+    requests = [DraftRequest(seq, recording(seq)[:n], TABLES[seq], room) for seq, n in enumerate(at)]
+    requests.append(DraftRequest(9, tuple(range(200, 236)), TABLES[0], room))  # recorded nowhere
+    found = replay.propose_on_device(requests)
+    ids = torch.as_tensor(found.ids)
+    assert found.counts == {r.seq: room for r in requests}
+    for seq, n in enumerate(at):
+        drafts = ids[found.rows[seq], :found.counts[seq]].tolist()
+        continuation = list(recording(seq)[n:])
+        assert drafts[:min(room, 3)] == continuation[:min(room, 3)], (seq, room)
+        # the target samples the recording: the block commits min(room + 1, 4) tokens
+        sampled = (continuation + [-1] * room)[:room + 1]
+        assert len(accept(drafts, sampled)) == min(room + 1, 4), (seq, room)
+    assert not (tmp_path / "accept.stats").exists()  # written when a sequence is released
+    replay.release_sequence(0)
+    counts = json.loads((tmp_path / "accept.stats").read_text())
+    assert [counts[key] for key in ("followed", "unmatched", "replayed_blocks", "drafted_blocks")] == [3, 1, 3, 1]
+
+
+def test_the_counts_say_where_the_target_left_its_recording(graphed_speculator, tmp_path):
+    """A sequence whose first token is not the recorded one counts as ``first_token_differs``; one
+    that follows its recording and then samples another token counts as ``left`` after the tokens it
+    had generated since its first proposal."""
+    from musegl_core.engine.speculator import DraftRequest
+    from musegl_dflash.replay import AcceptanceSource, ReplayOnDevice
+
+    control = tmp_path / "accept"
+    control.write_text("2")
+    replay = ReplayOnDevice(graphed_speculator, AcceptanceSource(str(control)))
+    replay.book.add(recording(0))
+    replay.book.add(recording(1))
+    ask = lambda seq, tokens: replay.propose_on_device([DraftRequest(seq, tokens, TABLES[seq], 1)])  # noqa: E731
+    ask(0, recording(0)[:35])
+    ask(0, recording(0)[:37])  # two blocks of 2 later: still on it
+    ask(0, recording(0)[:38] + (1,))  # the target sampled 1 where the recording has 304
+    ask(1, recording(1)[:34] + (2,))  # the first token already differs
+    replay.release_sequence(0)
+    counts = json.loads((tmp_path / "accept.stats").read_text())
+    assert (counts["followed"], counts["unmatched"], counts["first_token_differs"]) == (1, 1, 1)
+    assert (counts["left"], counts["left_after"]) == (1, [4])
