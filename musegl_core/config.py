@@ -91,8 +91,8 @@ class ServeConfig:
     spec_verify_rows: int | None = flag(
         None, "speculative decoding: most verify rows (each decoding sequence's pending token and its drafts) "
         "one step may carry; each of B decoding sequences gets at most N // B - 1 drafts, none when that is "
-        "below 1; 0: no limit (default: the executor's; on CUDA the widest captured decode graph, 64 unless "
-        "--forward-sizes says otherwise: a 64-row step costs 15.4 ms against 14.0 ms for one row on an H200, "
+        "below 1; 0: no limit (default: the executor's; on CUDA the widest captured decode graph, 128 unless "
+        "--forward-sizes says otherwise: a 128-row step costs 19.6 ms against 14.0 ms for one row on an H200, "
         "512 rows 89 ms; no limit on the other executors)",
         LIMITS, kind="int", metavar="N")
     max_image_bytes: int = flag(MAX_IMAGE_BYTES_CAP, "largest image accepted, compressed (1 B .. 20 MiB, "

@@ -309,6 +309,11 @@ def test_a_generation_request_logs_one_summary_line_with_its_figures(server, cap
         r = chat(server.url, [{"role": "user", "content": "summary"}], headers={"X-Request-Id": "gen-42"},
                  max_tokens=5, ignore_eos=True)
         assert r.status_code == 200 and r.headers["x-request-id"] == "gen-42"
+        # the middleware logs once the application has returned, which can be just after the
+        # client has read the whole answer: wait for the line (a loaded CI machine lost the race)
+        deadline = time.monotonic() + 10
+        while not any("gen-42" in rec.getMessage() for rec in caplog.records) and time.monotonic() < deadline:
+            time.sleep(0.02)
     usage = r.json()["usage"]
     (line,) = [rec.getMessage() for rec in caplog.records if "gen-42" in rec.getMessage()]
     assert line.startswith(f"request gen-42 POST /v1/chat/completions 200 prompt={usage['prompt_tokens']} "

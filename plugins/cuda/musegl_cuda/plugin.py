@@ -30,7 +30,7 @@ WEIGHT_MODES = ("stored", "upcast")
 @hookimpl
 def musegl_serve_options(group) -> None:
     group.add_argument("--forward-sizes", default=None, metavar="N,N,...",
-                       help="decode step widths captured as CUDA graphs at start-up (default 1,2,4,8,16,32,64; "
+                       help="decode step widths captured as CUDA graphs at start-up (default 1,2,4,8,16,32,64,128; "
                             "'none': no graphs); the cuda executor only")
     group.add_argument("--sync-steps", action="store_true",
                        help="read every step before launching the next (the cuda executor launches decode "

@@ -143,7 +143,7 @@ def test_bf16_greedy_agrees_with_float32_cpu_and_graphs_match_dynamic(checkpoint
     reference = cpu_greedy(checkpoint_path, prompts, 64)
     graphs = TorchExecutor(load_checkpoint(checkpoint_path), device="cuda", dtype="bfloat16")
     graphs.allocate_kv(16 * len(prompts))
-    assert graphs.limits.step_sizes == (1, 2, 4, 8, 16, 32, 64) and graphs.graphs is not None
+    assert graphs.limits.step_sizes == (1, 2, 4, 8, 16, 32, 64, 128) and graphs.graphs is not None
     with_graphs = decode_batch(graphs, prompts, reference)
     graphs.close()
     dynamic = TorchExecutor(load_checkpoint(checkpoint_path), device="cuda", dtype="bfloat16", forward_sizes=())
