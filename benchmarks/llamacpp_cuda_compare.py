@@ -127,7 +127,11 @@ def agent_figures(report: BenchReport) -> dict:
                 itl_p50_ms=ms(report.itl.p50), itl_p99_ms=ms(report.itl.p99),
                 prompt_tokens=report.prompt_tokens, cached_tokens=report.cached_tokens,
                 cached_share=round(report.cached_tokens / report.prompt_tokens, 4) if report.prompt_tokens else None,
-                duration_s=round(report.duration_s, 1))
+                duration_s=round(report.duration_s, 1),
+                # per turn: TTFT p50 and the mean new (uncached) prompt positions of a request
+                per_turn=[dict(turn=t.turn, ttft_p50_ms=ms(t.ttft.p50),
+                            new_rows=round((t.prompt_tokens - t.cached_tokens) / t.requests) if t.requests else None)
+                       for t in report.turns])
 
 
 def measure(args, side: str, url: str) -> dict:

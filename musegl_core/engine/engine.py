@@ -41,6 +41,7 @@ from musegl_core.engine.identity import prompt_keys, split_keys
 from musegl_core.engine.kv_pool import KVPool
 from musegl_core.engine.kv_sizing import plan_pool
 from musegl_core.engine.prefill_budget import PrefillBudget
+from musegl_core.engine.prefill_sharing import PrefillSharing
 from musegl_core.engine.randomness import random_seed
 from musegl_core.engine.replay import ReplayLog, ReplayPlan, Replayer
 from musegl_core.engine.loop import StepLoop
@@ -164,6 +165,7 @@ class Engine:
             taps=tuple(self.speculator.taps),
             mask_threads=grammar_threads(config.grammar_threads, limits),
             budget=self.prefill_budget,
+            sharing=PrefillSharing(self.pool, self.sessions.cache) if self.sessions.cache is not None else None,
         )
         self.end_ids = frozenset(tokenizer.end_of_generation_ids)
         self.replayer = Replayer(tokenizer, self.end_ids)
@@ -229,6 +231,7 @@ class Engine:
             "mask_blocked_seconds": self.scheduler.mask_clock.blocked,
             **self.step_book.stats(),
             **self.sessions.stats(),
+            **(self.scheduler.sharing.stats() if self.scheduler.sharing is not None else {}),
         }
 
     # -- loop ------------------------------------------------------------------------

@@ -40,6 +40,7 @@ from musegl_core.engine.executor import EmbeddingSpan, ExecutorLimits, SeqChunk,
 from musegl_core.engine.kv_pool import KVPool
 from musegl_core.engine.masks import MaskClock, MaskWorkers
 from musegl_core.engine.prefill_budget import PrefillBudget
+from musegl_core.engine.prefill_sharing import PrefillSharing
 from musegl_core.engine.randomness import uniform
 from musegl_core.engine.request import Phase, SequenceState
 from musegl_core.engine.speculator import accept
@@ -84,11 +85,14 @@ class StepUpdate:
 
 class Scheduler:
     def __init__(self, pool: KVPool, limits: SchedulerLimits, embed: EmbedFn | None = None,
-                 taps: tuple[int, ...] = (), mask_threads: int = 0, budget: PrefillBudget | None = None):
+                 taps: tuple[int, ...] = (), mask_threads: int = 0, budget: PrefillBudget | None = None,
+                 sharing: PrefillSharing | None = None):
         self.pool = pool
         self.limits = limits
         #: prompt rows per step while sequences decode (None: always ``max_prefill_chunk``)
         self.budget = budget
+        #: prompts that wait for the blocks an earlier prompt computes (None: off, no prefix cache)
+        self.sharing = sharing
         self.embed = embed
         self.taps = taps
         self.running: list[SequenceState] = []
@@ -112,6 +116,8 @@ class Scheduler:
             self.running.remove(seq)
         if self.by_id.get(seq.id) is seq:
             del self.by_id[seq.id]
+        if self.sharing is not None:
+            self.sharing.forget(seq)
 
     @property
     def idle(self) -> bool:
@@ -220,15 +226,14 @@ class Scheduler:
             budget -= rows
 
         prefill_budget = min(limits.max_prefill_chunk, budget)
-        if self.budget is not None:
-            prefilling = sum(1 for seq in self.running if seq.phase is Phase.PREFILL)
-            if prefilling:
-                prefill_budget = min(prefill_budget, self.budget.rows(decoding=len(plan), prefilling=prefilling))
-        for seq in self.running:
+        prefilling = [seq for seq in self.running if seq.phase is Phase.PREFILL]
+        if self.sharing is not None and prefilling:
+            prefilling = self.sharing.ready(prefilling)  # followers wait for their leaders' blocks
+        if self.budget is not None and prefilling:
+            prefill_budget = min(prefill_budget, self.budget.rows(decoding=len(plan), prefilling=len(prefilling)))
+        for seq in prefilling:
             if prefill_budget <= 0:
                 break
-            if seq.phase is not Phase.PREFILL:
-                continue
             remaining = len(seq.tokens) - seq.computed
             count = min(remaining, prefill_budget)
             chunks.append(self._chunk(seq, count, sample=int(count == remaining), copies=copies))
@@ -280,8 +285,10 @@ class Scheduler:
                 seq.computed += rows
                 prompt_rows += rows
                 committed_rows[seq.handle] = rows
-                if not sampled:
-                    continue  # a prefill chunk that did not reach the end of the prompt
+                if not sampled:  # a prefill chunk that did not reach the end of the prompt
+                    if self.sharing is not None:
+                        self.sharing.computed(seq)  # its followers adopt the full blocks next step
+                    continue
                 seq.phase = Phase.DECODE
                 on_prefilled(seq)
                 logprobs = output.logprobs.get(seq.handle) or [None]

@@ -44,6 +44,12 @@ SERIES = {
     "prefix_cache_hits": ("prefix_cache_hits", "requests that reused KV blocks from the prefix cache", "counter"),
     "prefix_cache_hit_tokens": ("prefix_cache_hit_tokens", "prompt positions reused from the prefix cache", "counter"),
     "prefix_cache_evicted_blocks": ("prefix_cache_evicted_blocks", "cached KV blocks evicted to make room", "counter"),
+    "prefill_shared_tokens": ("prefill_shared_tokens", "prompt positions adopted from another running prompt's "
+                              "prefill (shared prefill: computed once for prompts that arrived together)", "counter"),
+    "prefill_shared_requests": ("prefill_shared_requests", "requests that adopted positions of another running "
+                                "prompt's prefill", "counter"),
+    "prefill_follow_steps": ("prefill_follow_steps", "steps x prompts that waited for the blocks an earlier prompt "
+                             "was computing", "counter"),
     "running": ("requests_running", "requests running in the engine", "gauge"),
     "waiting": ("requests_waiting", "requests in the admission queue (for a running place, a session slot or "
                 "their session's previous request)", "gauge"),
