@@ -155,6 +155,10 @@ def measure(args, side: str, url: str) -> dict:
                         baseline=False, shared_system_tokens=args.shared_system_tokens, tools=not args.no_tools,
                         timeout=args.request_timeout)
     figures["agent"] = agent_figures(run_bench(agent, progress=False))
+    if side == "musegl" and args.metrics_out:  # where the engine's time went (step kinds, prefill, queue)
+        import httpx
+
+        Path(args.metrics_out).write_text(httpx.get(f"{url}/metrics", timeout=60).text, encoding="utf-8")
     emit(side=side, figure="agent", conversations=args.conversations, turns=args.turns,
          shared_system_tokens=args.shared_system_tokens, prompt_tokens_per_turn=args.prompt_tokens,
          max_tokens=args.max_tokens, **figures["agent"], wall_s=round(time.perf_counter() - started, 1))
@@ -187,6 +191,7 @@ def main() -> int:
     p.add_argument("--musegl-flag", action="append", default=[], help="extra musegl serve flag (repeatable)")
     p.add_argument("--llama-flag", action="append", default=[], help="extra llama-server flag (repeatable)")
     p.add_argument("--out", default=None, help="also append every JSON line to this file")
+    p.add_argument("--metrics-out", default=None, help="write musegl's /metrics after its agent part to this file")
     args = p.parse_args()
     if args.out:
         OUT.append(args.out)
