@@ -304,6 +304,26 @@ class TorchExecutor:
             self.samplers = SamplerGraphs(self.graphs)
             with loading_progress("capturing sampler graphs") as progress:
                 self.samplers.capture(self.graphs.pool, progress)
+        if self.paged:
+            self._warm_attention(num_blocks)
+
+    def _warm_attention(self, scratch_block: int) -> None:
+        """Compile the attention launches of prefill and mixed steps now, not under the
+        first requests (:func:`~musegl_cuda.cuda.kernels.warm_attention`)."""
+        import time
+
+        from musegl_cuda.cuda.kernels import warm_attention
+
+        c = self.config
+        attn = self.model.layers[0].self_attn
+        started = time.perf_counter()
+        with torch.inference_mode():
+            launches = warm_attention(self.kv[0, 0].view(-1, c.num_kv_heads, c.head_dim),
+                                      self.kv[0, 1].view(-1, c.num_kv_heads, c.head_dim), self.block_size,
+                                      scratch_block, c.num_heads, (self.decode_block_m, self.prefill_block_m),
+                                      c.sliding_window, attn.qkvg.shape[0], attn.gate_offset)
+            torch.cuda.synchronize(self.device)
+        log.info("attention kernels ready: %d kinds of launch in %.1f s", launches, time.perf_counter() - started)
 
     @property
     def k_cache(self) -> list[torch.Tensor]:

@@ -89,6 +89,44 @@ def test_batched_decode_matches_single_on_cuda(checkpoint_path):
     print(f"\n{torch.cuda.get_device_name()}: 32-sequence decode step {(time.perf_counter() - start) / 20 * 1e3:.2f} ms")
 
 
+def compiled_kernels(*functions) -> int:
+    """Compiled variants Triton holds for ``functions`` (all devices)."""
+    total = 0
+    for fn in functions:
+        caches = getattr(fn, "device_caches", None)
+        if caches is None:
+            pytest.skip("this Triton version keeps no device_caches")
+        total += sum(len(entry[0]) for entry in caches.values())
+    return total
+
+
+def test_steps_of_any_width_compile_no_attention_kernel_after_start_up(checkpoint_path):
+    """allocate_kv compiles every kind of attention launch (kernels.warm_attention): prefill and
+    mixed steps of other tile counts (other split counts, wider block tables) compile nothing more,
+    so no request waits for Triton while serving."""
+    from musegl_core.checkpoint.loader import load_checkpoint
+    from musegl_core.engine.executor import SeqChunk, Step
+    from musegl_cuda.cuda import kernels
+    from musegl_cuda.executor import TorchExecutor
+
+    executor = TorchExecutor(load_checkpoint(checkpoint_path), device="cuda", dtype="bfloat16")
+    executor.allocate_kv(1024)
+    before = compiled_kernels(kernels._paged_attention_kernel, kernels._combine_gate_kernel)
+    rng = np.random.default_rng(3)
+    handle = 0
+    for widths in ((3,), (17,), (40, 1, 1), (90, 1), (200,), (7, 1, 1, 1, 1, 1, 1, 1, 1), (300, 2, 1)):
+        chunks = []
+        for rows in widths:
+            prompt = list(rng.integers(4, 4096, size=rows))
+            blocks = list(range(32 * (handle % 30), 32 * (handle % 30) + 32))
+            chunks.append(SeqChunk(handle, prompt, list(range(len(prompt))), blocks, sample=True))
+            handle += 1
+        executor.step(Step(chunks))
+    torch.cuda.synchronize()
+    assert compiled_kernels(kernels._paged_attention_kernel, kernels._combine_gate_kernel) == before
+    executor.close()
+
+
 def test_paged_kernels_match_the_reference():
     """Every Triton kernel against plain torch on random data (fresh draws), both dtypes."""
     from kernel_checks import check_kernels

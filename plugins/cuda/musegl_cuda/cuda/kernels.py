@@ -20,6 +20,7 @@ too; reductions run in float32.
 from __future__ import annotations
 
 import functools
+from typing import Sequence
 
 import torch
 import triton
@@ -29,7 +30,7 @@ import triton.language as tl
 # attention
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_table", "splits"])
 def _paged_attention_kernel(
     Q, K, V, Acc, M, L, Tables, Tiles, QKVG, Out,
     stride_q_row, stride_q_head,
@@ -38,11 +39,16 @@ def _paged_attention_kernel(
     stride_acc_split, stride_acc_row, stride_acc_head,
     stride_ml_split, stride_ml_row,
     stride_g_row, gate_offset, stride_out_row,
-    scale, window,
+    scale, window, splits,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    KV_BLOCK: tl.constexpr, SPLITS: tl.constexpr, SLIDING: tl.constexpr, PRECISION: tl.constexpr,
+    KV_BLOCK: tl.constexpr, SLIDING: tl.constexpr, PRECISION: tl.constexpr,
     GATED: tl.constexpr,
 ):
+    # ``splits`` follows the step's tile count (attention_splits) and ``stride_table`` the
+    # step's widest block table: both are runtime values, not specialized, so that one compiled
+    # kernel serves every step of a (BLOCK_M, SLIDING, GATED) kind. As a constexpr every new
+    # split count compiled a kernel in the middle of serving (a mixed step of another width: a
+    # second or more on the engine thread); warm_attention compiles the kinds at start-up.
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -65,7 +71,7 @@ def _paged_attention_kernel(
     lo = 0
     if SLIDING:
         lo = tl.maximum(pos0 - window + 1, 0)
-    per = tl.cdiv(tl.cdiv(tl.maximum(hi - lo, 0), SPLITS), BLOCK_N) * BLOCK_N
+    per = tl.cdiv(tl.cdiv(tl.maximum(hi - lo, 0), splits), BLOCK_N) * BLOCK_N
     start = lo + split * per
     end = tl.minimum(hi, start + per)
 
@@ -119,29 +125,29 @@ def _store_gated(y, QKVG, Out, rows, head, offs_d, valid_m, stride_g_row, gate_o
              mask=valid_m[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["splits"])
 def _combine_gate_kernel(Acc, M, L, QKVG, Out,
                          stride_acc_split, stride_acc_row, stride_ml_split, stride_ml_row,
-                         stride_g_row, gate_offset, stride_out_row,
-                         HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr,
-                         CHUNK: tl.constexpr):
+                         stride_g_row, gate_offset, stride_out_row, splits,
+                         HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, CHUNK: tl.constexpr):
     # the splits in chunks of CHUNK, each loaded at once (a long global layer has up to
-    # GLOBAL_SPLITS_MOST of them); masked splits weigh 0
+    # GLOBAL_SPLITS_MOST of them); masked splits weigh exactly 0, so the result does not
+    # depend on CHUNK. ``splits`` is a runtime value (one compiled kernel for every count).
     row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     offs_d = tl.arange(0, HEAD_DIM)
     offs_c = tl.arange(0, CHUNK)
     ml = row * stride_ml_row + head
-    m_max = tl.max(tl.load(M + offs_c * stride_ml_split + ml, mask=offs_c < SPLITS, other=float("-inf")), 0)
-    for s0 in tl.static_range(CHUNK, SPLITS, CHUNK):
+    m_max = tl.max(tl.load(M + offs_c * stride_ml_split + ml, mask=offs_c < splits, other=float("-inf")), 0)
+    for s0 in range(CHUNK, splits, CHUNK):
         s = s0 + offs_c
-        m_max = tl.maximum(m_max, tl.max(tl.load(M + s * stride_ml_split + ml, mask=s < SPLITS,
+        m_max = tl.maximum(m_max, tl.max(tl.load(M + s * stride_ml_split + ml, mask=s < splits,
                                                  other=float("-inf")), 0))
     total = 0.0
     out = tl.zeros([HEAD_DIM], tl.float32)
-    for s0 in tl.static_range(0, SPLITS, CHUNK):
+    for s0 in range(0, splits, CHUNK):
         s = s0 + offs_c
-        valid = s < SPLITS
+        valid = s < splits
         w = tl.exp(tl.load(M + s * stride_ml_split + ml, mask=valid, other=float("-inf")) - m_max)
         total += tl.sum(w * tl.load(L + s * stride_ml_split + ml, mask=valid, other=0.0), 0)
         acc = tl.load(Acc + s[:, None] * stride_acc_split + row * stride_acc_row + head * HEAD_DIM + offs_d[None, :],
@@ -222,9 +228,9 @@ def _attention_launch(q, k_cache, v_cache, kv_block, tables, tiles, num_tiles, s
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), tables.stride(0),
         acc.stride(0), acc.stride(1), acc.stride(2), m.stride(0), m.stride(1),
         qkvg.stride(0), gate_offset, out.stride(0),
-        scale, window,
+        scale, window, splits,
         GROUP=heads // kv_heads, HEAD_DIM=hd, BLOCK_M=block_m, BLOCK_N=ATTENTION_BLOCK_N or block_n,
-        KV_BLOCK=kv_block, SPLITS=splits, SLIDING=sliding, PRECISION="ieee" if fp32 else "tf32",
+        KV_BLOCK=kv_block, SLIDING=sliding, PRECISION="ieee" if fp32 else "tf32",
         GATED=gate is not None,
         num_warps=ATTENTION_WARPS or warps, num_stages=ATTENTION_STAGES or stages,
     )
@@ -268,6 +274,30 @@ def gated_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     return out
 
 
+def warm_attention(k_cache: torch.Tensor, v_cache: torch.Tensor, kv_block: int, scratch_block: int, heads: int,
+                   block_ms: Sequence[int], window: int, qkvg_width: int, gate_offset: int) -> int:
+    """Compile every kind of attention launch a step can make before serving: each
+    ``block_m`` of ``block_ms`` (decode and prefill tiles), sliding and global, one split
+    (normalized and gated in the kernel) and several (then merged by :func:`combine_gate`).
+    Nothing else of a step's shape selects a compiled kernel (``splits`` and the block
+    table's width are runtime values), so no mixed or prefill step compiles one while
+    requests wait. The launches read one key of ``scratch_block`` (the padding rows' block)
+    and write only their own outputs. Returns how many launches ran."""
+    hd, dtype, device = k_cache.shape[-1], k_cache.dtype, k_cache.device
+    q = torch.zeros(1, heads, hd, dtype=dtype, device=device)
+    qkvg = torch.zeros(1, qkvg_width, dtype=dtype, device=device)
+    tables = torch.full((1, 1), scratch_block, dtype=torch.int32, device=device)
+    tiles = torch.tensor([[0, 0, 1, 0]], dtype=torch.int32, device=device)
+    launches = 0
+    for block_m in sorted(set(block_ms)):
+        for sliding in (False, True):
+            for splits in (1, 2):
+                gated_attention(q, k_cache, v_cache, kv_block, tables, tiles, 1, splits, block_m, window, sliding,
+                                1.0, qkvg, gate_offset)
+                launches += 1
+    return launches
+
+
 def combine_gate(acc: torch.Tensor, m: torch.Tensor, l: torch.Tensor, qkvg: torch.Tensor, gate_offset: int,
                  out_dtype: torch.dtype) -> torch.Tensor:
     """Merge the splits, normalize, and multiply by ``sigmoid(gate)``: ``(rows, heads·hd)``."""
@@ -275,8 +305,8 @@ def combine_gate(acc: torch.Tensor, m: torch.Tensor, l: torch.Tensor, qkvg: torc
     out = torch.empty(rows, heads * hd, dtype=out_dtype, device=acc.device)
     _combine_gate_kernel[(rows, heads)](
         acc, m, l, qkvg, out, acc.stride(0), acc.stride(1), m.stride(0), m.stride(1),
-        qkvg.stride(0), gate_offset, out.stride(0), HEADS=heads, HEAD_DIM=hd, SPLITS=splits,
-        CHUNK=min(COMBINE_CHUNK, triton.next_power_of_2(splits)), num_warps=1,
+        qkvg.stride(0), gate_offset, out.stride(0), splits, HEADS=heads, HEAD_DIM=hd, CHUNK=COMBINE_CHUNK,
+        num_warps=1,
     )
     return out
 
