@@ -121,26 +121,31 @@ class PrefillSharing:
 
     def _follows(self, seq: SequenceState, ahead: list[SequenceState]) -> bool:
         index = self._next_block(seq)
-        chain = self.chain(seq)
-        if index is None or index >= len(chain):
+        size = self.pool.block_size
+        if index is None or (index + 1) * size > seq.prompt_len - 1:  # not a block it may reuse
             return False
-        end = (index + 1) * self.pool.block_size
+        lo, hi = index * size, (index + 1) * size
+        mine = seq.keys[lo:hi]
         for leader in ahead:
-            theirs = self.chain(leader)
-            if index < len(theirs) and theirs[index] == chain[index] and leader.computed < end:
+            if leader.computed >= hi or leader.keys[lo:hi] != mine:  # done with it, or another block
+                continue
+            theirs = self.chain(leader)  # the same tokens there: is it the same prefix?
+            if index < len(theirs) and theirs[index] == self.chain(seq)[index]:
                 return True
         return False
 
     def ready(self, prefilling: list[SequenceState]) -> list[SequenceState]:
         """The prefilling sequences (in scheduling order) that get rows this step:
-        each first adopts what the cache holds for it; a follower is left out.
-        A sequence prefilling alone that never followed has nothing to adopt
-        (what the cache held at admission it took then) and is not hashed."""
+        a sequence that followed a leader first adopts what the cache now holds for
+        it; a follower is left out. Prompts are hashed only where an earlier
+        prefilling prompt holds the same tokens at the block in question (what
+        the cache held at admission, a sequence took then)."""
         if len(prefilling) == 1 and prefilling[0].handle not in self._followed:
             return prefilling
         ready, ahead = [], []
         for seq in prefilling:
-            self.adopt(seq)
+            if seq.handle in self._followed:
+                self.adopt(seq)
             if self._follows(seq, ahead):
                 self.follow_steps += 1
                 self._followed.add(seq.handle)
