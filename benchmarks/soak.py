@@ -27,6 +27,23 @@ idle and with every session deleted, against the baseline before any load.
 The run passes when there is no unexpected error, no block is leaked and
 both processes' RSS at the end is within ``--rss-tolerance`` of the warm
 value. Exit status 0 when it passes, 1 otherwise.
+
+The warm and the end RSS are read once the server is idle and
+:data:`QUIET_SECONDS` later: the front gives freed memory back to the system
+after large bodies (``musegl_core/http/memory.py``, ``malloc_trim``), the
+last time up to about two seconds after the last one, and the reading waits
+for it. Before that, the front's RSS was mostly free space that glibc's
+arenas kept from the 10 MiB bodies (390-400 MiB of about 610 MiB at the
+warm point, while the memory in use, Python objects under ``tracemalloc``
+and malloc's bytes in use, stayed flat), and it rose or fell by tens of MiB
+with the mix of large bodies in flight: growth +3.6 % and +5.4 % (240 s) in
+two runs, +10.5 to +13.9 % in others, none of it a leak. Since, the front
+reads 230-236 MiB at both points (growth -0.6, -2.1, -0.6 % in 2-minute runs).
+Without the ``gc.collect()`` before each trim, one run in three still grew
++11.4 % (238 -> 265 MiB), most likely from bodies still held by reference
+cycles (a 400 for a wrongly typed field leaves 20 MiB of a 10 MiB body in
+cycles until the next full collection). The samples in between are read under load and may
+still show peaks.
 """
 
 from __future__ import annotations
@@ -52,6 +69,10 @@ SERVE_FLAGS = ("--max-context", "1024", "--max-decode-sequences", "8", "--max-im
 # Prompt tokens after which a session starts over. The budget is 1024, and one turn can add
 # about 350 tokens on the tiny checkpoint (its tokenizer is nearly byte-level).
 HISTORY_LIMIT = 450
+#: seconds between the server becoming idle and an RSS reading: the front's last memory trim
+#: comes up to two trim intervals (musegl_core.http.memory.TRIM_INTERVAL, 1 s) after its last
+#: large request, plus the trims themselves
+QUIET_SECONDS = 4.0
 ACTIONS = {"stream": 3, "cancel": 2, "plain": 1, "session": 3, "bad": 1, "oversize": 0.3, "hostile": 0.6}
 
 
@@ -257,17 +278,29 @@ class Soak:
             await asyncio.gather(self.deleter(http), *[self.client_loop(http, i) for i in range(self.clients)])
 
 
+async def wait_idle(http: httpx.AsyncClient, url: str, timeout: float = 120) -> None:
+    """Until no request runs or waits in the engine."""
+    deadline = time.monotonic() + timeout
+    while True:
+        text = await metrics(http, url)
+        if not metric(text, "musegl_requests_running") and not metric(text, "musegl_requests_waiting"):
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError("the server did not become idle")
+        await asyncio.sleep(0.2)
+
+
+async def quiet(url: str) -> None:
+    """Wait until idle, then :data:`QUIET_SECONDS` (the front's last memory trim)."""
+    async with httpx.AsyncClient(timeout=60) as http:
+        await wait_idle(http, url)
+    await asyncio.sleep(QUIET_SECONDS)
+
+
 async def settle(url: str, timeout: float = 120) -> dict:
     """Wait until idle, delete every session, and read the KV counters."""
     async with httpx.AsyncClient(timeout=60) as http:
-        deadline = time.monotonic() + timeout
-        while True:
-            text = await metrics(http, url)
-            if not metric(text, "musegl_requests_running") and not metric(text, "musegl_requests_waiting"):
-                break
-            if time.monotonic() > deadline:
-                raise RuntimeError("the server did not become idle")
-            await asyncio.sleep(0.2)
+        await wait_idle(http, url, timeout)
         for session in (await http.get(f"{url}/v1/sessions")).json()["data"]:
             await http.delete(f"{url}/v1/sessions/{session['id']}")
         text = await metrics(http, url)
@@ -312,6 +345,7 @@ def main() -> int:
         rss = {name: {"start": rss_mib(proc)} for name, proc in procs.items()}
         soak = Soak(url, args.clients, random.Random(args.seed), hostile=hostile_bodies())
         asyncio.run(soak.run(args.warmup, prime=True))
+        asyncio.run(quiet(url))
         for name, proc in procs.items():
             rss[name]["warm"] = rss_mib(proc)
         samples: list = []
@@ -320,6 +354,7 @@ def main() -> int:
             asyncio.run(soak.run(min(args.sample, left)))
             samples.append({"t": round(time.monotonic() - started), **{n: rss_mib(p) for n, p in procs.items()}})
         end = asyncio.run(settle(url))
+        asyncio.run(quiet(url))
         for name, proc in procs.items():
             rss[name]["end"] = rss_mib(proc)
             rss[name]["growth"] = round(rss[name]["end"] / rss[name]["warm"] - 1, 4)

@@ -40,6 +40,7 @@ from musegl_core.http import openapi
 from musegl_core.http import schemas as s
 from musegl_core.http.dialect import Dialect, ServedModel
 from musegl_core.http.front_tokenizer import FrontTokenizer
+from musegl_core.http.memory import MemoryTrim
 from musegl_core.http.metrics import FrontMetrics, MeteredWorker
 from musegl_core.http.model_ids import ModelIds
 from musegl_core.http.request_log import RequestLog
@@ -275,8 +276,9 @@ def create_app(
         logging_config=None,  # musegl_core.logs configures logging once, for every library
         state={"front": front},
     )
-    # Around everything Litestar answers (unmatched paths and errors too): X-Request-Id and the summary line.
-    app.asgi_handler = RequestLog(app.asgi_handler)
+    # Around everything Litestar answers (unmatched paths and errors too): X-Request-Id, the summary
+    # line, and freed memory given back after a large body (http/memory.py).
+    app.asgi_handler = RequestLog(app.asgi_handler, trim=MemoryTrim())
     return app
 
 

@@ -18,6 +18,10 @@ included), so that every response carries an ``X-Request-Id`` header:
   ``/metrics`` are polled by load balancers and scrapers: their lines are
   DEBUG; every other line is INFO.
 
+When given a :class:`~musegl_core.http.memory.MemoryTrim`, it also counts
+the body bytes the application read and, once a request with a large body
+has ended, asks for the front's freed memory to be given back to the system.
+
 The generation code reaches the current request's :class:`RequestRecord`
 through :data:`CURRENT` (a context variable), which the front's event
 observer (:mod:`musegl_core.http.metrics`) fills in.
@@ -33,6 +37,8 @@ import uuid
 from typing import Any
 
 import attrs
+
+from musegl_core.http.memory import MemoryTrim
 
 log = logging.getLogger("musegl.http")
 
@@ -100,8 +106,9 @@ def summary(record: RequestRecord, method: str, route: str, status: int, now: fl
 class RequestLog:
     """ASGI middleware around the application: the request id and the summary line."""
 
-    def __init__(self, app: Any):
+    def __init__(self, app: Any, trim: MemoryTrim | None = None):
         self.app = app
+        self.trim = trim
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -119,11 +126,22 @@ class RequestLog:
                 message = {**message, "headers": [*headers, (HEADER, record.id.encode())]}
             await send(message)
 
+        body_bytes = 0
+
+        async def counting_receive() -> Any:
+            nonlocal body_bytes
+            message = await receive()
+            if message.get("type") == "http.request":
+                body_bytes += len(message.get("body") or b"")
+            return message
+
         token = CURRENT.set(record)
         try:
-            await self.app(scope, receive, send_with_id)
+            await self.app(scope, counting_receive if self.trim is not None else receive, send_with_id)
         finally:
             CURRENT.reset(token)
+            if self.trim is not None:
+                self.trim.after_request(body_bytes)
             path = scope.get("path", "")
             route = scope.get("path_template") or path
             level = logging.DEBUG if path in POLLED else logging.INFO
