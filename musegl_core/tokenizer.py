@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import re
 
+import array
+import collections
 import functools
 import json
 import threading
@@ -126,6 +128,65 @@ class TokenBudgetExceeded(ValueError):
 #: (one run of 10 MiB of ``A`` exhausts Oniguruma's retry limit and panics) and
 #: lets other threads run between pieces.
 PIECE_CHARS = 8192
+#: A text run of a rendered prompt (:meth:`MuseTokenizer.encode_segments`) at least this long
+#: is remembered with its ids: agents resend the same system prompt, tool list and history
+#: every turn, so a turn tokenizes only what is new. Shorter runs cost little to encode.
+RUN_CACHE_MIN_CHARS = 1024
+#: Most ids (4 bytes each) and characters of text the run cache holds, least recently used
+#: out first (about 8 MB at most); a run over a quarter of either is not kept.
+RUN_CACHE_IDS = 1 << 20
+RUN_CACHE_CHARS = 1 << 22
+
+
+class RunCache:
+    """Ids of long text runs, least recently used evicted past ``max_ids`` (thread-safe:
+    a worker prepares requests on several threads). The ids of a run are a function of
+    its text alone (runs are tokenized on their own), so a hit is exact."""
+
+    def __init__(self, max_ids: int = RUN_CACHE_IDS, min_chars: int = RUN_CACHE_MIN_CHARS,
+                 max_chars: int = RUN_CACHE_CHARS):
+        self.max_ids = max_ids
+        self.min_chars = min_chars
+        self.max_chars = max_chars
+        self._runs: "collections.OrderedDict[str, array.array]" = collections.OrderedDict()
+        self._ids = 0
+        self._chars = 0
+        self._lock = threading.Lock()
+        self.hits = 0
+        self.misses = 0
+
+    def get(self, text: str) -> list[int] | None:
+        if len(text) < self.min_chars:
+            return None
+        with self._lock:
+            ids = self._runs.get(text)
+            if ids is None:
+                self.misses += 1
+                return None
+            self._runs.move_to_end(text)
+            self.hits += 1
+        return ids.tolist()
+
+    def put(self, text: str, ids: Sequence[int]) -> None:
+        if not self.min_chars <= len(text) <= self.max_chars // 4 or len(ids) > self.max_ids // 4:
+            return
+        packed = array.array("i", ids)
+        with self._lock:
+            if text in self._runs:
+                return
+            self._runs[text] = packed
+            self._ids += len(packed)
+            self._chars += len(text)
+            while self._ids > self.max_ids or self._chars > self.max_chars:
+                dropped_text, dropped = self._runs.popitem(last=False)
+                self._ids -= len(dropped)
+                self._chars -= len(dropped_text)
+
+    @property
+    def size(self) -> tuple[int, int]:
+        """``(runs, ids)`` held."""
+        with self._lock:
+            return len(self._runs), self._ids
 #: Pieces per ``encode_batch`` call (the GIL is released during each call).
 BATCH_PIECES = 64
 #: Zero-width candidates for an exact cut; :func:`_exact_cut` decides.
@@ -401,6 +462,8 @@ class MuseTokenizer:
 
         self._plain_tokenizer: Tokenizer | None = None  # built on first use (:attr:`_plain`)
         self._plain_lock = threading.Lock()
+        #: ids of the long text runs of rendered prompts (:meth:`encode_segments`)
+        self.runs = RunCache()
 
         self._added: dict[int, tuple[str, bool]] = {i: (t["content"], bool(t.get("special"))) for i, t in added.items()}
         self._added_ids = {content: i for i, (content, _special) in self._added.items()}
@@ -769,8 +832,15 @@ class MuseTokenizer:
         def flush() -> None:
             if run:
                 budget = None if limit is None else max(limit - len(ids), 0)
+                text = "".join(run)
                 try:
-                    ids.extend(self.encode_bounded("".join(run), special=False, limit=budget))
+                    piece = self.runs.get(text)
+                    if piece is None:
+                        piece = self.encode_bounded(text, special=False, limit=budget)
+                        self.runs.put(text, piece)
+                    elif budget is not None and len(piece) > budget:
+                        raise TokenBudgetExceeded(len(piece), budget)
+                    ids.extend(piece)
                 except TokenBudgetExceeded as exc:
                     raise TokenBudgetExceeded(len(ids) + exc.at_least, limit) from None
                 run.clear()

@@ -196,3 +196,55 @@ def test_the_length_floor_never_exceeds_the_count(tokenizer):
         for segments in ((PromptSegment(text=text, special=False),), (PromptSegment(text=text, special=True),),
                          (PromptSegment(text=text, special=True), PromptSegment(token_ids=(5, 6)))):
             assert tokenizer.token_count_floor(segments) <= len(tokenizer.encode_segments(segments))
+
+
+def test_long_runs_are_tokenized_once_and_hits_are_exact(tokenizer, monkeypatch):
+    """Agents resend the same system prompt and history every turn: a long text run's ids are
+    remembered (RunCache), so the second prompt tokenizes only its new run, with the same ids."""
+    tokenizer.runs = tk.RunCache()
+    system, history = ordinary_text()[:20_000], ordinary_text()[20_000:23_000]
+    first = (PromptSegment(text="<|begin_of_text|><|start|>system<|message|>", special=True),
+             PromptSegment(text=system, special=False), PromptSegment(text="<|end|><|start|>user<|message|>"),
+             PromptSegment(text=history, special=False), PromptSegment(text="<|eot|>"))
+    second = first + (PromptSegment(text="<|start|>user<|message|>"),
+                      PromptSegment(text=ordinary_text()[30_000:32_000], special=False), PromptSegment(text="<|eot|>"))
+    cold = tokenizer.encode_segments(first)
+    encoded: list[int] = []
+    real = tokenizer.encode_bounded
+    monkeypatch.setattr(tokenizer, "encode_bounded", lambda text, **kw: encoded.append(len(text)) or real(text, **kw))
+    assert tokenizer.encode_segments(first) == cold
+    assert not any(n >= tk.RUN_CACHE_MIN_CHARS for n in encoded)  # both long runs came from the cache
+    encoded.clear()
+    warm = tokenizer.encode_segments(second)
+    assert [n for n in encoded if n >= tk.RUN_CACHE_MIN_CHARS] == [2_000]  # only the new run
+    tokenizer.runs = tk.RunCache()
+    assert tokenizer.encode_segments(second) == warm  # as without the cache
+    assert tokenizer.runs.hits == 0
+
+
+def test_a_cached_run_still_honours_the_budget(tokenizer):
+    tokenizer.runs = tk.RunCache()
+    segments = (PromptSegment(text="<|begin_of_text|>", special=True),
+                PromptSegment(text=ordinary_text()[:10_000], special=False))
+    n = len(tokenizer.encode_segments(segments))
+    assert tokenizer.runs.size[0] == 1
+    with pytest.raises(TokenBudgetExceeded) as exceeded:
+        tokenizer.encode_segments(segments, limit=n - 10)
+    assert exceeded.value.at_least >= n - 1 and tokenizer.runs.hits == 1  # (the BOS id is put first at the end)
+
+
+def test_the_run_cache_keeps_the_most_recent_runs_within_its_bound():
+    cache = tk.RunCache(max_ids=40, min_chars=4)
+    for k in range(10):
+        cache.put(f"text {k}", list(range(10)))
+    assert cache.size == (4, 40)
+    assert cache.get("text 0") is None and cache.get("text 9") == list(range(10))
+    cache.put("tiny", list(range(11)))  # over a quarter of the bound: not kept
+    assert cache.get("tiny") is None
+    texts = tk.RunCache(max_ids=1000, min_chars=4, max_chars=40)
+    for k in range(5):
+        texts.put(f"run {k:5d}", [k])  # 9 characters each
+    assert texts.size == (4, 4)  # 36 characters
+    texts.put("x" * 11, [1])  # over a quarter of the characters: not kept
+    assert texts.get("x" * 11) is None
+    assert cache.get("abc") is None and cache.misses == 2  # shorter than min_chars: not even looked up

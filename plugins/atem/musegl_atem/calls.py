@@ -10,6 +10,9 @@ call set was cut off (``length`` or a request ``stop``), or raises 502
 
 from __future__ import annotations
 
+import collections
+import json
+import threading
 import uuid
 from typing import Any, Iterable, Mapping
 
@@ -42,12 +45,49 @@ class PreparedTools:
     patterns: dict[str, Any]
 
 
+#: Tool sets whose compiled form is kept (least recently used out first): an agent sends the
+#: same tools with every turn, and compiling ten tool schemas costs milliseconds of the front's
+#: event loop per request.
+PREPARED_KEPT = 64
+_kept: collections.OrderedDict[str, PreparedTools] = collections.OrderedDict()
+_kept_lock = threading.Lock()
+
+
+def _tools_key(tools: list[Any]) -> str | None:
+    """The identity of a tool set: every declared field, in order (None: not JSON, not kept)."""
+    try:
+        return json.dumps([[t.name, t.description, t.parameters, t.strict] for t in tools], ensure_ascii=False,
+                          separators=(",", ":"), allow_nan=False)
+    except (TypeError, ValueError, RecursionError):  # (a schema nested past the encoder's depth)
+        return None
+
+
 def prepare(tools: list[Any]) -> PreparedTools:
     """Preflight the active tools (``ToolDef`` objects); raises ApiError 400.
 
-    Schemas are compiled here, once per request; the parser created for the
-    request reuses them.
+    Schemas are compiled here, once per tool set: the parser created for the
+    request reuses them, and so does every later request that declares the
+    same tools (the last :data:`PREPARED_KEPT` sets are kept; what is kept is
+    only read: each validation run takes its own budgets and pattern table).
+    A tool set that fails preflight is not kept.
     """
+    key = _tools_key(tools)
+    if key is not None:
+        with _kept_lock:
+            kept = _kept.get(key)
+            if kept is not None:
+                _kept.move_to_end(key)
+                return kept
+    prepared = _compile(tools)
+    if key is not None:
+        with _kept_lock:
+            _kept[key] = prepared
+            while len(_kept) > PREPARED_KEPT:
+                _kept.popitem(last=False)
+    return prepared
+
+
+def _compile(tools: list[Any]) -> PreparedTools:
     compiled = compile_tools(tools)
     patterns: dict[str, Any] = {}
     for tool in compiled:

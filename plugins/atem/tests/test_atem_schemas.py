@@ -259,3 +259,30 @@ def test_tv51_alias_collisions_are_rejected():
         with pytest.raises(ApiError) as info:
             tool_aliases(names)
         assert info.value.status == 400 and info.value.code == "invalid_tool_schema"
+
+
+def test_a_tool_set_is_compiled_once_and_kept_for_the_next_turns():
+    """Agents declare the same tools every turn: the second prepare of an equal set is the first's
+    compiled result; any changed field compiles anew; a set that fails preflight is not kept."""
+    from musegl_core.errors import ApiError
+    from musegl_atem import calls
+
+    def tools(description="Reads a file."):
+        return [ToolDef("Read", description, {"type": "object", "properties": {"path": {"type": "string"}},
+                                              "required": ["path"]}),
+                ToolDef("Bash", "Runs a command.", {"type": "object", "properties": {"cmd": {"type": "string"}}})]
+
+    first = calls.prepare(tools())
+    assert calls.prepare(tools()) is first
+    assert calls.prepare(tools("Reads a file, in full.")) is not first
+    with mock.patch.object(calls, "compile_tools", wraps=calls.compile_tools) as compiled:
+        calls.prepare(tools())
+        assert compiled.call_count == 0
+    bad = [ToolDef("Read", "x", {"type": "object", "properties": {"path": {"type": "no-such-type"}}})]
+    for _ in range(2):
+        with pytest.raises(ApiError):
+            calls.prepare(bad)
+    assert calls._tools_key(bad) not in calls._kept
+    for n in range(calls.PREPARED_KEPT + 5):
+        calls.prepare(tools(f"variant {n}"))
+    assert len(calls._kept) == calls.PREPARED_KEPT
