@@ -119,7 +119,7 @@ class PrefillSharing:
             self.shared_requests += 1
         return positions
 
-    def _follows(self, seq: SequenceState, ahead: list[SequenceState]) -> bool:
+    def _follows(self, seq: SequenceState, ahead: Sequence[SequenceState]) -> bool:
         index = self._next_block(seq)
         size = self.pool.block_size
         if index is None or (index + 1) * size > seq.prompt_len - 1:  # not a block it may reuse
@@ -142,16 +142,20 @@ class PrefillSharing:
         the cache held at admission, a sequence took then)."""
         if len(prefilling) == 1 and prefilling[0].handle not in self._followed:
             return prefilling
-        ready, ahead = [], []
+        size = self.pool.block_size
+        ready: list[SequenceState] = []
+        # earlier prefilling sequences by their first block: a leader shares it (whole prefixes match)
+        ahead: dict[tuple[int, ...], list[SequenceState]] = {}
         for seq in prefilling:
             if seq.handle in self._followed:
                 self.adopt(seq)
-            if self._follows(seq, ahead):
+            head = tuple(seq.keys[:size])
+            if self._follows(seq, ahead.get(head, ())):
                 self.follow_steps += 1
                 self._followed.add(seq.handle)
             else:
                 ready.append(seq)
-            ahead.append(seq)
+            ahead.setdefault(head, []).append(seq)
         return ready
 
     def computed(self, seq: SequenceState) -> None:
