@@ -11,9 +11,9 @@ admitted. :class:`PrefillSharing` closes that gap in two moves:
   sequence has computed are keyed in the prefix cache at once
   (:meth:`PrefillSharing.computed`), not only when its whole prompt is done.
 * **Follow, then adopt.** Before the scheduler hands out prefill rows, a
-  prefilling sequence whose next block is one that an *earlier* prefilling
+  prefilling sequence whose next block is the one an *earlier* prefilling
   sequence (its leader, ahead of it in first-come first-served order) is
-  still computing gets no rows this step: it *follows* (:meth:`PrefillSharing.ready`).
+  computing now gets no rows this step: it *follows* (:meth:`PrefillSharing.ready`).
   Every step, a sequence adopts the blocks the cache now holds for its next
   positions (shared, like any prefix-cache hit; its ``cached`` count grows, so
   ``usage.prompt_tokens_details.cached_tokens`` says so), and once its prompt
@@ -127,7 +127,9 @@ class PrefillSharing:
         lo, hi = index * size, (index + 1) * size
         mine = seq.keys[lo:hi]
         for leader in ahead:
-            if leader.computed >= hi or leader.keys[lo:hi] != mine:  # done with it, or another block
+            # a leader works on this very block: not done with it, not behind it (one that is
+            # behind would first compute what this sequence already holds, and it goes first)
+            if not lo <= leader.computed < hi or leader.keys[lo:hi] != mine:
                 continue
             theirs = self.chain(leader)  # the same tokens there: is it the same prefix?
             if index < len(theirs) and theirs[index] == self.chain(seq)[index]:

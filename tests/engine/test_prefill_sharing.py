@@ -171,3 +171,29 @@ def test_the_chain_covers_the_whole_blocks_before_the_last_prompt_position():
     assert len(prompt_chain(keys, 9, 4, None)) == 2
     assert len(prompt_chain(keys, 8, 4, None)) == 1  # position 7 is the last: block 1 is not reusable
     assert prompt_chain(keys, 10, 4, "s") != prompt_chain(keys, 10, 4, None)
+
+
+def test_a_prompt_follows_only_a_leader_working_on_the_block_it_needs():
+    """A leader behind the follower would first recompute blocks the follower already holds (and
+    it goes first): the follower prefills on. One working on the very block is followed."""
+    from musegl_core.engine.kv_pool import KVPool
+    from musegl_core.engine.prefill_sharing import PrefillSharing
+    from musegl_core.engine.request import SequenceState
+    from musegl_core.engine.sessions import SessionTable
+
+    pool = KVPool(64, 4)
+    table = SessionTable(pool, max_sessions=2, max_context=64, snapshots=0, evict_idle=False)
+    sharing = PrefillSharing(pool, table.cache)
+    keys = list(range(100, 140))
+
+    def seq(handle, computed):
+        session, _ = table.open(None)
+        return SequenceState(request=PreparedRequest(id=f"s{handle}", prompt_ids=tuple(keys), max_tokens=1),
+                             handle=handle, max_new=1, tokens=list(keys), session=session, prompt_len=len(keys),
+                             computed=computed, cached=computed)
+
+    leader, follower = seq(0, 0), seq(1, 8)
+    assert sharing.ready([leader, follower]) == [leader, follower]  # the leader is behind: no one waits
+    leader.computed = 9  # now inside block 2, the follower's next
+    assert sharing.ready([leader, follower]) == [leader]
+    assert sharing.follow_steps == 1
