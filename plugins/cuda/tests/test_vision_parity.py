@@ -155,12 +155,18 @@ def test_chat_with_an_image_continues_like_transformers(chat_vl, source):
 
     model, hf, gguf_path, mmproj = chat_vl
     tokenizer = MuseTokenizer.load(hf)
-    image = png(150, 100, 10)  # seeds 7-9 make transformers emit special ids (not comparable as text)
-    body = chat_body(image)
-    ids, expected = reference_continuation(model, body, tokenizer, image)
-    assert ids.count(tokenizer.patch_id) == 24  # 150x100 px -> 4x6 merged cells
     # The comparison goes through the response text: the reference must stay in ordinary tokens.
-    assert all(i < 200000 for i in expected), "the reference emitted special tokens; pick another image seed"
+    # The rendered prompt carries today's date, so which image seeds keep it there changes from
+    # day to day (seeds 7-9 never did): the first of a few seeds that does is compared.
+    for seed in (10, 11, 12, 13, 14, 15, 16, 17):
+        image = png(150, 100, seed)
+        body = chat_body(image)
+        ids, expected = reference_continuation(model, body, tokenizer, image)
+        if all(i < 200000 for i in expected):
+            break
+    else:
+        raise AssertionError("the reference emitted special tokens for every image seed tried")
+    assert ids.count(tokenizer.patch_id) == 24  # 150x100 px -> 4x6 merged cells
     config = ServeConfig(model=str(hf if source == "hf" else gguf_path), port=0, executor="torch-cpu",
                          mmproj=None if source == "hf" else str(mmproj), max_context=512)
     with running_server(config) as server:
