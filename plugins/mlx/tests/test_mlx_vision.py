@@ -84,10 +84,17 @@ def test_chat_with_an_image_continues_like_transformers(tmp_path_factory):
     model = build_tiny_vl_model(seed=1, vocab_size=202048, bos_token_id=200000, eos_token_id=200001)
     hf, gguf_path, mmproj = twin(model, tmp_path_factory.mktemp("mlx_chat_vl"), tokenizer=build_tiny_tokenizer())
     tokenizer = MuseTokenizer.load(hf)
-    image = png(150, 100, 10)  # (image seed 7, the torch test's, makes transformers emit special ids)
-    body = chat_body(image)
-    ids, expected = reference_continuation(model, body, tokenizer, image)
-    assert all(i < 200000 for i in expected), "the reference emitted special tokens; pick another image seed"
+    # The comparison goes through the text, so the reference must stay in ordinary tokens; the
+    # prompt carries today's date, so which image seeds keep it there changes from day to day:
+    # the first of a few seeds that does is compared.
+    for seed in (10, 11, 12, 13, 14, 15, 16, 17):
+        image = png(150, 100, seed)
+        body = chat_body(image)
+        ids, expected = reference_continuation(model, body, tokenizer, image)
+        if all(i < 200000 for i in expected):
+            break
+    else:
+        raise AssertionError("the reference emitted special tokens for every image seed tried")
     config = ServeConfig(model=str(gguf_path), mmproj=str(mmproj), port=0, executor="mlx", dtype="float32",
                          max_context=512)
     with running_server(config) as server:
