@@ -279,9 +279,10 @@ def warm_attention(k_cache: torch.Tensor, v_cache: torch.Tensor, kv_block: int, 
     """Compile every kind of attention launch a step can make before serving: each
     ``block_m`` of ``block_ms`` (decode and prefill tiles), sliding and global, one split
     (normalized and gated in the kernel) and several (then merged by :func:`combine_gate`).
-    Nothing else of a step's shape selects a compiled kernel (``splits`` and the block
-    table's width are runtime values), so no mixed or prefill step compiles one while
-    requests wait. The launches read one key of ``scratch_block`` (the padding rows' block)
+    ``splits`` and the block table's width are runtime values; the other row-count-dependent
+    arguments (the partial results' strides, ``rows x heads``) keep their divisibility by 16
+    when the query heads are a multiple of 16 (the 30B shape has 32), so then no mixed or
+    prefill step compiles a kernel while requests wait. The launches read one key of ``scratch_block`` (the padding rows' block)
     and write only their own outputs. Returns how many launches ran."""
     hd, dtype, device = k_cache.shape[-1], k_cache.dtype, k_cache.device
     q = torch.zeros(1, heads, hd, dtype=dtype, device=device)
