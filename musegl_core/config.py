@@ -153,6 +153,9 @@ class ServeConfig:
     dtype: str | None = flag(None, "activation dtype", EXEC, choices=("float32", "float16", "bfloat16"))
     throughput_log_interval: float = flag(10.0, "while requests run, the worker logs a throughput line this often "
                                           "(0: never; default %(default)s)", LOGS, kind="float", metavar="SECONDS")
+    trace_steps: str | None = flag(None, "append a JSON line per engine step and per request stage (received, "
+                                   "prepared, admitted, first token, finished) to FILE, to see where latency goes "
+                                   "(docs/metrics.md; default: off)", LOGS, metavar="FILE")
     plugins: tuple[str, ...] | None = None
     demo: bool = False
     extra: dict[str, Any] = attrs.field(factory=dict)

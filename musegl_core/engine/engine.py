@@ -54,6 +54,7 @@ from musegl_core.engine.speculator import NoSpeculator, Speculator
 from musegl_core.engine.step_book import StepBook
 from musegl_core.engine.stops import StopMatcher
 from musegl_core.engine.throughput import ThroughputLog
+from musegl_core.engine.trace import Trace
 
 log = logging.getLogger("musegl.engine")
 
@@ -78,6 +79,7 @@ class EngineConfig:
     prefill_stall_factor: float = 6.0
     throughput_log_interval: float = 10.0  # seconds between throughput lines while busy (0: none)
     spec_verify_rows: int | None = None  # the verify-rows budget (None: the executor's; 0: none)
+    trace_steps: str | None = None  # a file for the step and request timeline (engine/trace.py)
 
     @classmethod
     def from_serve(cls, config) -> "EngineConfig":
@@ -177,10 +179,11 @@ class Engine:
         self._next_handle = 0
         self._stopping = False
         self.step_book = StepBook()
+        self.trace = Trace.open(config.trace_steps) if config.trace_steps else None
         self.loop = StepLoop(executor, self.speculator, self.scheduler, config.max_context, clock, self.step_book,
                              self.prefill_budget, self.throughput, embed=self._embedding,
                              on_prefilled=self._prefilled, on_token=self._on_token, fail=self._end_failed,
-                             verify_rows=verify_rows(config.spec_verify_rows, limits))
+                             verify_rows=verify_rows(config.spec_verify_rows, limits), trace=self.trace)
         if self.speculator.max_draft:
             budget = self.loop.verify_rows
             log.info("speculation: up to %d drafts a sequence; %s", self.speculator.max_draft,
@@ -378,6 +381,8 @@ class Engine:
         )
         self._next_handle += 1
         self.scheduler.add(seq)
+        if self.trace is not None:
+            self.trace.request("admitted", seq.id, prompt=seq.prompt_len, cached=seq.cached, waited=round(waited, 6))
         self.emit(ev.Admitted(seq.id, seq.prompt_len, seq.cached))
 
     def _cancel(self, request_id: str) -> None:
@@ -409,6 +414,8 @@ class Engine:
         session.tokens = seq.keys[: seq.computed]
         self.sessions.publish(session)
         self.sessions.snapshot(session)
+        if self.trace is not None:
+            self.trace.request("first_token", seq.id)
         self.emit(ev.Started(seq.id, seq.prompt_len, seq.cached, self._queue_seconds.pop(seq.id, 0.0)))
 
     def _on_token(self, seq: SequenceState, token: int, logprobs: TokenLogprobs | None = None) -> None:
@@ -437,6 +444,8 @@ class Engine:
             return
         seq.phase = Phase.FINISHED
         self._queue_seconds.pop(seq.id, None)
+        if self.trace is not None:
+            self.trace.request("finished", seq.id, reason=reason or "failed", generated=len(seq.generated))
         self.scheduler.remove(seq)
         self.executor.release_sequence(seq.handle)
         self.speculator.release_sequence(seq.handle)

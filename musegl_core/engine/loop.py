@@ -42,6 +42,7 @@ from musegl_core.engine.scheduler import ScheduledStep, Scheduler, TokenFn
 from musegl_core.engine.speculator import DeviceDrafts, DraftRequest, Speculator, proposes_on_device
 from musegl_core.engine.step_book import StepBook
 from musegl_core.engine.throughput import ThroughputLog
+from musegl_core.engine.trace import Trace
 
 log = logging.getLogger("musegl.engine")
 
@@ -75,6 +76,7 @@ class StepLoop:
     on_token: TokenFn
     fail: Callable[[SequenceState, errors.EngineError], None]
     verify_rows: int | None = None  # the verify-rows budget of a step (None: none), see draft_cap
+    trace: Trace | None = None  # the step timeline (``--trace-steps``)
     steps: int = 0
     budget_cut_steps: int = 0  # steps whose drafts the budget shortened (some still drafted)
     budget_skipped_steps: int = 0  # steps the budget left without drafts
@@ -315,6 +317,9 @@ class StepLoop:
         kind = StepBook.kind(plan)
         self.step_book.record(kind, seconds)
         self.prefill_budget.observe(kind[1], kind[2], seconds)
+        if self.trace is not None:
+            running = self.scheduler.running
+            self.trace.step(*kind, seconds, len(running), sum(seq.phase is Phase.PREFILL for seq in running))
 
     def _update(self, scheduled: ScheduledStep, output: StepOutput) -> None:
         """The scheduler commits the step (:meth:`Scheduler.update`); the speculator sees what was kept."""

@@ -73,7 +73,7 @@ def control_loop(stdin: BinaryIO, engine: Engine, tokenizer, writer: EventWriter
     pool = PreparationPool(
         lambda request: engine.plan_replay(prepare(request, tokenizer, vocab_size, vision,
                                                    max_context=engine.config.max_context)),
-        engine.submit, lambda request_id, error: writer(m.Failed(request_id, error)))
+        engine.submit, lambda request_id, error: writer(m.Failed(request_id, error)), trace=engine.trace)
     try:
         _read_frames(stdin, engine, writer, limit, pool)
     finally:
@@ -109,6 +109,8 @@ def _read_frames(stdin: BinaryIO, engine: Engine, writer: EventWriter, limit: in
             else:
                 engine.close_session(message.session_id, lambda error, msg=message: writer(_closed(msg, error)))
         elif isinstance(message, m.Generate):
+            if engine.trace is not None:
+                engine.trace.request("received", message.id, session=message.session_id)
             pool.submit(message)
 
 

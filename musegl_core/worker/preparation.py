@@ -43,6 +43,7 @@ import attrs
 from musegl_core.checkpoint.validate import one_line
 from musegl_core.engine.errors import DuplicateId, EngineError
 from musegl_core.engine.request import GenerateRequest, PreparedRequest
+from musegl_core.engine.trace import Trace
 from musegl_core.errors import ApiError
 from musegl_core.worker.messages import InputRefused, PreparationFailed
 
@@ -84,12 +85,14 @@ class PreparationPool:
     :param prepare: request → prepared request (raises :class:`ApiError` for bad input).
     :param submit: called with each prepared request (the engine's ``submit``).
     :param fail: called with ``(request id, error kind)`` for a request that failed.
+    :param trace: the worker's timeline (``--trace-steps``): a ``prepared`` event per request handed on.
     """
 
     def __init__(self, prepare: Callable[[GenerateRequest], PreparedRequest],
                  submit: Callable[[PreparedRequest], None], fail: Callable[[str, EngineError], None], *,
-                 light_threads: int = LIGHT_THREADS, heavy_threads: int = HEAVY_THREADS):
+                 light_threads: int = LIGHT_THREADS, heavy_threads: int = HEAVY_THREADS, trace: Trace | None = None):
         self._prepare = prepare
+        self._trace = trace
         self._submit = submit
         self._fail = fail
         self._lanes = {
@@ -193,6 +196,9 @@ class PreparationPool:
                 if item.error is not None:
                     self._fail(item.request.id, item.error)
                 else:
+                    if self._trace is not None:
+                        self._trace.request("prepared", item.request.id, lane=item.lane,
+                                            prompt_ids=len(item.prepared.prompt_ids))
                     self._submit(item.prepared)
             except Exception:  # a broken pipe while writing: the worker is ending
                 log.debug("handing on request %s failed", item.request.id, exc_info=True)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 import threading
 
 import pytest
@@ -229,3 +230,25 @@ def test_the_decode_budget_is_checked_from_headers_before_decoding(monkeypatch):
 
 class FakeTokenizer:
     patch_id, image_start_id, image_end_id = 92, 90, 91
+
+
+def test_the_trace_records_each_prepared_request(tmp_path):
+    """``--trace-steps``: a ``prepared`` line per request handed on (with its lane and prompt ids)."""
+    from musegl_core.engine.trace import Trace
+
+    tokenizer = build_tiny_tokenizer()
+    trace = Trace.open(tmp_path / "trace.jsonl")
+    rec = Recorder()
+    pool = PreparationPool(lambda req: prepare(req, tokenizer), rec.submit, rec.fail, trace=trace)
+    try:
+        pool.submit(request("short", "hello there"))
+        pool.submit(request("long", "word " * (LIGHT_CHARS // 5 + 1)))
+        rec.wait(2)
+    finally:
+        pool.close()
+        trace.close()
+    lines = {line["id"]: line for line in map(json.loads, (tmp_path / "trace.jsonl").read_text().splitlines())}
+    assert {line["event"] for line in lines.values()} == {"prepared"}
+    assert lines["short"]["lane"] == "light" and lines["long"]["lane"] == "heavy"
+    sizes = {p.id: len(p.prompt_ids) for p in rec.submitted}
+    assert {rid: line["prompt_ids"] for rid, line in lines.items()} == sizes
