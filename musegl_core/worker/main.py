@@ -143,6 +143,7 @@ def serve(config: ServeConfig, stdin: BinaryIO, stdout: BinaryIO) -> None:
     except Exception as exc:  # one line, exit status 2: the front does not retry a model that cannot load
         log.debug("model load failed", exc_info=True)
         raise ConfigError(f"cannot load the model {config.model!r}: {one_line(exc)}") from None
+    tokenizer.warm()  # else the first request waits about a second for it
     seed_requests(config.seed)
     writer = EventWriter(stdout)
     engine = Engine(executor, tokenizer, EngineConfig.from_serve(config), writer, speculator)

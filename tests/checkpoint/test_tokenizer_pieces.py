@@ -248,3 +248,15 @@ def test_the_run_cache_keeps_the_most_recent_runs_within_its_bound():
     texts.put("x" * 11, [1])  # over a quarter of the characters: not kept
     assert texts.get("x" * 11) is None
     assert cache.get("abc") is None and cache.misses == 2  # shorter than min_chars: not even looked up
+
+
+def test_warm_builds_what_the_first_request_would_wait_for():
+    """The worker calls ``warm()`` before it reports ready: afterwards neither the client-text
+    tokenizer nor the longest token's length is built on a request's time."""
+    from musegl_core.tiny import build_tiny_tokenizer
+
+    fresh = build_tiny_tokenizer()
+    assert "longest_token_bytes" not in vars(fresh)  # (the client-text tokenizer may be shared already)
+    fresh.warm()
+    assert fresh._plain_tokenizer is not None and vars(fresh)["longest_token_bytes"] >= 1
+    assert fresh.encode("hello there", special=False)
