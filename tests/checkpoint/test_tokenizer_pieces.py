@@ -254,9 +254,11 @@ def test_warm_builds_what_the_first_request_would_wait_for():
     """The worker calls ``warm()`` before it reports ready: afterwards neither the client-text
     tokenizer nor the longest token's length is built on a request's time."""
     from musegl_core.tiny import build_tiny_tokenizer
+    from musegl_core.tokenizer import MuseTokenizer
 
-    fresh = build_tiny_tokenizer()
-    assert "longest_token_bytes" not in vars(fresh)  # (the client-text tokenizer may be shared already)
+    shared = build_tiny_tokenizer()  # (one object per process)
+    fresh = MuseTokenizer(shared._document, vocab_size=shared.vocab_size, pre="llama4")
+    assert fresh._plain_tokenizer is None and "longest_token_bytes" not in vars(fresh)
     fresh.warm()
     assert fresh._plain_tokenizer is not None and vars(fresh)["longest_token_bytes"] >= 1
     assert fresh.encode("hello there", special=False)
