@@ -5,7 +5,8 @@
 Prints, over every request with all its stages, the percentiles (p50/p90/max, milliseconds) of
 received -> prepared (the preparation lanes), prepared -> admitted (the engine's inbox and admission),
 admitted -> first_token (prefill, queued behind other prompts) and received -> first_token; then the
-steps by kind (count, mean rows, mean milliseconds). With ``--bursts``, each burst of requests
+steps by kind (count, mean rows, mean milliseconds) and the garbage collections of at least 1 ms
+(count, total and longest, per generation). With ``--bursts``, each burst of requests
 (received within 50 ms of the previous one) as one line: size, when the last arrived, was prepared
 and admitted, and when the first, median and last first token came (milliseconds from the burst's
 first arrival), with the prefill rows and steps between.
@@ -33,9 +34,12 @@ def main() -> None:
     lines = [json.loads(line) for line in open(args.trace, encoding="utf-8") if line.strip()]
     stages: dict[str, dict[str, float]] = collections.defaultdict(dict)
     steps = []
+    collections_by_generation = collections.defaultdict(list)
     for line in lines:
         if line["event"] == "step":
             steps.append(line)
+        elif line["event"] == "gc":
+            collections_by_generation[line["generation"]].append(line["seconds"])
         elif "id" in line:
             stages[line["id"]].setdefault(line["event"], line["t"])
     full = {rid: s for rid, s in stages.items() if {"received", "prepared", "admitted", "first_token"} <= s.keys()}
@@ -51,6 +55,9 @@ def main() -> None:
     for kind, group in sorted(kinds.items()):
         print(f"  {kind:8s} steps {len(group):5d}  mean rows {statistics.mean(s['decode'] + s['prefill'] for s in group):7.1f}"
               f"  mean {1000 * statistics.mean(s['seconds'] for s in group):7.1f} ms")
+    for generation, pauses in sorted(collections_by_generation.items()):
+        print(f"  gc gen {generation}  {len(pauses):5d} pauses >= 1 ms  total {1000 * sum(pauses):8.1f}"
+              f"  max {1000 * max(pauses):7.1f} ms")
     if not args.bursts:
         return
     order = sorted(full.items(), key=lambda item: item[1]["received"])

@@ -11,6 +11,9 @@
 * ``"first_token"``: its prefill finished (the first token follows in the
   same step's output);
 * ``"finished"``: it ended (``reason``);
+* ``{"event": "gc", "generation": 0 | 1 | 2, "seconds": ..., "collected": ...}``: a
+  garbage collection of the worker's process that took at least
+  :data:`GC_MIN_SECONDS` (every thread waits for it);
 * ``{"event": "step", "kind": "decode" | "prefill" | "mixed", "decode": rows,
   "prefill": rows, "seconds": ..., "running": ..., "prefilling": ...}``: a
   committed step (``seconds`` as the step book counts it: launch to result,
@@ -26,6 +29,7 @@ profiling runs, not for always-on logging: the file grows without bound.
 
 from __future__ import annotations
 
+import gc
 import json
 import threading
 import time
@@ -33,6 +37,9 @@ from pathlib import Path
 from typing import IO, Any
 
 __all__ = ["Trace"]
+
+#: Garbage collections at least this long are traced.
+GC_MIN_SECONDS = 0.001
 
 
 class Trace:
@@ -43,6 +50,20 @@ class Trace:
         self._clock = clock
         self._start = clock()
         self._lock = threading.Lock()
+        self._gc_started: float | None = None
+        gc.callbacks.append(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._gc_started = time.perf_counter()
+            return
+        started, self._gc_started = self._gc_started, None
+        if started is None:
+            return
+        seconds = time.perf_counter() - started
+        if seconds >= GC_MIN_SECONDS:
+            self.event("gc", generation=info.get("generation"), seconds=round(seconds, 6),
+                       collected=info.get("collected"))
 
     @classmethod
     def open(cls, path: str | Path) -> Trace:
@@ -65,5 +86,7 @@ class Trace:
                    running=running, prefilling=prefilling)
 
     def close(self) -> None:
+        if self._on_gc in gc.callbacks:
+            gc.callbacks.remove(self._on_gc)
         with self._lock:
             self._stream.close()

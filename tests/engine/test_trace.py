@@ -44,3 +44,18 @@ def test_the_trace_has_every_step_and_each_requests_stages_in_order(tmp_path):
     finished = {line["id"]: line for line in lines if line["event"] == "finished"}
     assert {f["reason"] for f in finished.values()} == {"length"} and finished["r0"]["generated"] == 3
     assert {e.id for e in events if isinstance(e, ev.Done)} == {"r0", "r1"}
+
+
+def test_long_garbage_collections_are_traced(tmp_path, monkeypatch):
+    from musegl_core.engine import trace as trace_module
+
+    monkeypatch.setattr(trace_module, "GC_MIN_SECONDS", 0.0)
+    path = tmp_path / "trace.jsonl"
+    trace = trace_module.Trace.open(path)
+    import gc
+
+    gc.collect()
+    trace.close()
+    gc.collect()  # closed: no longer traced
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [line["generation"] for line in lines if line["event"] == "gc"] == [2]
