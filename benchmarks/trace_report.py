@@ -1,6 +1,6 @@
 """Where requests' time to first token goes, from a worker timeline (``musegl serve --trace-steps FILE``).
 
-    python benchmarks/trace_report.py FILE [--bursts]
+    python benchmarks/trace_report.py FILE [--bursts]      # FILE may be gzipped (.gz)
 
 Prints, over every request with all its stages, the percentiles (p50/p90/max, milliseconds) of
 received -> prepared (the preparation lanes), prepared -> admitted (the engine's inbox and admission),
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import gzip
 import json
 import statistics
 
@@ -31,7 +32,9 @@ def main() -> None:
     p.add_argument("--bursts", action="store_true", help="one line per burst of arriving requests")
     p.add_argument("--gap", type=float, default=0.05, help="seconds between arrivals that start a new burst")
     args = p.parse_args()
-    lines = [json.loads(line) for line in open(args.trace, encoding="utf-8") if line.strip()]
+    opener = gzip.open if args.trace.endswith(".gz") else open
+    with opener(args.trace, "rt", encoding="utf-8") as stream:
+        lines = [json.loads(line) for line in stream if line.strip()]
     stages: dict[str, dict[str, float]] = collections.defaultdict(dict)
     steps = []
     collections_by_generation = collections.defaultdict(list)

@@ -128,6 +128,10 @@ class TokenBudgetExceeded(ValueError):
 #: (one run of 10 MiB of ``A`` exhausts Oniguruma's retry limit and panics) and
 #: lets other threads run between pieces.
 PIECE_CHARS = 8192
+#: Text up to this many characters is encoded with the GIL held (``Tokenizer.encode``); longer
+#: text through ``encode_batch``, which releases it, so the engine thread runs meanwhile
+#: (docs/engine.md, "Sharing the GIL with the engine thread").
+SHORT_CHARS = 256
 #: A text run of a rendered prompt (:meth:`MuseTokenizer.encode_segments`) at least this long
 #: is remembered with its ids: agents resend the same system prompt, tool list and history
 #: every turn, so a turn tokenizes only what is new. Shorter runs cost little to encode.
@@ -758,8 +762,10 @@ class MuseTokenizer:
             return []
         tokenizer = self._tokenizer if special else self._plain
         try:
-            if len(text) <= PIECE_CHARS:
+            if len(text) <= SHORT_CHARS:
                 ids = tokenizer.encode(text, add_special_tokens=False).ids
+            elif len(text) <= PIECE_CHARS:  # encode_batch releases the GIL (encode does not), and is no slower
+                ids = tokenizer.encode_batch([text], add_special_tokens=False)[0].ids
             elif not self._cuts_exact:
                 ids = tokenizer.encode_batch([text], add_special_tokens=False)[0].ids
             else:

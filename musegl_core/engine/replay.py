@@ -19,6 +19,7 @@ visible answer after a different history never picks up another turn's ids.
 
 from __future__ import annotations
 
+import functools
 from typing import Sequence
 
 import attrs
@@ -45,11 +46,21 @@ class ReplayPlan:
     kept: tuple[tuple[int, tuple[int, ...]], ...]
 
 
+#: Turns whose parsed meaning a :class:`Replayer` remembers: an agent's every request re-sends
+#: every earlier answer, so each turn's text is decoded and parsed once, not once a request.
+MEANINGS_KEPT = 4096
+
+
 class Replayer:
     def __init__(self, tokenizer, end_ids: frozenset[int]):
         self.tokenizer = tokenizer
         self.end_ids = end_ids
         self.eot = tokenizer.eot_id
+        # (thread-safe: the preparation threads and the engine thread share the replayer)
+        self._parsed = functools.lru_cache(maxsize=MEANINGS_KEPT)(self._parse)
+
+    def _parse(self, ids: tuple[int, ...]):
+        return parse_output(self.tokenizer.decode(list(ids)), tools_active=True)
 
     def turn_ids(self, generated: Sequence[int]) -> tuple[int, ...]:
         """A generated answer as a closed turn: ends with exactly one ``<|eot|>``."""
@@ -59,23 +70,25 @@ class Replayer:
         return (*ids, self.eot)
 
     def _meaning(self, ids: Sequence[int], with_reasoning: bool) -> tuple:
-        parsed = parse_output(self.tokenizer.decode(list(ids)), tools_active=True)
+        parsed = self._parsed(tuple(ids))
         messages = tuple((t.recipient, t.body) for t in parsed.tool_messages)
         return (parsed.content, messages, parsed.reasoning if with_reasoning else None)
 
     def same_turn(self, rendered: Sequence[int], generated: Sequence[int]) -> bool:
-        if any(i < 0 for i in rendered):  # image rows are never part of an answer
+        if min(rendered, default=0) < 0:  # image rows are never part of an answer
             return False
-        client_reasoning = bool(parse_output(self.tokenizer.decode(list(rendered)), tools_active=True).reasoning)
+        client_reasoning = bool(self._parsed(tuple(rendered)).reasoning)
         return self._meaning(rendered, client_reasoning) == self._meaning(generated, client_reasoning)
 
     def apply(self, log: ReplayLog, prompt: Sequence[int]) -> tuple[list[int], tuple[tuple[int, tuple[int, ...]], ...]]:
         """``prompt`` with every matching rendered turn replaced; and the turns kept."""
         current = list(prompt)
         kept: list[tuple[int, tuple[int, ...]]] = []
+        checked = 0  # current[:checked] == log.executed[:checked]: each stretch is compared once
         for start, turn in log.turns:
-            if len(current) <= start or tuple(current[:start]) != log.executed[:start]:
+            if len(current) <= start or tuple(current[checked:start]) != log.executed[checked:start]:
                 break
+            checked = start
             try:
                 end = current.index(self.eot, start)
             except ValueError:
