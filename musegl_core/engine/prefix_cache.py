@@ -81,13 +81,26 @@ class PrefixCache:
                 self.pool.register(block, known)  # False: an equal block is keyed already
             parent = known
 
-    def lookup(self, prompt: Sequence[int], limit: int, salt: str | None = None) -> tuple[int, list[int]]:
+    def lookup(self, prompt: Sequence[int], limit: int, salt: str | None = None,
+               held: Sequence[int] = ()) -> tuple[int, list[int]]:
         """The longest keyed prefix of ``prompt`` in the key space of ``salt``:
-        (positions to reuse, at most ``limit``; the blocks holding them)."""
+        (positions to reuse, at most ``limit``; the blocks holding them).
+
+        ``held``: blocks known to hold the prompt's first full blocks (a session's own,
+        where its transcript matches the prompt, in the same key space): those that are
+        keyed are taken with their keys instead of hashing the prompt again, so a turn
+        hashes only its new blocks."""
         size = self.pool.block_size
         parent = chain_root(salt)
         blocks: list[int] = []
-        for index in range(min(len(prompt) // size, self.pool.blocks_for(limit))):
+        most = min(len(prompt) // size, self.pool.blocks_for(limit))
+        for block in held[:most]:
+            key = self.pool.key(block)
+            if key is None:
+                break
+            blocks.append(block)
+            parent = key
+        for index in range(len(blocks), most):
             key = block_key(parent, prompt[index * size : (index + 1) * size])
             block = self.pool.lookup(key)
             if block is None:

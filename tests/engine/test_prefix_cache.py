@@ -281,3 +281,36 @@ def test_a_named_session_keeps_the_salt_it_was_created_with():
     assert run_salted(table, sched, prompt + [20], "alice", name="chat", handle=1) == 14  # its own history
     table.drop(table.named["chat"])
     assert pool.used_blocks == 0 and pool.reserved_blocks == 0
+
+
+def test_common_prefix_matches_a_plain_scan():
+    import random
+
+    from musegl_core.engine.sessions import common_prefix
+
+    rng = random.Random(5)
+    for _ in range(300):
+        a = [rng.randrange(3) for _ in range(rng.randrange(0, 300))]
+        b = list(a[: rng.randrange(0, len(a) + 1)]) + [rng.randrange(3) for _ in range(rng.randrange(0, 50))]
+        plain = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        assert common_prefix(a, b) == common_prefix(tuple(b), a) == plain
+
+
+def test_a_session_s_own_keyed_blocks_are_not_hashed_again(monkeypatch):
+    """attach() hands the session's own blocks to the lookup: it finds what hashing the whole
+    prompt finds, hashing only the blocks after them."""
+    from musegl_core.engine import prefix_cache
+
+    pool, table, sched = setup(sessions=2, context=64)
+    history = list(range(1, 30))
+    _, _, session = run(table, sched, history, name="s")
+    prompt = session.tokens + [70, 71, 72, 73, 74, 75]
+    own = session.slot.blocks[: len(session.tokens) // SIZE]
+    hashed = []
+    real = prefix_cache.block_key
+    monkeypatch.setattr(prefix_cache, "block_key", lambda parent, tokens: hashed.append(1) or real(parent, tokens))
+    plain = table.cache.lookup(prompt, len(prompt) - 1)
+    whole = len(hashed)
+    hashed.clear()
+    assert table.cache.lookup(prompt, len(prompt) - 1, held=own) == plain
+    assert plain[0] >= len(own) * SIZE and len(hashed) < whole and len(hashed) <= whole - len(own) + 1
