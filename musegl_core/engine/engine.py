@@ -39,6 +39,7 @@ from musegl_core.engine.detokenize import IncrementalDetokenizer, hidden_ids
 from musegl_core.engine.executor import DEFAULT_PREFILL_CHUNK, Executor, ExecutorLimits, TokenLogprobs
 from musegl_core.engine.identity import prompt_keys, split_keys
 from musegl_core.engine.kv_pool import KVPool
+from musegl_core.engine.launch_gate import LaunchGate
 from musegl_core.engine.kv_sizing import plan_pool
 from musegl_core.engine.prefill_budget import PrefillBudget
 from musegl_core.engine.prefill_sharing import PrefillSharing
@@ -180,10 +181,13 @@ class Engine:
         self._stopping = False
         self.step_book = StepBook()
         self.trace = Trace.open(config.trace_steps) if config.trace_steps else None
+        #: closed while a step is launched (asynchronous executors): the worker's other threads wait at it
+        self.launch_gate = LaunchGate()
         self.loop = StepLoop(executor, self.speculator, self.scheduler, config.max_context, clock, self.step_book,
                              self.prefill_budget, self.throughput, embed=self._embedding,
                              on_prefilled=self._prefilled, on_token=self._on_token, fail=self._end_failed,
-                             verify_rows=verify_rows(config.spec_verify_rows, limits), trace=self.trace)
+                             verify_rows=verify_rows(config.spec_verify_rows, limits), trace=self.trace,
+                             gate=self.launch_gate)
         if self.speculator.max_draft:
             budget = self.loop.verify_rows
             log.info("speculation: up to %d drafts a sequence; %s", self.speculator.max_draft,

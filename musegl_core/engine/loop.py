@@ -35,6 +35,7 @@ import attrs
 
 from musegl_core.engine import errors
 from musegl_core.engine.executor import Executor, PendingStep, StepOutput
+from musegl_core.engine.launch_gate import LaunchGate
 from musegl_core.engine.masks import PendingMasks
 from musegl_core.engine.prefill_budget import PrefillBudget
 from musegl_core.engine.request import Phase, SequenceState
@@ -77,6 +78,7 @@ class StepLoop:
     fail: Callable[[SequenceState, errors.EngineError], None]
     verify_rows: int | None = None  # the verify-rows budget of a step (None: none), see draft_cap
     trace: Trace | None = None  # the step timeline (``--trace-steps``)
+    gate: LaunchGate | None = None  # closed while a step is launched on an asynchronous executor
     steps: int = 0
     budget_cut_steps: int = 0  # steps whose drafts the budget shortened (some still drafted)
     budget_skipped_steps: int = 0  # steps the budget left without drafts
@@ -119,7 +121,12 @@ class StepLoop:
         try:
             self._copy_blocks(copies)
             try:
-                output = self.executor.step(step)
+                if self._async and self.gate is not None:  # launch with the gate closed, then wait
+                    with self.gate.launching():
+                        pending = self.executor.launch(step)  # type: ignore[attr-defined]
+                    output = pending.result()
+                else:
+                    output = self.executor.step(step)
             finally:  # no mask computation of this step outlives it
                 for chunk in step.chunks:
                     if isinstance(chunk.masks, PendingMasks):

@@ -78,10 +78,15 @@ def control_loop(stdin: BinaryIO, engine: Engine, tokenizer, writer: EventWriter
     the next frame (a cancellation, another request)."""
     vocab_size = engine.executor.info.vocab_size
 
-    pool = PreparationPool(
-        lambda request: engine.plan_replay(prepare(request, tokenizer, vocab_size, vision,
-                                                   max_context=engine.config.max_context)),
-        engine.submit, lambda request_id, error: writer(m.Failed(request_id, error)), trace=engine.trace)
+    gate = engine.launch_gate
+
+    def prepare_one(request):
+        prepared = prepare(request, tokenizer, vocab_size, vision, max_context=engine.config.max_context)
+        gate.wait()  # (between the two halves: the engine may be launching a step)
+        return engine.plan_replay(prepared)
+
+    pool = PreparationPool(prepare_one, engine.submit, lambda request_id, error: writer(m.Failed(request_id, error)),
+                           trace=engine.trace, gate=gate)
     try:
         _read_frames(stdin, engine, writer, limit, pool)
     finally:
@@ -99,6 +104,7 @@ def _read_frames(stdin: BinaryIO, engine: Engine, writer: EventWriter, limit: in
                 line = stdin.readline(limit + 1)
             writer(m.Failed(None, m.FrameTooLarge(limit)))
             continue
+        engine.launch_gate.wait()  # decoding a long frame holds the GIL
         try:
             message = m.decode(line)
         except m.FrameError as exc:

@@ -43,6 +43,7 @@ import attrs
 from musegl_core.checkpoint.validate import one_line
 from musegl_core.engine.errors import DuplicateId, EngineError
 from musegl_core.engine.request import GenerateRequest, PreparedRequest
+from musegl_core.engine.launch_gate import LaunchGate
 from musegl_core.engine.trace import Trace
 from musegl_core.errors import ApiError
 from musegl_core.worker.messages import InputRefused, PreparationFailed
@@ -86,13 +87,16 @@ class PreparationPool:
     :param submit: called with each prepared request (the engine's ``submit``).
     :param fail: called with ``(request id, error kind)`` for a request that failed.
     :param trace: the worker's timeline (``--trace-steps``): a ``prepared`` event per request handed on.
+    :param gate: the engine's :class:`LaunchGate`: each preparation waits at it before it starts.
     """
 
     def __init__(self, prepare: Callable[[GenerateRequest], PreparedRequest],
                  submit: Callable[[PreparedRequest], None], fail: Callable[[str, EngineError], None], *,
-                 light_threads: int = LIGHT_THREADS, heavy_threads: int = HEAVY_THREADS, trace: Trace | None = None):
+                 light_threads: int = LIGHT_THREADS, heavy_threads: int = HEAVY_THREADS, trace: Trace | None = None,
+                 gate: LaunchGate | None = None):
         self._prepare = prepare
         self._trace = trace
+        self._gate = gate
         self._submit = submit
         self._fail = fail
         self._lanes = {
@@ -158,6 +162,8 @@ class PreparationPool:
 
     # -- on the lanes' threads ------------------------------------------------------------
     def _run(self, job: _Job) -> None:
+        if self._gate is not None:
+            self._gate.wait()
         started = time.perf_counter()
         if not job.cancelled:
             try:

@@ -247,7 +247,8 @@ def test_the_trace_records_each_prepared_request(tmp_path):
     finally:
         pool.close()
         trace.close()
-    lines = {line["id"]: line for line in map(json.loads, (tmp_path / "trace.jsonl").read_text().splitlines())}
+    lines = {line["id"]: line for line in map(json.loads, (tmp_path / "trace.jsonl").read_text().splitlines())
+             if line["event"] != "gc"}  # (garbage collections are traced too)
     assert {line["event"] for line in lines.values()} == {"prepared"}
     assert lines["short"]["lane"] == "light" and lines["long"]["lane"] == "heavy"
     sizes = {p.id: len(p.prompt_ids) for p in rec.submitted}
