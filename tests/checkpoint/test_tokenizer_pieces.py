@@ -259,6 +259,8 @@ def test_warm_builds_what_the_first_request_would_wait_for():
     shared = build_tiny_tokenizer()  # (one object per process)
     fresh = MuseTokenizer(shared._document, vocab_size=shared.vocab_size, pre="llama4")
     assert fresh._plain_tokenizer is None and "longest_token_bytes" not in vars(fresh)
+    assert fresh._added_pattern is None
     fresh.warm()
     assert fresh._plain_tokenizer is not None and vars(fresh)["longest_token_bytes"] >= 1
+    assert fresh._added_pattern is not None
     assert fresh.encode("hello there", special=False)
