@@ -16,6 +16,7 @@ additions (docs/protocol.md).
 from __future__ import annotations
 
 import datetime
+import traceback
 from typing import Any, TypeVar, get_origin
 
 import attrs
@@ -646,7 +647,12 @@ def structure_body(payload: dict[str, Any], cls: type[T]) -> T:
     try:
         return converter.structure(payload, cls)
     except cattrs.BaseValidationError as exc:
-        raise _field_error(exc) from exc
+        error = _field_error(exc)
+        _drop_tracebacks(exc)
+    try:
+        raise _freed(error)
+    finally:
+        del error  # (a frame holding the error its traceback holds would be a cycle too)
 
 
 def structure_request(payload: dict[str, Any]) -> ChatCompletionRequest:
@@ -668,7 +674,32 @@ def structure_request(payload: dict[str, Any]) -> ChatCompletionRequest:
     try:
         return converter.structure(payload, ChatCompletionRequest)
     except cattrs.BaseValidationError as exc:
-        raise _field_error(exc) from exc
+        error = _field_error(exc)
+        _drop_tracebacks(exc)
+    try:
+        raise _freed(error)
+    finally:
+        del error  # (a frame holding the error its traceback holds would be a cycle too)
+
+
+def _drop_tracebacks(exc: BaseException) -> None:
+    """Clear the frames of a structuring failure and of every failure it groups: cattrs'
+    generated functions keep the failures in a local list, a cycle through the tracebacks
+    that holds the body until a garbage collection."""
+    for sub in getattr(exc, "exceptions", ()):
+        _drop_tracebacks(sub)
+    if exc.__traceback__ is not None:
+        traceback.clear_frames(exc.__traceback__)
+        exc.__traceback__ = None
+
+
+def _freed(error: ApiError) -> ApiError:
+    """``error`` raised outside the ``except`` block and without a cause: the structuring
+    failure's tracebacks (whose frames hold the request's body) then form no reference
+    cycle, so a refused large body is freed at once, not at the next garbage collection."""
+    error.__cause__ = error.__context__ = None
+    error.__suppress_context__ = True
+    return error
 
 
 def json_literal(value: Any) -> str:

@@ -101,3 +101,34 @@ def test_the_c_library_trim_runs_where_it_exists():
         assert trim.runs == 2
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("where", ["structure_request", "structure_body"])
+def test_a_refused_body_is_freed_without_a_garbage_collection(where):
+    """A body that fails type checking leaves no reference cycle behind (the structuring
+    failure's tracebacks, the raised error's frame): a body refused with a 400 (10 MiB, say) is freed at
+    once, not when the collector next runs."""
+    import gc
+    import weakref
+
+    from musegl_core.errors import ApiError
+    from musegl_core.http import schemas
+
+    class Body(dict):  # (a dict that takes a weak reference)
+        pass
+
+    gc.disable()
+    try:
+        body = Body(model="m", messages=[Body(role="user", content=5)], max_tokens="x", stop=[1, "a"])
+        alive = weakref.ref(body)
+        try:
+            if where == "structure_request":
+                schemas.structure_request(body)
+            else:
+                schemas.structure_body(body, schemas.ChatCompletionRequest)
+        except ApiError as error:
+            assert error.param in ("max_tokens", "messages[0].content", "stop[0]")
+        del body
+        assert alive() is None
+    finally:
+        gc.enable()
