@@ -764,9 +764,8 @@ class MuseTokenizer:
         try:
             if len(text) <= SHORT_CHARS:
                 ids = tokenizer.encode(text, add_special_tokens=False).ids
-            elif len(text) <= PIECE_CHARS:  # encode_batch releases the GIL (encode does not), and is no slower
-                ids = tokenizer.encode_batch([text], add_special_tokens=False)[0].ids
-            elif not self._cuts_exact:
+            elif len(text) <= PIECE_CHARS or not self._cuts_exact:
+                # whole: encode_batch releases the GIL (encode does not), and is no slower
                 ids = tokenizer.encode_batch([text], add_special_tokens=False)[0].ids
             else:
                 ids = self._encode_pieces(tokenizer, text, special, limit)

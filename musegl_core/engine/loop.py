@@ -90,11 +90,13 @@ class StepLoop:
     _device_drafts: bool = attrs.field(init=False)
     _on_device: DeviceDrafts | None = None  # this step's drafts, while they are on the device
     _last_result: float = 0.0  # when the last launched step's result arrived
+    _gated: bool = attrs.field(init=False)  # launches close the gate (a device computes them, not the host)
 
     def __attrs_post_init__(self) -> None:
         limits = self.executor.limits
         self._async = limits.async_steps
         self._device_drafts = limits.device_drafts and proposes_on_device(self.speculator)
+        self._gated = self.gate is not None and limits.async_steps and not limits.host_compute
 
     # -- one forward -----------------------------------------------------------------
     def step(self) -> None:
@@ -121,7 +123,7 @@ class StepLoop:
         try:
             self._copy_blocks(copies)
             try:
-                if self._async and self.gate is not None:  # launch with the gate closed, then wait
+                if self._gated:  # launch with the gate closed, then wait
                     with self.gate.launching():
                         pending = self.executor.launch(step)  # type: ignore[attr-defined]
                     output = pending.result()

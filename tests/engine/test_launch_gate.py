@@ -69,6 +69,9 @@ def test_the_gate_is_closed_for_each_launch_and_open_while_the_step_runs():
 def test_a_host_computing_executor_never_closes_it():
     engine = run(ExampleExecutor(tokenizer().vocab_size))
     assert engine.launch_gate.closed_count == 0
+    executor = AsyncExample(tokenizer().vocab_size)  # asynchronous, but the host computes the step
+    executor.limits = attrs.evolve(executor.limits, host_compute=True)
+    assert run(executor).launch_gate.closed_count == 0
 
 
 def test_waiting_returns_at_once_when_open_and_is_bounded_when_closed(monkeypatch):
