@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import datetime
 import traceback
-from typing import Any, TypeVar, get_origin
+from typing import Any, NoReturn, TypeVar, get_origin
 
 import attrs
 import cattrs
@@ -647,12 +647,7 @@ def structure_body(payload: dict[str, Any], cls: type[T]) -> T:
     try:
         return converter.structure(payload, cls)
     except cattrs.BaseValidationError as exc:
-        error = _field_error(exc)
-        _drop_tracebacks(exc)
-    try:
-        raise _freed(error)
-    finally:
-        del error  # (a frame holding the error its traceback holds would be a cycle too)
+        _refuse(exc)
 
 
 def structure_request(payload: dict[str, Any]) -> ChatCompletionRequest:
@@ -674,32 +669,28 @@ def structure_request(payload: dict[str, Any]) -> ChatCompletionRequest:
     try:
         return converter.structure(payload, ChatCompletionRequest)
     except cattrs.BaseValidationError as exc:
-        error = _field_error(exc)
-        _drop_tracebacks(exc)
+        _refuse(exc)
+
+
+def _refuse(exc: cattrs.BaseValidationError) -> NoReturn:
+    """Raise the 400 for a structuring failure (:func:`_field_error`) so that the request's
+    body is freed as soon as the error is handled, not at the next garbage collection:
+    cattrs' generated functions keep their failures in a local list, a cycle through the
+    tracebacks whose frames hold the body, so those frames are cleared first; and this
+    frame drops the error before it propagates (a frame holding the error its own traceback
+    holds would be a cycle too)."""
+    error = _field_error(exc)
+    pending = [exc]
+    while pending:
+        failure = pending.pop()
+        pending.extend(getattr(failure, "exceptions", ()))
+        if failure.__traceback__ is not None:
+            traceback.clear_frames(failure.__traceback__)
+            failure.__traceback__ = None
     try:
-        raise _freed(error)
+        raise error from None
     finally:
-        del error  # (a frame holding the error its traceback holds would be a cycle too)
-
-
-def _drop_tracebacks(exc: BaseException) -> None:
-    """Clear the frames of a structuring failure and of every failure it groups: cattrs'
-    generated functions keep the failures in a local list, a cycle through the tracebacks
-    that holds the body until a garbage collection."""
-    for sub in getattr(exc, "exceptions", ()):
-        _drop_tracebacks(sub)
-    if exc.__traceback__ is not None:
-        traceback.clear_frames(exc.__traceback__)
-        exc.__traceback__ = None
-
-
-def _freed(error: ApiError) -> ApiError:
-    """``error`` raised outside the ``except`` block and without a cause: the structuring
-    failure's tracebacks (whose frames hold the request's body) then form no reference
-    cycle, so a refused large body is freed at once, not at the next garbage collection."""
-    error.__cause__ = error.__context__ = None
-    error.__suppress_context__ = True
-    return error
+        del error
 
 
 def json_literal(value: Any) -> str:
