@@ -281,6 +281,10 @@ def run_musegl(args, checkpoint, rng, tok_s: dict[tuple[int, int], float]):
             times = timed(args, ttft, 2)
             emit(engine="musegl", figure="ttft", tokens=n, chunk=chunk, s=round(times[-1], 3),
                  tok_s=round(n / times[-1], 1))
+            if args.profile and cuda:  # the chunk that reads the most keys (its cache is the run's own)
+                lo = (n - 1) // chunk * chunk
+                last = Step([SeqChunk(1, prompt[lo:], list(range(lo, n)), table, sample=1)])
+                print_profile(f"the last {n - lo}-row chunk of the {n}-token prompt", 1, lambda: executor.step(last))
         except (RuntimeError, MemoryError) as exc:
             emit(engine="musegl", figure="ttft", tokens=n, chunk=chunk, error=f"{type(exc).__name__}: {exc}"[:300])
             release_cached()

@@ -19,6 +19,13 @@ default, and the ``--tokens`` prompt alone), the output gate applied after;
 microseconds per layer with the gather and the gate, against our kernel at
 the same shape, and the largest difference from our kernel's output.
 
+``--first-calls N,N,...`` times what a *new* length costs: for each length (queries = keys, a
+chunk that starts its sequence) the first call of the executor's fused attention
+(``dense_gated_attention``, wall time to the end of the kernels) and the median of five after
+it, through cuDNN at the exact length (``BUCKET_ROWS`` 1), through cuDNN padded to its bucket
+after :func:`~musegl_cuda.cuda.dense_attention.warm` planned the buckets up to 2,048 rows (the
+start-up of the executor), and through FlashAttention; one JSON line per length and way.
+
 Needs a CUDA GPU.
 """
 
@@ -58,7 +65,11 @@ def main() -> int:
     p.add_argument("--sdpa-only", action="store_true", help="only the --sdpa comparison (no sweep)")
     p.add_argument("--chunk", type=int, default=8192, help="queries of the --sdpa long shape")
     p.add_argument("--context", type=int, default=32768, help="keys of the --sdpa long shape")
+    p.add_argument("--first-calls", default="", help="lengths whose first fused-attention call is timed")
     args = p.parse_args()
+    if args.first_calls:
+        first_calls([int(n) for n in args.first_calls.split(",")])
+        return 0
     if args.sdpa or args.sdpa_only:
         for queries, keys in ((args.tokens, args.tokens), (args.chunk, args.context)):
             sdpa_part(queries, keys)
@@ -160,6 +171,54 @@ def sdpa_part(queries: int, keys: int) -> None:
             continue
         emit(part="sdpa", queries=queries, keys=keys, backend=backend.name, us=round(us, 1),
              tflops=round(flops / us / 1e6, 1), max_diff=round(diff, 4))
+
+
+def first_calls(lengths: list[int]) -> None:
+    """--first-calls: the cost of a new length in the executor's fused attention (see the module)."""
+    import time
+
+    from torch.nn.attention import SDPBackend
+
+    from musegl_cuda.cuda import dense_attention as da
+
+    heads, kv_heads, hd = 32, 2, 128
+    dev, dtype = torch.device("cuda"), torch.bfloat16
+    torch.manual_seed(2)
+
+    def call(n: int, backends) -> float:
+        q = torch.randn(n, heads, hd, device=dev, dtype=dtype)
+        k = torch.randn(n, kv_heads, hd, device=dev, dtype=dtype)
+        g = torch.randn(n, heads * hd, device=dev, dtype=dtype)
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        da.dense_gated_attention(q, k, k, da.DenseKeys(torch.arange(n, device=dev), n, n), hd ** -0.5, g, 0,
+                                 backends=backends)
+        torch.cuda.synchronize()
+        return (time.perf_counter() - t) * 1e3
+
+    ways = [("cudnn_exact", 1, [SDPBackend.CUDNN_ATTENTION]), ("cudnn_bucketed", da.BUCKET_ROWS, None),
+            ("flash", 1, [SDPBackend.FLASH_ATTENTION])]
+    bucket_rows = da.BUCKET_ROWS
+    da.BUCKET_ROWS = 1
+    emit(part="first_calls", way="init", length=777,  # the libraries' one-time set-up, before any timed length
+         cudnn_ms=round(call(777, [SDPBackend.CUDNN_ATTENTION]), 1), flash_ms=round(call(777, [SDPBackend.FLASH_ATTENTION]), 1))
+    for way, rows, backends in ways:
+        da.BUCKET_ROWS = rows
+        if way == "cudnn_bucketed":
+            t = time.perf_counter()
+            planned = da.warm(dev, dtype, heads, kv_heads, hd, 2048)
+            torch.cuda.synchronize()
+            emit(part="first_calls", way=way, warm_lengths=planned, warm_ms=round((time.perf_counter() - t) * 1e3, 1))
+        for i, n in enumerate(lengths):
+            n += {"cudnn_exact": 0, "cudnn_bucketed": 1, "flash": 2}[way]  # each way its own new lengths
+            try:
+                first = call(n, backends)
+                later = sorted(call(n, backends) for _ in range(5))[2]
+            except Exception as exc:  # a backend that does not take this length
+                emit(part="first_calls", way=way, length=n, error=str(exc)[:200])
+                continue
+            emit(part="first_calls", way=way, length=n, first_ms=round(first, 2), later_ms=round(later, 3))
+    da.BUCKET_ROWS = bucket_rows
 
 
 if __name__ == "__main__":

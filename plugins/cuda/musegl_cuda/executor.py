@@ -309,7 +309,8 @@ class TorchExecutor:
 
     def _warm_attention(self, scratch_block: int) -> None:
         """Compile the attention launches of prefill and mixed steps now, not under the
-        first requests (:func:`~musegl_cuda.cuda.kernels.warm_attention`)."""
+        first requests (:func:`~musegl_cuda.cuda.kernels.warm_attention`), and plan the fused
+        attention of long sequence-starting chunks (:func:`~musegl_cuda.cuda.dense_attention.warm`)."""
         import time
 
         from musegl_cuda.cuda.kernels import warm_attention
@@ -324,6 +325,14 @@ class TorchExecutor:
                                       c.sliding_window, attn.qkvg.shape[0], attn.gate_offset)
             torch.cuda.synchronize(self.device)
         log.info("attention kernels ready: %d kinds of launch in %.1f s", launches, time.perf_counter() - started)
+        if self.dense_prefill:  # cuDNN's plans for the sequence-starting chunk lengths up to the prefill chunk
+            started = time.perf_counter()
+            with torch.inference_mode():
+                lengths = dense_attention.warm(self.device, self.dtype, c.num_heads, c.num_kv_heads, c.head_dim,
+                                               self.limits.prefill_chunk or CUDA_PREFILL_CHUNK)
+                torch.cuda.synchronize(self.device)
+            log.info("fused prefill attention ready: %d chunk lengths planned in %.1f s", lengths,
+                     time.perf_counter() - started)
 
     @property
     def k_cache(self) -> list[torch.Tensor]:

@@ -13,7 +13,8 @@ import pytest
 import torch
 from torch.nn.attention import SDPBackend
 
-from musegl_cuda.cuda.dense_attention import DenseKeys, available, dense_gated_attention
+from musegl_cuda.cuda import dense_attention
+from musegl_cuda.cuda.dense_attention import DenseKeys, available, bucket, dense_gated_attention
 
 HEADS, KV_HEADS, HD, BS = 4, 2, 8, 4
 
@@ -58,6 +59,27 @@ def test_matches_the_loop(rows, keys):
     got = dense_gated_attention(q, k, v, dense, 1 / math.sqrt(HD), qkvg, offset, backends=[SDPBackend.MATH])
     torch.testing.assert_close(got, reference(q, k, v, table, keys, gate, 1 / math.sqrt(HD)),
                                rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("bucket_rows", [1, 4, 16])
+def test_a_sequence_starting_chunk_padded_to_its_bucket_keeps_its_rows(monkeypatch, bucket_rows):
+    """cuDNN sees the chunk at a bucketed length (one plan per bucket, not per length): the
+    padding rows come after the real ones, so the real rows' outputs are the loop's."""
+    monkeypatch.setattr(dense_attention, "BUCKET_ROWS", bucket_rows)
+    rows = 9
+    k, v, table = paged(rows)
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(rows, HEADS, HD, generator=g)
+    qkvg = torch.randn(rows, HEADS * HD, generator=g)
+    got = dense_gated_attention(q, k, v, DenseKeys.of_table(table, BS, rows, rows), 0.3, qkvg, 0,
+                                backends=[SDPBackend.MATH])
+    assert got.shape == (rows, HEADS * HD)
+    torch.testing.assert_close(got, reference(q, k, v, table, rows, qkvg.view(rows, HEADS, HD), 0.3),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_buckets():
+    assert [bucket(n) for n in (1, 1023, 1024, 1025, 2048, 2049)] == [1024, 1024, 1024, 2048, 2048, 3072]
 
 
 def test_rows_must_be_the_chunk():

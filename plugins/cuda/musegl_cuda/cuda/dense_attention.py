@@ -16,6 +16,12 @@ for one that follows cached keys (the measured best of each). Only bf16 and fp16
 only where :func:`available` found both backends working on this device at start-up: a backend
 that cannot take a call would otherwise fall back to the unfused math path (32 GB of scores at
 8k x 32k).
+
+cuDNN builds an execution plan for every new sequence length it sees, which costs far more
+than the attention itself; so a chunk that starts the sequence is padded to a multiple of
+:data:`BUCKET_ROWS` rows (zero queries and keys after the real ones, which the causal mask
+hides from every real row), and the executor plans the buckets up to its prefill chunk at
+start-up (:func:`warm`). A longer chunk plans its bucket once, at first use.
 """
 
 from __future__ import annotations
@@ -30,6 +36,13 @@ log = logging.getLogger("musegl.cuda")
 
 #: Rows of a single-sequence prefill chunk from which its global layers run here.
 MIN_ROWS = 1024
+#: A chunk that starts its sequence runs cuDNN at its length rounded up to a multiple of this.
+BUCKET_ROWS = 1024
+
+
+def bucket(rows: int) -> int:
+    """The length cuDNN sees for a chunk of ``rows`` rows that starts its sequence."""
+    return -(-rows // BUCKET_ROWS) * BUCKET_ROWS
 
 
 @attrs.frozen
@@ -69,14 +82,33 @@ def dense_gated_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     rows, heads, hd = q.shape
     if rows != dense.queries:
         raise ValueError(f"{rows} query rows for a chunk of {dense.queries}")
-    kk = k_cache.index_select(0, dense.slots).transpose(0, 1)[None]  # (1, kv_heads, keys, hd)
-    vv = v_cache.index_select(0, dense.slots).transpose(0, 1)[None]
-    qq = q.transpose(0, 1)[None]
-    with sdpa_kernel(_backends(dense.queries == dense.keys) if backends is None else backends):
-        o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=causal_lower_right(rows, dense.keys),
+    kk = k_cache.index_select(0, dense.slots)  # (keys, kv_heads, hd)
+    vv = v_cache.index_select(0, dense.slots)
+    qq, keys = q, dense.keys
+    starts = dense.queries == dense.keys
+    if starts and bucket(rows) != rows:  # zero rows after the last: causally invisible to the real ones
+        pad = (0, 0, 0, 0, 0, bucket(rows) - rows)
+        qq, kk, vv, keys = F.pad(q, pad), F.pad(kk, pad), F.pad(vv, pad), bucket(rows)
+    with sdpa_kernel(_backends(starts) if backends is None else backends):
+        o = F.scaled_dot_product_attention(qq.transpose(0, 1)[None], kk.transpose(0, 1)[None],
+                                           vv.transpose(0, 1)[None],
+                                           attn_mask=causal_lower_right(qq.shape[0], keys),
                                            scale=scale, enable_gqa=True)
     gate = qkvg[:, gate_offset:gate_offset + heads * hd].view(rows, heads, hd)
-    return (o[0].transpose(0, 1) * torch.sigmoid(gate)).reshape(rows, heads * hd)
+    return (o[0, :, :rows].transpose(0, 1) * torch.sigmoid(gate)).reshape(rows, heads * hd)
+
+
+def warm(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int, up_to: int) -> int:
+    """Plan cuDNN's attention for every bucket of a sequence-starting chunk from
+    :data:`MIN_ROWS` to ``up_to`` rows (once, at start-up, where :func:`available` said yes);
+    the number of lengths planned."""
+    lengths = range(bucket(MIN_ROWS), bucket(up_to) + 1, BUCKET_ROWS)
+    for n in lengths:
+        q = torch.zeros(n, heads, head_dim, device=device, dtype=dtype)
+        k = torch.zeros(n, kv_heads, head_dim, device=device, dtype=dtype)
+        dense_gated_attention(q, k, k, DenseKeys(torch.arange(n, device=device), n, n), head_dim ** -0.5,
+                              torch.zeros(n, heads * head_dim, device=device, dtype=dtype), 0)
+    return len(lengths)
 
 
 def available(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int) -> bool:
