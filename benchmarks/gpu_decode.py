@@ -366,6 +366,8 @@ def print_profile(what: str, launches: int, fn) -> None:
     """torch.profiler's kernels of ``fn`` by total GPU time, and their sum per launch, on stderr."""
     from torch.profiler import ProfilerActivity, profile
 
+    from musegl_cuda.step_profile import device_time_us
+
     torch.cuda.synchronize()
     t = time.perf_counter()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -373,7 +375,7 @@ def print_profile(what: str, launches: int, fn) -> None:
         torch.cuda.synchronize()
     wall_ms = (time.perf_counter() - t) * 1e3
     events = prof.key_averages()
-    kernel_ms = sum(getattr(e, "self_device_time_total", 0) or 0 for e in events) / 1e3
+    kernel_ms = device_time_us(events) / 1e3
     print(f"--- profile: {what}: {wall_ms / launches:.2f} ms wall and {kernel_ms / launches:.2f} ms of GPU "
           f"kernels a launch (under the profiler)", file=sys.stderr)
     print(events.table(sort_by="self_cuda_time_total", row_limit=24, max_name_column_width=70), file=sys.stderr)

@@ -17,7 +17,9 @@ causal mask aligned to the bottom right (a chunk of ``--chunk`` queries that
 ends at position ``--context``: the last 8k chunk of a 32k prompt by
 default, and the ``--tokens`` prompt alone), the output gate applied after;
 microseconds per layer with the gather and the gate, against our kernel at
-the same shape, and the largest difference from our kernel's output.
+the same shape, and the largest difference from our kernel's output; and for the sliding layers
+(``--window``) our kernel against the executor's FlashAttention local attention
+(``dense_gated_attention`` with the window: only the keys the window reaches gathered).
 
 ``--first-calls N,N,...`` times what a *new* length costs: for each length (queries = keys, a
 chunk that starts its sequence) the first call of the executor's fused attention
@@ -73,6 +75,7 @@ def main() -> int:
     if args.sdpa or args.sdpa_only:
         for queries, keys in ((args.tokens, args.tokens), (args.chunk, args.context)):
             sdpa_part(queries, keys)
+            windowed_part(queries, keys, args.window)
         if args.sdpa_only:
             return 0
     n, heads, kv_heads, hd, bs = args.tokens, 32, 2, 128, 16
@@ -170,6 +173,49 @@ def sdpa_part(queries: int, keys: int) -> None:
             emit(part="sdpa", queries=queries, keys=keys, backend=backend.name, error=str(exc)[:200])
             continue
         emit(part="sdpa", queries=queries, keys=keys, backend=backend.name, us=round(us, 1),
+             tflops=round(flops / us / 1e6, 1), max_diff=round(diff, 4))
+
+
+def windowed_part(queries: int, keys: int, window: int) -> None:
+    """One sliding layer of a chunk of ``queries`` rows ending at position ``keys``: our paged
+    kernel against the executor's windowed FlashAttention path, one line each."""
+    from musegl_cuda.cuda import dense_attention as da
+
+    heads, kv_heads, hd, bs = 32, 2, 128, 16
+    group = heads // kv_heads
+    dev = "cuda"
+    torch.manual_seed(3)
+    blocks = -(-keys // bs)
+    k = torch.randn(blocks * bs, kv_heads, hd, device=dev, dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    table = torch.randperm(blocks, device=dev).to(torch.int32)
+    q = torch.randn(queries, heads, hd, device=dev, dtype=torch.bfloat16)
+    qkvg = torch.randn(queries, heads * hd, device=dev, dtype=torch.bfloat16)
+    first = keys - queries
+    per = 128 // group
+    tiles = torch.tensor([(0, r, min(per, queries - r), first + r) for r in range(0, queries, per)],
+                         device=dev, dtype=torch.int32)
+    dense = da.DenseKeys.of_table(table, bs, queries, keys, windowed=True)
+    scale = hd ** -0.5
+
+    def ours() -> torch.Tensor:
+        return kernels.gated_attention(q, k, v, bs, table[None, :], tiles, tiles.shape[0], 1, 128, window, True,
+                                       scale, qkvg, 0)
+
+    def flash() -> torch.Tensor:
+        return da.dense_gated_attention(q, k, v, dense, scale, qkvg, 0, window=window)
+
+    reference = ours().float()
+    visible = sum(min(window, first + r + 1) for r in range(queries))
+    flops = 4 * heads * hd * visible
+    for name, fn in (("ours", ours), ("flash_windowed", flash)):
+        try:
+            diff = (fn().float() - reference).abs().max().item()
+            us = per_launch_us(fn)
+        except Exception as exc:  # a torch whose FlashAttention takes no window
+            emit(part="windowed", queries=queries, keys=keys, window=window, backend=name, error=str(exc)[:200])
+            continue
+        emit(part="windowed", queries=queries, keys=keys, window=window, backend=name, us=round(us, 1),
              tflops=round(flops / us / 1e6, 1), max_diff=round(diff, 4))
 
 

@@ -23,6 +23,15 @@ log = logging.getLogger("musegl.cuda")
 ENV = "MUSEGL_BENCHMARK_PROFILE"
 
 
+def device_time_us(events) -> float:
+    """The GPU time of ``torch.profiler``'s ``key_averages()``: its device events only (a CPU op
+    that launched a library's kernel, e.g. ``aten::mm``, carries that kernel's time too, as the
+    table's own "Self CUDA time total" leaves out)."""
+    from torch.autograd import DeviceType
+
+    return sum(e.self_device_time_total for e in events if e.device_type != DeviceType.CPU)
+
+
 class StepProfiler:
     """Call :meth:`tick` at the start of every launch."""
 
@@ -81,7 +90,7 @@ class StepProfiler:
         prof, self.profile = self.profile, None
         prof.__exit__(None, None, None)
         events = prof.key_averages()
-        device_us = sum(getattr(e, "self_device_time_total", 0) or 0 for e in events)
+        device_us = device_time_us(events)
         table = events.table(sort_by="self_cuda_time_total", row_limit=40, max_name_column_width=70)
         head = (f"{self.label}: {self.count} launches, {wall * 1e3:.1f} ms wall, "
                 f"{device_us / 1e3:.1f} ms of GPU kernels ({device_us / 1e3 / max(self.count, 1):.2f} ms a launch)\n")
