@@ -18,8 +18,8 @@ ends at position ``--context``: the last 8k chunk of a 32k prompt by
 default, and the ``--tokens`` prompt alone), the output gate applied after;
 microseconds per layer with the gather and the gate, against our kernel at
 the same shape, and the largest difference from our kernel's output; and for the sliding layers
-(``--window``) our kernel against the executor's FlashAttention local attention
-(``dense_gated_attention`` with the window: only the keys the window reaches gathered).
+(``--window``) our kernel against FlashAttention's local attention (``window_size_left``; only
+the keys the window reaches gathered, the gate applied after).
 
 ``--first-calls N,N,...`` times what a *new* length costs: for each length (queries = keys, a
 chunk that starts its sequence) the first call of the executor's fused attention
@@ -178,7 +178,7 @@ def sdpa_part(queries: int, keys: int) -> None:
 
 def windowed_part(queries: int, keys: int, window: int) -> None:
     """One sliding layer of a chunk of ``queries`` rows ending at position ``keys``: our paged
-    kernel against the executor's windowed FlashAttention path, one line each."""
+    kernel against FlashAttention's local attention, one line each."""
     from musegl_cuda.cuda import dense_attention as da
 
     heads, kv_heads, hd, bs = 32, 2, 128, 16
@@ -195,15 +195,19 @@ def windowed_part(queries: int, keys: int, window: int) -> None:
     per = 128 // group
     tiles = torch.tensor([(0, r, min(per, queries - r), first + r) for r in range(0, queries, per)],
                          device=dev, dtype=torch.int32)
-    dense = da.DenseKeys.of_table(table, bs, queries, keys, windowed=True)
+    slots = da.DenseKeys.of_table(table, bs, queries, keys).slots[max(0, first - window + 1):]
     scale = hd ** -0.5
 
     def ours() -> torch.Tensor:
         return kernels.gated_attention(q, k, v, bs, table[None, :], tiles, tiles.shape[0], 1, 128, window, True,
                                        scale, qkvg, 0)
 
-    def flash() -> torch.Tensor:
-        return da.dense_gated_attention(q, k, v, dense, scale, qkvg, 0, window=window)
+    def flash() -> torch.Tensor:  # the keys the first row's window reaches; FlashAttention's (batch, seq, heads, hd)
+        kk, vv = k.index_select(0, slots), v.index_select(0, slots)
+        o = torch.ops.aten._flash_attention_forward(q[None], kk[None], vv[None], None, None, queries, len(slots), 0.0,
+                                                    True, False, scale=scale, window_size_left=window - 1,
+                                                    window_size_right=0)[0][0]
+        return (o * torch.sigmoid(qkvg.view(queries, heads, hd))).reshape(queries, heads * hd)
 
     reference = ours().float()
     visible = sum(min(window, first + r + 1) for r in range(queries))

@@ -255,9 +255,6 @@ class TorchExecutor:
         # long single-sequence prefill chunks: their global layers through torch's fused attention
         self.dense_prefill = self.paged and dense_attention.available(
             self.device, self.dtype, config.num_heads, config.num_kv_heads, config.head_dim)
-        # ... and their sliding layers too, where torch's FlashAttention takes a window
-        self.dense_windowed = self.dense_prefill and dense_attention.windowed_available(
-            self.device, self.dtype, config.num_heads, config.num_kv_heads, config.head_dim)
         self.samplers = None  # the sampler graphs of decode graph steps (musegl_cuda.cuda.sampling_graphs)
         self._previous: PendingStep | None = None  # the last launch (a following chunk reads its ids)
         self._drafted: DraftRows | None = None  # the launch's device-draft blocks, until judged
@@ -540,8 +537,7 @@ class TorchExecutor:
         dense = None
         if self.dense_prefill and len(plan.starts) == 1 and plan.num_tokens >= dense_attention.MIN_ROWS:
             n = plan.num_tokens
-            dense = dense_attention.DenseKeys.of_table(tables[0], self.block_size, n, int(plan.positions[0]) + n,
-                                                       self.dense_windowed)
+            dense = dense_attention.DenseKeys.of_table(tables[0], self.block_size, n, int(plan.positions[0]) + n)
         meta = PagedMeta(torch.from_numpy(plan.slots).to(dev, non_blocking=True), tables,
                          torch.from_numpy(plan.tiles).to(dev, non_blocking=True), tiles,
                          sliding, block_m, self.block_size, full, dense)

@@ -577,9 +577,8 @@ class MuseGlimmerDecoder(nn.Module):
             qkvg = F.linear(x, attn.qkvg)
             q = kernels.qk_norm_rope_store(qkvg, cos, sin, meta.slots, k_flat, v_flat, heads, kv_heads, hd,
                                            attn.eps, attn.qk_scale, attn.use_rope)
-            if meta.dense is not None and (meta.dense.windowed or not attn.sliding):
-                y = dense_gated_attention(q, k_flat, v_flat, meta.dense, attn.scaling, qkvg, attn.gate_offset,
-                                          window=attn.window)
+            if meta.dense is not None and not attn.sliding:
+                y = dense_gated_attention(q, k_flat, v_flat, meta.dense, attn.scaling, qkvg, attn.gate_offset)
             else:
                 y = kernels.gated_attention(q, k_flat, v_flat, meta.block_size, meta.tables, meta.tiles,
                                             meta.num_tiles, meta.splits_of(attn.sliding), meta.block_m,

@@ -14,8 +14,7 @@ import torch
 from torch.nn.attention import SDPBackend
 
 from musegl_cuda.cuda import dense_attention
-from musegl_cuda.cuda.dense_attention import (DenseKeys, available, bucket, dense_gated_attention,
-                                               windowed_available)
+from musegl_cuda.cuda.dense_attention import DenseKeys, available, bucket, dense_gated_attention
 
 HEADS, KV_HEADS, HD, BS = 4, 2, 8, 4
 
@@ -31,19 +30,17 @@ def paged(keys: int, seed: int = 0):
     return k, v, table
 
 
-def reference(q, k, v, table, keys, gate, scale, window=0):
-    """The loop: row i is position keys - rows + i and attends keys 0 .. its position (with a
-    ``window``, only the last ``window`` of them)."""
+def reference(q, k, v, table, keys, gate, scale):
+    """The loop: row i is position keys - rows + i and attends keys 0 .. its position."""
     rows = q.shape[0]
     slot = [int(table[p // BS]) * BS + p % BS for p in range(keys)]
     out = torch.empty(rows, HEADS, HD)
     for i in range(rows):
         pos = keys - rows + i
-        lo = max(0, pos - window + 1) if window else 0
         for h in range(HEADS):
             kv = h // (HEADS // KV_HEADS)
-            kk = torch.stack([k[s, kv] for s in slot[lo:pos + 1]])
-            vv = torch.stack([v[s, kv] for s in slot[lo:pos + 1]])
+            kk = torch.stack([k[s, kv] for s in slot[:pos + 1]])
+            vv = torch.stack([v[s, kv] for s in slot[:pos + 1]])
             w = torch.softmax(kk @ q[i, h] * scale, dim=0)
             out[i, h] = (w[:, None] * vv).sum(0) * torch.sigmoid(gate[i, h])
     return out.reshape(rows, HEADS * HD)
@@ -61,20 +58,6 @@ def test_matches_the_loop(rows, keys):
     assert dense.slots.tolist() == [int(table[p // BS]) * BS + p % BS for p in range(keys)]
     got = dense_gated_attention(q, k, v, dense, 1 / math.sqrt(HD), qkvg, offset, backends=[SDPBackend.MATH])
     torch.testing.assert_close(got, reference(q, k, v, table, keys, gate, 1 / math.sqrt(HD)),
-                               rtol=1e-5, atol=1e-5)
-
-
-@pytest.mark.parametrize("rows,keys,window", [(9, 9, 4), (6, 23, 5), (6, 23, 30), (1, 5, 2), (12, 20, 1)])
-def test_a_sliding_layer_matches_the_windowed_loop(rows, keys, window):
-    """A sliding layer of a long chunk: only the keys the first row's window reaches are
-    gathered, and each row sees the last ``window`` positions up to its own."""
-    k, v, table = paged(keys, seed=4)
-    g = torch.Generator().manual_seed(5)
-    q = torch.randn(rows, HEADS, HD, generator=g)
-    qkvg = torch.randn(rows, HEADS * HD, generator=g)
-    dense = DenseKeys.of_table(table, BS, rows, keys, windowed=True)
-    got = dense_gated_attention(q, k, v, dense, 0.4, qkvg, 0, window=window)
-    torch.testing.assert_close(got, reference(q, k, v, table, keys, qkvg.view(rows, HEADS, HD), 0.4, window),
                                rtol=1e-5, atol=1e-5)
 
 
@@ -109,7 +92,6 @@ def test_rows_must_be_the_chunk():
 
 def test_not_available_off_cuda_or_in_float32():
     assert not available(torch.device("cpu"), torch.bfloat16, HEADS, KV_HEADS, HD)
-    assert not windowed_available(torch.device("cpu"), torch.bfloat16, HEADS, KV_HEADS, HD)
     assert not available(torch.device("cuda"), torch.float32, HEADS, KV_HEADS, HD)
 
 
@@ -117,8 +99,7 @@ def test_not_available_off_cuda_or_in_float32():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_executor_long_chunks_match_the_paged_kernel(tmp_path):
     """bf16 on the GPU: a 1,536-token prompt (cuDNN, padded to 2,048 rows) then a 1,100-token
-    chunk after it (FlashAttention), their sliding layers (a 32-key window) through
-    FlashAttention's local attention, give the logits of the paged kernel in every layer, and
+    chunk after it (FlashAttention) give the logits of the paged kernel in every layer, and
     the same greedy token."""
     from gpu_checkpoint_support import write_gpu_checkpoint
 
@@ -136,8 +117,7 @@ def test_executor_long_chunks_match_the_paged_kernel(tmp_path):
     for dense in (False, True):
         executor = TorchExecutor(load_checkpoint(path), device="cuda", dtype="bfloat16")
         assert executor.dense_prefill, "cuDNN and FlashAttention should both run on this GPU"
-        assert executor.dense_windowed, "torch's FlashAttention should take a window on this GPU"
-        executor.dense_prefill = executor.dense_windowed = dense
+        executor.dense_prefill = dense
         executor.allocate_kv(len(blocks) + 4)
         out = []
         for start, tokens in ((0, first), (len(first), second)):

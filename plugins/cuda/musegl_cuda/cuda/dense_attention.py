@@ -9,11 +9,11 @@ sequence's prefill chunk of at least :data:`MIN_ROWS` rows runs its global (unwi
 here: the chunk's keys are gathered from the paged cache into one contiguous tensor (its slots
 in table order, a few microseconds), attended with the causal mask aligned to the bottom right
 (the chunk's rows are the last positions of the keys), and the output gate is applied after.
-Its sliding layers run here too where torch's FlashAttention takes a window
-(:func:`windowed_available`): only the keys the window reaches are gathered (from the first
-row's position less the window), and FlashAttention's local attention masks the rest. H200,
-30B shape, the last 8,192-row chunk of a 32k prompt: a sliding layer took 1.53 ms in the paged
-kernel.
+The sliding layers keep the paged kernel: torch's SDPA takes no window, and FlashAttention's
+own local attention (``window_size_left``) ran a sliding layer of the last 8,192-row chunk of a
+32k prompt in 1.27 ms against the paged kernel's 1.53 ms, but with the gate as two more kernels
+(0.16 ms) the chunk gained under 0.5 % (H200, 30B shape, `benchmarks/gpu_prefill_attention.py
+--sdpa`; benchmarks/README.md, sixth H200 run).
 
 The backend is cuDNN for a chunk that starts the sequence (queries = keys) and FlashAttention
 for one that follows cached keys (the measured best of each). Only bf16 and fp16 on CUDA, and
@@ -57,17 +57,14 @@ class DenseKeys:
     slots: torch.Tensor
     queries: int
     keys: int
-    #: whether the sliding layers run here too (else they keep the paged kernel)
-    windowed: bool = False
 
     @classmethod
-    def of_table(cls, table: torch.Tensor, block_size: int, queries: int, keys: int,
-                 windowed: bool = False) -> "DenseKeys":
+    def of_table(cls, table: torch.Tensor, block_size: int, queries: int, keys: int) -> "DenseKeys":
         """From one sequence's block table row (``(cols,)`` int32 on the device)."""
         blocks = -(-keys // block_size)
         offsets = torch.arange(block_size, device=table.device, dtype=torch.long)
         slots = (table[:blocks].long()[:, None] * block_size + offsets).reshape(-1)[:keys]
-        return cls(slots, queries, keys, windowed)
+        return cls(slots, queries, keys)
 
 
 def _backends(starts_sequence: bool):
@@ -78,11 +75,10 @@ def _backends(starts_sequence: bool):
 
 def dense_gated_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, dense: DenseKeys,
                           scale: float, qkvg: torch.Tensor, gate_offset: int,
-                          backends=None, window: int = 0) -> torch.Tensor:
+                          backends=None) -> torch.Tensor:
     """Causal gated attention of ``q (rows, heads, hd)`` (the chunk's rows, in order) over the
     keys ``dense.slots`` of ``k_cache``/``v_cache`` (``(slots, kv_heads, hd)``): the result is
-    :func:`~musegl_cuda.cuda.kernels.gated_attention`'s for a global layer (``window`` 0) or a
-    sliding one (a row at position ``p`` sees the keys after ``p - window``), ``(rows, heads·hd)``.
+    :func:`~musegl_cuda.cuda.kernels.gated_attention`'s for a global layer, ``(rows, heads·hd)``.
     ``backends``: the SDPA backends allowed (default: cuDNN or FlashAttention, see the module)."""
     from torch.nn.attention import sdpa_kernel
     from torch.nn.attention.bias import causal_lower_right
@@ -90,10 +86,6 @@ def dense_gated_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     rows, heads, hd = q.shape
     if rows != dense.queries:
         raise ValueError(f"{rows} query rows for a chunk of {dense.queries}")
-    if window > 0:
-        o = _windowed(q, k_cache, v_cache, dense, scale, window, backends)
-        gate = qkvg[:, gate_offset:gate_offset + heads * hd].view(rows, heads, hd)
-        return (o * torch.sigmoid(gate)).reshape(rows, heads * hd)
     kk = k_cache.index_select(0, dense.slots)  # (keys, kv_heads, hd)
     vv = v_cache.index_select(0, dense.slots)
     qq, keys = q, dense.keys
@@ -108,51 +100,6 @@ def dense_gated_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
                                            scale=scale, enable_gqa=True)
     gate = qkvg[:, gate_offset:gate_offset + heads * hd].view(rows, heads, hd)
     return (o[0, :, :rows].transpose(0, 1) * torch.sigmoid(gate)).reshape(rows, heads * hd)
-
-
-def _windowed(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, dense: DenseKeys, scale: float,
-              window: int, backends) -> torch.Tensor:
-    """A sliding layer's attention, ``(rows, heads, hd)``: FlashAttention's local attention on
-    CUDA (its ``(batch, seq, heads, hd)`` layout is the cache's, so nothing is transposed); on
-    the CPU the same band as a mask through SDPA (``backends``, default its math backend)."""
-    rows = q.shape[0]
-    first = max(0, dense.keys - rows - window + 1)  # the first key the first row's window reaches
-    slots = dense.slots[first:]
-    kk, vv = k_cache.index_select(0, slots), v_cache.index_select(0, slots)
-    keys = dense.keys - first
-    if q.is_cuda:  # bottom-right aligned: row i sits at key position keys - rows + i
-        return torch.ops.aten._flash_attention_forward(
-            q[None], kk[None], vv[None], None, None, rows, keys, 0.0, True, False, scale=scale,
-            window_size_left=window - 1, window_size_right=0)[0][0]
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    at = torch.arange(keys - rows, keys, device=q.device)[:, None]
-    key = torch.arange(keys, device=q.device)[None, :]
-    band = (key <= at) & (at - key < window)
-    with sdpa_kernel(backends or [SDPBackend.MATH]):
-        o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], kk.transpose(0, 1)[None],
-                                           vv.transpose(0, 1)[None], attn_mask=band, scale=scale, enable_gqa=True)
-    return o[0].transpose(0, 1)
-
-
-def windowed_available(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int) -> bool:
-    """Whether torch's FlashAttention takes a window on ``device`` (the sliding layers of long
-    chunks then run here; called once at start-up, where :func:`available` said yes)."""
-    if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
-        return False
-    try:
-        n, keys = 64, 128
-        k = torch.randn(keys, kv_heads, head_dim, device=device, dtype=dtype)
-        q = torch.randn(n, heads, head_dim, device=device, dtype=dtype)
-        g = torch.zeros(n, heads * head_dim, device=device, dtype=dtype)
-        dense_gated_attention(q, k, k, DenseKeys(torch.arange(keys, device=device), n, keys, True),
-                              head_dim ** -0.5, g, 0, window=32)
-        torch.cuda.synchronize(device)
-    except (RuntimeError, TypeError) as exc:  # (TypeError: a torch whose op has no window arguments)
-        log.info("the sliding layers of long prefill chunks keep the paged attention kernel: %s",
-                 str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
-        return False
-    return True
 
 
 def warm(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int, up_to: int) -> int:
