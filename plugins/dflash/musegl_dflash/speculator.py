@@ -220,8 +220,8 @@ class DFlashSpeculator:
         self.blocks += rows.verify_blocks
         self.committed_tokens += rows.verify_tokens
         with torch.inference_mode():
-            self.draft.write_context(rows.features, torch.tensor(rows.positions, device=device),
-                                     torch.tensor(rows.slots, dtype=torch.long, device=device), kv)
+            at = torch.tensor([rows.positions, rows.slots], dtype=torch.long).to(device)  # one copy
+            self.draft.write_context(rows.features, at[0], at[1], kv)
 
     @property
     def mean_acceptance_length(self) -> float:

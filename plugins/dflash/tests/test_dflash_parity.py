@@ -132,3 +132,25 @@ def test_blocks_of_several_sequences_in_one_forward_equal_each_alone(reference, 
     both = forward([0, 1])
     assert torch.allclose(both[0], forward([0])[0], atol=1e-5)
     assert torch.allclose(both[1], forward([1])[0], atol=1e-5)
+
+
+def test_context_rows_of_every_layer_at_once_are_the_layer_by_layer_values(reference, tmp_path):
+    """write_context runs all layers' K/V projections as one product: each layer's stored
+    K (normed, rotated) and V are what context_kv computes for that layer alone."""
+    model, _embed, _head, steps, _expected = reference
+    draft = load_draft(str(save_draft(model, tmp_path / "hf")), torch.device("cpu"), torch.float32)
+    c = draft.config
+    features = steps[0][0][:9]
+    positions = torch.tensor([3, 4, 5, 6, 7, 30, 31, 32, 33])
+    slots = torch.tensor([17, 2, 9, 30, 31, 5, 0, 22, 12])
+    kv = torch.full((c.num_layers, 2, 40, c.num_kv_heads, c.head_dim), 7.0)
+    draft.write_context(features, positions, slots, kv)
+    g = draft.project_context(features)
+    cos, sin = draft.rope(positions)
+    untouched = torch.ones(40, dtype=torch.bool)
+    untouched[slots] = False
+    for i in range(c.num_layers):
+        k, v = draft.context_kv(i, g, cos, sin)
+        torch.testing.assert_close(kv[i, 0, slots], k, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(kv[i, 1, slots], v, rtol=1e-5, atol=1e-6)
+        assert torch.all(kv[i, :, untouched] == 7.0)
