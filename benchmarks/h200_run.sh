@@ -50,7 +50,7 @@ else
     shape=()
     build_flag=(); binary=build-cuda; gguf_shape=(--layers "$LAYERS")
     executor_args=(--contexts 512,8192,32768,131072 --batches 1,8,32,64 --wide-batches 128,256 --wide-context 2048
-                   --forward-sizes 1,2,4,8,16,32,64,128,256 --ttft-tokens 32768)
+                   --forward-sizes 1,2,4,8,16,32,64,128,256 --ttft-tokens 32768 --ttft-chunks "${TTFT_CHUNKS:-8192}")
     served_args=(--ttft-tokens 32768 --serve-concurrency "${SERVE_CONCURRENCY:-1,8,32,64}" --rows-batch 64)
     dflash_args=(--dflash-batches 1,8,32 --dflash-accept 4,16,2,8 --dflash-max-tokens 256)  # (the order they run in)
     # both sides' plain decode (first, short) and agent part within T_COMPARE: llama-server took 357 s
