@@ -84,6 +84,12 @@ class ServeConfig:
     max_prefill_chunk: int | None = flag(None, "most prompt positions one forward pass computes (default: the "
                                          "executor's: 2048 on CUDA, where wide chunks run the products near the "
                                          "matrix rate; 512 elsewhere)", LIMITS, kind="int", metavar="TOKENS")
+    solo_prefill_chunk: int | None = flag(None, "most prompt positions one forward pass computes when a single "
+                                          "request prefills and nothing else runs (default: the executor's: 32768 on "
+                                          "CUDA, or what the memory beside the KV pool holds, where a long prompt's "
+                                          "fewer, wider steps reach its first token sooner; elsewhere "
+                                          "--max-prefill-chunk)", LIMITS, kind="int",
+                                          metavar="TOKENS")
     prefill_stall_factor: float = flag(6.0, "while sequences decode, prefill may stretch a step to at most this "
                                        "many decode-only steps (per request; estimated online; 0: off, always "
                                        "--max-prefill-chunk; default %(default)s)", LIMITS, kind="float",
@@ -184,6 +190,8 @@ class ServeConfig:
         int_range("--max-decode-sequences", self.max_decode_sequences, 1)
         if self.max_prefill_chunk is not None:
             int_range("--max-prefill-chunk", self.max_prefill_chunk, 1)
+        if self.solo_prefill_chunk is not None:
+            int_range("--solo-prefill-chunk", self.solo_prefill_chunk, 1)
         int_range("--max-n", self.max_n, 1, 128)
         if self.spec_verify_rows is not None:
             need(0 <= self.spec_verify_rows <= INT32_MAX,

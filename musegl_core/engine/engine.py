@@ -68,6 +68,7 @@ class EngineConfig:
     max_queued_requests: int = 1024
     max_decode_sequences: int = 4
     max_prefill_chunk: int | None = None  # None: the executor's (ExecutorLimits.prefill_chunk)
+    solo_prefill_chunk: int | None = None  # None: the executor's (ExecutorLimits.solo_prefill_chunk)
     prefix_cache_entries: int = 0
     evict_idle_sessions: bool = False
     kv_blocks: int | None = None
@@ -112,6 +113,14 @@ def prefill_chunk(configured: int | None, limits: ExecutorLimits) -> int:
     if configured is not None:
         return configured
     return limits.prefill_chunk or DEFAULT_PREFILL_CHUNK
+
+
+def solo_prefill_chunk(configured: int | None, limits: ExecutorLimits, chunk: int) -> int:
+    """Most prompt rows a step computes when one sequence prefills alone: as configured
+    (``--solo-prefill-chunk``), else the executor's ``limits.solo_prefill_chunk``, never fewer
+    than ``chunk`` (the prefill chunk) nor more than the executor's ``max_step_tokens``."""
+    solo = configured if configured is not None else limits.solo_prefill_chunk
+    return min(max(chunk, solo or chunk), max(chunk, limits.max_step_tokens))
 
 
 def verify_rows(configured: int | None, limits: ExecutorLimits) -> int | None:
@@ -159,11 +168,12 @@ class Engine:
         limits = executor.limits
         drafts = config.max_decode_sequences * self.speculator.max_draft
         chunk = prefill_chunk(config.max_prefill_chunk, limits)
-        max_step = min(limits.max_step_tokens, config.max_decode_sequences + drafts + chunk)
+        solo = solo_prefill_chunk(config.solo_prefill_chunk, limits, chunk)
+        max_step = min(limits.max_step_tokens, max(config.max_decode_sequences + drafts + chunk, solo))
         self.prefill_budget = PrefillBudget(config.prefill_stall_factor, chunk)
         self.scheduler = Scheduler(
             self.pool,
-            SchedulerLimits(config.max_decode_sequences, chunk, max_step, tuple(limits.step_sizes)),
+            SchedulerLimits(config.max_decode_sequences, chunk, max_step, tuple(limits.step_sizes), solo),
             embed=self._embedding,
             taps=tuple(self.speculator.taps),
             mask_threads=grammar_threads(config.grammar_threads, limits),

@@ -365,6 +365,13 @@ class ExecutorLimits:
     runs a 2,048-row chunk at a far better share of its matrix rate than a
     512-row one, a CPU gains nothing from wider chunks and each row stretches
     the decoders' step. None: :data:`DEFAULT_PREFILL_CHUNK`.
+
+    ``solo_prefill_chunk`` is the backend's default of ``--solo-prefill-chunk``:
+    the most prompt rows one step computes when a single sequence prefills and
+    nothing else runs (no one waits on the step, so a long prompt needs fewer,
+    wider steps). None: the prefill chunk (no wider solo steps). An executor
+    that announces one must also take steps of that many rows
+    (``max_step_tokens``).
     """
 
     max_step_tokens: int = 4096
@@ -374,6 +381,7 @@ class ExecutorLimits:
     device_drafts: bool = False
     verify_rows: int | None = None
     prefill_chunk: int | None = None
+    solo_prefill_chunk: int | None = None
 
     def padded_width(self, rows: int) -> int:
         """The width a decode-only step of ``rows`` rows runs at."""

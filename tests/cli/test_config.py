@@ -18,6 +18,7 @@ BAD = [
     (["--max-inflight-requests", "2147483648"], "--max-inflight-requests"),
     (["--max-decode-sequences", "0"], "--max-decode-sequences"),
     (["--max-prefill-chunk", "0"], "--max-prefill-chunk"),
+    (["--solo-prefill-chunk", "0"], "--solo-prefill-chunk"),
     (["--prefill-stall-factor", "0.5"], "--prefill-stall-factor must be 0 (off) or at least 1"),
     (["--prefill-stall-factor", "nan"], "--prefill-stall-factor"),
     (["--max-image-bytes", "0"], "--max-image-bytes"),

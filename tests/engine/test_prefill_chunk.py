@@ -5,7 +5,7 @@ from __future__ import annotations
 import attrs
 import pytest
 
-from musegl_core.engine.engine import Engine, EngineConfig, prefill_chunk
+from musegl_core.engine.engine import Engine, EngineConfig, prefill_chunk, solo_prefill_chunk
 from musegl_core.engine.executor import DEFAULT_PREFILL_CHUNK, GREEDY, ExecutorLimits
 from musegl_core.engine.request import PreparedRequest
 from musegl_core.testing.example_executor import ExampleExecutor
@@ -38,3 +38,33 @@ def test_a_prompt_prefills_in_chunks_of_that_size(tokenizer, configured, executo
     steps = [step.num_tokens for step in executor.steps]
     assert steps[:-1] == [min(rows, 700 - done) for done in range(0, 700, rows)]  # then one decode step
 
+
+
+def test_solo_chunk_configured_then_the_executors_within_the_step_limit():
+    limits = ExecutorLimits(max_step_tokens=8192, solo_prefill_chunk=4096)
+    assert solo_prefill_chunk(1024, limits, 256) == 1024
+    assert solo_prefill_chunk(None, limits, 256) == 4096
+    assert solo_prefill_chunk(None, ExecutorLimits(), 256) == 256  # no solo chunk: the prefill chunk
+    assert solo_prefill_chunk(100, limits, 256) == 256  # never below the prefill chunk
+    assert solo_prefill_chunk(65536, limits, 256) == 8192  # never past the executor's widest step
+
+
+def test_a_lone_prompt_takes_the_solo_chunk_and_a_second_request_brings_back_the_prefill_chunk(tokenizer):
+    executor = ExampleExecutor(tokenizer.vocab_size)
+    executor.limits = attrs.evolve(executor.limits, prefill_chunk=96, solo_prefill_chunk=400)
+    engine = Engine(executor, tokenizer, EngineConfig(max_context=2048, max_inflight_requests=2,
+                                                      max_sessions=2), lambda event: None)
+    prompt = tuple(range(100, 100 + 700))
+    engine.submit(PreparedRequest(id="a", prompt_ids=prompt, max_tokens=2, ignore_eos=True, sampling=GREEDY))
+    engine.run_until_idle()
+    assert [step.num_tokens for step in executor.steps] == [400, 300, 1]  # alone: 400-row steps, then decode
+
+    executor.steps.clear()
+    other = tuple(range(2000, 2000 + 300))
+    engine.submit(PreparedRequest(id="b", prompt_ids=prompt[::-1], max_tokens=2, ignore_eos=True, sampling=GREEDY))
+    engine.submit(PreparedRequest(id="c", prompt_ids=other, max_tokens=2, ignore_eos=True, sampling=GREEDY))
+    engine.run_until_idle()
+    steps = [[len(c.tokens) for c in step.chunks] for step in executor.steps]
+    both = max(i for i, step in enumerate(steps) if len(step) == 2) + 1  # until the first request is done
+    assert all(sum(step) <= 96 + 1 for step in steps[:both])  # two requests: the prefill chunk
+    assert steps[both:] == [[136], [1]]  # then the second alone: its rest in one step, then its decode
