@@ -118,7 +118,13 @@ def prefill_chunk(configured: int | None, limits: ExecutorLimits) -> int:
 def solo_prefill_chunk(configured: int | None, limits: ExecutorLimits, chunk: int) -> int:
     """Most prompt rows a step computes when one sequence prefills alone: as configured
     (``--solo-prefill-chunk``), else the executor's ``limits.solo_prefill_chunk``, never fewer
-    than ``chunk`` (the prefill chunk) nor more than the executor's ``max_step_tokens``."""
+    than ``chunk`` (the prefill chunk). A configured value wider than the executor's widest
+    step (``max_step_tokens``) is refused (:class:`~musegl_core.errors.ConfigError`)."""
+    if configured is not None and configured > max(chunk, limits.max_step_tokens):
+        from musegl_core.errors import ConfigError
+
+        raise ConfigError(f"--solo-prefill-chunk {configured} is wider than the {limits.max_step_tokens} rows "
+                          "the executor takes in one step (on CUDA: what the memory beside the KV pool holds)")
     solo = configured if configured is not None else limits.solo_prefill_chunk
     return min(max(chunk, solo or chunk), max(chunk, limits.max_step_tokens))
 

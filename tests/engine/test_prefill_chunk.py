@@ -8,6 +8,7 @@ import pytest
 from musegl_core.engine.engine import Engine, EngineConfig, prefill_chunk, solo_prefill_chunk
 from musegl_core.engine.executor import DEFAULT_PREFILL_CHUNK, GREEDY, ExecutorLimits
 from musegl_core.engine.request import PreparedRequest
+from musegl_core.errors import ConfigError
 from musegl_core.testing.example_executor import ExampleExecutor
 
 
@@ -46,7 +47,9 @@ def test_solo_chunk_configured_then_the_executors_within_the_step_limit():
     assert solo_prefill_chunk(None, limits, 256) == 4096
     assert solo_prefill_chunk(None, ExecutorLimits(), 256) == 256  # no solo chunk: the prefill chunk
     assert solo_prefill_chunk(100, limits, 256) == 256  # never below the prefill chunk
-    assert solo_prefill_chunk(65536, limits, 256) == 8192  # never past the executor's widest step
+    with pytest.raises(ConfigError, match="wider than the 8192 rows"):  # past the executor's widest step
+        solo_prefill_chunk(65536, limits, 256)
+    assert solo_prefill_chunk(None, attrs.evolve(limits, solo_prefill_chunk=65536), 256) == 8192
 
 
 def test_a_lone_prompt_takes_the_solo_chunk_and_a_second_request_brings_back_the_prefill_chunk(tokenizer):

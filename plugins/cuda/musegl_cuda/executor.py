@@ -213,6 +213,7 @@ class TorchExecutor:
             if any(w <= 0 for w in sizes):
                 raise ValueError("forward sizes must be positive")
         base = limits or ExecutorLimits()
+        self._step_floor = base.max_step_tokens  # the widest step before the lone-prompt steps widen it
         solo = CUDA_SOLO_PREFILL_CHUNK if self.paged else None
         self.limits = ExecutorLimits(max(base.max_step_tokens, solo or 0), sizes or base.step_sizes,
                                      host_compute=self.device.type == "cpu",
@@ -330,11 +331,12 @@ class TorchExecutor:
             self._fit_solo_chunk()
 
     def _fit_solo_chunk(self) -> None:
-        """Shrink ``limits.solo_prefill_chunk`` to the prompt rows whose activations fit in
-        the device memory the KV pool and the graphs left (:func:`prefill_row_bytes` each, in
-        steps of 1,024, never below the prefill chunk): the pool takes most of the memory, so
-        on a card with less room beside the weights a lone prompt gets narrower steps
-        instead of running out of memory."""
+        """Shrink ``limits.solo_prefill_chunk`` and the widest step (``max_step_tokens``) to the
+        prompt rows whose activations fit in the device memory the KV pool and the graphs left
+        (:func:`prefill_row_bytes` each, in steps of 1,024, never below the prefill chunk): the
+        pool takes most of the memory, so on a card with less room beside the weights a lone
+        prompt gets narrower steps instead of running out of memory (and a wider
+        ``--solo-prefill-chunk`` is refused at start-up)."""
         import attrs
 
         solo, chunk = self.limits.solo_prefill_chunk, self.limits.prefill_chunk or CUDA_PREFILL_CHUNK
@@ -347,7 +349,8 @@ class TorchExecutor:
         if rows != solo:
             log.info("a lone prompt prefills in steps of %d rows (--solo-prefill-chunk %d: %.1f GiB of device "
                      "memory left for activations)", rows, solo, free / 2**30)
-            self.limits = attrs.evolve(self.limits, solo_prefill_chunk=rows)
+            self.limits = attrs.evolve(self.limits, solo_prefill_chunk=rows,
+                                       max_step_tokens=max(self._step_floor, rows))
 
     def _warm_attention(self, scratch_block: int) -> None:
         """Compile the attention launches of prefill and mixed steps now, not under the
