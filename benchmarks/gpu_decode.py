@@ -215,13 +215,13 @@ def run_musegl(args, checkpoint, rng, tok_s: dict[tuple[int, int], float]):
         executor = TensorParallelExecutor(RankSpec(
             str(folder), "cuda" if cuda else "cpu", args.tensor_parallel_size,
             dtype="bfloat16" if cuda else "float32", dummy=True,
-            forward_sizes=tuple(int_list(args.forward_sizes)) if cuda else None))
+            forward_sizes=forward_sizes(args)))
         model = None  # no roofline figure: the weights are spread over the ranks
         emit(figure="tensor_parallel", ranks=args.tensor_parallel_size,
              weight_gb_total=round(sum(executor.weight_bytes.values()) / 1e9, 2))
     else:
         executor = TorchExecutor(checkpoint, device=args.device, dtype="bfloat16" if cuda else "float32",
-                                 dummy_seed=0, forward_sizes=tuple(int_list(args.forward_sizes)) if cuda else None)
+                                 dummy_seed=0, forward_sizes=forward_sizes(args))
         model = executor.model
     if cuda and model is not None:
         weight_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
@@ -508,12 +508,18 @@ def server_env(extra: dict[str, str] | None = None) -> dict[str, str]:
             "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "plugins" / "cuda"), os.environ.get("PYTHONPATH", "")])}
 
 
+def forward_sizes(args) -> tuple[int, ...] | None:
+    """The decode graphs' widths: ``--forward-sizes``, else (None) the executor's default, which
+    also sets a served DFlash step's verify budget (the widest graph)."""
+    return tuple(int_list(args.forward_sizes)) if is_cuda(args) and args.forward_sizes else None
+
+
 def serve_flags(args, width: int, context: int | None = None) -> list[str]:
     executor = "cuda" if is_cuda(args) else "torch-cpu"
     flags = ["--load-format", "dummy", "--executor", executor, "--max-sessions", str(width),
              "--max-inflight-requests", str(width), "--max-decode-sequences", str(width),
              "--max-context", str(context or args.serve_context)]
-    if is_cuda(args):
+    if is_cuda(args) and args.forward_sizes:
         flags += ["--forward-sizes", args.forward_sizes]
     if args.tensor_parallel_size > 1:
         flags += ["--tensor-parallel-size", str(args.tensor_parallel_size)]
@@ -794,7 +800,10 @@ def main() -> int:
     p.add_argument("--prefill-chunk", type=int, default=8192, help="prefill chunk of the executor's ttft figure")
     p.add_argument("--ttft-chunks", default="", help="chunk sizes of the executor's ttft figure, comma-separated, "
                    "one line each (default: --prefill-chunk)")
-    p.add_argument("--forward-sizes", default="1,2,4,8,16,32,64")
+    p.add_argument("--forward-sizes", default="",
+                   help="decode graph widths of the executor and the servers, comma-separated (default: the "
+                        "executor's, 1..128; they also set served DFlash's verify budget, the widest graph: "
+                        "with 1..64 batch 32 verified 1 draft a sequence, acceptance <= 2)")
     p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
                    help="the model split over N devices (rank processes; served: musegl serve "
                         "--tensor-parallel-size N, musegl bench's tokens/s per device)")
