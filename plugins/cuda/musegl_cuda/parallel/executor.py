@@ -209,7 +209,9 @@ class TensorParallelExecutor:
         self._call(msg.ExpectTaps(self._number(), tuple(taps)))
 
     def allocate_kv(self, num_blocks: int) -> None:
-        self._call(msg.AllocateKV(self._number(), num_blocks))
+        limits = self._call(msg.AllocateKV(self._number(), num_blocks))
+        if limits is not None:  # rank 0's, after its cache: on CUDA the lone-prompt chunk fits the memory left
+            self.limits = limits
 
     def step(self, step: Step) -> StepOutput:
         return self.launch(step).result()

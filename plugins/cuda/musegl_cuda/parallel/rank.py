@@ -307,7 +307,7 @@ class Rank:
         if isinstance(request, msg.AllocateKV):
             ex.allocate_kv(request.num_blocks)
             dist.barrier(group=self.control)  # every rank has its cache (and graphs)
-            return None
+            return ex.limits  # as allocate_kv left them (the lone-prompt chunk fitted to the memory left)
         if isinstance(request, msg.EmbedImage):
             return ex.embed_image(request.image) if self.rank == 0 else None
         if isinstance(request, msg.EmbeddingRows):
