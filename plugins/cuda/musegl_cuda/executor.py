@@ -162,14 +162,17 @@ def single_threaded() -> Iterator[None]:
         torch.set_num_threads(threads)
 
 
-def prefill_row_bytes(config, dtype: torch.dtype) -> int:
+def prefill_row_bytes(config, dtype: torch.dtype, taps: int = 0) -> int:
     """Device memory one prompt row of a wide prefill step may hold at its peak: the fused
     gate/up product and its SwiGLU (``3 x intermediate``), the q/k/v/gate product, the
-    attention's query, output and gated output, and the hidden state, residual and norm
-    outputs, in the activation dtype, with a quarter more for the allocator's slack and
-    the attention backends' workspaces (30B shape, bf16: ~269 KB)."""
+    attention's query, output and gated output, the hidden state, residual and norm
+    outputs, and with a speculator's ``taps`` the tapped hidden states (stacked, and the
+    draft's context input made of them), in the activation dtype, with a quarter more for
+    the allocator's slack and the attention backends' workspaces (30B shape, bf16: ~269 KB;
+    with DFlash's 5 taps ~436 KB)."""
     qkvg = 2 * config.num_heads * config.head_dim + 2 * config.num_kv_heads * config.head_dim
     elements = 3 * config.intermediate_size + qkvg + 3 * config.num_heads * config.head_dim + 4 * config.hidden_size
+    elements += 2 * taps * config.hidden_size
     size = torch.empty((), dtype=dtype).element_size()
     return elements * size * 5 // 4
 
@@ -344,7 +347,7 @@ class TorchExecutor:
             return
         free, _total = torch.cuda.mem_get_info(self.device)
         free += torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
-        fits = free // prefill_row_bytes(self.config, self.dtype) // 1024 * 1024
+        fits = free // prefill_row_bytes(self.config, self.dtype, len(self.taps)) // 1024 * 1024
         rows = max(chunk, min(solo, fits))
         if rows != solo:
             log.info("a lone prompt prefills in steps of %d rows (--solo-prefill-chunk %d: %.1f GiB of device "
