@@ -85,10 +85,10 @@ class ServeConfig:
                                          "executor's: 2048 on CUDA, where wide chunks run the products near the "
                                          "matrix rate; 512 elsewhere)", LIMITS, kind="int", metavar="TOKENS")
     solo_prefill_chunk: int | None = flag(None, "most prompt positions one forward pass computes when a single "
-                                          "request prefills and nothing else runs, at least --max-prefill-chunk (default: "
-                                          "the executor's: 32768 on CUDA, or what the memory beside the KV pool "
-                                          "holds, where a long prompt's fewer, wider steps reach its first token "
-                                          "sooner; elsewhere --max-prefill-chunk)", LIMITS, kind="int",
+                                          "request prefills and nothing else runs, at least --max-prefill-chunk "
+                                          "(default: the executor's: 32768 on CUDA, or what the memory beside the "
+                                          "KV pool holds, where a long prompt's fewer, wider steps reach its first "
+                                          "token sooner; elsewhere --max-prefill-chunk)", LIMITS, kind="int",
                                           metavar="TOKENS")
     prefill_stall_factor: float = flag(6.0, "while sequences decode, prefill may stretch a step to at most this "
                                        "many decode-only steps (per request; estimated online; 0: off, always "

@@ -52,7 +52,8 @@ class SchedulerLimits:
     max_prefill_chunk: int = 512
     max_step_tokens: int = 4096
     step_sizes: tuple[int, ...] = ()
-    #: prompt rows of a step in which one sequence prefills and nothing else runs (None: max_prefill_chunk)
+    #: prompt rows of a step in which one sequence prefills and nothing else runs, at least
+    #: max_prefill_chunk (the engine's solo_prefill_chunk); None: max_prefill_chunk
     solo_prefill_chunk: int | None = None
 
     @property
@@ -233,9 +234,9 @@ class Scheduler:
             prefilling = self.sharing.ready(prefilling)  # followers wait for their leaders' blocks
         if self.budget is not None and prefilling:
             prefill_budget = min(prefill_budget, self.budget.rows(decoding=len(plan), prefilling=len(prefilling)))
-        if not plan and len(self.running) == 1 and len(prefilling) == 1 and limits.solo_prefill_chunk:
+        if not plan and len(self.running) == 1 and prefilling and limits.solo_prefill_chunk:
             # one sequence prefills and nothing else runs: no one waits on this step
-            prefill_budget = min(max(limits.solo_prefill_chunk, limits.max_prefill_chunk), budget)
+            prefill_budget = min(limits.solo_prefill_chunk, budget)
         for seq in prefilling:
             if prefill_budget <= 0:
                 break

@@ -40,7 +40,6 @@ def test_a_prompt_prefills_in_chunks_of_that_size(tokenizer, configured, executo
     assert steps[:-1] == [min(rows, 700 - done) for done in range(0, 700, rows)]  # then one decode step
 
 
-
 def test_solo_chunk_configured_then_the_executors_within_the_step_limit():
     limits = ExecutorLimits(max_step_tokens=8192, solo_prefill_chunk=4096)
     assert solo_prefill_chunk(1024, limits, 256) == 1024
