@@ -56,6 +56,7 @@ from musegl_core.engine.step_book import StepBook
 from musegl_core.engine.stops import StopMatcher
 from musegl_core.engine.throughput import ThroughputLog
 from musegl_core.engine.trace import Trace
+from musegl_core.errors import ConfigError
 
 log = logging.getLogger("musegl.engine")
 
@@ -121,8 +122,6 @@ def solo_prefill_chunk(configured: int | None, limits: ExecutorLimits, chunk: in
     than ``chunk`` (the prefill chunk). A configured value wider than the executor's widest
     step (``max_step_tokens``) is refused (:class:`~musegl_core.errors.ConfigError`)."""
     if configured is not None and configured > max(chunk, limits.max_step_tokens):
-        from musegl_core.errors import ConfigError
-
         raise ConfigError(f"--solo-prefill-chunk {configured} is wider than the {limits.max_step_tokens} rows "
                           "the executor takes in one step (on CUDA: what the memory beside the KV pool holds)")
     solo = configured if configured is not None else limits.solo_prefill_chunk

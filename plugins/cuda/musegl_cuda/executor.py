@@ -34,6 +34,7 @@ import logging
 import os
 from typing import Iterator, Sequence
 
+import attrs
 import torch
 
 from musegl_core.checkpoint.loader import Checkpoint
@@ -340,8 +341,6 @@ class TorchExecutor:
         pool takes most of the memory, so on a card with less room beside the weights a lone
         prompt gets narrower steps instead of running out of memory (and a wider
         ``--solo-prefill-chunk`` is refused at start-up)."""
-        import attrs
-
         solo, chunk = self.limits.solo_prefill_chunk, self.limits.prefill_chunk or CUDA_PREFILL_CHUNK
         if not solo or solo <= chunk:
             return
