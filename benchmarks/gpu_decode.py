@@ -58,7 +58,7 @@ through ``TensorParallelExecutor``, the served phases through ``musegl serve
 ``--phases`` picks any of ``executor,serve,rows,dflash`` (default all).
 ``--device cpu`` runs everything on the CPU (``torch-cpu``, float32) for the
 smoke run: ``python benchmarks/gpu_decode.py --device cpu --tiny`` plus the
-small-shape options in benchmarks/README.md.
+small-shape options that ``SMOKE=1 benchmarks/h200_run.sh`` passes.
 """
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ class TinyModel:
 
 def build_tiny_model(seed: int = 0, **text_overrides):
     """A float32 ``MuseGlimmerForConditionalGeneration`` with randomized norm weights
-    (centered norms around 0, so the +1 matters; the final norm around 1)."""
+    (centered norms near 0, so the +1 matters; the final norm near 1)."""
     import torch
     from transformers import MuseGlimmerConfig, MuseGlimmerForConditionalGeneration
 

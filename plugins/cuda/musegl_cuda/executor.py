@@ -64,10 +64,11 @@ DEFAULT_FORWARD_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 WEIGHT_MODES = ("stored", "upcast")
 #: The verify-rows budget on CUDA (``ExecutorLimits.verify_rows``): the widest captured decode
 #: graph (128 by default), at least :data:`MIN_VERIFY_ROWS`, so a verify step replays a graph.
-#: H200, 30B bf16 (benchmarks/README.md, second and third H200 runs): 1 row 14.0 ms, 64 rows 15.4
-#: ms, 128 rows at 2k positions 19.6 ms, a 512-row verify step (32 sequences x 16 rows) 89 ms of
-#: kernels; served DFlash at batch 32, acceptance 4: 1.53x plain decode with a 128-row budget
-#: (3 drafts a sequence), 0.84x with 64 (1 draft). On the CPU: no budget (nothing measured there).
+#: H200, 30B bf16 (benchmarks/results/h200_run_2026-12-02_session10 and _session11): 1 row
+#: 14.0 ms, 64 rows 15.4 ms, 128 rows at 2k positions 19.6 ms, a 512-row verify step (32 sequences
+#: x 16 rows) 89 ms of kernels; served DFlash at batch 32, acceptance 4: 1.53x plain decode with a
+#: 128-row budget (3 drafts a sequence), 0.84x with 64 (1 draft). On the CPU: no budget (nothing
+#: measured there).
 MIN_VERIFY_ROWS = 16
 #: ``--max-prefill-chunk`` on CUDA unless given (``ExecutorLimits.prefill_chunk``): a 2,048-row
 #: chunk runs the products near the matrix rate where a 512-row one leaves much of it idle,
@@ -103,7 +104,7 @@ log = logging.getLogger("musegl.cuda")
 #: Without a workspace cuBLAS picks products without split-K, so a small-row decode
 #: step launches no reduce and memset kernels: on an H200 at the 30B shape batch 1
 #: went from 14.75 to 14.42 ms/token and batch 64 from 16.57 to 16.45 ms/step
-#: (benchmarks/README.md, round 3).
+#: (benchmarks/results/gpu_decode_2026-11-30_serve).
 CUBLAS_WORKSPACE = ":0:0"
 
 

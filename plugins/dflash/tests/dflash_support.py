@@ -14,7 +14,7 @@ DEMO_DRAFT_CONFIG = dict(
 
 def build_reference_draft(seed: int = 0, **overrides):
     """A float32 transformers ``MuseGlimmerAssistantModel`` (eager attention) with
-    random weights and norm weights spread around 1, so every weight matters."""
+    random weights and norm weights spread about 1, so every weight matters."""
     import torch
     from transformers import MuseGlimmerAssistantConfig, MuseGlimmerAssistantModel
 

@@ -13,7 +13,7 @@ The sliding layers keep the paged kernel: torch's SDPA takes no window, and Flas
 own local attention (``window_size_left``) ran a sliding layer of the last 8,192-row chunk of a
 32k prompt in 1.27 ms against the paged kernel's 1.53 ms, but with the gate as two more kernels
 (0.16 ms) the chunk gained under 0.5 % (H200, 30B shape, `benchmarks/gpu_prefill_attention.py
---sdpa`; benchmarks/README.md, sixth H200 run).
+--sdpa`; benchmarks/results/h200_run_2026-12-04_session15).
 
 The backend is cuDNN for a chunk that starts the sequence (queries = keys) and FlashAttention
 for one that follows cached keys (the measured best of each). Only bf16 and fp16 on CUDA, and
