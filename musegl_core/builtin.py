@@ -27,7 +27,7 @@ def musegl_dialects():
 
 @hookimpl
 def musegl_api_surfaces():
-    from musegl_core.http.chat_surface import ChatCompletionsSurface, CompletionsSurface
+    from musegl_core.openai.surface import ChatCompletionsSurface, CompletionsSurface
 
     return [
         SurfaceSpec("chat", "OpenAI Chat Completions (POST /v1/chat/completions), spelled by --api-dialect",

@@ -46,7 +46,7 @@ from musegl_core.http.model_ids import ModelIds
 from musegl_core.http.request_log import RequestLog
 from musegl_core.http.sessions import session_routes
 from musegl_core.http.surface import ApiSurface, SurfaceContext, unless_disconnected
-from musegl_core.http.tokenize import detokenize, tokenize
+from musegl_core.openai.tokenize import detokenize, tokenize
 from musegl_core.plugins.manager import PluginManager
 from musegl_core.service.reasoning_seal import ReasoningSeal
 from musegl_core.service.service import GenerationService

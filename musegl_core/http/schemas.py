@@ -161,7 +161,7 @@ class ChatCompletionRequest:
     package validates them with its own, more specific errors. Fields on the
     reject list (:data:`REJECTED_FIELDS`) are checked on the raw body before structuring
     (:func:`structure_request`). Range and consistency rules live in
-    :mod:`musegl_core.http.completions`.
+    :mod:`musegl_core.openai.chat`.
     """
 
     messages: Any = messages_field()
@@ -252,7 +252,7 @@ class CompletionRequest:
     prompt per request. ``echo``, ``best_of``, ``suffix``, ``logprobs``,
     ``session_id`` and the fields after it are typed here only so that a
     value the engine cannot honour is refused by name
-    (``musegl_core.http.text_completions``).
+    (``musegl_core.openai.completions``).
     """
 
     prompt: PromptField = None

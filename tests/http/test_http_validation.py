@@ -17,7 +17,7 @@ from musegl_core.http import schemas as s
 from musegl_core.http import sse
 from musegl_core.http.app import create_app
 from musegl_core.engine.detokenize import IncrementalDetokenizer
-from musegl_core.http.completions import reasoning_tokens
+from musegl_core.openai.chat import reasoning_tokens
 from musegl_core.http.dialect import Dialect, ServedModel
 from musegl_core.plugins.manager import PluginManager
 from musegl_core.worker.client import WorkerClient

@@ -29,7 +29,7 @@ from musegl_core.errors import ApiError, bad_request, unavailable
 from musegl_core.http import schemas as s
 from musegl_core.http import sse, stopping
 from musegl_core.http.choices import ChoiceGroup, GroupStream, choice_requests
-from musegl_core.http.completions import (
+from musegl_core.openai.chat import (
     ResponseMeta,
     cache_salt,
     choice_count,

@@ -2,9 +2,9 @@
 
 Both are spelled by the server's ``--api-dialect`` (``openai``, or a plugin's
 such as ``openrouter``): its request extensions, error bodies, usage
-placement and keepalives. The logic lives in :mod:`musegl_core.http.completions`
+placement and keepalives. The logic lives in :mod:`musegl_core.openai.chat`
 (Chat Completions over the generation service) and
-:mod:`musegl_core.http.text_completions`; these classes are their routes.
+:mod:`musegl_core.openai.completions`; these classes are their routes.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from litestar.response import Stream
 from musegl_core.http import openapi
 from musegl_core.http import schemas as s
 from musegl_core.http import sse
-from musegl_core.http import text_completions as tc
-from musegl_core.http.completions import ChatStream, ResponseMeta, complete, plan_chat
+from musegl_core.openai import completions as tc
+from musegl_core.openai.chat import ChatStream, ResponseMeta, complete, plan_chat
 from musegl_core.http.surface import ApiSurface, unless_disconnected
 from musegl_core.service.sessions import header_keys, session_echo
 
