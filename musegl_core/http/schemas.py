@@ -141,7 +141,7 @@ class ChatTemplateKwargs:
 class ResponseFormat:
     """``{"type": "text" | "json_object" | "json_schema", "json_schema": {...}}``;
     ``json_schema`` (``name``, ``schema``, ``strict``, ``description``) stays raw
-    JSON here, :mod:`musegl_core.http.constraints` checks it. ``schema`` is
+    JSON here, :mod:`musegl_core.service.constraints` checks it. ``schema`` is
     llama.cpp's ``{"type": "json_object", "schema": {...}}``, honoured as a
     json_schema. Other keys are refused (400 naming them), never ignored."""
 

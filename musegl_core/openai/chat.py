@@ -32,8 +32,8 @@ from musegl_core.chat.template import TemplateVariables
 from musegl_core.config import ServeConfig
 from musegl_core.engine.executor import SamplingParams
 from musegl_core.errors import ApiError, bad_request
-from musegl_core.http import constraints, stopping
-from musegl_core.http.logprobs import MAX_TOP_LOGPROBS
+from musegl_core.service import constraints, stopping
+from musegl_core.service.logprobs import MAX_TOP_LOGPROBS
 from musegl_core.http import schemas as s
 from musegl_core.http import sse
 from musegl_core.http.dialect import Dialect

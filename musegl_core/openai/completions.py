@@ -8,7 +8,7 @@ them). Parameters of the legacy OpenAI endpoint that the engine does not
 implement are refused by name: ``best_of`` above 1, ``echo``,
 ``suffix`` and ``logprobs``; so is a list of several prompts. ``n`` works as
 in chat (1..``--max-n``, choices sharing the prompt's KV,
-:mod:`musegl_core.http.choices`). ``logit_bias``,
+:mod:`musegl_core.service.choices`). ``logit_bias``,
 the penalties and ``min_p`` are honoured as in chat (docs/constrained.md).
 
 The response is OpenAI's ``text_completion`` object; a stream sends
@@ -27,8 +27,9 @@ import attrs
 from musegl_core.config import ServeConfig
 from musegl_core.errors import ApiError, bad_request, unavailable
 from musegl_core.http import schemas as s
-from musegl_core.http import sse, stopping
-from musegl_core.http.choices import ChoiceGroup, GroupStream, choice_requests
+from musegl_core.http import sse
+from musegl_core.service import stopping
+from musegl_core.service.choices import ChoiceGroup, GroupStream, choice_requests
 from musegl_core.openai.chat import (
     ResponseMeta,
     cache_salt,

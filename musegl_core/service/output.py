@@ -17,7 +17,7 @@ from typing import Any, Sequence
 import attrs
 
 from musegl_core.chat import channels
-from musegl_core.http.logprobs import LogprobTracker
+from musegl_core.service.logprobs import LogprobTracker
 from musegl_core.service.events import Usage
 from musegl_core.worker import messages as m
 
@@ -41,7 +41,7 @@ class Output:
 
 @attrs.frozen
 class LogprobEntries:
-    """Logprob entries (:class:`~musegl_core.http.logprobs.TokenLogprob`) by channel."""
+    """Logprob entries (:class:`~musegl_core.service.logprobs.TokenLogprob`) by channel."""
 
     content: tuple = ()
     reasoning: tuple = ()

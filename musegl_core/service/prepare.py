@@ -16,8 +16,8 @@ from musegl_core.chat.messages import ToolDef, image_parts
 from musegl_core.config import ServeConfig
 from musegl_core.engine.request import ImageInput
 from musegl_core.errors import bad_request, unavailable
-from musegl_core.http import constraints
-from musegl_core.http.choices import choice_requests
+from musegl_core.service import constraints
+from musegl_core.service.choices import choice_requests
 from musegl_core.service.conversation import Conversation, ToolChoice
 from musegl_core.vision.preprocess import image_too_large
 from musegl_core.worker import messages as m
@@ -49,7 +49,7 @@ class Plan:
     parallel_tool_calls: bool = True  # False: at most one call is returned (the first)
 
     def requests(self) -> list[m.Generate]:
-        """One worker request per choice (:func:`~musegl_core.http.choices.choice_requests`)."""
+        """One worker request per choice (:func:`~musegl_core.service.choices.choice_requests`)."""
         return choice_requests(self.generate, self.n)
 
 

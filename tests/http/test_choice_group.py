@@ -12,7 +12,7 @@ import pytest
 
 from musegl_core.engine.executor import SamplingParams
 from musegl_core.errors import ApiError
-from musegl_core.http.choices import ChoiceGroup, choice_requests, choice_seed
+from musegl_core.service.choices import ChoiceGroup, choice_requests, choice_seed
 from musegl_core.openai.chat import ChatPlan, ChatStream, ResponseMeta, complete
 from musegl_core.http.dialect import Dialect
 from musegl_core.worker import messages as m

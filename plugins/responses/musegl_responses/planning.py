@@ -19,7 +19,7 @@ from musegl_core.chat.messages import Message
 from musegl_core.chat.template import TemplateVariables
 from musegl_core.errors import ApiError, bad_request
 from musegl_core.openai.chat import sampling_params, session_id as explicit_session
-from musegl_core.http.logprobs import MAX_TOP_LOGPROBS
+from musegl_core.service.logprobs import MAX_TOP_LOGPROBS
 from musegl_core.service.conversation import AnswerFormat, Conversation
 from musegl_core.service.sessions import client_session, soft_session_name
 from musegl_core.worker import messages as m
