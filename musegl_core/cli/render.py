@@ -26,6 +26,7 @@ from musegl_core.cli.main import OneLineParser
 from musegl_core.config import ServeConfig
 from musegl_core.errors import ApiError, ConfigError
 from musegl_core.http import schemas as s
+from musegl_core.openai.schemas import structure_request
 from musegl_core.openai.chat import ChatPlan, plan_chat
 from musegl_core.plugins.manager import PluginManager
 from musegl_core.worker import messages as m
@@ -76,7 +77,7 @@ def render_request(
     config = ServeConfig(template=template, tool_parser=tool_parser, api_dialect=api_dialect)
     dialect = plugins.get("dialects", api_dialect).create()
     payload = dialect.adapt_request(s.parse_body(body.encode() if isinstance(body, str) else body))
-    request = s.structure_request(payload)
+    request = structure_request(payload)
     plan = plan_chat(
         request,
         request_id="render",

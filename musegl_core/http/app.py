@@ -38,6 +38,7 @@ from musegl_core.config import ServeConfig
 from musegl_core.errors import ApiError, ConfigError, server_error, shutting_down, unavailable
 from musegl_core.http import openapi
 from musegl_core.http import schemas as s
+from musegl_core.openai.schemas import DetokenizeRequest, DetokenizeResult, TokenizeRequest, TokenizeResult
 from musegl_core.http.dialect import Dialect, ServedModel
 from musegl_core.http.front_tokenizer import FrontTokenizer
 from musegl_core.http.memory import MemoryTrim
@@ -203,19 +204,19 @@ def create_app(
         return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @post("/tokenize", guards=[require_key], status_code=200,
-          operation_class=openapi.operation(body=s.TokenizeRequest, responses=openapi.PLAIN(s.TokenizeResult)))
+          operation_class=openapi.operation(body=TokenizeRequest, responses=openapi.PLAIN(TokenizeResult)))
     async def tokenize_text(request: Request) -> Response:
         """Token ids of raw text, or of a conversation rendered with the chat template."""
-        body = s.structure_body(s.parse_body(await request.body()), s.TokenizeRequest)
+        body = s.structure_body(s.parse_body(await request.body()), TokenizeRequest)
         result = await tokenize(body, tokenizer=front.tokenizer.tokenizer, template=front.template,
                                 tool_parser=front.tool_parser, config=config)
         return Response(s.to_json(result), media_type="application/json")
 
     @post("/detokenize", guards=[require_key], status_code=200,
-          operation_class=openapi.operation(body=s.DetokenizeRequest, responses=openapi.PLAIN(s.DetokenizeResult)))
+          operation_class=openapi.operation(body=DetokenizeRequest, responses=openapi.PLAIN(DetokenizeResult)))
     async def detokenize_ids(request: Request) -> Response:
         """The text of token ids, special tokens written out."""
-        body = s.structure_body(s.parse_body(await request.body()), s.DetokenizeRequest)
+        body = s.structure_body(s.parse_body(await request.body()), DetokenizeRequest)
         result = await detokenize(body, tokenizer=front.tokenizer.tokenizer)
         return Response(s.to_json(result), media_type="application/json")
 

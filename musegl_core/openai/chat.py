@@ -34,7 +34,8 @@ from musegl_core.engine.executor import SamplingParams
 from musegl_core.errors import ApiError, bad_request
 from musegl_core.service import constraints, stopping
 from musegl_core.service.logprobs import MAX_TOP_LOGPROBS
-from musegl_core.http import schemas as s
+from musegl_core.http.schemas import to_json
+from musegl_core.openai import schemas as s
 from musegl_core.http import sse
 from musegl_core.http.dialect import Dialect
 from musegl_core.service import events as ev
@@ -294,7 +295,7 @@ def prompt_cache_key(value: str | None) -> str | None:
 
 
 def cache_salt(value: str | None) -> str | None:
-    """``cache_salt``: a non-empty string of at most :data:`~musegl_core.http.schemas.MAX_CACHE_SALT`
+    """``cache_salt``: a non-empty string of at most :data:`~musegl_core.openai.schemas.MAX_CACHE_SALT`
     characters (any characters: it is hashed, never shown)."""
     if value is not None and not 1 <= len(value) <= s.MAX_CACHE_SALT:
         raise bad_request(f"'cache_salt' must be a string of 1-{s.MAX_CACHE_SALT} characters, got {len(value)}",
@@ -564,10 +565,10 @@ class ChatStream:
         chunk = self.meta.chunk([s.ChunkChoice(delta=s.Delta(), finish_reason=finish.reason, index=index,
                                                logprobs=rest)])
         if not last:
-            items.append(sse.data_event(s.to_json(chunk)))
+            items.append(sse.data_event(to_json(chunk)))
             return items
         usage = combined_usage(self._usages) if self.plan.include_usage else None
-        items += [sse.data_event(s.to_json(c)) for c in self.dialect.stream_tail(chunk, usage)]
+        items += [sse.data_event(to_json(c)) for c in self.dialect.stream_tail(chunk, usage)]
         items.append(sse.DONE)
         return items
 
@@ -575,4 +576,4 @@ class ChatStream:
         return wire_logprobs(entries, self.plan.hide_reasoning)
 
     def _chunk(self, choice: s.ChunkChoice) -> bytes:
-        return sse.data_event(s.to_json(self.meta.chunk([choice])))
+        return sse.data_event(to_json(self.meta.chunk([choice])))

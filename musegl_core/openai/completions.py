@@ -26,7 +26,8 @@ import attrs
 
 from musegl_core.config import ServeConfig
 from musegl_core.errors import ApiError, bad_request, unavailable
-from musegl_core.http import schemas as s
+from musegl_core.http.schemas import to_json
+from musegl_core.openai import schemas as s
 from musegl_core.http import sse
 from musegl_core.service import stopping
 from musegl_core.service.choices import ChoiceGroup, GroupStream, choice_requests
@@ -80,7 +81,7 @@ def plan_completion(request: s.CompletionRequest, *, request_id: str, config: Se
     return CompletionPlan(generate=generate, stream=stream, include_usage=include_usage, n=n)
 
 
-#: Fields typed on :class:`~musegl_core.http.schemas.CompletionRequest` only to be
+#: Fields typed on :class:`~musegl_core.openai.schemas.CompletionRequest` only to be
 #: refused by name when present (a ``null`` is absent), with what to use instead.
 REFUSED_FIELDS = {
     "session_id": "sessions are a chat feature: /v1/completions is stateless (use /v1/chat/completions)",
@@ -182,7 +183,7 @@ class TextStream(GroupStream):
 
     def _chunk(self, index: int, text: str, finish_reason: str | None = None) -> bytes:
         choice = s.CompletionChoice(text=text, finish_reason=finish_reason, index=index)
-        return sse.data_event(s.to_json(_object(self.meta, [choice])))
+        return sse.data_event(to_json(_object(self.meta, [choice])))
 
     async def _body(self) -> AsyncIterator[bytes]:
         usages: list[s.Usage | None] = [None] * self.plan.n
@@ -198,7 +199,7 @@ class TextStream(GroupStream):
                         remaining -= 1
                 if remaining == 0:
                     if self.plan.include_usage:
-                        yield sse.data_event(s.to_json(_object(self.meta, [], combined_usage(usages))))
+                        yield sse.data_event(to_json(_object(self.meta, [], combined_usage(usages))))
                     yield sse.DONE
                     return
                 error = unavailable("the model worker ended the request without a result", code="worker_restarting")

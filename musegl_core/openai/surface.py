@@ -15,7 +15,8 @@ from litestar import Request, Response, post
 from litestar.response import Stream
 
 from musegl_core.http import openapi
-from musegl_core.http import schemas as s
+from musegl_core.http.schemas import parse_body, structure_body, to_json
+from musegl_core.openai import schemas as s
 from musegl_core.http import sse
 from musegl_core.openai import completions as tc
 from musegl_core.openai.chat import ChatStream, ResponseMeta, complete, plan_chat
@@ -42,7 +43,7 @@ class ChatCompletionsSurface(ApiSurface):
             arrived = time.monotonic()
             context.check_open()
             service = context.service
-            payload = context.dialect.adapt_request(s.parse_body(await request.body()))
+            payload = context.dialect.adapt_request(parse_body(await request.body()))
             chat = s.structure_request(payload)
             served = context.served_model
             meta = ResponseMeta.new(served.name, served.backend or "unknown")
@@ -62,7 +63,7 @@ class ChatCompletionsSurface(ApiSurface):
             if not plan.stream:
                 result = await unless_disconnected(
                     request, complete(worker, plan, meta, context.dialect, service.tool_parser))
-                return Response(s.to_json(result), media_type="application/json", headers=echo)
+                return Response(to_json(result), media_type="application/json", headers=echo)
             stream = ChatStream(worker, plan, meta, context.dialect, service.tool_parser,
                                 context.config.streaming_preflight_timeout)
             await unless_disconnected(request, stream.open())
@@ -88,7 +89,7 @@ class CompletionsSurface(ApiSurface):
             """Raw-prompt generation (no chat template) as one JSON object or an SSE stream."""
             arrived = time.monotonic()
             context.check_open()
-            body = s.structure_body(s.parse_body(await request.body()), s.CompletionRequest)
+            body = structure_body(parse_body(await request.body()), s.CompletionRequest)
             served = context.served_model
             meta = tc.new_meta(served.name, served.backend or "unknown")
             plan = tc.plan_completion(body, request_id=meta.id, config=context.config)
@@ -96,7 +97,7 @@ class CompletionsSurface(ApiSurface):
             worker = context.metered(arrived)
             if not plan.stream:
                 result = await unless_disconnected(request, tc.complete_text(worker, plan, meta))
-                return Response(s.to_json(result), media_type="application/json")
+                return Response(to_json(result), media_type="application/json")
             stream = tc.TextStream(worker, plan, meta, context.dialect, context.config.streaming_preflight_timeout)
             await unless_disconnected(request, stream.open())
             return Stream(stream.events(), media_type=sse.MEDIA_TYPE, headers=sse.HEADERS)

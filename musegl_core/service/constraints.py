@@ -19,7 +19,7 @@ from musegl_core.chat.messages import ToolDef
 from musegl_core.constrain import grammar as g
 from musegl_core.constrain.enforceable import unenforceable
 from musegl_core.errors import ApiError, bad_request
-from musegl_core.http import schemas as s
+from musegl_core.openai import schemas as s
 
 
 def unsupported(param: str, message: str) -> ApiError:

@@ -13,7 +13,8 @@ import pytest
 from litestar.testing import TestClient
 
 from musegl_core.config import ServeConfig
-from musegl_core.http import schemas as s
+from musegl_core.http.schemas import to_json
+from musegl_core.openai import schemas as s
 from musegl_core.http import sse
 from musegl_core.http.app import create_app
 from musegl_core.engine.detokenize import IncrementalDetokenizer
@@ -279,15 +280,15 @@ def test_api_key_guards_everything_but_health():
 
 # -- wire pieces -------------------------------------------------------------------------
 def test_chunk_shapes():
-    role = s.to_json(s.ChatCompletionChunk("c", 1, "m", "fp", [s.ChunkChoice(s.RoleDelta())]))
+    role = to_json(s.ChatCompletionChunk("c", 1, "m", "fp", [s.ChunkChoice(s.RoleDelta())]))
     assert role["choices"][0] == {"index": 0, "delta": {"role": "assistant", "content": None}, "finish_reason": None}
     assert "usage" not in role
     finish = s.ChatCompletionChunk("c", 1, "m", "fp", [s.ChunkChoice(s.Delta(), "stop")])
-    assert s.to_json(finish)["choices"][0]["delta"] == {}
+    assert to_json(finish)["choices"][0]["delta"] == {}
     usage = s.Usage(3, 2, 5)
     tail = Dialect().stream_tail(finish, usage)
-    assert [s.to_json(c)["choices"] for c in tail] == [s.to_json(finish)["choices"], []]
-    assert s.to_json(tail[1])["usage"] == {
+    assert [to_json(c)["choices"] for c in tail] == [to_json(finish)["choices"], []]
+    assert to_json(tail[1])["usage"] == {
         "prompt_tokens": 3,
         "completion_tokens": 2,
         "total_tokens": 5,
@@ -307,7 +308,7 @@ def test_openai_stream_error_then_done():
 
 
 def test_model_entry_for_plain_model():
-    entry = s.to_json(Dialect().model_entry(ServedModel("m", 5, 100)))
+    entry = to_json(Dialect().model_entry(ServedModel("m", 5, 100)))
     assert entry == {
         "id": "m",
         "created": 5,
