@@ -25,22 +25,14 @@ from typing import Any, AsyncIterator
 import attrs
 
 from musegl_core.config import ServeConfig
-from musegl_core.errors import ApiError, bad_request, unavailable
+from musegl_core.errors import ApiError, bad_request, unavailable, unsupported
 from musegl_core.http.schemas import to_json
 from musegl_core.openai import schemas as s
 from musegl_core.http import sse
 from musegl_core.service import stopping
 from musegl_core.service.choices import ChoiceGroup, GroupStream, choice_requests
-from musegl_core.openai.chat import (
-    ResponseMeta,
-    cache_salt,
-    choice_count,
-    combined_usage,
-    completion_limit,
-    sampling_params,
-    stop_strings,
-    unsupported,
-)
+from musegl_core.openai.chat import ResponseMeta, combined_usage
+from musegl_core.service.rules import cache_salt, choice_count, completion_limit, sampling_params, stop_strings
 from musegl_core.http.dialect import Dialect
 from musegl_core.worker import messages as m
 

@@ -18,6 +18,7 @@ import attrs
 
 from musegl_core.errors import bad_request
 from musegl_core.http.schemas import JSON_SCHEMA, closed, converter, json_literal, omittable, structure_body
+from musegl_core.service.rules import MAX_CACHE_SALT
 
 _TEXT_PART = {
     "type": "object",
@@ -68,10 +69,6 @@ MESSAGES_SCHEMA = {
 def messages_field() -> Any:
     """``messages``: raw JSON here, documented by :data:`MESSAGES_SCHEMA`."""
     return attrs.field(default=None, metadata={JSON_SCHEMA: MESSAGES_SCHEMA})
-
-
-#: ``cache_salt``: the longest salt accepted (characters)
-MAX_CACHE_SALT = 256
 
 
 def cache_salt_field() -> Any:

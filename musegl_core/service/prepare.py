@@ -15,16 +15,12 @@ import attrs
 from musegl_core.chat.messages import ToolDef, image_parts
 from musegl_core.config import ServeConfig
 from musegl_core.engine.request import ImageInput
-from musegl_core.errors import bad_request, unavailable
+from musegl_core.errors import bad_request, unavailable, unsupported
 from musegl_core.service import constraints
 from musegl_core.service.choices import choice_requests
 from musegl_core.service.conversation import Conversation, ToolChoice
 from musegl_core.vision.preprocess import image_too_large
 from musegl_core.worker import messages as m
-
-
-def unsupported(param: str, message: str):
-    return bad_request(message, code="unsupported_parameter", param=param)
 
 
 @attrs.frozen

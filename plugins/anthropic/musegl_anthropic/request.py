@@ -49,8 +49,8 @@ from musegl_core.chat.channels import parse_output
 from musegl_core.chat.messages import FunctionCall, ImagePart, Message, TextPart, ToolCall, ToolDef
 from musegl_core.chat.template import TemplateVariables
 from musegl_core.engine.executor import SamplingParams
-from musegl_core.errors import ApiError, bad_request
-from musegl_core.openai.chat import session_id as checked_session_id
+from musegl_core.errors import ApiError, bad_request, unsupported
+from musegl_core.service.rules import session_id as checked_session_id
 from musegl_core.service.conversation import AnswerFormat, Conversation, ToolChoice
 from musegl_core.service.sessions import client_session
 from musegl_core.worker import messages as m
@@ -64,10 +64,6 @@ _NONCE = re.compile(r"\bcch=[^;\s]*")
 #: ``output_config.effort`` → the template's reasoning strength
 EFFORTS = {"low": "low", "medium": "medium", "high": "high", "xhigh": "high", "max": "high"}
 SERVER_TOOL = re.compile(r"^[a-z_]+_\d{8}$")  # web_search_20250305, bash_20250124, ...
-
-
-def unsupported(param: str, message: str) -> ApiError:
-    return bad_request(message, code="unsupported_parameter", param=param)
 
 
 @attrs.frozen

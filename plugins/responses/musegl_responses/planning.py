@@ -17,8 +17,8 @@ import attrs
 
 from musegl_core.chat.messages import Message
 from musegl_core.chat.template import TemplateVariables
-from musegl_core.errors import ApiError, bad_request
-from musegl_core.openai.chat import sampling_params, session_id as explicit_session
+from musegl_core.errors import ApiError, bad_request, unsupported
+from musegl_core.service.rules import sampling_params, session_id as explicit_session
 from musegl_core.service.logprobs import MAX_TOP_LOGPROBS
 from musegl_core.service.conversation import AnswerFormat, Conversation
 from musegl_core.service.sessions import client_session, soft_session_name
@@ -36,10 +36,6 @@ EFFORTS = ("low", "medium", "high")
 SUMMARIES = ("auto", "detailed")
 KEY_SOURCE = "codex"  # soft sessions named by a client key: codex:<key> (docs/sessions.md)
 CHAIN_SOURCE = "responses"  # a stored chain's own soft session: responses:<first response id>
-
-
-def unsupported(param: str, message: str) -> ApiError:
-    return bad_request(message, code="unsupported_parameter", param=param)
 
 
 def new_id(prefix: str) -> str:
