@@ -1,12 +1,13 @@
 """Chat Completions: the core's own API surface over the generation service.
 
-:func:`plan_chat` applies every Chat Completions rule that does not need the
+:func:`read_chat` applies every Chat Completions rule that does not need the
 model (ranges, contradictions, the reject list, tools without a parser) in
-this API's parameter names, turns the request into a
-:class:`~musegl_core.service.conversation.Conversation` and has the service
-prepare it (:func:`musegl_core.service.prepare.prepare`: template, output
-constraints, images). Nothing is submitted before it returns, so every bad
-request is a 400 that never reaches the worker.
+this API's parameter names and turns the request into a
+:class:`~musegl_core.service.conversation.Conversation`, which the service
+prepares (:meth:`~musegl_core.service.service.GenerationService.prepare`:
+template, output constraints, images; :func:`plan_chat` does both). Nothing
+is submitted before that returns, so every bad request is a 400 that never
+reaches the worker.
 
 :func:`complete` builds the non-streaming object and :class:`ChatStream` the
 SSE events (nothing is sent until the worker reports ``Started``), both from
@@ -37,10 +38,10 @@ from musegl_core.openai import schemas as s
 from musegl_core.http import sse
 from musegl_core.http.dialect import Dialect
 from musegl_core.service import events as ev
-from musegl_core.service.conversation import AnswerFormat, Conversation, ToolChoice
+from musegl_core.service.conversation import AnswerFormat, Conversation, Settings, ToolChoice
 from musegl_core.service.generation import Generation
 from musegl_core.service.output import LogprobEntries, Output, OutputAssembler, reasoning_tokens
-from musegl_core.service.prepare import Plan, prepare, prompt_images, setup_tools
+from musegl_core.service.prepare import Plan, ToolSetup, prepare, prompt_images, setup_tools
 from musegl_core.service.rules import (
     cache_salt,
     choice_count,
@@ -51,10 +52,8 @@ from musegl_core.service.rules import (
     stop_strings,
 )
 from musegl_core.service.sessions import PROMPT_CACHE_KEY_SOURCE as CLIENT_KEY_SOURCE, client_session
-from musegl_core.worker import messages as m
-from musegl_core.worker.client import WorkerClient
 
-__all__ = ["ChatPlan", "ChatStream", "Output", "ResponseAssembler", "ResponseMeta", "complete", "plan_chat",
+__all__ = ["ChatPlan", "ChatStream", "Output", "ResponseAssembler", "ResponseMeta", "complete", "plan_chat", "read_chat",
            "prompt_images", "reasoning_tokens"]
 
 REASONING_STRENGTHS = ("low", "medium", "high")
@@ -78,8 +77,29 @@ def plan_chat(
 ) -> ChatPlan:
     """Validate ``request`` and render its prompt; raises :class:`ApiError` (400).
 
-    ``template`` is a template plugin's object (``render``); ``tool_parser``
-    the configured :class:`~musegl_core.plugins.specs.ToolParserSpec` or
+    ``template`` is a template plugin's object (``render``); the other
+    arguments are :func:`read_chat`'s. What the surface does with the
+    service's :meth:`~musegl_core.service.service.GenerationService.prepare`,
+    for ``musegl render`` and ``/tokenize``.
+    """
+    conversation, tool_setup = read_chat(request, config=config, tool_parser=tool_parser,
+                                         header_session_id=header_session_id, client_keys=client_keys)
+    return prepare(conversation, request_id=request_id, config=config, template=template, tool_parser=tool_parser,
+                   tokenizer=tokenizer, tool_setup=tool_setup)
+
+
+def read_chat(
+    request: s.ChatCompletionRequest,
+    *,
+    config: ServeConfig,
+    tool_parser: Any = None,
+    header_session_id: str | None = None,
+    client_keys: Sequence[tuple[str, str | None]] = (),
+) -> tuple[Conversation, ToolSetup]:
+    """Validate ``request`` into the service's :class:`~musegl_core.service.conversation.Conversation`
+    and its tools after preflight; raises :class:`ApiError` (400).
+
+    ``tool_parser`` is the configured :class:`~musegl_core.plugins.specs.ToolParserSpec` or
     ``None`` (tools without ``--tool-parser`` are refused). ``client_keys``
     are the agent clients' conversation keys from the headers, ``(source,
     value)`` (:func:`~musegl_core.service.sessions.client_session`): without a
@@ -105,9 +125,7 @@ def plan_chat(
     answer = answer_schema(request)
     stream = bool(request.stream)
     constrained = answer is not None or choice.mode in ("required", "named")
-    settings = m.Generate(
-        id=request_id,
-        prompt=(),
+    settings = Settings(
         max_tokens=max_tokens,
         sampling=sampling,
         stop=stops,
@@ -132,8 +150,7 @@ def plan_chat(
         include_usage=bool(request.stream_options and request.stream_options.include_usage),
         n=n,
     )
-    return prepare(conversation, request_id=request_id, config=config, template=template, tool_parser=tool_parser,
-                   tokenizer=tokenizer, tool_setup=tool_setup)
+    return conversation, tool_setup
 
 
 def _check_fixed_choices(request: s.ChatCompletionRequest) -> None:
@@ -357,16 +374,10 @@ def combined_usage(usages: Sequence[s.Usage]) -> s.Usage:
     )
 
 
-async def complete(
-    worker: WorkerClient,
-    plan: ChatPlan,
-    meta: ResponseMeta,
-    dialect: Dialect,
-    tool_parser: Any = None,
-) -> s.ChatCompletion:
-    """Run ``plan``'s choices to the end and build the non-streaming response.
+async def complete(generation: Generation, meta: ResponseMeta, dialect: Dialect) -> s.ChatCompletion:
+    """Run the generation's choices to the end and build the non-streaming response.
     An error of any choice fails the response (the others are cancelled)."""
-    generation = Generation(worker, plan, tool_parser)
+    plan = generation.plan
     outputs = await generation.run()
     choices = [
         s.Choice(message=chat_message(output, dialect), finish_reason=generation.finished[index].reason,
@@ -397,19 +408,11 @@ class ChatStream:
     any choice cancels every worker request still running.
     """
 
-    def __init__(
-        self,
-        worker: WorkerClient,
-        plan: ChatPlan,
-        meta: ResponseMeta,
-        dialect: Dialect,
-        tool_parser: Any = None,
-        preflight_timeout: float | None = None,
-    ):
-        self.plan = plan
+    def __init__(self, generation: Generation, meta: ResponseMeta, dialect: Dialect):
+        plan = self.plan = generation.plan
         self.meta = meta
         self.dialect = dialect
-        self.generation = Generation(worker, plan, tool_parser, preflight_timeout)
+        self.generation = generation
         self._usages: list[s.Usage | None] = [None] * plan.n
         self._calls: list[list[s.ToolCallDelta]] = [[] for _ in range(plan.n)]
 

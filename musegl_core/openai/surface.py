@@ -1,10 +1,13 @@
 """The core's own API surfaces: Chat Completions and Completions.
 
-Both are spelled by the server's ``--api-dialect`` (``openai``, or a plugin's
-such as ``openrouter``): its request extensions, error bodies, usage
-placement and keepalives. The logic lives in :mod:`musegl_core.openai.chat`
-(Chat Completions over the generation service) and
-:mod:`musegl_core.openai.completions`; these classes are their routes.
+They are built as any plugin's surface is (docs/plugins.md): parse the body,
+turn it into what the generation service takes, have the service prepare and
+run it, write the service's events in this API's shapes. Both are spelled by
+the server's ``--api-dialect`` (``openai``, or a plugin's such as
+``openrouter``): its request extensions, error bodies, usage placement and
+keepalives. The request rules and response shapes live in
+:mod:`musegl_core.openai.chat` and :mod:`musegl_core.openai.completions`;
+these classes are their routes.
 """
 
 from __future__ import annotations
@@ -15,12 +18,12 @@ from litestar import Request, Response, post
 from litestar.response import Stream
 
 from musegl_core.http import openapi
-from musegl_core.http.schemas import parse_body, structure_body, to_json
-from musegl_core.openai import schemas as s
 from musegl_core.http import sse
-from musegl_core.openai import completions as tc
-from musegl_core.openai.chat import ChatStream, ResponseMeta, complete, plan_chat
+from musegl_core.http.schemas import parse_body, structure_body, to_json
 from musegl_core.http.surface import ApiSurface, unless_disconnected
+from musegl_core.openai import completions as tc
+from musegl_core.openai import schemas as s
+from musegl_core.openai.chat import ChatStream, ResponseMeta, complete, read_chat
 from musegl_core.service.sessions import header_keys, session_echo
 
 
@@ -45,27 +48,19 @@ class ChatCompletionsSurface(ApiSurface):
             service = context.service
             payload = context.dialect.adapt_request(parse_body(await request.body()))
             chat = s.structure_request(payload)
+            conversation, tools = read_chat(chat, config=context.config, tool_parser=service.tool_parser,
+                                            header_session_id=request.headers.get("x-session-id"),
+                                            client_keys=header_keys(request.headers))
             served = context.served_model
             meta = ResponseMeta.new(served.name, served.backend or "unknown")
-            plan = plan_chat(
-                chat,
-                request_id=meta.id,
-                config=context.config,
-                template=service.template,
-                tool_parser=service.tool_parser,
-                header_session_id=request.headers.get("x-session-id"),
-                client_keys=header_keys(request.headers),
-                tokenizer=service.tokenizer,
-            )
+            plan = service.prepare(conversation, request_id=meta.id, tool_setup=tools)
             service.require_ready()
-            worker = context.metered(arrived)
+            generation = service.generation(plan, arrived=arrived)
             echo = session_echo(plan.generate.session_id, plan.generate.soft_session)
             if not plan.stream:
-                result = await unless_disconnected(
-                    request, complete(worker, plan, meta, context.dialect, service.tool_parser))
+                result = await unless_disconnected(request, complete(generation, meta, context.dialect))
                 return Response(to_json(result), media_type="application/json", headers=echo)
-            stream = ChatStream(worker, plan, meta, context.dialect, service.tool_parser,
-                                context.config.streaming_preflight_timeout)
+            stream = ChatStream(generation, meta, context.dialect)
             await unless_disconnected(request, stream.open())
             return Stream(stream.events(), media_type=sse.MEDIA_TYPE, headers={**sse.HEADERS, **echo})
 
@@ -89,16 +84,17 @@ class CompletionsSurface(ApiSurface):
             """Raw-prompt generation (no chat template) as one JSON object or an SSE stream."""
             arrived = time.monotonic()
             context.check_open()
+            service = context.service
             body = structure_body(parse_body(await request.body()), s.CompletionRequest)
             served = context.served_model
             meta = tc.new_meta(served.name, served.backend or "unknown")
-            plan = tc.plan_completion(body, request_id=meta.id, config=context.config)
-            context.service.require_ready()
-            worker = context.metered(arrived)
+            plan = tc.plan_completion(body, request_id=meta.id, config=context.config, service=service)
+            service.require_ready()
+            generation = service.generation(plan, arrived=arrived)
             if not plan.stream:
-                result = await unless_disconnected(request, tc.complete_text(worker, plan, meta))
+                result = await unless_disconnected(request, tc.complete_text(generation, meta))
                 return Response(to_json(result), media_type="application/json")
-            stream = tc.TextStream(worker, plan, meta, context.dialect, context.config.streaming_preflight_timeout)
+            stream = tc.TextStream(generation, meta, context.dialect)
             await unless_disconnected(request, stream.open())
             return Stream(stream.events(), media_type=sse.MEDIA_TYPE, headers=sse.HEADERS)
 

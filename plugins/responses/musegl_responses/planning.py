@@ -20,9 +20,8 @@ from musegl_core.chat.template import TemplateVariables
 from musegl_core.errors import ApiError, bad_request, unsupported
 from musegl_core.service.rules import sampling_params, session_id as explicit_session
 from musegl_core.service.logprobs import MAX_TOP_LOGPROBS
-from musegl_core.service.conversation import AnswerFormat, Conversation
+from musegl_core.service.conversation import AnswerFormat, Conversation, Settings
 from musegl_core.service.sessions import client_session, soft_session_name
-from musegl_core.worker import messages as m
 
 from musegl_responses.items import Reader
 from musegl_responses.schemas import ResponseRequest
@@ -221,9 +220,7 @@ def plan_response(
         ])
     if session is None and keep and max_sessions > 0:
         session, soft = soft_session_name(CHAIN_SOURCE, response_id), True  # a chain's first stored turn
-    settings = m.Generate(
-        id=response_id,
-        prompt=(),
+    settings = Settings(
         max_tokens=request.max_output_tokens,
         sampling=sampling,
         session_id=session,
