@@ -98,7 +98,7 @@ def render_request(
 
 def load_tokenizer(model: str | None, tokenizer: str | None) -> Any:
     """The tokenizer of ``--tokenizer`` / ``--model``, else the demo checkpoint's."""
-    from musegl_core.checkpoint.model_tokenizer import load_tokenizer as load_model_tokenizer
+    from musegl_core.model_tokenizer import load_tokenizer as load_model_tokenizer
     from musegl_core.tokenizer import TokenizerError
 
     path = tokenizer or model

@@ -125,7 +125,7 @@ def prepare(argv: list[str]):
                                        mmproj=config.mmproj, max_context=config.max_context,
                                        extra=dict(config.extra)))
         else:
-            from musegl_core.checkpoint.validate import check_servable
+            from musegl_core.servable import check_servable
 
             check_servable(config.model)
         check_speculators(config, plugins)  # a draft that does not fit, before the port is bound

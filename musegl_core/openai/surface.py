@@ -24,6 +24,7 @@ from musegl_core.http.surface import ApiSurface, unless_disconnected
 from musegl_core.openai import completions as tc
 from musegl_core.openai import schemas as s
 from musegl_core.openai.chat import ChatStream, ResponseMeta, complete, read_chat
+from musegl_core.openai.tokenize import detokenize, tokenize
 from musegl_core.service.sessions import header_keys, session_echo
 
 
@@ -99,3 +100,34 @@ class CompletionsSurface(ApiSurface):
             return Stream(stream.events(), media_type=sse.MEDIA_TYPE, headers=sse.HEADERS)
 
         return [completions]
+
+
+class TokenizeSurface(ApiSurface):
+    """``POST /tokenize`` and ``POST /detokenize`` with the served tokenizer (:mod:`musegl_core.openai.tokenize`)."""
+
+    name = "tokenize"
+    title = "Tokenize"
+
+    def routes(self) -> list:
+        context = self.context
+
+        @post("/tokenize", status_code=200,
+              operation_class=openapi.operation(body=s.TokenizeRequest, responses=openapi.PLAIN(s.TokenizeResult)))
+        async def tokenize_text(request: Request) -> Response:
+            """Token ids of raw text, or of a conversation rendered with the chat template."""
+            body = structure_body(parse_body(await request.body()), s.TokenizeRequest)
+            service = context.service
+            result = await tokenize(body, tokenizer=service.tokenizer, template=service.template,
+                                    tool_parser=service.tool_parser, config=context.config)
+            return Response(to_json(result), media_type="application/json")
+
+        @post("/detokenize", status_code=200,
+              operation_class=openapi.operation(body=s.DetokenizeRequest,
+                                                responses=openapi.PLAIN(s.DetokenizeResult)))
+        async def detokenize_ids(request: Request) -> Response:
+            """The text of token ids, special tokens written out."""
+            body = structure_body(parse_body(await request.body()), s.DetokenizeRequest)
+            result = await detokenize(body, tokenizer=context.service.tokenizer)
+            return Response(to_json(result), media_type="application/json")
+
+        return [tokenize_text, detokenize_ids]

@@ -18,7 +18,7 @@ import attrs
 from musegl_core.chat.messages import ToolDef
 from musegl_core.constrain import grammar as g
 from musegl_core.constrain.enforceable import unenforceable
-from musegl_core.errors import ApiError, bad_request
+from musegl_core.errors import ApiError, bad_request, unsupported
 
 
 def preflight_schema(schema: Any, param: str, tool_parser: Any) -> None:

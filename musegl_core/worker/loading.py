@@ -23,7 +23,7 @@ def load(config: ServeConfig, max_context: int | None | bool = True):
     from musegl_core.plugins.manager import PluginManager
     from musegl_core.plugins.specs import ExecutorOptions
     from musegl_core.progress import loading_progress
-    from musegl_core.checkpoint.model_tokenizer import load_tokenizer
+    from musegl_core.model_tokenizer import load_tokenizer
 
     plugins = PluginManager(only=config.plugins)
     spec = plugins.choose_executor(config.executor, config.model)

@@ -49,7 +49,7 @@ from musegl_core.chat.channels import parse_output
 from musegl_core.chat.messages import FunctionCall, ImagePart, Message, TextPart, ToolCall, ToolDef
 from musegl_core.chat.template import TemplateVariables
 from musegl_core.engine.executor import SamplingParams
-from musegl_core.errors import ApiError, bad_request, unsupported
+from musegl_core.errors import bad_request, unsupported
 from musegl_core.service.rules import session_id as checked_session_id
 from musegl_core.service.conversation import AnswerFormat, Conversation, Settings, ToolChoice
 from musegl_core.service.sessions import client_session

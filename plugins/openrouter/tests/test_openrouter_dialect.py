@@ -14,7 +14,7 @@ from musegl_core.errors import ApiError, ConfigError
 from musegl_core.http.schemas import ModelList, to_json
 from musegl_core.openai import schemas as s
 from musegl_core.http.dialect import Dialect, ServedModel
-from musegl_core.http.errors import api_error
+from musegl_core.worker.errors import api_error
 from musegl_core.plugins.manager import PluginManager
 from musegl_openrouter.dialect import OpenRouterDialect
 from musegl_openrouter.overflow import RECOVERABLE_PATTERN, OverflowCounts, overflow_message
