@@ -104,7 +104,7 @@ def prepare(argv: list[str]):
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--plugin", action="append", dest="plugins")
     known, _ = pre.parse_known_args(argv)
-    plugins = PluginManager(only=known.plugins)
+    plugins = PluginManager(only=known.plugins, process="front")
     parser = build_parser(plugins)
     args = parser.parse_args(argv)
     config = config_from_args(args, parser)
