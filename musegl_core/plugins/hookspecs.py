@@ -129,7 +129,7 @@ def musegl_api_surfaces() -> list:
     """Return whole HTTP APIs as ``SurfaceSpec`` objects, served side by side.
 
     Every loaded plugin's surfaces are mounted at once (the core provides
-    ``chat``, OpenAI Chat Completions, and ``completions``; ``musegl-anthropic``
+    ``chat``, OpenAI Chat Completions, ``completions`` and ``tokenize``; ``musegl-anthropic``
     adds Anthropic Messages, ``musegl-responses`` the OpenAI Responses API).
     Called in the front only, when the app is built:
     ``SurfaceSpec.create(context)`` receives the
