@@ -364,3 +364,29 @@ def test_7_reasoning_tokens_are_exact_ids_of_self_messages():
             parser.feed("".join(pieces[i : i + group]))
         parser.finish("eos")
         assert reasoning_tokens(parser.message_starts, chars) == expected
+
+
+# -- request rules that need no worker (in-process; a valid request gets 503) --------------
+@pytest.mark.parametrize(("salt", "needle"), [
+    ("", "1-256 characters"),
+    ("x" * 257, "1-256 characters"),
+    (7, "expected a string"),
+    (["a"], "expected a string"),
+])
+def test_a_bad_salt_is_a_400_naming_it(client, salt, needle):
+    for path, field, value in (("/v1/chat/completions", "messages", MESSAGES), ("/v1/completions", "prompt", "hi")):
+        response = client.post(path, json={"model": "m", field: value, "cache_salt": salt})
+        error = assert_error(response, 400, param="cache_salt")
+        assert needle in error["message"], error
+
+
+def test_n_with_a_session_or_out_of_range_is_400():
+    with make_client(max_n=8, max_inflight_requests=4, max_sessions=8) as client:
+        error = assert_error(chat(client, n=2, session_id="s1"), 400, param="n")
+        assert "session" in error["message"]
+        refused = client.post("/v1/chat/completions", headers={"X-Session-Id": "s2"},
+                              json={"model": "m", "messages": MESSAGES, "n": 2})
+        assert_error(refused, 400, param="n")
+        for n in (0, 5, 9):  # 5: more than --max-inflight-requests 4 can ever run; 9: over --max-n 8
+            assert_error(chat(client, n=n), 400, param="n")
+        assert_error(chat(client, n=4), 503, "unavailable_error")  # valid: it reaches the (absent) worker
