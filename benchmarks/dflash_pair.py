@@ -185,7 +185,7 @@ def run(engine, events, prompts: list[list[int]], max_tokens: int, temperature: 
         engine.run_until_idle()
     failed = [e for e in events if isinstance(e, ev.Failed)]
     if failed:
-        from musegl_core.http.errors import api_error
+        from musegl_core.worker.errors import api_error
 
         raise RuntimeError(api_error(failed[0].error).message)
     return {e.id: list(e.generated_ids) for e in events if isinstance(e, ev.Done)}

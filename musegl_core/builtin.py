@@ -2,7 +2,7 @@
 
 It registers through the same hooks as any third-party plugin: the ``muse``
 chat template, the ``openai`` API dialect, and the ``chat`` (Chat
-Completions) and ``completions`` API surfaces.
+Completions), ``completions`` and ``tokenize`` API surfaces.
 """
 
 from __future__ import annotations
@@ -27,11 +27,12 @@ def musegl_dialects():
 
 @hookimpl
 def musegl_api_surfaces():
-    from musegl_core.http.chat_surface import ChatCompletionsSurface, CompletionsSurface
+    from musegl_core.openai.surface import ChatCompletionsSurface, CompletionsSurface, TokenizeSurface
 
     return [
         SurfaceSpec("chat", "OpenAI Chat Completions (POST /v1/chat/completions), spelled by --api-dialect",
                     ChatCompletionsSurface),
         SurfaceSpec("completions", "OpenAI Completions (POST /v1/completions): a raw prompt, no template",
                     CompletionsSurface),
+        SurfaceSpec("tokenize", "POST /tokenize and /detokenize with the served tokenizer", TokenizeSurface),
     ]

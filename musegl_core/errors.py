@@ -36,6 +36,11 @@ def bad_request(message: str, *, code: str | None = None, param: str | None = No
     return ApiError(400, message, "invalid_request_error", code, param)
 
 
+def unsupported(param: str, message: str) -> ApiError:
+    """400 ``unsupported_parameter``: a parameter (or value) the server does not implement."""
+    return bad_request(message, code="unsupported_parameter", param=param)
+
+
 def unavailable(message: str, *, code: str | None = None, retry_after: int | None = 1) -> ApiError:
     return ApiError(503, message, "unavailable_error", code, None, retry_after=retry_after)
 

@@ -530,7 +530,7 @@ class MuseTokenizer:
         program), uses the ``tokenizer.json`` beside it. Built once per process
         for a given file (:func:`load_once`). A model served from a bare
         ``config.json`` gets the demo tokenizer instead:
-        :func:`musegl_core.checkpoint.model_tokenizer.load_tokenizer` decides.
+        :func:`musegl_core.model_tokenizer.load_tokenizer` decides.
         """
         path = Path(model_path)
         return load_once("files", path, lambda: cls._load(path))

@@ -26,7 +26,7 @@ import attrs
 from musegl_core.chat.messages import ImagePart, Message, TextPart, ToolDef
 from musegl_core.chat.tools import namespace_of, prompt_name, tool_aliases
 from musegl_core.errors import bad_request
-from musegl_core.engine.request import PromptSegment
+from musegl_core.prompt import PromptSegment
 
 BOS = "<|begin_of_text|>"
 START = "<|start|>"

@@ -140,7 +140,7 @@ def main(argv: list[str]) -> int:
     engine.run_until_idle()
     failed = [e for e in events if isinstance(e, ev.Failed)]
     if failed:
-        from musegl_core.http.errors import api_error
+        from musegl_core.worker.errors import api_error
 
         raise ConfigError(api_error(failed[0].error).message)
     done = next(e for e in events if isinstance(e, ev.Done))

@@ -12,6 +12,7 @@ import argparse
 import sys
 
 from musegl_core import __version__
+from musegl_core.docstrings import summary
 from musegl_core.errors import ConfigError
 
 
@@ -20,16 +21,6 @@ class OneLineParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> None:  # type: ignore[override]
         self.exit(2, f"{self.prog}: error: {message}\n")
-
-
-def summary(doc: str | None) -> str:
-    """The first line of a module docstring as plain text for ``--help``: reStructuredText
-    markup (````literal````, ``:role:`target```) is taken out."""
-    import re
-
-    text = (doc or "").strip().splitlines()[0] if (doc or "").strip() else ""
-    text = re.sub(r":[a-z]+:`~?([^`]+)`", r"\1", text)
-    return text.replace("``", "")
 
 
 COMMANDS = {

@@ -30,7 +30,7 @@ from musegl_core.cli.render import load_plugins, read_input, render_request, rep
 from musegl_core.engine.stops import StopMatcher
 from musegl_core.errors import ApiError, ConfigError
 from musegl_core.http import schemas as s
-from musegl_core.http.completions import ResponseAssembler
+from musegl_core.openai.chat import ResponseAssembler
 from musegl_core.plugins.manager import PluginManager
 from musegl_core.worker import messages as m
 

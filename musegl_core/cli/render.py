@@ -3,7 +3,7 @@
 Reads a ``POST /v1/chat/completions`` body (a file, or ``-``/nothing for
 stdin) and runs it through the server's own front code: body parsing, field
 validation, the reject list, reasoning and template options, tool checks and
-the chat template (:func:`musegl_core.http.completions.plan_chat`). A request
+the chat template (:func:`musegl_core.openai.chat.plan_chat`). A request
 the server would refuse is refused here with the same error object (exit 1).
 With ``--ids`` the prompt is tokenized the way the worker does it
 (:func:`musegl_core.worker.prepare.prepare`), with the served tokenizer
@@ -26,7 +26,8 @@ from musegl_core.cli.main import OneLineParser
 from musegl_core.config import ServeConfig
 from musegl_core.errors import ApiError, ConfigError
 from musegl_core.http import schemas as s
-from musegl_core.http.completions import ChatPlan, plan_chat
+from musegl_core.openai.schemas import structure_request
+from musegl_core.openai.chat import ChatPlan, plan_chat
 from musegl_core.plugins.manager import PluginManager
 from musegl_core.worker import messages as m
 
@@ -76,7 +77,7 @@ def render_request(
     config = ServeConfig(template=template, tool_parser=tool_parser, api_dialect=api_dialect)
     dialect = plugins.get("dialects", api_dialect).create()
     payload = dialect.adapt_request(s.parse_body(body.encode() if isinstance(body, str) else body))
-    request = s.structure_request(payload)
+    request = structure_request(payload)
     plan = plan_chat(
         request,
         request_id="render",
@@ -97,7 +98,7 @@ def render_request(
 
 def load_tokenizer(model: str | None, tokenizer: str | None) -> Any:
     """The tokenizer of ``--tokenizer`` / ``--model``, else the demo checkpoint's."""
-    from musegl_core.checkpoint.model_tokenizer import load_tokenizer as load_model_tokenizer
+    from musegl_core.model_tokenizer import load_tokenizer as load_model_tokenizer
     from musegl_core.tokenizer import TokenizerError
 
     path = tokenizer or model

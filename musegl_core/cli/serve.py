@@ -104,7 +104,7 @@ def prepare(argv: list[str]):
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--plugin", action="append", dest="plugins")
     known, _ = pre.parse_known_args(argv)
-    plugins = PluginManager(only=known.plugins)
+    plugins = PluginManager(only=known.plugins, process="front")
     parser = build_parser(plugins)
     args = parser.parse_args(argv)
     config = config_from_args(args, parser)
@@ -125,7 +125,7 @@ def prepare(argv: list[str]):
                                        mmproj=config.mmproj, max_context=config.max_context,
                                        extra=dict(config.extra)))
         else:
-            from musegl_core.checkpoint.validate import check_servable
+            from musegl_core.servable import check_servable
 
             check_servable(config.model)
         check_speculators(config, plugins)  # a draft that does not fit, before the port is bound

@@ -4,7 +4,7 @@ The engine fails a request by emitting :class:`~musegl_core.engine.events.Failed
 with one of these values. Each names what happened (its ``kind``) and carries
 the details a client may need (counts, a reason, a retry estimate); none says
 how an API reports it. The front maps each kind once, in one table
-(:mod:`musegl_core.http.errors`), to the status, type, code and message its
+(:mod:`musegl_core.worker.errors`), to the status, type, code and message its
 surfaces render (:mod:`musegl_core.http`, the API surface plugins).
 
 The worker adds a few kinds of its own (frames, preparation) in

@@ -69,7 +69,7 @@ class Done:
 class Failed:
     """The request failed (or, with ``id`` None, a frame did): ``error`` says what
     happened, as an error kind and its details (:mod:`musegl_core.engine.errors`);
-    the front gives it its status and message (:mod:`musegl_core.http.errors`)."""
+    the front gives it its status and message (:mod:`musegl_core.worker.errors`)."""
 
     id: str | None
     error: EngineError

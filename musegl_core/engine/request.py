@@ -19,20 +19,7 @@ from typing import Any, Protocol, Sequence
 import attrs
 
 from musegl_core.engine.executor import PromptImage, SamplingParams
-
-
-@attrs.frozen
-class PromptSegment:
-    """A piece of the prompt: text, or token ids.
-
-    Exactly one of ``text`` and ``token_ids`` is set. With ``special=True`` the
-    special-token strings written in ``text`` (``<|start|>``) become their
-    single ids; with ``special=False`` (text a client typed) they stay literal
-    text, so a user who types ``<|eot|>`` never injects a control token."""
-
-    text: str | None = None
-    token_ids: tuple[int, ...] | None = None
-    special: bool = True
+from musegl_core.prompt import PromptSegment  # noqa: F401 (the request's prompt pieces; chat templates write them)
 
 
 @attrs.frozen

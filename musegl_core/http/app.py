@@ -26,7 +26,7 @@ from typing import Any, AsyncIterator
 
 import attrs
 
-from litestar import Litestar, Request, Response, Router, get, head, post
+from litestar import Litestar, Request, Response, Router, get, head
 from litestar.config.cors import CORSConfig
 from litestar.connection import ASGIConnection
 from litestar.exceptions import HTTPException
@@ -46,7 +46,6 @@ from musegl_core.http.model_ids import ModelIds
 from musegl_core.http.request_log import RequestLog
 from musegl_core.http.sessions import session_routes
 from musegl_core.http.surface import ApiSurface, SurfaceContext, unless_disconnected
-from musegl_core.http.tokenize import detokenize, tokenize
 from musegl_core.plugins.manager import PluginManager
 from musegl_core.service.reasoning_seal import ReasoningSeal
 from musegl_core.service.service import GenerationService
@@ -202,23 +201,6 @@ def create_app(
         body = front.metrics.render(values, ready=worker.ready, restarts=worker.restarts)
         return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    @post("/tokenize", guards=[require_key], status_code=200,
-          operation_class=openapi.operation(body=s.TokenizeRequest, responses=openapi.PLAIN(s.TokenizeResult)))
-    async def tokenize_text(request: Request) -> Response:
-        """Token ids of raw text, or of a conversation rendered with the chat template."""
-        body = s.structure_body(s.parse_body(await request.body()), s.TokenizeRequest)
-        result = await tokenize(body, tokenizer=front.tokenizer.tokenizer, template=front.template,
-                                tool_parser=front.tool_parser, config=config)
-        return Response(s.to_json(result), media_type="application/json")
-
-    @post("/detokenize", guards=[require_key], status_code=200,
-          operation_class=openapi.operation(body=s.DetokenizeRequest, responses=openapi.PLAIN(s.DetokenizeResult)))
-    async def detokenize_ids(request: Request) -> Response:
-        """The text of token ids, special tokens written out."""
-        body = s.structure_body(s.parse_body(await request.body()), s.DetokenizeRequest)
-        result = await detokenize(body, tokenizer=front.tokenizer.tokenizer)
-        return Response(s.to_json(result), media_type="application/json")
-
     @head("/", sync_to_thread=False, security=[{}])
     def root() -> None:
         """``HEAD /``: the server answers (clients probe it before their first request)."""
@@ -260,7 +242,7 @@ def create_app(
 
     cors = CORSConfig(allow_origins=list(config.cors_allow_origins)) if config.cors_allow_origins else None
     app = Litestar(
-        route_handlers=[models, model, health, metrics, root, tokenize_text, detokenize_ids,
+        route_handlers=[models, model, health, metrics, root,
                         *(session_routes(worker, [require_key]) if config.sessions_api else []),
                         *(mount(surface) for surface in surfaces)],
         exception_handlers={

@@ -19,13 +19,16 @@ that :func:`~musegl_core.http.schemas.to_json` turns into JSON.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
 from musegl_core.errors import ApiError
 from musegl_core.http import schemas as s
 from musegl_core.http import sse
+
+if TYPE_CHECKING:  # the core's Chat Completions shapes, in annotations only
+    from musegl_core.openai import schemas as oa
 
 
 @attrs.frozen
@@ -72,7 +75,7 @@ class Dialect:
         """Response headers that go with an error (``Retry-After``)."""
         return {"Retry-After": str(error.retry_after)} if error.retry_after is not None else {}
 
-    def stream_error(self, error: ApiError, chunk: s.ChatCompletionChunk) -> list[bytes]:
+    def stream_error(self, error: ApiError, chunk: oa.ChatCompletionChunk) -> list[bytes]:
         """The events that end a stream whose headers are already out.
 
         ``chunk`` is an empty chunk of this stream (id, created, model) for
@@ -83,8 +86,8 @@ class Dialect:
 
     # -- streaming usage ---------------------------------------------------------------
     def stream_tail(
-        self, finish: s.ChatCompletionChunk, usage: s.Usage | None
-    ) -> list[s.ChatCompletionChunk]:
+        self, finish: oa.ChatCompletionChunk, usage: oa.Usage | None
+    ) -> list[oa.ChatCompletionChunk]:
         """The chunks that close a stream after its content.
 
         ``finish`` is the finish chunk (empty delta with ``finish_reason``);

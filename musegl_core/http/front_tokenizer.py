@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from musegl_core.checkpoint.model_tokenizer import load_tokenizer
+from musegl_core.model_tokenizer import load_tokenizer
 from musegl_core.config import ServeConfig
 from musegl_core.tokenizer import MuseTokenizer, TokenizerError
 

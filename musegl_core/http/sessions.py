@@ -17,7 +17,7 @@ from litestar.params import FromPath
 from musegl_core.errors import bad_request, unavailable
 from musegl_core.http import openapi
 from musegl_core.http import schemas as s
-from musegl_core.http.completions import session_id as checked_session_id
+from musegl_core.service.rules import session_id as checked_session_id
 from musegl_core.worker.client import WorkerClient
 
 

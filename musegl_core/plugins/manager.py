@@ -4,6 +4,13 @@ Plugins are found through the ``musegl`` entry-point group. The core's own
 defaults (the ``openai`` dialect, the ``muse`` template) are registered as the
 built-in plugin ``core`` through the very same hooks, so a third-party plugin
 is never a second-class citizen.
+
+Hooks are called through pluggy's hook callers, one plugin at a time (so a
+duplicate name can say which two plugins provide it). A hook implementation
+that matches no hook specification (a misspelled hook) is a start-up error
+(``check_pending``). A manager made for one process (``process="front"`` or
+``"worker"``) refuses to call the hooks that process does not call
+(:data:`~musegl_core.plugins.hookspecs.CALLED_IN`).
 """
 
 from __future__ import annotations
@@ -47,7 +54,11 @@ def installed_entry_points() -> list[md.EntryPoint]:
 class PluginManager:
     """A pluggy manager holding the built-in plugin plus the selected installed ones."""
 
-    def __init__(self, only: Sequence[str] | None = None, extra: Iterable[tuple[str, Any]] = ()):
+    def __init__(self, only: Sequence[str] | None = None, extra: Iterable[tuple[str, Any]] = (),
+                 process: str | None = None):
+        if process not in (None, hookspecs.FRONT, hookspecs.WORKER):
+            raise ValueError(f"process must be {hookspecs.FRONT!r}, {hookspecs.WORKER!r} or None, got {process!r}")
+        self.process = process
         self.pm = pluggy.PluginManager(hookspecs.PROJECT)
         self.pm.add_hookspecs(hookspecs)
         self._dists: dict[str, tuple[str | None, str | None]] = {}
@@ -77,20 +88,47 @@ class PluginManager:
         for name, plugin in extra:
             self.pm.register(plugin, name=name)
             self._dists[name] = (None, None)
+        try:
+            self.pm.check_pending()
+        except pluggy.PluginValidationError as exc:
+            raise ConfigError(f"plugin {self.pm.get_name(exc.plugin)!r}: {exc}; the hooks are "
+                              f"{', '.join(hookspecs.CALLED_IN)}") from None
+
+    # -- calling hooks ---------------------------------------------------------------
+    def _call_each(self, hook_name: str, **kwargs: Any) -> list[tuple[str, Any]]:
+        """``(plugin name, result)`` of every plugin implementing ``hook_name``, in
+        registration order, each called through its own pluggy hook caller."""
+        if self.process is not None and self.process not in hookspecs.CALLED_IN[hook_name]:
+            raise RuntimeError(f"hook {hook_name} is not called in the {self.process} process "
+                               f"(musegl_core.plugins.hookspecs.CALLED_IN)")
+        implementing = {impl.plugin_name for impl in getattr(self.pm.hook, hook_name).get_hookimpls()}
+        plugins = self.pm.list_name_plugin()
+        results = []
+        for name, plugin in plugins:
+            if name not in implementing:
+                continue
+            caller = self.pm.subset_hook_caller(hook_name, remove_plugins=[p for n, p in plugins if n != name])
+            returned = caller(**kwargs)  # pluggy leaves out a None result
+            results.append((name, returned[0] if returned else None))
+        return results
 
     # -- queries -------------------------------------------------------------------
+    def kinds(self) -> list[str]:
+        """The hook kinds this manager's process calls (every kind without a process)."""
+        return [kind for kind, hook in _KINDS.items()
+                if self.process is None or self.process in hookspecs.CALLED_IN[hook]]
+
     def _collect(self, kind: str) -> dict[str, tuple[str, Any]]:
-        hook = getattr(self.pm.hook, _KINDS[kind])
         found: dict[str, tuple[str, Any]] = {}
-        for impl in hook.get_hookimpls():
-            for spec in impl.function() or ():
+        for plugin_name, specs in self._call_each(_KINDS[kind]):
+            for spec in specs or ():
                 if spec.name in found:
                     other = found[spec.name][0]
                     raise ConfigError(
                         f"{kind[:-1].replace('_', ' ')} {spec.name!r} is provided by both "
-                        f"plugin {other!r} and plugin {impl.plugin_name!r}"
+                        f"plugin {other!r} and plugin {plugin_name!r}"
                     )
-                found[spec.name] = (impl.plugin_name, spec)
+                found[spec.name] = (plugin_name, spec)
         return found
 
     def provided(self, kind: str) -> dict[str, tuple[str, Any]]:
@@ -145,14 +183,20 @@ class PluginManager:
         return created[0][1] if created else None
 
     def add_serve_options(self, parser) -> None:
-        for name, plugin in self.pm.list_name_plugin():
-            impl = getattr(plugin, "musegl_serve_options", None)
-            if impl is not None:
-                impl(group=parser.add_argument_group(f"plugin {name}"))
+        """Each plugin's ``musegl_serve_options`` with an argument group of its own."""
+        implementing = {impl.plugin_name for impl in self.pm.hook.musegl_serve_options.get_hookimpls()}
+        plugins = self.pm.list_name_plugin()
+        if self.process is not None and self.process not in hookspecs.CALLED_IN["musegl_serve_options"]:
+            raise RuntimeError(f"hook musegl_serve_options is not called in the {self.process} process")
+        for name, _plugin in plugins:
+            if name in implementing:
+                caller = self.pm.subset_hook_caller("musegl_serve_options",
+                                                    remove_plugins=[p for n, p in plugins if n != name])
+                caller(group=parser.add_argument_group(f"plugin {name}"))
 
     def describe(self) -> list[PluginInfo]:
         provides: dict[str, dict[str, list[str]]] = {}
-        for kind in _KINDS:
+        for kind in self.kinds():
             for spec_name, (plugin, _) in self._collect(kind).items():
                 provides.setdefault(plugin, {}).setdefault(kind, []).append(spec_name)
         out = []

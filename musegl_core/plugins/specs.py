@@ -58,7 +58,7 @@ class ExecutorSpec:
     raising :class:`musegl_core.errors.ConfigError` with one line if not;
     ``musegl serve`` turns it into exit status 2. Without it the core's check
     applies (a GGUF file or Hugging Face directory with weights and a
-    tokenizer: :func:`musegl_core.checkpoint.validate.check_servable`), which
+    tokenizer: :func:`musegl_core.servable.check_servable`), which
     is also what a plugin calls for the paths it does not treat specially.
     """
 

@@ -17,7 +17,8 @@ import attrs
 
 from musegl_core.chat.messages import Message, ToolDef
 from musegl_core.chat.template import TemplateVariables
-from musegl_core.engine.request import GenerateRequest
+from musegl_core.engine.executor import SamplingParams
+from musegl_core.engine.request import GenerateRequest, PromptSegment
 
 TOOL_CHOICE_MODES = ("auto", "none", "required", "named")
 
@@ -53,14 +54,47 @@ class AnswerFormat:
 
 
 @attrs.frozen
+class Settings:
+    """How to generate, whatever the prompt: every field is the worker
+    request's field of the same name (:class:`~musegl_core.engine.request.RequestOptions`).
+
+    ``max_tokens`` (None: the context budget), ``sampling``, request ``stop``
+    strings and ``stop_token_ids``, ``min_tokens``, ``ignore_eos``, the
+    session (``session_id``, ``soft_session``), ``cache_salt``, ``stream``,
+    ``logprobs`` (top alternatives per token, -1 for none), which
+    ``special_tokens`` the text shows, ``clamp_to_context`` (a full context
+    ends the answer instead of refusing the request) and ``add_bos`` (False
+    for a raw prompt read exactly as given).
+    """
+
+    max_tokens: int | None = None
+    sampling: SamplingParams = SamplingParams()
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    session_id: str | None = None
+    soft_session: bool = False
+    cache_salt: str | None = None
+    stream: bool = False
+    logprobs: int = -1
+    special_tokens: str = "all"
+    clamp_to_context: bool = False
+    add_bos: bool = True
+
+    def request(self, request_id: str, prompt: tuple[PromptSegment, ...], **more: Any) -> GenerateRequest:
+        """The worker request for ``prompt`` with these settings (``more``: its
+        grammars and images)."""
+        return GenerateRequest(id=request_id, prompt=prompt, **attrs.asdict(self, recurse=False), **more)
+
+
+@attrs.frozen
 class Conversation:
     """What to generate.
 
-    ``settings`` is the worker request without its prompt: the token limit
-    (``max_tokens``), sampling, request stops, ``ignore_eos``, the session
-    (``session_id``, ``soft_session``), ``cache_salt``, ``stream``,
-    ``logprobs`` and whatever else the engine honours; :func:`prepare` fills
-    in ``id``, ``prompt``, ``images`` and the grammars and keeps the rest.
+    ``settings`` (:class:`Settings`) say how to generate; :func:`prepare`
+    builds the worker request from them with the rendered prompt, its images
+    and the output grammars.
 
     ``hide_reasoning`` removes reasoning from the output events (the model
     still reasons, and its tokens are counted). ``n`` choices share the
@@ -68,7 +102,7 @@ class Conversation:
     """
 
     messages: Sequence[Message]
-    settings: GenerateRequest
+    settings: Settings
     tools: tuple[ToolDef, ...] = ()
     tool_choice: ToolChoice = ToolChoice()
     variables: TemplateVariables = TemplateVariables()

@@ -10,7 +10,7 @@
     # or, without streaming:
     outputs = await generation.run()  # one OutputAssembler per choice; raises ApiError
 
-:meth:`Generation.open` submits the choices (:class:`~musegl_core.http.choices.ChoiceGroup`:
+:meth:`Generation.open` submits the choices (:class:`~musegl_core.service.choices.ChoiceGroup`:
 choice 0 first, the others once its prompt KV is in the prefix cache) and
 returns once each has *started* (prefill done), or with ``until="admitted"``
 once the worker has admitted the request (exact prompt and cached counts
@@ -26,7 +26,7 @@ from __future__ import annotations
 from typing import Any, AsyncIterator
 
 from musegl_core.errors import ApiError, unavailable
-from musegl_core.http.choices import ChoiceGroup
+from musegl_core.service.choices import ChoiceGroup
 from musegl_core.service import events as ev
 from musegl_core.service.output import OutputAssembler, end_of_generation
 from musegl_core.service.prepare import Plan

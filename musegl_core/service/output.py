@@ -17,7 +17,7 @@ from typing import Any, Sequence
 import attrs
 
 from musegl_core.chat import channels
-from musegl_core.http.logprobs import LogprobTracker
+from musegl_core.service.logprobs import LogprobTracker
 from musegl_core.service.events import Usage
 from musegl_core.worker import messages as m
 
@@ -41,7 +41,7 @@ class Output:
 
 @attrs.frozen
 class LogprobEntries:
-    """Logprob entries (:class:`~musegl_core.http.logprobs.TokenLogprob`) by channel."""
+    """Logprob entries (:class:`~musegl_core.service.logprobs.TokenLogprob`) by channel."""
 
     content: tuple = ()
     reasoning: tuple = ()
@@ -102,7 +102,9 @@ class OutputAssembler:
 
     def __init__(self, plan: Any, tool_parser: Any = None):
         self.plan = plan
-        self.parser = channels.ChannelParser(tools_active=plan.tools_active, hide_reasoning=False)
+        self.raw = getattr(plan, "raw", False)  # a raw prompt's output: the decoded text, no channels
+        self.parser = None if self.raw else channels.ChannelParser(tools_active=plan.tools_active,
+                                                                   hide_reasoning=False)
         self.tools = (
             tool_parser.create(list(plan.tools), {"aliases": plan.tool_aliases, "prepared": plan.prepared_tools})
             if plan.tools_active and tool_parser is not None
@@ -124,6 +126,9 @@ class OutputAssembler:
         self.ids.extend(event.ids)
         if self.logprobs is not None:
             self.logprobs.feed(event.ids, event.logprobs, event.text, self.plan.ignore_eos)
+        if self.raw:
+            self.content.append(event.text)
+            return Output(content=event.text)
         return self._visible(self._route(self.parser.feed(event.text)))
 
     def logprob_entries(self, unsent: bool = False) -> LogprobEntries | None:
@@ -147,8 +152,10 @@ class OutputAssembler:
         end = end_of_generation(done)
         if self.logprobs is not None:
             self.logprobs.finish(end)
-        out = self._route(self.parser.finish(end), at_end=True)
         reason = "length" if done.finish_reason == "length" else "stop"
+        if self.raw:
+            return Output(), reason
+        out = self._route(self.parser.finish(end), at_end=True)
         if self.tools is not None:
             self.calls = [tool_call(call) for call in self.tools.finish(end) or []]
             if not getattr(self.plan, "parallel_tool_calls", True):
@@ -162,7 +169,7 @@ class OutputAssembler:
         generated ids: None when the worker did not report them (a
         stop-trimmed turn) and with ``ignore_eos``."""
         reasoning = None
-        if done.generated_chars is not None and not self.plan.ignore_eos:
+        if done.generated_chars is not None and not self.plan.ignore_eos and not self.raw:
             reasoning = reasoning_tokens(self.parser.message_starts, done.generated_chars)
         return Usage(done.prompt_tokens, done.completion_tokens, done.cached_tokens, reasoning)
 

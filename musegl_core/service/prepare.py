@@ -15,16 +15,12 @@ import attrs
 from musegl_core.chat.messages import ToolDef, image_parts
 from musegl_core.config import ServeConfig
 from musegl_core.engine.request import ImageInput
-from musegl_core.errors import bad_request, unavailable
-from musegl_core.http import constraints
-from musegl_core.http.choices import choice_requests
-from musegl_core.service.conversation import Conversation, ToolChoice
+from musegl_core.errors import bad_request, unavailable, unsupported
+from musegl_core.service import constraints
+from musegl_core.service.choices import choice_requests
+from musegl_core.service.conversation import Conversation, Settings, ToolChoice
 from musegl_core.vision.preprocess import image_too_large
 from musegl_core.worker import messages as m
-
-
-def unsupported(param: str, message: str):
-    return bad_request(message, code="unsupported_parameter", param=param)
 
 
 @attrs.frozen
@@ -47,9 +43,12 @@ class Plan:
     tokenizer: Any = None  # the front's tokenizer (logprobs: the text of each id)
     n: int = 1  # choices
     parallel_tool_calls: bool = True  # False: at most one call is returned (the first)
+    #: a raw prompt (:func:`prepare_text`): the output is the text as decoded,
+    #: with no channels, reasoning or tool calls
+    raw: bool = False
 
     def requests(self) -> list[m.Generate]:
-        """One worker request per choice (:func:`~musegl_core.http.choices.choice_requests`)."""
+        """One worker request per choice (:func:`~musegl_core.service.choices.choice_requests`)."""
         return choice_requests(self.generate, self.n)
 
 
@@ -136,10 +135,9 @@ def prepare(
         mode=choice.mode, tools_active=active, tools=tools, tool_parser=tool_parser, prepared_tools=prepared_tools,
         aliases=aliases, parallel=choice.parallel,
     )
-    generate = attrs.evolve(
-        settings,
-        id=request_id,
-        prompt=tuple(rendered.segments),
+    generate = settings.request(
+        request_id,
+        tuple(rendered.segments),
         grammar=grammar,
         lazy_grammar=lazy_grammar,
         images=prompt_images(conversation.messages, config.max_image_bytes),
@@ -159,4 +157,24 @@ def prepare(
         tokenizer=tokenizer if settings.logprobs >= 0 else None,
         n=conversation.n,
         parallel_tool_calls=choice.parallel,
+    )
+
+
+def prepare_text(
+    prompt: m.PromptSegment, settings: Settings, *, request_id: str, include_usage: bool = False, n: int = 1
+) -> Plan:
+    """A raw prompt's plan (``/v1/completions``): ``prompt`` is what the model
+    reads, without the chat template (``settings.add_bos`` says whether BOS
+    goes first); the output is the decoded text as it is. ``settings.logprobs``
+    must be -1 (a raw plan reports none)."""
+    if settings.logprobs >= 0:
+        raise ValueError("a raw prompt's plan reports no logprobs")
+    return Plan(
+        generate=settings.request(request_id, (prompt,)),
+        stream=settings.stream,
+        include_usage=include_usage,
+        hide_reasoning=False,
+        ignore_eos=settings.ignore_eos,
+        n=n,
+        raw=True,
     )

@@ -6,7 +6,7 @@ so that a surface only says *what* to generate::
 
     service = context.service                       # musegl_core.http.surface.SurfaceContext
     service.require_ready()                         # 503 model_loading before the worker is up
-    plan = service.prepare(conversation, request_id="msg_...")
+    plan = service.prepare(conversation, request_id="msg_...")  # or prepare_text(prompt, settings, ...)
     generation = service.generation(plan, arrived=arrived)
     await generation.open()                         # or open(until="admitted")
     async for event in generation.events(): ...
@@ -23,9 +23,10 @@ from typing import Any
 
 from musegl_core.config import ServeConfig
 from musegl_core.errors import unavailable
-from musegl_core.service.conversation import Conversation
+from musegl_core.service.conversation import Conversation, Settings
 from musegl_core.service.generation import Generation
-from musegl_core.service.prepare import Plan, ToolSetup, prepare
+from musegl_core.service.prepare import Plan, ToolSetup, prepare, prepare_text
+from musegl_core.worker import messages as m
 
 
 class GenerationService:
@@ -61,6 +62,12 @@ class GenerationService:
         tool parser and tokenizer; raises :class:`~musegl_core.errors.ApiError`."""
         return prepare(conversation, request_id=request_id, config=self.config, template=self.template,
                        tool_parser=self.tool_parser, tokenizer=self.tokenizer, tool_setup=tool_setup)
+
+    def prepare_text(self, prompt: m.PromptSegment, settings: Settings, *, request_id: str,
+                     include_usage: bool = False, n: int = 1) -> Plan:
+        """:func:`musegl_core.service.prepare.prepare_text`: a raw prompt, no template
+        (the output is the decoded text, without channels or tool calls)."""
+        return prepare_text(prompt, settings, request_id=request_id, include_usage=include_usage, n=n)
 
     def generation(self, plan: Plan, *, arrived: float | None = None) -> Generation:
         """A :class:`Generation` for ``plan`` on the (metered) worker. A streamed

@@ -52,7 +52,7 @@ def running_server(config: ServeConfig, *, ready_timeout: float = 180) -> Iterat
         config = attrs.evolve(config, port=free_port())
     config = config.validate()
     worker = WorkerClient(config)
-    app = create_app(config, PluginManager(only=config.plugins), worker)
+    app = create_app(config, PluginManager(only=config.plugins, process="front"), worker)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=config.port, log_level="warning"))
     thread = threading.Thread(target=server.run, name="uvicorn", daemon=True)
     thread.start()

@@ -33,7 +33,7 @@ import attrs
 
 from musegl_core.config import ServeConfig
 from musegl_core.errors import ApiError, shutting_down, unavailable
-from musegl_core.http.errors import api_error
+from musegl_core.worker.errors import api_error
 from musegl_core.worker import messages as m
 
 log = logging.getLogger("musegl.front")

@@ -23,9 +23,9 @@ def load(config: ServeConfig, max_context: int | None | bool = True):
     from musegl_core.plugins.manager import PluginManager
     from musegl_core.plugins.specs import ExecutorOptions
     from musegl_core.progress import loading_progress
-    from musegl_core.checkpoint.model_tokenizer import load_tokenizer
+    from musegl_core.model_tokenizer import load_tokenizer
 
-    plugins = PluginManager(only=config.plugins)
+    plugins = PluginManager(only=config.plugins, process="worker")  # executors and speculators only
     spec = plugins.choose_executor(config.executor, config.model)
     tokenizer = load_tokenizer(config.model)
     with loading_progress(f"loading {os.path.basename(config.model)} ({spec.name})") as progress:

@@ -24,7 +24,7 @@ import threading
 import time
 from typing import BinaryIO
 
-from musegl_core.checkpoint.validate import one_line
+from musegl_core.servable import one_line
 from musegl_core.config import ServeConfig
 from musegl_core.engine.engine import Engine, EngineConfig
 from musegl_core.engine.randomness import seed_requests
@@ -203,7 +203,7 @@ def read_setup(stdin: BinaryIO) -> m.Setup:
 
 def main(argv: list[str] | None = None) -> int:
     from musegl_core.allocator import fix_mmap_threshold
-    from musegl_core.cli.main import summary
+    from musegl_core.docstrings import summary
     from musegl_core.logs import configure
     from musegl_core.progress import show_progress
 

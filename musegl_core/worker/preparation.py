@@ -40,7 +40,7 @@ from typing import Callable
 
 import attrs
 
-from musegl_core.checkpoint.validate import one_line
+from musegl_core.servable import one_line
 from musegl_core.engine.errors import DuplicateId, EngineError
 from musegl_core.engine.request import GenerateRequest, PreparedRequest
 from musegl_core.engine.launch_gate import LaunchGate

@@ -95,7 +95,7 @@ def prompt_too_long(at_least: int, reservation: int, max_context: int) -> ApiErr
     """400 ``context_length_exceeded`` for a prompt found too long before it was
     fully tokenized: ``at_least`` is a lower bound of its token count (the
     metadata says so: ``prompt_tokens_exact`` false). Written by the front's table
-    (:mod:`musegl_core.http.errors`), as the engine's own refusal is."""
-    from musegl_core.http.errors import api_error
+    (:mod:`musegl_core.worker.errors`), as the engine's own refusal is."""
+    from musegl_core.worker.errors import api_error
 
     return api_error(ContextTooLong(at_least, reservation, max_context, exact=False))

@@ -497,7 +497,7 @@ def test_7_token_stream_equals_buffered_for_every_split(tiny_tokenizer, pieces, 
     incremental detokenizer and fed to the parser; the result equals buffered parsing
     of the whole text, and the reasoning-token count does not depend on the grouping."""
     from musegl_core.engine.detokenize import IncrementalDetokenizer
-    from musegl_core.http.completions import reasoning_tokens
+    from musegl_core.openai.chat import reasoning_tokens
 
     ids = [i for piece, how in pieces for i in _piece_ids(tiny_tokenizer, piece, how)]
     cuts = sorted(set(data.draw(st.lists(st.integers(0, len(ids)), max_size=12)))) + [len(ids)]

@@ -12,8 +12,9 @@ import pytest
 
 from musegl_core.engine.executor import SamplingParams
 from musegl_core.errors import ApiError
-from musegl_core.http.choices import ChoiceGroup, choice_requests, choice_seed
-from musegl_core.http.completions import ChatPlan, ChatStream, ResponseMeta, complete
+from musegl_core.service.choices import ChoiceGroup, choice_requests, choice_seed
+from musegl_core.openai.chat import ChatPlan, ChatStream, ResponseMeta, complete
+from musegl_core.service.generation import Generation
 from musegl_core.http.dialect import Dialect
 from musegl_core.worker import messages as m
 
@@ -104,7 +105,7 @@ def test_the_other_choices_are_submitted_after_choice_0_started():
     worker = FakeWorker([[started(0), done(1)], [started(1), done(1)], [started(2), done(1)]])
 
     async def run():
-        return await complete(worker, plan(3), meta(), Dialect())
+        return await complete(Generation(worker, plan(3)), meta(), Dialect())
 
     result = asyncio.run(run())
     assert [c.index for c in result.choices] == [0, 1, 2]
@@ -119,9 +120,9 @@ def test_a_refused_choice_fails_the_response_and_cancels_the_admitted_ones(strea
 
     async def run():
         if streaming:
-            await ChatStream(worker, plan(3), meta(), Dialect()).open()
+            await ChatStream(Generation(worker, plan(3)), meta(), Dialect()).open()
         else:
-            await complete(worker, plan(3), meta(), Dialect())
+            await complete(Generation(worker, plan(3)), meta(), Dialect())
 
     with pytest.raises(ApiError) as caught:
         asyncio.run(run())
@@ -133,7 +134,7 @@ def test_the_preflight_timeout_covers_every_choice():
     worker = FakeWorker([[started(0), FOREVER], [FOREVER]])
 
     async def run():
-        await ChatStream(worker, plan(2), meta(), Dialect(), preflight_timeout=0.2).open()
+        await ChatStream(Generation(worker, plan(2), preflight_timeout=0.2), meta(), Dialect()).open()
 
     with pytest.raises(ApiError) as caught:
         asyncio.run(run())
@@ -147,7 +148,7 @@ def test_an_error_after_headers_ends_the_stream_and_cancels_the_other_choices():
                          [started(2), FOREVER]])
 
     async def run():
-        stream = ChatStream(worker, plan(3), meta(), Dialect())
+        stream = ChatStream(Generation(worker, plan(3)), meta(), Dialect())
         await stream.open()
         return await body(stream)
 
@@ -163,7 +164,7 @@ def stream_of(dialect: Dialect, include_usage: bool = True) -> list:
     worker = FakeWorker([[started(0), tokens("a"), done(2)], [started(1), tokens("b"), tokens("c"), done(3)]])
 
     async def run():
-        stream = ChatStream(worker, plan(2, include_usage), meta(), dialect)
+        stream = ChatStream(Generation(worker, plan(2, include_usage)), meta(), dialect)
         await stream.open()
         return await body(stream)
 

@@ -10,8 +10,13 @@ import jsonschema
 import numpy as np
 import pytest
 
+from litestar.testing import TestClient
+
 from musegl_core.config import ServeConfig
+from musegl_core.http.app import create_app
+from musegl_core.plugins.manager import PluginManager
 from musegl_core.testing.server import running_server
+from musegl_core.worker.client import WorkerClient
 
 SCHEMA = {
     "type": "object",
@@ -53,6 +58,16 @@ def server():
                          constrained_reasoning_tokens=4, max_inflight_requests=8, max_sessions=8)
     with running_server(config) as running:
         yield running
+
+
+@pytest.fixture(scope="module")
+def front():
+    """The app in-process with the same settings and no worker: requests that pass every check get 503."""
+    config = ServeConfig(max_context=2048, tool_parser="atem", constrained_reasoning_tokens=4,
+                         max_inflight_requests=8, max_sessions=8).validate()
+    with TestClient(create_app(config, PluginManager(only=["atem"]), WorkerClient(config),
+                               manage_worker=False)) as client:
+        yield client
 
 
 def chat(server, **extra):
@@ -147,12 +162,20 @@ def test_tool_choice_required_and_named_always_yield_valid_calls(server):
     ({"logit_bias": {"5": 101}}, "logit_bias"),
     ({"logit_bias": {"x": 1}}, "logit_bias"),
     ({"logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias"),
-    ({"logit_bias": {"999999999": 1}}, "logit_bias"),
 ])
-def test_constraints_and_sampling_fields_it_cannot_honour_are_400(server, extra, param):
-    response = chat(server, max_tokens=4, **extra)
+def test_constraints_and_sampling_fields_it_cannot_honour_are_400(front, extra, param):
+    """The front refuses these before anything reaches a worker (in-process, no worker)."""
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **extra}
+    response = front.post("/v1/chat/completions", json=body)
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == param
+
+
+def test_a_logit_bias_id_outside_the_vocabulary_is_400(server):
+    """The worker checks the ids against the served vocabulary."""
+    response = chat(server, max_tokens=4, logit_bias={"999999999": 1})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == "logit_bias"
 
 
 def test_logprobs_concatenate_to_content_and_are_sorted(server):

@@ -1,4 +1,4 @@
-"""The one table from error kinds to what a client sees (musegl_core/http/errors.py):
+"""The one table from error kinds to what a client sees (musegl_core/worker/errors.py):
 every kind the engine or the worker reports maps, each to its pinned status, type,
 code, param, message and Retry-After; an unknown kind is a 500 ``server_error``;
 every kind crosses the pipe in a ``Failed`` frame and back unchanged."""
@@ -11,7 +11,7 @@ import attrs
 import pytest
 
 from musegl_core.engine import errors as e
-from musegl_core.http.errors import TABLE, api_error
+from musegl_core.worker.errors import TABLE, api_error
 from musegl_core.worker import messages as m
 
 CONTEXT = {"context_length": 512, "prompt_tokens": 600, "max_prompt_tokens": 511, "completion_reservation": 1,

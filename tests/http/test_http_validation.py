@@ -13,11 +13,12 @@ import pytest
 from litestar.testing import TestClient
 
 from musegl_core.config import ServeConfig
-from musegl_core.http import schemas as s
+from musegl_core.http.schemas import to_json
+from musegl_core.openai import schemas as s
 from musegl_core.http import sse
 from musegl_core.http.app import create_app
 from musegl_core.engine.detokenize import IncrementalDetokenizer
-from musegl_core.http.completions import reasoning_tokens
+from musegl_core.openai.chat import reasoning_tokens
 from musegl_core.http.dialect import Dialect, ServedModel
 from musegl_core.plugins.manager import PluginManager
 from musegl_core.worker.client import WorkerClient
@@ -279,15 +280,15 @@ def test_api_key_guards_everything_but_health():
 
 # -- wire pieces -------------------------------------------------------------------------
 def test_chunk_shapes():
-    role = s.to_json(s.ChatCompletionChunk("c", 1, "m", "fp", [s.ChunkChoice(s.RoleDelta())]))
+    role = to_json(s.ChatCompletionChunk("c", 1, "m", "fp", [s.ChunkChoice(s.RoleDelta())]))
     assert role["choices"][0] == {"index": 0, "delta": {"role": "assistant", "content": None}, "finish_reason": None}
     assert "usage" not in role
     finish = s.ChatCompletionChunk("c", 1, "m", "fp", [s.ChunkChoice(s.Delta(), "stop")])
-    assert s.to_json(finish)["choices"][0]["delta"] == {}
+    assert to_json(finish)["choices"][0]["delta"] == {}
     usage = s.Usage(3, 2, 5)
     tail = Dialect().stream_tail(finish, usage)
-    assert [s.to_json(c)["choices"] for c in tail] == [s.to_json(finish)["choices"], []]
-    assert s.to_json(tail[1])["usage"] == {
+    assert [to_json(c)["choices"] for c in tail] == [to_json(finish)["choices"], []]
+    assert to_json(tail[1])["usage"] == {
         "prompt_tokens": 3,
         "completion_tokens": 2,
         "total_tokens": 5,
@@ -307,7 +308,7 @@ def test_openai_stream_error_then_done():
 
 
 def test_model_entry_for_plain_model():
-    entry = s.to_json(Dialect().model_entry(ServedModel("m", 5, 100)))
+    entry = to_json(Dialect().model_entry(ServedModel("m", 5, 100)))
     assert entry == {
         "id": "m",
         "created": 5,
@@ -363,3 +364,29 @@ def test_7_reasoning_tokens_are_exact_ids_of_self_messages():
             parser.feed("".join(pieces[i : i + group]))
         parser.finish("eos")
         assert reasoning_tokens(parser.message_starts, chars) == expected
+
+
+# -- request rules that need no worker (in-process; a valid request gets 503) --------------
+@pytest.mark.parametrize(("salt", "needle"), [
+    ("", "1-256 characters"),
+    ("x" * 257, "1-256 characters"),
+    (7, "expected a string"),
+    (["a"], "expected a string"),
+])
+def test_a_bad_salt_is_a_400_naming_it(client, salt, needle):
+    for path, field, value in (("/v1/chat/completions", "messages", MESSAGES), ("/v1/completions", "prompt", "hi")):
+        response = client.post(path, json={"model": "m", field: value, "cache_salt": salt})
+        error = assert_error(response, 400, param="cache_salt")
+        assert needle in error["message"], error
+
+
+def test_n_with_a_session_or_out_of_range_is_400():
+    with make_client(max_n=8, max_inflight_requests=4, max_sessions=8) as client:
+        error = assert_error(chat(client, n=2, session_id="s1"), 400, param="n")
+        assert "session" in error["message"]
+        refused = client.post("/v1/chat/completions", headers={"X-Session-Id": "s2"},
+                              json={"model": "m", "messages": MESSAGES, "n": 2})
+        assert_error(refused, 400, param="n")
+        for n in (0, 5, 9):  # 5: more than --max-inflight-requests 4 can ever run; 9: over --max-n 8
+            assert_error(chat(client, n=n), 400, param="n")
+        assert_error(chat(client, n=4), 503, "unavailable_error")  # valid: it reaches the (absent) worker

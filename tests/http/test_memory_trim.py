@@ -112,7 +112,7 @@ def test_a_refused_body_is_freed_without_a_garbage_collection(where):
     import weakref
 
     from musegl_core.errors import ApiError
-    from musegl_core.http import schemas
+    from musegl_core.openai import schemas
 
     class Body(dict):  # (a dict that takes a weak reference)
         pass

@@ -187,17 +187,6 @@ def test_text_completions_take_n_too(server):
 
 
 # -- refusals, admission, cancellation ----------------------------------------------------
-def test_n_with_a_session_or_out_of_range_is_400(server, sdk):
-    with pytest.raises(openai.BadRequestError) as caught:
-        sdk.chat.completions.create(model="m", messages=MESSAGES, n=2, extra_body={"session_id": "s1"})
-    assert caught.value.body["param"] == "n" and "session" in caught.value.body["message"]
-    refused = httpx.post(f"{server.url}/v1/chat/completions", headers={"X-Session-Id": "s2"}, timeout=30,
-                         json={"model": "m", "messages": MESSAGES, "n": 2})
-    assert refused.status_code == 400 and refused.json()["error"]["param"] == "n"
-    for n in (0, 5, 9):  # 5: more than --max-inflight-requests 4 can ever run; 9: over --max-n 8
-        assert chat(server, n=n).json()["error"]["param"] == "n"
-
-
 def test_choices_that_must_wait_are_queued_and_a_disconnect_cancels_them_all(server):
     """Three of four running places are free: choice 3 waits in the queue (holding no KV),
     the response waits for it, and a client that gives up cancels every choice."""

@@ -10,7 +10,7 @@ from litestar.testing import TestClient
 
 from musegl_core.config import ServeConfig
 from musegl_core.http.app import create_app
-from musegl_core.http.stopping import MAX_STOP_TOKEN_IDS
+from musegl_core.service.stopping import MAX_STOP_TOKEN_IDS
 from musegl_core.plugins.manager import PluginManager
 from musegl_core.worker.client import WorkerClient
 

@@ -38,26 +38,30 @@ def _is_type_checking(test: ast.expr) -> bool:
         isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
-def _imports(tree: ast.AST) -> Iterator[ast.Import | ast.ImportFrom]:
-    """The import statements of a module, skipping ``if TYPE_CHECKING:`` bodies."""
+def _imports(tree: ast.AST, type_checking: bool = False) -> Iterator[ast.Import | ast.ImportFrom]:
+    """The import statements of a module, skipping ``if TYPE_CHECKING:`` bodies
+    (``type_checking``: those too)."""
     stack = [tree]
     while stack:
         node = stack.pop()
         if isinstance(node, (ast.Import, ast.ImportFrom)):
             yield node
-        if isinstance(node, ast.If) and _is_type_checking(node.test):
+        if isinstance(node, ast.If) and _is_type_checking(node.test) and not type_checking:
             stack.extend(node.orelse)
             continue
         stack.extend(ast.iter_child_nodes(node))
 
 
-def import_graph(root: Path) -> dict[str, set[str]]:
-    """Module → the package's modules it imports."""
+def import_graph(root: Path, outside: bool = False, type_checking: bool = False) -> dict[str, set[str]]:
+    """Module → the package's modules it imports (``outside``: everything it
+    imports, other packages' included; ``from a.b import c`` of another package
+    is ``a.b.c``, whether ``c`` is a module or a name in ``a.b``; ``type_checking``:
+    the imports under ``if TYPE_CHECKING:`` count too)."""
     files = {_module_name(root, path): path for path in root.rglob("*.py")}
     graph: dict[str, set[str]] = {name: set() for name in files}
     for name, path in files.items():
         package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-        for node in _imports(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+        for node in _imports(ast.parse(path.read_text(encoding="utf-8"), str(path)), type_checking):
             if isinstance(node, ast.Import):
                 targets = [alias.name for alias in node.names]
             else:
@@ -67,8 +71,24 @@ def import_graph(root: Path) -> dict[str, set[str]]:
                     base = ".".join([*anchor, base] if base else anchor)
                 targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in files else base
                            for alias in node.names]
-            graph[name].update(t for t in targets if t in files and t != name)
+            if outside and isinstance(node, ast.ImportFrom) and not node.level:  # a name of another package
+                targets = [t if t in files else f"{base}.{alias.name}" for t, alias in zip(targets, node.names)]
+            graph[name].update(t for t in targets if (outside or t in files) and t != name)
     return graph
+
+
+def package_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """The graph between the subpackages of one package (``musegl_core.http``;
+    a top-level module is a node of its own): an edge where any module of one
+    imports a module of the other."""
+
+    def package(module: str) -> str:
+        return ".".join(module.split(".")[:2])
+
+    packages: dict[str, set[str]] = {package(name): set() for name in graph}
+    for name, targets in graph.items():
+        packages[package(name)].update(package(t) for t in targets if package(t) != package(name))
+    return packages
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:

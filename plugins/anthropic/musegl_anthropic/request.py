@@ -49,11 +49,10 @@ from musegl_core.chat.channels import parse_output
 from musegl_core.chat.messages import FunctionCall, ImagePart, Message, TextPart, ToolCall, ToolDef
 from musegl_core.chat.template import TemplateVariables
 from musegl_core.engine.executor import SamplingParams
-from musegl_core.errors import ApiError, bad_request
-from musegl_core.http.completions import session_id as checked_session_id
-from musegl_core.service.conversation import AnswerFormat, Conversation, ToolChoice
+from musegl_core.errors import bad_request, unsupported
+from musegl_core.service.rules import session_id as checked_session_id
+from musegl_core.service.conversation import AnswerFormat, Conversation, Settings, ToolChoice
 from musegl_core.service.sessions import client_session
-from musegl_core.worker import messages as m
 from musegl_anthropic.schemas import MessagesRequest
 
 IMAGE_TYPES = ("image/png", "image/jpeg")
@@ -64,10 +63,6 @@ _NONCE = re.compile(r"\bcch=[^;\s]*")
 #: ``output_config.effort`` → the template's reasoning strength
 EFFORTS = {"low": "low", "medium": "medium", "high": "high", "xhigh": "high", "max": "high"}
 SERVER_TOOL = re.compile(r"^[a-z_]+_\d{8}$")  # web_search_20250305, bash_20250124, ...
-
-
-def unsupported(param: str, message: str) -> ApiError:
-    return bad_request(message, code="unsupported_parameter", param=param)
 
 
 @attrs.frozen
@@ -497,9 +492,7 @@ def read_request(request: MessagesRequest, *, headers: Any, seal: Any, tokenizer
         explicit = checked_session_id(None, explicit)
     session, soft = client_session(explicit, [("claude-code", headers.get(SESSION_HEADER))])
     stream = bool(request.stream) and not counting
-    settings = m.Generate(
-        id="",
-        prompt=(),
+    settings = Settings(
         max_tokens=max_tokens,
         sampling=read_sampling(request),
         stop=read_stops(request.stop_sequences),

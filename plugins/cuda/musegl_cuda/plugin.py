@@ -81,8 +81,8 @@ def load_format(options: ExecutorOptions) -> str:
 def check_model(options: ExecutorOptions) -> None:
     """``musegl serve``'s check before loading: with ``--load-format dummy`` only a
     config (and a tokenizer, or the demo one for a bare config.json) is needed."""
-    from musegl_core.checkpoint.model_tokenizer import load_tokenizer
-    from musegl_core.checkpoint.validate import check_servable, one_line
+    from musegl_core.model_tokenizer import load_tokenizer
+    from musegl_core.servable import check_servable, one_line
 
     if load_format(options) != "dummy":
         check_servable(options.model)

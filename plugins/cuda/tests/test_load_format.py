@@ -11,7 +11,7 @@ import pytest
 
 from musegl_core.cli.serve import prepare
 from musegl_core.errors import ConfigError
-from musegl_core.checkpoint.model_tokenizer import load_tokenizer
+from musegl_core.model_tokenizer import load_tokenizer
 from musegl_core.testing.server import running_server
 
 # A small shape with the real vocabulary: the demo tokenizer needs the Muse special ids (200000+).

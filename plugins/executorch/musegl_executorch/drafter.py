@@ -21,7 +21,7 @@ the block axis is dynamic, so it is chosen at serve time.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, Sequence
 
 import torch
 
@@ -35,15 +35,25 @@ from musegl_executorch.export.lower import DRAFT_BLOCK, DRAFT_CONTEXT
 
 if TYPE_CHECKING:
     from musegl_executorch.artifact import DFlashExport
-    from musegl_executorch.executor import ExecuTorchExecutor
 
 NEG_INF = float("-inf")
+
+
+class ProgramRunner(Protocol):
+    """What the drafter needs of the executor: its exported program's methods
+    (:class:`~musegl_executorch.executor.ExecuTorchExecutor` provides it)."""
+
+    block_size: int
+    dtype: torch.dtype
+    manifest: Any  # ``limits.max_prefill_chunk``
+
+    def execute(self, method: str, inputs: list[torch.Tensor]) -> list[torch.Tensor]: ...
 
 
 class ProgramDrafter:
     """DFlash block drafting through the exported program's draft methods."""
 
-    def __init__(self, executor: "ExecuTorchExecutor", export: "DFlashExport", n_draft: int) -> None:
+    def __init__(self, executor: ProgramRunner, export: "DFlashExport", n_draft: int) -> None:
         if not 1 <= n_draft < export.max_block:
             raise ValueError(f"n_draft must be in 1..{export.max_block - 1}")
         self.executor = executor
@@ -99,7 +109,7 @@ class ProgramDrafter:
         for lo in range(0, len(requests), owners):
             part, part_starts = requests[lo:lo + owners], starts[lo:lo + owners]
             inputs = self.block_inputs(part, part_starts)
-            out = self.executor._execute(DRAFT_BLOCK, [inputs[0], inputs[1], dk, dv, *inputs[2:]])[0]
+            out = self.executor.execute(DRAFT_BLOCK, [inputs[0], inputs[1], dk, dv, *inputs[2:]])[0]
             rows = out.reshape(len(part), self.max_draft).tolist()
             drafts.update({r.seq: rows[b][:r.max_draft] for b, r in enumerate(part)})
         return drafts
@@ -141,7 +151,7 @@ class ProgramDrafter:
         where = torch.tensor(kept.positions, dtype=torch.long)
         most = self.executor.manifest.limits.max_prefill_chunk
         for lo in range(0, rows.shape[0], most):
-            k, v = self.executor._execute(DRAFT_CONTEXT, [rows[lo:lo + most].contiguous(), where[lo:lo + most]])
+            k, v = self.executor.execute(DRAFT_CONTEXT, [rows[lo:lo + most].contiguous(), where[lo:lo + most]])
             dk[:, at[lo:lo + most]] = k
             dv[:, at[lo:lo + most]] = v
 

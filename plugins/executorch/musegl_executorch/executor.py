@@ -177,6 +177,10 @@ class ExecuTorchExecutor:
         n_draft = resolve(flags, d.config, TargetShape(c.vocab_size, c.hidden_size, c.num_layers))
         return ProgramDrafter(self, d, n_draft)
 
+    def execute(self, method: str, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """One call of the program's ``method`` (the drafter's draft methods), as :meth:`_execute`."""
+        return self._execute(method, inputs)
+
     def _execute(self, method: str, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
         """One program call. The outputs alias the method's planned memory (no copy:
         ``executorch.runtime.Method.execute`` clones every output, a vocabulary-wide

@@ -61,7 +61,7 @@ def draft():
 
 class EagerProgram:
     """The two draft methods run as the eager export modules, behind the executor's
-    ``_execute`` (what :class:`ProgramDrafter` calls on the loaded program)."""
+    ``execute`` (what :class:`ProgramDrafter` calls on the loaded program)."""
 
     def __init__(self, module: OffGraphDecoder, draft: DFlashDraft, max_chunk: int) -> None:
         weights = DraftWeights.from_draft(draft, torch.float32)
@@ -69,7 +69,7 @@ class EagerProgram:
         self.block_size, self.dtype = 16, torch.float32
         self.manifest = attrs.make_class("M", ["limits"])(attrs.make_class("L", ["max_prefill_chunk"])(max_chunk))
 
-    def _execute(self, method, inputs):
+    def execute(self, method, inputs):
         with torch.no_grad():
             out = self.methods[method](*inputs)
         return out if isinstance(out, tuple) else (out,)

@@ -110,7 +110,7 @@ def kv_layout(options: ExecutorOptions) -> tuple[int, int]:
 def check(options: ExecutorOptions) -> None:
     """The front's check: the core's (a checkpoint with a tokenizer), and no flag of another
     executor that MLX would not honour."""
-    from musegl_core.checkpoint.validate import check_servable
+    from musegl_core.servable import check_servable
 
     if (options.extra.get("tensor_parallel_size") or 1) > 1:
         raise ConfigError("--tensor-parallel-size: the mlx executor runs on one device "

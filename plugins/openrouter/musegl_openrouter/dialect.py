@@ -25,7 +25,8 @@ from typing import Any
 import attrs
 
 from musegl_core.errors import ApiError, bad_request
-from musegl_core.http import schemas as s
+from musegl_core.http.schemas import to_json
+from musegl_core.openai import schemas as s
 from musegl_core.http import sse
 from musegl_core.http.dialect import Dialect, ServedModel
 from musegl_openrouter.models import OpenRouterModel
@@ -103,7 +104,7 @@ class OpenRouterDialect(Dialect):
         """One chunk of this stream with a top-level ``error`` and
         ``finish_reason: "error"``; the stream ends after it (no ``[DONE]``)."""
         failed = attrs.evolve(chunk, choices=[s.ChunkChoice(delta=s.Delta(content=""), finish_reason="error")])
-        payload = s.to_json(failed)
+        payload = to_json(failed)
         payload["error"] = self.error_body(error)["error"]
         return [sse.data_event(payload)]
 

@@ -8,7 +8,7 @@ so OpenAI-only clients still read it. Every context number is the runtime
 clients size their prompts from it, and the server does no compaction for them.
 
 ``supported_parameters`` is derived from the request schema the server parses
-(:class:`~musegl_core.http.schemas.ChatCompletionRequest`): every field but the
+(:class:`~musegl_core.openai.schemas.ChatCompletionRequest`): every field but the
 request's content and plumbing (:data:`NOT_PARAMETERS`), the tool fields only
 when a tool parser is configured, plus OpenRouter's ``structured_outputs``
 capability (``response_format`` json_schema is enforced). A field added to the
@@ -21,7 +21,8 @@ from __future__ import annotations
 import attrs
 
 from musegl_core.http.dialect import ServedModel
-from musegl_core.http.schemas import ChatCompletionRequest, ModelEntry, omittable
+from musegl_core.http.schemas import ModelEntry, omittable
+from musegl_core.openai.schemas import ChatCompletionRequest
 
 #: Request fields that are not generation parameters: the conversation, the
 #: model name, the transport (streaming), musegl's session and cache plumbing,

@@ -11,9 +11,10 @@ import pytest
 
 from musegl_core.engine.errors import ContextTooLong
 from musegl_core.errors import ApiError, ConfigError
-from musegl_core.http import schemas as s
+from musegl_core.http.schemas import ModelList, to_json
+from musegl_core.openai import schemas as s
 from musegl_core.http.dialect import Dialect, ServedModel
-from musegl_core.http.errors import api_error
+from musegl_core.worker.errors import api_error
 from musegl_core.plugins.manager import PluginManager
 from musegl_openrouter.dialect import OpenRouterDialect
 from musegl_openrouter.overflow import RECOVERABLE_PATTERN, OverflowCounts, overflow_message
@@ -214,15 +215,15 @@ def test_usage_rides_on_the_finish_chunk_once():
 
 def test_reasoning_goes_out_under_both_names():
     assert dialect.reasoning_fields("because") == {"reasoning_content": "because", "reasoning": "because"}
-    message = s.to_json(s.AssistantMessage(content="4", **dialect.reasoning_fields("because")))
+    message = to_json(s.AssistantMessage(content="4", **dialect.reasoning_fields("because")))
     assert message["reasoning"] == message["reasoning_content"] == "because"
-    assert "reasoning" not in s.to_json(s.AssistantMessage(content="4", **dialect.reasoning_fields(None)))
+    assert "reasoning" not in to_json(s.AssistantMessage(content="4", **dialect.reasoning_fields(None)))
 
 
 def test_model_entry_has_the_openrouter_shape_around_the_runtime_budget():
     model = ServedModel(name="muse", created=1700000000, context_length=2048, backend="cuda", tool_calling=True,
                         vision=True)
-    entry = s.to_json(s.ModelList(data=[dialect.model_entry(model)]))["data"][0]
+    entry = to_json(ModelList(data=[dialect.model_entry(model)]))["data"][0]
     assert entry["id"] == entry["name"] == "muse"
     assert entry["context_length"] == entry["max_model_len"] == 2048
     assert entry["top_provider"] == {"context_length": 2048, "max_completion_tokens": 2047, "is_moderated": False}
@@ -230,7 +231,7 @@ def test_model_entry_has_the_openrouter_shape_around_the_runtime_budget():
     assert set(entry["pricing"].values()) == {"0"}
     assert {"reasoning", "tools", "tool_choice", "max_tokens"} <= set(entry["supported_parameters"])
     assert entry["object"] == "model" and entry["owned_by"] == "musegl"
-    plain = s.to_json(dialect.model_entry(ServedModel(name="m", created=1, context_length=64)))
+    plain = to_json(dialect.model_entry(ServedModel(name="m", created=1, context_length=64)))
     assert "tools" not in plain["supported_parameters"]
     # a text-only load (no vision projector) does not advertise image input
     assert list(plain["architecture"]["input_modalities"]) == ["text"]

@@ -11,7 +11,7 @@ import pytest
 from openrouter_servers import FrontSpec, serving
 
 from musegl_core.config import ServeConfig
-from musegl_core.http import schemas as s
+from musegl_core.openai import schemas as s
 from musegl_openrouter.models import CAPABILITIES, NOT_PARAMETERS, TOOL_PARAMETERS, supported_parameters
 
 WEATHER_TOOL = {

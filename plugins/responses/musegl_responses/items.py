@@ -29,15 +29,11 @@ import attrs
 
 from musegl_core.chat.channels import parse_output
 from musegl_core.chat.messages import FunctionCall, ImagePart, Message, ToolCall, parse_content, parse_json_arguments
-from musegl_core.errors import ApiError, bad_request
+from musegl_core.errors import bad_request, unsupported
 
 log = logging.getLogger("musegl.responses")
 
 ROLES = ("user", "system", "developer", "assistant")
-
-
-def unsupported(param: str, message: str) -> ApiError:
-    return bad_request(message, code="unsupported_parameter", param=param)
 
 
 def _text(value: Any, param: str) -> str:

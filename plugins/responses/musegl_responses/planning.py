@@ -17,12 +17,11 @@ import attrs
 
 from musegl_core.chat.messages import Message
 from musegl_core.chat.template import TemplateVariables
-from musegl_core.errors import ApiError, bad_request
-from musegl_core.http.completions import sampling_params, session_id as explicit_session
-from musegl_core.http.logprobs import MAX_TOP_LOGPROBS
-from musegl_core.service.conversation import AnswerFormat, Conversation
+from musegl_core.errors import ApiError, bad_request, unsupported
+from musegl_core.service.rules import sampling_params, session_id as explicit_session
+from musegl_core.service.logprobs import MAX_TOP_LOGPROBS
+from musegl_core.service.conversation import AnswerFormat, Conversation, Settings
 from musegl_core.service.sessions import client_session, soft_session_name
-from musegl_core.worker import messages as m
 
 from musegl_responses.items import Reader
 from musegl_responses.schemas import ResponseRequest
@@ -36,10 +35,6 @@ EFFORTS = ("low", "medium", "high")
 SUMMARIES = ("auto", "detailed")
 KEY_SOURCE = "codex"  # soft sessions named by a client key: codex:<key> (docs/sessions.md)
 CHAIN_SOURCE = "responses"  # a stored chain's own soft session: responses:<first response id>
-
-
-def unsupported(param: str, message: str) -> ApiError:
-    return bad_request(message, code="unsupported_parameter", param=param)
 
 
 def new_id(prefix: str) -> str:
@@ -225,9 +220,7 @@ def plan_response(
         ])
     if session is None and keep and max_sessions > 0:
         session, soft = soft_session_name(CHAIN_SOURCE, response_id), True  # a chain's first stored turn
-    settings = m.Generate(
-        id=response_id,
-        prompt=(),
+    settings = Settings(
         max_tokens=request.max_output_tokens,
         sampling=sampling,
         session_id=session,

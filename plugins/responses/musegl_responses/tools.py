@@ -26,7 +26,7 @@ import attrs
 
 from musegl_core.chat.messages import ToolDef
 from musegl_core.constrain.lark_embed import LARK_KEY
-from musegl_core.errors import ApiError, bad_request
+from musegl_core.errors import bad_request, unsupported
 from musegl_core.service.conversation import ToolChoice
 
 log = logging.getLogger("musegl.responses")
@@ -35,10 +35,6 @@ log = logging.getLogger("musegl.responses")
 _FUNCTION_KEYS = {"type", "name", "description", "parameters", "strict", "defer_loading", "output_schema",
                   "allowed_callers", "async"}
 _CUSTOM_KEYS = {"type", "name", "description", "format", "defer_loading", "allowed_callers", "async"}
-
-
-def unsupported(param: str, message: str) -> ApiError:
-    return bad_request(message, code="unsupported_parameter", param=param)
 
 
 @attrs.frozen

@@ -190,6 +190,21 @@ class TensorParallelExecutor:
         self._send(request)
         return self._answer(request.number)
 
+    # -- the ranks' channel, for what the ranks host beside the model (RankSpeculator) --
+
+    @property
+    def closing(self) -> bool:
+        """Whether :meth:`close` has begun (nothing more is sent to release)."""
+        return self._closing
+
+    def send(self, request: Any) -> None:
+        """Write a request that has no answer (``number`` None) to every rank."""
+        self._send(request)
+
+    def ask(self, make: Callable[[int], Any]) -> Any:
+        """Write ``make(number)``, a request numbered for its answer, and return rank 0's answer."""
+        return self._call(make(self._number()))
+
     # -- the executor contract ---------------------------------------------------------
 
     def kv_bytes_per_block(self) -> int:

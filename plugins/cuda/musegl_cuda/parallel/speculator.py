@@ -24,7 +24,7 @@ speculator beside a one-device executor sees:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import attrs
 
@@ -34,14 +34,25 @@ from musegl_cuda.parallel import messages as msg
 from musegl_cuda.parallel.messages import RankFailure
 from musegl_cuda.parallel.rank import hosted_rows
 
-if TYPE_CHECKING:
-    from musegl_cuda.parallel.executor import TensorParallelExecutor
+class RankChannel(Protocol):
+    """What the hosted speculator needs of the tensor-parallel executor: the
+    ranks' request channel (:class:`~.executor.TensorParallelExecutor` provides it)."""
+
+    spec: Any  # the ranks' layout: ``size``, ``device``
+    failure: str | None  # set once a rank failed
+
+    @property
+    def closing(self) -> bool: ...
+
+    def send(self, request: Any) -> None: ...
+
+    def ask(self, make: Callable[[int], Any]) -> Any: ...
 
 
 class RankSpeculator:
     """See the module docstring."""
 
-    def __init__(self, executor: "TensorParallelExecutor", loaded: msg.SpeculatorLoaded) -> None:
+    def __init__(self, executor: RankChannel, loaded: msg.SpeculatorLoaded) -> None:
         self.executor = executor
         self.taps = tuple(loaded.taps)
         self.max_draft = loaded.max_draft
@@ -57,7 +68,7 @@ class RankSpeculator:
 
     def allocate_kv(self, num_blocks: int) -> None:
         ex = self.executor
-        ex._call(msg.DraftAllocate(ex._number(), num_blocks))
+        ex.ask(lambda number: msg.DraftAllocate(number, num_blocks))
 
     def _key(self) -> int:
         key, self._keys = self._keys, self._keys + 1
@@ -74,7 +85,7 @@ class RankSpeculator:
 
     def propose(self, requests: Sequence[DraftRequest]) -> dict[int, list[int]]:
         ex = self.executor
-        return ex._call(msg.Propose(ex._number(), self._key(), self._wire(list(requests))))
+        return ex.ask(lambda number: msg.Propose(number, self._key(), self._wire(list(requests))))
 
     def propose_on_device(self, requests: Sequence[DraftRequest]) -> DeviceDrafts:
         requests = list(requests)
@@ -82,31 +93,31 @@ class RankSpeculator:
         if not rows:
             return DeviceDrafts(None, {}, {})
         key = self._key()
-        self.executor._send(msg.Propose(None, key, self._wire(requests)))
+        self.executor.send(msg.Propose(None, key, self._wire(requests)))
         return DeviceDrafts(msg.RankDrafts(key), rows, counts)
 
     def write_drafts(self, found: DeviceDrafts, rows: list[int], cols: list[int], values: list[int]) -> None:
         """Overwrite ids of drafts :meth:`propose_on_device` left on the ranks (``values[i]`` at
         ``rows[i]``, ``cols[i]``), on every rank alike: the benchmark's replay."""
         if values and isinstance(found.ids, msg.RankDrafts):
-            self.executor._send(msg.WriteDrafts(found.ids.key, list(rows), list(cols), list(values)))
+            self.executor.send(msg.WriteDrafts(found.ids.key, list(rows), list(cols), list(values)))
 
     def observe(self, step: Step, output: StepOutput, committed: dict[int, int]) -> None:
         kept = next((h for h in output.hidden.values() if isinstance(h, msg.RankRows)), None)
         if kept is not None:
-            self.executor._send(msg.Observe(kept.number, dict(committed)))
+            self.executor.send(msg.Observe(kept.number, dict(committed)))
 
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
         if pairs:
-            self.executor._send(msg.DraftCopyBlocks([tuple(p) for p in pairs]))
+            self.executor.send(msg.DraftCopyBlocks([tuple(p) for p in pairs]))
 
     def release_sequence(self, seq: int) -> None:
         """As the executor's: nothing is left to release once a rank has failed."""
         ex = self.executor
-        if ex.failure is not None or ex._closing:
+        if ex.failure is not None or ex.closing:
             return
         try:
-            ex._send(msg.DraftRelease(seq))
+            ex.send(msg.DraftRelease(seq))
         except RankFailure:
             pass
 

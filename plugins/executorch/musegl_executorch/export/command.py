@@ -104,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--jobs must be at least 1, got {args.jobs}")
 
     from musegl_core.checkpoint.loader import load_checkpoint
-    from musegl_core.checkpoint.validate import one_line
+    from musegl_core.servable import one_line
     from musegl_core.checkpoint.vision import load_vision
     from musegl_core.tokenizer import MuseTokenizer
 

@@ -1,12 +1,13 @@
 """Chat Completions: the core's own API surface over the generation service.
 
-:func:`plan_chat` applies every Chat Completions rule that does not need the
+:func:`read_chat` applies every Chat Completions rule that does not need the
 model (ranges, contradictions, the reject list, tools without a parser) in
-this API's parameter names, turns the request into a
-:class:`~musegl_core.service.conversation.Conversation` and has the service
-prepare it (:func:`musegl_core.service.prepare.prepare`: template, output
-constraints, images). Nothing is submitted before it returns, so every bad
-request is a 400 that never reaches the worker.
+this API's parameter names and turns the request into a
+:class:`~musegl_core.service.conversation.Conversation`, which the service
+prepares (:meth:`~musegl_core.service.service.GenerationService.prepare`:
+template, output constraints, images; :func:`plan_chat` does both). Nothing
+is submitted before that returns, so every bad request is a 400 that never
+reaches the worker.
 
 :func:`complete` builds the non-streaming object and :class:`ChatStream` the
 SSE events (nothing is sent until the worker reports ``Started``), both from
@@ -19,7 +20,6 @@ shapes of its message, logprobs and usage.
 
 from __future__ import annotations
 
-import re
 import time
 import uuid
 from typing import Any, AsyncIterator, Sequence
@@ -30,33 +30,33 @@ from musegl_core import __version__
 from musegl_core.chat.messages import ToolDef, parse_messages, parse_tools
 from musegl_core.chat.template import TemplateVariables
 from musegl_core.config import ServeConfig
-from musegl_core.engine.executor import SamplingParams
-from musegl_core.errors import ApiError, bad_request
-from musegl_core.http import constraints, stopping
-from musegl_core.http.logprobs import MAX_TOP_LOGPROBS
-from musegl_core.http import schemas as s
+from musegl_core.errors import bad_request, unsupported
+from musegl_core.service import stopping
+from musegl_core.service.logprobs import MAX_TOP_LOGPROBS
+from musegl_core.http.schemas import to_json
+from musegl_core.openai import schemas as s
 from musegl_core.http import sse
 from musegl_core.http.dialect import Dialect
 from musegl_core.service import events as ev
-from musegl_core.service.conversation import AnswerFormat, Conversation, ToolChoice
+from musegl_core.service.conversation import AnswerFormat, Conversation, Settings, ToolChoice
 from musegl_core.service.generation import Generation
 from musegl_core.service.output import LogprobEntries, Output, OutputAssembler, reasoning_tokens
-from musegl_core.service.prepare import Plan, prepare, prompt_images, setup_tools
-from musegl_core.service.sessions import MAX_CLIENT_KEY, PROMPT_CACHE_KEY_SOURCE as CLIENT_KEY_SOURCE, client_session
-from musegl_core.worker import messages as m
-from musegl_core.worker.client import WorkerClient
+from musegl_core.service.prepare import Plan, ToolSetup, prepare, prompt_images, setup_tools
+from musegl_core.service.rules import (
+    cache_salt,
+    choice_count,
+    completion_limit,
+    prompt_cache_key,
+    sampling_params,
+    session_id,
+    stop_strings,
+)
+from musegl_core.service.sessions import PROMPT_CACHE_KEY_SOURCE as CLIENT_KEY_SOURCE, client_session
 
-__all__ = ["ChatPlan", "ChatStream", "Output", "ResponseAssembler", "ResponseMeta", "complete", "plan_chat",
+__all__ = ["ChatPlan", "ChatStream", "Output", "ResponseAssembler", "ResponseMeta", "complete", "plan_chat", "read_chat",
            "prompt_images", "reasoning_tokens"]
 
 REASONING_STRENGTHS = ("low", "medium", "high")
-MAX_STOPS = 4
-SESSION_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
-SEED_RANGE = (-(2**63), 2**64 - 1)
-
-
-def unsupported(param: str, message: str) -> ApiError:
-    return bad_request(message, code="unsupported_parameter", param=param)
 
 
 # -- planning ---------------------------------------------------------------------------
@@ -77,8 +77,29 @@ def plan_chat(
 ) -> ChatPlan:
     """Validate ``request`` and render its prompt; raises :class:`ApiError` (400).
 
-    ``template`` is a template plugin's object (``render``); ``tool_parser``
-    the configured :class:`~musegl_core.plugins.specs.ToolParserSpec` or
+    ``template`` is a template plugin's object (``render``); the other
+    arguments are :func:`read_chat`'s. What the surface does with the
+    service's :meth:`~musegl_core.service.service.GenerationService.prepare`,
+    for ``musegl render`` and ``/tokenize``.
+    """
+    conversation, tool_setup = read_chat(request, config=config, tool_parser=tool_parser,
+                                         header_session_id=header_session_id, client_keys=client_keys)
+    return prepare(conversation, request_id=request_id, config=config, template=template, tool_parser=tool_parser,
+                   tokenizer=tokenizer, tool_setup=tool_setup)
+
+
+def read_chat(
+    request: s.ChatCompletionRequest,
+    *,
+    config: ServeConfig,
+    tool_parser: Any = None,
+    header_session_id: str | None = None,
+    client_keys: Sequence[tuple[str, str | None]] = (),
+) -> tuple[Conversation, ToolSetup]:
+    """Validate ``request`` into the service's :class:`~musegl_core.service.conversation.Conversation`
+    and its tools after preflight; raises :class:`ApiError` (400).
+
+    ``tool_parser`` is the configured :class:`~musegl_core.plugins.specs.ToolParserSpec` or
     ``None`` (tools without ``--tool-parser`` are refused). ``client_keys``
     are the agent clients' conversation keys from the headers, ``(source,
     value)`` (:func:`~musegl_core.service.sessions.client_session`): without a
@@ -101,12 +122,10 @@ def plan_chat(
     choice, tools = active_tools(request, tool_parser)
     tool_setup = setup_tools(tools, choice, tool_parser)  # a bad tool schema is reported before bad messages
     messages = parse_messages(request.messages)
-    answer = constraints.answer_schema(request)
+    answer = answer_schema(request)
     stream = bool(request.stream)
     constrained = answer is not None or choice.mode in ("required", "named")
-    settings = m.Generate(
-        id=request_id,
-        prompt=(),
+    settings = Settings(
         max_tokens=max_tokens,
         sampling=sampling,
         stop=stops,
@@ -131,8 +150,7 @@ def plan_chat(
         include_usage=bool(request.stream_options and request.stream_options.include_usage),
         n=n,
     )
-    return prepare(conversation, request_id=request_id, config=config, template=template, tool_parser=tool_parser,
-                   tokenizer=tokenizer, tool_setup=tool_setup)
+    return conversation, tool_setup
 
 
 def _check_fixed_choices(request: s.ChatCompletionRequest) -> None:
@@ -147,159 +165,6 @@ def _check_fixed_choices(request: s.ChatCompletionRequest) -> None:
         raise unsupported("add_generation_prompt", "add_generation_prompt must be true (or absent)")
     if request.continue_final_message is not None and request.continue_final_message is not False:
         raise unsupported("continue_final_message", "continue_final_message must be false (or absent)")
-
-
-def choice_count(n: int | None, config: ServeConfig, session: str | None) -> int:
-    """``n``: 1..``--max-n``; above 1 it must fit the server at all (each
-    choice is a request of its own: it takes an admission slot and a session
-    slot) and may not name a session (a session holds one transcript, which
-    n answers cannot all extend). docs/protocol.md 2.6."""
-    if n is None:
-        return 1
-    if not 1 <= n <= config.max_n:
-        raise bad_request(f"'n' must be between 1 and {config.max_n} (--max-n), got {n}", param="n")
-    if n > 1:
-        if session is not None:
-            raise bad_request(
-                "'n' above 1 cannot be used with a named session (session_id / X-Session-Id): a session holds "
-                "one transcript, and n answers cannot all extend it; send n > 1 without a session",
-                param="n",
-            )
-        fits = min(config.max_inflight_requests, config.max_sessions)
-        if n > fits:
-            raise bad_request(
-                f"'n' = {n} choices can never run at once on this server: each choice takes an admission slot "
-                f"(--max-inflight-requests {config.max_inflight_requests}) and a session slot "
-                f"(--max-sessions {config.max_sessions}); the most is {fits}",
-                param="n",
-            )
-    return n
-
-
-def completion_limit(request: s.ChatCompletionRequest | s.CompletionRequest) -> int | None:
-    """``max_completion_tokens`` or its deprecated twin ``max_tokens``; both must
-    be positive and agree when both are given. ``None`` leaves the limit to the
-    context budget."""
-    limit = None
-    for name in ("max_completion_tokens", "max_tokens"):
-        value = getattr(request, name, None)  # /v1/completions has only max_tokens
-        if value is None:
-            continue
-        if value < 1:
-            raise bad_request(f"'{name}' must be a positive integer, got {value}", param=name)
-        if limit is not None and value != limit:
-            raise bad_request(
-                f"'max_tokens' ({value}) and 'max_completion_tokens' ({limit}) disagree; send one",
-                param=name,
-            )
-        limit = value
-    return limit
-
-
-def sampling_params(request: s.ChatCompletionRequest | s.CompletionRequest) -> SamplingParams:
-    """temperature in [0, 2], top_p in (0, 1], top_k >= 0, a 64-bit seed, and
-    the processors of docs/constrained.md: ``presence_penalty`` and
-    ``frequency_penalty`` in [-2, 2], ``repetition_penalty`` > 0, ``min_p`` in
-    [0, 1], ``logit_bias`` (at most 300 token ids, each biased by -100..100).
-    Out of range is a 400 naming the parameter."""
-    temperature = 1.0 if request.temperature is None else request.temperature
-    top_p = 1.0 if request.top_p is None else request.top_p
-    top_k = 0 if request.top_k is None else request.top_k
-    if not 0.0 <= temperature <= 2.0:
-        raise bad_request(f"'temperature' must be between 0 and 2, got {temperature}", param="temperature")
-    if not 0.0 < top_p <= 1.0:
-        raise bad_request(f"'top_p' must be in (0, 1], got {top_p}", param="top_p")
-    if top_k < 0:
-        raise bad_request(f"'top_k' must be 0 (off) or positive, got {top_k}", param="top_k")
-    seed = request.seed
-    if seed is not None and not SEED_RANGE[0] <= seed <= SEED_RANGE[1]:
-        raise bad_request("'seed' must fit in 64 bits", param="seed")
-    penalties = {}
-    for name in ("presence_penalty", "frequency_penalty"):
-        value = getattr(request, name, None)
-        if value is not None:
-            if not -2.0 <= value <= 2.0:
-                raise bad_request(f"'{name}' must be between -2 and 2, got {value}", param=name)
-            penalties[name] = float(value)
-    repetition = getattr(request, "repetition_penalty", None)
-    if repetition is not None:
-        if not 0.0 < repetition <= 1e6 or repetition != repetition:
-            raise bad_request(f"'repetition_penalty' must be greater than 0, got {repetition}",
-                              param="repetition_penalty")
-        penalties["repetition_penalty"] = float(repetition)
-    min_p = getattr(request, "min_p", None)
-    if min_p is not None:
-        if not 0.0 <= min_p <= 1.0:
-            raise bad_request(f"'min_p' must be between 0 and 1, got {min_p}", param="min_p")
-        penalties["min_p"] = float(min_p)
-    return SamplingParams(temperature=float(temperature), top_p=float(top_p), top_k=top_k, seed=seed,
-                          logit_bias=logit_bias(getattr(request, "logit_bias", None)), **penalties)
-
-
-MAX_LOGIT_BIAS = 300
-
-
-def logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
-    """OpenAI's ``logit_bias``: token id (a decimal string) -> bias in [-100, 100],
-    at most 300 entries; sorted by id. The worker checks the ids against the vocabulary."""
-    if not bias:
-        return ()
-    if len(bias) > MAX_LOGIT_BIAS:
-        raise bad_request(f"'logit_bias' takes at most {MAX_LOGIT_BIAS} entries, got {len(bias)}",
-                          param="logit_bias")
-    out = []
-    for key, value in bias.items():
-        if not key.isdigit() or len(key) > 9:
-            raise bad_request(f"'logit_bias' keys must be token ids, got {key!r}", param="logit_bias")
-        if not -100.0 <= value <= 100.0:
-            raise bad_request(f"'logit_bias' values must be between -100 and 100, got {value} for {key}",
-                              param="logit_bias")
-        out.append((int(key), float(value)))
-    return tuple(sorted(out))
-
-
-def stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
-    """A string or up to four non-empty strings."""
-    if stop is None:
-        return ()
-    stops = [stop] if isinstance(stop, str) else list(stop)
-    if len(stops) > MAX_STOPS:
-        raise bad_request(f"'stop' takes at most {MAX_STOPS} strings, got {len(stops)}", param="stop")
-    for i, text in enumerate(stops):
-        if not text:
-            raise bad_request("stop strings must not be empty", param="stop" if isinstance(stop, str) else f"stop[{i}]")
-    return tuple(dict.fromkeys(stops))
-
-
-def session_id(body: str | None, header: str | None) -> str | None:
-    """The session named by ``session_id`` or ``X-Session-Id``."""
-    for value, param in ((body, "session_id"), (header, "X-Session-Id")):
-        if value is not None and not SESSION_ID.fullmatch(value):
-            raise bad_request(
-                f"'{param}' must be 1-128 characters of A-Z a-z 0-9 . _ : -", param=param
-            )
-    if body is not None and header is not None and body != header:
-        raise bad_request("the body's session_id and the X-Session-Id header differ", param="session_id")
-    return body if body is not None else header
-
-
-def prompt_cache_key(value: str | None) -> str | None:
-    """``prompt_cache_key``: a non-empty string of at most :data:`MAX_CLIENT_KEY` characters."""
-    if value is None:
-        return None
-    if not isinstance(value, str) or not 1 <= len(value) <= MAX_CLIENT_KEY:
-        raise bad_request(f"'prompt_cache_key' must be a string of 1-{MAX_CLIENT_KEY} characters",
-                          param="prompt_cache_key")
-    return value
-
-
-def cache_salt(value: str | None) -> str | None:
-    """``cache_salt``: a non-empty string of at most :data:`~musegl_core.http.schemas.MAX_CACHE_SALT`
-    characters (any characters: it is hashed, never shown)."""
-    if value is not None and not 1 <= len(value) <= s.MAX_CACHE_SALT:
-        raise bad_request(f"'cache_salt' must be a string of 1-{s.MAX_CACHE_SALT} characters, got {len(value)}",
-                          param="cache_salt")
-    return value
 
 
 def reasoning_controls(request: s.ChatCompletionRequest) -> tuple[str | None, bool]:
@@ -344,11 +209,69 @@ def template_variables(kwargs: s.ChatTemplateKwargs | None, strength: str | None
 def active_tools(request: s.ChatCompletionRequest, tool_parser: Any) -> tuple[ToolChoice, list[ToolDef]]:
     """The request's ``tool_choice`` and its declared tools (``tools`` while
     tool calling is off is refused before the tools are read)."""
-    mode, named = constraints.tool_choice_mode(request.tool_choice)
+    mode, named = tool_choice_mode(request.tool_choice)
     choice = ToolChoice(mode, named, parallel=request.parallel_tool_calls is not False)
     if request.tools and mode != "none" and tool_parser is None:
         raise unsupported("tools", "tool calling is not enabled on this server (start it with --tool-parser)")
     return choice, list(parse_tools(request.tools)) if request.tools else []
+
+
+def tool_choice_mode(choice: Any) -> tuple[str, str | None]:
+    """``("auto" | "none" | "required" | "named", function name or None)``."""
+    if choice is None or choice in ("auto", "none", "required"):
+        return choice or "auto", None
+    if isinstance(choice, dict):
+        function = choice.get("function")
+        name = function.get("name") if isinstance(function, dict) else None
+        if choice.get("type") != "function" or not isinstance(name, str) or not name:
+            raise bad_request("a named 'tool_choice' must be {\"type\": \"function\", \"function\": {\"name\": ...}}",
+                              param="tool_choice")
+        return "named", name
+    raise bad_request("'tool_choice' must be 'auto', 'none', 'required' or a named function", param="tool_choice")
+
+
+def answer_schema(request: s.ChatCompletionRequest) -> tuple[Any, str] | None:
+    """The JSON schema the final answer must satisfy (``True``: any JSON object)
+    and the parameter that asked for it; None for free text."""
+    found = None
+    fmt = request.response_format
+    if fmt is not None:
+        if fmt.schema is not None and fmt.type != "json_object":
+            raise bad_request("'response_format.schema' belongs to llama.cpp's json_object form; a json_schema "
+                              "format takes its schema in 'json_schema.schema'", param="response_format.schema")
+        if fmt.type == "json_object" and fmt.schema is not None:
+            found = (fmt.schema, "response_format.schema")  # llama.cpp's spelling: the schema is enforced
+        elif fmt.type == "json_object":
+            found = (True, "response_format")
+        elif fmt.type == "json_schema":
+            spec = fmt.json_schema
+            if not isinstance(spec, dict):
+                raise bad_request("response_format json_schema needs a 'json_schema' object",
+                                  param="response_format.json_schema")
+            unknown = set(spec) - {"name", "schema", "strict", "description"}
+            if unknown:
+                raise unsupported(f"response_format.json_schema.{sorted(unknown)[0]}",
+                                  f"unknown key {sorted(unknown)[0]!r} in response_format.json_schema")
+            if "name" in spec and not isinstance(spec["name"], str):
+                raise bad_request("'response_format.json_schema.name' must be a string",
+                                  param="response_format.json_schema.name")
+            if spec.get("strict") is not None and not isinstance(spec["strict"], bool):
+                raise bad_request("'response_format.json_schema.strict' must be a boolean",
+                                  param="response_format.json_schema.strict")
+            schema = spec.get("schema", True)  # OpenAI: a missing schema means any JSON
+            found = (schema, "response_format.json_schema.schema")
+        elif fmt.type != "text":
+            raise unsupported("response_format",
+                              f"response_format type {fmt.type!r} is not supported; use text, json_object or json_schema")
+    if request.json_schema is not None:
+        if found is not None:
+            raise bad_request("send either 'response_format' or 'json_schema', not both", param="json_schema")
+        found = (request.json_schema, "json_schema")
+    if found is not None and not isinstance(found[0], (dict, bool)):
+        raise bad_request(f"'{found[1]}' must be a JSON Schema (an object or a boolean)", param=found[1])
+    if found is not None and found[0] is False:
+        raise bad_request(f"'{found[1]}' is the schema false: no answer can satisfy it", param=found[1])
+    return found
 
 
 # -- responses ---------------------------------------------------------------------------
@@ -451,16 +374,10 @@ def combined_usage(usages: Sequence[s.Usage]) -> s.Usage:
     )
 
 
-async def complete(
-    worker: WorkerClient,
-    plan: ChatPlan,
-    meta: ResponseMeta,
-    dialect: Dialect,
-    tool_parser: Any = None,
-) -> s.ChatCompletion:
-    """Run ``plan``'s choices to the end and build the non-streaming response.
+async def complete(generation: Generation, meta: ResponseMeta, dialect: Dialect) -> s.ChatCompletion:
+    """Run the generation's choices to the end and build the non-streaming response.
     An error of any choice fails the response (the others are cancelled)."""
-    generation = Generation(worker, plan, tool_parser)
+    plan = generation.plan
     outputs = await generation.run()
     choices = [
         s.Choice(message=chat_message(output, dialect), finish_reason=generation.finished[index].reason,
@@ -491,19 +408,11 @@ class ChatStream:
     any choice cancels every worker request still running.
     """
 
-    def __init__(
-        self,
-        worker: WorkerClient,
-        plan: ChatPlan,
-        meta: ResponseMeta,
-        dialect: Dialect,
-        tool_parser: Any = None,
-        preflight_timeout: float | None = None,
-    ):
-        self.plan = plan
+    def __init__(self, generation: Generation, meta: ResponseMeta, dialect: Dialect):
+        plan = self.plan = generation.plan
         self.meta = meta
         self.dialect = dialect
-        self.generation = Generation(worker, plan, tool_parser, preflight_timeout)
+        self.generation = generation
         self._usages: list[s.Usage | None] = [None] * plan.n
         self._calls: list[list[s.ToolCallDelta]] = [[] for _ in range(plan.n)]
 
@@ -564,10 +473,10 @@ class ChatStream:
         chunk = self.meta.chunk([s.ChunkChoice(delta=s.Delta(), finish_reason=finish.reason, index=index,
                                                logprobs=rest)])
         if not last:
-            items.append(sse.data_event(s.to_json(chunk)))
+            items.append(sse.data_event(to_json(chunk)))
             return items
         usage = combined_usage(self._usages) if self.plan.include_usage else None
-        items += [sse.data_event(s.to_json(c)) for c in self.dialect.stream_tail(chunk, usage)]
+        items += [sse.data_event(to_json(c)) for c in self.dialect.stream_tail(chunk, usage)]
         items.append(sse.DONE)
         return items
 
@@ -575,4 +484,4 @@ class ChatStream:
         return wire_logprobs(entries, self.plan.hide_reasoning)
 
     def _chunk(self, choice: s.ChunkChoice) -> bytes:
-        return sse.data_event(s.to_json(self.meta.chunk([choice])))
+        return sse.data_event(to_json(self.meta.chunk([choice])))

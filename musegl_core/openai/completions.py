@@ -8,7 +8,7 @@ them). Parameters of the legacy OpenAI endpoint that the engine does not
 implement are refused by name: ``best_of`` above 1, ``echo``,
 ``suffix`` and ``logprobs``; so is a list of several prompts. ``n`` works as
 in chat (1..``--max-n``, choices sharing the prompt's KV,
-:mod:`musegl_core.http.choices`). ``logit_bias``,
+:mod:`musegl_core.service.choices`). ``logit_bias``,
 the penalties and ``min_p`` are honoured as in chat (docs/constrained.md).
 
 The response is OpenAI's ``text_completion`` object; a stream sends
@@ -25,45 +25,35 @@ from typing import Any, AsyncIterator
 import attrs
 
 from musegl_core.config import ServeConfig
-from musegl_core.errors import ApiError, bad_request, unavailable
-from musegl_core.http import schemas as s
-from musegl_core.http import sse, stopping
-from musegl_core.http.choices import ChoiceGroup, GroupStream, choice_requests
-from musegl_core.http.completions import (
-    ResponseMeta,
-    cache_salt,
-    choice_count,
-    combined_usage,
-    completion_limit,
-    sampling_params,
-    stop_strings,
-    unsupported,
-)
+from musegl_core.errors import bad_request, unsupported
+from musegl_core.http import sse
 from musegl_core.http.dialect import Dialect
+from musegl_core.http.schemas import to_json
+from musegl_core.openai import schemas as s
+from musegl_core.openai.chat import ResponseMeta, combined_usage, wire_usage
+from musegl_core.service import events as ev
+from musegl_core.service import stopping
+from musegl_core.service.conversation import Settings
+from musegl_core.service.generation import Generation
+from musegl_core.service.prepare import Plan, prepare_text
+from musegl_core.service.rules import cache_salt, choice_count, completion_limit, sampling_params, stop_strings
 from musegl_core.worker import messages as m
 
 
-@attrs.frozen
-class CompletionPlan:
-    generate: m.Generate
-    stream: bool
-    include_usage: bool
-    image_count: int = 0  # never images
-    n: int = 1  # choices
-
-    def requests(self) -> list[m.Generate]:
-        return choice_requests(self.generate, self.n)
+#: A request that passed every front-side check (the service's raw-prompt plan).
+CompletionPlan = Plan
 
 
-def plan_completion(request: s.CompletionRequest, *, request_id: str, config: ServeConfig) -> CompletionPlan:
-    """Validate ``request``; raises :class:`ApiError` (400) before anything runs."""
+def plan_completion(request: s.CompletionRequest, *, request_id: str, config: ServeConfig, service: Any = None
+                    ) -> CompletionPlan:
+    """Validate ``request``; raises :class:`ApiError` (400) before anything runs.
+    ``service`` (the :class:`~musegl_core.service.service.GenerationService`)
+    builds the plan; without one, :func:`~musegl_core.service.prepare.prepare_text` does."""
     _check_unsupported(request)
     n = choice_count(request.n, config, None)
     segment = prompt_segment(request.prompt)
     stream = bool(request.stream)
-    generate = m.Generate(
-        id=request_id,
-        prompt=(segment,),
+    settings = Settings(
         max_tokens=completion_limit(request),
         sampling=sampling_params(request),
         stop=stop_strings(request.stop),
@@ -76,10 +66,11 @@ def plan_completion(request: s.CompletionRequest, *, request_id: str, config: Se
         special_tokens="none" if request.skip_special_tokens else "all",
     )
     include_usage = bool(request.stream_options and request.stream_options.include_usage)
-    return CompletionPlan(generate=generate, stream=stream, include_usage=include_usage, n=n)
+    build = prepare_text if service is None else service.prepare_text
+    return build(segment, settings, request_id=request_id, include_usage=include_usage, n=n)
 
 
-#: Fields typed on :class:`~musegl_core.http.schemas.CompletionRequest` only to be
+#: Fields typed on :class:`~musegl_core.openai.schemas.CompletionRequest` only to be
 #: refused by name when present (a ``null`` is absent), with what to use instead.
 REFUSED_FIELDS = {
     "session_id": "sessions are a chat feature: /v1/completions is stateless (use /v1/chat/completions)",
@@ -129,82 +120,64 @@ def new_meta(model: str, backend: str) -> ResponseMeta:
     return attrs.evolve(meta, id=f"cmpl-{uuid.uuid4().hex}")
 
 
-def _finish_reason(done: m.Done) -> str:
-    return "length" if done.finish_reason == "length" else "stop"
-
-
-def _usage(done: m.Done) -> s.Usage:
-    return s.Usage(
-        prompt_tokens=done.prompt_tokens,
-        completion_tokens=done.completion_tokens,
-        total_tokens=done.prompt_tokens + done.completion_tokens,
-        prompt_tokens_details=s.PromptTokensDetails(cached_tokens=done.cached_tokens),
-    )
-
-
 def _object(meta: ResponseMeta, choices: list[s.CompletionChoice], usage: s.Usage | None = None) -> s.TextCompletion:
     return s.TextCompletion(meta.id, meta.created, meta.model, meta.system_fingerprint, choices, usage)
 
 
-async def complete_text(worker: Any, plan: CompletionPlan, meta: ResponseMeta) -> s.TextCompletion:
-    """Run ``plan``'s choices to the end; the non-streaming response."""
-    texts: list[list[str]] = [[] for _ in range(plan.n)]
-    choices: list[s.CompletionChoice | None] = [None] * plan.n
-    usages: list[s.Usage | None] = [None] * plan.n
-    group = ChoiceGroup(worker, plan.requests())
-    await group.open()
-    try:
-        async for index, event in group.events():
-            if isinstance(event, m.Tokens):
-                texts[index].append(event.text)
-            elif isinstance(event, m.Done):
-                choices[index] = s.CompletionChoice(text="".join(texts[index]), finish_reason=_finish_reason(event),
-                                                    index=index)
-                usages[index] = _usage(event)
-    finally:
-        await group.close()
-    if any(choice is None for choice in choices):
-        raise unavailable("the model worker ended the request without a result", code="worker_restarting")
-    return _object(meta, list(choices), combined_usage(usages))
+async def complete_text(generation: Generation, meta: ResponseMeta) -> s.TextCompletion:
+    """Run the plan's choices to the end; the non-streaming response."""
+    outputs = await generation.run()
+    choices = [s.CompletionChoice(text=output.content_text, finish_reason=generation.finished[index].reason,
+                                  index=index)
+               for index, output in enumerate(outputs)]
+    return _object(meta, choices, combined_usage([wire_usage(usage) for usage in generation.usages]))
 
 
-class TextStream(GroupStream):
+class TextStream:
     """One streaming ``/v1/completions`` response; :meth:`open` waits until
     every choice has started (errors before that are ordinary HTTP errors)."""
 
-    def __init__(self, worker: Any, plan: CompletionPlan, meta: ResponseMeta, dialect: Dialect,
-                 preflight_timeout: float | None = None):
-        super().__init__(worker, plan.requests(), dialect, preflight_timeout)
-        self.worker = worker
-        self.plan = plan
+    def __init__(self, generation: Generation, meta: ResponseMeta, dialect: Dialect):
+        self.generation = generation
+        self.plan = generation.plan
         self.meta = meta
+        self.dialect = dialect
+
+    async def open(self) -> None:
+        """Submit and wait until generation is ready; raises :class:`ApiError`."""
+        await self.generation.open()
+
+    async def close(self) -> None:
+        """Leave the worker requests (cancelling those not done)."""
+        await self.generation.close()
+
+    async def events(self) -> AsyncIterator[bytes]:
+        """The SSE body, keepalives included."""
+        async for item in sse.with_keepalive(self._body(), self.dialect.keepalive):
+            yield item
 
     def _chunk(self, index: int, text: str, finish_reason: str | None = None) -> bytes:
         choice = s.CompletionChoice(text=text, finish_reason=finish_reason, index=index)
-        return sse.data_event(s.to_json(_object(self.meta, [choice])))
+        return sse.data_event(to_json(_object(self.meta, [choice])))
 
     async def _body(self) -> AsyncIterator[bytes]:
         usages: list[s.Usage | None] = [None] * self.plan.n
         remaining = self.plan.n
         try:
-            try:
-                async for index, event in self.group.events():
-                    if isinstance(event, m.Tokens) and event.text:
-                        yield self._chunk(index, event.text)
-                    elif isinstance(event, m.Done):
-                        yield self._chunk(index, "", _finish_reason(event))
-                        usages[index] = _usage(event)
-                        remaining -= 1
-                if remaining == 0:
-                    if self.plan.include_usage:
-                        yield sse.data_event(s.to_json(_object(self.meta, [], combined_usage(usages))))
+            async for event in self.generation.events():
+                if isinstance(event, ev.ContentDelta):
+                    yield self._chunk(event.choice, event.text)
+                elif isinstance(event, ev.UsageReport):
+                    usages[event.choice] = wire_usage(event.usage)
+                elif isinstance(event, ev.Finish):
+                    yield self._chunk(event.choice, "", event.reason)
+                    remaining -= 1
+                    if remaining == 0:
+                        if self.plan.include_usage:
+                            yield sse.data_event(to_json(_object(self.meta, [], combined_usage(usages))))
+                        yield sse.DONE
+                elif isinstance(event, ev.Failure):
+                    yield sse.data_event(self.dialect.error_body(event.error))
                     yield sse.DONE
-                    return
-                error = unavailable("the model worker ended the request without a result", code="worker_restarting")
-            except ApiError as exc:
-                error = exc
-            await self.close()  # cancel the other choices before telling the client
-            yield sse.data_event(self.dialect.error_body(error))
-            yield sse.DONE
         finally:
             await self.close()

@@ -18,70 +18,7 @@ import attrs
 from musegl_core.chat.messages import ToolDef
 from musegl_core.constrain import grammar as g
 from musegl_core.constrain.enforceable import unenforceable
-from musegl_core.errors import ApiError, bad_request
-from musegl_core.http import schemas as s
-
-
-def unsupported(param: str, message: str) -> ApiError:
-    return bad_request(message, code="unsupported_parameter", param=param)
-
-
-def tool_choice_mode(choice: Any) -> tuple[str, str | None]:
-    """``("auto" | "none" | "required" | "named", function name or None)``."""
-    if choice is None or choice in ("auto", "none", "required"):
-        return choice or "auto", None
-    if isinstance(choice, dict):
-        function = choice.get("function")
-        name = function.get("name") if isinstance(function, dict) else None
-        if choice.get("type") != "function" or not isinstance(name, str) or not name:
-            raise bad_request("a named 'tool_choice' must be {\"type\": \"function\", \"function\": {\"name\": ...}}",
-                              param="tool_choice")
-        return "named", name
-    raise bad_request("'tool_choice' must be 'auto', 'none', 'required' or a named function", param="tool_choice")
-
-
-def answer_schema(request: s.ChatCompletionRequest) -> tuple[Any, str] | None:
-    """The JSON schema the final answer must satisfy (``True``: any JSON object)
-    and the parameter that asked for it; None for free text."""
-    found = None
-    fmt = request.response_format
-    if fmt is not None:
-        if fmt.schema is not None and fmt.type != "json_object":
-            raise bad_request("'response_format.schema' belongs to llama.cpp's json_object form; a json_schema "
-                              "format takes its schema in 'json_schema.schema'", param="response_format.schema")
-        if fmt.type == "json_object" and fmt.schema is not None:
-            found = (fmt.schema, "response_format.schema")  # llama.cpp's spelling: the schema is enforced
-        elif fmt.type == "json_object":
-            found = (True, "response_format")
-        elif fmt.type == "json_schema":
-            spec = fmt.json_schema
-            if not isinstance(spec, dict):
-                raise bad_request("response_format json_schema needs a 'json_schema' object",
-                                  param="response_format.json_schema")
-            unknown = set(spec) - {"name", "schema", "strict", "description"}
-            if unknown:
-                raise unsupported(f"response_format.json_schema.{sorted(unknown)[0]}",
-                                  f"unknown key {sorted(unknown)[0]!r} in response_format.json_schema")
-            if "name" in spec and not isinstance(spec["name"], str):
-                raise bad_request("'response_format.json_schema.name' must be a string",
-                                  param="response_format.json_schema.name")
-            if spec.get("strict") is not None and not isinstance(spec["strict"], bool):
-                raise bad_request("'response_format.json_schema.strict' must be a boolean",
-                                  param="response_format.json_schema.strict")
-            schema = spec.get("schema", True)  # OpenAI: a missing schema means any JSON
-            found = (schema, "response_format.json_schema.schema")
-        elif fmt.type != "text":
-            raise unsupported("response_format",
-                              f"response_format type {fmt.type!r} is not supported; use text, json_object or json_schema")
-    if request.json_schema is not None:
-        if found is not None:
-            raise bad_request("send either 'response_format' or 'json_schema', not both", param="json_schema")
-        found = (request.json_schema, "json_schema")
-    if found is not None and not isinstance(found[0], (dict, bool)):
-        raise bad_request(f"'{found[1]}' must be a JSON Schema (an object or a boolean)", param=found[1])
-    if found is not None and found[0] is False:
-        raise bad_request(f"'{found[1]}' is the schema false: no answer can satisfy it", param=found[1])
-    return found
+from musegl_core.errors import ApiError, bad_request, unsupported
 
 
 def preflight_schema(schema: Any, param: str, tool_parser: Any) -> None:

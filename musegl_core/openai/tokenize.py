@@ -25,9 +25,9 @@ from typing import Any
 
 from musegl_core.config import ServeConfig
 from musegl_core.errors import bad_request, unavailable
-from musegl_core.http import schemas as s
-from musegl_core.http.completions import plan_chat
-from musegl_core.http.text_completions import prompt_segment
+from musegl_core.openai import schemas as s
+from musegl_core.openai.chat import plan_chat
+from musegl_core.openai.completions import prompt_segment
 from musegl_core.tokenizer import TokenizationError
 
 

@@ -30,7 +30,6 @@ from typing import Any, AsyncIterator
 import attrs
 
 from musegl_core.errors import ApiError, unavailable
-from musegl_core.http import sse
 from musegl_core.worker import messages as m
 
 SEED_MODULUS = 2**64
@@ -174,31 +173,3 @@ class ChoiceGroup:
         task = asyncio.ensure_future(leave())
         with contextlib.suppress(BaseException):
             await asyncio.shield(task)
-
-
-class GroupStream:
-    """The lifecycle every streaming response over a :class:`ChoiceGroup` shares
-    (chat and text completions): :meth:`open` submits the choices and waits
-    until each has started, :meth:`events` wraps the subclass's ``_body()``
-    with the dialect's keepalives, :meth:`close` leaves the worker requests."""
-
-    def __init__(self, worker: Any, requests: list, dialect: Any, preflight_timeout: float | None):
-        self.dialect = dialect
-        self.preflight_timeout = preflight_timeout
-        self.group = ChoiceGroup(worker, requests)
-
-    async def open(self) -> None:
-        """Submit and wait until generation is ready; raises :class:`ApiError`."""
-        await self.group.open(self.preflight_timeout)
-
-    async def close(self) -> None:
-        """Leave the worker requests (cancelling those not done)."""
-        await self.group.close()
-
-    async def events(self) -> AsyncIterator[bytes]:
-        """The SSE body, keepalives included."""
-        async for item in sse.with_keepalive(self._body(), self.dialect.keepalive):
-            yield item
-
-    def _body(self) -> AsyncIterator[bytes]:
-        raise NotImplementedError

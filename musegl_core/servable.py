@@ -24,7 +24,7 @@ def check_servable(path: str | os.PathLike[str]) -> None:
     """Raise :class:`ConfigError` unless ``path`` opens as a Muse Glimmer checkpoint
     with a tokenizer."""
     from musegl_core.checkpoint.loader import load_checkpoint
-    from musegl_core.checkpoint.model_tokenizer import load_tokenizer
+    from musegl_core.model_tokenizer import load_tokenizer
 
     try:
         checkpoint = load_checkpoint(path)
