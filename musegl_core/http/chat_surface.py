@@ -20,7 +20,7 @@ from musegl_core.http import sse
 from musegl_core.http import text_completions as tc
 from musegl_core.http.completions import ChatStream, ResponseMeta, complete, plan_chat
 from musegl_core.http.surface import ApiSurface, unless_disconnected
-from musegl_core.service.sessions import header_keys, session_echo
+from musegl_core.service.sessions import explicit_header_session, header_keys, session_echo
 
 
 class ChatCompletionsSurface(ApiSurface):
@@ -52,7 +52,7 @@ class ChatCompletionsSurface(ApiSurface):
                 config=context.config,
                 template=service.template,
                 tool_parser=service.tool_parser,
-                header_session_id=request.headers.get("x-session-id"),
+                header_session_id=explicit_header_session(request.headers),
                 client_keys=header_keys(request.headers),
                 tokenizer=service.tokenizer,
             )

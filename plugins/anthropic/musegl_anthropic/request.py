@@ -52,7 +52,7 @@ from musegl_core.engine.executor import SamplingParams
 from musegl_core.errors import ApiError, bad_request
 from musegl_core.http.completions import session_id as checked_session_id
 from musegl_core.service.conversation import AnswerFormat, Conversation, ToolChoice
-from musegl_core.service.sessions import client_session
+from musegl_core.service.sessions import client_session, explicit_header_session
 from musegl_core.worker import messages as m
 from musegl_anthropic.schemas import MessagesRequest
 
@@ -492,10 +492,11 @@ def read_request(request: MessagesRequest, *, headers: Any, seal: Any, tokenizer
     tools, server = read_tools(request.tools)
     choice = read_tool_choice(request.tool_choice, tools, server)
     messages = read_messages(request.messages, request.system, _Reader(seal, tokenizer))
-    explicit = headers.get("x-session-id")
+    explicit = explicit_header_session(headers)
     if explicit is not None:
         explicit = checked_session_id(None, explicit)
-    session, soft = client_session(explicit, [("claude-code", headers.get(SESSION_HEADER))])
+    session, soft = client_session(explicit, [("claude-code", headers.get(SESSION_HEADER)),
+                                              ("opencode", headers.get("x-session-affinity"))])
     stream = bool(request.stream) and not counting
     settings = m.Generate(
         id="",
