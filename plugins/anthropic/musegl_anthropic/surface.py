@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import uuid
 from typing import Any, AsyncIterator
@@ -40,6 +41,8 @@ from musegl_anthropic import errors
 from musegl_anthropic import schemas as a
 from musegl_anthropic.blocks import BlockWriter
 from musegl_anthropic.request import MessagesCall, read_request
+
+log = logging.getLogger("musegl.anthropic")
 
 PING_INTERVAL = 10.0
 API_KEY_HEADER = Parameter(name="x-api-key", param_in="header", required=False,
@@ -130,7 +133,11 @@ class MessagesSurface(ApiSurface):
         generation = service.generation(plan, arrived=arrived)
         echo = session_echo(plan.generate.session_id, plan.generate.soft_session)
         writer = BlockWriter(message_id=rid, model=call.model, output=generation.outputs[0], seal=context.seal,
-                             tokenizer=service.tokenizer, omit_thinking_text=call.omit_thinking_text)
+                             tokenizer=service.tokenizer, omit_thinking_text=call.omit_thinking_text,
+                             safeguards=call.safeguards)
+        if call.safeguards:
+            log.info("request %s: safeguards %s not run on this server (answered unsupported: the client "
+                     "classifies its tool uses itself)", rid, ", ".join(call.safeguards))
         if not call.stream:
             message = await unless_disconnected(request, self._complete(generation, writer))
             return Response(s.to_json(message), media_type="application/json", headers=echo)
