@@ -83,6 +83,22 @@ class MessagesCall:
     omit_thinking_text: bool  # ... with empty text (display "omitted" or "updates"), signature kept
     #: the safeguards the request asked for, answered "unsupported" (no safety classifier runs here)
     safeguards: tuple[str, ...] = ()
+    image_at: str | None = None  # the first image block (``messages[2].content[0]``), if any
+
+
+def no_vision(param: str) -> ApiError:
+    """The 400 for an image sent to a model that reads none, in the shape Claude Code handles:
+    Anthropic's dotted block path (``messages.2.content.0.image``, or
+    ``messages.2.content.0.tool_result.content.1.image`` for an image in a tool result) and
+    "Could not process image". Claude Code then drops that image and resends the request
+    (docs/anthropic.md)."""
+    indices = re.findall(r"\[(\d+)\]", param)
+    path = f"messages.{indices[0]}.content.{indices[1]}"
+    if len(indices) > 2:
+        path += f".tool_result.content.{indices[2]}"
+    path += ".image"
+    return ApiError(400, f"{path}: Could not process image: this model reads no images (it was loaded without "
+                         "a vision projector); send text only", "invalid_request_error", "invalid_image", path)
 
 
 def _type(value: Any) -> str:
@@ -122,6 +138,7 @@ class _Reader:
         self.seal = seal
         self.tokenizer = tokenizer
         self.images = 0
+        self.image_at: str | None = None  # the first image block's param
 
     def text_blocks(self, raw: Any, param: str) -> str:
         """A string, or text blocks joined by a blank line (``system``)."""
@@ -160,6 +177,7 @@ class _Reader:
         if not decoded:
             raise bad_request("the image data is empty", code="invalid_image", param=f"{param}.source.data")
         self.images += 1
+        self.image_at = self.image_at or param
         if self.images > 1:
             raise bad_request("at most one image is supported across the whole conversation",
                               code="invalid_image", param=param)
@@ -537,7 +555,8 @@ def read_request(request: MessagesRequest, *, headers: Any, seal: Any, tokenizer
     effort, answer = read_output_config(request.output_config, request.output_format)
     tools, server = read_tools(request.tools)
     choice = read_tool_choice(request.tool_choice, tools, server)
-    messages, turn_effort = read_messages(request.messages, request.system, _Reader(seal, tokenizer))
+    reader = _Reader(seal, tokenizer)
+    messages, turn_effort = read_messages(request.messages, request.system, reader)
     safeguards = read_safeguards(request.safeguards)
     explicit = explicit_header_session(headers)
     if explicit is not None:
@@ -566,4 +585,4 @@ def read_request(request: MessagesRequest, *, headers: Any, seal: Any, tokenizer
         hide_reasoning=not show,
         tool_block_once=True,
     )
-    return MessagesCall(conversation, request.model, stream, show, omit, safeguards)
+    return MessagesCall(conversation, request.model, stream, show, omit, safeguards, reader.image_at)

@@ -40,7 +40,7 @@ from musegl_core.service.sessions import session_echo
 from musegl_anthropic import errors
 from musegl_anthropic import schemas as a
 from musegl_anthropic.blocks import BlockWriter
-from musegl_anthropic.request import MessagesCall, read_request
+from musegl_anthropic.request import MessagesCall, no_vision, read_request
 
 log = logging.getLogger("musegl.anthropic")
 
@@ -118,8 +118,11 @@ class MessagesSurface(ApiSurface):
     def _read(self, body: bytes, headers: Any, counting: bool) -> MessagesCall:
         payload = s.parse_body(body)
         request = s.structure_body(payload, a.MessagesRequest)
-        return read_request(request, headers=headers, seal=self.context.seal,
+        call = read_request(request, headers=headers, seal=self.context.seal,
                             tokenizer=self.context.service.tokenizer, counting=counting)
+        if call.image_at is not None and not self.context.served_model.vision:
+            raise no_vision(call.image_at)
+        return call
 
     async def create(self, request: Request) -> Response:
         arrived = time.monotonic()

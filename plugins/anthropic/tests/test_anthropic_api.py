@@ -442,3 +442,32 @@ def test_a_system_message_in_messages_does_not_repeat_the_tool_block(server):
     assert tool_block > 400
     # the inline system block costs its text, reasoning line and recipients line: far less than a tool block
     assert 0 < counted("system") - counted("user") < 60
+
+
+def test_an_image_for_a_text_only_model_is_refused_in_the_shape_claude_code_handles():
+    """Issue 49 item 7: Anthropic's dotted block path and "Could not process image", which Claude Code
+    recognises as an unprocessable image block (it drops the image and resends) instead of a failed turn."""
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.new("RGB", (16, 16), (0, 90, 200)).save(buffer, format="PNG")
+    image = {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                         "data": base64.b64encode(buffer.getvalue()).decode()}}
+    config = ServeConfig(model=str(default_model_path()), port=0, max_context=1024, max_sessions=2)
+    assert config.mmproj is None
+    with running_server(config) as text_only:
+        in_user = ask("Say hi")
+        in_user["messages"][0]["content"] = [{"type": "text", "text": "Look"}, image]
+        in_result = {"model": "m", "max_tokens": 8, "messages": [
+            {"role": "user", "content": "Read it"},
+            {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "Read", "input": {}}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1",
+                                          "content": [{"type": "text", "text": "a.png"}, image]}]}]}
+        for body, path in ((in_user, "messages.0.content.1.image"),
+                           (in_result, "messages.2.content.0.tool_result.content.1.image")):
+            for route in ("/v1/messages?beta=true", "/v1/messages/count_tokens?beta=true"):
+                response = post(text_only, {**body, "stream": True} if "count" not in route else body, path=route)
+                assert response.status_code == 400, response.text
+                error = response.json()["error"]
+                assert error["type"] == "invalid_request_error"
+                assert error["message"].startswith(f"{path}: Could not process image: "), error
