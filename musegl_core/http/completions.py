@@ -522,8 +522,10 @@ class ChatStream:
 
     async def _body(self) -> AsyncIterator[bytes]:
         try:
+            # with logprobs asked for, every chunk carries them, empty on the role chunk (as OpenAI's does)
+            opening = s.ChoiceLogprobs(content=[]) if self.plan.generate.logprobs >= 0 else None
             for index in range(self.plan.n):
-                yield self._chunk(s.ChunkChoice(delta=s.RoleDelta(), index=index))
+                yield self._chunk(s.ChunkChoice(delta=s.RoleDelta(), index=index, logprobs=opening))
             remaining = self.plan.n
             async for event in self.generation.events():
                 if isinstance(event, ev.ReasoningDelta):
