@@ -34,6 +34,7 @@ from musegl_core.engine.executor import SamplingParams
 from musegl_core.errors import ApiError, bad_request
 from musegl_core.http import constraints, stopping
 from musegl_core.http.logprobs import MAX_TOP_LOGPROBS
+from musegl_core.http.request_log import stream_failed
 from musegl_core.http import schemas as s
 from musegl_core.http import sse
 from musegl_core.http.dialect import Dialect
@@ -548,6 +549,7 @@ class ChatStream:
                     for item in self._finish(event, last=remaining == 0):
                         yield item
                 elif isinstance(event, ev.Failure):
+                    stream_failed(event.error)
                     for item in self.dialect.stream_error(event.error, self.meta.chunk([])):
                         yield item
         finally:

@@ -18,6 +18,13 @@ included), so that every response carries an ``X-Request-Id`` header:
   ``/metrics`` are polled by load balancers and scrapers: their lines are
   DEBUG; every other line is INFO.
 
+The line tells how the request ended, not only the status its headers
+carried: a response whose body the client did not wait for (a stream it
+closed mid-answer) is logged ``499``, and a stream that ended with an error
+event is logged with ``error=<code or type>`` after its status (the surfaces
+call :func:`stream_failed`). The completion count includes what was
+generated before either happened.
+
 When given a :class:`~musegl_core.http.memory.MemoryTrim`, it also counts
 the body bytes the application read and, once a request with a large body
 has ended, asks for the front's freed memory to be given back to the system.
@@ -59,6 +66,7 @@ class RequestRecord:
     completion_tokens: int = 0
     queue_seconds: float | None = None
     ttft: float | None = None
+    error: str | None = None  # a stream's error event: its code, else its type
 
     def started_generating(self, prompt_tokens: int, cached_tokens: int, queue_seconds: float) -> None:
         if self.prompt_tokens is None:  # the first choice's (all share the prompt)
@@ -73,6 +81,14 @@ class RequestRecord:
 
 
 CURRENT: contextvars.ContextVar[RequestRecord | None] = contextvars.ContextVar("musegl_request", default=None)
+
+
+def stream_failed(error: Any) -> None:
+    """A streamed response is ending with an error event (an :class:`~musegl_core.errors.ApiError`):
+    its summary line names it."""
+    record = CURRENT.get()
+    if record is not None and record.error is None:
+        record.error = getattr(error, "code", None) or getattr(error, "type", None) or "error"
 
 
 def request_id(headers: list[tuple[bytes, bytes]]) -> str:
@@ -94,6 +110,8 @@ def _printable(text: str, limit: int = 200) -> str:
 
 def summary(record: RequestRecord, method: str, route: str, status: int, now: float) -> str:
     parts = [f"request {record.id} {method} {_printable(route)} {status}"]
+    if record.error is not None:
+        parts.append(f"error={_printable(record.error, 64)}")
     if record.prompt_tokens is not None:
         parts.append(f"prompt={record.prompt_tokens} cached={record.cached_tokens} "
                      f"completion={record.completion_tokens} queue={record.queue_seconds:.3f}s")
@@ -117,13 +135,16 @@ class RequestLog:
         record = RequestRecord(request_id(scope.get("headers") or []), time.monotonic())
         scope.setdefault("state", {})["request_id"] = record.id
         status = 500  # nothing sent: the server's own failure
+        started = ended = False
 
         async def send_with_id(message: Any) -> None:
-            nonlocal status
+            nonlocal status, started, ended
             if message["type"] == "http.response.start":
-                status = message["status"]
+                status, started = message["status"], True
                 headers = [(k, v) for k, v in message.get("headers") or [] if k.lower() != HEADER]
                 message = {**message, "headers": [*headers, (HEADER, record.id.encode())]}
+            elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                ended = True
             await send(message)
 
         body_bytes = 0
@@ -136,9 +157,15 @@ class RequestLog:
             return message
 
         token = CURRENT.set(record)
+        crashed = False
         try:
             await self.app(scope, counting_receive if self.trim is not None else receive, send_with_id)
+        except Exception:
+            crashed = True
+            raise
         finally:
+            if started and not ended and not crashed:
+                status = 499  # the client went away before the body was complete
             CURRENT.reset(token)
             if self.trim is not None:
                 self.trim.after_request(body_bytes)

@@ -34,6 +34,7 @@ from musegl_core.errors import ApiError
 from musegl_core.http import openapi
 from musegl_core.http import schemas as s
 from musegl_core.http import sse
+from musegl_core.http.request_log import stream_failed
 from musegl_core.http.surface import ApiSurface, unless_disconnected
 from musegl_core.service import events as ev
 from musegl_core.service.sessions import session_echo
@@ -168,6 +169,7 @@ class MessagesSurface(ApiSurface):
             yield PING
             async for item in generation.events():
                 if isinstance(item, ev.Failure):
+                    stream_failed(item.error)
                     yield event(errors.envelope(item.error))
                     return
                 for out in writer.feed(item):
