@@ -40,6 +40,7 @@ from musegl_core.http.completions import (
     unsupported,
 )
 from musegl_core.http.dialect import Dialect
+from musegl_core.http.request_log import stream_failed
 from musegl_core.worker import messages as m
 
 
@@ -204,6 +205,7 @@ class TextStream(GroupStream):
             except ApiError as exc:
                 error = exc
             await self.close()  # cancel the other choices before telling the client
+            stream_failed(error)
             yield sse.data_event(self.dialect.error_body(error))
             yield sse.DONE
         finally:
