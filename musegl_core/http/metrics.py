@@ -28,6 +28,7 @@ from typing import Any, AsyncIterator, Iterable, Mapping
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from musegl_core.engine.prefix_miss import CAUSES as PREFIX_MISS_CAUSES
 from musegl_core.http.request_log import CURRENT
 from musegl_core.worker import messages as m
 
@@ -181,6 +182,11 @@ class FrontMetrics:
         self.prompt_tokens = Counter("musegl_prompt_tokens", "prompt tokens of finished requests", registry=r)
         self.cached_tokens = Counter("musegl_cached_prompt_tokens",
                                      "prompt tokens reused from a session or prefix cache", registry=r)
+        self.prefix_misses = Counter("musegl_prefix_cache_miss",
+                                     "requests that reused fewer prompt positions than the server held, by cause "
+                                     "(docs/sessions.md)", ("cause",), registry=r)
+        for cause in PREFIX_MISS_CAUSES:
+            self.prefix_misses.labels(cause)
         self.generated_tokens = Counter("musegl_generated_tokens",
                                         "tokens generated (by finished, cancelled and failed requests)",
                                         registry=r)
@@ -244,6 +250,10 @@ class _Observed:
         event = await self._events.__anext__()
         now, metrics = time.monotonic(), self._metrics
         vllm, model = metrics.vllm, metrics.model_name
+        if isinstance(event, m.Admitted) and event.prefix_miss is not None:
+            metrics.prefix_misses.labels(event.prefix_miss.cause).inc()
+            if self._record is not None:
+                self._record.prefix_miss = event.prefix_miss
         if isinstance(event, m.Started):
             prefill = max(0.0, now - self._submitted - event.queue_seconds)
             metrics.queue.observe(event.queue_seconds)

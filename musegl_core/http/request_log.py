@@ -37,6 +37,7 @@ observer (:mod:`musegl_core.http.metrics`) fills in.
 from __future__ import annotations
 
 import contextvars
+import json
 import logging
 import re
 import time
@@ -67,6 +68,7 @@ class RequestRecord:
     queue_seconds: float | None = None
     ttft: float | None = None
     error: str | None = None  # a stream's error event: its code, else its type
+    prefix_miss: Any = None  # why the prompt reused less than the server held (engine/prefix_miss.py)
 
     def started_generating(self, prompt_tokens: int, cached_tokens: int, queue_seconds: float) -> None:
         if self.prompt_tokens is None:  # the first choice's (all share the prompt)
@@ -81,6 +83,15 @@ class RequestRecord:
 
 
 CURRENT: contextvars.ContextVar[RequestRecord | None] = contextvars.ContextVar("musegl_request", default=None)
+
+
+#: the response header that explains a prefix miss (docs/sessions.md, "Why a prefix missed")
+MISS_HEADER = b"x-prefix-cache-miss"
+
+
+def miss_header(miss: Any) -> bytes:
+    """The header's value: the miss as one line of ASCII JSON (the text on each side escaped)."""
+    return json.dumps(attrs.asdict(miss), ensure_ascii=True, separators=(",", ":")).encode("ascii")
 
 
 def stream_failed(error: Any) -> None:
@@ -117,6 +128,8 @@ def summary(record: RequestRecord, method: str, route: str, status: int, now: fl
                      f"completion={record.completion_tokens} queue={record.queue_seconds:.3f}s")
         if record.ttft is not None:
             parts.append(f"ttft={record.ttft:.3f}s")
+    if record.prefix_miss is not None:
+        parts.append(f"prefix_miss={record.prefix_miss.cause}@{record.prefix_miss.position}")
     parts.append(f"total={now - record.started:.3f}s")
     return " ".join(parts)
 
@@ -142,7 +155,10 @@ class RequestLog:
             if message["type"] == "http.response.start":
                 status, started = message["status"], True
                 headers = [(k, v) for k, v in message.get("headers") or [] if k.lower() != HEADER]
-                message = {**message, "headers": [*headers, (HEADER, record.id.encode())]}
+                headers.append((HEADER, record.id.encode()))
+                if record.prefix_miss is not None:
+                    headers.append((MISS_HEADER, miss_header(record.prefix_miss)))
+                message = {**message, "headers": headers}
             elif message["type"] == "http.response.body" and not message.get("more_body", False):
                 ended = True
             await send(message)
