@@ -38,6 +38,7 @@ from typing import Any, Sequence
 
 import attrs
 
+
 CAUSES = ("history_edited", "reasoning", "nonce", "salt", "evicted", "expired", "template")
 #: characters of text shown on each side of the divergence
 CONTEXT_CHARS = 48
@@ -66,24 +67,38 @@ class PrefixMiss:
     prompt_text: str = ""
 
 
+
+
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading ids ``a`` and ``b`` share: slices of doubling length are compared (C loops),
+    so an early difference costs microseconds and a long shared prefix a few slice compares."""
     n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
+    lo, step = 0, 64
+    while lo < n:
+        hi = min(n, lo + step)
+        if a[lo:hi] != b[lo:hi]:
+            while a[lo] == b[lo]:
+                lo += 1
+            return lo
+        lo, step = hi, step * 2
+    return n
+
+
+def _rejoin_at(held: Sequence[int], prompt: Sequence[int], at: int, run: int) -> tuple[int, int] | None:
+    """Where the two sequences agree again on ``run`` tokens within REJOIN_WINDOW after ``at``:
+    ``(index in held, index in prompt)``, or None."""
+    grams: dict[tuple, int] = {}
+    for j in range(at + 1, min(len(prompt) - run + 1, at + REJOIN_WINDOW)):
+        grams.setdefault(tuple(prompt[j:j + run]), j)
+    for i in range(at + 1, min(len(held) - run + 1, at + REJOIN_WINDOW)):
+        j = grams.get(tuple(held[i:i + run]))
+        if j is not None:
+            return i, j
+    return None
 
 
 def _rejoins(held: Sequence[int], prompt: Sequence[int], at: int) -> bool:
-    """The two sequences agree again on REJOIN_RUN tokens within REJOIN_WINDOW after ``at``."""
-    for i in range(at + 1, min(len(held), at + REJOIN_WINDOW)):
-        run = tuple(held[i:i + REJOIN_RUN])
-        if len(run) < REJOIN_RUN:
-            return False
-        for j in range(at + 1, min(len(prompt) - REJOIN_RUN + 1, at + REJOIN_WINDOW)):
-            if tuple(prompt[j:j + REJOIN_RUN]) == run:
-                return True
-    return False
+    return _rejoin_at(held, prompt, at, REJOIN_RUN) is not None
 
 
 class PrefixHistory:
@@ -108,13 +123,18 @@ class PrefixHistory:
             self.dropped.popitem(last=False)
 
     def ran(self, prompt: Sequence[int], salt: str | None) -> None:
-        self.recent.append((tuple(prompt), salt))
+        """A prompt ran (its blocks went to the prefix cache). The same prompt again replaces its entry."""
+        prompt = tuple(prompt)
+        if self.recent and self.recent[-1][0] == prompt and self.recent[-1][1] == salt:
+            return
+        self.recent.append((prompt, salt))
 
     # -- the diagnosis ---------------------------------------------------------------------
     def diagnose(self, *, name: str | None, new: bool, held: Sequence[int], salt: str | None,
                  prompt: Sequence[int], reused: int, block_size: int) -> PrefixMiss | None:
         """The miss of a request on session ``name`` (None: anonymous; ``new``: opened for
         this request) whose session held ``held`` before it, that reused ``reused``."""
+        prompt, held = tuple(prompt), tuple(held)  # compared many times: tuples are not copied again
         limit = len(prompt) - 1  # the last prompt position always runs
         if not new and held:
             return self._diverged(held, prompt, reused, limit)
@@ -151,7 +171,7 @@ class PrefixHistory:
         extend its history); ``rejoin``: only when the two join again shortly after (for
         other requests' prompts: a local difference, not another conversation)."""
         at = common_prefix(held, prompt)
-        if at >= len(held) or at >= limit:
+        if at >= len(held) or at >= limit or reused > at:  # extends it, or reused more from elsewhere
             return None
         if rejoin and not _rejoins(held, prompt, at):
             return None
@@ -162,7 +182,7 @@ class PrefixHistory:
         specials = self._special_ids()
         if held[at] in specials or (at < len(prompt) and prompt[at] in specials):
             return "template"
-        window = text(held[max(0, at - 4096):at])
+        window = text(held[max(0, at - 1024):at])
         line = window.rsplit("\n", 1)[-1]
         if any(marker in line for marker in _TEMPLATE_LINES):
             return "template"
@@ -177,14 +197,11 @@ class PrefixHistory:
 
     def _differing(self, held: Sequence[int], prompt: Sequence[int], at: int) -> tuple[str, str]:
         """The text that differs on each side, up to where the two join again (empty: no join)."""
-        for i in range(at + 1, min(len(held), at + REJOIN_WINDOW)):
-            run = tuple(held[i:i + 4])
-            if len(run) < 4:
-                break
-            for j in range(at + 1, min(len(prompt) - 3, at + REJOIN_WINDOW)):
-                if tuple(prompt[j:j + 4]) == run:
-                    return self._text(held[at:i]), self._text(prompt[at:j])
-        return "", ""
+        found = _rejoin_at(held, prompt, at, 4)
+        if found is None:
+            return "", ""
+        i, j = found
+        return self._text(held[at:i]), self._text(prompt[at:j])
 
     def _miss(self, cause: str, position: int, held: int, reused: int, held_tokens: Sequence[int],
               prompt: Sequence[int]) -> PrefixMiss:
