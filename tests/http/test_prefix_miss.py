@@ -57,6 +57,16 @@ def test_a_client_nonce_in_the_system_prompt(server):
     assert "Request id:" in found["before"] and "3f9a0c1d"[-4:] in found["held_text"]
     assert "b71e22aa"[-4:] in found["prompt_text"] and found["held"] > found["reused"]
     assert counter(server, "nonce") == before + 1
+    # a stream carries it too: its headers go out once the worker admitted the request
+    body = {"model": "m", "max_tokens": 8, "stream": True, "messages": [
+        {"role": "system", "content": SYSTEM + "Request id: 55aa01ee. " + SYSTEM}, {"role": "user", "content": "Hello"}]}
+    for path, extra in (("/v1/chat/completions", {}), ("/v1/messages", {})):
+        with httpx.stream("POST", f"{server.url}{path}", json={**body, **extra}, timeout=60) as response:
+            assert response.status_code == 200
+            found = miss(response)
+            response.read()
+        assert found is not None and found["cause"] == "nonce", (path, found)
+        body["messages"][0]["content"] = SYSTEM + "Request id: 77bb02ff. " + SYSTEM
 
 
 def test_a_session_whose_history_was_edited_or_whose_reasoning_was_dropped(server):
