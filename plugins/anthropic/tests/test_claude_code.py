@@ -217,3 +217,39 @@ def test_claude_code_interactive_with_compact_no_4xx(claude, plain_server, tmp_p
     assert all("safeguards" in json.loads(e.body) for e in proxy.exchanges)
     assert "Compacted" in screen.replace(" ", ""), screen[-3000:]
     assert all(" 200 " in line for line in generations(caplog))
+
+
+def test_claude_code_drops_an_image_a_text_only_model_refuses_and_goes_on(claude, tmp_path, monkeypatch):
+    """Issue 49 item 7: its Read tool returns a PNG; the text-only model's 400 names the image block as
+    Anthropic does, and Claude Code resends the turn without the image, once, and finishes."""
+    from PIL import Image
+
+    from musegl_core.testing.capture import capturing_proxy
+
+    monkeypatch.setenv("MUSEGL_SCRIPT_VISION", "0")  # the scripted worker reads no images
+    work = tmp_path / "work"
+    work.mkdir()
+    Image.new("RGB", (64, 64), (200, 30, 30)).save(work / "pic.png")
+    script = [
+        {"when": "</tool_output>", "reply": " to=user<|message|>It is a picture.<|eot|>"},
+        {"when": "describe pic.png",
+         "reply": " to=Read.Read<|message|>" + atem("Read.Read", [("file_path", str(work / "pic.png"))]) + "<|eot|>"},
+        {"when": "", "reply": " to=user<|message|>ok<|eot|>"},
+    ]
+    (tmp_path / "plugin").mkdir()
+    with scripted_plugin_env(tmp_path / "plugin", script):
+        config = ServeConfig(model=str(default_model_path()), port=0, executor="scripted", tool_parser="atem",
+                             max_context=131072)
+        with running_server(config) as server, capturing_proxy(server.url) as proxy:
+            run = subprocess.run([str(claude), "-p", "describe pic.png", "--output-format", "stream-json",
+                                  "--verbose", "--permission-mode", "acceptEdits"],
+                                 cwd=work, env=claude_env(proxy.url, work), capture_output=True, text=True,
+                                 timeout=300)
+    assert run.returncode == 0, (run.stdout[-2000:], run.stderr[-2000:])
+    statuses = [e.status for e in proxy.exchanges]
+    assert statuses == [200, 400, 200], statuses  # one round trip for the image, not a dozen
+
+    def images(body: bytes) -> int:
+        return json.dumps(json.loads(body)).count('"type": "image"')
+
+    assert images(proxy.exchanges[1].body) == 1 and images(proxy.exchanges[2].body) == 0
