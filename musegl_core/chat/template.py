@@ -298,6 +298,7 @@ class MuseTemplate:
         *,
         tools_active: bool = True,
         variables: TemplateVariables | None = None,
+        tool_block_once: bool = False,
     ) -> RenderedPrompt:
         """Render a conversation, ending with the generation prompt.
 
@@ -308,6 +309,13 @@ class MuseTemplate:
 
         ``tools_active=False`` is ``tool_choice: "none"``: no tool
         block, no aliasing, recipients ``"self", "user"`` only.
+
+        ``tool_block_once=True`` (musegl's rule for the Anthropic surface,
+        docs/anthropic.md): a system block after the first one is rendered
+        without the tool block, which the first block already shows for the
+        same tools; its text, reasoning line and recipients line are as the
+        official template writes them. The default is the official template's
+        rendering, the tool block in every system block.
 
         :raises ApiError: 400 for an empty conversation, tool-name collisions
             (``invalid_tool_schema``) or content the template cannot render.
@@ -329,10 +337,12 @@ class MuseTemplate:
         out.special(BOS)
         if not any(message.role in ("system", "developer") for message in messages):
             self._default_system(out, toolset, variables)
+        systems = 0
         for index, message in enumerate(messages):
             param = f"messages[{index}]"
             if message.role in ("system", "developer"):
-                self._system(out, message, toolset, variables, param)
+                self._system(out, message, toolset, variables, param, tool_block=not (tool_block_once and systems))
+                systems += 1
             elif message.role == "user":
                 out.special(f"{START}user{MESSAGE}")
                 self._content(out, message.content, param)
@@ -359,7 +369,8 @@ class MuseTemplate:
         self._system_tail(out, toolset, variables)
 
     def _system(
-        self, out: _PromptWriter, message: Message, toolset: _ToolSet, variables: TemplateVariables, param: str
+        self, out: _PromptWriter, message: Message, toolset: _ToolSet, variables: TemplateVariables, param: str,
+        *, tool_block: bool = True,
     ) -> None:
         out.special(f"{START}system{MESSAGE}")
         normalised = _normalise_effort(message.content)
@@ -367,7 +378,7 @@ class MuseTemplate:
         if "reasoning strength" not in text.lower():
             out.special("\n\n")
             self._reasoning_line(out, variables)
-        self._system_tail(out, toolset, variables)
+        self._system_tail(out, toolset, variables, tool_block=tool_block)
 
     @staticmethod
     def _reasoning_line(out: _PromptWriter, variables: TemplateVariables) -> None:
@@ -375,8 +386,9 @@ class MuseTemplate:
         out.special(f"Reasoning strength: {strength}.")
 
     @staticmethod
-    def _system_tail(out: _PromptWriter, toolset: _ToolSet, variables: TemplateVariables) -> None:
-        if toolset.aliases:
+    def _system_tail(out: _PromptWriter, toolset: _ToolSet, variables: TemplateVariables,
+                     *, tool_block: bool = True) -> None:
+        if toolset.aliases and tool_block:
             out.special("\n\n" + _TOOL_BLOCK_HEAD)
             descriptions = variables.tool_namespace_descriptions
             for namespace in toolset.namespaces:

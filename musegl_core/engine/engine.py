@@ -50,6 +50,7 @@ from musegl_core.engine.request import Phase, PreparedRequest, SequenceState
 from musegl_core.engine.output import push_token
 from musegl_core.engine.scheduler import Scheduler, SchedulerLimits
 from musegl_core.engine.errors import EngineError, NoSession, SessionActive, constraint_failure
+from musegl_core.engine.prefix_miss import PrefixHistory
 from musegl_core.engine.sessions import Session, SessionBusy, SessionTable
 from musegl_core.engine.speculator import NoSpeculator, Speculator
 from musegl_core.engine.step_book import StepBook
@@ -170,6 +171,8 @@ class Engine:
             idle_timeout=config.session_idle_timeout,
             soft_idle_timeout=config.soft_session_idle_timeout,
         )
+        self.prefix_history = PrefixHistory(tokenizer)  # why a prefix missed (engine/prefix_miss.py)
+        self.sessions.history = self.prefix_history
         limits = executor.limits
         drafts = config.max_decode_sequences * self.speculator.max_draft
         chunk = prefill_chunk(config.max_prefill_chunk, limits)
@@ -382,7 +385,11 @@ class Engine:
         prompt, images = split_keys(keys, request)
         if images != request.images:
             request = attrs.evolve(request, images=images)
+        held = list(session.tokens) if session.clean else []  # what the session held before this prompt
         reused = self.sessions.attach(session, keys)  # a dirty session reuses nothing
+        miss = self.prefix_history.diagnose(name=session.name, new=not held, held=held, salt=session.salt,
+                                            prompt=keys, reused=reused, block_size=self.sessions.pool.block_size)
+        self.prefix_history.ran(keys, session.salt)
         session.clean = True  # its cache now holds exactly ``keys[:reused]``
         max_new = min(request.max_tokens or self.config.max_context, self.config.max_context - len(prompt))
         seq = SequenceState(
@@ -402,7 +409,11 @@ class Engine:
         self.scheduler.add(seq)
         if self.trace is not None:
             self.trace.request("admitted", seq.id, prompt=seq.prompt_len, cached=seq.cached, waited=round(waited, 6))
-        self.emit(ev.Admitted(seq.id, seq.prompt_len, seq.cached))
+        if miss is not None:
+            log.info("request %s: prefix miss (%s) at position %d: reused %d of %d held; before %r, held %r, "
+                     "prompt %r", seq.id, miss.cause, miss.position, miss.reused, miss.held, miss.before,
+                     miss.held_text, miss.prompt_text)
+        self.emit(ev.Admitted(seq.id, seq.prompt_len, seq.cached, miss))
 
     def _cancel(self, request_id: str) -> None:
         seq = self.scheduler.by_id.get(request_id)

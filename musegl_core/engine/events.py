@@ -10,6 +10,7 @@ import attrs
 
 from musegl_core.engine.errors import EngineError
 from musegl_core.engine.executor import TokenLogprobs
+from musegl_core.engine.prefix_miss import PrefixMiss
 
 
 @attrs.frozen
@@ -21,6 +22,8 @@ class Admitted:
     id: str
     prompt_tokens: int
     cached_tokens: int = 0
+    #: why fewer positions were reused than the server held for this prompt (engine/prefix_miss.py)
+    prefix_miss: PrefixMiss | None = None
 
 
 @attrs.frozen

@@ -221,14 +221,14 @@ class SessionTable:
             return
         soft = self._idle_soft()  # soft sessions give way first, with or without --evict-idle-sessions
         if soft:
-            self.drop(min(soft, key=lambda s: s.last_used))
+            self.drop(self._lost(min(soft, key=lambda s: s.last_used), "evicted"))
             self.evictions += 1
             return
         if self.evict_idle:
             idle = [s for s in self.named.values() if s.idle]
             if idle:
                 victim = min(idle, key=lambda s: s.last_used)
-                self.drop(victim)
+                self.drop(self._lost(victim, "evicted"))
                 self.evictions += 1
                 return
         raise CapacityError(
@@ -252,6 +252,14 @@ class SessionTable:
         else:
             self.named[name] = session
         return session, True
+
+    def _lost(self, session: Session, reason: str) -> Session:
+        """Tell the engine's :class:`~musegl_core.engine.prefix_miss.PrefixHistory` (``history``,
+        when set) what an evicted or expired session held, to explain its next request's miss."""
+        history = getattr(self, "history", None)
+        if history is not None and session.clean:
+            history.lost(session.name, reason, session.tokens, session.salt)
+        return session
 
     def drop(self, session: Session) -> None:
         session.slot.close()
@@ -297,7 +305,7 @@ class SessionTable:
         stale = [s for s in self.named.values()
                  if s.idle and timeout(s) is not None and now - s.last_used > timeout(s)]
         for session in stale:
-            self.drop(session)
+            self.drop(self._lost(session, "expired"))
         self.expired += len(stale)
         return len(stale)
 

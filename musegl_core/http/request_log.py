@@ -18,6 +18,13 @@ included), so that every response carries an ``X-Request-Id`` header:
   ``/metrics`` are polled by load balancers and scrapers: their lines are
   DEBUG; every other line is INFO.
 
+The line tells how the request ended, not only the status its headers
+carried: a response whose body the client did not wait for (a stream it
+closed mid-answer) is logged ``499``, and a stream that ended with an error
+event is logged with ``error=<code or type>`` after its status (the surfaces
+call :func:`stream_failed`). The completion count includes what was
+generated before either happened.
+
 When given a :class:`~musegl_core.http.memory.MemoryTrim`, it also counts
 the body bytes the application read and, once a request with a large body
 has ended, asks for the front's freed memory to be given back to the system.
@@ -30,6 +37,7 @@ observer (:mod:`musegl_core.http.metrics`) fills in.
 from __future__ import annotations
 
 import contextvars
+import json
 import logging
 import re
 import time
@@ -59,6 +67,8 @@ class RequestRecord:
     completion_tokens: int = 0
     queue_seconds: float | None = None
     ttft: float | None = None
+    error: str | None = None  # a stream's error event: its code, else its type
+    prefix_miss: Any = None  # why the prompt reused less than the server held (engine/prefix_miss.py)
 
     def started_generating(self, prompt_tokens: int, cached_tokens: int, queue_seconds: float) -> None:
         if self.prompt_tokens is None:  # the first choice's (all share the prompt)
@@ -73,6 +83,23 @@ class RequestRecord:
 
 
 CURRENT: contextvars.ContextVar[RequestRecord | None] = contextvars.ContextVar("musegl_request", default=None)
+
+
+#: the response header that explains a prefix miss (docs/sessions.md, "Why a prefix missed")
+MISS_HEADER = b"x-prefix-cache-miss"
+
+
+def miss_header(miss: Any) -> bytes:
+    """The header's value: the miss as one line of ASCII JSON (the text on each side escaped)."""
+    return json.dumps(attrs.asdict(miss), ensure_ascii=True, separators=(",", ":")).encode("ascii")
+
+
+def stream_failed(error: Any) -> None:
+    """A streamed response is ending with an error event (an :class:`~musegl_core.errors.ApiError`):
+    its summary line names it."""
+    record = CURRENT.get()
+    if record is not None and record.error is None:
+        record.error = getattr(error, "code", None) or getattr(error, "type", None) or "error"
 
 
 def request_id(headers: list[tuple[bytes, bytes]]) -> str:
@@ -94,11 +121,15 @@ def _printable(text: str, limit: int = 200) -> str:
 
 def summary(record: RequestRecord, method: str, route: str, status: int, now: float) -> str:
     parts = [f"request {record.id} {method} {_printable(route)} {status}"]
+    if record.error is not None:
+        parts.append(f"error={_printable(record.error, 64)}")
     if record.prompt_tokens is not None:
         parts.append(f"prompt={record.prompt_tokens} cached={record.cached_tokens} "
                      f"completion={record.completion_tokens} queue={record.queue_seconds:.3f}s")
         if record.ttft is not None:
             parts.append(f"ttft={record.ttft:.3f}s")
+    if record.prefix_miss is not None:
+        parts.append(f"prefix_miss={record.prefix_miss.cause}@{record.prefix_miss.position}")
     parts.append(f"total={now - record.started:.3f}s")
     return " ".join(parts)
 
@@ -117,13 +148,19 @@ class RequestLog:
         record = RequestRecord(request_id(scope.get("headers") or []), time.monotonic())
         scope.setdefault("state", {})["request_id"] = record.id
         status = 500  # nothing sent: the server's own failure
+        started = ended = False
 
         async def send_with_id(message: Any) -> None:
-            nonlocal status
+            nonlocal status, started, ended
             if message["type"] == "http.response.start":
-                status = message["status"]
+                status, started = message["status"], True
                 headers = [(k, v) for k, v in message.get("headers") or [] if k.lower() != HEADER]
-                message = {**message, "headers": [*headers, (HEADER, record.id.encode())]}
+                headers.append((HEADER, record.id.encode()))
+                if record.prefix_miss is not None:
+                    headers.append((MISS_HEADER, miss_header(record.prefix_miss)))
+                message = {**message, "headers": headers}
+            elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                ended = True
             await send(message)
 
         body_bytes = 0
@@ -136,9 +173,15 @@ class RequestLog:
             return message
 
         token = CURRENT.set(record)
+        crashed = False
         try:
             await self.app(scope, counting_receive if self.trim is not None else receive, send_with_id)
+        except Exception:
+            crashed = True
+            raise
         finally:
+            if started and not ended and not crashed:
+                status = 499  # the client went away before the body was complete
             CURRENT.reset(token)
             if self.trim is not None:
                 self.trim.after_request(body_bytes)

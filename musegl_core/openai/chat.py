@@ -35,6 +35,7 @@ from musegl_core.service import stopping
 from musegl_core.service.logprobs import MAX_TOP_LOGPROBS
 from musegl_core.http.schemas import to_json
 from musegl_core.openai import schemas as s
+from musegl_core.http.request_log import stream_failed
 from musegl_core.http import sse
 from musegl_core.http.dialect import Dialect
 from musegl_core.service import events as ev
@@ -431,8 +432,10 @@ class ChatStream:
 
     async def _body(self) -> AsyncIterator[bytes]:
         try:
+            # with logprobs asked for, every chunk carries them, empty on the role chunk (as OpenAI's does)
+            opening = s.ChoiceLogprobs(content=[]) if self.plan.generate.logprobs >= 0 else None
             for index in range(self.plan.n):
-                yield self._chunk(s.ChunkChoice(delta=s.RoleDelta(), index=index))
+                yield self._chunk(s.ChunkChoice(delta=s.RoleDelta(), index=index, logprobs=opening))
             remaining = self.plan.n
             async for event in self.generation.events():
                 if isinstance(event, ev.ReasoningDelta):
@@ -455,6 +458,7 @@ class ChatStream:
                     for item in self._finish(event, last=remaining == 0):
                         yield item
                 elif isinstance(event, ev.Failure):
+                    stream_failed(event.error)
                     for item in self.dialect.stream_error(event.error, self.meta.chunk([])):
                         yield item
         finally:

@@ -28,6 +28,7 @@ from musegl_core.config import ServeConfig
 from musegl_core.errors import bad_request, unsupported
 from musegl_core.http import sse
 from musegl_core.http.dialect import Dialect
+from musegl_core.http.request_log import stream_failed
 from musegl_core.http.schemas import to_json
 from musegl_core.openai import schemas as s
 from musegl_core.openai.chat import ResponseMeta, combined_usage, wire_usage
@@ -177,6 +178,7 @@ class TextStream:
                             yield sse.data_event(to_json(_object(self.meta, [], combined_usage(usages))))
                         yield sse.DONE
                 elif isinstance(event, ev.Failure):
+                    stream_failed(event.error)
                     yield sse.data_event(self.dialect.error_body(event.error))
                     yield sse.DONE
         finally:

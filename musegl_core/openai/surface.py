@@ -25,7 +25,7 @@ from musegl_core.openai import completions as tc
 from musegl_core.openai import schemas as s
 from musegl_core.openai.chat import ChatStream, ResponseMeta, complete, read_chat
 from musegl_core.openai.tokenize import detokenize, tokenize
-from musegl_core.service.sessions import header_keys, session_echo
+from musegl_core.service.sessions import explicit_header_session, header_keys, session_echo
 
 
 class ChatCompletionsSurface(ApiSurface):
@@ -50,7 +50,7 @@ class ChatCompletionsSurface(ApiSurface):
             payload = context.dialect.adapt_request(parse_body(await request.body()))
             chat = s.structure_request(payload)
             conversation, tools = read_chat(chat, config=context.config, tool_parser=service.tool_parser,
-                                            header_session_id=request.headers.get("x-session-id"),
+                                            header_session_id=explicit_header_session(request.headers),
                                             client_keys=header_keys(request.headers))
             served = context.served_model
             meta = ResponseMeta.new(served.name, served.backend or "unknown")

@@ -109,4 +109,5 @@ class Conversation:
     answer: AnswerFormat | None = None
     hide_reasoning: bool = False
     include_usage: bool = False  # the surface reports usage in its stream (Chat Completions' stream_options)
+    tool_block_once: bool = False  # the template shows the tool block in the first system block only
     n: int = 1

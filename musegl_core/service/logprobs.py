@@ -17,6 +17,12 @@ the output). The text an id released is usually its own text; where the
 parser held back an ambiguous prefix (``<|``, a possible header or ATEM
 opener), the held text goes with the id that resolved it, and the ``"\\n\\n"``
 between two visible messages with the first id of the second.
+
+An answer cut by ``max_tokens`` inside a multi-byte character ends with
+U+FFFD in ``content`` (the decoding of the generated ids, as every decoder
+of them gives it), and its last ``content`` entry's ``token`` is that U+FFFD
+too, with the logprob of the id that cut the character: the entries still
+concatenate to ``content``, streamed or not (docs/serving.md, "Logprobs").
 """
 
 from __future__ import annotations
@@ -76,11 +82,18 @@ class LogprobTracker:
     def feed(self, ids: Sequence[int], logprobs: Sequence[Any], text: str, ignore_eos: bool = False) -> tuple[int, int]:
         """One ``Tokens`` event; returns how many content / reasoning entries it added."""
         before = len(self.content), len(self.reasoning)
+        last = None
         for token, lp in zip(ids, logprobs):
             if token in self.end_ids and not ignore_eos:
                 continue
             self.pending.append((self.detokenizer.push(token), lp))
+            last = lp
         self.seen += len(text)
+        if self.seen > self.fed + sum(len(piece) for piece, _ in self.pending) and self.detokenizer.pending_bytes:
+            # The worker released the bytes of a character its output was cut inside (max_tokens) as
+            # U+FFFD with this text: so does this tracker, with the logprob of the id that cut it, so
+            # that the entry travels with the content it explains (streamed and not).
+            self.pending.append((self.detokenizer.flush(), last))
         self._drain()
         return len(self.content) - before[0], len(self.reasoning) - before[1]
 

@@ -122,7 +122,8 @@ def prepare(
         tool_setup = setup_tools(conversation.tools, choice, tool_parser)
     tools = list(tool_setup.tools)
     active, prepared_tools = tool_setup.active, tool_setup.prepared
-    rendered = template.render(conversation.messages, tools, tools_active=active, variables=conversation.variables)
+    rendered = template.render(conversation.messages, tools, tools_active=active, variables=conversation.variables,
+                               **({"tool_block_once": True} if conversation.tool_block_once else {}))
     if settings.logprobs >= 0 and tokenizer is None:
         raise unavailable("logprobs need the served tokenizer, which the front could not load", code="model_loading")
     aliases = dict(rendered.tool_aliases)

@@ -27,8 +27,14 @@ from typing import Iterable
 SOFT_NAME = re.compile(r"[A-Za-z0-9._:-]{1,100}")
 
 #: The agent clients' conversation headers, ``(source, header)`` in order of preference:
-#: Claude Code's, then Codex's (``session-id`` and ``thread-id`` carry the same value).
-CLIENT_KEY_HEADERS = (("claude-code", "x-claude-code-session-id"), ("codex", "session-id"), ("codex", "thread-id"))
+#: Claude Code's, then Codex's (``session-id`` and ``thread-id`` carry the same value), then
+#: opencode's ``x-session-affinity`` (see :func:`explicit_header_session`).
+CLIENT_KEY_HEADERS = (("claude-code", "x-claude-code-session-id"), ("codex", "session-id"), ("codex", "thread-id"),
+                      ("opencode", "x-session-affinity"))
+#: The header a client sends beside ``X-Session-Id`` (with the same value) when that id is its own
+#: conversation key rather than a session it asks the server to keep: opencode sends both on every
+#: request of a conversation.
+AFFINITY_HEADER = "x-session-affinity"
 #: The source of a body's ``prompt_cache_key`` (the Responses surface names it the same way).
 PROMPT_CACHE_KEY_SOURCE = "codex"
 MAX_CLIENT_KEY = 1024
@@ -37,6 +43,20 @@ MAX_CLIENT_KEY = 1024
 def header_keys(headers) -> list[tuple[str, str | None]]:
     """The :data:`CLIENT_KEY_HEADERS` a request carries (a mapping with ``get``)."""
     return [(source, headers.get(name)) for source, name in CLIENT_KEY_HEADERS]
+
+
+def explicit_header_session(headers) -> str | None:
+    """The session an ``X-Session-Id`` header names on purpose (a mapping with ``get``), or None.
+
+    A request whose ``x-session-affinity`` header carries the same value sends
+    its client's own conversation key (opencode does, on every request of a
+    conversation, its title request included): that key names a soft session
+    (``opencode:<key>``, through :data:`CLIENT_KEY_HEADERS`), which a client's
+    ordinary use cannot pile up into a locked server (docs/sessions.md)."""
+    value = headers.get("x-session-id")
+    if value is not None and headers.get(AFFINITY_HEADER) == value:
+        return None
+    return value
 
 
 def soft_session_name(source: str, key: str) -> str:

@@ -53,7 +53,8 @@ class ScriptedExecutor:
             self.script = json.load(f)
         self.info = ModelInfo(
             name="scripted", vocab_size=self.tokenizer.vocab_size, hidden_size=8, num_layers=1,
-            native_context=1 << 20, dtype="none", backend="scripted", vision=True,
+            native_context=1 << 20, dtype="none", backend="scripted",
+            vision=os.environ.get("MUSEGL_SCRIPT_VISION", "1") != "0",  # "0": a text-only model
         )
         # The "KV cache": the token id written at each cache slot (block * block_size + offset),
         # so prompts whose prefix was reused from a session or snapshot read back whole.

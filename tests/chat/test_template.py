@@ -142,6 +142,19 @@ def test_4_tool_block_once_per_system_block():
     assert out.count('# Valid recipients: "self", "x.*", "user".') == 2
 
 
+def test_tool_block_once_leaves_later_system_blocks_without_it():
+    """musegl's rule for the Anthropic surface (issue 49 item 3): one tool block, in the first system block;
+    each later block keeps its text, reasoning line and recipients line."""
+    from musegl_core.chat.template import MuseTemplate
+
+    messages = [Message("system", "A"), user(), Message("system", "B")]
+    out = MuseTemplate(today=lambda: datetime.date(2026, 1, 1)).render(messages, [tool("x.y")],
+                                                                       tool_block_once=True).text
+    assert out.count("In this environment") == 1 and out.index("In this environment") < out.index("B")
+    assert out.count('# Valid recipients: "self", "x.*", "user".') == 2
+    assert '<|start|>system<|message|>B\n\nReasoning strength: high.\n\n# Valid recipients: "self", "x.*", "user".<|eot|>' in out
+
+
 def test_4_namespaces_first_appearance_and_deduplicated():
     """Namespace order = first appearance; duplicates collapse."""
     out = text_of([user()], [tool("b.one"), tool("a.two"), tool("b.three")])

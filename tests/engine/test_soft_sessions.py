@@ -127,3 +127,14 @@ def test_soft_sessions_idle_out(tokenizer):
     session = engine.sessions.named["claude-code:abc"]
     assert engine.sessions.expire_idle(now=session.last_used + 31) == 1
     assert set(engine.sessions.named) == {"resident"}  # named sessions persist (no --session-idle-timeout)
+
+
+def test_an_x_session_id_that_its_affinity_header_repeats_is_a_client_key_not_a_named_session():
+    from musegl_core.service.sessions import explicit_header_session, header_keys
+
+    opencode = {"x-session-id": "ses_abc", "x-session-affinity": "ses_abc"}
+    assert explicit_header_session(opencode) is None
+    assert client_session(explicit_header_session(opencode), header_keys(opencode)) == ("opencode:ses_abc", True)
+    assert explicit_header_session({"x-session-id": "mine"}) == "mine"
+    # an affinity header with another value leaves the named session as it is
+    assert explicit_header_session({"x-session-id": "mine", "x-session-affinity": "other"}) == "mine"

@@ -66,13 +66,15 @@ class BlockWriter:
     """
 
     def __init__(self, *, message_id: str, model: str, output: Any, seal: Any, tokenizer: Any,
-                 omit_thinking_text: bool = False):
+                 omit_thinking_text: bool = False, safeguards: tuple[str, ...] = ()):
         self.message_id = message_id
         self.model = model
         self.output = output
         self.seal = seal
         self.tokenizer = tokenizer
         self.omit_thinking_text = omit_thinking_text
+        # no safety classifier runs here: each safeguard asked for is answered "unsupported"
+        self.safeguard_results = [{"type": kind, "status": {"type": "unsupported"}} for kind in safeguards] or None
         self.blocks: list[Any] = []
         self._open: str | None = None  # kind of the open block
         self._text: list[str] = []  # text of the open text or thinking block
@@ -124,7 +126,8 @@ class BlockWriter:
             out = self._close()
             self.stop = stop_reason(event)
             reason, sequence = self.stop
-            return out + [a.MessageDelta(a.StopDelta(reason, sequence), usage_of(self.usage, self.prompt)),
+            return out + [a.MessageDelta(a.StopDelta(reason, sequence, self.safeguard_results),
+                                         usage_of(self.usage, self.prompt)),
                           a.MessageStop()]
         return []
 
@@ -132,7 +135,7 @@ class BlockWriter:
         """The whole message (non-streaming), once :class:`Finish` was fed."""
         reason, sequence = self.stop or (None, None)
         return a.Message(self.message_id, self.model, list(self.blocks), reason, sequence,
-                         usage_of(self.usage, self.prompt))
+                         usage_of(self.usage, self.prompt), safeguard_results=self.safeguard_results)
 
     # -- blocks -------------------------------------------------------------------------
     @property

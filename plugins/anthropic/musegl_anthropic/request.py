@@ -49,10 +49,10 @@ from musegl_core.chat.channels import parse_output
 from musegl_core.chat.messages import FunctionCall, ImagePart, Message, TextPart, ToolCall, ToolDef
 from musegl_core.chat.template import TemplateVariables
 from musegl_core.engine.executor import SamplingParams
-from musegl_core.errors import bad_request, unsupported
+from musegl_core.errors import ApiError, bad_request, unsupported
 from musegl_core.service.rules import session_id as checked_session_id
 from musegl_core.service.conversation import AnswerFormat, Conversation, Settings, ToolChoice
-from musegl_core.service.sessions import client_session
+from musegl_core.service.sessions import client_session, explicit_header_session
 from musegl_anthropic.schemas import MessagesRequest
 
 IMAGE_TYPES = ("image/png", "image/jpeg")
@@ -60,6 +60,8 @@ MAX_STOPS = 64
 SESSION_HEADER = "x-claude-code-session-id"
 BILLING_PREFIX = "x-anthropic-billing-header:"
 _NONCE = re.compile(r"\bcch=[^;\s]*")
+#: ``cc_version=2.1.328.a1f``: the 3-hex suffix is a fingerprint of the conversation's first user message
+_FINGERPRINT = re.compile(r"\b(cc_version=\d+\.\d+\.\d+)\.[0-9A-Fa-f]{3}(?=[;\s]|$)")
 #: ``output_config.effort`` → the template's reasoning strength
 EFFORTS = {"low": "low", "medium": "medium", "high": "high", "xhigh": "high", "max": "high"}
 SERVER_TOOL = re.compile(r"^[a-z_]+_\d{8}$")  # web_search_20250305, bash_20250124, ...
@@ -73,7 +75,25 @@ class MessagesCall:
     model: str
     stream: bool
     show_thinking: bool  # thinking blocks are returned
-    omit_thinking_text: bool  # ... with empty text (display "omitted"), signature kept
+    omit_thinking_text: bool  # ... with empty text (display "omitted" or "updates"), signature kept
+    #: the safeguards the request asked for, answered "unsupported" (no safety classifier runs here)
+    safeguards: tuple[str, ...] = ()
+    image_at: str | None = None  # the first image block (``messages[2].content[0]``), if any
+
+
+def no_vision(param: str) -> ApiError:
+    """The 400 for an image sent to a model that reads none, in the shape Claude Code handles:
+    Anthropic's dotted block path (``messages.2.content.0.image``, or
+    ``messages.2.content.0.tool_result.content.1.image`` for an image in a tool result) and
+    "Could not process image". Claude Code then drops that image and resends the request
+    (docs/anthropic.md)."""
+    indices = re.findall(r"\[(\d+)\]", param)
+    path = f"messages.{indices[0]}.content.{indices[1]}"
+    if len(indices) > 2:
+        path += f".tool_result.content.{indices[2]}"
+    path += ".image"
+    return ApiError(400, f"{path}: Could not process image: this model reads no images (it was loaded without "
+                         "a vision projector); send text only", "invalid_request_error", "invalid_image", path)
 
 
 def _type(value: Any) -> str:
@@ -96,9 +116,12 @@ def _keys(block: dict, allowed: set[str], param: str) -> None:
 
 
 def normalise_billing(text: str) -> str:
-    """Claude Code's billing block with its per-request ``cch`` nonce made constant."""
+    """Claude Code's billing block with its client nonces made constant: the per-request
+    ``cch`` value becomes ``cch=0``, and the per-conversation fingerprint suffix of
+    ``cc_version`` is dropped (``cc_version=2.1.328.a1f`` -> ``cc_version=2.1.328``), so
+    that every conversation of one client version shares the prompt prefix."""
     if text.startswith(BILLING_PREFIX):
-        return _NONCE.sub("cch=0", text)
+        return _FINGERPRINT.sub(r"\1", _NONCE.sub("cch=0", text))
     return text
 
 
@@ -110,6 +133,7 @@ class _Reader:
         self.seal = seal
         self.tokenizer = tokenizer
         self.images = 0
+        self.image_at: str | None = None  # the first image block's param
 
     def text_blocks(self, raw: Any, param: str) -> str:
         """A string, or text blocks joined by a blank line (``system``)."""
@@ -148,6 +172,7 @@ class _Reader:
         if not decoded:
             raise bad_request("the image data is empty", code="invalid_image", param=f"{param}.source.data")
         self.images += 1
+        self.image_at = self.image_at or param
         if self.images > 1:
             raise bad_request("at most one image is supported across the whole conversation",
                               code="invalid_image", param=param)
@@ -279,10 +304,13 @@ class _Reader:
         return parse_output(self.tokenizer.decode(list(sealed.ids)), tools_active=False).reasoning
 
 
-def read_messages(raw: Any, system: Any, reader: _Reader) -> list[Message]:
+def read_messages(raw: Any, system: Any, reader: _Reader) -> tuple[list[Message], str | None]:
+    """The conversation, and the reasoning strength of the last system message in ``messages``
+    that sets ``output_config.effort`` (Claude Code's per-turn effort), or None."""
     if not isinstance(raw, list) or not raw:
         raise bad_request("'messages' must be a non-empty array", param="messages")
     out: list[Message] = []
+    turn_effort = None
     if system is not None:
         text = reader.text_blocks(system, "system")
         if text:
@@ -290,8 +318,8 @@ def read_messages(raw: Any, system: Any, reader: _Reader) -> list[Message]:
     for index, message in enumerate(raw):
         param = f"messages[{index}]"
         _expect(message, (dict,), "an object", param)
-        _keys(message, {"role", "content"}, param)
         role = message.get("role")
+        _keys(message, {"role", "content", "output_config"} if role == "system" else {"role", "content"}, param)
         if "content" not in message:
             raise bad_request(f"'{param}.content' is required", param=f"{param}.content")
         content = message.get("content")
@@ -301,13 +329,47 @@ def read_messages(raw: Any, system: Any, reader: _Reader) -> list[Message]:
             out += reader.assistant(content, f"{param}.content")
         elif role == "system":
             out.append(Message(role="system", content=reader.text_blocks(content, f"{param}.content")))
+            turn_effort = read_turn_effort(message.get("output_config"), f"{param}.output_config") or turn_effort
         else:
             raise bad_request(f"'{param}.role' must be user, assistant or system; got {role!r}", param=f"{param}.role")
     if out[-1].role == "assistant":
         raise unsupported(f"messages[{len(raw) - 1}]",
                           "a final assistant message (prefill: continuing it in place) is not supported; "
                           "end the conversation with a user message")
-    return out
+    return out, turn_effort
+
+
+def read_turn_effort(raw: Any, param: str) -> str | None:
+    """A system message's ``output_config`` (beta per-turn-control): ``effort`` only."""
+    if raw is None:
+        return None
+    _expect(raw, (dict,), "an object", param)
+    _keys(raw, {"effort"}, param)
+    value = raw.get("effort")
+    if value is not None and value not in EFFORTS:
+        raise bad_request(f"'{param}.effort' must be low, medium, high, xhigh or max", param=f"{param}.effort")
+    return None if value is None else EFFORTS[value]
+
+
+#: The safeguards Claude Code may ask for (auto permission mode): a server-side classifier of its tool uses.
+SAFEGUARD_TYPES = ("dangerous_tool_use",)
+
+
+def read_safeguards(raw: Any) -> tuple[str, ...]:
+    """The ``safeguards`` array's types. No classifier runs here: each is answered
+    ``unsupported`` in ``safeguard_results``, and the client classifies locally."""
+    if raw is None:
+        return ()
+    _expect(raw, (list,), "an array", "safeguards")
+    kinds = []
+    for index, item in enumerate(raw):
+        where = f"safeguards[{index}]"
+        _expect(item, (dict,), "an object", where)
+        kind = item.get("type")
+        if kind not in SAFEGUARD_TYPES:
+            raise unsupported(f"{where}.type", f"safeguard type {kind!r} is not supported (dangerous_tool_use)")
+        kinds.append(kind)
+    return tuple(dict.fromkeys(kinds))
 
 
 # -- tools ---------------------------------------------------------------------------------
@@ -389,8 +451,8 @@ def read_thinking(raw: Any, max_tokens: int | None) -> tuple[str | None, bool, b
         raise unsupported("thinking.type", f"thinking type {kind!r} is not supported (enabled, adaptive, disabled)")
     _keys(raw, {"type", "budget_tokens", "display"}, "thinking")
     display = raw.get("display")
-    if display not in (None, "summarized", "omitted"):
-        raise bad_request("'thinking.display' must be summarized or omitted", param="thinking.display")
+    if display not in (None, "summarized", "omitted", "updates"):
+        raise bad_request("'thinking.display' must be summarized, omitted or updates", param="thinking.display")
     strength = None
     if kind == "enabled":
         budget = _expect(raw.get("budget_tokens"), (int,), "an integer", "thinking.budget_tokens")
@@ -402,7 +464,9 @@ def read_thinking(raw: Any, max_tokens: int | None) -> tuple[str | None, bool, b
         strength = "low" if budget <= 2048 else "medium" if budget <= 8192 else "high"
     elif "budget_tokens" in raw:
         raise bad_request("'thinking.budget_tokens' goes with type 'enabled'", param="thinking.budget_tokens")
-    return strength, True, display == "omitted"
+    # "updates" asks for progress updates in place of the reasoning text, which this model does not
+    # write: the blocks come as for "omitted" (empty text, the signature that restores the reasoning)
+    return strength, True, display in ("omitted", "updates")
 
 
 def read_output_config(raw: Any, legacy: Any) -> tuple[str | None, AnswerFormat | None]:
@@ -486,11 +550,14 @@ def read_request(request: MessagesRequest, *, headers: Any, seal: Any, tokenizer
     effort, answer = read_output_config(request.output_config, request.output_format)
     tools, server = read_tools(request.tools)
     choice = read_tool_choice(request.tool_choice, tools, server)
-    messages = read_messages(request.messages, request.system, _Reader(seal, tokenizer))
-    explicit = headers.get("x-session-id")
+    reader = _Reader(seal, tokenizer)
+    messages, turn_effort = read_messages(request.messages, request.system, reader)
+    safeguards = read_safeguards(request.safeguards)
+    explicit = explicit_header_session(headers)
     if explicit is not None:
         explicit = checked_session_id(None, explicit)
-    session, soft = client_session(explicit, [("claude-code", headers.get(SESSION_HEADER))])
+    session, soft = client_session(explicit, [("claude-code", headers.get(SESSION_HEADER)),
+                                              ("opencode", headers.get("x-session-affinity"))])
     stream = bool(request.stream) and not counting
     settings = Settings(
         max_tokens=max_tokens,
@@ -506,8 +573,9 @@ def read_request(request: MessagesRequest, *, headers: Any, seal: Any, tokenizer
         settings=settings,
         tools=tools,
         tool_choice=choice,
-        variables=TemplateVariables(reasoning_strength=effort or budget_strength),
+        variables=TemplateVariables(reasoning_strength=turn_effort or effort or budget_strength),
         answer=answer,
         hide_reasoning=not show,
+        tool_block_once=True,
     )
-    return MessagesCall(conversation, request.model, stream, show, omit)
+    return MessagesCall(conversation, request.model, stream, show, omit, safeguards, reader.image_at)

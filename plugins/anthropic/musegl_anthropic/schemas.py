@@ -21,7 +21,7 @@ from typing import Any, ClassVar
 
 import attrs
 
-from musegl_core.http.schemas import JSON_SCHEMA, closed
+from musegl_core.http.schemas import JSON_SCHEMA, closed, omittable
 
 _BLOCK = {"type": "object", "properties": {"type": {"type": "string"}}, "required": ["type"]}
 MESSAGES_SCHEMA = {
@@ -70,6 +70,8 @@ class MessagesRequest:
     service_tier: str | None = None
     speed: str | None = None
     inference_geo: str | None = None
+    # Claude Code's server-side classifier of tool uses: answered "unsupported" (request.py)
+    safeguards: Any = raw({"type": "array"})
     # Refused when set: musegl cannot honour them (checked in request.py).
     container: Any = raw()
     mcp_servers: Any = raw()
@@ -133,6 +135,8 @@ class Message(Typed, type="message"):
     stop_sequence: str | None
     usage: Usage
     role: str = "assistant"
+    #: the answer to the request's ``safeguards``: ``unsupported`` for each (left out when none was asked)
+    safeguard_results: list[Any] | None = omittable()
 
 
 @attrs.frozen
@@ -197,6 +201,7 @@ class InputJsonDelta(Typed, type="input_json_delta"):
 class StopDelta:
     stop_reason: str | None
     stop_sequence: str | None
+    safeguard_results: list[Any] | None = omittable()
 
 
 @attrs.frozen

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import uuid
 from typing import Any, AsyncIterator
@@ -33,13 +34,16 @@ from musegl_core.errors import ApiError
 from musegl_core.http import openapi
 from musegl_core.http import schemas as s
 from musegl_core.http import sse
+from musegl_core.http.request_log import stream_failed
 from musegl_core.http.surface import ApiSurface, unless_disconnected
 from musegl_core.service import events as ev
 from musegl_core.service.sessions import session_echo
 from musegl_anthropic import errors
 from musegl_anthropic import schemas as a
 from musegl_anthropic.blocks import BlockWriter
-from musegl_anthropic.request import MessagesCall, read_request
+from musegl_anthropic.request import MessagesCall, no_vision, read_request
+
+log = logging.getLogger("musegl.anthropic")
 
 PING_INTERVAL = 10.0
 API_KEY_HEADER = Parameter(name="x-api-key", param_in="header", required=False,
@@ -115,8 +119,11 @@ class MessagesSurface(ApiSurface):
     def _read(self, body: bytes, headers: Any, counting: bool) -> MessagesCall:
         payload = s.parse_body(body)
         request = s.structure_body(payload, a.MessagesRequest)
-        return read_request(request, headers=headers, seal=self.context.seal,
+        call = read_request(request, headers=headers, seal=self.context.seal,
                             tokenizer=self.context.service.tokenizer, counting=counting)
+        if call.image_at is not None and not self.context.served_model.vision:
+            raise no_vision(call.image_at)
+        return call
 
     async def create(self, request: Request) -> Response:
         arrived = time.monotonic()
@@ -130,7 +137,11 @@ class MessagesSurface(ApiSurface):
         generation = service.generation(plan, arrived=arrived)
         echo = session_echo(plan.generate.session_id, plan.generate.soft_session)
         writer = BlockWriter(message_id=rid, model=call.model, output=generation.outputs[0], seal=context.seal,
-                             tokenizer=service.tokenizer, omit_thinking_text=call.omit_thinking_text)
+                             tokenizer=service.tokenizer, omit_thinking_text=call.omit_thinking_text,
+                             safeguards=call.safeguards)
+        if call.safeguards:
+            log.info("request %s: safeguards %s not run on this server (answered unsupported: the client "
+                     "classifies its tool uses itself)", rid, ", ".join(call.safeguards))
         if not call.stream:
             message = await unless_disconnected(request, self._complete(generation, writer))
             return Response(s.to_json(message), media_type="application/json", headers=echo)
@@ -158,6 +169,7 @@ class MessagesSurface(ApiSurface):
             yield PING
             async for item in generation.events():
                 if isinstance(item, ev.Failure):
+                    stream_failed(item.error)
                     yield event(errors.envelope(item.error))
                     return
                 for out in writer.feed(item):

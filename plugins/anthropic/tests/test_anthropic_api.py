@@ -123,6 +123,20 @@ def test_system_blocks_inline_system_roles_and_the_billing_nonce(server):
     assert prompt("a1b2c") == prompt("zz9") > 0  # the nonce does not reach the prompt
 
 
+def test_the_billing_blocks_conversation_fingerprint_is_normalised():
+    from musegl_anthropic.request import normalise_billing
+
+    def line(fingerprint: str, cch: str = "") -> str:
+        return f"x-anthropic-billing-header: cc_version=2.1.328.{fingerprint}; cc_entrypoint=sdk-cli;{cch}"
+
+    assert normalise_billing(line("a1f")) == normalise_billing(line("07c")) == (
+        "x-anthropic-billing-header: cc_version=2.1.328; cc_entrypoint=sdk-cli;")
+    assert normalise_billing(line("a1f", " cch=5e3d1;")) == normalise_billing(line("b22", " cch=00aa9;"))
+    assert normalise_billing("cc_version=2.1.328.a1f;") == "cc_version=2.1.328.a1f;"  # only the billing block
+    assert normalise_billing("x-anthropic-billing-header: cc_version=2.1.328;") == (
+        "x-anthropic-billing-header: cc_version=2.1.328;")  # a version without a fingerprint stays whole
+
+
 def test_count_tokens_matches_the_prompt_of_a_generation(client):
     body = ask("Say hi", tools=[WRITE])
     counted = client.messages.count_tokens(model=body["model"], messages=body["messages"], tools=body["tools"])
@@ -366,3 +380,94 @@ def test_tool_results_with_an_error_flag_and_an_image(client):
     reply = client.messages.create(model="m", max_tokens=64, tools=[WRITE], messages=messages)
     assert reply.content[-1].text == "Done." and reply.stop_reason == "end_turn"
     assert reply.usage.input_tokens + reply.usage.cache_read_input_tokens == counted.input_tokens
+
+
+def test_claude_codes_request_shapes_are_served(server):
+    """Shapes Claude Code 2.1.328 sends (issue 49 item 4): each was a 400 it retried without."""
+    # thinking display "updates": thinking blocks come as for "omitted" (empty text, a signature)
+    events = stream_events(server, ask("Say hi", thinking={"type": "adaptive", "display": "updates"}))
+    message = check_stream(events)
+    starts = [data["content_block"] for name, data in events if name == "content_block_start"]
+    assert starts[0]["type"] == "thinking"
+    assert not [data for name, data in events if name == "content_block_delta"
+                and data["delta"]["type"] == "thinking_delta"], "updates returns no reasoning text"
+    assert message is not None
+    # a system message in messages with output_config.effort (per-turn control) sets the reasoning strength
+    from musegl_core.http.schemas import structure_body
+    from musegl_anthropic.request import read_request
+    from musegl_anthropic.schemas import MessagesRequest
+
+    def strength(effort: str | None) -> str:
+        system = {"role": "system", "content": [{"type": "text", "text": "Env."}]}
+        if effort is not None:
+            system["output_config"] = {"effort": effort}
+        body = ask("Say hi", output_config={"effort": "medium"})
+        body["messages"] += [system, {"role": "user", "content": "Go on"}]
+        call = read_request(structure_body(body, MessagesRequest), headers={}, seal=None, tokenizer=None)
+        return call.conversation.variables.reasoning_strength
+
+    assert [strength(e) for e in (None, "low", "high", "max")] == ["medium", "low", "high", "high"]
+    bad = ask("Say hi")
+    bad["messages"].append({"role": "system", "content": "x", "output_config": {"effort": "huge"}})
+    response = post(server, bad)
+    assert response.status_code == 400 and response.json()["error"]["message"].startswith(
+        "'messages[1].output_config.effort'")
+    # safeguards: no classifier runs here; the answer says so, streamed and not
+    guarded = ask("Say hi", safeguards=[{"type": "dangerous_tool_use", "classifier_context": {"allow": []}}])
+    unsupported = [{"type": "dangerous_tool_use", "status": {"type": "unsupported"}}]
+    response = post(server, guarded)
+    assert response.status_code == 200, response.text
+    assert response.json()["safeguard_results"] == unsupported
+    (delta,) = [data for name, data in stream_events(server, guarded) if name == "message_delta"]
+    assert delta["delta"]["safeguard_results"] == unsupported
+    assert "safeguard_results" not in post(server, ask("Say hi")).json()
+    response = post(server, ask("Say hi", safeguards=[{"type": "bio"}]))
+    assert response.status_code == 400 and "safeguards[0].type" in response.json()["error"]["message"]
+
+
+def test_a_system_message_in_messages_does_not_repeat_the_tool_block(server):
+    def counted(inline_role: str) -> int:
+        body = ask("Say hi", tools=[WRITE], system="You are terse.")
+        body["messages"].insert(1, {"role": "assistant", "content": "ok"})
+        body["messages"].insert(2, {"role": inline_role, "content": "Environment: linux."})
+        response = post(server, body, path="/v1/messages/count_tokens")
+        assert response.status_code == 200, response.text
+        return response.json()["input_tokens"]
+
+    no_tools = ask("Say hi", system="You are terse.")
+    no_tools["messages"] += [{"role": "assistant", "content": "ok"}, {"role": "system", "content": "Environment: linux."}]
+    with_block = post(server, {**no_tools, "tools": [WRITE]}, path="/v1/messages/count_tokens").json()["input_tokens"]
+    without = post(server, no_tools, path="/v1/messages/count_tokens").json()["input_tokens"]
+    tool_block = with_block - without  # the tool block, shown once, plus the recipients line's namespace
+    assert tool_block > 400
+    # the inline system block costs its text, reasoning line and recipients line: far less than a tool block
+    assert 0 < counted("system") - counted("user") < 60
+
+
+def test_an_image_for_a_text_only_model_is_refused_in_the_shape_claude_code_handles():
+    """Issue 49 item 7: Anthropic's dotted block path and "Could not process image", which Claude Code
+    recognises as an unprocessable image block (it drops the image and resends) instead of a failed turn."""
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.new("RGB", (16, 16), (0, 90, 200)).save(buffer, format="PNG")
+    image = {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                         "data": base64.b64encode(buffer.getvalue()).decode()}}
+    config = ServeConfig(model=str(default_model_path()), port=0, max_context=1024, max_sessions=2)
+    assert config.mmproj is None
+    with running_server(config) as text_only:
+        in_user = ask("Say hi")
+        in_user["messages"][0]["content"] = [{"type": "text", "text": "Look"}, image]
+        in_result = {"model": "m", "max_tokens": 8, "messages": [
+            {"role": "user", "content": "Read it"},
+            {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "Read", "input": {}}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1",
+                                          "content": [{"type": "text", "text": "a.png"}, image]}]}]}
+        for body, path in ((in_user, "messages.0.content.1.image"),
+                           (in_result, "messages.2.content.0.tool_result.content.1.image")):
+            for route in ("/v1/messages?beta=true", "/v1/messages/count_tokens?beta=true"):
+                response = post(text_only, {**body, "stream": True} if "count" not in route else body, path=route)
+                assert response.status_code == 400, response.text
+                error = response.json()["error"]
+                assert error["type"] == "invalid_request_error"
+                assert error["message"].startswith(f"{path}: Could not process image: "), error

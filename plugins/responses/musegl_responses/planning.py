@@ -21,7 +21,7 @@ from musegl_core.errors import ApiError, bad_request, unsupported
 from musegl_core.service.rules import sampling_params, session_id as explicit_session
 from musegl_core.service.logprobs import MAX_TOP_LOGPROBS
 from musegl_core.service.conversation import AnswerFormat, Conversation, Settings
-from musegl_core.service.sessions import client_session, soft_session_name
+from musegl_core.service.sessions import client_session, explicit_header_session, soft_session_name
 
 from musegl_responses.items import Reader
 from musegl_responses.schemas import ResponseRequest
@@ -209,7 +209,7 @@ def plan_response(
         raise bad_request("the conversation has no input", param="input")
     response_id = new_id("resp")
     keep = request.store is not False and store.enabled
-    explicit = explicit_session(None, headers.get("x-session-id"))
+    explicit = explicit_session(None, explicit_header_session(headers))
     if explicit is None and prior is not None and prior.session is not None:
         session, soft = prior.session, prior.soft  # the session that produced the previous response
     else:
@@ -217,6 +217,7 @@ def plan_response(
             (KEY_SOURCE, request.prompt_cache_key),
             (KEY_SOURCE, headers.get("session-id")),
             (KEY_SOURCE, headers.get("thread-id")),
+            ("opencode", headers.get("x-session-affinity")),
         ])
     if session is None and keep and max_sessions > 0:
         session, soft = soft_session_name(CHAIN_SOURCE, response_id), True  # a chain's first stored turn

@@ -33,6 +33,7 @@ from musegl_core.errors import ApiError, bad_request
 from musegl_core.http import openapi
 from musegl_core.http import schemas as s
 from musegl_core.http import sse
+from musegl_core.http.request_log import stream_failed
 from musegl_core.http.surface import ApiSurface, unless_disconnected
 from musegl_core.service import events as ev
 from musegl_core.service.sessions import session_echo
@@ -144,6 +145,8 @@ class ResponsesSurface(ApiSurface):
                     return
                 if isinstance(event, ev.Started):
                     builder.started = True
+                elif isinstance(event, ev.Failure):
+                    stream_failed(event.error)
                 for item in builder.feed(event):
                     yield item
                 if isinstance(event, (ev.Finish, ev.Failure)):

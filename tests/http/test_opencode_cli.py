@@ -1,0 +1,94 @@
+"""opencode 1.18.33, installed from npm, against a server with no session flags (issue 49 item 1).
+
+opencode sends ``X-Session-Id: ses_…`` with ``x-session-affinity`` of the same
+value on every request of a conversation, its title request included. That is
+its conversation key, not a session it asks the server to keep: it names a
+soft session (docs/sessions.md), so six conversations in a row on the default
+four slots all succeed, and an anonymous request afterwards is served.
+
+Marked slow: it installs opencode from the npm registry (cached under
+``~/.cache/musegl-tests``) and skips when npm is not there. The scripted
+executor answers every prompt with a short text, so what is checked is the
+server's side: the status of every request, and the sessions it holds.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import pathlib
+import re
+import shutil
+import subprocess
+
+import httpx
+import pytest
+
+from musegl_core.config import ServeConfig
+from musegl_core.tiny import default_model_path
+from musegl_core.testing.server import running_server, scripted_plugin_env
+
+VERSION = "1.18.33"
+CACHE = pathlib.Path(os.environ.get("XDG_CACHE_HOME", pathlib.Path.home() / ".cache")) / "musegl-tests" / "opencode"
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def opencode() -> pathlib.Path:
+    binary = CACHE / VERSION / "node_modules" / ".bin" / "opencode"
+    if not binary.exists():
+        if shutil.which("npm") is None:
+            pytest.skip("npm is not installed")
+        (CACHE / VERSION).mkdir(parents=True, exist_ok=True)
+        install = subprocess.run(["npm", "install", "--no-audit", "--no-fund", f"opencode-ai@{VERSION}"],
+                                 cwd=CACHE / VERSION, capture_output=True, text=True, timeout=600)
+        if install.returncode != 0:
+            pytest.skip(f"npm could not install opencode: {install.stderr[-500:]}")
+    version = subprocess.run([str(binary), "--version"], capture_output=True, text=True, timeout=60)
+    assert VERSION in version.stdout, version.stdout + version.stderr
+    return binary
+
+
+def run_opencode(opencode: pathlib.Path, url: str, root: pathlib.Path, prompt: str) -> subprocess.CompletedProcess:
+    work, home = root / "work", root / "home"
+    work.mkdir(parents=True)
+    home.mkdir()
+    (work / "opencode.json").write_text(json.dumps({
+        "$schema": "https://opencode.ai/config.json",
+        "provider": {"musegl": {"npm": "@ai-sdk/openai-compatible", "name": "musegl",
+                                "options": {"baseURL": f"{url}/v1", "apiKey": "local"},
+                                "models": {"muse": {"name": "Muse", "limit": {"context": 131072, "output": 4096}}}}},
+        "model": "musegl/muse", "small_model": "musegl/muse", "autoupdate": False, "share": "disabled",
+    }))
+    # opencode takes its project directory from $PWD, not from the working directory
+    env = {**os.environ, "HOME": str(home), "PWD": str(work), "OPENCODE_DISABLE_AUTOUPDATE": "1"}
+    return subprocess.run([str(opencode), "run", "-m", "musegl/muse", prompt], cwd=work, env=env,
+                          capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
+
+
+def test_six_opencode_conversations_on_a_default_server_then_an_anonymous_request(opencode, tmp_path, caplog):
+    script = [{"when": "", "reply": " to=user<|message|>ok<|eot|>"}]
+    (tmp_path / "plugin").mkdir()
+    caplog.set_level(logging.INFO, logger="musegl.http")
+    with scripted_plugin_env(tmp_path / "plugin", script):
+        # no session flags: 4 slots, named sessions persist, no eviction of named sessions
+        config = ServeConfig(model=str(default_model_path()), port=0, executor="scripted", tool_parser="atem",
+                             max_context=131072)
+        assert config.max_sessions == 4 and not config.evict_idle_sessions and config.session_idle_timeout is None
+        with running_server(config) as server:
+            for i in range(6):
+                done = run_opencode(opencode, server.url, tmp_path / f"c{i}", f"say hello number {i}")
+                assert done.returncode == 0, (i, done.stdout[-2000:], done.stderr[-2000:])
+            sessions = httpx.get(f"{server.url}/v1/sessions").json()["data"]
+            anonymous = httpx.post(f"{server.url}/v1/chat/completions", timeout=60, json={
+                "model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]})
+    assert anonymous.status_code == 200, anonymous.text
+    # opencode's conversations ran in soft sessions; none of them holds a slot for good
+    assert sessions and all(re.fullmatch(r"opencode:ses_\w+", s["id"]) for s in sessions), sessions
+    assert len(sessions) <= 4
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("request ")]
+    chat = [line for line in lines if " POST /v1/chat/completions " in line]
+    assert len(chat) >= 13, lines  # each conversation's answer and its title request, then the anonymous one
+    assert all(" 200 " in line for line in chat), [line for line in chat if " 200 " not in line]
