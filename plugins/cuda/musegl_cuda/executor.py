@@ -51,6 +51,7 @@ from musegl_cuda.cpu.stored_matrix import HalfRows
 from musegl_cuda.drafts import DraftRows
 from musegl_cuda.model import AttentionBatch, DecodeAttention, MuseGlimmerDecoder, PagedMeta, SequenceAttention
 from musegl_cuda.parallel.shard import TensorShard
+from musegl_cuda.quantization import QUANTIZATIONS, quantized_stored
 from musegl_cuda.cuda import dense_attention
 from musegl_cuda.cuda.plan import StepPlan, plan_step, rows_per_tile
 from musegl_cuda.vision import load_vision_encoder
@@ -131,17 +132,30 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
     return DTYPES[dtype_name(dtype)]
 
 
-def resolve_weights(weights: str | None, device: torch.device, dtype: torch.dtype, file_type: str = "") -> str:
+#: Checkpoint precisions that are not quantized: on CUDA they load ``upcast`` by default.
+UNQUANTIZED_FILE_TYPES = ("f32", "f16", "bf16", "mixed", "")
+
+
+def resolve_weights(weights: str | None, device: torch.device, dtype: torch.dtype, file_type: str = "",
+                    quantization: str | None = None) -> str:
     """``None`` means ``stored`` on the CPU with float32 activations for a checkpoint not
-    stored in float32 (a float32 one runs the float32 reference path), else ``upcast``."""
+    stored in float32 (a float32 one runs the float32 reference path), ``stored`` on CUDA
+    for a quantized checkpoint (GGUF blocks, FP8) or with ``quantization``, else ``upcast``.
+    ``quantization`` (``fp8``) needs ``stored``; on the CPU, float32 activations too."""
+    if quantization is not None and quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
+    cpu32 = device.type == "cpu" and dtype == torch.float32
     if weights is None:
-        cpu32 = device.type == "cpu" and dtype == torch.float32
-        return "stored" if cpu32 and file_type not in ("f32", "") else "upcast"
+        if device.type == "cuda":
+            return "stored" if quantization or file_type not in UNQUANTIZED_FILE_TYPES else "upcast"
+        return "stored" if cpu32 and (quantization or file_type not in ("f32", "")) else "upcast"
     if weights not in WEIGHT_MODES:
         raise ValueError(f"weights must be one of {', '.join(WEIGHT_MODES)}, got {weights!r}")
-    if weights == "stored" and (device.type != "cpu" or dtype != torch.float32):
-        raise ValueError("weights 'stored' runs on the CPU with float32 activations "
+    if weights == "stored" and device.type != "cuda" and not cpu32:
+        raise ValueError("weights 'stored' runs on CUDA, or on the CPU with float32 activations "
                          f"(got device {device.type}, dtype {str(dtype).removeprefix('torch.')})")
+    if quantization is not None and weights != "stored":
+        raise ValueError(f"quantization {quantization!r} keeps the weights quantized: it needs weights 'stored'")
     return weights
 
 
@@ -186,7 +200,8 @@ class TorchExecutor:
                  limits: ExecutorLimits | None = None, forward_sizes: Sequence[int] | None = None,
                  dummy_seed: int | None = None, vision: VisionWeights | None = None,
                  weights: str | None = None, async_steps: bool | None = None,
-                 shard: TensorShard | None = None) -> None:
+                 shard: TensorShard | None = None, quantization: str | None = None,
+                 w8a8_rows: int | None = None) -> None:
         """``forward_sizes``: decode widths to capture as CUDA graphs (None: the
         defaults on CUDA; ignored on the CPU; empty: no graphs).
         ``dummy_seed``: don't read weights, make random ones on the device
@@ -199,14 +214,20 @@ class TorchExecutor:
         (None: on CUDA, where the host's work then overlaps the device's; the
         CPU path computes every step when it is launched, so it gains nothing).
         ``shard``: run one rank's part of a tensor-parallel model
-        (:mod:`musegl_cuda.parallel`; None: the whole model)."""
+        (:mod:`musegl_cuda.parallel`; None: the whole model). ``quantization``: ``fp8``
+        quantizes half-precision matrices to e4m3 at load (:mod:`musegl_cuda.quantization`).
+        ``w8a8_rows``: on CUDA, FP8 products of at least this many rows run W8A8
+        (:data:`~musegl_cuda.cuda.device_weights.W8A8_ROWS` when None)."""
         if block_size <= 0:
             raise ValueError("block_size must be positive")
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
-        self.weights = resolve_weights(weights, self.device, self.dtype, getattr(checkpoint, "file_type", ""))
+        self.weights = resolve_weights(weights, self.device, self.dtype, getattr(checkpoint, "file_type", ""),
+                                       quantization)
+        self.quantization = quantization
         if dummy_seed is not None:
             self.weights = "upcast"  # random weights are made in the activation dtype
+            self.quantization = None
         self.block_size = block_size
         self.paged = self.device.type == "cuda"
         if self.paged:
@@ -240,13 +261,21 @@ class TorchExecutor:
         #: weight bytes per dtype tag after loading (the memory the weights take)
         self.weight_bytes: dict[str, int] = {}
         with torch.inference_mode():
-            self.model = MuseGlimmerDecoder(config, self.dtype, self.device, stored=self.weights == "stored",
-                                            shard=shard)
+            on_device = self.weights == "stored" and self.device.type == "cuda"
+            self.model = MuseGlimmerDecoder(config, self.dtype, self.device,
+                                            stored=self.weights == "stored" and not on_device, shard=shard,
+                                            device_weights=on_device)
             if dummy_seed is not None:
                 self.model.randomize(dummy_seed)
+            elif on_device:  # CUDA: the matrices as stored (musegl_cuda.cuda.device_weights)
+                for stored in checkpoint.iter_stored():
+                    self.model.load_device(stored, self.quantization, w8a8_rows)
+                self.weight_bytes = self.model.finish_device()
             elif self.weights == "stored":
                 for stored in checkpoint.iter_stored():
-                    self.model.load_stored(stored)
+                    # --quantization fp8 on the CPU: quantized, then decoded back to float32 at
+                    # load (exactly the weights a GPU run holds)
+                    self.model.load_stored(quantized_stored(stored) if self.quantization else stored)
                 self.weight_bytes = self.model.finish_stored()
             else:
                 loaded = set()
