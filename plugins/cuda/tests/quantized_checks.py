@@ -114,8 +114,9 @@ def check_gguf_model(path, device: str = "cpu", prompt_len: int = 6, decode: int
     float32 activations (:meth:`MuseGlimmerDecoder.load_device`: the Triton kernels,
     the embedding and head included) against the same file dequantized by gguf-py and
     loaded as float32 tensors: the logits of a prompt and of decode steps after it must
-    agree to 1e-4 of their largest value, the greedy tokens must be identical, and the
-    weights on the device must take the file's tensor bytes (at most 1.1 x)."""
+    agree to 1e-4 of their largest value, the greedy tokens must be identical, the prompt
+    through the paged forward (the one CUDA runs) must agree likewise, and the weights on
+    the device must take the file's tensor bytes (at most 1.1 x)."""
     from musegl_core.checkpoint.loader import load_checkpoint
     from musegl_core.engine.executor import SeqChunk, Step
     from musegl_cuda.executor import TorchExecutor
@@ -152,6 +153,27 @@ def check_gguf_model(path, device: str = "cpu", prompt_len: int = 6, decode: int
     assert worst < 1e-4, f"logits differ by {worst} of their largest value"
     assert seqs["reference"][1] == seqs["quantized"][1], (seqs["reference"][1], seqs["quantized"][1])
     greedy = seqs["quantized"][1][prompt_len:]
+    paged = _paged_prompt_logits(quantized, tokens)
+    paged_err = float((paged - ref[0]).abs().max() / ref[0].abs().max())
+    assert paged_err < 1e-4, f"paged forward: logits differ by {paged_err} of their largest value"
     types = sorted({p.dtype for layer in model.layers for p in layer.self_attn.qkvg_matrix.parts}
                    | {model.lm_head.matrix.dtype, model.embed_matrix.dtype})
-    return dict(rel_err=worst, greedy=greedy, weight_bytes=weight_bytes, file_bytes=file_bytes, types=types)
+    return dict(rel_err=worst, paged_rel_err=paged_err, greedy=greedy, weight_bytes=weight_bytes,
+                file_bytes=file_bytes, types=types)
+
+
+def _paged_prompt_logits(executor, tokens: list[int]) -> torch.Tensor:
+    """The last prompt row's logits through :meth:`MuseGlimmerDecoder.forward_paged` (the
+    forward CUDA runs: the Triton attention, norm and product kernels), in a fresh cache
+    with the paged path's scratch block (blocks 0-7, scratch 8)."""
+    from musegl_core.engine.executor import SeqChunk, Step
+    from musegl_cuda.cuda.plan import plan_step, rows_per_tile
+
+    c = executor.config
+    executor.allocate_kv(9)
+    step = Step([SeqChunk(0, tokens, list(range(len(tokens))), [0, 1, 2, 3])])
+    plan = plan_step(step, executor.block_size, 8, c.vocab_size,
+                     rows_per_tile(executor.prefill_block_m, c.num_heads // c.num_kv_heads))
+    with torch.inference_mode():
+        normed, _ = executor._forward_plan(plan, executor.kv, executor.prefill_block_m)
+        return executor.model.logits(normed[-1:])[0].float()
