@@ -13,7 +13,10 @@ sequences of a step (the reference path, at parity with transformers). The
 CPU keeps the checkpoint's matrices as stored by default (``weights="stored"``:
 float16, bfloat16, GGUF Q8_0/Q4_0/Q4_K bytes, multiplied by the kernels of
 :mod:`musegl_cuda.cpu`); ``weights="upcast"`` converts them to the activation
-dtype at load, as CUDA always does. A float32 checkpoint runs the same either way. On CUDA (bfloat16 by
+dtype at load. A float32 checkpoint runs the same either way. On CUDA a quantized
+checkpoint (GGUF blocks, FP8) stays as stored by default, in the Triton kernels of
+:mod:`musegl_cuda.cuda.quantized` (:mod:`musegl_cuda.cuda.device_weights`); others are
+upcast. On CUDA (bfloat16 by
 default) a step is flattened once into a :class:`~musegl_cuda.cuda.plan.StepPlan`
 and runs through the Triton kernels of :mod:`musegl_cuda.cuda.kernels`: paged
 attention over every sequence at once, fused norms; decode-only steps whose
