@@ -57,12 +57,12 @@ def check_gguf(device: str, act_dtype: torch.dtype, rows=(1, 5, 70), n: int = 72
         data = random_blocks(dtype, n, k, seed=len(results))
         ref = dequantized(dtype, data, n, k)
         w = torch.from_numpy(data).to(device)
-        for m in rows:
+        for m, splits in [(m, None) for m in rows] + [(rows[0], 3)]:
             x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(device, act_dtype)
-            got = gguf_matmul(x, w, dtype, n, k).float().cpu()
+            got = gguf_matmul(x, w, dtype, n, k, splits=splits).float().cpu()
             err = _rel(got, x.float().cpu().double() @ ref.double().T)
-            results.append(dict(kind=dtype, rows=m, rel_err=err))
-            assert err < tol, f"{dtype} x {m} rows: relative error {err}"
+            results.append(dict(kind=dtype, rows=m, splits=splits, rel_err=err))
+            assert err < tol, f"{dtype} x {m} rows ({splits} splits): relative error {err}"
         ids = torch.tensor([3, 0, n - 1, 3, 17, 40], device=device)
         got = gguf_rows(ids, w, dtype, k, act_dtype).float().cpu()
         want = ref[ids.cpu()].to(act_dtype).float()
@@ -71,7 +71,8 @@ def check_gguf(device: str, act_dtype: torch.dtype, rows=(1, 5, 70), n: int = 72
 
 
 def check_fp8(device: str, act_dtype: torch.dtype, rows=(1, 5, 70), n: int = 200, k: int = 384) -> list[dict]:
-    """``fp8_matmul`` (weight-only) for one scale, one per row and 128 x 128 blocks, and
+    """``fp8_matmul`` (weight-only) for one scale, one per row, 128 x 128 blocks and blocks
+    narrower than its depth tile (scaled per value), with the depth split or not, and
     :class:`~musegl_cuda.cuda.device_weights.FP8Matrix`'s W8A8 product (``torch._scaled_mm``)
     against the same product of its per-row quantized activations, in float64."""
     from musegl_cuda.cuda.device_weights import FP8Matrix
@@ -84,16 +85,16 @@ def check_fp8(device: str, act_dtype: torch.dtype, rows=(1, 5, 70), n: int = 200
     bits[(bits & 0x7F) == 0x7F] = 0  # no NaN patterns
     q = bits.view(torch.float8_e4m3fn)
     results = []
-    for block in ((n, k), (1, k), (128, 128)):
+    for block in ((n, k), (1, k), (128, 128), (64, 96)):
         scales = torch.rand(-(-n // block[0]), -(-k // block[1]), generator=gen) * 1e-3 + 1e-4
         full = scales.repeat_interleave(block[0], 0)[:n].repeat_interleave(block[1], 1)[:, :k]
         ref = q.float() * full
-        for m in rows:
+        for m, splits in [(m, None) for m in rows] + [(rows[0], 2)]:
             x = torch.randn(m, k, generator=gen).to(device, act_dtype)
-            got = fp8_matmul(x, q.to(device), scales.to(device), block).float().cpu()
+            got = fp8_matmul(x, q.to(device), scales.to(device), block, splits=splits).float().cpu()
             err = _rel(got, x.float().cpu().double() @ ref.double().T)
-            results.append(dict(kind=f"fp8 {block}", rows=m, rel_err=err))
-            assert err < tol, f"fp8 blocks {block} x {m} rows: relative error {err}"
+            results.append(dict(kind=f"fp8 {block}", rows=m, splits=splits, rel_err=err))
+            assert err < tol, f"fp8 blocks {block} x {m} rows ({splits} splits): relative error {err}"
     row_scales = torch.rand(n, 1, generator=gen) * 1e-3 + 1e-4
     matrix = FP8Matrix(q.to(device), row_scales.to(device), (1, k), act_dtype, w8a8_rows=1)
     ref = q.float() * row_scales
@@ -109,7 +110,7 @@ def check_fp8(device: str, act_dtype: torch.dtype, rows=(1, 5, 70), n: int = 200
     return results
 
 
-def check_gguf_model(path, device: str = "cpu", prompt_len: int = 6, decode: int = 2) -> dict:
+def check_gguf_model(path, device: str = "cpu", prompt_len: int = 6, decode: int = 1) -> dict:
     """A GGUF (e.g. :func:`q4km_support.write_q4_k_m`) loaded as stored on ``device`` with
     float32 activations (:meth:`MuseGlimmerDecoder.load_device`: the Triton kernels,
     the embedding and head included) against the same file dequantized by gguf-py and
