@@ -404,6 +404,14 @@ class TorchExecutor:
                                       c.sliding_window, attn.qkvg.shape[0], attn.gate_offset)
             torch.cuda.synchronize(self.device)
         log.info("attention kernels ready: %d kinds of launch in %.1f s", launches, time.perf_counter() - started)
+        if self.model.device_weights:  # the weight products' launches of prefill and mixed steps
+            from musegl_cuda.cuda.device_weights import warm_products
+
+            started = time.perf_counter()
+            with torch.inference_mode():
+                products = warm_products(self.model.device_matrices(), self.model.embed_matrix)
+                torch.cuda.synchronize(self.device)
+            log.info("weight product kernels ready: %d products in %.1f s", products, time.perf_counter() - started)
         if self.dense_prefill:  # cuDNN's plans for the sequence-starting chunk lengths up to the prefill chunk
             started = time.perf_counter()
             with torch.inference_mode():

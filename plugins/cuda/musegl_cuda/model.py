@@ -530,6 +530,15 @@ class MuseGlimmerDecoder(nn.Module):
             count(*attn.qkvg_matrix.parts, attn.o_proj.matrix, *mlp.gate_up_matrix.parts, mlp.down_proj.matrix)
         return total
 
+    def device_matrices(self) -> list:
+        """Every matrix of :meth:`load_device` (``device_weights``): the groups' parts,
+        the outputs, the MLP's down and the head (not the embedding, :attr:`embed_matrix`)."""
+        found = [self.lm_head.matrix]
+        for layer in self.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            found += [*attn.qkvg_matrix.parts, attn.o_proj.matrix, *mlp.gate_up_matrix.parts, mlp.down_proj.matrix]
+        return found
+
     def stored_bytes(self) -> dict[str, int]:
         """Bytes of the stored matrices per dtype tag (stored mode)."""
         total: dict[str, int] = {}

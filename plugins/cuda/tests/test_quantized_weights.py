@@ -182,3 +182,27 @@ def test_q4_k_m_file_runs_as_stored_through_the_kernels_in_the_interpreter(tmp_p
     _interpreted(f"from q4km_support import write_q4_k_m; from quantized_checks import check_gguf_model; "
                  f"from pathlib import Path; r = check_gguf_model(write_q4_k_m(Path({str(tmp_path)!r}))); "
                  "assert r['types'] == ['q4_k', 'q6_k'], r")
+
+
+def test_fp8_matrix_gathers_stacks_and_runs_w8a8_without_the_kernels():
+    pytest.importorskip("triton")
+    from musegl_cuda.cuda.device_weights import FP8Matrix, MatrixGroup
+    from musegl_cuda.quantization import E4M3_MAX, quantize_fp8
+
+    gen = torch.Generator().manual_seed(0)
+    a = FP8Matrix(*quantize_fp8(torch.randn(32, 64, generator=gen)), (1, 64), torch.float32, w8a8_rows=8)
+    b = FP8Matrix(*quantize_fp8(torch.randn(16, 64, generator=gen)), (1, 64), torch.float32, w8a8_rows=8)
+    one = FP8Matrix(a.weight, torch.tensor([[0.5]]), (32, 64), torch.float32)  # one scale: kept per row
+    assert one.block == (1, 64) and torch.equal(one.dequantized(), a.weight.float() * 0.5)
+    group = MatrixGroup([a, b])
+    assert len(group.parts) == 1 and group.parts[0].rows_count == 48
+    assert torch.equal(group.parts[0].dequantized(), torch.cat([a.dequantized(), b.dequantized()]))
+    ids = torch.tensor([0, 5, 31, 5])
+    assert torch.equal(a.rows(ids), a.dequantized()[ids])
+    x = torch.randn(9, 64, generator=gen)  # 9 rows >= w8a8_rows: torch._scaled_mm
+    scale = (x.abs().amax(-1, keepdim=True) / E4M3_MAX)
+    xq = (x / scale).to(torch.float8_e4m3fn).double() * scale.double()
+    want = xq @ a.dequantized().double().T
+    assert torch.allclose(a.matmul(x).double(), want, rtol=1e-5, atol=1e-5)
+    block = FP8Matrix(a.weight, torch.ones(2, 4), (16, 16), torch.float32)  # block-scaled: weight-only
+    assert block.w8a8_rows is None and block.block == (16, 16)

@@ -152,15 +152,15 @@ class FP8Matrix:
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         bn, bk = self.block
-        picked = self.weight[ids].float()
+        picked = self.weight.view(torch.uint8)[ids].view(torch.float8_e4m3fn).float()  # gathers as bytes
         scales = self.scales[ids // bn].repeat_interleave(bk, 1)[:, :self.cols]
         return (picked * scales).to(self.act_dtype)
 
     @staticmethod
     def concat(parts: list["FP8Matrix"]) -> "FP8Matrix":
         first = parts[0]
-        return FP8Matrix(torch.cat([p.weight for p in parts]), torch.cat([p.scales for p in parts]), first.block,
-                         first.act_dtype, first.w8a8_rows)
+        weight = torch.cat([p.weight.view(torch.uint8) for p in parts])  # concatenated as bytes
+        return FP8Matrix(weight, torch.cat([p.scales for p in parts]), first.block, first.act_dtype, first.w8a8_rows)
 
     def stacks_with(self, other: "FP8Matrix") -> bool:
         bn = self.block[0]
@@ -236,3 +236,34 @@ class MatrixGroup:
         if len(self.parts) == 1:
             return self.parts[0].matmul(x)
         return torch.cat([p.matmul(x) for p in self.parts], dim=1)
+
+
+#: Row counts :func:`warm_products` runs: every tile size of
+#: :func:`~musegl_cuda.cuda.quantized.product_tiles`, with and without a multiple of 16
+#: rows (Triton compiles each apart), split depth or not.
+WARM_ROWS = (1, 3, 16, 17, 32, 33, 64, 65, 80)
+
+
+def warm_products(matrices: list[DeviceMatrix], embedding: DeviceMatrix | None, rows=WARM_ROWS) -> int:
+    """Run one product of each distinct kind of matrix (kind, type, shape) at each of
+    ``rows``, and the embedding's gather, so that Triton compiles the launches a step can
+    make before serving rather than under the first requests (the decode graphs compile
+    only their own widths). Returns the number of products run."""
+    seen: dict[tuple, DeviceMatrix] = {}
+    for m in matrices:
+        if not isinstance(m, DenseMatrix):
+            seen.setdefault((type(m), m.dtype, m.rows_count, m.cols, getattr(m, "block", None)), m)
+    launches = 0
+    for matrix in seen.values():
+        for count in rows:
+            x = torch.zeros(count, matrix.cols, dtype=matrix.act_dtype, device=matrix_device(matrix))
+            matrix.matmul(x)
+            launches += 1
+    if embedding is not None and not isinstance(embedding, DenseMatrix):
+        for count in (1, 16, 17):
+            embedding.rows(torch.zeros(count, dtype=torch.long, device=matrix_device(embedding)))
+    return launches
+
+
+def matrix_device(matrix: DeviceMatrix) -> torch.device:
+    return matrix.data.device if isinstance(matrix, GGUFMatrix) else matrix.weight.device
