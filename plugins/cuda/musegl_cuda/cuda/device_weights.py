@@ -239,9 +239,10 @@ class MatrixGroup:
 
 
 #: Row counts :func:`warm_products` runs: every tile size of
-#: :func:`~musegl_cuda.cuda.quantized.product_tiles`, with and without a multiple of 16
-#: rows (Triton compiles each apart), split depth or not.
-WARM_ROWS = (1, 3, 16, 17, 32, 33, 64, 65, 80)
+#: :func:`~musegl_cuda.cuda.quantized.product_tiles` with a row count that is not a multiple
+#: of 16 (Triton compiles those apart), and a prefill-sized multiple of 16; the decode
+#: graphs' widths (1, 2, 4 ... 128) compile their own at capture.
+WARM_ROWS = (3, 17, 33, 65, 80)
 
 
 def warm_products(matrices: list[DeviceMatrix], embedding: DeviceMatrix | None, rows=WARM_ROWS) -> int:
