@@ -12,7 +12,9 @@ reads its weights from memory, not from the L2 cache), the median of
 * ``fp8_weight``: e4m3 weights with one scale per output row, dequantized in the Triton
   kernel (:func:`~musegl_cuda.cuda.quantized.fp8_matmul`);
 * ``fp8_w8a8``: the same weights, activations quantized per row to e4m3 and
-  ``torch._scaled_mm`` (:meth:`~musegl_cuda.cuda.device_weights.FP8Matrix.w8a8`).
+  ``torch._scaled_mm`` (:meth:`~musegl_cuda.cuda.device_weights.FP8Matrix.w8a8`);
+* ``<gguf type>_via_bf16`` (rows >= ``--via-bf16-rows`` only): the alternative for prefill
+  chunks, every weight row decoded to a bf16 scratch (``gguf_rows``) and ``F.linear``.
 
 One JSON line per (format, rows): microseconds per layer, the weight bytes streamed per
 second, and the time as a ratio of bf16's at the same rows in the same run. The FP8 lines
@@ -50,7 +52,8 @@ SHAPES = {  # (out, in)
     "gate_up": (2 * FFN, HIDDEN),
     "down": (HIDDEN, FFN),
 }
-FORMATS = ("bf16", "q4_k", "q5_k", "q6_k", "q8_0", "q4_0", "fp8_weight", "fp8_w8a8")
+FORMATS = ("bf16", "q4_k", "q5_k", "q6_k", "q8_0", "q4_0", "fp8_weight", "fp8_w8a8", "q4_k_via_bf16",
+           "q6_k_via_bf16")
 
 
 def random_gguf(dtype: str, n: int, k: int, device: str) -> torch.Tensor:
@@ -74,7 +77,11 @@ def build(fmt: str, n: int, k: int, device: str):
         matrix = FP8Matrix(q, scales, (1, k), torch.bfloat16, w8a8_rows=None)
         fn = matrix.w8a8 if fmt == "fp8_w8a8" else matrix.matmul
         return fn, matrix.nbytes, matrix
-    matrix = GGUFMatrix(fmt, random_gguf(fmt, n, k, device), n, k, torch.bfloat16)
+    gguf_type = fmt.removesuffix("_via_bf16")
+    matrix = GGUFMatrix(gguf_type, random_gguf(gguf_type, n, k, device), n, k, torch.bfloat16)
+    if fmt.endswith("_via_bf16"):
+        every_row = torch.arange(n, device=device)
+        return (lambda x: F.linear(x, matrix.rows(every_row))), matrix.nbytes, matrix
     return matrix.matmul, matrix.nbytes, matrix
 
 
@@ -110,6 +117,8 @@ def check(device: str, emit) -> int:
     failures = 0
     n, k = 512, 1024
     for fmt in FORMATS[1:]:
+        if fmt.endswith("_via_bf16"):
+            continue
         fn, _, matrix = build(fmt, n, k, device)
         if isinstance(matrix, FP8Matrix):
             weight = matrix.dequantized()
@@ -132,6 +141,7 @@ def main() -> int:
     p.add_argument("--layers", type=int, default=4, help="layers of distinct matrices in one graph (default 4)")
     p.add_argument("--repeat", type=int, default=20)
     p.add_argument("--out", default=None, help="also append the JSON lines to this file")
+    p.add_argument("--via-bf16-rows", type=int, default=256, help="the *_via_bf16 formats from this many rows")
     p.add_argument("--no-check", action="store_true")
     args = p.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "plugins" / "cuda" / "tests"))
@@ -154,6 +164,8 @@ def main() -> int:
         layers = [[build(fmt, n, k, device) for n, k in SHAPES.values()] for _ in range(args.layers)]
         stored = sum(b for layer in layers for _, b, _ in layer) / args.layers
         for m in rows:
+            if fmt.endswith("_via_bf16") and m < args.via_bf16_rows:
+                continue
             xs = {k: torch.randn(m, k, device=device, dtype=torch.bfloat16) for _, k in SHAPES.values()}
 
             def step() -> None:
