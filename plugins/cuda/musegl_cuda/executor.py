@@ -204,7 +204,7 @@ class TorchExecutor:
                  dummy_seed: int | None = None, vision: VisionWeights | None = None,
                  weights: str | None = None, async_steps: bool | None = None,
                  shard: TensorShard | None = None, quantization: str | None = None,
-                 w8a8_rows: int | None = None) -> None:
+                 w8a8_rows: int | None = None, dummy_kind: str | None = None) -> None:
         """``forward_sizes``: decode widths to capture as CUDA graphs (None: the
         defaults on CUDA; ignored on the CPU; empty: no graphs).
         ``dummy_seed``: don't read weights, make random ones on the device
@@ -220,7 +220,9 @@ class TorchExecutor:
         (:mod:`musegl_cuda.parallel`; None: the whole model). ``quantization``: ``fp8``
         quantizes half-precision matrices to e4m3 at load (:mod:`musegl_cuda.quantization`).
         ``w8a8_rows``: on CUDA, FP8 products of at least this many rows run W8A8
-        (:data:`~musegl_cuda.cuda.device_weights.W8A8_ROWS` when None)."""
+        (:data:`~musegl_cuda.cuda.device_weights.W8A8_ROWS` when None). ``dummy_kind``: with
+        ``dummy_seed`` on CUDA, random matrices as stored of this kind (``fp8``, a GGUF type, or
+        ``q4_k_m``; ``quantization="fp8"`` means ``fp8``), for timing runs without a file."""
         if block_size <= 0:
             raise ValueError("block_size must be positive")
         self.device = resolve_device(device)
@@ -228,9 +230,14 @@ class TorchExecutor:
         self.weights = resolve_weights(weights, self.device, self.dtype, getattr(checkpoint, "file_type", ""),
                                        quantization)
         self.quantization = quantization
-        if dummy_seed is not None:
+        dummy_kind = dummy_kind or quantization
+        if dummy_seed is not None and dummy_kind and self.device.type != "cuda":
+            raise ValueError("quantization with dummy weights runs on CUDA (random matrices made as stored)")
+        if dummy_seed is not None and not (dummy_kind and self.device.type == "cuda"):
             self.weights = "upcast"  # random weights are made in the activation dtype
             self.quantization = None
+        elif dummy_seed is not None:
+            self.weights = "stored"  # random matrices as stored (device_weights.random_matrix)
         self.block_size = block_size
         self.paged = self.device.type == "cuda"
         if self.paged:
@@ -268,7 +275,9 @@ class TorchExecutor:
             self.model = MuseGlimmerDecoder(config, self.dtype, self.device,
                                             stored=self.weights == "stored" and not on_device, shard=shard,
                                             device_weights=on_device)
-            if dummy_seed is not None:
+            if dummy_seed is not None and on_device:
+                self.weight_bytes = self.model.randomize_device(dummy_seed, dummy_kind, w8a8_rows)
+            elif dummy_seed is not None:
                 self.model.randomize(dummy_seed)
             elif on_device:  # CUDA: the matrices as stored (musegl_cuda.cuda.device_weights)
                 for stored in checkpoint.iter_stored():

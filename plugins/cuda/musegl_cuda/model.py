@@ -564,6 +564,31 @@ class MuseGlimmerDecoder(nn.Module):
             else:
                 target.normal_(0.0, 1.0 if name == "embed_tokens.weight" else std, generator=generator)
 
+    def randomize_device(self, seed: int, kind: str, w8a8_rows: int | None = None, std: float = 0.02
+                         ) -> dict[str, int]:
+        """:meth:`randomize` for ``device_weights``: random matrices as stored, ``kind``
+        ``fp8`` or a GGUF type (``q4_k_m``: Q4_K_M's types per matrix;
+        :func:`~musegl_cuda.cuda.device_weights.random_matrix`), made one at a time on the
+        device; norms at their identity. Returns the weight bytes per stored dtype."""
+        from musegl_cuda.cuda.device_weights import W8A8_ROWS, random_matrix
+
+        from musegl_core.checkpoint.hf_reader import expected_shape
+
+        generator = torch.Generator(self.norm.device).manual_seed(seed)
+        for name in self.weight_names(self.config):
+            target = self._target(name)
+            if isinstance(target, CenteredRMSNorm):
+                target.scale.fill_(1.0)
+            elif name == "norm.weight":
+                target.fill_(1.0)
+            else:
+                rows, cols = expected_shape(self.config, name)
+                self._pending[name] = random_matrix(name, rows, cols, kind, self.config.num_layers,
+                                                    self.norm.device, self.dtype, generator,
+                                                    1.0 if name == "embed_tokens.weight" else std,
+                                                    W8A8_ROWS if w8a8_rows is None else w8a8_rows)
+        return self.finish_device()
+
     @staticmethod
     def weight_names(config: TextConfig) -> tuple[str, ...]:
         return text_weight_names(config)

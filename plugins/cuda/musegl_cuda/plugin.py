@@ -186,8 +186,14 @@ def _create(options: ExecutorOptions, default_device: str) -> "TorchExecutor":
     sizes = parse_forward_sizes(options.extra.get("forward_sizes"))
     async_steps = False if options.extra.get("sync_steps") else None  # None: the device's default
     if load_format(options) == "dummy":
-        return TorchExecutor(read_config_only(options.model), device=options.device or default_device,  # type: ignore[arg-type]
-                             dtype=options.dtype, forward_sizes=sizes, dummy_seed=0, async_steps=async_steps)
+        try:
+            return TorchExecutor(read_config_only(options.model), device=options.device or default_device,  # type: ignore[arg-type]
+                                 dtype=options.dtype, forward_sizes=sizes, dummy_seed=0, async_steps=async_steps,
+                                 quantization=quantization(options), w8a8_rows=w8a8_rows(options))
+        except ValueError as exc:
+            if str(exc).startswith("quantization"):
+                raise ConfigError(f"--quantization: {exc}") from None
+            raise
     checkpoint = load_checkpoint(options.model, progress=options.progress)
     vision = None
     try:

@@ -206,3 +206,46 @@ def test_fp8_matrix_gathers_stacks_and_runs_w8a8_without_the_kernels():
     assert torch.allclose(a.matmul(x).double(), want, rtol=1e-5, atol=1e-5)
     block = FP8Matrix(a.weight, torch.ones(2, 4), (16, 16), torch.float32)  # block-scaled: weight-only
     assert block.w8a8_rows is None and block.block == (16, 16)
+
+
+@pytest.mark.parametrize("kind", ["q4_k_m", "fp8"])
+def test_dummy_weights_as_stored_take_the_kind_s_types(kind):
+    pytest.importorskip("triton")
+    from q4km_support import small_config
+
+    from musegl_cuda.model import MuseGlimmerDecoder
+
+    config = small_config(layers=8)
+    model = MuseGlimmerDecoder(config, torch.float32, torch.device("cpu"), device_weights=True)
+    sizes = model.randomize_device(0, kind)
+    if kind == "fp8":
+        assert set(sizes) == {"f8_e4m3"}
+        return
+    # llama.cpp's use_more_bits at 8 layers: layers 0, 3, 6, 7 (first and last eighth, every third between)
+    more = ["q6_k", "q4_k", "q4_k", "q6_k", "q4_k", "q4_k", "q6_k", "q6_k"]
+    # q/k/v/gate: one Q4_K product, or Q4_K q+k, Q6_K v, Q4_K gate
+    assert [[p.dtype for p in layer.self_attn.qkvg_matrix.parts] for layer in model.layers] == [
+        ["q4_k", "q6_k", "q4_k"] if t == "q6_k" else ["q4_k"] for t in more]
+    assert [layer.mlp.down_proj.matrix.dtype for layer in model.layers] == more
+    assert model.lm_head.matrix.dtype == "q6_k" and model.embed_matrix.dtype == "q4_k"
+    assert sizes["q4_k"] + sizes["q6_k"] == sum(m.nbytes for m in model.device_matrices()) + model.embed_matrix.nbytes
+
+
+def test_serve_flags_are_checked_with_one_line(tmp_path):
+    import json
+
+    from musegl_core.errors import ConfigError
+    from musegl_core.plugins.specs import ExecutorOptions
+    from musegl_core.testing.reference_models import TINY_TEXT_CONFIG
+    from musegl_cuda import plugin
+
+    spec = {s.name: s for s in plugin.musegl_executors()}["torch-cpu"]
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"model_type": "muse_glimmer_text", **TINY_TEXT_CONFIG}))
+    dummy = {"load_format": "dummy"}
+    with pytest.raises(ConfigError, match="--quantization: quantization with dummy weights runs on CUDA"):
+        spec.create(ExecutorOptions(model=str(config), extra={**dummy, "quantization": "fp8"}))
+    with pytest.raises(ConfigError, match="--quantization must be one of"):
+        spec.create(ExecutorOptions(model=str(config), extra={**dummy, "quantization": "int4"}))
+    with pytest.raises(ConfigError, match="--fp8-w8a8-rows must be a positive integer"):
+        spec.create(ExecutorOptions(model=str(config), extra={**dummy, "fp8_w8a8_rows": 0}))

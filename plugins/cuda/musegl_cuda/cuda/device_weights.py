@@ -268,3 +268,44 @@ def warm_products(matrices: list[DeviceMatrix], embedding: DeviceMatrix | None, 
 
 def matrix_device(matrix: DeviceMatrix) -> torch.device:
     return matrix.data.device if isinstance(matrix, GGUFMatrix) else matrix.weight.device
+
+
+def _more_bits(layer: int, layers: int) -> bool:
+    """llama.cpp's ``use_more_bits``: the layers whose attn_v / ffn_down get Q6_K in Q4_K_M."""
+    return layer < layers // 8 or layer >= 7 * layers // 8 or (layer - layers // 8) % 3 == 2
+
+
+def q4_k_m_type(name: str, layers: int) -> str:
+    """The GGUF type ``llama-quantize`` gives the matrix ``name`` (transformers name) in a
+    Q4_K_M file: Q6_K for the head and for v_proj / down_proj of the layers
+    ``use_more_bits`` picks, Q4_K for the rest."""
+    if name == "lm_head.weight":
+        return "q6_k"
+    if name.endswith(("self_attn.v_proj.weight", "mlp.down_proj.weight")):
+        return "q6_k" if _more_bits(int(name.split(".")[1]), layers) else "q4_k"
+    return "q4_k"
+
+
+#: ``random_matrix`` kinds besides the GGUF types: ``fp8`` and ``q4_k_m`` (Q4_K_M's types).
+DUMMY_KINDS = ("fp8", "q4_k_m", *GGUF_LAYOUTS)
+
+
+def random_matrix(name: str, rows: int, cols: int, kind: str, layers: int, device: torch.device,
+                  act_dtype: torch.dtype, generator: torch.Generator, std: float,
+                  w8a8_rows: int | None = W8A8_ROWS) -> DeviceMatrix:
+    """A random matrix as stored, made on the device (``--load-format dummy`` with weights
+    as stored: timing runs at a shape without a file). ``fp8``: N(0, std²) values quantized
+    per row; a GGUF type (``q4_k_m``: :func:`q4_k_m_type`): random blocks whose float16
+    ``d``/``dmin`` are a fixed small value (values within about ±0.3)."""
+    if kind == "fp8":
+        values = torch.empty(rows, cols, dtype=act_dtype, device=device).normal_(0.0, std, generator=generator)
+        return FP8Matrix(*quantize_fp8(values), (1, cols), act_dtype, w8a8_rows)
+    dtype = q4_k_m_type(name, layers) if kind == "q4_k_m" else kind
+    _, vb, bb, _ = GGUF_LAYOUTS[dtype]
+    raw = torch.randint(0, 256, (rows, cols // vb, bb), dtype=torch.uint8, device=device, generator=generator)
+    small = torch.tensor([2e-4 if dtype in ("q4_k", "q5_k") else 2e-5 if dtype == "q6_k" else 5e-3],
+                         dtype=torch.float16).view(torch.uint8).to(device)
+    spots = {"q8_0": (0,), "q4_0": (0,), "q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,)}[dtype]
+    for at in spots:
+        raw[:, :, at:at + 2] = small
+    return GGUFMatrix(dtype, raw.reshape(rows, -1), rows, cols, act_dtype)
