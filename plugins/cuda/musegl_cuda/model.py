@@ -9,7 +9,10 @@ With ``stored=True`` (the CPU default, see :mod:`musegl_cuda.cpu`) the
 matrices are not torch parameters: each is a :class:`StoredMatrix` holding the
 checkpoint's bytes (float16, bfloat16, GGUF Q8_0/Q4_0/Q4_K, or float32), and
 q/k/v/gate and gate/up are each one stacked matrix where their dtypes agree.
-Activations stay float32.
+Activations stay float32. With ``device_weights=True`` (CUDA's ``--weights stored``) the
+matrices are device matrices of :mod:`musegl_cuda.cuda.device_weights` instead (GGUF
+blocks or FP8 on the GPU, multiplied by Triton kernels), grouped the same way, and the
+activations keep the model dtype.
 
 With a :class:`~musegl_cuda.parallel.shard.TensorShard` of several ranks the
 decoder is one rank's part of the model (tensor parallelism): its layers have
