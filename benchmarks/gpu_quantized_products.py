@@ -14,7 +14,8 @@ reads its weights from memory, not from the L2 cache), the median of
 * ``fp8_w8a8``: the same weights, activations quantized per row to e4m3 and
   ``torch._scaled_mm`` (:meth:`~musegl_cuda.cuda.device_weights.FP8Matrix.w8a8`);
 * ``<gguf type>_via_bf16`` (rows >= ``--via-bf16-rows`` only): the alternative for prefill
-  chunks, every weight row decoded to a bf16 scratch (``gguf_rows``) and ``F.linear``.
+  chunks (``device_weights.SCRATCH_ROWS``), every weight row decoded to a bf16 scratch
+  (``gguf_rows``) and ``F.linear``.
 
 One JSON line per (format, rows): microseconds per layer, the weight bytes streamed per
 second, and the time as a ratio of bf16's at the same rows in the same run. The FP8 lines
@@ -78,10 +79,8 @@ def build(fmt: str, n: int, k: int, device: str):
         fn = matrix.w8a8 if fmt == "fp8_w8a8" else matrix.matmul
         return fn, matrix.nbytes, matrix
     gguf_type = fmt.removesuffix("_via_bf16")
-    matrix = GGUFMatrix(gguf_type, random_gguf(gguf_type, n, k, device), n, k, torch.bfloat16)
-    if fmt.endswith("_via_bf16"):
-        every_row = torch.arange(n, device=device)
-        return (lambda x: F.linear(x, matrix.rows(every_row))), matrix.nbytes, matrix
+    scratch = 1 if fmt.endswith("_via_bf16") else None  # device_weights.SCRATCH_ROWS
+    matrix = GGUFMatrix(gguf_type, random_gguf(gguf_type, n, k, device), n, k, torch.bfloat16, scratch_rows=scratch)
     return matrix.matmul, matrix.nbytes, matrix
 
 

@@ -46,9 +46,11 @@ def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
 
 def check_gguf(device: str, act_dtype: torch.dtype, rows=(1, 5, 70), n: int = 72, k: int = 512) -> list[dict]:
     """Every GGUF type: ``gguf_matmul`` at each of ``rows`` activation rows and ``gguf_rows``
-    (the embedding) against gguf-py's dequantization; float32 activations must agree to
+    (the embedding), and a product through a decoded scratch (``GGUFMatrix.scratch_rows``),
+    against gguf-py's dequantization; float32 activations must agree to
     1e-5 of the largest output, bf16 to 2e-2 (the activations and decoded weights are
     rounded to bf16 before the tensor cores)."""
+    from musegl_cuda.cuda.device_weights import GGUFMatrix
     from musegl_cuda.cuda.quantized import gguf_matmul, gguf_rows
 
     tol = 1e-5 if act_dtype == torch.float32 else 2e-2
@@ -63,6 +65,11 @@ def check_gguf(device: str, act_dtype: torch.dtype, rows=(1, 5, 70), n: int = 72
             err = _rel(got, x.float().cpu().double() @ ref.double().T)
             results.append(dict(kind=dtype, rows=m, splits=splits, rel_err=err))
             assert err < tol, f"{dtype} x {m} rows ({splits} splits): relative error {err}"
+        scratch = GGUFMatrix(dtype, w, n, k, act_dtype, scratch_rows=rows[-1])  # decoded, then F.linear
+        x = torch.randn(rows[-1], k, generator=torch.Generator().manual_seed(9)).to(device, act_dtype)
+        err = _rel(scratch.matmul(x).float().cpu(), x.float().cpu().double() @ ref.double().T)
+        results.append(dict(kind=f"{dtype} via scratch", rows=rows[-1], rel_err=err))
+        assert err < tol, f"{dtype} x {rows[-1]} rows through a scratch: relative error {err}"
         ids = torch.tensor([3, 0, n - 1, 3, 17, 40], device=device)
         got = gguf_rows(ids, w, dtype, k, act_dtype).float().cpu()
         want = ref[ids.cpu()].to(act_dtype).float()

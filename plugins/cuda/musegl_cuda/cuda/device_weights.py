@@ -35,6 +35,12 @@ from musegl_cuda.quantization import E4M3_MAX, quantize_fp8
 
 log = logging.getLogger("musegl.cuda")
 
+#: GGUF products of at least this many activation rows decode the whole matrix into a
+#: scratch in the activation dtype (``gguf_rows``) and run ``F.linear`` (cuBLAS) on it, instead
+#: of the Triton kernel's dequantized tiles; None: the kernel at every width. Not yet measured
+#: on a GPU: ``benchmarks/gpu_quantized_products.py`` times both (``q4_k`` against
+#: ``q4_k_via_bf16`` at the prefill chunk) so that this can follow the faster.
+SCRATCH_ROWS: int | None = None
 #: Products of at least this many activation rows run W8A8 (``torch._scaled_mm``), fewer
 #: rows weight-only (the Triton kernel); ``--fp8-w8a8-rows`` sets it. Not yet measured on a
 #: GPU: ``benchmarks/gpu_fp8_products.py`` times both ways at 1 and 64 rows and a prefill
@@ -72,7 +78,8 @@ class GGUFMatrix:
 
     kind = "gguf"
 
-    def __init__(self, dtype: str, data: torch.Tensor, rows: int, cols: int, act_dtype: torch.dtype) -> None:
+    def __init__(self, dtype: str, data: torch.Tensor, rows: int, cols: int, act_dtype: torch.dtype,
+                 scratch_rows: int | None = SCRATCH_ROWS) -> None:
         if dtype not in GGUF_LAYOUTS:
             raise ValueError(f"no CUDA kernel for GGUF type {dtype!r}")
         _, vb, bb, _ = GGUF_LAYOUTS[dtype]
@@ -82,12 +89,17 @@ class GGUFMatrix:
         self.data = data.contiguous()
         self.rows_count, self.cols = rows, cols
         self.act_dtype = act_dtype
+        self.scratch_rows = scratch_rows  # see SCRATCH_ROWS
 
     @property
     def nbytes(self) -> int:
         return self.data.numel()
 
     def matmul(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        if self.scratch_rows is not None and x.shape[0] >= self.scratch_rows:
+            every = torch.arange(self.rows_count, device=self.data.device)
+            y = F.linear(x, gguf_rows(every, self.data, self.dtype, self.cols, x.dtype))
+            return y if out is None else out.copy_(y)
         return gguf_matmul(x.contiguous(), self.data, self.dtype, self.rows_count, self.cols, out)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
@@ -97,7 +109,7 @@ class GGUFMatrix:
     def concat(parts: list["GGUFMatrix"]) -> "GGUFMatrix":
         first = parts[0]
         return GGUFMatrix(first.dtype, torch.cat([p.data for p in parts]), sum(p.rows_count for p in parts),
-                          first.cols, first.act_dtype)
+                          first.cols, first.act_dtype, first.scratch_rows)
 
 
 class FP8Matrix:
