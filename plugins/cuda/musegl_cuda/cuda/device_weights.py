@@ -10,7 +10,7 @@ A :class:`~musegl_core.checkpoint.stored.StoredTensor` becomes one of:
   ``w8a8_rows`` activation rows dequantizes the weights in the Triton kernel
   (weight-only); a wider one quantizes the activations per row to e4m3 and runs
   ``torch._scaled_mm`` (W8A8), where the scales allow it (one per matrix or per
-  output row; block-scaled matrices always run weight-only);
+  output row, and both dimensions multiples of 16; other matrices always run weight-only);
 * :class:`DenseMatrix`: every other matrix (f16/bf16/f32, and GGUF types without a
   kernel here, decoded at load) in the activation dtype, through ``F.linear``.
 
@@ -136,7 +136,9 @@ class FP8Matrix:
         self.act_dtype = act_dtype
         #: per-row scales (one per output channel): the layout ``torch._scaled_mm`` takes
         self.row_scales = self.scales.reshape(1, -1) if (bn, bk) == (1, self.cols) else None
-        self.w8a8_rows = w8a8_rows if self.row_scales is not None else None
+        # torch._scaled_mm wants both dimensions of the weight in multiples of 16
+        aligned = self.rows_count % 16 == 0 and self.cols % 16 == 0
+        self.w8a8_rows = w8a8_rows if self.row_scales is not None and aligned else None
 
     @property
     def nbytes(self) -> int:
