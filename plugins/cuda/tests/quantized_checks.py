@@ -185,3 +185,45 @@ def _paged_prompt_logits(executor, tokens: list[int]) -> torch.Tensor:
     with torch.inference_mode():
         normed, _ = executor._forward_plan(plan, executor.kv, executor.prefill_block_m)
         return executor.model.logits(normed[-1:])[0].float()
+
+
+def compile_for_hopper(kinds=(("q4_k", 16, 32), ("q6_k", 64, 64), ("q8_0", 16, 32)), act: str = "bf16") -> list[str]:
+    """Compile the product kernels of ``kinds`` (GGUF type, BLOCK_M, BLOCK_N), one embedding
+    gather and both FP8 products for an sm_90 GPU, through PTX and ptxas, without a GPU
+    (what the interpreter cannot check: layouts, the tensor-core shapes, the casts).
+    Returns one line per kernel."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from musegl_cuda.cuda import quantized as q
+
+    target = GPUTarget("cuda", 90, 32)
+    precision = "ieee" if act == "fp32" else "tf32"
+    done = []
+
+    def build(fn, signature: dict, constants: dict, name: str) -> None:
+        signature = {**signature, **{k: "constexpr" for k in constants}}
+        kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constants), target=target,
+                                options={"num_warps": 4})
+        assert kernel.asm.get("cubin"), name
+        done.append(f"{name}: {len(kernel.asm['cubin'])} bytes of sm_90 code")
+
+    for dtype, block_m, block_n in kinds:
+        code, vb, bb, pb = q.GGUF_LAYOUTS[dtype]
+        layout = dict(QTYPE=code, VB=vb, BB=bb, PB=pb, P=max(pb, q.POSITIONS))
+        build(q._gguf_matmul_kernel,
+              {"X": f"*{act}", "W": "*u8", "Y": f"*{act}", "M": "i32", "N": "i32", "nblocks": "i32",
+               "per_split": "i32", "stride_xm": "i32", "stride_wn": "i32", "stride_ym": "i32", "stride_ys": "i32"},
+              dict(layout, BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=precision), f"{dtype} {block_m}x{block_n}")
+    build(q._gguf_rows_kernel, {"Ids": "*i64", "W": "*u8", "Out": f"*{act}", "T": "i32", "nblocks": "i32",
+                                "stride_wn": "i32", "stride_out": "i32"},
+          dict(QTYPE=12, VB=256, BB=144, PB=128, P=128, BLOCK_T=16), "q4_k rows")
+    for tile in (True, False):
+        build(q._fp8_matmul_kernel,
+              {"X": f"*{act}", "W": "*u8", "S": "*fp32", "Y": f"*{act}", "M": "i32", "N": "i32", "K": "i32",
+               "per_split": "i32", "stride_xm": "i32", "stride_wn": "i32", "stride_ym": "i32", "stride_ys": "i32",
+               "stride_sn": "i32"},
+              dict(SBN=1 if tile else 128, SBK=6656 if tile else 64, BLOCK_M=16, BLOCK_N=32, BLOCK_K=128,
+                   TILE_SCALE=tile, PRECISION=precision), f"fp8 scaled per {'tile' if tile else 'value'}")
+    return done

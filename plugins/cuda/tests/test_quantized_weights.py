@@ -249,3 +249,14 @@ def test_serve_flags_are_checked_with_one_line(tmp_path):
         spec.create(ExecutorOptions(model=str(config), extra={**dummy, "quantization": "int4"}))
     with pytest.raises(ConfigError, match="--fp8-w8a8-rows must be a positive integer"):
         spec.create(ExecutorOptions(model=str(config), extra={**dummy, "fp8_w8a8_rows": 0}))
+
+
+@pytest.mark.slow  # Triton's compiler and ptxas on two cores: ~30 s (seconds from Triton's cache)
+def test_quantized_kernels_compile_for_hopper():
+    """The kernels as a GPU build compiles them (sm_90, bf16), which the interpreter does not
+    check; needs no GPU (Triton ships ptxas)."""
+    pytest.importorskip("triton")
+    sys.path.insert(0, str(HERE))
+    from quantized_checks import compile_for_hopper
+
+    assert len(compile_for_hopper()) == 6
