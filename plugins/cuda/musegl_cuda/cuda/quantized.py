@@ -12,8 +12,10 @@ matrix, one per output row, or one per 128 x 128 block).
   every step decodes a tile of weight bytes in registers and feeds it, in the
   activation dtype, to ``tl.dot`` with float32 accumulation. Decode steps (few
   rows) run one program per ``BLOCK_N`` weight rows covering every activation
-  row, so each weight byte is read once; prefill chunks run ``BLOCK_M = 64``
-  row tiles, the dequantized tile feeding the tensor cores.
+  row, so each weight byte is read once, and products of up to 16 rows split the
+  depth (:func:`depth_splits`) so that a matrix of few rows still fills the GPU;
+  prefill chunks run ``BLOCK_M = 64`` row tiles, the dequantized tile feeding the
+  tensor cores.
 * :func:`gguf_rows`: the embedding: rows gathered by token id and decoded.
 
 The nibble formats are not decoded into file order: a tile of ``P`` byte
