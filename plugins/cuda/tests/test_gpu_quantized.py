@@ -141,6 +141,7 @@ def test_quantization_fp8_on_cuda(tmp_path, w8a8_rows):
         assert _agreement(got, want) >= 0.9
 
 
+@pytest.mark.timeout(1500)  # every format at four widths, graphs captured for each
 def test_products_micro_benchmark():
     script = HERE.parents[2] / "benchmarks" / "gpu_quantized_products.py"
     done = subprocess.run([sys.executable, str(script), "--out", str(RESULTS), "--layers", "2"],
