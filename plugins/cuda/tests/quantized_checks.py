@@ -102,9 +102,12 @@ def check_fp8(device: str, act_dtype: torch.dtype, rows=(1, 5, 70), n: int = 200
             err = _rel(got, x.float().cpu().double() @ ref.double().T)
             results.append(dict(kind=f"fp8 {block}", rows=m, splits=splits, rel_err=err))
             assert err < tol, f"fp8 blocks {block} x {m} rows ({splits} splits): relative error {err}"
-    row_scales = torch.rand(n, 1, generator=gen) * 1e-3 + 1e-4
-    matrix = FP8Matrix(q.to(device), row_scales.to(device), (1, k), act_dtype, w8a8_rows=1)
-    ref = q.float() * row_scales
+    rows16 = n // 16 * 16  # torch._scaled_mm takes dimensions in multiples of 16
+    row_scales = torch.rand(rows16, 1, generator=gen) * 1e-3 + 1e-4
+    matrix = FP8Matrix(q[:rows16].to(device), row_scales.to(device), (1, k), act_dtype, w8a8_rows=1)
+    assert matrix.w8a8_rows == 1
+    assert FP8Matrix(q.to(device), torch.ones(n, 1, device=device), (1, k), act_dtype, 1).w8a8_rows is None
+    ref = q[:rows16].float() * row_scales
     for m in rows:
         x = torch.randn(m, k, generator=gen).to(device, act_dtype)
         xf = x.float().cpu()
