@@ -221,9 +221,16 @@ def run_musegl(args, checkpoint, rng, tok_s: dict[tuple[int, int], float]):
              weight_gb_total=round(sum(executor.weight_bytes.values()) / 1e9, 2))
     else:
         executor = TorchExecutor(checkpoint, device=args.device, dtype="bfloat16" if cuda else "float32",
-                                 dummy_seed=0, forward_sizes=forward_sizes(args))
+                                 dummy_seed=0, forward_sizes=forward_sizes(args), dummy_kind=args.weights_kind,
+                                 w8a8_rows=args.fp8_w8a8_rows)
         model = executor.model
-    if cuda and model is not None:
+    if cuda and model is not None and model.device_weights:  # random matrices as stored (--weights-kind)
+        weight_bytes = sum(executor.weight_bytes.values())
+        read_bytes = weight_bytes - model.embed_matrix.nbytes
+        bw = copy_bandwidth()
+        emit(figure="bandwidth", copy_gbps=round(bw / 1e9, 1), weight_gb=round(weight_bytes / 1e9, 2),
+             weights_kind=args.weights_kind, roofline_ms_per_token=round(read_bytes / bw * 1e3, 2))
+    elif cuda and model is not None:
         weight_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
                            if not n.endswith((".q_proj.weight", ".k_proj.weight", ".v_proj.weight",
                                               "attn.gate_proj.weight", "mlp.gate_proj.weight", ".up_proj.weight")))
@@ -809,6 +816,11 @@ def main() -> int:
     p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
                    help="the model split over N devices (rank processes; served: musegl serve "
                         "--tensor-parallel-size N, musegl bench's tokens/s per device)")
+    p.add_argument("--weights-kind", default=None,
+                   help="random matrices as stored instead of bf16: fp8 (e4m3, a scale per row), a GGUF type "
+                        "(q4_k, q5_k, q6_k, q8_0, q4_0) or q4_k_m (Q4_K_M's types per matrix); cuda only")
+    p.add_argument("--fp8-w8a8-rows", type=int, default=None,
+                   help="with --weights-kind fp8: products of at least N rows run W8A8 (default: the executor's)")
     p.add_argument("--baseline", action="store_true", help="also transformers on the same weights")
     p.add_argument("--baseline-steps", type=int, default=16)
     p.add_argument("--profile", action="store_true",

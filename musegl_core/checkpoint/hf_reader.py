@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from musegl_core.checkpoint.config import TextConfig
-from musegl_core.checkpoint.stored import StoredTensor
+from musegl_core.checkpoint.stored import FP8, StoredTensor
 
 # transformers' MuseGlimmerTextConfig class defaults, used
 # for every field a config.json leaves out.
@@ -293,6 +293,35 @@ def canonical_name(name: str) -> str:
     return name
 
 
+def fp8_scales(stored: list[tuple[str, str]], wanted: set[str]) -> dict[str, tuple[str, str]]:
+    """``weight name -> (file, stored name)`` of the FP8 scale tensors (``<x>.weight_scale``,
+    compressed-tensors; ``<x>.weight_scale_inv``, HF ``quant_method: fp8``) of wanted weights."""
+    found = {}
+    for stored_name, fname in stored:
+        for suffix in (".weight_scale", ".weight_scale_inv"):
+            if stored_name.endswith(suffix):
+                weight = canonical_name(stored_name[:-len(suffix)] + ".weight")
+                if weight in wanted:
+                    found[weight] = (fname, stored_name)
+    return found
+
+
+def fp8_weight_block(quant: dict[str, Any] | None) -> tuple[int, int] | None:
+    """The 2-D scale block of an FP8 ``quantization_config``: HF's ``weight_block_size``, or
+    the ``block_structure`` of a compressed-tensors weights scheme; None when it names none."""
+    if not quant:
+        return None
+    if quant.get("weight_block_size"):
+        bn, bk = quant["weight_block_size"]
+        return int(bn), int(bk)
+    for group in (quant.get("config_groups") or {}).values():
+        weights = (group or {}).get("weights") or {}
+        if weights.get("block_structure"):
+            bn, bk = weights["block_structure"]
+            return int(bn), int(bk)
+    return None
+
+
 class HFTextReader:
     """The text decoder of a Hugging Face Muse Glimmer directory.
 
@@ -328,6 +357,8 @@ class HFTextReader:
             shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
             raise ValueError(f"{self.path}: checkpoint lacks text weights {shown}")
         self._located = located
+        self._scales = fp8_scales(stored, wanted)
+        self._fp8_block = fp8_weight_block(raw.get("quantization_config") or text.get("quantization_config"))
         self.tensor_names = text_weight_names(self.config)
         self.file_type = self._file_type()
 
@@ -335,9 +366,48 @@ class HFTextReader:
         dtypes = set()
         for fname, stored in self._located.values():
             dtypes.add(self._files[fname].entries[stored]["dtype"].lower())
+        if "f8_e4m3" in dtypes:
+            return FP8
         return dtypes.pop() if len(dtypes) == 1 else "mixed"
 
+    def _fp8(self, name: str) -> StoredTensor | None:
+        """The weight ``name`` as an ``f8_e4m3`` :class:`StoredTensor` when the checkpoint
+        stores it in FP8 (e4m3 with a ``weight_scale`` / ``weight_scale_inv`` beside it),
+        else None. The scales' layout follows their shape: one value (per tensor),
+        ``(rows, 1)`` (per output row) or 2-D blocks of the config's ``weight_block_size``
+        (HF ``quant_method: fp8``) / ``block_structure`` (compressed-tensors)."""
+        fname, stored = self._located[name]
+        entry = self._files[fname].entries[stored]
+        if entry["dtype"] != "F8_E4M3":
+            return None
+        if name not in self._scales:
+            raise ValueError(f"{self.path}: {stored} is FP8 but has no weight_scale or weight_scale_inv")
+        rows, cols = want = expected_shape(self.config, name)
+        bits = self._files[fname]._raw(stored, np.uint8).copy()
+        if bits.shape != want:
+            raise ValueError(f"{self.path}: {stored} has shape {bits.shape}, expected {want}")
+        sfile, sname = self._scales[name]
+        scales = self._files[sfile].read(sname)
+        if scales.size == 1:
+            block, scales = (rows, cols), scales.reshape(1, 1)
+        elif scales.reshape(-1).shape[0] == rows and scales.ndim <= 2 and (scales.ndim == 1 or scales.shape[1] == 1):
+            block, scales = (1, cols), scales.reshape(rows, 1)
+        else:
+            if self._fp8_block is None:
+                raise ValueError(f"{self.path}: {sname} has shape {scales.shape} but the config names no "
+                                 "weight block size")
+            block = self._fp8_block
+            expect = (-(-rows // block[0]), -(-cols // block[1]))
+            if scales.shape != expect:
+                raise ValueError(f"{self.path}: {sname} has shape {scales.shape}, expected {expect} for blocks "
+                                 f"of {block[0]} x {block[1]}")
+        return StoredTensor(name, FP8, want, bits, scales=np.ascontiguousarray(scales, dtype=np.float32),
+                            scale_block=block)
+
     def read(self, name: str) -> np.ndarray:
+        fp8 = self._fp8(name)
+        if fp8 is not None:
+            return fp8.to_float32()
         fname, stored = self._located[name]
         array = self._files[fname].read(stored)
         want = expected_shape(self.config, name)
@@ -350,6 +420,9 @@ class HFTextReader:
         want = expected_shape(self.config, name)
         if len(want) == 1:
             return StoredTensor(name, "f32", want, self.read(name))
+        fp8 = self._fp8(name)
+        if fp8 is not None:
+            return fp8
         fname, stored = self._located[name]
         dtype, array = self._files[fname].read_stored(stored)
         if array.shape != want:

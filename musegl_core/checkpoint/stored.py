@@ -19,6 +19,12 @@ operations, so they apply to quantized rows unchanged).
   the ggml blocks of each logical row, in file order. Blocks run along the
   input (last) dimension: ``row_bytes = shape[-1] // block_size * type_size``.
 
+- ``f8_e4m3`` (FP8 checkpoints, :data:`FP8`): ``uint8`` array of ``shape``, the
+  float8 e4m3fn bit patterns, with float32 :attr:`StoredTensor.scales` over
+  blocks of :attr:`StoredTensor.scale_block` ``(bn, bk)`` values: ``W[i, j] =
+  q[i, j] · scales[i // bn, j // bk]`` (one scale for the whole matrix:
+  ``(rows, cols)``; one per output row: ``(1, cols)``; 128 x 128 blocks).
+
 1-D tensors (the norms) are always ``f32``: the centered norms' stored ``+1``
 is removed in float32, as :meth:`Checkpoint.read` does.
 """
@@ -32,6 +38,17 @@ import gguf
 import numpy as np
 
 HALF_DTYPES = ("f16", "bf16")
+#: The dtype tag of float8 e4m3fn weights with block scales.
+FP8 = "f8_e4m3"
+
+
+def e4m3_to_float32(bits: np.ndarray) -> np.ndarray:
+    """float8 e4m3fn bit patterns (uint8) as float32, exactly: the bits moved into a
+    float16's sign, exponent and mantissa give the value times 2^-8 (normal and
+    subnormal alike). The NaN patterns (0x7F, 0xFF) decode as ±480, which no quantizer writes."""
+    bits = np.asarray(bits, dtype=np.uint8).astype(np.uint16)
+    half = ((bits & 0x80) << 8) | ((bits & 0x7F) << 7)
+    return half.view(np.float16).astype(np.float32) * np.float32(256.0)
 
 
 def ggml_type_name(qtype: gguf.GGMLQuantizationType) -> str:
@@ -50,6 +67,9 @@ class StoredTensor:
     dtype: str
     shape: tuple[int, ...]
     data: np.ndarray = attrs.field(repr=False)
+    #: ``f8_e4m3`` only: float32 scales ``(ceil(rows/bn), ceil(cols/bk))`` and the block ``(bn, bk)``
+    scales: np.ndarray | None = attrs.field(default=None, repr=False)
+    scale_block: tuple[int, int] | None = None
 
     @property
     def quantized(self) -> bool:
@@ -68,7 +88,7 @@ class StoredTensor:
 
     @property
     def nbytes(self) -> int:
-        return int(self.data.nbytes)
+        return int(self.data.nbytes) + (0 if self.scales is None else int(self.scales.nbytes))
 
     def to_float32(self) -> np.ndarray:
         """The values as a new float32 array of ``shape`` (what :meth:`Checkpoint.read` gives)."""
@@ -78,6 +98,13 @@ class StoredTensor:
             return self.data.astype(np.float32)
         if self.dtype == "bf16":
             return (self.data.astype(np.uint32) << 16).view(np.float32)
+        if self.dtype == FP8:
+            assert self.scales is not None and self.scale_block is not None
+            bn, bk = self.scale_block
+            rows, cols = self.shape
+            scales = np.asarray(self.scales, dtype=np.float32)
+            full = np.repeat(np.repeat(scales, bn, axis=0)[:rows], bk, axis=1)[:, :cols]
+            return e4m3_to_float32(self.data) * full
         try:
             values = gguf.quants.dequantize(self.data, self.ggml_type)
         except NotImplementedError:

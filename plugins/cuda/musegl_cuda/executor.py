@@ -13,7 +13,10 @@ sequences of a step (the reference path, at parity with transformers). The
 CPU keeps the checkpoint's matrices as stored by default (``weights="stored"``:
 float16, bfloat16, GGUF Q8_0/Q4_0/Q4_K bytes, multiplied by the kernels of
 :mod:`musegl_cuda.cpu`); ``weights="upcast"`` converts them to the activation
-dtype at load, as CUDA always does. A float32 checkpoint runs the same either way. On CUDA (bfloat16 by
+dtype at load. A float32 checkpoint runs the same either way. On CUDA a quantized
+checkpoint (GGUF blocks, FP8) stays as stored by default, in the Triton kernels of
+:mod:`musegl_cuda.cuda.quantized` (:mod:`musegl_cuda.cuda.device_weights`); others are
+upcast. On CUDA (bfloat16 by
 default) a step is flattened once into a :class:`~musegl_cuda.cuda.plan.StepPlan`
 and runs through the Triton kernels of :mod:`musegl_cuda.cuda.kernels`: paged
 attention over every sequence at once, fused norms; decode-only steps whose
@@ -51,6 +54,7 @@ from musegl_cuda.cpu.stored_matrix import HalfRows
 from musegl_cuda.drafts import DraftRows
 from musegl_cuda.model import AttentionBatch, DecodeAttention, MuseGlimmerDecoder, PagedMeta, SequenceAttention
 from musegl_cuda.parallel.shard import TensorShard
+from musegl_cuda.quantization import QUANTIZATIONS, quantized_stored
 from musegl_cuda.cuda import dense_attention
 from musegl_cuda.cuda.plan import StepPlan, plan_step, rows_per_tile
 from musegl_cuda.vision import load_vision_encoder
@@ -132,17 +136,30 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
     return DTYPES[dtype_name(dtype)]
 
 
-def resolve_weights(weights: str | None, device: torch.device, dtype: torch.dtype, file_type: str = "") -> str:
+#: Checkpoint precisions that are not quantized: on CUDA they load ``upcast`` by default.
+UNQUANTIZED_FILE_TYPES = ("f32", "f16", "bf16", "mixed", "")
+
+
+def resolve_weights(weights: str | None, device: torch.device, dtype: torch.dtype, file_type: str = "",
+                    quantization: str | None = None) -> str:
     """``None`` means ``stored`` on the CPU with float32 activations for a checkpoint not
-    stored in float32 (a float32 one runs the float32 reference path), else ``upcast``."""
+    stored in float32 (a float32 one runs the float32 reference path), ``stored`` on CUDA
+    for a quantized checkpoint (GGUF blocks, FP8) or with ``quantization``, else ``upcast``.
+    ``quantization`` (``fp8``) needs ``stored``; on the CPU, float32 activations too."""
+    if quantization is not None and quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
+    cpu32 = device.type == "cpu" and dtype == torch.float32
     if weights is None:
-        cpu32 = device.type == "cpu" and dtype == torch.float32
-        return "stored" if cpu32 and file_type not in ("f32", "") else "upcast"
+        if device.type == "cuda":
+            return "stored" if quantization or file_type not in UNQUANTIZED_FILE_TYPES else "upcast"
+        return "stored" if cpu32 and (quantization or file_type not in ("f32", "")) else "upcast"
     if weights not in WEIGHT_MODES:
         raise ValueError(f"weights must be one of {', '.join(WEIGHT_MODES)}, got {weights!r}")
-    if weights == "stored" and (device.type != "cpu" or dtype != torch.float32):
-        raise ValueError("weights 'stored' runs on the CPU with float32 activations "
+    if weights == "stored" and device.type != "cuda" and not cpu32:
+        raise ValueError("weights 'stored' runs on CUDA, or on the CPU with float32 activations "
                          f"(got device {device.type}, dtype {str(dtype).removeprefix('torch.')})")
+    if quantization is not None and weights != "stored":
+        raise ValueError(f"quantization {quantization!r} keeps the weights quantized: it needs weights 'stored'")
     return weights
 
 
@@ -187,7 +204,8 @@ class TorchExecutor:
                  limits: ExecutorLimits | None = None, forward_sizes: Sequence[int] | None = None,
                  dummy_seed: int | None = None, vision: VisionWeights | None = None,
                  weights: str | None = None, async_steps: bool | None = None,
-                 shard: TensorShard | None = None) -> None:
+                 shard: TensorShard | None = None, quantization: str | None = None,
+                 w8a8_rows: int | None = None, dummy_kind: str | None = None) -> None:
         """``forward_sizes``: decode widths to capture as CUDA graphs (None: the
         defaults on CUDA; ignored on the CPU; empty: no graphs).
         ``dummy_seed``: don't read weights, make random ones on the device
@@ -200,14 +218,27 @@ class TorchExecutor:
         (None: on CUDA, where the host's work then overlaps the device's; the
         CPU path computes every step when it is launched, so it gains nothing).
         ``shard``: run one rank's part of a tensor-parallel model
-        (:mod:`musegl_cuda.parallel`; None: the whole model)."""
+        (:mod:`musegl_cuda.parallel`; None: the whole model). ``quantization``: ``fp8``
+        quantizes half-precision matrices to e4m3 at load (:mod:`musegl_cuda.quantization`).
+        ``w8a8_rows``: on CUDA, FP8 products of at least this many rows run W8A8
+        (:data:`~musegl_cuda.cuda.device_weights.W8A8_ROWS` when None). ``dummy_kind``: with
+        ``dummy_seed`` on CUDA, random matrices as stored of this kind (``fp8``, a GGUF type, or
+        ``q4_k_m``; ``quantization="fp8"`` means ``fp8``), for timing runs without a file."""
         if block_size <= 0:
             raise ValueError("block_size must be positive")
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
-        self.weights = resolve_weights(weights, self.device, self.dtype, getattr(checkpoint, "file_type", ""))
-        if dummy_seed is not None:
+        self.weights = resolve_weights(weights, self.device, self.dtype, getattr(checkpoint, "file_type", ""),
+                                       quantization)
+        self.quantization = quantization
+        dummy_kind = dummy_kind or quantization
+        if dummy_seed is not None and dummy_kind and self.device.type != "cuda":
+            raise ValueError("quantization with dummy weights runs on CUDA (random matrices made as stored)")
+        if dummy_seed is not None and not (dummy_kind and self.device.type == "cuda"):
             self.weights = "upcast"  # random weights are made in the activation dtype
+            self.quantization = None
+        elif dummy_seed is not None:
+            self.weights = "stored"  # random matrices as stored (device_weights.random_matrix)
         self.block_size = block_size
         self.paged = self.device.type == "cuda"
         if self.paged:
@@ -241,13 +272,23 @@ class TorchExecutor:
         #: weight bytes per dtype tag after loading (the memory the weights take)
         self.weight_bytes: dict[str, int] = {}
         with torch.inference_mode():
-            self.model = MuseGlimmerDecoder(config, self.dtype, self.device, stored=self.weights == "stored",
-                                            shard=shard)
-            if dummy_seed is not None:
+            on_device = self.weights == "stored" and self.device.type == "cuda"
+            self.model = MuseGlimmerDecoder(config, self.dtype, self.device,
+                                            stored=self.weights == "stored" and not on_device, shard=shard,
+                                            device_weights=on_device)
+            if dummy_seed is not None and on_device:
+                self.weight_bytes = self.model.randomize_device(dummy_seed, dummy_kind, w8a8_rows)
+            elif dummy_seed is not None:
                 self.model.randomize(dummy_seed)
+            elif on_device:  # CUDA: the matrices as stored (musegl_cuda.cuda.device_weights)
+                for stored in checkpoint.iter_stored():
+                    self.model.load_device(stored, self.quantization, w8a8_rows)
+                self.weight_bytes = self.model.finish_device()
             elif self.weights == "stored":
                 for stored in checkpoint.iter_stored():
-                    self.model.load_stored(stored)
+                    # --quantization fp8 on the CPU: quantized, then decoded back to float32 at
+                    # load (exactly the weights a GPU run holds)
+                    self.model.load_stored(quantized_stored(stored) if self.quantization else stored)
                 self.weight_bytes = self.model.finish_stored()
             else:
                 loaded = set()
@@ -373,6 +414,14 @@ class TorchExecutor:
                                       c.sliding_window, attn.qkvg.shape[0], attn.gate_offset)
             torch.cuda.synchronize(self.device)
         log.info("attention kernels ready: %d kinds of launch in %.1f s", launches, time.perf_counter() - started)
+        if self.model.device_weights:  # the weight products' launches of prefill and mixed steps
+            from musegl_cuda.cuda.device_weights import warm_products
+
+            started = time.perf_counter()
+            with torch.inference_mode():
+                products = warm_products(self.model.device_matrices(), self.model.embed_matrix)
+                torch.cuda.synchronize(self.device)
+            log.info("weight product kernels ready: %d products in %.1f s", products, time.perf_counter() - started)
         if self.dense_prefill:  # cuDNN's plans for the sequence-starting chunk lengths up to the prefill chunk
             started = time.perf_counter()
             with torch.inference_mode():

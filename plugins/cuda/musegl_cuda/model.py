@@ -9,7 +9,10 @@ With ``stored=True`` (the CPU default, see :mod:`musegl_cuda.cpu`) the
 matrices are not torch parameters: each is a :class:`StoredMatrix` holding the
 checkpoint's bytes (float16, bfloat16, GGUF Q8_0/Q4_0/Q4_K, or float32), and
 q/k/v/gate and gate/up are each one stacked matrix where their dtypes agree.
-Activations stay float32.
+Activations stay float32. With ``device_weights=True`` (CUDA's ``--weights stored``) the
+matrices are device matrices of :mod:`musegl_cuda.cuda.device_weights` instead (GGUF
+blocks or FP8 on the GPU, multiplied by Triton kernels), grouped the same way, and the
+activations keep the model dtype.
 
 With a :class:`~musegl_cuda.parallel.shard.TensorShard` of several ranks the
 decoder is one rank's part of the model (tensor parallelism): its layers have
@@ -88,6 +91,7 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype, device=device),
                                    requires_grad=False)
         self.stored: StoredMatrix | None = None  # set in stored mode; then ``weight`` is on "meta"
+        self.matrix = None  # CUDA weights as stored (musegl_cuda.cuda.device_weights); ``weight`` on "meta"
 
     @classmethod
     def rows_of(cls, fused: nn.Parameter, start: int, stop: int) -> "Linear":
@@ -97,11 +101,14 @@ class Linear(nn.Module):
         nn.Module.__init__(layer)
         layer.weight = nn.Parameter(fused.data[start:stop], requires_grad=False)
         layer.stored = None
+        layer.matrix = None
         return layer
 
     def forward(self, x: torch.Tensor, half: HalfRows | None = None) -> torch.Tensor:
         if self.stored is not None:
             return self.stored.matmul(x, half)
+        if self.matrix is not None:
+            return self.matrix.matmul(x)
         if x.device.type == "cpu" and x.dim() == 2 and x.shape[0] <= SMALL_BATCH_ROWS:
             return (self.weight @ x.t()).t()
         return F.linear(x, self.weight)
@@ -233,6 +240,7 @@ class Attention(nn.Module):
         nq, nkv = config.num_heads * hd, config.num_kv_heads * hd
         self.qkvg = nn.Parameter(torch.empty(2 * nq + 2 * nkv, h, dtype=dtype, device=wdev), requires_grad=False)
         self.qkvg_stored: StoredGroup | None = None
+        self.qkvg_matrix = None  # CUDA weights as stored: a device_weights.MatrixGroup
         self.q_proj = Linear.rows_of(self.qkvg, 0, nq)
         self.k_proj = Linear.rows_of(self.qkvg, nq, nq + nkv)
         self.v_proj = Linear.rows_of(self.qkvg, nq + nkv, nq + 2 * nkv)
@@ -244,9 +252,10 @@ class Attention(nn.Module):
     def forward(self, a: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], batch: AttentionBatch,
                 k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         rows = a.shape[0]
-        if self.qkvg_stored is not None:
+        if self.qkvg_stored is not None or self.qkvg_matrix is not None:
             nq, nkv = self.q_rows, self.kv_rows
-            qkvg = self.qkvg_stored.matmul(a, batch.half)
+            qkvg = (self.qkvg_stored.matmul(a, batch.half) if self.qkvg_stored is not None
+                    else self.qkvg_matrix.matmul(a))
             q = qkvg[:, :nq].reshape(rows, self.num_heads, self.head_dim)
             k = qkvg[:, nq:nq + nkv].reshape(rows, self.num_kv_heads, self.head_dim)
             v = qkvg[:, nq + nkv:nq + 2 * nkv].reshape(rows, self.num_kv_heads, self.head_dim)
@@ -329,6 +338,7 @@ class MLP(nn.Module):
         h, f = config.hidden_size, config.intermediate_size
         self.gate_up = nn.Parameter(torch.empty(2 * f, h, dtype=dtype, device=wdev), requires_grad=False)
         self.gate_up_stored: StoredGroup | None = None
+        self.gate_up_matrix = None  # CUDA weights as stored: a device_weights.MatrixGroup
         self.gate_proj = Linear.rows_of(self.gate_up, 0, f)
         self.up_proj = Linear.rows_of(self.gate_up, f, 2 * f)
         self.down_proj = Linear(f, h, dtype, wdev)
@@ -338,6 +348,9 @@ class MLP(nn.Module):
         if self.gate_up_stored is not None:
             gu = self.gate_up_stored.matmul(x, half)
             return self.down_proj(F.silu(gu[:, :self.ffn]) * gu[:, self.ffn:], half)
+        if self.gate_up_matrix is not None:
+            gu = self.gate_up_matrix.matmul(x)
+            return self.down_proj(F.silu(gu[:, :self.ffn]) * gu[:, self.ffn:])
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -368,24 +381,30 @@ class MuseGlimmerDecoder(nn.Module):
     """Embedding (+ weight-less norm), decoder layers, final norm and softcapped head."""
 
     def __init__(self, config: TextConfig, dtype: torch.dtype, device: torch.device, stored: bool = False,
-                 shard: TensorShard | None = None) -> None:
+                 shard: TensorShard | None = None, device_weights: bool = False) -> None:
         """``stored``: matrices come from :meth:`load_stored` as :class:`StoredMatrix`
         (CPU, float32 activations only); the torch parameters stay unallocated on "meta".
+        ``device_weights``: matrices come from :meth:`load_device` in their stored form on the
+        GPU (:mod:`musegl_cuda.cuda.device_weights`; the forward is :meth:`forward_paged`).
         ``shard``: this rank's part of a tensor-parallel model (None: the whole model)."""
         super().__init__()
         if stored and (device.type != "cpu" or dtype != torch.float32):
             raise ValueError("stored weights run on the CPU with float32 activations only")
+        if device_weights and shard is not None and shard.plan.size > 1:
+            raise ValueError("weights as stored on CUDA run without tensor parallelism")
         self.config = config
         self.dtype = dtype
         self.stored = stored
+        self.device_weights = device_weights
         self.shard = shard = shard or TensorShard.single(config)
         #: the config as this rank's layers see it (its heads, KV heads, MLP width)
         self.local = local = shard.plan.local_config(config)
         vocab = shard.plan.vocab.size  # this rank's rows of the embedding and the head
-        wdev = torch.device("meta") if stored else device
+        wdev = torch.device("meta") if stored or device_weights else device
         h = config.hidden_size
         self.embed_tokens = nn.Parameter(torch.empty(vocab, h, dtype=dtype, device=wdev), requires_grad=False)
         self.embed_stored: StoredMatrix | DenseMatrix | None = None
+        self.embed_matrix = None  # CUDA weights as stored
         self.layers = nn.ModuleList(DecoderLayer(local, i, dtype, device, wdev, shard)
                                     for i in range(config.num_layers))
         self.norm = nn.Parameter(torch.ones(h, dtype=torch.float32, device=device), requires_grad=False)
@@ -470,6 +489,59 @@ class MuseGlimmerDecoder(nn.Module):
             mlp.down_proj.stored = pending.pop(p + "mlp.down_proj.weight")
         return self.stored_bytes()
 
+    def load_device(self, stored: StoredTensor, quantization: str | None = None,
+                    w8a8_rows: int | None = None) -> None:
+        """Take one checkpoint weight in its stored form onto the GPU (``device_weights``):
+        1-D weights go through :meth:`load_weight`, matrices become device matrices
+        (:func:`~musegl_cuda.cuda.device_weights.device_matrix`; ``quantization="fp8"``
+        quantizes half-precision ones). Call :meth:`finish_device` after the last one."""
+        from musegl_cuda.cuda.device_weights import W8A8_ROWS, device_matrix
+
+        if len(stored.shape) == 1:
+            self.load_weight(stored.name, torch.from_numpy(stored.to_float32()))
+            return
+        self._target(stored.name)  # a known name
+        self._pending[stored.name] = device_matrix(stored, self.norm.device, self.dtype, quantization,
+                                                   W8A8_ROWS if w8a8_rows is None else w8a8_rows)
+
+    def finish_device(self) -> dict[str, int]:
+        """Put the matrices of :meth:`load_device` in place (q/k/v/gate and gate/up grouped,
+        stacked where their types agree); returns the weight bytes per stored dtype."""
+        from musegl_cuda.cuda.device_weights import MatrixGroup
+
+        pending = self._pending
+        missing = [n for n in self.weight_names(self.config) if n not in pending and "norm" not in n]
+        if missing:
+            raise ValueError(f"checkpoint did not provide {missing[:5]}")
+        total: dict[str, int] = {}
+
+        def count(*matrices) -> None:
+            for m in matrices:
+                total[m.dtype] = total.get(m.dtype, 0) + m.nbytes
+
+        self.embed_matrix = pending.pop("embed_tokens.weight")
+        self.lm_head.matrix = pending.pop("lm_head.weight")
+        count(self.embed_matrix, self.lm_head.matrix)
+        for i, layer in enumerate(self.layers):
+            p = f"layers.{i}."
+            attn, mlp = layer.self_attn, layer.mlp
+            attn.qkvg_matrix = MatrixGroup([pending.pop(p + f"self_attn.{n}.weight")
+                                            for n in ("q_proj", "k_proj", "v_proj", "gate_proj")])
+            attn.o_proj.matrix = pending.pop(p + "self_attn.o_proj.weight")
+            mlp.gate_up_matrix = MatrixGroup([pending.pop(p + f"mlp.{n}.weight") for n in ("gate_proj", "up_proj")])
+            mlp.down_proj.matrix = pending.pop(p + "mlp.down_proj.weight")
+            count(*attn.qkvg_matrix.parts, attn.o_proj.matrix, *mlp.gate_up_matrix.parts, mlp.down_proj.matrix)
+        return total
+
+    def device_matrices(self) -> list:
+        """Every matrix of :meth:`load_device` (``device_weights``): the groups' parts,
+        the outputs, the MLP's down and the head (not the embedding, :attr:`embed_matrix`)."""
+        found = [self.lm_head.matrix]
+        for layer in self.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            found += [*attn.qkvg_matrix.parts, attn.o_proj.matrix, *mlp.gate_up_matrix.parts, mlp.down_proj.matrix]
+        return found
+
     def stored_bytes(self) -> dict[str, int]:
         """Bytes of the stored matrices per dtype tag (stored mode)."""
         total: dict[str, int] = {}
@@ -495,6 +567,31 @@ class MuseGlimmerDecoder(nn.Module):
             else:
                 target.normal_(0.0, 1.0 if name == "embed_tokens.weight" else std, generator=generator)
 
+    def randomize_device(self, seed: int, kind: str, w8a8_rows: int | None = None, std: float = 0.02
+                         ) -> dict[str, int]:
+        """:meth:`randomize` for ``device_weights``: random matrices as stored, ``kind``
+        ``fp8`` or a GGUF type (``q4_k_m``: Q4_K_M's types per matrix;
+        :func:`~musegl_cuda.cuda.device_weights.random_matrix`), made one at a time on the
+        device; norms at their identity. Returns the weight bytes per stored dtype."""
+        from musegl_cuda.cuda.device_weights import W8A8_ROWS, random_matrix
+
+        from musegl_core.checkpoint.hf_reader import expected_shape
+
+        generator = torch.Generator(self.norm.device).manual_seed(seed)
+        for name in self.weight_names(self.config):
+            target = self._target(name)
+            if isinstance(target, CenteredRMSNorm):
+                target.scale.fill_(1.0)
+            elif name == "norm.weight":
+                target.fill_(1.0)
+            else:
+                rows, cols = expected_shape(self.config, name)
+                self._pending[name] = random_matrix(name, rows, cols, kind, self.config.num_layers,
+                                                    self.norm.device, self.dtype, generator,
+                                                    1.0 if name == "embed_tokens.weight" else std,
+                                                    W8A8_ROWS if w8a8_rows is None else w8a8_rows)
+        return self.finish_device()
+
     @staticmethod
     def weight_names(config: TextConfig) -> tuple[str, ...]:
         return text_weight_names(config)
@@ -510,6 +607,8 @@ class MuseGlimmerDecoder(nn.Module):
         flat = tokens.reshape(-1)
         if self.embed_stored is not None:
             rows = self.shard.embedding(self.embed_stored.dequantize, flat)
+        elif self.embed_matrix is not None:
+            rows = self.shard.embedding(self.embed_matrix.rows, flat)
         else:
             rows = self.shard.embedding(lambda ids: F.embedding(ids, self.embed_tokens), flat)
         return rows.view(*tokens.shape, -1)
@@ -574,7 +673,7 @@ class MuseGlimmerDecoder(nn.Module):
             attn = layer.self_attn
             k_flat = kv[i][0].view(-1, kv_heads, hd)
             v_flat = kv[i][1].view(-1, kv_heads, hd)
-            qkvg = F.linear(x, attn.qkvg)
+            qkvg = F.linear(x, attn.qkvg) if attn.qkvg_matrix is None else attn.qkvg_matrix.matmul(x)
             q = kernels.qk_norm_rope_store(qkvg, cos, sin, meta.slots, k_flat, v_flat, heads, kv_heads, hd,
                                            attn.eps, attn.qk_scale, attn.use_rope)
             if meta.dense is not None and not attn.sliding:
@@ -583,11 +682,12 @@ class MuseGlimmerDecoder(nn.Module):
                 y = kernels.gated_attention(q, k_flat, v_flat, meta.block_size, meta.tables, meta.tiles,
                                             meta.num_tiles, meta.splits_of(attn.sliding), meta.block_m,
                                             c.sliding_window, attn.sliding, attn.scaling, qkvg, attn.gate_offset)
-            o = reduce(F.linear(y, attn.o_proj.weight))
+            o = reduce(attn.o_proj(y))
             post, pre = layer.post_attention_layernorm, layer.pre_feedforward_layernorm
             h, x = kernels.add_norm(o, h, post.scale, post.eps, pre.scale, pre.eps)
             mlp = layer.mlp
-            down = reduce(F.linear(kernels.silu_mul(F.linear(x, mlp.gate_up)), mlp.down_proj.weight))
+            gate_up = F.linear(x, mlp.gate_up) if mlp.gate_up_matrix is None else mlp.gate_up_matrix.matmul(x)
+            down = reduce(mlp.down_proj(kernels.silu_mul(gate_up)))
             post = layer.post_feedforward_layernorm
             if i + 1 < len(layers):
                 nxt = layers[i + 1].input_layernorm

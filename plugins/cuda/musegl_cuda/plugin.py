@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 
 LOAD_FORMATS = ("auto", "dummy")
 WEIGHT_MODES = ("stored", "upcast")
+QUANTIZATIONS = ("fp8",)  # musegl_cuda.quantization.QUANTIZATIONS (not imported here: it imports torch)
 
 
 @hookimpl
@@ -40,9 +41,18 @@ def musegl_serve_options(group) -> None:
                        help="auto: read the checkpoint's weights; dummy: random weights made on the device "
                             "(seeded, repeatable), --model needs only a config.json")
     group.add_argument("--weights", default=None, choices=WEIGHT_MODES,
-                       help="stored: keep the checkpoint's matrices as stored (f16, bf16, GGUF Q8_0/Q4_0/Q4_K) "
-                            "and multiply them with kernels that read them directly (the torch-cpu default with "
-                            "--dtype float32); upcast: convert every weight to --dtype at load (cuda: always)")
+                       help="stored: keep the checkpoint's matrices as stored and multiply them with kernels "
+                            "that read them directly (torch-cpu: f16, bf16, GGUF Q8_0/Q4_0/Q4_K, the default with "
+                            "--dtype float32; cuda: GGUF Q8_0/Q4_0/Q4_K/Q5_K/Q6_K and FP8, the default for "
+                            "quantized checkpoints); upcast: convert every weight to --dtype at load")
+    group.add_argument("--quantization", default=None, choices=QUANTIZATIONS,
+                       help="fp8: quantize f16/bf16/f32 matrices at load to float8 e4m3 with one scale per "
+                            "output row (cuda: kept in 8 bits; torch-cpu: decoded back to float32, for "
+                            "checking); needs --weights stored (the default with it)")
+    group.add_argument("--fp8-w8a8-rows", type=int, default=None, metavar="N",
+                       help="cuda, FP8 weights with one scale per tensor or row: products of at least N rows "
+                            "quantize the activations per row and run torch._scaled_mm (W8A8), fewer rows "
+                            "dequantize the weights in a Triton kernel (default 32)")
     group.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
                        help="split the model over N devices (one process per GPU: cuda:0 .. cuda:N-1; on the "
                             "CPU N processes sharing the cores); N must divide the attention heads and the MLP "
@@ -68,6 +78,20 @@ def weight_mode(options: ExecutorOptions) -> str | None:
     value = options.extra.get("weights")
     if value is not None and value not in WEIGHT_MODES:
         raise ConfigError(f"--weights must be one of {', '.join(WEIGHT_MODES)}, got {value!r}")
+    return value
+
+
+def quantization(options: ExecutorOptions) -> str | None:
+    value = options.extra.get("quantization")
+    if value is not None and value not in QUANTIZATIONS:
+        raise ConfigError(f"--quantization must be one of {', '.join(QUANTIZATIONS)}, got {value!r}")
+    return value
+
+
+def w8a8_rows(options: ExecutorOptions) -> int | None:
+    value = options.extra.get("fp8_w8a8_rows")
+    if value is not None and (not isinstance(value, int) or value < 1):
+        raise ConfigError(f"--fp8-w8a8-rows must be a positive integer, got {value!r}")
     return value
 
 
@@ -156,12 +180,20 @@ def _create(options: ExecutorOptions, default_device: str) -> "TorchExecutor":
 
     size = tensor_parallel_size(options)
     if size > 1:
+        if quantization(options) is not None:
+            raise ConfigError("--quantization runs without --tensor-parallel-size")
         return _create_parallel(options, default_device, size)
     sizes = parse_forward_sizes(options.extra.get("forward_sizes"))
     async_steps = False if options.extra.get("sync_steps") else None  # None: the device's default
     if load_format(options) == "dummy":
-        return TorchExecutor(read_config_only(options.model), device=options.device or default_device,  # type: ignore[arg-type]
-                             dtype=options.dtype, forward_sizes=sizes, dummy_seed=0, async_steps=async_steps)
+        try:
+            return TorchExecutor(read_config_only(options.model), device=options.device or default_device,  # type: ignore[arg-type]
+                                 dtype=options.dtype, forward_sizes=sizes, dummy_seed=0, async_steps=async_steps,
+                                 quantization=quantization(options), w8a8_rows=w8a8_rows(options))
+        except ValueError as exc:
+            if str(exc).startswith("quantization"):
+                raise ConfigError(f"--quantization: {exc}") from None
+            raise
     checkpoint = load_checkpoint(options.model, progress=options.progress)
     vision = None
     try:
@@ -169,8 +201,11 @@ def _create(options: ExecutorOptions, default_device: str) -> "TorchExecutor":
         try:
             return TorchExecutor(checkpoint, device=options.device or default_device, dtype=options.dtype,
                                  forward_sizes=sizes, vision=vision, weights=weight_mode(options),
-                                 async_steps=async_steps)
+                                 async_steps=async_steps, quantization=quantization(options),
+                                 w8a8_rows=w8a8_rows(options))
         except ValueError as exc:
+            if str(exc).startswith("quantization"):
+                raise ConfigError(f"--quantization: {exc}") from None
             if "weights 'stored'" in str(exc):
                 raise ConfigError(f"--weights stored: {exc}") from None
             raise

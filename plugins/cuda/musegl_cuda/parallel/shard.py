@@ -152,6 +152,8 @@ class ShardPlan:
         rows, cols = self.split(stored.name)
         if len(stored.shape) < 2 or (rows is None and cols is None):
             return stored
+        if stored.scales is not None:  # FP8: its blocks of scales would need slicing too
+            raise ValueError(f"{stored.name}: FP8 weights run without tensor parallelism")
         data = stored.data
         shape = list(stored.shape)
         if rows is not None:

@@ -1,0 +1,325 @@
+"""Weight matrices on the GPU in their stored form (``--weights stored`` on CUDA).
+
+A :class:`~musegl_core.checkpoint.stored.StoredTensor` becomes one of:
+
+* :class:`GGUFMatrix`: GGUF ``Q8_0``/``Q4_0``/``Q4_K``/``Q5_K``/``Q6_K`` blocks as the
+  file stores them, multiplied and gathered by :mod:`musegl_cuda.cuda.quantized`;
+* :class:`FP8Matrix`: float8 e4m3 weights with float32 block scales (an FP8
+  checkpoint as published, or a half-precision matrix quantized at load with
+  ``--quantization fp8``: one scale per output row). A product of fewer than
+  ``w8a8_rows`` activation rows dequantizes the weights in the Triton kernel
+  (weight-only); a wider one quantizes the activations per row to e4m3 and runs
+  ``torch._scaled_mm`` (W8A8), where the scales allow it (one per matrix or per
+  output row, and both dimensions multiples of 16; other matrices always run weight-only);
+* :class:`DenseMatrix`: every other matrix (f16/bf16/f32, and GGUF types without a
+  kernel here, decoded at load) in the activation dtype, through ``F.linear``.
+
+Every class offers ``matmul(x)`` (``x @ W^T`` in ``x.dtype``), ``rows(ids)`` (the
+embedding's gather, decoded) and ``nbytes``; :class:`MatrixGroup` stacks the
+matrices that share an input (q/k/v/gate, gate/up). Nothing here reads a device
+value on the host, so decode steps capture into CUDA graphs as with bf16.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from musegl_core.checkpoint.stored import FP8, HALF_DTYPES, StoredTensor
+from musegl_cuda.cuda.quantized import GGUF_LAYOUTS, fp8_matmul, gguf_matmul, gguf_rows
+from musegl_cuda.quantization import E4M3_MAX, quantize_fp8
+
+log = logging.getLogger("musegl.cuda")
+
+#: GGUF products of at least this many activation rows decode the whole matrix into a
+#: scratch in the activation dtype (``gguf_rows``) and run ``F.linear`` (cuBLAS) on it, instead
+#: of the Triton kernel's dequantized tiles; None: the kernel at every width. Not yet measured
+#: on a GPU: ``benchmarks/gpu_quantized_products.py`` times both (``q4_k`` against
+#: ``q4_k_via_bf16`` at the prefill chunk) so that this can follow the faster.
+SCRATCH_ROWS: int | None = None
+#: Products of at least this many activation rows run W8A8 (``torch._scaled_mm``), fewer
+#: rows weight-only (the Triton kernel); ``--fp8-w8a8-rows`` sets it. Not yet measured on a
+#: GPU: ``benchmarks/gpu_fp8_products.py`` times both ways at 1 and 64 rows and a prefill
+#: chunk, so that this default can follow the faster one for each.
+W8A8_ROWS = 32
+
+
+class DenseMatrix:
+    """A matrix in the activation dtype, multiplied by ``F.linear``."""
+
+    kind = "dense"
+
+    def __init__(self, weight: torch.Tensor, source_dtype: str) -> None:
+        self.weight = weight.contiguous()
+        self.rows_count, self.cols = self.weight.shape
+        self.dtype = source_dtype
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight.numel() * self.weight.element_size()
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight)
+
+    @staticmethod
+    def concat(parts: list["DenseMatrix"]) -> "DenseMatrix":
+        return DenseMatrix(torch.cat([p.weight for p in parts]), parts[0].dtype)
+
+
+class GGUFMatrix:
+    """GGUF blocks on the device: ``data`` uint8 ``(rows, row_bytes)``."""
+
+    kind = "gguf"
+
+    def __init__(self, dtype: str, data: torch.Tensor, rows: int, cols: int, act_dtype: torch.dtype,
+                 scratch_rows: int | None = SCRATCH_ROWS) -> None:
+        if dtype not in GGUF_LAYOUTS:
+            raise ValueError(f"no CUDA kernel for GGUF type {dtype!r}")
+        _, vb, bb, _ = GGUF_LAYOUTS[dtype]
+        if cols % vb or tuple(data.shape) != (rows, cols // vb * bb) or data.dtype != torch.uint8:
+            raise ValueError(f"{dtype} data of shape {tuple(data.shape)} is not {rows} rows of {cols} values")
+        self.dtype = dtype
+        self.data = data.contiguous()
+        self.rows_count, self.cols = rows, cols
+        self.act_dtype = act_dtype
+        self.scratch_rows = scratch_rows  # see SCRATCH_ROWS
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel()
+
+    def matmul(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        if self.scratch_rows is not None and x.shape[0] >= self.scratch_rows:
+            every = torch.arange(self.rows_count, device=self.data.device)
+            y = F.linear(x, gguf_rows(every, self.data, self.dtype, self.cols, x.dtype))
+            return y if out is None else out.copy_(y)
+        return gguf_matmul(x.contiguous(), self.data, self.dtype, self.rows_count, self.cols, out)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        return gguf_rows(ids.contiguous(), self.data, self.dtype, self.cols, self.act_dtype)
+
+    @staticmethod
+    def concat(parts: list["GGUFMatrix"]) -> "GGUFMatrix":
+        first = parts[0]
+        return GGUFMatrix(first.dtype, torch.cat([p.data for p in parts]), sum(p.rows_count for p in parts),
+                          first.cols, first.act_dtype, first.scratch_rows)
+
+
+class FP8Matrix:
+    """float8 e4m3 weights ``(rows, cols)`` with float32 ``scales`` over ``block`` (see the
+    module docstring for which products run weight-only and which W8A8)."""
+
+    kind = "fp8"
+    dtype = FP8
+
+    def __init__(self, weight: torch.Tensor, scales: torch.Tensor, block: tuple[int, int],
+                 act_dtype: torch.dtype, w8a8_rows: int | None = W8A8_ROWS) -> None:
+        self.weight = weight.view(torch.float8_e4m3fn).contiguous()
+        self.rows_count, self.cols = self.weight.shape
+        bn, bk = block
+        if bn >= self.rows_count and bk >= self.cols:  # one scale: the same as one per row
+            scales = scales.reshape(1, 1).expand(self.rows_count, 1)
+            bn, bk = 1, self.cols
+        self.block = (bn, bk)
+        self.scales = scales.to(torch.float32).contiguous()
+        want = (-(-self.rows_count // bn), -(-self.cols // bk))
+        if tuple(self.scales.shape) != want:
+            raise ValueError(f"FP8 scales of shape {tuple(self.scales.shape)} for {self.rows_count} x {self.cols} "
+                             f"in blocks {block}: expected {want}")
+        self.act_dtype = act_dtype
+        #: per-row scales (one per output channel): the layout ``torch._scaled_mm`` takes
+        self.row_scales = self.scales.reshape(1, -1) if (bn, bk) == (1, self.cols) else None
+        # torch._scaled_mm wants both dimensions of the weight in multiples of 16
+        aligned = self.rows_count % 16 == 0 and self.cols % 16 == 0
+        self.w8a8_rows = w8a8_rows if self.row_scales is not None and aligned else None
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight.numel() + self.scales.numel() * 4
+
+    def dequantized(self) -> torch.Tensor:
+        """The float32 matrix ``q · scale``."""
+        bn, bk = self.block
+        full = self.scales.repeat_interleave(bn, 0)[:self.rows_count].repeat_interleave(bk, 1)[:, :self.cols]
+        return self.weight.float() * full
+
+    def matmul(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        if self.w8a8_rows is not None and x.shape[0] >= self.w8a8_rows:
+            y = self.w8a8(x)
+            return y if out is None else out.copy_(y)
+        return fp8_matmul(x.contiguous(), self.weight, self.scales, self.block, out)
+
+    def w8a8(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ W^T`` with ``x`` quantized per row to e4m3 (scale ``amax/448``), through
+        ``torch._scaled_mm`` with the weight's per-row scales; float32 accumulation."""
+        xf = x.float()
+        x_scale = (xf.abs().amax(dim=-1, keepdim=True) / E4M3_MAX).clamp_(min=1e-12)
+        xq = (xf / x_scale).clamp_(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+        return torch._scaled_mm(xq, self.weight.t(), scale_a=x_scale, scale_b=self.row_scales, out_dtype=x.dtype)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        bn, bk = self.block
+        picked = self.weight.view(torch.uint8)[ids].view(torch.float8_e4m3fn).float()  # gathers as bytes
+        scales = self.scales[ids // bn].repeat_interleave(bk, 1)[:, :self.cols]
+        return (picked * scales).to(self.act_dtype)
+
+    @staticmethod
+    def concat(parts: list["FP8Matrix"]) -> "FP8Matrix":
+        first = parts[0]
+        weight = torch.cat([p.weight.view(torch.uint8) for p in parts])  # concatenated as bytes
+        return FP8Matrix(weight, torch.cat([p.scales for p in parts]), first.block, first.act_dtype, first.w8a8_rows)
+
+    def stacks_with(self, other: "FP8Matrix") -> bool:
+        bn = self.block[0]
+        return other.block == self.block and other.cols == self.cols and self.rows_count % bn == 0
+
+
+DeviceMatrix = DenseMatrix | GGUFMatrix | FP8Matrix
+
+
+def _on_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A checkpoint array (often a read-only view of the mapped file) copied onto ``device``."""
+    if device.type == "cpu":
+        return torch.from_numpy(np.array(array, copy=True))
+    with warnings.catch_warnings():  # read-only: torch only reads it, for the copy to the device
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(array).to(device)
+
+
+def device_matrix(stored: StoredTensor, device: torch.device, act_dtype: torch.dtype,
+                  quantization: str | None = None, w8a8_rows: int | None = W8A8_ROWS) -> DeviceMatrix:
+    """``stored`` (a 2-D weight) on ``device`` in its stored form (see the module docstring);
+    ``quantization="fp8"`` quantizes a f16/bf16/f32 matrix to e4m3 on the device first."""
+    rows, cols = stored.shape
+    if stored.dtype in GGUF_LAYOUTS and cols % GGUF_LAYOUTS[stored.dtype][1] == 0:
+        data = _on_device(stored.data, device)
+        return GGUFMatrix(stored.dtype, data, rows, cols, act_dtype)
+    if stored.dtype == FP8:
+        assert stored.scales is not None and stored.scale_block is not None
+        weight = _on_device(stored.data, device).view(torch.float8_e4m3fn)
+        scales = _on_device(stored.scales, device)
+        return FP8Matrix(weight, scales, stored.scale_block, act_dtype, w8a8_rows)
+    if stored.dtype in ("f32",) + HALF_DTYPES:
+        values = _on_device(stored.data, device)
+        if stored.dtype == "bf16":
+            values = values.view(torch.bfloat16)
+        if quantization == "fp8":
+            q, scales = quantize_fp8(values)
+            return FP8Matrix(q, scales, (1, cols), act_dtype, w8a8_rows)
+        return DenseMatrix(values.to(act_dtype), stored.dtype)
+    log.warning("%s: GGUF type %s has no CUDA kernel; decoded to %s at load", stored.name, stored.dtype,
+                str(act_dtype).removeprefix("torch."))
+    return DenseMatrix(torch.from_numpy(stored.to_float32()).to(device, act_dtype), stored.dtype)
+
+
+def _stacks(last: DeviceMatrix, part: DeviceMatrix) -> bool:
+    if type(last) is not type(part) or last.cols != part.cols or last.dtype != part.dtype:
+        return False
+    return not isinstance(last, FP8Matrix) or last.stacks_with(part)  # type: ignore[arg-type]
+
+
+class MatrixGroup:
+    """Matrices sharing one input (q/k/v/gate, gate/up): ``matmul`` returns their outputs
+    side by side. Consecutive parts of one kind and type are stacked into one matrix (a
+    uniform checkpoint runs one product per group; a Q4_K_M file's Q6_K v beside Q4_K
+    q/k/gate runs three)."""
+
+    def __init__(self, parts: list[DeviceMatrix]) -> None:
+        merged: list[list[DeviceMatrix]] = []
+        for part in parts:
+            if merged and _stacks(merged[-1][-1], part):
+                merged[-1].append(part)
+            else:
+                merged.append([part])
+        self.parts: list[DeviceMatrix] = [run[0] if len(run) == 1 else type(run[0]).concat(run)  # type: ignore
+                                          for run in merged]
+        self.rows_count = sum(p.rows_count for p in self.parts)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if len(self.parts) == 1:
+            return self.parts[0].matmul(x)
+        return torch.cat([p.matmul(x) for p in self.parts], dim=1)
+
+
+#: Row counts :func:`warm_products` runs: every tile size of
+#: :func:`~musegl_cuda.cuda.quantized.product_tiles` with a row count that is not a multiple
+#: of 16 (Triton compiles those apart), and a prefill-sized multiple of 16; the decode
+#: graphs' widths (1, 2, 4 ... 128) compile their own at capture.
+WARM_ROWS = (3, 17, 33, 65, 80)
+
+
+def warm_products(matrices: list[DeviceMatrix], embedding: DeviceMatrix | None, rows=WARM_ROWS) -> int:
+    """Run one product of each distinct kind of matrix (kind, type, shape) at each of
+    ``rows``, and the embedding's gather, so that Triton compiles the launches a step can
+    make before serving rather than under the first requests (the decode graphs compile
+    only their own widths). Returns the number of products run."""
+    seen: dict[tuple, DeviceMatrix] = {}
+    for m in matrices:
+        if not isinstance(m, DenseMatrix):
+            seen.setdefault((type(m), m.dtype, m.rows_count, m.cols, getattr(m, "block", None)), m)
+    launches = 0
+    for matrix in seen.values():
+        for count in rows:
+            x = torch.zeros(count, matrix.cols, dtype=matrix.act_dtype, device=matrix_device(matrix))
+            matrix.matmul(x)
+            launches += 1
+    if embedding is not None and not isinstance(embedding, DenseMatrix):
+        for count in (1, 16, 17):
+            embedding.rows(torch.zeros(count, dtype=torch.long, device=matrix_device(embedding)))
+    return launches
+
+
+def matrix_device(matrix: DeviceMatrix) -> torch.device:
+    return matrix.data.device if isinstance(matrix, GGUFMatrix) else matrix.weight.device
+
+
+def _more_bits(layer: int, layers: int) -> bool:
+    """llama.cpp's ``use_more_bits``: the layers whose attn_v / ffn_down get Q6_K in Q4_K_M."""
+    return layer < layers // 8 or layer >= 7 * layers // 8 or (layer - layers // 8) % 3 == 2
+
+
+def q4_k_m_type(name: str, layers: int) -> str:
+    """The GGUF type ``llama-quantize`` gives the matrix ``name`` (transformers name) in a
+    Q4_K_M file: Q6_K for the head and for v_proj / down_proj of the layers
+    ``use_more_bits`` picks, Q4_K for the rest."""
+    if name == "lm_head.weight":
+        return "q6_k"
+    if name.endswith(("self_attn.v_proj.weight", "mlp.down_proj.weight")):
+        return "q6_k" if _more_bits(int(name.split(".")[1]), layers) else "q4_k"
+    return "q4_k"
+
+
+#: ``random_matrix`` kinds besides the GGUF types: ``fp8`` and ``q4_k_m`` (Q4_K_M's types).
+DUMMY_KINDS = ("fp8", "q4_k_m", *GGUF_LAYOUTS)
+
+
+def random_matrix(name: str, rows: int, cols: int, kind: str, layers: int, device: torch.device,
+                  act_dtype: torch.dtype, generator: torch.Generator, std: float,
+                  w8a8_rows: int | None = W8A8_ROWS) -> DeviceMatrix:
+    """A random matrix as stored, made on the device (``--load-format dummy`` with weights
+    as stored: timing runs at a shape without a file). ``fp8``: N(0, std²) values quantized
+    per row; a GGUF type (``q4_k_m``: :func:`q4_k_m_type`): random blocks whose float16
+    ``d``/``dmin`` are a fixed small value (values within about ±0.3)."""
+    if kind == "fp8":
+        values = torch.empty(rows, cols, dtype=act_dtype, device=device).normal_(0.0, std, generator=generator)
+        return FP8Matrix(*quantize_fp8(values), (1, cols), act_dtype, w8a8_rows)
+    dtype = q4_k_m_type(name, layers) if kind == "q4_k_m" else kind
+    _, vb, bb, _ = GGUF_LAYOUTS[dtype]
+    raw = torch.randint(0, 256, (rows, cols // vb, bb), dtype=torch.uint8, device=device, generator=generator)
+    small = torch.tensor([2e-4 if dtype in ("q4_k", "q5_k") else 2e-5 if dtype == "q6_k" else 5e-3],
+                         dtype=torch.float16).view(torch.uint8).to(device)
+    spots = {"q8_0": (0,), "q4_0": (0,), "q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,)}[dtype]
+    for at in spots:
+        raw[:, :, at:at + 2] = small
+    return GGUFMatrix(dtype, raw.reshape(rows, -1), rows, cols, act_dtype)
