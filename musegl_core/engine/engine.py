@@ -38,6 +38,7 @@ from musegl_core.engine.admission import Admission
 from musegl_core.engine.detokenize import IncrementalDetokenizer, hidden_ids
 from musegl_core.engine.executor import DEFAULT_PREFILL_CHUNK, Executor, ExecutorLimits, TokenLogprobs
 from musegl_core.engine.identity import prompt_keys, split_keys
+from musegl_core.engine.kv_memory import room_line
 from musegl_core.engine.kv_pool import KVPool
 from musegl_core.engine.launch_gate import LaunchGate
 from musegl_core.engine.kv_sizing import plan_pool
@@ -159,6 +160,9 @@ class Engine:
         if self.speculator.taps and callable(expect_taps):
             expect_taps(tuple(self.speculator.taps))
         executor.allocate_kv(self.pool.num_blocks)
+        log.info("%s", room_line(device_blocks=self.pool.num_blocks, block_size=block_size,
+                                 block_bytes=executor.kv_bytes_per_block() + self.speculator.kv_bytes_per_block(),
+                                 max_context=config.max_context))
         self.speculator.allocate_kv(self.pool.num_blocks)
         self.sessions = SessionTable(
             self.pool,
@@ -362,14 +366,13 @@ class Engine:
         """Start the queued requests that may run now (:meth:`Admission.dispatch`)."""
         self.admission.dispatch()
 
-    def _start(self, request: PreparedRequest, session: Session, waited: float) -> None:
-        """Run ``request`` on ``session`` (it waited ``waited`` seconds in the queue)."""
-        self._queue_seconds[request.id] = waited
-        session.active = True
-        session.last_used = time.monotonic()
-        if request.sampling.seed is None:  # every draw is keyed by (seed, position)
-            request = attrs.evolve(request, sampling=attrs.evolve(request.sampling, seed=random_seed()))
+    def _start(self, request: PreparedRequest, session: Session, waited: float) -> int | None:
+        """Run ``request`` on ``session`` (it waited ``waited`` seconds in the queue). Blocks on
+        demand: the request reserves the KV blocks it may still take to its end; when the pool
+        has not them even after idle sessions made room, nothing starts and the blocks it
+        lacked are returned (the session keeps the prefix it shares with the prompt)."""
         keys = prompt_keys(request.prompt_ids, request.images)
+        replay = None
         if session.name is not None and session.clean and session.replay.turns:
             plan = request.replay
             if plan is not None and plan.log is session.replay:
@@ -378,13 +381,23 @@ class Engine:
                 replayed, kept = self.replayer.apply(session.replay, keys)
             if len(replayed) + request.completion_reservation <= self.config.max_context:
                 keys = replayed
-                session.replay = ReplayLog(session.replay.executed, kept)
+                replay = ReplayLog(session.replay.executed, kept)
         prompt, images = split_keys(keys, request)
-        if images != request.images:
-            request = attrs.evolve(request, images=images)
         reused = self.sessions.attach(session, keys)  # a dirty session reuses nothing
         session.clean = True  # its cache now holds exactly ``keys[:reused]``
         max_new = min(request.max_tokens or self.config.max_context, self.config.max_context - len(prompt))
+        need = self.sessions.run_blocks(session, reused, len(prompt) + max_new)
+        if not self.sessions.reserve_run(session, need):
+            return need
+        if replay is not None:
+            session.replay = replay
+        if images != request.images:
+            request = attrs.evolve(request, images=images)
+        self._queue_seconds[request.id] = waited
+        session.active = True
+        session.last_used = time.monotonic()
+        if request.sampling.seed is None:  # every draw is keyed by (seed, position)
+            request = attrs.evolve(request, sampling=attrs.evolve(request.sampling, seed=random_seed()))
         seq = SequenceState(
             request=request,
             handle=self._next_handle,
@@ -403,6 +416,7 @@ class Engine:
         if self.trace is not None:
             self.trace.request("admitted", seq.id, prompt=seq.prompt_len, cached=seq.cached, waited=round(waited, 6))
         self.emit(ev.Admitted(seq.id, seq.prompt_len, seq.cached))
+        return None
 
     def _cancel(self, request_id: str) -> None:
         seq = self.scheduler.by_id.get(request_id)
@@ -471,8 +485,7 @@ class Engine:
         session = seq.session
         # Positions with K/V in the cache: the prompt and every generated token but the last.
         session.tokens = seq.keys[: seq.computed]
-        if len(session.slot.blocks) > self.pool.blocks_for(seq.computed):
-            session.slot.truncate(self.pool.blocks_for(seq.computed))
+        self.sessions.end_run(session, seq.computed)  # blocks on demand: it keeps what it filled
         if reason is not None:  # not after an executor failure
             self.sessions.publish(session)
         success = reason in ("stop", "length")
