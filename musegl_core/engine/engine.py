@@ -84,6 +84,9 @@ class EngineConfig:
     throughput_log_interval: float = 10.0  # seconds between throughput lines while busy (0: none)
     spec_verify_rows: int | None = None  # the verify-rows budget (None: the executor's; 0: none)
     trace_steps: str | None = None  # a file for the step and request timeline (engine/trace.py)
+    #: sliding layers keep only their window on the device, where the executor offers it
+    #: (``--sliding-window-kv``, ``use_sliding_pages``; docs/engine.md "Sliding layers keep their window")
+    sliding_window_kv: bool = False
 
     @classmethod
     def from_serve(cls, config) -> "EngineConfig":
@@ -155,14 +158,16 @@ class Engine:
         self.speculator = speculator or NoSpeculator()
         self.clock = clock
         block_size = executor.block_size
-        self.pool = KVPool(plan_pool(config, executor, self.speculator), block_size)
+        companions, window = self._sliding_pages(config, executor)
+        blocks = plan_pool(config, executor, self.speculator)
+        self.pool = KVPool(blocks * (1 + companions), block_size, companions)
         expect_taps = getattr(executor, "expect_taps", None)  # optional (docs/executor.md section 8)
         if self.speculator.taps and callable(expect_taps):
             expect_taps(tuple(self.speculator.taps))
         executor.allocate_kv(self.pool.num_blocks)
-        log.info("%s", room_line(device_blocks=self.pool.num_blocks, block_size=block_size,
+        log.info("%s", room_line(device_blocks=blocks, block_size=block_size,
                                  block_bytes=executor.kv_bytes_per_block() + self.speculator.kv_bytes_per_block(),
-                                 max_context=config.max_context))
+                                 max_context=config.max_context, companions=companions, window=window))
         self.speculator.allocate_kv(self.pool.num_blocks)
         self.sessions = SessionTable(
             self.pool,
@@ -173,6 +178,7 @@ class Engine:
             prefix_caching=config.prefix_caching,
             idle_timeout=config.session_idle_timeout,
             soft_idle_timeout=config.soft_session_idle_timeout,
+            window=window,
         )
         limits = executor.limits
         drafts = config.max_decode_sequences * self.speculator.max_draft
@@ -187,7 +193,9 @@ class Engine:
             taps=tuple(self.speculator.taps),
             mask_threads=grammar_threads(config.grammar_threads, limits),
             budget=self.prefill_budget,
-            sharing=PrefillSharing(self.pool, self.sessions.cache) if self.sessions.cache is not None else None,
+            sharing=(PrefillSharing(self.pool, self.sessions.cache)
+                     if self.sessions.cache is not None and not companions else None),
+            window=window,
         )
         self.end_ids = frozenset(tokenizer.end_of_generation_ids)
         self.replayer = Replayer(tokenizer, self.end_ids)
@@ -212,6 +220,17 @@ class Engine:
             log.info("speculation: up to %d drafts a sequence; %s", self.speculator.max_draft,
                      "no verify-rows budget" if budget is None else
                      f"at most {budget} verify rows a step (more than {budget // 2} decoding sequences: no drafts)")
+
+    def _sliding_pages(self, config: EngineConfig, executor: Executor) -> tuple[int, int | None]:
+        """Sliding layers keep their window when the executor offers it (optional
+        ``use_sliding_pages()``: it switches to the paged layout of layer groups and returns
+        (sliding pages per block, window), or None) and nothing reads the cache outside the
+        executor (no speculator); (0, None) otherwise."""
+        use = getattr(executor, "use_sliding_pages", None)
+        if not (config.sliding_window_kv and callable(use)) or self.speculator.max_draft or self.speculator.taps:
+            return 0, None
+        found = use()
+        return (0, None) if found is None else found
 
     # -- thread-safe commands ---------------------------------------------------------
     def submit(self, request: PreparedRequest) -> None:

@@ -87,15 +87,25 @@ def sessions_held(memory: int, shape: KVShape, positions: int, itemsize: int, sl
 
 
 def room_line(*, device_blocks: int, block_size: int, block_bytes: int, max_context: int,
-              host_bytes: int | None = None) -> str:
+              host_bytes: int | None = None, companions: int = 0, window: int | None = None) -> str:
     """The start-up line that states the KV room (``musegl serve`` logs it): the device pool in
-    bytes, positions and sessions of ``--max-context``, and the host tier."""
+    bytes, positions and sessions of ``--max-context``, and the host tier. ``device_blocks`` of
+    ``block_bytes`` (every layer); with sliding pages (``companions`` per block, ``window``) a
+    session's sliding layers keep only the blocks a window reaches."""
     positions = device_blocks * block_size
     per_session = -(-max_context // block_size)
-    sessions = device_blocks // per_session
-    line = (f"KV room: device {human(device_blocks * block_bytes)} = {positions:,} positions "
-            f"({device_blocks:,} blocks of {block_size}) = {sessions:,} session{'s' if sessions != 1 else ''} of "
-            f"--max-context {max_context:,} at once (blocks on demand: shorter sessions hold less)")
+    if companions and window:
+        pages = device_blocks * (1 + companions)
+        session_pages = per_session + companions * min(per_session, -(-window // block_size) + 1)
+        sessions = pages // session_pages
+        room = (f"{positions:,} positions of every layer, or {pages:,} pages of {block_size} positions "
+                f"(sliding layers keep their window of {window:,})")
+    else:
+        sessions = device_blocks // per_session
+        room = f"{positions:,} positions ({device_blocks:,} blocks of {block_size})"
+    line = (f"KV room: device {human(device_blocks * block_bytes)} = {room} = {sessions:,} "
+            f"session{'s' if sessions != 1 else ''} of --max-context {max_context:,} at once "
+            f"(blocks on demand: shorter sessions hold less)")
     if host_bytes:
         host_positions = host_bytes // block_bytes * block_size
         line += (f"; host tier {human(host_bytes)} = {host_positions:,} positions = "

@@ -84,7 +84,7 @@ class Slot:
 
     @classmethod
     def open(cls, pool: KVPool, budget: int = 0) -> "Slot":
-        pool.reserve(budget)
+        pool.reserve(budget * pool.pages_per_block)
         return cls(pool, [], budget)
 
     @property
@@ -94,12 +94,12 @@ class Slot:
     def grow(self, blocks: int) -> None:
         """Reserve ``blocks`` more (:class:`~musegl_core.engine.kv_pool.PoolExhausted` when the pool has not them)."""
         if blocks > 0:
-            self.pool.reserve(blocks)
+            self.pool.reserve(blocks * self.pool.pages_per_block)
             self.reserved += blocks
 
     def settle(self) -> None:
         """Give back every reserved block: the slot holds what it filled, nothing more."""
-        self.pool.unreserve(self.reserved)
+        self.pool.unreserve(self.reserved * self.pool.pages_per_block)
         self.reserved = 0
 
     def take_block(self) -> int:
@@ -114,25 +114,33 @@ class Slot:
         nothing; reviving a cached one takes a free block nobody reserved:
         :class:`~musegl_core.engine.kv_pool.PoolExhausted` when there is none)."""
         if self.reserved > 0:
-            self.pool.unreserve(1)
+            self.pool.unreserve(self.pool.pages_per_block)
             self.reserved -= 1
-        elif self.pool.refcount(block) < 1 and self.pool.available_blocks < 1:
+        elif self.pool.refcount(block) < 1 and self.pool.available_blocks < self.pool.pages(block):
             raise PoolExhausted("no free KV block to revive a cached one")
         self.blocks.append(self.pool.share(block))
 
-    def copy_on_write(self, index: int) -> tuple[int, int] | None:
+    def copy_on_write(self, index: int) -> list[tuple[int, int]]:
         """Replace immutable block ``blocks[index]`` (shared, or keyed by the prefix
-        cache) by a private copy taken from this slot's reservation (which
-        counts the copies a run may make, :meth:`SessionTable.run_blocks`); returns (src, dst) for the executor to copy, or None when
-        the pool handed the same block back (a cached block evicted for its own copy:
-        its contents are already in place)."""
+        cache) by a private copy taken from this slot's reservation (which counts the
+        copies a run may make, :meth:`SessionTable.run_blocks`); returns the (src, dst)
+        pages for the executor to copy: none when the pool handed the same block back
+        (a cached block evicted for its own copy: its contents are already in place);
+        with sliding pages, the block's and its companions'."""
+        pool = self.pool
         old = self.blocks[index]
-        if not self.pool.immutable(old):
+        if not pool.immutable(old):
             raise RuntimeError("copy-on-write of a block nobody else holds")
-        self.pool.release(old)  # held elsewhere or cached, so its contents stay
+        if pool.companions:  # the copy first: the old block and its sliding pages stay put meanwhile
+            new = self.take_block()
+            pairs = [(old, new)] + list(zip(pool.companion_pages(old) or (), pool.companion_pages(new)))
+            pool.release(old)
+            self.blocks[index] = new
+            return pairs
+        pool.release(old)  # held elsewhere or cached, so its contents stay
         new = self.take_block()
         self.blocks[index] = new
-        return None if new == old else (old, new)
+        return [] if new == old else [(old, new)]
 
     def truncate(self, keep: int, rereserve: bool = True) -> None:
         """Release every block after the first ``keep``. ``rereserve``: the slot may
@@ -143,7 +151,7 @@ class Slot:
         for block in reversed(dropped):  # the tail first, so cached tails are evicted first
             self.pool.release(block)
         if rereserve:
-            self.pool.reserve(len(dropped))
+            self.pool.reserve(len(dropped) * self.pool.pages_per_block)
             self.reserved += len(dropped)
 
     def close(self) -> None:
@@ -211,8 +219,12 @@ class SessionTable:
     """Named sessions, anonymous temporary sessions and snapshots, with LRU eviction."""
 
     def __init__(self, pool: KVPool, *, max_sessions: int, max_context: int, snapshots: int, evict_idle: bool,
-                 prefix_caching: bool = True, idle_timeout: float | None = None, soft_idle_timeout: float = 600.0):
+                 prefix_caching: bool = True, idle_timeout: float | None = None, soft_idle_timeout: float = 600.0,
+                 window: int | None = None):
         self.pool = pool
+        #: with sliding pages: the sliding layers' window (a reused prefix needs their K/V of its last
+        #: ``window`` positions)
+        self.window = window
         self.max_sessions = max_sessions
         self.max_context = max_context
         self.snapshot_capacity = snapshots
@@ -371,9 +383,23 @@ class SessionTable:
             session.slot.truncate(0, rereserve=False)
             reuse = min(reuse, self._adopt(session.slot, snapshot.slot.blocks[: self.pool.blocks_for(reuse)]))
             snapshot.last_used = time.monotonic()
+        if not self.window_kept(session.slot.blocks, reuse):
+            # sliding pages: the window before ``reuse`` went back to the pool; its K/V would take a
+            # recomputation of (sliding layers x window) positions, about as long as the history here
+            reuse = 0
+            session.slot.truncate(0, rereserve=False)
         session.tokens = list(prompt[:reuse])
         assert len(session.slot.blocks) * block_size >= reuse
         return reuse
+
+    def window_kept(self, blocks: Sequence[int], reuse: int) -> bool:
+        """Whether ``blocks`` still hold the sliding layers' K/V of the ``window`` positions
+        before ``reuse`` (always without sliding pages)."""
+        if not self.pool.companions or reuse == 0:
+            return True
+        size = self.pool.block_size
+        first = max(0, reuse - self.window) // size
+        return all(self.pool.has_window(b) for b in blocks[first: self.pool.blocks_for(reuse)])
 
     def _adopt(self, slot: Slot, blocks: Sequence[int]) -> int:
         """Adopt ``blocks`` in order until the pool has no free block to revive a cached
@@ -406,9 +432,10 @@ class SessionTable:
         """Reserve ``blocks`` for a request starting on ``session``, making room
         (:meth:`make_room`) when the pool has not them free; False (nothing reserved)
         when even then it has not."""
-        if blocks > self.pool.available_blocks:
-            self.make_room(blocks, keep=session)
-        if blocks > self.pool.available_blocks:
+        pages = blocks * self.pool.pages_per_block
+        if pages > self.pool.available_blocks:
+            self.make_room(pages, keep=session)
+        if pages > self.pool.available_blocks:
             return False
         session.slot.grow(blocks)
         return True
@@ -421,8 +448,8 @@ class SessionTable:
             slot.truncate(self.pool.blocks_for(computed), rereserve=False)
         slot.settle()
 
-    def make_room(self, blocks: int, keep: Session | None = None) -> None:
-        """Free KV blocks until ``blocks`` are available: drop idle soft sessions, then
+    def make_room(self, pages: int, keep: Session | None = None) -> None:
+        """Free KV pages (blocks without sliding pages) until ``pages`` are available: drop idle soft sessions, then
         snapshots, then (``--evict-idle-sessions``) idle named sessions, least recently
         used first. Their keyed blocks stay cached (and free) for the prefix cache."""
         pool = self.pool
@@ -436,7 +463,7 @@ class SessionTable:
                 yield from (s for s in idle if not s.soft)
 
         for victim in list(victims()):
-            if pool.available_blocks >= blocks:
+            if pool.available_blocks >= pages:
                 return
             if isinstance(victim, Snapshot):
                 self.snapshots.remove(victim)
@@ -448,7 +475,13 @@ class SessionTable:
     def kv_shortfall(self, blocks: int) -> str:
         """Why ``blocks`` could not be reserved, with the numbers (a 503's message)."""
         pool = self.pool
-        idle = sum(len(s.slot.blocks) for s in self.named.values() if s.idle)
+        idle = sum(pool.pages(b) for s in self.named.values() if s.idle for b in s.slot.blocks)
+        if pool.companions:  # counted in pages
+            blocks *= pool.pages_per_block
+            return (f"the KV cache is full: a request needs {blocks} KV pages (a block of {pool.block_size} "
+                    f"positions is {pool.pages_per_block} pages with its sliding layers'), {pool.available_blocks} "
+                    f"of {pool.num_blocks} are free; idle named sessions hold {idle}"
+                    + ("" if self.evict_idle else " (start the server with --evict-idle-sessions to evict idle ones)"))
         hint = "" if self.evict_idle else " (start the server with --evict-idle-sessions to evict idle ones)"
         return (f"the KV cache is full: a request needs {blocks} KV blocks of {pool.block_size} positions, "
                 f"{pool.available_blocks} of {pool.num_blocks} are free; idle named sessions hold {idle}{hint}")
