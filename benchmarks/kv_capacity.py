@@ -36,13 +36,12 @@ import sys
 import tempfile
 from pathlib import Path
 
+import attrs
 import httpx
 
 from common import free_port, server_process
 from musegl_core.tiny import PRESETS, make_tiny
 from musegl_core.tokenizer import MuseTokenizer
-
-import attrs
 
 WINDOW = 8
 
@@ -87,6 +86,12 @@ def run(label: str, python: str, model: Path, args, factor: float, extra: list[s
                                                                   else []), *extra]
     fit = sessions_that_fit(python, model, flags)
     max_sessions = fit if fit is not None else args.sessions
+    if max_sessions == 0:  # the checkout refuses to start: not one session of --max-context fits
+        figure = {"label": label, "flags": extra, "prefix_caching": not args.no_prefix_caching, "python": python,
+                  "max_context": max_context, "kv_cache_memory": args.kv_cache_memory, "max_sessions": 0,
+                  "sessions": args.sessions, "warm": 0, "refused": "no session of --max-context fits"}
+        print(json.dumps(figure), flush=True)
+        return figure
     port = free_port()
     command = [python, "-m", "musegl_core.cli.main", "serve", str(model), "--port", str(port),
                "--max-sessions", str(max_sessions), *flags]
@@ -108,11 +113,9 @@ def run(label: str, python: str, model: Path, args, factor: float, extra: list[s
                 usage = chat(f"s{i}", messages, 4)
                 histories.append((f"s{i}", messages, usage["prompt_tokens"]))
             warm = 0
-            ratios = []
             for name, messages, prompt in reversed(histories):
                 usage = chat(name, messages, 1)
                 cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
-                ratios.append(cached / prompt)
                 warm += cached >= 0.95 * prompt
     figure = {"label": label, "flags": extra, "prefix_caching": not args.no_prefix_caching, "python": python,
               "max_context": max_context, "history_tokens": histories[0][2],

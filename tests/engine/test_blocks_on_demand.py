@@ -5,6 +5,7 @@ requests or makes room from idle sessions, else fails naming the numbers."""
 
 from __future__ import annotations
 
+import attrs
 import pytest
 
 from musegl_core.engine import events as ev
@@ -119,7 +120,7 @@ def test_soft_sessions_and_snapshots_give_way_before_named_ones(tokenizer):
                                 evict_idle_sessions=True)
     engine.submit(request("named", prompt_of(0), session="keep"))
     engine.run_until_idle()
-    soft = attrs_evolve(request("soft", prompt_of(1), session="soft"), soft_session=True)
+    soft = attrs.evolve(request("soft", prompt_of(1), session="soft"), soft_session=True)
     engine.submit(soft)
     engine.run_until_idle()
     assert set(engine.sessions.named) == {"keep", "soft"} and len(engine.sessions.snapshots) == 1
@@ -127,9 +128,3 @@ def test_soft_sessions_and_snapshots_give_way_before_named_ones(tokenizer):
     engine.run_until_idle()
     assert not of(events, ev.Failed)
     assert set(engine.sessions.named) == {"keep"}  # the soft session and the snapshot made room
-
-
-def attrs_evolve(obj, **changes):
-    import attrs
-
-    return attrs.evolve(obj, **changes)
