@@ -128,6 +128,10 @@ class ServeConfig:
                                                      "prefill) before its headers go out; then 503 "
                                                      "preflight_timeout (default: no bound)", LIMITS,
                                                      kind="float", metavar="SECONDS")
+    sliding_window_kv: bool = flag(False, "sliding-window layers keep only the K/V their window reaches on the "
+                                   "device, where the executor offers it (the torch executor on the CPU, without "
+                                   "a speculator): about 3x the sessions of a long history; a rewind past the "
+                                   "window recomputes the prompt (docs/engine.md)", KV, kind="switch")
     kv_blocks: int | None = flag(None, "KV pool size in blocks (default: sized from memory, see --kv-cache-memory)",
                                  KV, kind="int", metavar="N")
     kv_cache_memory: int | None = flag(None, "memory for the KV cache, e.g. 24GiB; the pool fills it (default: what "

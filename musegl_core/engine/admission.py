@@ -4,7 +4,9 @@
 and KV blocks). A request that cannot run at once waits here, in arrival
 order, holding no KV: for a running place, for a session slot that frees on
 its own (an anonymous request's, or an evictable one with
-``--evict-idle-sessions``), or for its named session's previous request.
+``--evict-idle-sessions``), for KV blocks that running requests give back
+when they end (blocks on demand: a request reserves, when it starts, what it
+may still take to its end), or for its named session's previous request.
 ``--max-queued-requests`` bounds the queue; a request that finds it full is
 refused (``Busy``: 503 ``server_busy``). :class:`AdmissionQueue` keeps the order, the
 bound, the wait times and the estimate behind a refusal's ``Retry-After``;
@@ -102,7 +104,8 @@ class Admission:
     starts queued requests as places and slots free.
 
     ``running`` is the engine's running requests by id (read here only);
-    ``start(request, session, waited)`` makes a request run on its session,
+    ``start(request, session, waited)`` makes a request run on its session (or returns
+    the KV blocks it could not reserve; then nothing started),
     ``fail(request_id, error)`` reports a refusal. ``due`` is set by the engine when
     something finished or freed a slot: the queue is to be looked at again."""
 
@@ -110,7 +113,7 @@ class Admission:
     sessions: SessionTable
     replayer: Replayer
     running: Mapping[str, object]
-    start: Callable[[PreparedRequest, Session, float], None]
+    start: Callable[[PreparedRequest, Session, float], "int | None"]
     fail: Callable[[str, errors.EngineError], None]
     queue: AdmissionQueue = attrs.field(init=False)  # admitted, not running
     due: bool = False
@@ -146,9 +149,12 @@ class Admission:
         """Start the queued requests that may run now, in arrival order: while a running
         place is free, each one whose session is not busy with an earlier request and
         that gets a session slot. One that waits for a slot that will never free on its
-        own fails (:class:`~musegl_core.engine.errors.NoSessionSlot`) instead of waiting for ever."""
+        own fails (:class:`~musegl_core.engine.errors.NoSessionSlot`) instead of waiting for ever;
+        so does one whose KV blocks cannot be reserved while nothing runs that would give
+        any back (its message names the numbers)."""
         self.due = False
         slots_full = False  # once a new slot was refused, later requests needing one wait too
+        kv_full = False  # once a request's KV blocks were refused, later requests wait too (in order)
         for entry in self.queue:
             if len(self.running) >= self.config.max_inflight_requests:
                 return
@@ -164,10 +170,10 @@ class Admission:
             if existing is not None and existing.active:
                 self.link(request)  # it waits for the session's running request
                 continue
-            if existing is None and slots_full:
+            if (existing is None and slots_full) or kv_full:
                 continue
             try:
-                session, _created = self.sessions.open(name, request.cache_salt, soft=request.soft_session)
+                session, created = self.sessions.open(name, request.cache_salt, soft=request.soft_session)
             except SaltMismatch as exc:
                 self.unqueue(request)
                 self.fail(request.id, errors.salt_mismatch(exc))
@@ -179,8 +185,18 @@ class Admission:
                 self.unqueue(request)
                 self.fail(request.id, errors.capacity_error(exc, self.sessions))
                 continue
+            lacking = self.start(request, session, self.queue.clock() - entry.since)
+            if lacking is not None:  # the pool has not the blocks it may take to its end
+                if created and (session.name is None or not session.confirmed):
+                    self.sessions.drop(session)  # a new session holds nothing worth keeping
+                if self.running:
+                    kv_full = True  # a running request gives blocks back when it ends
+                    continue
+                self.unqueue(request)
+                self.fail(request.id, errors.NoSessionSlot(self.sessions.kv_shortfall(lacking)))
+                continue
             self.unlink(request)
-            self.start(request, session, self.queue.take(request.id))
+            self.queue.take(request.id)
 
     def soft_fits(self, request: PreparedRequest, session: Session | None, slots_full: bool) -> bool:
         """May a soft-session request run on its session? Not while the session

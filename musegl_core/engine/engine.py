@@ -38,6 +38,7 @@ from musegl_core.engine.admission import Admission
 from musegl_core.engine.detokenize import IncrementalDetokenizer, hidden_ids
 from musegl_core.engine.executor import DEFAULT_PREFILL_CHUNK, Executor, ExecutorLimits, TokenLogprobs
 from musegl_core.engine.identity import prompt_keys, split_keys
+from musegl_core.engine.kv_memory import room_line
 from musegl_core.engine.kv_pool import KVPool
 from musegl_core.engine.launch_gate import LaunchGate
 from musegl_core.engine.kv_sizing import plan_pool
@@ -84,6 +85,9 @@ class EngineConfig:
     throughput_log_interval: float = 10.0  # seconds between throughput lines while busy (0: none)
     spec_verify_rows: int | None = None  # the verify-rows budget (None: the executor's; 0: none)
     trace_steps: str | None = None  # a file for the step and request timeline (engine/trace.py)
+    #: sliding layers keep only their window on the device, where the executor offers it
+    #: (``--sliding-window-kv``, ``use_sliding_pages``; docs/engine.md "Sliding layers keep their window")
+    sliding_window_kv: bool = False
 
     @classmethod
     def from_serve(cls, config) -> "EngineConfig":
@@ -155,11 +159,16 @@ class Engine:
         self.speculator = speculator or NoSpeculator()
         self.clock = clock
         block_size = executor.block_size
-        self.pool = KVPool(plan_pool(config, executor, self.speculator), block_size)
+        companions, window = self._sliding_pages(config, executor)
+        blocks = plan_pool(config, executor, self.speculator)
+        self.pool = KVPool(blocks * (1 + companions), block_size, companions)
         expect_taps = getattr(executor, "expect_taps", None)  # optional (docs/executor.md section 8)
         if self.speculator.taps and callable(expect_taps):
             expect_taps(tuple(self.speculator.taps))
         executor.allocate_kv(self.pool.num_blocks)
+        log.info("%s", room_line(device_blocks=blocks, block_size=block_size,
+                                 block_bytes=executor.kv_bytes_per_block() + self.speculator.kv_bytes_per_block(),
+                                 max_context=config.max_context, companions=companions, window=window))
         self.speculator.allocate_kv(self.pool.num_blocks)
         self.sessions = SessionTable(
             self.pool,
@@ -170,6 +179,7 @@ class Engine:
             prefix_caching=config.prefix_caching,
             idle_timeout=config.session_idle_timeout,
             soft_idle_timeout=config.soft_session_idle_timeout,
+            window=window,
         )
         self.prefix_history = PrefixHistory(tokenizer)  # why a prefix missed (engine/prefix_miss.py)
         self.sessions.history = self.prefix_history
@@ -186,7 +196,9 @@ class Engine:
             taps=tuple(self.speculator.taps),
             mask_threads=grammar_threads(config.grammar_threads, limits),
             budget=self.prefill_budget,
-            sharing=PrefillSharing(self.pool, self.sessions.cache) if self.sessions.cache is not None else None,
+            sharing=(PrefillSharing(self.pool, self.sessions.cache)
+                     if self.sessions.cache is not None and not companions else None),
+            window=window,
         )
         self.end_ids = frozenset(tokenizer.end_of_generation_ids)
         self.replayer = Replayer(tokenizer, self.end_ids)
@@ -211,6 +223,17 @@ class Engine:
             log.info("speculation: up to %d drafts a sequence; %s", self.speculator.max_draft,
                      "no verify-rows budget" if budget is None else
                      f"at most {budget} verify rows a step (more than {budget // 2} decoding sequences: no drafts)")
+
+    def _sliding_pages(self, config: EngineConfig, executor: Executor) -> tuple[int, int | None]:
+        """Sliding layers keep their window when the executor offers it (optional
+        ``use_sliding_pages()``: it switches to the paged layout of layer groups and returns
+        (sliding pages per block, window), or None) and nothing reads the cache outside the
+        executor (no speculator); (0, None) otherwise."""
+        use = getattr(executor, "use_sliding_pages", None)
+        if not (config.sliding_window_kv and callable(use)) or self.speculator.max_draft or self.speculator.taps:
+            return 0, None
+        found = use()
+        return (0, None) if found is None else found
 
     # -- thread-safe commands ---------------------------------------------------------
     def submit(self, request: PreparedRequest) -> None:
@@ -365,14 +388,13 @@ class Engine:
         """Start the queued requests that may run now (:meth:`Admission.dispatch`)."""
         self.admission.dispatch()
 
-    def _start(self, request: PreparedRequest, session: Session, waited: float) -> None:
-        """Run ``request`` on ``session`` (it waited ``waited`` seconds in the queue)."""
-        self._queue_seconds[request.id] = waited
-        session.active = True
-        session.last_used = time.monotonic()
-        if request.sampling.seed is None:  # every draw is keyed by (seed, position)
-            request = attrs.evolve(request, sampling=attrs.evolve(request.sampling, seed=random_seed()))
+    def _start(self, request: PreparedRequest, session: Session, waited: float) -> int | None:
+        """Run ``request`` on ``session`` (it waited ``waited`` seconds in the queue). Blocks on
+        demand: the request reserves the KV blocks it may still take to its end; when the pool
+        has not them even after idle sessions made room, nothing starts and the blocks it
+        lacked are returned (the session keeps the prefix it shares with the prompt)."""
         keys = prompt_keys(request.prompt_ids, request.images)
+        replay = None
         if session.name is not None and session.clean and session.replay.turns:
             plan = request.replay
             if plan is not None and plan.log is session.replay:
@@ -381,17 +403,27 @@ class Engine:
                 replayed, kept = self.replayer.apply(session.replay, keys)
             if len(replayed) + request.completion_reservation <= self.config.max_context:
                 keys = replayed
-                session.replay = ReplayLog(session.replay.executed, kept)
+                replay = ReplayLog(session.replay.executed, kept)
         prompt, images = split_keys(keys, request)
-        if images != request.images:
-            request = attrs.evolve(request, images=images)
         held = list(session.tokens) if session.clean else []  # what the session held before this prompt
         reused = self.sessions.attach(session, keys)  # a dirty session reuses nothing
         miss = self.prefix_history.diagnose(name=session.name, new=not held, held=held, salt=session.salt,
                                             prompt=keys, reused=reused, block_size=self.sessions.pool.block_size)
-        self.prefix_history.ran(keys, session.salt)
         session.clean = True  # its cache now holds exactly ``keys[:reused]``
         max_new = min(request.max_tokens or self.config.max_context, self.config.max_context - len(prompt))
+        need = self.sessions.run_blocks(session, reused, len(prompt) + max_new)
+        if not self.sessions.reserve_run(session, need):
+            return need
+        self.prefix_history.ran(keys, session.salt)
+        if replay is not None:
+            session.replay = replay
+        if images != request.images:
+            request = attrs.evolve(request, images=images)
+        self._queue_seconds[request.id] = waited
+        session.active = True
+        session.last_used = time.monotonic()
+        if request.sampling.seed is None:  # every draw is keyed by (seed, position)
+            request = attrs.evolve(request, sampling=attrs.evolve(request.sampling, seed=random_seed()))
         seq = SequenceState(
             request=request,
             handle=self._next_handle,
@@ -414,6 +446,7 @@ class Engine:
                      "prompt %r", seq.id, miss.cause, miss.position, miss.reused, miss.held, miss.before,
                      miss.held_text, miss.prompt_text)
         self.emit(ev.Admitted(seq.id, seq.prompt_len, seq.cached, miss))
+        return None
 
     def _cancel(self, request_id: str) -> None:
         seq = self.scheduler.by_id.get(request_id)
@@ -482,8 +515,7 @@ class Engine:
         session = seq.session
         # Positions with K/V in the cache: the prompt and every generated token but the last.
         session.tokens = seq.keys[: seq.computed]
-        if len(session.slot.blocks) > self.pool.blocks_for(seq.computed):
-            session.slot.truncate(self.pool.blocks_for(seq.computed))
+        self.sessions.end_run(session, seq.computed)  # blocks on demand: it keeps what it filled
         if reason is not None:  # not after an executor failure
             self.sessions.publish(session)
         success = reason in ("stop", "length")

@@ -188,6 +188,10 @@ class SeqChunk:
     logit_rows: bool = False
     follows: bool = False
     draft_row: int = -1
+    #: with sliding pages (an executor that offers them, ``use_sliding_pages``): one block table
+    #: per group of sliding layers, the page of each block of ``blocks``, -1 where no row's
+    #: window reaches the block (its sliding K/V left the device); empty otherwise
+    sliding_blocks: tuple = ()
 
     def __attrs_post_init__(self) -> None:
         if len(self.tokens) != len(self.positions) or not self.tokens:

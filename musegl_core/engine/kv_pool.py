@@ -15,6 +15,16 @@ with the same prefix can pick it up again (:meth:`share`). Cached blocks are
 free blocks: they count as available for reservations and are evicted, oldest
 first, only when an allocation finds no never-cached free block, so caching
 never reduces capacity and reservations stay exact.
+
+**Sliding pages** (``companions`` > 0, docs/engine.md "Sliding layers keep
+their window"): the pool's units are *pages*, each holding the K/V of one
+group of layers for ``block_size`` positions. A block id is the page of the
+full-attention layers; a block taken from the pool comes with ``companions``
+more pages, one for each group of sliding-window layers. Once no holder's
+window reaches a block, its companion pages go back to the pool
+(:meth:`drop_companions`) while the block itself stays. Counts
+(``num_blocks``, ``free_blocks``, reservations) are then in pages; a block
+costs :attr:`pages_per_block` of them. With ``companions`` 0 a page is a block.
 """
 
 from __future__ import annotations
@@ -30,15 +40,18 @@ class PoolExhausted(Exception):
 
 @attrs.define
 class KVPool:
-    num_blocks: int
+    num_blocks: int  # pages (blocks when companions is 0)
     block_size: int
-    _free: list[int] = attrs.field(init=False)  # free blocks holding nothing reusable
+    companions: int = 0  # sliding pages per block (groups of sliding layers), 0: none
+    _free: list[int] = attrs.field(init=False)  # free pages holding nothing reusable
     _cached: collections.OrderedDict = attrs.field(init=False)  # free keyed blocks, LRU first
     _refs: list[int] = attrs.field(init=False)
     _reserved: int = attrs.field(init=False, default=0)
     _key_of: dict[int, bytes] = attrs.field(init=False, factory=dict)
     _block_of: dict[bytes, int] = attrs.field(init=False, factory=dict)
     evicted: int = attrs.field(init=False, default=0)  # cached blocks reused for other content
+    _companion_pages: dict[int, list[int]] = attrs.field(init=False, factory=dict)  # block -> its sliding pages
+    _cached_pages: int = attrs.field(init=False, default=0)  # pages the cached blocks hold
 
     def __attrs_post_init__(self) -> None:
         if self.num_blocks < 1 or self.block_size < 1:
@@ -49,9 +62,17 @@ class KVPool:
 
     # -- accounting ------------------------------------------------------------------
     @property
+    def pages_per_block(self) -> int:
+        return 1 + self.companions
+
+    def pages(self, block: int) -> int:
+        """The pages ``block`` holds: itself and its companions still kept."""
+        return 1 + len(self._companion_pages.get(block, ()))
+
+    @property
     def free_blocks(self) -> int:
-        """Blocks nobody holds (cached ones included)."""
-        return len(self._free) + len(self._cached)
+        """Pages nobody holds (cached blocks' included)."""
+        return len(self._free) + self._cached_pages
 
     @property
     def used_blocks(self) -> int:
@@ -92,16 +113,21 @@ class KVPool:
 
         A never-cached free block is preferred; otherwise the least recently
         released cached block is evicted (its key forgotten)."""
+        need = self.pages_per_block
         if reserved:
-            self.unreserve(1)
-        elif self.available_blocks < 1:
+            self.unreserve(need)
+        elif self.available_blocks < need:
             raise PoolExhausted("no free KV block")
-        if self._free:
-            block = self._free.pop()
-        else:
-            block, _ = self._cached.popitem(last=False)
-            self._forget(block)
+        while len(self._free) < need:  # evict the least recently released cached blocks
+            old, _ = self._cached.popitem(last=False)
+            self._cached_pages -= self.pages(old)
+            self._forget(old)
+            self._free.append(old)
+            self._free.extend(self._companion_pages.pop(old, ()))
             self.evicted += 1
+        block = self._free.pop()
+        if self.companions:
+            self._companion_pages[block] = [self._free.pop() for _ in range(self.companions)]
         self._refs[block] = 1
         return block
 
@@ -111,6 +137,7 @@ class KVPool:
             if block not in self._cached:
                 raise ValueError(f"block {block} is not allocated")
             del self._cached[block]
+            self._cached_pages -= self.pages(block)
         self._refs[block] += 1
         return block
 
@@ -122,8 +149,10 @@ class KVPool:
         if refs == 1:
             if block in self._key_of:
                 self._cached[block] = None  # most recently released: evicted last
+                self._cached_pages += self.pages(block)
             else:
                 self._free.append(block)
+                self._free.extend(self._companion_pages.pop(block, ()))
 
     def refcount(self, block: int) -> int:
         return self._refs[block]
@@ -131,6 +160,23 @@ class KVPool:
     def immutable(self, block: int) -> bool:
         """Whether a writer must copy ``block`` first: shared, or keyed for reuse."""
         return self._refs[block] > 1 or block in self._key_of
+
+    # -- sliding pages ---------------------------------------------------------------
+    def companion_pages(self, block: int) -> list[int] | None:
+        """The sliding pages of ``block`` (None once they went back to the pool)."""
+        return self._companion_pages.get(block) if self.companions else None
+
+    def has_window(self, block: int) -> bool:
+        """Whether ``block`` still holds its sliding layers' K/V (always, without sliding pages)."""
+        return not self.companions or block in self._companion_pages
+
+    def drop_companions(self, block: int) -> int:
+        """Give a held block's sliding pages back to the pool; how many."""
+        if self._refs[block] < 1:
+            raise ValueError(f"block {block} is not held")
+        pages = self._companion_pages.pop(block, ())
+        self._free.extend(pages)
+        return len(pages)
 
     # -- prefix keys -----------------------------------------------------------------
     def register(self, block: int, key: bytes) -> bool:

@@ -1,17 +1,21 @@
 """Sizing the KV pool from the memory the backend has, before any request runs.
 
-The pool must hold what the limits promise: every session slot (``--max-sessions``)
-and every prefix snapshot (``--prefix-cache-entries``) can grow to
-``--max-context`` positions. The memory for it is ``--kv-cache-memory`` when
-given, otherwise ``--kv-cache-fraction`` of what the executor reports free once
-its weights are loaded. Settings that do not fit fail at start-up with one
-line that says what would fit (:class:`~musegl_core.errors.ConfigError`,
-exit status 2), never later with a request half-way through.
+Blocks on demand (docs/engine.md "KV memory"): sessions and requests take KV
+blocks as they grow, and a request reserves, when it starts, only what it may
+still take to its end. So the pool must hold at least one request of
+``--max-context`` positions (:func:`minimum_blocks`); settings that cannot
+fail at start-up with one line that says what would fit
+(:class:`~musegl_core.errors.ConfigError`, exit status 2), never later with a
+request half-way through. How many sessions it holds at once depends on their
+lengths, not on ``--max-context``.
 
-With ``--kv-cache-memory`` the pool takes all of it (the spare blocks keep
-finished prefixes cached for reuse); without it the pool is exactly what the
-limits need, so a default server takes no more memory than it can use.
-``--kv-blocks`` sets the block count directly (tests, experiments).
+The memory is ``--kv-cache-memory`` when given (the pool takes all of it: the
+spare blocks hold more sessions and keep finished prefixes cached for reuse),
+otherwise what the limits ask for, every session slot (``--max-sessions``) and
+prefix snapshot (``--prefix-cache-entries``) at ``--max-context`` positions at
+once, cut to ``--kv-cache-fraction`` of what the executor reports free once its
+weights are loaded. ``--kv-blocks`` sets the block count directly (tests,
+experiments).
 """
 
 from __future__ import annotations
@@ -52,22 +56,27 @@ def parse_bytes(text: str) -> int:
     return int(value * units[unit])
 
 
+def minimum_blocks(block_size: int, max_context: int, snapshots: int) -> int:
+    """The fewest blocks a pool may have: one request of ``max_context`` positions, plus
+    the blocks it may copy on write (a reused partial block, and the prompt's last
+    block once a snapshot shares it): :meth:`SessionTable.run_blocks
+    <musegl_core.engine.sessions.SessionTable.run_blocks>`."""
+    return -(-max_context // block_size) + 1 + (1 if snapshots else 0)
+
+
 def check_fits(*, bytes_per_block: int, block_size: int, budget: int, source: str, max_sessions: int,
                max_context: int, snapshots: int) -> int:
-    """Blocks that ``budget`` bytes hold; raises ConfigError when the limits need more."""
-    blocks_per_slot = -(-max_context // block_size)
-    needed = (max_sessions + snapshots) * blocks_per_slot
-    affordable = budget // bytes_per_block if bytes_per_block > 0 else needed
-    if needed > affordable:
-        slots = max_sessions + snapshots
-        fit_context = (affordable // slots) * block_size
-        fit_sessions = affordable // blocks_per_slot - snapshots
-        extra = f" (+{snapshots} --prefix-cache-entries)" if snapshots else ""
+    """Blocks that ``budget`` bytes hold; raises ConfigError when they cannot hold one
+    request of ``--max-context`` positions (``max_sessions`` is not a limit on memory:
+    blocks on demand, sessions hold what they fill)."""
+    least = minimum_blocks(block_size, max_context, snapshots)
+    affordable = budget // bytes_per_block if bytes_per_block > 0 else least
+    if least > affordable:
+        fit_context = max(0, (affordable - (least - -(-max_context // block_size))) * block_size)
         raise ConfigError(
-            f"the KV cache cannot hold --max-sessions {max_sessions} x --max-context {max_context}{extra}: "
-            f"that needs {human_bytes(needed * bytes_per_block)} but {human_bytes(budget)} is available "
-            f"({source}); what fits: --max-context {fit_context} with {max_sessions} sessions, or "
-            f"{max(fit_sessions, 0)} sessions of {max_context} tokens"
+            f"the KV cache cannot hold one --max-context {max_context} request: that needs "
+            f"{human_bytes(least * bytes_per_block)} but {human_bytes(budget)} is available ({source}); "
+            f"what fits: --max-context {fit_context}"
         )
     return affordable
 
@@ -91,4 +100,4 @@ def plan_pool(config, executor, speculator) -> int:
         bytes_per_block=per_block, block_size=block_size, budget=budget, source=source,
         max_sessions=config.max_sessions, max_context=config.max_context, snapshots=config.prefix_cache_entries,
     )
-    return affordable if config.kv_cache_memory is not None else needed
+    return affordable if config.kv_cache_memory is not None else min(needed, affordable)

@@ -89,8 +89,11 @@ class StepUpdate:
 class Scheduler:
     def __init__(self, pool: KVPool, limits: SchedulerLimits, embed: EmbedFn | None = None,
                  taps: tuple[int, ...] = (), mask_threads: int = 0, budget: PrefillBudget | None = None,
-                 sharing: PrefillSharing | None = None):
+                 sharing: PrefillSharing | None = None, window: int | None = None):
         self.pool = pool
+        #: with sliding pages (``pool.companions``): the sliding layers' window; blocks a running
+        #: sequence's window left give their sliding pages back (:meth:`_trim_window`)
+        self.window = window
         self.limits = limits
         #: prompt rows per step while sequences decode (None: always ``max_prefill_chunk``)
         self.budget = budget
@@ -142,9 +145,7 @@ class Scheduler:
         size = self.pool.block_size
         for index in range(start // size, min(len(slot.blocks), self.pool.blocks_for(end))):
             if self.pool.immutable(slot.blocks[index]):  # shared, or keyed by the prefix cache
-                pair = slot.copy_on_write(index)
-                if pair is not None:
-                    copies.append(pair)
+                copies.extend(slot.copy_on_write(index))
         while len(slot.blocks) < self.pool.blocks_for(end):
             slot.blocks.append(slot.take_block())
 
@@ -187,6 +188,7 @@ class Scheduler:
             tokens=tokens,
             positions=list(range(start, start + count)),
             blocks=list(seq.blocks),
+            sliding_blocks=self._sliding_tables(seq.blocks) if self.pool.companions else (),
             sample=sample,
             sampling=params,
             uniforms=uniforms,
@@ -196,6 +198,23 @@ class Scheduler:
             logprobs=request.logprobs if sample else -1,
             embeds=self._embeds(seq, start, count) if request.images else (),
         )
+
+    def _sliding_tables(self, blocks: list[int]) -> tuple[list[int], ...]:
+        """Each group of sliding layers' block table: the page of each block, -1 where the
+        block's sliding pages went back to the pool (no row's window reaches it)."""
+        pages = [self.pool.companion_pages(b) for b in blocks]
+        return tuple([p[group] if p is not None else -1 for p in pages] for group in range(self.pool.companions))
+
+    def _trim_window(self, seq: SequenceState) -> None:
+        """Sliding pages: give back the sliding pages of the blocks ``seq`` alone holds that lie
+        wholly before the window of its next position (the keys of ``computed - window + 1``
+        onwards are the oldest any later row of a sliding layer reads)."""
+        slot = seq.session.slot
+        size = self.pool.block_size
+        end = min(len(slot.blocks), max(0, seq.computed - self.window) // size)
+        for block in slot.blocks[:end]:
+            if self.pool.refcount(block) == 1 and self.pool.has_window(block):
+                self.pool.drop_companions(block)
 
     @staticmethod
     def _mask(processors, generated: list[int], drafts_before: list[int]) -> Any:
@@ -313,6 +332,10 @@ class Scheduler:
             committed_rows[seq.handle] = self._commit(seq, committed, output.logprobs.get(seq.handle, []), on_token)
             if seq.phase is not Phase.FINISHED and drafts:
                 self._trim_blocks(seq)
+        if self.pool.companions:
+            for seq, _rows in scheduled.plan:
+                if seq.session.slot.blocks:
+                    self._trim_window(seq)
         return StepUpdate(committed_rows, prompt_rows)
 
     @staticmethod

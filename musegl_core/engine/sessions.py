@@ -1,7 +1,8 @@
 """Session slots, named sessions and prefix snapshots (docs/sessions.md).
 
-A **slot** is a budget of KV blocks (enough for ``--max-context`` positions)
-that one resident session owns. Named sessions keep their slot, transcript and
+A **slot** holds the KV blocks of one resident session (blocks on demand:
+exactly those its positions fill while it is idle; a running request reserves
+what it may still take to its end, :meth:`SessionTable.reserve_run`). Named sessions keep their slot, transcript and
 KV between requests; an anonymous request borrows a temporary slot for its
 lifetime. ``--max-sessions`` bounds the slots; ``--prefix-cache-entries``
 adds one slot per **snapshot**: a frozen prefix (token ids and the blocks that
@@ -14,11 +15,14 @@ from snapshots and from the prefix cache happens only between sessions of
 the same salt (None is the shared unsalted space), and a named session keeps
 its salt for its lifetime (:class:`SaltMismatch`).
 
-Block accounting is exact: a slot's ``reserved`` blocks plus the blocks it
-holds always equal its budget, and a block shared by several holders is
-counted in each holder's budget (so sharing can only leave the pool with
-spare room, never short of it). Releasing a request returns every block that
-no session or snapshot still holds.
+Block accounting is exact: the pool's reservations are the running requests'
+``reserved`` blocks, and a running request can always take them (the
+admission guarantee: an admitted request can always finish). When a request
+cannot reserve what it needs, idle sessions and snapshots make room
+(:meth:`SessionTable.make_room`): idle soft sessions first, then snapshots,
+then, with ``--evict-idle-sessions``, idle named sessions, least recently used
+first; their keyed blocks stay in the prefix cache until the pool reuses them.
+Releasing a request returns every block that no session or snapshot still holds.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from typing import Sequence
 
 import attrs
 
-from musegl_core.engine.kv_pool import KVPool
+from musegl_core.engine.kv_pool import KVPool, PoolExhausted
 from musegl_core.engine.prefix_cache import PrefixCache
 from musegl_core.engine.replay import ReplayLog
 
@@ -64,17 +68,39 @@ class SessionInfo:
 
 @attrs.define(eq=False)
 class Slot:
-    """A KV budget: ``len(blocks) + reserved == budget`` at all times."""
+    """The KV blocks one holder (a session or a snapshot) has, and the blocks it
+    may still take: ``reserved``, promised by the pool (:meth:`KVPool.reserve`).
+
+    Blocks on demand: an idle session or a snapshot reserves nothing; it holds
+    exactly the blocks its positions fill. A running request reserves, when it
+    starts, the blocks it may still take to its end (:meth:`grow`), so an
+    admitted request can always finish; what it did not use is given back when
+    it ends (:meth:`settle`). ``budget`` is what the holder may reach:
+    ``len(blocks) + reserved``."""
 
     pool: KVPool
-    budget: int
     blocks: list[int] = attrs.field(factory=list)
     reserved: int = 0
 
     @classmethod
-    def open(cls, pool: KVPool, budget: int) -> "Slot":
-        pool.reserve(budget)
-        return cls(pool, budget, [], budget)
+    def open(cls, pool: KVPool, budget: int = 0) -> "Slot":
+        pool.reserve(budget * pool.pages_per_block)
+        return cls(pool, [], budget)
+
+    @property
+    def budget(self) -> int:
+        return len(self.blocks) + self.reserved
+
+    def grow(self, blocks: int) -> None:
+        """Reserve ``blocks`` more (:class:`~musegl_core.engine.kv_pool.PoolExhausted` when the pool has not them)."""
+        if blocks > 0:
+            self.pool.reserve(blocks * self.pool.pages_per_block)
+            self.reserved += blocks
+
+    def settle(self) -> None:
+        """Give back every reserved block: the slot holds what it filled, nothing more."""
+        self.pool.unreserve(self.reserved * self.pool.pages_per_block)
+        self.reserved = 0
 
     def take_block(self) -> int:
         if self.reserved < 1:
@@ -83,41 +109,54 @@ class Slot:
         return self.pool.allocate(reserved=True)
 
     def adopt(self, block: int) -> None:
-        """Hold a shared block (counted in this slot's budget)."""
-        if self.reserved < 1:
-            raise RuntimeError("slot budget exhausted")
-        self.pool.unreserve(1)
-        self.reserved -= 1
+        """Hold a block someone else holds, or a cached one: from this slot's reservation
+        when it has one (a running request), else on demand (a held block costs the pool
+        nothing; reviving a cached one takes a free block nobody reserved:
+        :class:`~musegl_core.engine.kv_pool.PoolExhausted` when there is none)."""
+        if self.reserved > 0:
+            self.pool.unreserve(self.pool.pages_per_block)
+            self.reserved -= 1
+        elif self.pool.refcount(block) < 1 and self.pool.available_blocks < self.pool.pages(block):
+            raise PoolExhausted("no free KV block to revive a cached one")
         self.blocks.append(self.pool.share(block))
 
-    def copy_on_write(self, index: int) -> tuple[int, int] | None:
+    def copy_on_write(self, index: int) -> list[tuple[int, int]]:
         """Replace immutable block ``blocks[index]`` (shared, or keyed by the prefix
-        cache) by a private copy; returns (src, dst) for the executor to copy, or
-        None when the pool handed the same block back (a cached block evicted for
-        its own copy: its contents are already in place)."""
+        cache) by a private copy taken from this slot's reservation (which counts the
+        copies a run may make, :meth:`SessionTable.run_blocks`); returns the (src, dst)
+        pages for the executor to copy: none when the pool handed the same block back
+        (a cached block evicted for its own copy: its contents are already in place);
+        with sliding pages, the block's and its companions'."""
+        pool = self.pool
         old = self.blocks[index]
-        if not self.pool.immutable(old):
+        if not pool.immutable(old):
             raise RuntimeError("copy-on-write of a block nobody else holds")
-        self.pool.release(old)  # held elsewhere or cached, so its contents stay
-        self.pool.reserve(1)
-        self.reserved += 1
+        if pool.companions:  # the copy first: the old block and its sliding pages stay put meanwhile
+            new = self.take_block()
+            pairs = [(old, new)] + list(zip(pool.companion_pages(old) or (), pool.companion_pages(new)))
+            pool.release(old)
+            self.blocks[index] = new
+            return pairs
+        pool.release(old)  # held elsewhere or cached, so its contents stay
         new = self.take_block()
         self.blocks[index] = new
-        return None if new == old else (old, new)
+        return [] if new == old else [(old, new)]
 
-    def truncate(self, keep: int) -> None:
-        """Release every block after the first ``keep``; the budget is kept."""
+    def truncate(self, keep: int, rereserve: bool = True) -> None:
+        """Release every block after the first ``keep``. ``rereserve``: the slot may
+        take as many again (a running request's budget is kept; the released blocks
+        are its own, so the pool has them back); else they are simply given back."""
         dropped = self.blocks[keep:]
         del self.blocks[keep:]
         for block in reversed(dropped):  # the tail first, so cached tails are evicted first
             self.pool.release(block)
-        self.pool.reserve(len(dropped))
-        self.reserved += len(dropped)
+        if rereserve:
+            self.pool.reserve(len(dropped) * self.pool.pages_per_block)
+            self.reserved += len(dropped)
 
     def close(self) -> None:
-        self.truncate(0)
-        self.pool.unreserve(self.reserved)
-        self.reserved = 0
+        self.truncate(0, rereserve=False)
+        self.settle()
 
 
 @attrs.define(eq=False)
@@ -180,10 +219,14 @@ class SessionTable:
     """Named sessions, anonymous temporary sessions and snapshots, with LRU eviction."""
 
     def __init__(self, pool: KVPool, *, max_sessions: int, max_context: int, snapshots: int, evict_idle: bool,
-                 prefix_caching: bool = True, idle_timeout: float | None = None, soft_idle_timeout: float = 600.0):
+                 prefix_caching: bool = True, idle_timeout: float | None = None, soft_idle_timeout: float = 600.0,
+                 window: int | None = None):
         self.pool = pool
+        #: with sliding pages: the sliding layers' window (a reused prefix needs their K/V of its last
+        #: ``window`` positions)
+        self.window = window
         self.max_sessions = max_sessions
-        self.budget = pool.blocks_for(max_context)
+        self.max_context = max_context
         self.snapshot_capacity = snapshots
         self.evict_idle = evict_idle
         self.idle_timeout = idle_timeout
@@ -198,8 +241,10 @@ class SessionTable:
 
     @staticmethod
     def pool_blocks(block_size: int, *, max_sessions: int, max_context: int, snapshots: int) -> int:
-        """Blocks a pool needs so every slot and snapshot can fill its budget."""
-        return (max_sessions + snapshots) * -(-max_context // block_size)
+        """Blocks a pool needs so every slot and snapshot can hold ``--max-context`` positions at once
+        (the default pool without ``--kv-cache-memory``; blocks on demand need far fewer), plus the
+        blocks a running request may copy on write (:meth:`run_blocks`)."""
+        return (max_sessions + snapshots) * -(-max_context // block_size) + 1 + (1 if snapshots else 0)
 
     # -- slots -----------------------------------------------------------------------
     @property
@@ -246,7 +291,7 @@ class SessionTable:
                 raise SaltMismatch(f"session {name!r} was opened with a different cache_salt")
             return session, False
         self._free_a_slot()
-        session = Session(name, Slot.open(self.pool, self.budget), salt=salt, soft=soft and name is not None)
+        session = Session(name, Slot(self.pool), salt=salt, soft=soft and name is not None)
         if name is None:
             self.anonymous.add(session)
         else:
@@ -336,21 +381,118 @@ class SessionTable:
             if found > reuse:
                 reuse, cached = found, blocks
         if cached is not None:
-            session.slot.truncate(0)  # releases nothing the lookup found for good: no allocation between
-            for block in cached:
-                session.slot.adopt(block)
+            session.slot.truncate(0, rereserve=False)  # releases nothing the lookup found for good
+            reuse = min(reuse, self._adopt(session.slot, cached))
             self.cache.hits += 1
             self.cache.hit_tokens += reuse
         elif snapshot is None:
-            session.slot.truncate(self.pool.blocks_for(reuse))
+            session.slot.truncate(self.pool.blocks_for(reuse), rereserve=False)
         else:
-            session.slot.truncate(0)
-            for block in snapshot.slot.blocks[: self.pool.blocks_for(reuse)]:
-                session.slot.adopt(block)
+            session.slot.truncate(0, rereserve=False)
+            reuse = min(reuse, self._adopt(session.slot, snapshot.slot.blocks[: self.pool.blocks_for(reuse)]))
             snapshot.last_used = time.monotonic()
+        if not self.window_kept(session.slot.blocks, reuse):
+            # sliding pages: the window before ``reuse`` went back to the pool; its K/V would take a
+            # recomputation of (sliding layers x window) positions, about as long as the history here
+            reuse = 0
+            session.slot.truncate(0, rereserve=False)
         session.tokens = list(prompt[:reuse])
         assert len(session.slot.blocks) * block_size >= reuse
         return reuse
+
+    def window_kept(self, blocks: Sequence[int], reuse: int) -> bool:
+        """Whether ``blocks`` still hold the sliding layers' K/V of the ``window`` positions
+        before ``reuse`` (always without sliding pages)."""
+        if not self.pool.companions or reuse == 0:
+            return True
+        size = self.pool.block_size
+        first = max(0, reuse - self.window) // size
+        return all(self.pool.has_window(b) for b in blocks[first: self.pool.blocks_for(reuse)])
+
+    def _adopt(self, slot: Slot, blocks: Sequence[int]) -> int:
+        """Adopt ``blocks`` in order until the pool has no free block to revive a cached
+        one (its reservations are running requests'); the positions adopted."""
+        for block in blocks:
+            try:
+                slot.adopt(block)
+            except PoolExhausted:
+                break
+        return len(slot.blocks) * self.pool.block_size
+
+    # -- blocks on demand ------------------------------------------------------------
+    def run_blocks(self, session: Session, reused: int, positions: int) -> int:
+        """Blocks a request on ``session`` (attached with ``reused`` positions) must
+        reserve so it can reach ``positions`` positions: one per block it does not
+        hold yet, plus one for each block it may have to copy on write (the reused
+        prefix's last, partial block when it is immutable, and the prompt's last
+        partial block, which a snapshot may share)."""
+        pool = self.pool
+        slot = session.slot
+        need = max(0, pool.blocks_for(positions) - len(slot.blocks))
+        size = pool.block_size
+        if reused % size and len(slot.blocks) > reused // size and pool.immutable(slot.blocks[reused // size]):
+            need += 1
+        if self.snapshot_capacity:
+            need += 1
+        return need
+
+    def reserve_run(self, session: Session, blocks: int) -> bool:
+        """Reserve ``blocks`` for a request starting on ``session``, making room
+        (:meth:`make_room`) when the pool has not them free; False (nothing reserved)
+        when even then it has not."""
+        pages = blocks * self.pool.pages_per_block
+        if pages > self.pool.available_blocks:
+            self.make_room(pages, keep=session)
+        if pages > self.pool.available_blocks:
+            return False
+        session.slot.grow(blocks)
+        return True
+
+    def end_run(self, session: Session, computed: int) -> None:
+        """A request on ``session`` ended with ``computed`` positions in the cache: blocks past
+        them (rejected drafts, never-written reservations) go back to the pool."""
+        slot = session.slot
+        if len(slot.blocks) > self.pool.blocks_for(computed):
+            slot.truncate(self.pool.blocks_for(computed), rereserve=False)
+        slot.settle()
+
+    def make_room(self, pages: int, keep: Session | None = None) -> None:
+        """Free KV pages (blocks without sliding pages) until ``pages`` are available: drop idle soft sessions, then
+        snapshots, then (``--evict-idle-sessions``) idle named sessions, least recently
+        used first. Their keyed blocks stay cached (and free) for the prefix cache."""
+        pool = self.pool
+
+        def victims():
+            idle = sorted((s for s in self.named.values() if s.idle and s is not keep and s.slot.blocks),
+                          key=lambda s: s.last_used)
+            yield from (s for s in idle if s.soft)
+            yield from sorted(self.snapshots, key=lambda s: s.last_used)
+            if self.evict_idle:
+                yield from (s for s in idle if not s.soft)
+
+        for victim in list(victims()):
+            if pool.available_blocks >= pages:
+                return
+            if isinstance(victim, Snapshot):
+                self.snapshots.remove(victim)
+                victim.slot.close()
+            else:
+                self.drop(victim)
+                self.evictions += 1
+
+    def kv_shortfall(self, blocks: int) -> str:
+        """Why ``blocks`` could not be reserved, with the numbers (a 503's message)."""
+        pool = self.pool
+        idle = sum(pool.pages(b) for s in self.named.values() if s.idle for b in s.slot.blocks)
+        if pool.companions:  # counted in pages
+            blocks *= pool.pages_per_block
+            return (f"the KV cache is full: a request needs {blocks} KV pages (a block of {pool.block_size} "
+                    f"positions is {pool.pages_per_block} pages with its sliding layers'), {pool.available_blocks} "
+                    f"of {pool.num_blocks} are free; idle named sessions hold {idle}"
+                    + ("" if self.evict_idle else " (start the server with --evict-idle-sessions to evict idle ones)"))
+        hint = "" if self.evict_idle else " (start the server with --evict-idle-sessions to evict idle ones)"
+        return (f"the KV cache is full: a request needs {blocks} KV blocks of {pool.block_size} positions, "
+                f"{pool.available_blocks} of {pool.num_blocks} are free; idle named sessions hold {idle}{hint}")
 
     def publish(self, session: Session) -> None:
         """Key the session's computed full blocks in the prefix cache (when on)."""
@@ -370,9 +512,9 @@ class SessionTable:
             oldest = min(self.snapshots, key=lambda s: s.last_used)
             self.snapshots.remove(oldest)
             oldest.slot.close()
-        slot = Slot.open(self.pool, self.budget)
+        slot = Slot(self.pool)
         for block in session.slot.blocks[: self.pool.blocks_for(len(tokens))]:
-            slot.adopt(block)
+            slot.adopt(block)  # held by the session: costs the pool nothing
         self.snapshots.append(Snapshot(tokens, slot, session.salt))
 
     def stats(self) -> dict:

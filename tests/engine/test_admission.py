@@ -53,9 +53,11 @@ def test_requests_beyond_the_running_limit_wait_and_all_finish(tokenizer):
         engine.submit(request(f"r{i}"))
     stats = snapshot(engine)
     assert (stats["running"], stats["waiting"]) == (2, 4)
-    # Queued requests hold no KV: only the two running requests' slots are reserved or used.
-    budget = engine.sessions.budget
-    assert stats["kv_blocks_used"] + stats["kv_blocks_reserved"] == 2 * budget
+    # Queued requests hold no KV; blocks on demand: the two running requests reserve only what their
+    # prompt and max_tokens can fill (3 + 4 positions), not --max-context.
+    per_request = engine.pool.blocks_for(3 + 4)
+    assert stats["kv_blocks_used"] + stats["kv_blocks_reserved"] == 2 * per_request
+    assert per_request < engine.pool.blocks_for(64)
     assert engine.sessions.slots_in_use == 2
     engine.run_until_idle()
     assert not of(events, ev.Failed)

@@ -182,15 +182,18 @@ class SizedExecutor(ExampleExecutor):
 
 def test_the_pool_is_sized_from_memory_and_impossible_settings_say_what_fits(tokenizer):
     per_block = SizedExecutor(8, None).kv_bytes_per_block()  # 32 bytes, 4 positions
-    config = EngineConfig(max_context=64, max_sessions=4)  # needs 4 * 16 blocks
-    assert plan_pool(config, SizedExecutor(8, None), NoSpeculator()) == 64
-    assert plan_pool(config, SizedExecutor(8, 10_000), NoSpeculator()) == 64  # default: what the limits need
+    config = EngineConfig(max_context=64, max_sessions=4)  # 4 * 16 blocks at once, + 1 to copy on write
+    assert plan_pool(config, SizedExecutor(8, None), NoSpeculator()) == 65
+    assert plan_pool(config, SizedExecutor(8, 10_000), NoSpeculator()) == 65  # default: what the limits ask
     big = EngineConfig(max_context=64, max_sessions=4, kv_cache_memory=200 * per_block)
     assert plan_pool(big, SizedExecutor(8, None), NoSpeculator()) == 200  # an explicit budget is filled
+    # Blocks on demand: less memory than every session at --max-context at once is a smaller pool
+    # (0.9 of 40 blocks), as long as one --max-context request fits (17 blocks).
+    assert plan_pool(config, SizedExecutor(8, 40 * per_block), NoSpeculator()) == 36
     with pytest.raises(ConfigError) as info:
-        plan_pool(config, SizedExecutor(8, 40 * per_block), NoSpeculator())
+        plan_pool(config, SizedExecutor(8, 10 * per_block), NoSpeculator())
     message = str(info.value)
-    assert "\n" not in message and "--max-context 36 with 4 sessions" in message and "2 sessions of 64" in message
+    assert "\n" not in message and "one --max-context 64 request" in message and "--max-context 32" in message
     with pytest.raises(ConfigError):
         check_fits(bytes_per_block=10, block_size=4, budget=10, source="x", max_sessions=1, max_context=8,
                    snapshots=0)

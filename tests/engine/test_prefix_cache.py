@@ -23,6 +23,7 @@ def run(table, sched, prompt, name=None, generate=2, handle=0):
     """What the engine does for one request: attach, prefill, decode, publish, release."""
     session, _ = table.open(name)
     reused = table.attach(session, prompt)
+    assert table.reserve_run(session, table.run_blocks(session, reused, len(prompt) + generate))
     request = PreparedRequest(id=f"r{handle}", prompt_ids=tuple(prompt), max_tokens=generate)
     seq = SequenceState(request=request, handle=handle, max_new=generate, tokens=list(prompt), session=session,
                         computed=reused, cached=reused)
@@ -41,6 +42,7 @@ def run(table, sched, prompt, name=None, generate=2, handle=0):
             seq.tokens.append(100 + len(seq.tokens))
     sched.remove(seq)
     session.tokens = seq.tokens[: seq.computed]
+    table.end_run(session, seq.computed)
     table.publish(session)
     if name is None:
         table.drop(session)
@@ -102,20 +104,23 @@ def test_cached_blocks_are_evicted_lru_only_when_allocation_needs_them():
 
 
 def test_reservations_stay_exact_with_cached_blocks():
-    pool, table, sched = setup(sessions=2, context=16)  # 8 blocks
+    pool, table, sched = setup(sessions=2, context=16)  # 2 x 4 blocks + 1 to copy on write
     run(table, sched, list(range(1, 15)), generate=1)
     cached = pool.cached_blocks
     assert cached == 3
     a, _ = table.open("a")
     b, _ = table.open("b")
-    assert pool.reserved_blocks == 8 and pool.available_blocks == 0
+    assert pool.reserved_blocks == 0  # blocks on demand: an open session reserves nothing
+    a.slot.grow(4)
+    b.slot.grow(4)
+    assert pool.reserved_blocks == 8 and pool.available_blocks == 1
     with pytest.raises(PoolExhausted):
-        pool.reserve(1)
+        pool.reserve(2)
     # Both slots can still fill their whole budget: cached blocks make way.
     for session in (a, b):
         for _ in range(4):
             session.slot.blocks.append(session.slot.take_block())
-    assert pool.cached_blocks == 0 and pool.evicted == cached
+    assert pool.cached_blocks == 1 and pool.evicted == cached - 1  # the spare block kept the oldest one
     table.drop(a)
     table.drop(b)
     assert pool.used_blocks == 0 and pool.reserved_blocks == 0
@@ -175,6 +180,7 @@ def test_random_traffic_keeps_kv_contents_and_books_exact():
             prompt = rng.choice(prefixes) + rng.choice(suffixes)[: rng.randrange(1, 10)]
             session, _ = table.open(name)
             reused = table.attach(session, prompt)
+            assert table.reserve_run(session, table.run_blocks(session, reused, len(prompt) + 3))
             for p in range(reused):
                 block = session.slot.blocks[p // SIZE]
                 assert cells.get(block * SIZE + p % SIZE) == prompt[p], (seed, handle, p)
@@ -205,6 +211,7 @@ def test_random_traffic_keeps_kv_contents_and_books_exact():
                 steps += 1
             sched.remove(seq)
             session.tokens = seq.tokens[: seq.computed]
+            table.end_run(session, seq.computed)
             table.publish(session)
             if steps == stop_at:
                 session.clean = False
@@ -227,6 +234,7 @@ def run_salted(table, sched, prompt, salt, name=None, handle=0):
     """:func:`run` on a session opened with ``salt`` (``cache_salt``)."""
     session, _ = table.open(name, salt=salt)
     reused = table.attach(session, prompt)
+    assert table.reserve_run(session, table.run_blocks(session, reused, len(prompt) + 1))
     request = PreparedRequest(id=f"r{handle}", prompt_ids=tuple(prompt), max_tokens=1, cache_salt=salt)
     seq = SequenceState(request=request, handle=handle, max_new=1, tokens=list(prompt), session=session,
                         computed=reused, cached=reused)
@@ -237,6 +245,7 @@ def run_salted(table, sched, prompt, salt, name=None, handle=0):
             s.computed += rows
     sched.remove(seq)
     session.tokens = seq.tokens[: seq.computed]
+    table.end_run(session, seq.computed)
     table.publish(session)
     table.snapshot(session)
     if name is None:

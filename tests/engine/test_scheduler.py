@@ -113,8 +113,10 @@ def test_masks_computed_beside_the_forward_equal_the_inline_ones():
         sched = Scheduler(pool, SchedulerLimits(4, 64, 68), mask_threads=threads)
         request = PreparedRequest(id="r", prompt_ids=(1, 2, 3, 4, 5), max_tokens=64,
                                   processors=(compile_grammar(grammar, tokenizer, tokenizer.vocab_size),))
+        session = table.open(None)[0]
+        assert table.reserve_run(session, table.run_blocks(session, 0, 5 + 64))
         seq = SequenceState(request=request, handle=0, max_new=64, tokens=list(request.prompt_ids),
-                            session=table.open(None)[0])
+                            session=session)
         sched.add(seq)
         masks = []
         for i in range(len(output) - 2):

@@ -11,6 +11,7 @@ def make_table(pool, sessions=8, context=256):
 def make_seq(table, handle, prompt_len, max_new=8):
     request = PreparedRequest(id=f"r{handle}", prompt_ids=tuple(range(1, prompt_len + 1)), max_tokens=max_new)
     session, _ = table.open(None)
+    assert table.reserve_run(session, table.run_blocks(session, 0, prompt_len + max_new))  # as the engine's start
     return SequenceState(request=request, handle=handle, max_new=max_new, tokens=list(request.prompt_ids),
                          session=session)
 

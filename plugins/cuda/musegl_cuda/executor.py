@@ -311,6 +311,8 @@ class TorchExecutor:
         # cache, the attention plans); the whole model's without tensor parallelism.
         self.config = config = self.model.local
         self.kv: torch.Tensor | None = None
+        #: sliding pages (:meth:`use_sliding_pages`): layers per page and each layer's (group, index)
+        self.page_groups: tuple[int, tuple[tuple[int, int], ...]] | None = None
         self.num_blocks = 0
         self.graphs = None
         self.taps: tuple[int, ...] = ()  # captured into the decode graphs (expect_taps)
@@ -350,12 +352,37 @@ class TorchExecutor:
             raise RuntimeError("expect_taps must be called before allocate_kv")
         self.taps = tuple(taps)
 
+    def use_sliding_pages(self) -> tuple[int, int] | None:
+        """Store the cache as pages of layer groups, so sliding layers keep only their window
+        (the engine's sliding pages, docs/engine.md): the full layers form one group, the
+        sliding layers groups of as many; one tensor per place in a group,
+        ``(places, 2, pages, block_size, kv_heads, head_dim)``, and a layer reads and writes
+        its place at its group's pages (``SeqChunk.blocks`` for the full layers,
+        ``SeqChunk.sliding_blocks[g]`` for sliding group ``g``). Called before
+        :meth:`allocate_kv`; returns (sliding groups, window), or None where this executor
+        does not offer it (CUDA, whose kernels read one block table; a layout whose full
+        layers do not form one group)."""
+        c = self.config
+        if self.paged or self.kv is not None:
+            return None
+        full = [i for i, sliding in enumerate(c.sliding) if not sliding]
+        sliding = [i for i, flag in enumerate(c.sliding) if flag]
+        if not full or not sliding or len(sliding) % len(full):
+            return None
+        size = len(full)
+        place = {layer: (0, j) for j, layer in enumerate(full)}
+        place.update({layer: (1 + k // size, k % size) for k, layer in enumerate(sliding)})
+        self.page_groups = (size, tuple(place[i] for i in range(c.num_layers)))
+        return len(sliding) // size, c.sliding_window
+
     def allocate_kv(self, num_blocks: int) -> None:
         """The paged cache; on CUDA one more block (``num_blocks``: the scratch block
-        padding rows write) and the decode graphs, captured here."""
+        padding rows write) and the decode graphs, captured here. With sliding pages,
+        ``num_blocks`` counts pages (:meth:`use_sliding_pages`)."""
         c = self.config
         extra = 1 if self.paged else 0
-        self.kv = torch.zeros(c.num_layers, 2, num_blocks + extra, self.block_size, c.num_kv_heads, c.head_dim,
+        places = c.num_layers if self.page_groups is None else self.page_groups[0]
+        self.kv = torch.zeros(places, 2, num_blocks + extra, self.block_size, c.num_kv_heads, c.head_dim,
                               dtype=self.dtype, device=self.device)
         self.num_blocks = num_blocks
         if self.paged and self.limits.step_sizes:
@@ -543,19 +570,43 @@ class TorchExecutor:
             self._unresolved.append(pending)
         return pending
 
+    def _sliding_views(self, step: Step) -> list[Step]:
+        """The step as each group of sliding layers sees it: every chunk with its group's pages
+        as ``blocks`` (a page out of every row's window, -1, reads page 0 under a mask)."""
+        groups = len(self.page_groups[1]) and max(g for g, _ in self.page_groups[1])
+        views = []
+        for group in range(groups):
+            chunks = []
+            for chunk in step.chunks:
+                if len(chunk.sliding_blocks) != groups:
+                    raise ValueError(f"sequence {chunk.seq}: {len(chunk.sliding_blocks)} sliding block tables, "
+                                     f"the cache has {groups} groups of sliding layers")
+                table = [b if b >= 0 else 0 for b in chunk.sliding_blocks[group]]
+                chunks.append(attrs.evolve(chunk, blocks=table))
+            views.append(attrs.evolve(step, chunks=chunks))
+        return views
+
     def _run_eager(self, step: Step, kv: torch.Tensor):
         vocab = self.config.vocab_size
         tokens = [t for c in step.chunks for t in c.tokens]
         check_tokens(tokens, vocab)
         decode = self.model.stored and all(len(chunk.tokens) == 1 for chunk in step.chunks)
         batch = self._decode_batch(step) if decode else self._attention_batch(step)
+        layers_batch: AttentionBatch | list[AttentionBatch] = batch
+        if self.page_groups is not None:  # each layer reads its group's pages
+            groups = [batch] + [self._decode_batch(view) if decode else self._attention_batch(view)
+                                for view in self._sliding_views(step)]
+            layers_batch = [groups[group] for group, _ in self.page_groups[1]]
         token_ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
         positions = torch.tensor([p for c in step.chunks for p in c.positions], device=self.device)
         starts = [seq.rows.start for seq in batch.sequences]
         self._place_drafts(step, starts, token_ids)
         embeds = self._embedding_rows(step, starts)
-        layers_kv = [(kv[i, 0], kv[i, 1]) for i in range(self.config.num_layers)]
-        normed, hidden = self.model(token_ids, positions, batch, layers_kv, tuple(step.taps), embeds)
+        if self.page_groups is None:
+            layers_kv = [(kv[i, 0], kv[i, 1]) for i in range(self.config.num_layers)]
+        else:
+            layers_kv = [(kv[j, 0], kv[j, 1]) for _, j in self.page_groups[1]]
+        normed, hidden = self.model(token_ids, positions, layers_batch, layers_kv, tuple(step.taps), embeds)
         return (lambda rows: self.model.logits(normed[rows])), hidden, starts
 
     def _launch_paged(self, step: Step, kv: torch.Tensor, previous: PendingStep | None) -> PendingStep:

@@ -618,13 +618,14 @@ class MuseGlimmerDecoder(nn.Module):
         columns gathered from the ranks)."""
         return self.shard.gather_vocab(self.lm_head(normed))
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch | list[AttentionBatch],
                 kv: list[tuple[torch.Tensor, torch.Tensor]],
                 taps: tuple[int, ...] = (),
                 embeds: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run every packed row through the decoder.
 
-        ``embeds`` (packed row indices, rows) replaces the input of those rows
+        ``batch``: the step's attention metadata, or one per layer (sliding pages: each
+        layer reads its group's pages). ``embeds`` (packed row indices, rows) replaces the input of those rows
         (image features: already normed, so they skip the embedding norm).
 
         Returns the final-normed hidden states ``(rows, H)`` and, when ``taps``
@@ -639,7 +640,7 @@ class MuseGlimmerDecoder(nn.Module):
         for i, layer in enumerate(self.layers):
             if i in taps:
                 tapped[i] = h
-            h = layer(h, rope, batch, *kv[i])
+            h = layer(h, rope, batch[i] if isinstance(batch, list) else batch, *kv[i])
         if len(self.layers) in taps:
             tapped[len(self.layers)] = h
         hidden = torch.stack([tapped[t] for t in taps]) if taps else None

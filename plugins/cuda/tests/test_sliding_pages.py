@@ -1,0 +1,108 @@
+"""Sliding layers keep their window (the engine's sliding pages, docs/engine.md) over the
+torch executor on the CPU: sessions whose histories run many windows long answer exactly
+as with every position of every layer kept, and as transformers' greedy generate; their
+sliding pages out of the window go back to the pool; a rewind whose window left the
+device recomputes instead of reading freed pages."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine_run_support import demo_tokenizer
+from musegl_core.checkpoint.loader import load_checkpoint
+from musegl_core.engine import events as ev
+from musegl_core.engine.engine import Engine, EngineConfig
+from musegl_core.engine.executor import GREEDY
+from musegl_core.engine.request import PreparedRequest
+from musegl_cuda.executor import TorchExecutor
+
+BLOCK = 4  # the tiny reference model's window is 8: two blocks
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return demo_tokenizer()
+
+
+@pytest.fixture(scope="module", params=["hf", "gguf"])
+def checkpoint(request, tiny_hf, tiny_gguf):
+    return load_checkpoint(tiny_hf.path if request.param == "hf" else tiny_gguf)
+
+
+def engine_for(checkpoint, tokenizer, sliding: bool) -> tuple[Engine, list]:
+    executor = TorchExecutor(checkpoint, device="cpu", dtype="float32", block_size=BLOCK)
+    events: list = []
+    config = EngineConfig(max_context=256, max_sessions=4, max_inflight_requests=4, max_decode_sequences=4,
+                          max_prefill_chunk=16, kv_blocks=200, sliding_window_kv=sliding)
+    return Engine(executor, tokenizer, config, events.append), events
+
+
+def ids(seed: int, n: int) -> list[int]:
+    return torch.randint(3, 500, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def generated(events, rid: str) -> list[int]:
+    done = [e for e in events if isinstance(e, ev.Done) and e.id == rid]
+    assert done, [e for e in events if getattr(e, "id", None) == rid]
+    return list(done[0].generated_ids)
+
+
+def cached(events, rid: str) -> int:
+    return next(e for e in events if isinstance(e, ev.Done) and e.id == rid).cached_tokens
+
+
+def conversation(engine: Engine, events: list) -> dict[str, list[int]]:
+    """Turns on a named session (each extends the last), two requests side by side, and a
+    rewind to an early position of the session's history."""
+    out: dict[str, list[int]] = {}
+
+    def run(rid: str, prompt: list[int], session: str | None = "chat", n: int = 10) -> list[int]:
+        engine.submit(PreparedRequest(id=rid, prompt_ids=tuple(prompt), max_tokens=n, ignore_eos=True,
+                                      sampling=GREEDY, session_id=session, stream=True))
+        engine.run_until_idle()
+        out[rid] = generated(events, rid)
+        return out[rid]
+
+    history = ids(1, 37)
+    history += run("t1", history) + ids(2, 23)
+    history += run("t2", history) + ids(3, 19)
+    history += run("t3", history)
+    run("rewind", history[:30] + ids(4, 5))  # back into the first turn
+    engine.submit(PreparedRequest(id="a", prompt_ids=tuple(ids(5, 50)), max_tokens=12, ignore_eos=True,
+                                  sampling=GREEDY))
+    engine.submit(PreparedRequest(id="b", prompt_ids=tuple(ids(6, 21)), max_tokens=30, ignore_eos=True,
+                                  sampling=GREEDY))
+    engine.run_until_idle()
+    out["a"], out["b"] = generated(events, "a"), generated(events, "b")
+    return out
+
+
+def test_sliding_pages_answer_as_every_position_kept_and_free_the_window(checkpoint, tokenizer):
+    full, full_events = engine_for(checkpoint, tokenizer, sliding=False)
+    paged, paged_events = engine_for(checkpoint, tokenizer, sliding=True)
+    assert full.pool.companions == 0 and paged.pool.companions == 2  # 4 sliding layers: 2 groups of 2
+    expected = conversation(full, full_events)
+    assert conversation(paged, paged_events) == expected
+    for turn in ("t2", "t3"):  # each turn extends the last: its whole history is reused
+        assert cached(paged_events, turn) == cached(full_events, turn) > 40
+    assert cached(paged_events, "rewind") == 0 < cached(full_events, "rewind")  # its window left the device
+    # The idle session keeps every block of its full layers and, of its sliding layers, only the
+    # blocks the window reaches.
+    session = paged.sessions.named["chat"]
+    blocks = session.slot.blocks
+    kept = [b for b in blocks if paged.pool.companion_pages(b) is not None]
+    assert len(blocks) >= 10 and len(kept) <= 3
+    assert len(full.sessions.named["chat"].slot.blocks) == len(blocks) == full.pool.used_blocks
+    assert paged.pool.used_blocks == len(blocks) + 2 * len(kept)  # pages: every block, 2 sliding pages of few
+
+
+def test_a_long_prompt_matches_transformers_with_sliding_pages(tiny_hf, tokenizer):
+    from test_parity import reference_greedy
+
+    engine, events = engine_for(load_checkpoint(tiny_hf.path), tokenizer, sliding=True)
+    prompt = ids(7, 61)
+    engine.submit(PreparedRequest(id="r", prompt_ids=tuple(prompt), max_tokens=24, ignore_eos=True,
+                                  sampling=GREEDY))
+    engine.run_until_idle()
+    assert generated(events, "r") == reference_greedy(tiny_hf.model, prompt, 24)
