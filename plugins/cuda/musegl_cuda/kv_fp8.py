@@ -28,12 +28,10 @@ the Triton kernels read e4m3 directly (:mod:`musegl_cuda.cuda.kernels`).
 
 from __future__ import annotations
 
-import math
-
 import torch
 
-#: The largest finite float8 e4m3 value.
-E4M3_MAX = 448.0
+from musegl_core.engine.kv_dtype import E4M3_MAX, fp8_k_scale, fp8_v_scale
+
 FP8 = torch.float8_e4m3fn
 
 
@@ -48,17 +46,16 @@ def storage_dtype(kv_cache_dtype: str, dtype: torch.dtype) -> torch.dtype:
 
 def k_scale(head_dim: int) -> float:
     """The K scale of every layer and head: ``√head_dim / 448`` (see the module)."""
-    return math.sqrt(head_dim) / E4M3_MAX
+    return fp8_k_scale(head_dim)
 
 
 def v_scales(v_weight: torch.Tensor, norm_scale: torch.Tensor, kv_heads: int) -> torch.Tensor:
     """The V scale of each of ``kv_heads`` heads of one layer, float32 ``(kv_heads,)``, from
     its ``v_proj`` weight ``(kv_heads·head_dim, hidden)`` and its input norm's ``1+w``."""
     w = v_weight.float()
-    hidden = w.shape[1]
-    rows = w.norm(dim=1).view(kv_heads, -1).amax(dim=1)
-    bound = rows * float(norm_scale.float().abs().max()) * math.sqrt(hidden)
-    return (bound / E4M3_MAX).clamp_min(torch.finfo(torch.float32).tiny)
+    rows = w.norm(dim=1).view(kv_heads, -1).amax(dim=1).tolist()
+    top = float(norm_scale.float().abs().max())
+    return torch.tensor([fp8_v_scale(r, top, w.shape[1]) for r in rows], dtype=torch.float32)
 
 
 def layer_scales(model) -> torch.Tensor:

@@ -24,6 +24,8 @@ if TYPE_CHECKING:
 
 
 LOAD_FORMATS = ("auto", "dummy")
+#: ``--kv-cache-dtype`` values both executors (and their tensor-parallel ranks) store (musegl_cuda.kv_fp8)
+KV_CACHE_DTYPES = ("auto", "fp8")
 WEIGHT_MODES = ("stored", "upcast")
 
 
@@ -145,7 +147,7 @@ def _create_parallel(options: ExecutorOptions, default_device: str, size: int):
                     weights=None if dummy else weight_mode(options),
                     forward_sizes=parse_forward_sizes(options.extra.get("forward_sizes")),
                     async_steps=False if options.extra.get("sync_steps") else None, dummy=dummy,
-                    mmproj=options.mmproj, log_level=logging.getLevelName(logging.getLogger().level).lower())
+                    mmproj=options.mmproj, kv_cache_dtype=options.kv_cache_dtype, log_level=logging.getLevelName(logging.getLogger().level).lower())
     return TensorParallelExecutor(spec, on_failure=exit_worker_after())
 
 
@@ -161,7 +163,8 @@ def _create(options: ExecutorOptions, default_device: str) -> "TorchExecutor":
     async_steps = False if options.extra.get("sync_steps") else None  # None: the device's default
     if load_format(options) == "dummy":
         return TorchExecutor(read_config_only(options.model), device=options.device or default_device,  # type: ignore[arg-type]
-                             dtype=options.dtype, forward_sizes=sizes, dummy_seed=0, async_steps=async_steps)
+                             dtype=options.dtype, forward_sizes=sizes, dummy_seed=0, async_steps=async_steps,
+                             kv_cache_dtype=options.kv_cache_dtype)
     checkpoint = load_checkpoint(options.model, progress=options.progress)
     vision = None
     try:
@@ -169,7 +172,7 @@ def _create(options: ExecutorOptions, default_device: str) -> "TorchExecutor":
         try:
             return TorchExecutor(checkpoint, device=options.device or default_device, dtype=options.dtype,
                                  forward_sizes=sizes, vision=vision, weights=weight_mode(options),
-                                 async_steps=async_steps)
+                                 async_steps=async_steps, kv_cache_dtype=options.kv_cache_dtype)
         except ValueError as exc:
             if "weights 'stored'" in str(exc):
                 raise ConfigError(f"--weights stored: {exc}") from None
@@ -187,14 +190,14 @@ def kv_layout(options: ExecutorOptions, default_device: str) -> tuple[int, int]:
     N shares together on the CPU, where the ranks share the host's memory."""
     import torch
 
-    from musegl_core.engine.kv_sizing import kv_block_bytes
+    from musegl_core.engine.kv_dtype import kv_position_bytes
     from musegl_cuda.executor import DEFAULT_BLOCK_SIZE, resolve_dtype
 
     device = torch.device(options.device or default_device)
     dtype = resolve_dtype(options.dtype, device)
     size = torch.empty((), dtype=dtype).element_size()
     config = read_config_only(options.model).config
-    per_block = kv_block_bytes(config, DEFAULT_BLOCK_SIZE, size)
+    per_block = kv_position_bytes(config, options.kv_cache_dtype, size) * DEFAULT_BLOCK_SIZE
     ranks = tensor_parallel_size(options)
     if ranks > 1:
         from musegl_cuda.parallel.shard import ShardPlan
@@ -223,8 +226,10 @@ def musegl_executors() -> list[ExecutorSpec]:
     return [
         ExecutorSpec(name="cuda", description="Muse Glimmer decoder in PyTorch on an NVIDIA GPU",
                      create=create_cuda, available=cuda_available, priority=100,
-                     kv_layout=lambda options: kv_layout(options, "cuda"), check=check_model),
+                     kv_layout=lambda options: kv_layout(options, "cuda"), check=check_model,
+                     kv_cache_dtypes=KV_CACHE_DTYPES),
         ExecutorSpec(name="torch-cpu", description="Muse Glimmer decoder in PyTorch on the CPU",
                      create=create_torch_cpu, available=lambda: True, priority=10,
-                     kv_layout=lambda options: kv_layout(options, "cpu"), check=check_cpu_model),
+                     kv_layout=lambda options: kv_layout(options, "cpu"), check=check_cpu_model,
+                     kv_cache_dtypes=KV_CACHE_DTYPES),
     ]
