@@ -36,9 +36,9 @@ def check_kv_cache_dtype(kv_cache_dtype: str, spec) -> None:
     """Refuse, in one line at start-up, a ``--kv-cache-dtype`` the chosen executor (its
     :class:`~musegl_core.plugins.specs.ExecutorSpec`) does not store."""
     if kv_cache_dtype not in spec.kv_cache_dtypes:
-        raise ConfigError(f"--kv-cache-dtype {kv_cache_dtype}: the {spec.name} executor stores K/V as "
-                          f"{' or '.join(spec.kv_cache_dtypes)} only; serve without it, or with the cuda or "
-                          "torch-cpu executor")
+        takes = ", ".join(spec.kv_cache_dtypes)
+        raise ConfigError(f"--kv-cache-dtype {kv_cache_dtype}: the {spec.name} executor keeps K/V in its activation "
+                          f"dtype only (--kv-cache-dtype {takes}); fp8 runs on the cuda, torch-cpu and mlx executors")
 
 
 def kv_element_bytes(kv_cache_dtype: str, activation_itemsize: int) -> int:
