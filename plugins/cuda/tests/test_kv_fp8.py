@@ -160,3 +160,30 @@ def test_the_store_kernel_writes_torch_s_e4m3_bytes_in_the_interpreter():
 def test_paged_attention_reads_e4m3_in_the_interpreter():
     pytest.importorskip("triton")
     _interpreted("check_fp8_attention('cpu', torch.float32)")
+
+
+@pytest.mark.slow  # spawns two rank processes (gloo on the CPU)
+def test_tensor_parallel_ranks_store_fp8_like_one_executor(tiny_hf):
+    """Two ranks (one KV head each) with --kv-cache-dtype fp8: each rank's scales are the
+    single executor's for its heads, the pool's block bytes are FP8's, and the logits match
+    the single FP8 executor's to float rounding (far inside FP8's own distance from float KV)."""
+    from musegl_cuda.parallel.executor import TensorParallelExecutor
+    from musegl_cuda.parallel.rank import RankSpec
+
+    prompt = ids(11, 40)
+    blocks = [3, 0, 2]  # blocks of 16, the ranks' size
+    single, auto = (TorchExecutor(load_checkpoint(tiny_hf.path), device="cpu", kv_cache_dtype=kv) for kv in ("fp8", "auto"))
+    single.allocate_kv(16)
+    auto.allocate_kv(16)
+    parallel = TensorParallelExecutor(RankSpec(str(tiny_hf.path), "cpu", 2, kv_cache_dtype="fp8"))
+    try:
+        parallel.allocate_kv(16)
+        assert parallel.kv_bytes_per_block() == single.kv_bytes_per_block()  # two halves on the CPU
+        got = prefill_and_decode(parallel, prompt, 30, blocks)
+    finally:
+        parallel.close()
+    want = prefill_and_decode(single, prompt, 30, blocks)
+    exact = prefill_and_decode(auto, prompt, 30, blocks)
+    fp8_error = max(float((a - b).abs().max()) for a, b in zip(want, exact))
+    ranks = max(float((torch.as_tensor(a) - b).abs().max()) for a, b in zip(got, want))
+    assert fp8_error > 1e-4 and ranks <= fp8_error / 10, (ranks, fp8_error)
