@@ -59,6 +59,22 @@ def test_an_fp8_pool_holds_twice_bf16_and_four_times_float32_positions(tiny_hf):
     assert ex.kv.numel() == 8 * ex.kv_bytes_per_block()  # the bytes the pool accounts are the bytes allocated
 
 
+def test_the_same_kv_cache_memory_holds_four_times_the_sessions_on_the_cpu(tiny_hf):
+    """The engine's pool sizing (plan_pool) over the real executors: a --kv-cache-memory that
+    holds N float32 blocks holds 4N FP8 blocks, so 4x the sessions of --max-context."""
+    from musegl_core.engine.engine import EngineConfig
+    from musegl_core.engine.kv_sizing import plan_pool
+    from musegl_core.engine.speculator import NoSpeculator
+
+    auto, fp8 = (TorchExecutor(load_checkpoint(tiny_hf.path), device="cpu", block_size=16, kv_cache_dtype=kv)
+                 for kv in ("auto", "fp8"))
+    memory = 128 * auto.kv_bytes_per_block()
+    config = EngineConfig(max_context=256, max_sessions=1, kv_cache_memory=memory)
+    blocks = {name: plan_pool(config, ex, NoSpeculator()) for name, ex in (("auto", auto), ("fp8", fp8))}
+    assert blocks == {"auto": 128, "fp8": 512}
+    assert blocks["fp8"] // 16 == 4 * (blocks["auto"] // 16)  # sessions of --max-context 256
+
+
 def test_the_scales_bound_every_value_and_layer_zero_stores_torch_s_e4m3(tiny_hf):
     """The scales are bounds (no K/V the model writes reaches 448 after scaling), and the first
     layer (whose input does not depend on the cache) stores exactly the e4m3 bytes of the float
