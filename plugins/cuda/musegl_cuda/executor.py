@@ -209,6 +209,8 @@ class TorchExecutor:
         self.dtype = resolve_dtype(dtype, self.device)
         self.kv_cache_dtype = kv_cache_dtype
         self.kv_dtype = kv_fp8.storage_dtype(kv_cache_dtype, self.dtype)
+        if kv_cache_dtype == "fp8":
+            kv_fp8.check_device(self.device)
         self.weights = resolve_weights(weights, self.device, self.dtype, getattr(checkpoint, "file_type", ""))
         if dummy_seed is not None:
             self.weights = "upcast"  # random weights are made in the activation dtype

@@ -44,6 +44,21 @@ def storage_dtype(kv_cache_dtype: str, dtype: torch.dtype) -> torch.dtype:
     raise ValueError(f"kv_cache_dtype must be 'auto' or 'fp8', got {kv_cache_dtype!r}")
 
 
+#: The oldest CUDA compute capability whose Triton reads float8 e4m3 (Ada, Hopper and later).
+MIN_CAPABILITY = (8, 9)
+
+
+def check_device(device: torch.device) -> None:
+    """Raise ValueError (one line) where the attention kernels cannot read e4m3: a GPU older than
+    compute capability 8.9. The CPU reference path runs anywhere."""
+    if device.type != "cuda":
+        return
+    capability = torch.cuda.get_device_capability(device)
+    if tuple(capability) < MIN_CAPABILITY:
+        raise ValueError(f"--kv-cache-dtype fp8 needs a GPU of compute capability 8.9 or later (Ada, Hopper); "
+                         f"{torch.cuda.get_device_name(device)} is {capability[0]}.{capability[1]}")
+
+
 def k_scale(head_dim: int) -> float:
     """The K scale of every layer and head: ``√head_dim / 448`` (see the module)."""
     return fp8_k_scale(head_dim)

@@ -161,6 +161,15 @@ def _create(options: ExecutorOptions, default_device: str) -> "TorchExecutor":
         return _create_parallel(options, default_device, size)
     sizes = parse_forward_sizes(options.extra.get("forward_sizes"))
     async_steps = False if options.extra.get("sync_steps") else None  # None: the device's default
+    if options.kv_cache_dtype == "fp8":
+        import torch
+
+        from musegl_cuda.kv_fp8 import check_device
+
+        try:  # before any weight is read
+            check_device(torch.device(options.device or default_device))
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
     if load_format(options) == "dummy":
         return TorchExecutor(read_config_only(options.model), device=options.device or default_device,  # type: ignore[arg-type]
                              dtype=options.dtype, forward_sizes=sizes, dummy_seed=0, async_steps=async_steps,
