@@ -26,6 +26,7 @@ def check_fp8_store(device: str, dtype: torch.dtype, heads: int = 4, kv_heads: i
     # V spans the e4m3 range and past it: subnormals, ties, saturation
     qkvg[:, v0:v0 + kvh * hd] = (torch.randn(rows, kvh * hd, device=dev) * torch.logspace(-5, 3, rows * kvh * hd,
                                  device=dev).view(rows, -1)).to(dtype)
+    qkvg[0, v0:v0 + 2] = torch.tensor([-0.0, 0.0], dtype=dtype)  # signed zeros keep their sign bit
     scales = torch.tensor([[kv_fp8.k_scale(hd)] * kvh, [1.0, 0.5][:kvh] + [1.0] * (kvh - 2)],
                           dtype=torch.float32, device=dev)
     cos, sin = RotaryEmbedding(hd, 10000.0, dev)(torch.arange(rows, device=dev) + 3, dtype)

@@ -341,7 +341,8 @@ def _e4m3_bits(x):
     normal = (((bits >> 23) - 120) << 3) | ((bits >> 20) & 7)  # exponent bias 127 -> 7
     sub = ((a * 512.0 + 8388608.0) - 8388608.0).to(tl.int32)  # below 2^-6: multiples of 2^-9, to nearest even
     code = tl.where(a < 0.015625, sub, normal)
-    return tl.where(x < 0, code | 128, code)
+    negative = x.to(tl.int32, bitcast=True) < 0  # the sign bit (so -0.0 stores 0x80, as torch's cast does)
+    return tl.where(negative, code | 128, code)
 
 
 @triton.jit
