@@ -139,6 +139,10 @@ class ServeConfig:
                                        KV, kind="size", metavar="SIZE")
     kv_cache_fraction: float = flag(0.9, "share of the memory free after loading that the KV cache may use "
                                     "(default %(default)s)", KV, kind="float", metavar="F")
+    kv_cache_dtype: str = flag("auto", "how K and V are stored: auto (the activation dtype) or fp8 (float8 e4m3 "
+                               "with fixed per-head scales: half of bf16's bytes a position; the torch executors "
+                               "only, docs/engine.md) (default %(default)s)", KV, choices=("auto", "fp8"),
+                               metavar="auto|fp8")
     constrained_reasoning_tokens: int = flag(
         1024, "under an output constraint (response_format json, tool_choice required/named), the reasoning "
         "message may take at most this many tokens before the constrained part must begin; 0: no reasoning "
@@ -247,6 +251,7 @@ class ServeConfig:
             need(self.kv_cache_memory > 0, "--kv-cache-memory must be positive")
         f = self.kv_cache_fraction
         need(math.isfinite(f) and 0 < f <= 1, f"--kv-cache-fraction must be in (0, 1], got {f}")
+        need(self.kv_cache_dtype in ("auto", "fp8"), f"--kv-cache-dtype must be auto or fp8, got {self.kv_cache_dtype!r}")
         f = self.prefill_stall_factor
         need(math.isfinite(f) and (f == 0 or f >= 1),
              f"--prefill-stall-factor must be 0 (off) or at least 1, got {f}")

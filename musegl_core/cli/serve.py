@@ -117,13 +117,16 @@ def prepare(argv: list[str]):
         raise ConfigError(f"model path {config.model!r} does not exist")
     if config.mmproj and not os.path.isfile(config.mmproj):
         raise ConfigError(f"--mmproj {config.mmproj!r} is not a file")
+    from musegl_core.engine.kv_dtype import check_kv_cache_dtype
+
+    check_kv_cache_dtype(config.kv_cache_dtype, spec)
     if config.model:
         if spec.check is not None:  # the executor checks the model itself (its own formats, --load-format)
             from musegl_core.plugins.specs import ExecutorOptions
 
             spec.check(ExecutorOptions(model=config.model, device=config.device, dtype=config.dtype,
                                        mmproj=config.mmproj, max_context=config.max_context,
-                                       extra=dict(config.extra)))
+                                       kv_cache_dtype=config.kv_cache_dtype, extra=dict(config.extra)))
         else:
             from musegl_core.servable import check_servable
 
@@ -176,6 +179,7 @@ def check_kv_memory(config: ServeConfig, plugins) -> None:
         return  # the worker checks once the executor is loaded
     per_block, block_size = spec.kv_layout(ExecutorOptions(model=config.model, device=config.device,
                                                            dtype=config.dtype, max_context=config.max_context,
+                                                           kv_cache_dtype=config.kv_cache_dtype,
                                                            extra=dict(config.extra)))
     check_fits(bytes_per_block=per_block, block_size=block_size, budget=config.kv_cache_memory,
                source="--kv-cache-memory", max_sessions=config.max_sessions, max_context=config.max_context,
@@ -188,7 +192,7 @@ def check_speculators(config: ServeConfig, plugins) -> None:
     from musegl_core.plugins.specs import ExecutorOptions
 
     options = ExecutorOptions(model=config.model, device=config.device, dtype=config.dtype, demo=config.demo,
-                              extra=dict(config.extra))
+                              kv_cache_dtype=config.kv_cache_dtype, extra=dict(config.extra))
     for spec in plugins.specs("speculators").values():
         if spec.check is not None:
             spec.check(options)

@@ -21,7 +21,9 @@ class ExecutorOptions:
     GGUF model loads text-only; a Hugging Face directory carries its vision
     weights itself). ``max_context`` is the server's ``--max-context`` (None
     where no fixed budget applies, as in ``musegl generate``); an executor
-    whose model cannot reach it raises ``ConfigError``.
+    whose model cannot reach it raises ``ConfigError``. ``kv_cache_dtype`` is
+    ``--kv-cache-dtype`` (``auto`` or ``fp8``; only executors whose spec lists
+    it in ``kv_cache_dtypes`` get anything but ``auto``).
     """
 
     model: str
@@ -30,6 +32,7 @@ class ExecutorOptions:
     demo: bool = False
     mmproj: str | None = None
     max_context: int | None = None
+    kv_cache_dtype: str = "auto"
     progress: Callable[[int, int, str], None] | None = None
     extra: dict[str, Any] = attrs.field(factory=dict)
 
@@ -60,6 +63,9 @@ class ExecutorSpec:
     applies (a GGUF file or Hugging Face directory with weights and a
     tokenizer: :func:`musegl_core.servable.check_servable`), which
     is also what a plugin calls for the paths it does not treat specially.
+
+    ``kv_cache_dtypes``: the ``--kv-cache-dtype`` values the executor stores
+    (``auto`` always); ``musegl serve`` refuses any other in one line at start-up.
     """
 
     name: str
@@ -71,6 +77,7 @@ class ExecutorSpec:
     unavailable_reason: Callable[[], str | None] | None = None
     claims: Callable[[str], bool] | None = None
     check: Callable[[ExecutorOptions], None] | None = None
+    kv_cache_dtypes: tuple[str, ...] = ("auto",)
 
 
 @attrs.frozen

@@ -20,6 +20,7 @@ def load(config: ServeConfig, max_context: int | None | bool = True):
     ``config``, with a progress bar. ``max_context`` is what the executor is
     told of the context budget: ``True`` means ``config.max_context``, None no
     fixed budget (``musegl generate`` sizes its own)."""
+    from musegl_core.engine.kv_dtype import check_kv_cache_dtype
     from musegl_core.plugins.manager import PluginManager
     from musegl_core.plugins.specs import ExecutorOptions
     from musegl_core.progress import loading_progress
@@ -27,6 +28,7 @@ def load(config: ServeConfig, max_context: int | None | bool = True):
 
     plugins = PluginManager(only=config.plugins, process="worker")  # executors and speculators only
     spec = plugins.choose_executor(config.executor, config.model)
+    check_kv_cache_dtype(config.kv_cache_dtype, spec)
     tokenizer = load_tokenizer(config.model)
     with loading_progress(f"loading {os.path.basename(config.model)} ({spec.name})") as progress:
         options = ExecutorOptions(
@@ -36,6 +38,7 @@ def load(config: ServeConfig, max_context: int | None | bool = True):
             demo=config.demo,
             mmproj=config.mmproj,
             max_context=config.max_context if max_context is True else max_context,
+            kv_cache_dtype=config.kv_cache_dtype,
             progress=progress,
             extra=dict(config.extra),
         )

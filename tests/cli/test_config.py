@@ -5,9 +5,11 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import attrs
 import pytest
 
 from musegl_core.config import ServeConfig, min_request_bytes
+from musegl_core.errors import ConfigError
 
 BAD = [
     (["--max-context", "1"], "--max-context must be between 2"),
@@ -95,3 +97,22 @@ def test_served_model_names_first_is_the_id_the_rest_aliases():
     config = config_from_args(args, parser)
     assert (config.served_model_name, config.served_model_aliases) == ("a", ("b",))
     assert config.cors_allow_origins == ("https://x", "*")
+
+
+def test_kv_cache_dtype_flag_and_the_executors_that_refuse_it():
+    from musegl_core.cli.serve import build_parser, config_from_args
+    from musegl_core.engine.kv_dtype import check_kv_cache_dtype
+    from musegl_core.plugins.specs import ExecutorSpec
+
+    parser = build_parser()
+    assert ServeConfig().validate().kv_cache_dtype == "auto"
+    assert config_from_args(parser.parse_args(["--kv-cache-dtype", "fp8"]), parser).validate().kv_cache_dtype == "fp8"
+    with pytest.raises(ConfigError, match="--kv-cache-dtype must be auto or fp8"):
+        ServeConfig(kv_cache_dtype="fp16").validate()
+    plain = ExecutorSpec(name="plain", description="", create=lambda options: None)
+    check_kv_cache_dtype("auto", plain)
+    with pytest.raises(ConfigError) as refused:
+        check_kv_cache_dtype("fp8", plain)
+    assert "the plain executor keeps K/V in its activation dtype only" in str(refused.value)
+    assert "\n" not in str(refused.value)
+    check_kv_cache_dtype("fp8", attrs.evolve(plain, kv_cache_dtypes=("auto", "fp8")))

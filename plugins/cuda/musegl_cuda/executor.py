@@ -48,10 +48,11 @@ from musegl_core.engine.executor import (GREEDY, ExecutorLimits, FinishedStep, H
                                          PromptImage, SeqChunk, Step, StepOutput)
 from musegl_core.engine.memory import available_ram
 from musegl_core.engine.sample_rows import SampleRows
-from musegl_core.engine.kv_sizing import kv_block_bytes
+from musegl_core.engine.kv_dtype import kv_position_bytes
 from musegl_core.engine.step_checks import check_positions, check_taps, check_tokens, kv_allocated, table_of
 from musegl_cuda.cpu.stored_matrix import HalfRows
 from musegl_cuda.drafts import DraftRows
+from musegl_cuda import kv_fp8
 from musegl_cuda.model import AttentionBatch, DecodeAttention, MuseGlimmerDecoder, PagedMeta, SequenceAttention
 from musegl_cuda.parallel.shard import TensorShard
 from musegl_cuda.quantization import QUANTIZATIONS, quantized_stored
@@ -205,7 +206,8 @@ class TorchExecutor:
                  dummy_seed: int | None = None, vision: VisionWeights | None = None,
                  weights: str | None = None, async_steps: bool | None = None,
                  shard: TensorShard | None = None, quantization: str | None = None,
-                 w8a8_rows: int | None = None, dummy_kind: str | None = None) -> None:
+                 w8a8_rows: int | None = None, dummy_kind: str | None = None,
+                 kv_cache_dtype: str = "auto") -> None:
         """``forward_sizes``: decode widths to capture as CUDA graphs (None: the
         defaults on CUDA; ignored on the CPU; empty: no graphs).
         ``dummy_seed``: don't read weights, make random ones on the device
@@ -223,11 +225,17 @@ class TorchExecutor:
         ``w8a8_rows``: on CUDA, FP8 products of at least this many rows run W8A8
         (:data:`~musegl_cuda.cuda.device_weights.W8A8_ROWS` when None). ``dummy_kind``: with
         ``dummy_seed`` on CUDA, random matrices as stored of this kind (``fp8``, a GGUF type, or
-        ``q4_k_m``; ``quantization="fp8"`` means ``fp8``), for timing runs without a file."""
+        ``q4_k_m``; ``quantization="fp8"`` means ``fp8``), for timing runs without a file. ``kv_cache_dtype``:
+        ``auto`` keeps K/V in the activation dtype, ``fp8`` as float8 e4m3 with fixed
+        per-layer, per-head scales (:mod:`musegl_cuda.kv_fp8`)."""
         if block_size <= 0:
             raise ValueError("block_size must be positive")
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
+        self.kv_cache_dtype = kv_cache_dtype
+        self.kv_dtype = kv_fp8.storage_dtype(kv_cache_dtype, self.dtype)
+        if kv_cache_dtype == "fp8":
+            kv_fp8.check_device(self.device)
         self.weights = resolve_weights(weights, self.device, self.dtype, getattr(checkpoint, "file_type", ""),
                                        quantization)
         self.quantization = quantization
@@ -310,6 +318,16 @@ class TorchExecutor:
         # From here on the config as this rank's layers see it (its heads and KV heads: the KV
         # cache, the attention plans); the whole model's without tensor parallelism.
         self.config = config = self.model.local
+        #: FP8 KV: ``(layers, 2, kv_heads)`` float32 scales, set from the weights (kv_fp8.layer_scales);
+        #: each layer's attention reads its row
+        self.kv_scales: torch.Tensor | None = None
+        if kv_cache_dtype == "fp8":
+            with torch.inference_mode():
+                self.kv_scales = kv_fp8.layer_scales(self.model)
+            for layer, scales in zip(self.model.layers, self.kv_scales):
+                layer.self_attn.kv_scales = scales
+            log.info("KV cache: float8 e4m3, fixed per-head scales from the weights (V scale %.3g .. %.3g)",
+                     float(self.kv_scales[:, 1].min()), float(self.kv_scales[:, 1].max()))
         self.kv: torch.Tensor | None = None
         #: sliding pages (:meth:`use_sliding_pages`): layers per page and each layer's (group, index)
         self.page_groups: tuple[int, tuple[tuple[int, int], ...]] | None = None
@@ -334,7 +352,8 @@ class TorchExecutor:
     # -- KV storage ------------------------------------------------------------
 
     def kv_bytes_per_block(self) -> int:
-        return kv_block_bytes(self.config, self.block_size, torch.empty((), dtype=self.dtype).element_size())
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        return kv_position_bytes(self.config, self.kv_cache_dtype, itemsize) * self.block_size
 
     def kv_memory_available(self) -> int | None:
         """Free device memory on CUDA; MemAvailable of the machine on the CPU."""
@@ -383,7 +402,7 @@ class TorchExecutor:
         extra = 1 if self.paged else 0
         places = c.num_layers if self.page_groups is None else self.page_groups[0]
         self.kv = torch.zeros(places, 2, num_blocks + extra, self.block_size, c.num_kv_heads, c.head_dim,
-                              dtype=self.dtype, device=self.device)
+                              dtype=self.kv_dtype, device=self.device)
         self.num_blocks = num_blocks
         if self.paged and self.limits.step_sizes:
             from musegl_cuda.cuda.graphs import DecodeGraphs
@@ -438,7 +457,8 @@ class TorchExecutor:
             launches = warm_attention(self.kv[0, 0].view(-1, c.num_kv_heads, c.head_dim),
                                       self.kv[0, 1].view(-1, c.num_kv_heads, c.head_dim), self.block_size,
                                       scratch_block, c.num_heads, (self.decode_block_m, self.prefill_block_m),
-                                      c.sliding_window, attn.qkvg.shape[0], attn.gate_offset)
+                                      c.sliding_window, attn.qkvg.shape[0], attn.gate_offset, self.dtype,
+                                      attn.kv_scales)
             torch.cuda.synchronize(self.device)
         log.info("attention kernels ready: %d kinds of launch in %.1f s", launches, time.perf_counter() - started)
         if self.model.device_weights:  # the weight products' launches of prefill and mixed steps
@@ -476,6 +496,8 @@ class TorchExecutor:
         kv = self._require_kv()
         src = on_device([s for s, _ in pairs], self.device, torch.long)  # queued behind launched steps
         dst = on_device([d for _, d in pairs], self.device, torch.long)
+        if kv.dtype == kv_fp8.FP8:  # as bytes: float8 indexing is not implemented everywhere
+            kv = kv.view(torch.uint8)
         with torch.inference_mode():
             kv[:, :, dst] = kv[:, :, src]
 

@@ -38,9 +38,10 @@ from torch import nn
 from musegl_core.checkpoint.config import TextConfig
 from musegl_core.checkpoint.hf_reader import CENTERED_NORMS, text_weight_names
 from musegl_core.checkpoint.stored import StoredTensor
-from musegl_cuda.cpu.attention import attention_rows
+from musegl_cuda.cpu.attention import attention_rows, dequantized_attention_rows
 from musegl_cuda.cuda.dense_attention import DenseKeys, dense_gated_attention
 from musegl_cuda.cpu.stored_matrix import DenseMatrix, HalfRows, StoredGroup, StoredMatrix, stored_matrix
+from musegl_cuda.kv_fp8 import dequantize_rows, write_rows
 from musegl_cuda.parallel.shard import TensorShard
 
 
@@ -248,6 +249,9 @@ class Attention(nn.Module):
         self.gate_offset = nq + 2 * nkv
         self.o_proj = Linear(config.num_heads * hd, h, dtype, wdev)
         self.q_rows, self.kv_rows = nq, nkv
+        #: ``--kv-cache-dtype fp8``: this layer's ``(2, kv_heads)`` float32 K and V scales (the
+        #: executor's, set with its cache; :mod:`musegl_cuda.kv_fp8`); None: K/V kept as computed
+        self.kv_scales: torch.Tensor | None = None
 
     def forward(self, a: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], batch: AttentionBatch,
                 k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
@@ -274,11 +278,16 @@ class Attention(nn.Module):
         # so a chunk reads its own keys and everything earlier steps wrote.
         k_flat = k_cache.view(-1, self.num_kv_heads, self.head_dim)
         v_flat = v_cache.view(-1, self.num_kv_heads, self.head_dim)
-        k_flat.index_copy_(0, batch.write_slots, k.to(k_flat.dtype))
-        v_flat.index_copy_(0, batch.write_slots, v.to(v_flat.dtype))
+        ks, vs = (None, None) if self.kv_scales is None else (self.kv_scales[0], self.kv_scales[1])
+        write_rows(k_flat, batch.write_slots, k, ks)  # FP8: quantized with the layer's scales
+        write_rows(v_flat, batch.write_slots, v, vs)
 
         if self.qkvg_stored is not None:  # stored mode: each row's attention from its own keys (cpu.attention)
-            y = attention_rows(q, k_flat, v_flat, batch, self.window, self.scaling, self.qkvg_stored.kernels)
+            if ks is not None:
+                y = dequantized_attention_rows(q, k_flat, v_flat, ks, vs, batch, self.window, self.scaling,
+                                               self.qkvg_stored.kernels)
+            else:
+                y = attention_rows(q, k_flat, v_flat, batch, self.window, self.scaling, self.qkvg_stored.kernels)
             return self.o_proj(y.reshape(rows, -1) * torch.sigmoid(gate), batch.half)
         if batch.decode is not None:
             y = self._decode_attention(q, k_flat, v_flat, batch.decode)
@@ -288,8 +297,8 @@ class Attention(nn.Module):
         for seq in batch.sequences:
             slots, mask = ((seq.sliding_slots, seq.sliding_mask) if self.sliding
                            else (seq.full_slots, seq.full_mask))
-            keys = k_flat[slots].repeat_interleave(self.group, dim=1)  # (S, heads, hd)
-            values = v_flat[slots].repeat_interleave(self.group, dim=1)
+            keys = dequantize_rows(k_flat, slots, ks, q.dtype).repeat_interleave(self.group, dim=1)  # (S, heads, hd)
+            values = dequantize_rows(v_flat, slots, vs, q.dtype).repeat_interleave(self.group, dim=1)
             y[seq.rows] = sdpa_rows(q[seq.rows], keys, values, mask, self.scaling)
         y = y.reshape(rows, -1) * torch.sigmoid(self.gate_proj(a) if gate is None else gate)
         return self.o_proj(y, batch.half)
@@ -305,8 +314,9 @@ class Attention(nn.Module):
         seqs, width = slots.shape
         kvh, hd, group = self.num_kv_heads, self.head_dim, self.group
         flat = slots.reshape(-1)
-        keys = k_flat.index_select(0, flat).view(seqs, width, kvh, hd)
-        values = v_flat.index_select(0, flat).view(seqs, width, kvh, hd)
+        scales = (None, None) if self.kv_scales is None else (self.kv_scales[0], self.kv_scales[1])
+        keys = dequantize_rows(k_flat, flat, scales[0], q.dtype).view(seqs, width, kvh, hd)
+        values = dequantize_rows(v_flat, flat, scales[1], q.dtype).view(seqs, width, kvh, hd)
         queries = q.view(seqs, kvh, group, hd)
         hidden = ~mask[:, None, :]
         out = torch.empty(seqs, kvh, group, hd, dtype=q.dtype)
@@ -676,13 +686,15 @@ class MuseGlimmerDecoder(nn.Module):
             v_flat = kv[i][1].view(-1, kv_heads, hd)
             qkvg = F.linear(x, attn.qkvg) if attn.qkvg_matrix is None else attn.qkvg_matrix.matmul(x)
             q = kernels.qk_norm_rope_store(qkvg, cos, sin, meta.slots, k_flat, v_flat, heads, kv_heads, hd,
-                                           attn.eps, attn.qk_scale, attn.use_rope)
+                                           attn.eps, attn.qk_scale, attn.use_rope, attn.kv_scales)
             if meta.dense is not None and not attn.sliding:
-                y = dense_gated_attention(q, k_flat, v_flat, meta.dense, attn.scaling, qkvg, attn.gate_offset)
+                y = dense_gated_attention(q, k_flat, v_flat, meta.dense, attn.scaling, qkvg, attn.gate_offset,
+                                          scales=attn.kv_scales)
             else:
                 y = kernels.gated_attention(q, k_flat, v_flat, meta.block_size, meta.tables, meta.tiles,
                                             meta.num_tiles, meta.splits_of(attn.sliding), meta.block_m,
-                                            c.sliding_window, attn.sliding, attn.scaling, qkvg, attn.gate_offset)
+                                            c.sliding_window, attn.sliding, attn.scaling, qkvg, attn.gate_offset,
+                                            attn.kv_scales)
             o = reduce(attn.o_proj(y))
             post, pre = layer.post_attention_layernorm, layer.pre_feedforward_layernorm
             h, x = kernels.add_norm(o, h, post.scale, post.eps, pre.scale, pre.eps)

@@ -24,6 +24,8 @@ if TYPE_CHECKING:
 
 
 LOAD_FORMATS = ("auto", "dummy")
+#: ``--kv-cache-dtype`` values both executors (and their tensor-parallel ranks) store (musegl_cuda.kv_fp8)
+KV_CACHE_DTYPES = ("auto", "fp8")
 WEIGHT_MODES = ("stored", "upcast")
 QUANTIZATIONS = ("fp8",)  # musegl_cuda.quantization.QUANTIZATIONS (not imported here: it imports torch)
 
@@ -169,7 +171,7 @@ def _create_parallel(options: ExecutorOptions, default_device: str, size: int):
                     weights=None if dummy else weight_mode(options),
                     forward_sizes=parse_forward_sizes(options.extra.get("forward_sizes")),
                     async_steps=False if options.extra.get("sync_steps") else None, dummy=dummy,
-                    mmproj=options.mmproj, log_level=logging.getLevelName(logging.getLogger().level).lower())
+                    mmproj=options.mmproj, kv_cache_dtype=options.kv_cache_dtype, log_level=logging.getLevelName(logging.getLogger().level).lower())
     return TensorParallelExecutor(spec, on_failure=exit_worker_after())
 
 
@@ -185,11 +187,21 @@ def _create(options: ExecutorOptions, default_device: str) -> "TorchExecutor":
         return _create_parallel(options, default_device, size)
     sizes = parse_forward_sizes(options.extra.get("forward_sizes"))
     async_steps = False if options.extra.get("sync_steps") else None  # None: the device's default
+    if options.kv_cache_dtype == "fp8":
+        import torch
+
+        from musegl_cuda.kv_fp8 import check_device
+
+        try:  # before any weight is read
+            check_device(torch.device(options.device or default_device))
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
     if load_format(options) == "dummy":
         try:
             return TorchExecutor(read_config_only(options.model), device=options.device or default_device,  # type: ignore[arg-type]
                                  dtype=options.dtype, forward_sizes=sizes, dummy_seed=0, async_steps=async_steps,
-                                 quantization=quantization(options), w8a8_rows=w8a8_rows(options))
+                                 quantization=quantization(options), w8a8_rows=w8a8_rows(options),
+                                 kv_cache_dtype=options.kv_cache_dtype)
         except ValueError as exc:
             if str(exc).startswith("quantization"):
                 raise ConfigError(f"--quantization: {exc}") from None
@@ -202,7 +214,7 @@ def _create(options: ExecutorOptions, default_device: str) -> "TorchExecutor":
             return TorchExecutor(checkpoint, device=options.device or default_device, dtype=options.dtype,
                                  forward_sizes=sizes, vision=vision, weights=weight_mode(options),
                                  async_steps=async_steps, quantization=quantization(options),
-                                 w8a8_rows=w8a8_rows(options))
+                                 w8a8_rows=w8a8_rows(options), kv_cache_dtype=options.kv_cache_dtype)
         except ValueError as exc:
             if str(exc).startswith("quantization"):
                 raise ConfigError(f"--quantization: {exc}") from None
@@ -222,14 +234,14 @@ def kv_layout(options: ExecutorOptions, default_device: str) -> tuple[int, int]:
     N shares together on the CPU, where the ranks share the host's memory."""
     import torch
 
-    from musegl_core.engine.kv_sizing import kv_block_bytes
+    from musegl_core.engine.kv_dtype import kv_position_bytes
     from musegl_cuda.executor import DEFAULT_BLOCK_SIZE, resolve_dtype
 
     device = torch.device(options.device or default_device)
     dtype = resolve_dtype(options.dtype, device)
     size = torch.empty((), dtype=dtype).element_size()
     config = read_config_only(options.model).config
-    per_block = kv_block_bytes(config, DEFAULT_BLOCK_SIZE, size)
+    per_block = kv_position_bytes(config, options.kv_cache_dtype, size) * DEFAULT_BLOCK_SIZE
     ranks = tensor_parallel_size(options)
     if ranks > 1:
         from musegl_cuda.parallel.shard import ShardPlan
@@ -258,8 +270,10 @@ def musegl_executors() -> list[ExecutorSpec]:
     return [
         ExecutorSpec(name="cuda", description="Muse Glimmer decoder in PyTorch on an NVIDIA GPU",
                      create=create_cuda, available=cuda_available, priority=100,
-                     kv_layout=lambda options: kv_layout(options, "cuda"), check=check_model),
+                     kv_layout=lambda options: kv_layout(options, "cuda"), check=check_model,
+                     kv_cache_dtypes=KV_CACHE_DTYPES),
         ExecutorSpec(name="torch-cpu", description="Muse Glimmer decoder in PyTorch on the CPU",
                      create=create_torch_cpu, available=lambda: True, priority=10,
-                     kv_layout=lambda options: kv_layout(options, "cpu"), check=check_cpu_model),
+                     kv_layout=lambda options: kv_layout(options, "cpu"), check=check_cpu_model,
+                     kv_cache_dtypes=KV_CACHE_DTYPES),
     ]

@@ -36,7 +36,8 @@ from musegl_core.engine.executor import (ExecutorLimits, HeadRows, ModelInfo, Pr
                                          StepOutput)
 from musegl_core.engine.memory import available_ram as host_ram  # noqa: E402
 from musegl_core.engine.sample_rows import SampleRows  # noqa: E402
-from musegl_core.engine.kv_sizing import kv_block_bytes  # noqa: E402
+from musegl_core.engine.kv_dtype import KV_CACHE_DTYPES, kv_position_bytes  # noqa: E402
+from musegl_mlx import kv_fp8  # noqa: E402
 from musegl_core.engine.step_checks import check_copy_pairs, check_step, kv_allocated  # noqa: E402
 from musegl_mlx.loader import load_weights  # noqa: E402
 from musegl_mlx.model import MuseGlimmerDecoder, StepLayout  # noqa: E402
@@ -86,12 +87,15 @@ class MLXExecutor:
 
     def __init__(self, config: TextConfig, weights, name: str, dtype: str | None = None,
                  block_size: int = DEFAULT_BLOCK_SIZE, limits: ExecutorLimits | None = None,
-                 vision=None, stored_dtype: str | None = None) -> None:
+                 vision=None, stored_dtype: str | None = None, kv_cache_dtype: str = "auto") -> None:
         """``weights`` yields ``(name, weight)`` pairs (see :func:`musegl_mlx.loader.load_weights`);
         ``vision``: opened vision weights (:mod:`musegl_core.checkpoint.vision`), or None
         for a text-only load; ``dtype`` is ``--dtype`` and ``stored_dtype`` the
         checkpoint's stored precision, which decide the compute dtype together
-        (:mod:`musegl_mlx.precision`)."""
+        (:mod:`musegl_mlx.precision`). ``kv_cache_dtype``: ``auto`` keeps K/V in the compute
+        dtype, ``fp8`` as e4m3 bytes with fixed per-head scales (:mod:`musegl_mlx.kv_fp8`)."""
+        if kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
         if block_size <= 0:
             raise ValueError("block_size must be positive")
         self.config = config
@@ -106,6 +110,11 @@ class MLXExecutor:
                               dtype=DTYPE_NAMES[self.dtype], backend="mlx", vision=vision is not None)
         self.model = MuseGlimmerDecoder(config, self.dtype)
         load_weights(self.model, weights)
+        self.kv_cache_dtype = kv_cache_dtype
+        if kv_cache_dtype == "fp8":
+            for layer in self.model.layers:
+                layer.kv_scales = kv_fp8.layer_scales(layer, config.hidden_size)
+            log.info("KV cache: float8 e4m3, fixed per-head scales from the weights")
         self.vision = None
         if vision is not None:
             from musegl_mlx.vision import load_vision_encoder
@@ -124,7 +133,7 @@ class MLXExecutor:
     # -- KV storage ------------------------------------------------------------
 
     def kv_bytes_per_block(self) -> int:
-        return kv_block_bytes(self.config, self.block_size, self.dtype.size)
+        return kv_position_bytes(self.config, self.kv_cache_dtype, self.dtype.size) * self.block_size
 
     def kv_memory_available(self) -> int | None:
         return available_ram()
@@ -132,7 +141,8 @@ class MLXExecutor:
     def allocate_kv(self, num_blocks: int) -> None:
         c = self.config
         shape = (num_blocks * self.block_size, c.num_kv_heads, c.head_dim)
-        self.kv = [[mx.zeros(shape, dtype=self.dtype) for _ in range(c.num_layers)] for _ in range(2)]
+        dtype = mx.uint8 if self.kv_cache_dtype == "fp8" else self.dtype  # fp8: e4m3 bytes
+        self.kv = [[mx.zeros(shape, dtype=dtype) for _ in range(c.num_layers)] for _ in range(2)]
         mx.eval(self.kv)
         self.num_blocks = num_blocks
 

@@ -31,6 +31,7 @@ import attrs
 import mlx.core as mx
 
 from musegl_core.checkpoint.config import TextConfig
+from musegl_mlx import kv_fp8
 
 
 def plain_rms_norm(x: mx.array, eps: float, weight: mx.array | None = None) -> mx.array:
@@ -127,6 +128,9 @@ class Layer:
         self.gate_up: Linear | None = None
         self.down_proj: Linear | None = None
         self.norms: dict[str, mx.array] = {}  # centered-norm name -> 1+w (float32)
+        #: ``--kv-cache-dtype fp8``: ``(2, kv_heads)`` float32 K and V scales (set by the executor,
+        #: :mod:`musegl_mlx.kv_fp8`); the caches then hold e4m3 bytes. None: K/V as computed.
+        self.kv_scales: mx.array | None = None
 
     def attention(self, a: mx.array, rope: tuple[mx.array, mx.array], layout: StepLayout,
                   k_cache: mx.array, v_cache: mx.array) -> tuple[mx.array, mx.array, mx.array]:
@@ -145,16 +149,24 @@ class Layer:
         if self.use_rope:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         # Write first, so a chunk reads its own keys as well as every earlier step's.
-        k_cache[layout.write_slots] = k.astype(k_cache.dtype)
-        v_cache[layout.write_slots] = v.astype(v_cache.dtype)
+        scales = self.kv_scales
+        if scales is None:
+            k_cache[layout.write_slots] = k.astype(k_cache.dtype)
+            v_cache[layout.write_slots] = v.astype(v_cache.dtype)
+        else:
+            k_cache[layout.write_slots] = kv_fp8.quantize(k, scales[0])
+            v_cache[layout.write_slots] = kv_fp8.quantize(v, scales[1])
 
         slots, mask = ((layout.sliding_slots, layout.sliding_mask) if self.sliding
                        else (layout.full_slots, layout.full_mask))
         b, lq = layout.seqs, layout.queries
         qp = q if layout.pad_index is None else q[layout.pad_index]
         qp = qp.reshape(b, lq, nh, hd).transpose(0, 2, 1, 3)  # (seqs, heads, queries, hd)
-        keys = k_cache[slots].transpose(0, 2, 1, 3)  # (seqs, kv_heads, keys, hd)
-        values = v_cache[slots].transpose(0, 2, 1, 3)
+        keys, values = k_cache[slots], v_cache[slots]  # (seqs, keys, kv_heads, hd)
+        if scales is not None:
+            keys, values = kv_fp8.dequantize(keys, scales[0], q.dtype), kv_fp8.dequantize(values, scales[1], q.dtype)
+        keys = keys.transpose(0, 2, 1, 3)  # (seqs, kv_heads, keys, hd)
+        values = values.transpose(0, 2, 1, 3)
         y = attend(qp, keys, values, mask, self.scaling)  # (seqs, heads, queries, hd)
         y = y.transpose(0, 2, 1, 3).reshape(b * lq, nh * hd)
         if layout.unpad_index is not None:

@@ -86,7 +86,7 @@ def create_mlx(options: ExecutorOptions) -> "MLXExecutor":
     try:
         vision = load_vision(options.model, options.mmproj, checkpoint.config.hidden_size)
         return MLXExecutor(checkpoint.config, checkpoint_weights(checkpoint), checkpoint.name, dtype=options.dtype,
-                           vision=vision, stored_dtype=checkpoint.file_type)
+                           vision=vision, stored_dtype=checkpoint.file_type, kv_cache_dtype=options.kv_cache_dtype)
     finally:
         checkpoint.close()
         if vision is not None:
@@ -98,13 +98,14 @@ def kv_layout(options: ExecutorOptions) -> tuple[int, int]:
     from musegl_core.checkpoint.loader import load_checkpoint
     from musegl_mlx.executor import DEFAULT_BLOCK_SIZE, resolve_dtype
 
-    from musegl_core.engine.kv_sizing import kv_block_bytes
+    from musegl_core.engine.kv_dtype import kv_position_bytes
 
     checkpoint = load_checkpoint(options.model)
     checkpoint.close()
     apply_options(options)
     size = resolve_dtype(options.dtype, checkpoint.file_type).size
-    return kv_block_bytes(checkpoint.config, DEFAULT_BLOCK_SIZE, size), DEFAULT_BLOCK_SIZE
+    per_position = kv_position_bytes(checkpoint.config, options.kv_cache_dtype, size)
+    return per_position * DEFAULT_BLOCK_SIZE, DEFAULT_BLOCK_SIZE
 
 
 def check(options: ExecutorOptions) -> None:
@@ -124,5 +125,6 @@ def musegl_executors() -> list[ExecutorSpec]:
         ExecutorSpec(name="mlx", description="Muse Glimmer decoder in MLX (Apple silicon; MLX's CPU build elsewhere)",
                      create=create_mlx, available=mlx_available,
                      priority=APPLE_PRIORITY if apple_silicon() else OTHER_PRIORITY,
-                     kv_layout=kv_layout, unavailable_reason=unavailable_reason, check=check),
+                     kv_layout=kv_layout, unavailable_reason=unavailable_reason, check=check,
+                     kv_cache_dtypes=("auto", "fp8")),
     ]

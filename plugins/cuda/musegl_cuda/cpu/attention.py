@@ -21,6 +21,7 @@ import torch
 
 from musegl_cuda.cpu import native
 from musegl_cuda.cpu.fixed_blocks import torch_threads
+from musegl_cuda.kv_fp8 import dequantize_rows
 
 THREADS = torch.get_num_threads()
 
@@ -78,6 +79,28 @@ def attention_rows(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, 
     ``kernels``: the build the layer's matrices run on (None: torch, one row at a time).
     Returns ``(rows, heads, hd)``."""
     return attend(q, k_flat, v_flat, row_keys(batch), window, scale, kernels)
+
+
+_compact: tuple[object, RowKeys] | None = None  # the step whose compact row keys were built last
+
+
+def dequantized_attention_rows(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, k_scale: torch.Tensor,
+                               v_scale: torch.Tensor, batch, window: int, scale: float,
+                               kernels: native.Kernels | None) -> torch.Tensor:
+    """:func:`attention_rows` over an FP8 cache (``--kv-cache-dtype fp8``, the CPU reference):
+    the keys the step's rows read are gathered and dequantized with the layer's per-head
+    scales (:func:`musegl_cuda.kv_fp8.dequantize_rows`) into a float32 cache of their own,
+    which the same kernels then read, each row from its own keys as before."""
+    global _compact
+    keys = row_keys(batch)
+    if _compact is None or _compact[0] is not batch:
+        n = int(keys.slots.shape[0])
+        _compact = (batch, attrs.evolve(keys, slots=torch.arange(n, dtype=torch.long), max_slot=n - 1, min_slot=0))
+    if keys.max_slot >= k_flat.shape[0] or keys.min_slot < 0:
+        raise IndexError(f"attention keys outside the cache's {k_flat.shape[0]} slots")
+    k = dequantize_rows(k_flat, keys.slots, k_scale, q.dtype).contiguous()
+    v = dequantize_rows(v_flat, keys.slots, v_scale, q.dtype).contiguous()
+    return attend(q, k, v, _compact[1], window, scale, kernels)
 
 
 def attend(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, keys: RowKeys, window: int, scale: float,

@@ -75,19 +75,27 @@ def _backends(starts_sequence: bool):
 
 def dense_gated_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, dense: DenseKeys,
                           scale: float, qkvg: torch.Tensor, gate_offset: int,
-                          backends=None) -> torch.Tensor:
+                          backends=None, scales: torch.Tensor | None = None) -> torch.Tensor:
     """Causal gated attention of ``q (rows, heads, hd)`` (the chunk's rows, in order) over the
     keys ``dense.slots`` of ``k_cache``/``v_cache`` (``(slots, kv_heads, hd)``): the result is
     :func:`~musegl_cuda.cuda.kernels.gated_attention`'s for a global layer, ``(rows, heads·hd)``.
-    ``backends``: the SDPA backends allowed (default: cuDNN or FlashAttention, see the module)."""
+    ``backends``: the SDPA backends allowed (default: cuDNN or FlashAttention, see the module).
+    ``scales``: an FP8 cache's ``(2, kv_heads)`` K and V scales: the gathered keys are
+    dequantized to ``q``'s dtype first (:func:`musegl_cuda.kv_fp8.dequantize_rows`)."""
     from torch.nn.attention import sdpa_kernel
     from torch.nn.attention.bias import causal_lower_right
 
     rows, heads, hd = q.shape
     if rows != dense.queries:
         raise ValueError(f"{rows} query rows for a chunk of {dense.queries}")
-    kk = k_cache.index_select(0, dense.slots)  # (keys, kv_heads, hd)
-    vv = v_cache.index_select(0, dense.slots)
+    if scales is None:
+        kk = k_cache.index_select(0, dense.slots)  # (keys, kv_heads, hd)
+        vv = v_cache.index_select(0, dense.slots)
+    else:
+        from musegl_cuda.kv_fp8 import dequantize_rows
+
+        kk = dequantize_rows(k_cache, dense.slots, scales[0], q.dtype)
+        vv = dequantize_rows(v_cache, dense.slots, scales[1], q.dtype)
     qq, keys = q, dense.keys
     starts = dense.queries == dense.keys
     if starts and bucket(rows) != rows:  # zero rows after the last: causally invisible to the real ones

@@ -32,7 +32,7 @@ import triton.language as tl
 
 @triton.jit(do_not_specialize=["stride_table", "splits"])
 def _paged_attention_kernel(
-    Q, K, V, Acc, M, L, Tables, Tiles, QKVG, Out,
+    Q, K, V, Acc, M, L, Tables, Tiles, QKVG, Out, Scales,
     stride_q_row, stride_q_head,
     stride_kv_slot, stride_kv_head,
     stride_table,
@@ -42,7 +42,7 @@ def _paged_attention_kernel(
     scale, window, splits,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     KV_BLOCK: tl.constexpr, SLIDING: tl.constexpr, PRECISION: tl.constexpr,
-    GATED: tl.constexpr,
+    GATED: tl.constexpr, FP8: tl.constexpr, KV_HEADS: tl.constexpr,
 ):
     # ``splits`` follows the step's tile count (attention_splits) and ``stride_table`` the
     # step's widest block table: both are runtime values, not specialized, so that one compiled
@@ -78,6 +78,9 @@ def _paged_attention_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    score_scale = scale
+    if FP8:  # e4m3 K/V: read as the query's dtype (exact), the head's scales applied in float32
+        score_scale = scale * tl.load(Scales + kvh)
     table = Tables + seq.to(tl.int64) * stride_table
     for j0 in range(start, end, BLOCK_N):
         offs_n = j0 + tl.arange(0, BLOCK_N)
@@ -86,7 +89,9 @@ def _paged_attention_kernel(
         slot = block.to(tl.int64) * KV_BLOCK + offs_n % KV_BLOCK
         kv_off = slot[:, None] * stride_kv_slot + kvh * stride_kv_head + offs_d[None, :]
         k = tl.load(K + kv_off, mask=kmask[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+        if FP8:
+            k = k.to(Q.dtype.element_ty)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * score_scale
         visible = kmask[None, :] & (offs_n[None, :] <= pos_m[:, None])
         if SLIDING:
             visible = visible & ((pos_m[:, None] - offs_n[None, :]) < window)
@@ -97,8 +102,12 @@ def _paged_attention_kernel(
         p = tl.exp(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(V + kv_off, mask=kmask[:, None], other=0.0)
+        if FP8:
+            v = v.to(Q.dtype.element_ty)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
+    if FP8:  # the V scale is one number per head: applied once to the sum
+        acc = acc * tl.load(Scales + KV_HEADS + kvh)
 
     if GATED:  # one split: normalize and gate here, as combine_gate would (same roundings)
         y = (acc / l_i[:, None]).to(Out.dtype.element_ty)
@@ -216,7 +225,7 @@ def _prefill_launch(q: torch.Tensor, block_m: int) -> tuple[int, int, int] | Non
 
 
 def _attention_launch(q, k_cache, v_cache, kv_block, tables, tiles, num_tiles, splits, block_m, window, sliding,
-                      scale, acc, m, l, gate):
+                      scale, acc, m, l, gate, scales=None):
     rows, heads, hd = q.shape
     kv_heads = k_cache.shape[1]
     fp32 = q.dtype == torch.float32
@@ -224,25 +233,27 @@ def _attention_launch(q, k_cache, v_cache, kv_block, tables, tiles, num_tiles, s
     block_n, warps, stages = wide or ((32 if fp32 else 64), (4 if block_m <= 64 else 8), 2)
     qkvg, gate_offset, out = gate if gate is not None else (q, 0, q)
     _paged_attention_kernel[(num_tiles, kv_heads, splits)](
-        q, k_cache, v_cache, acc, m, l, tables, tiles, qkvg, out,
+        q, k_cache, v_cache, acc, m, l, tables, tiles, qkvg, out, scales if scales is not None else m,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), tables.stride(0),
         acc.stride(0), acc.stride(1), acc.stride(2), m.stride(0), m.stride(1),
         qkvg.stride(0), gate_offset, out.stride(0),
         scale, window, splits,
         GROUP=heads // kv_heads, HEAD_DIM=hd, BLOCK_M=block_m, BLOCK_N=ATTENTION_BLOCK_N or block_n,
         KV_BLOCK=kv_block, SLIDING=sliding, PRECISION="ieee" if fp32 else "tf32",
-        GATED=gate is not None,
+        GATED=gate is not None, FP8=scales is not None, KV_HEADS=kv_heads,
         num_warps=ATTENTION_WARPS or warps, num_stages=ATTENTION_STAGES or stages,
     )
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_block: int,
                     tables: torch.Tensor, tiles: torch.Tensor, num_tiles: int, splits: int, block_m: int,
-                    window: int, sliding: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                    window: int, sliding: bool, scale: float,
+                    scales: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Partial attention of ``q (rows, heads, hd)`` over the paged cache.
 
     ``k_cache``/``v_cache`` are ``(slots, kv_heads, hd)`` views of blocks of
-    ``kv_block`` slots; ``tables``
+    ``kv_block`` slots (float8 e4m3 with ``scales``, the layer's ``(2, kv_heads)``
+    float32 K and V scales: ``--kv-cache-dtype fp8``, :mod:`musegl_cuda.kv_fp8`); ``tables``
     ``(seqs, cols)`` int32 block ids; ``tiles`` ``(>= num_tiles, 4)`` int32
     rows ``(seq, first row, rows, first position)``. Returns ``(acc, m, l)``
     per split, for :func:`combine_gate`.
@@ -252,30 +263,32 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     m = torch.empty(splits, rows, heads, dtype=torch.float32, device=q.device)
     l = torch.empty_like(m)
     _attention_launch(q, k_cache, v_cache, kv_block, tables, tiles, num_tiles, splits, block_m, window, sliding,
-                      scale, acc, m, l, None)
+                      scale, acc, m, l, None, scales)
     return acc, m, l
 
 
 def gated_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_block: int,
                     tables: torch.Tensor, tiles: torch.Tensor, num_tiles: int, splits: int, block_m: int,
-                    window: int, sliding: bool, scale: float, qkvg: torch.Tensor, gate_offset: int) -> torch.Tensor:
+                    window: int, sliding: bool, scale: float, qkvg: torch.Tensor, gate_offset: int,
+                    scales: torch.Tensor | None = None) -> torch.Tensor:
     """The gated attention output ``(rows, heads·hd)`` in ``q``'s dtype: with one
     split, one launch (the kernel normalizes and gates what it computed); with
     more, :func:`paged_attention` then :func:`combine_gate`. Both give the
-    same values for the same ``splits``."""
+    same values for the same ``splits``. ``scales``: an FP8 cache's (:func:`paged_attention`)."""
     if splits > 1:
         acc, m, l = paged_attention(q, k_cache, v_cache, kv_block, tables, tiles, num_tiles, splits, block_m,
-                                    window, sliding, scale)
+                                    window, sliding, scale, scales)
         return combine_gate(acc, m, l, qkvg, gate_offset, q.dtype)
     rows, heads, hd = q.shape
     out = torch.empty(rows, heads * hd, dtype=q.dtype, device=q.device)
     _attention_launch(q, k_cache, v_cache, kv_block, tables, tiles, num_tiles, 1, block_m, window, sliding, scale,
-                      q, q, q, (qkvg, gate_offset, out))
+                      q, q, q, (qkvg, gate_offset, out), scales)
     return out
 
 
 def warm_attention(k_cache: torch.Tensor, v_cache: torch.Tensor, kv_block: int, scratch_block: int, heads: int,
-                   block_ms: Sequence[int], window: int, qkvg_width: int, gate_offset: int) -> int:
+                   block_ms: Sequence[int], window: int, qkvg_width: int, gate_offset: int,
+                   dtype: torch.dtype | None = None, scales: torch.Tensor | None = None) -> int:
     """Compile every kind of attention launch a step can make before serving: each
     ``block_m`` of ``block_ms`` (decode and prefill tiles), sliding and global, one split
     (normalized and gated in the kernel) and several (then merged by :func:`combine_gate`).
@@ -283,8 +296,9 @@ def warm_attention(k_cache: torch.Tensor, v_cache: torch.Tensor, kv_block: int, 
     arguments (the partial results' strides, ``rows x heads``) keep their divisibility by 16
     when the query heads are a multiple of 16 (the 30B shape has 32), so then no mixed or
     prefill step compiles a kernel while requests wait. The launches read one key of ``scratch_block`` (the padding rows' block)
-    and write only their own outputs. Returns how many launches ran."""
-    hd, dtype, device = k_cache.shape[-1], k_cache.dtype, k_cache.device
+    and write only their own outputs. ``dtype``: the queries' (default: the cache's);
+    ``scales``: an FP8 cache's. Returns how many launches ran."""
+    hd, dtype, device = k_cache.shape[-1], dtype or k_cache.dtype, k_cache.device
     q = torch.zeros(1, heads, hd, dtype=dtype, device=device)
     qkvg = torch.zeros(1, qkvg_width, dtype=dtype, device=device)
     tables = torch.full((1, 1), scratch_block, dtype=torch.int32, device=device)
@@ -294,7 +308,7 @@ def warm_attention(k_cache: torch.Tensor, v_cache: torch.Tensor, kv_block: int, 
         for sliding in (False, True):
             for splits in (1, 2):
                 gated_attention(q, k_cache, v_cache, kv_block, tables, tiles, 1, splits, block_m, window, sliding,
-                                1.0, qkvg, gate_offset)
+                                1.0, qkvg, gate_offset, scales)
                 launches += 1
     return launches
 
@@ -317,11 +331,26 @@ def combine_gate(acc: torch.Tensor, m: torch.Tensor, l: torch.Tensor, qkvg: torc
 
 
 @triton.jit
-def _qk_norm_rope_store_kernel(QKVG, Cos, Sin, Slots, Qout, Kc, Vc,
+def _e4m3_bits(x):
+    """float8 e4m3 codes (int32 0..255) of float32 ``x`` in [-448, 448], rounded to nearest
+    even as ``torch.Tensor.to(torch.float8_e4m3fn)`` rounds: computed in integers, so that
+    Triton's interpreter (whose float8 cast rounds wrongly) and a GPU write the same bytes."""
+    a = tl.abs(x)
+    bits = a.to(tl.int32, bitcast=True)
+    bits = bits + 0x7FFFF + ((bits >> 20) & 1)  # round the 23-bit mantissa to 3 bits (carries into the exponent)
+    normal = (((bits >> 23) - 120) << 3) | ((bits >> 20) & 7)  # exponent bias 127 -> 7
+    sub = ((a * 512.0 + 8388608.0) - 8388608.0).to(tl.int32)  # below 2^-6: multiples of 2^-9, to nearest even
+    code = tl.where(a < 0.015625, sub, normal)
+    negative = x.to(tl.int32, bitcast=True) < 0  # the sign bit (so -0.0 stores 0x80, as torch's cast does)
+    return tl.where(negative, code | 128, code)
+
+
+@triton.jit
+def _qk_norm_rope_store_kernel(QKVG, Cos, Sin, Slots, Qout, Kc, Vc, Scales,
                                stride_row, stride_cos, stride_q_row, stride_kv_slot,
                                eps, qk_scale,
                                HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                               ROPE: tl.constexpr):
+                               ROPE: tl.constexpr, FP8: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)  # 0..HEADS-1: q heads; then KV_HEADS k heads
     half: tl.constexpr = HEAD_DIM // 2
@@ -351,6 +380,13 @@ def _qk_norm_rope_store_kernel(QKVG, Cos, Sin, Slots, Qout, Kc, Vc,
         n = (a.to(tl.float32) + b.to(tl.float32)).to(dtype)
     if h < HEADS:
         tl.store(Qout + row * stride_q_row + h * HEAD_DIM + offs, n)
+    elif FP8:  # Kc and Vc are the e4m3 cache's bytes: x / scale, saturated at ±448, rounded
+        ks = tl.load(Scales + kvh)
+        vs = tl.load(Scales + KV_HEADS + kvh)
+        kq = tl.minimum(tl.maximum(n.to(tl.float32) / ks, -448.0), 448.0)
+        vq = tl.minimum(tl.maximum(v.to(tl.float32) / vs, -448.0), 448.0)
+        tl.store(Kc + slot * stride_kv_slot + kvh * HEAD_DIM + offs, _e4m3_bits(kq).to(tl.uint8))
+        tl.store(Vc + slot * stride_kv_slot + kvh * HEAD_DIM + offs, _e4m3_bits(vq).to(tl.uint8))
     else:
         tl.store(Kc + slot * stride_kv_slot + kvh * HEAD_DIM + offs, n)
         tl.store(Vc + slot * stride_kv_slot + kvh * HEAD_DIM + offs, v)
@@ -358,14 +394,19 @@ def _qk_norm_rope_store_kernel(QKVG, Cos, Sin, Slots, Qout, Kc, Vc,
 
 def qk_norm_rope_store(qkvg: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
                        k_cache: torch.Tensor, v_cache: torch.Tensor, heads: int, kv_heads: int, head_dim: int,
-                       eps: float, qk_scale: float, rope: bool) -> torch.Tensor:
-    """Normed, scaled and rotated queries ``(rows, heads, hd)``; K and V written to ``slots``."""
+                       eps: float, qk_scale: float, rope: bool, scales: torch.Tensor | None = None) -> torch.Tensor:
+    """Normed, scaled and rotated queries ``(rows, heads, hd)``; K and V written to ``slots``
+    (quantized to e4m3 with ``scales``, the layer's ``(2, kv_heads)`` K and V scales, where the
+    cache is float8: ``--kv-cache-dtype fp8``)."""
     rows = qkvg.shape[0]
     q = torch.empty(rows, heads, head_dim, dtype=qkvg.dtype, device=qkvg.device)
+    fp8 = scales is not None
+    if fp8:  # written as bytes (see _e4m3_bits)
+        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
     _qk_norm_rope_store_kernel[(rows, heads + kv_heads)](
-        qkvg, cos, sin, slots, q, k_cache, v_cache,
+        qkvg, cos, sin, slots, q, k_cache, v_cache, scales if fp8 else cos,
         qkvg.stride(0), cos.stride(0), q.stride(0), k_cache.stride(0), eps, qk_scale,
-        HEADS=heads, KV_HEADS=kv_heads, HEAD_DIM=head_dim, ROPE=rope, num_warps=1,
+        HEADS=heads, KV_HEADS=kv_heads, HEAD_DIM=head_dim, ROPE=rope, FP8=fp8, num_warps=1,
     )
     return q
 

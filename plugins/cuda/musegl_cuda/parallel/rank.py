@@ -58,6 +58,7 @@ class RankSpec:
     dummy: bool = False  # --load-format dummy: random weights (seeded), a config only
     mmproj: str | None = None
     log_level: str = "info"
+    kv_cache_dtype: str = "auto"  # --kv-cache-dtype: every rank stores its KV heads alike
 
     def device_of(self, rank: int) -> str:
         return f"cuda:{rank}" if self.device == "cuda" else "cpu"
@@ -74,13 +75,14 @@ def build_executor(spec: RankSpec, rank: int, shard):
     if spec.dummy:
         return TorchExecutor(read_config_only(spec.model), device=device, dtype=spec.dtype,  # type: ignore[arg-type]
                              forward_sizes=spec.forward_sizes, dummy_seed=rank, async_steps=spec.async_steps,
-                             shard=shard)
+                             shard=shard, kv_cache_dtype=spec.kv_cache_dtype)
     checkpoint = load_checkpoint(spec.model)
     vision = None
     try:
         vision = load_vision(spec.model, spec.mmproj, checkpoint.config.hidden_size)
         return TorchExecutor(checkpoint, device=device, dtype=spec.dtype, forward_sizes=spec.forward_sizes,
-                             vision=vision, weights=spec.weights, async_steps=spec.async_steps, shard=shard)
+                             vision=vision, weights=spec.weights, async_steps=spec.async_steps, shard=shard,
+                             kv_cache_dtype=spec.kv_cache_dtype)
     finally:
         checkpoint.close()
         if vision is not None:
