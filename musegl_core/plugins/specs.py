@@ -71,6 +71,10 @@ class ExecutorSpec:
     unavailable_reason: Callable[[], str | None] | None = None
     claims: Callable[[str], bool] | None = None
     check: Callable[[ExecutorOptions], None] | None = None
+    #: (optional) before loading, what the weights will take on the device and the memory it
+    #: has (:class:`musegl_core.engine.fit.MemoryPlan`), from the checkpoint's tensor table
+    #: alone; ``musegl serve`` prints the fit and refuses a model that does not fit
+    memory_plan: Callable[[ExecutorOptions], Any] | None = None
 
 
 @attrs.frozen

@@ -40,7 +40,7 @@ def musegl_serve_options(group) -> None:
                        help="auto: read the checkpoint's weights; dummy: random weights made on the device "
                             "(seeded, repeatable), --model needs only a config.json")
     group.add_argument("--weights", default=None, choices=WEIGHT_MODES,
-                       help="stored: keep the checkpoint's matrices as stored (f16, bf16, GGUF Q8_0/Q4_0/Q4_K) "
+                       help="stored: keep the checkpoint's matrices as stored (f16, bf16, GGUF Q8_0/Q4_0/Q4_K/Q5_K/Q6_K) "
                             "and multiply them with kernels that read them directly (the torch-cpu default with "
                             "--dtype float32); upcast: convert every weight to --dtype at load (cuda: always)")
     group.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
@@ -207,6 +207,13 @@ def kv_layout(options: ExecutorOptions, default_device: str) -> tuple[int, int]:
     return per_block, DEFAULT_BLOCK_SIZE
 
 
+def memory_plan(options: ExecutorOptions, default_device: str):
+    """The weights' bytes on the device and its memory, before loading (:mod:`musegl_cuda.memory_plan`)."""
+    from musegl_cuda import memory_plan as plan
+
+    return plan.memory_plan(options, default_device)
+
+
 def create_cuda(options: ExecutorOptions) -> "TorchExecutor":
     """The decoder on a GPU (``options.device`` or ``cuda``), bfloat16 unless told otherwise."""
     return _create(options, "cuda")
@@ -223,8 +230,10 @@ def musegl_executors() -> list[ExecutorSpec]:
     return [
         ExecutorSpec(name="cuda", description="Muse Glimmer decoder in PyTorch on an NVIDIA GPU",
                      create=create_cuda, available=cuda_available, priority=100,
-                     kv_layout=lambda options: kv_layout(options, "cuda"), check=check_model),
+                     kv_layout=lambda options: kv_layout(options, "cuda"), check=check_model,
+                     memory_plan=lambda options: memory_plan(options, "cuda")),
         ExecutorSpec(name="torch-cpu", description="Muse Glimmer decoder in PyTorch on the CPU",
                      create=create_torch_cpu, available=lambda: True, priority=10,
-                     kv_layout=lambda options: kv_layout(options, "cpu"), check=check_cpu_model),
+                     kv_layout=lambda options: kv_layout(options, "cpu"), check=check_cpu_model,
+                     memory_plan=lambda options: memory_plan(options, "cpu")),
     ]

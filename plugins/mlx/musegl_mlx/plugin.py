@@ -107,6 +107,14 @@ def kv_layout(options: ExecutorOptions) -> tuple[int, int]:
     return kv_block_bytes(checkpoint.config, DEFAULT_BLOCK_SIZE, size), DEFAULT_BLOCK_SIZE
 
 
+def memory_plan(options: ExecutorOptions):
+    """The weights' bytes as MLX will hold them and the memory there (:mod:`musegl_mlx.memory_plan`)."""
+    from musegl_mlx import memory_plan as plan
+
+    apply_options(options)
+    return plan.memory_plan(options)
+
+
 def check(options: ExecutorOptions) -> None:
     """The front's check: the core's (a checkpoint with a tokenizer), and no flag of another
     executor that MLX would not honour."""
@@ -124,5 +132,6 @@ def musegl_executors() -> list[ExecutorSpec]:
         ExecutorSpec(name="mlx", description="Muse Glimmer decoder in MLX (Apple silicon; MLX's CPU build elsewhere)",
                      create=create_mlx, available=mlx_available,
                      priority=APPLE_PRIORITY if apple_silicon() else OTHER_PRIORITY,
-                     kv_layout=kv_layout, unavailable_reason=unavailable_reason, check=check),
+                     kv_layout=kv_layout, unavailable_reason=unavailable_reason, check=check,
+                     memory_plan=memory_plan),
     ]
