@@ -164,6 +164,7 @@ def load_weights(model: MuseGlimmerDecoder, weights: Iterable[tuple[str, object]
     if missing:
         raise ValueError(f"checkpoint did not provide {sorted(missing)[:5]}")
     mx.eval(model_arrays(model))
+    mx.clear_cache()  # the buffers of load-time copies (fused parts, casts) go back to the system
 
 
 def model_arrays(model: MuseGlimmerDecoder) -> list[mx.array]:
