@@ -82,6 +82,7 @@ typedef __m512i vi;
 #define i_sub(a, b) _mm512_sub_epi32((a), (b))
 #define i_srli(a, n) _mm512_srli_epi32((a), (n))
 #define i_slli(a, n) _mm512_slli_epi32((a), (n))
+#define i_srlv(a, n) _mm512_srl_epi32((a), _mm_cvtsi32_si128(n)) /* a shift count known at run time */
 #define i_or(a, b) _mm512_or_si512((a), (b))
 #define v_max(a, b) _mm512_max_ps((a), (b))
 #define v_add(a, b) _mm512_add_ps((a), (b))
@@ -120,6 +121,7 @@ typedef __m256i vi;
 #define i_sub(a, b) _mm256_sub_epi32((a), (b))
 #define i_srli(a, n) _mm256_srli_epi32((a), (n))
 #define i_slli(a, n) _mm256_slli_epi32((a), (n))
+#define i_srlv(a, n) _mm256_srl_epi32((a), _mm_cvtsi32_si128(n))
 #define i_or(a, b) _mm256_or_si256((a), (b))
 #define v_max(a, b) _mm256_max_ps((a), (b))
 #define v_add(a, b) _mm256_add_ps((a), (b))
@@ -245,7 +247,7 @@ ALWAYS_INLINE void decode32(const int type, const uint8_t *wrow, long b, vf w[NV
         for (int c = 0; c < NV; ++c) {
             vi n = i_u8(q + c * VL);
             n = (s & 1) ? i_srli(n, 4) : i_and(n, low);
-            const vi h = i_and(i_srli(i_u8(qh + c * VL), s), one);
+            const vi h = i_and(i_srlv(i_u8(qh + c * VL), s), one);
             w[c] = v_fmsub(d, v_cvt(i_or(n, i_slli(h, 4))), m);
         }
     } else if (type == MW_Q6_K) {
@@ -260,7 +262,7 @@ ALWAYS_INLINE void decode32(const int type, const uint8_t *wrow, long b, vf w[NV
         for (int c = 0; c < NV; ++c) {
             vi lo = i_u8(ql + c * VL);
             lo = (t >= 2) ? i_srli(lo, 4) : i_and(lo, low);
-            const vi hi = i_and(i_srli(i_u8(qh + c * VL), 2 * t), three);
+            const vi hi = i_and(i_srlv(i_u8(qh + c * VL), 2 * t), three);
             const vf ds = v_set1(d * (float)scales[c * VL / 16]);  /* exact: f16 x int8 */
             w[c] = v_mul(ds, v_cvt(i_sub(i_or(lo, i_slli(hi, 4)), bias)));
         }
