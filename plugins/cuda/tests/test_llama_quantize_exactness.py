@@ -88,3 +88,28 @@ def test_stored_kernels_give_the_reference_logits(quantized):
     with torch.no_grad():
         ref = reference(input_ids=torch.tensor([ids])).logits[0].numpy()
     assert float(np.abs(out.logits[0].numpy() - ref).max()) <= 1e-4 * max(1.0, float(np.abs(ref).max()))
+
+
+def test_a_q4_k_m_file_takes_its_own_size_in_memory(tmp_path_factory):
+    """Resident memory (RssAnon) the torch-cpu executor adds loading a Q4_K_M file with the
+    real vocabulary (so the file is ~75 MB: embedding Q4_K, head Q6_K) is at most 1.1x the
+    file's tensor bytes, and the start-up arithmetic says the same bytes."""
+    from musegl_core.engine.fit import checkpoint_tensor_bytes
+    from musegl_core.testing.llamacpp import LlamaCppUnavailable
+    from musegl_core.testing.quantized_files import resident_weight_bytes
+    from musegl_cuda.memory_plan import stored_bytes
+    from musegl_core.engine.fit import checkpoint_tensors
+
+    model = build_tiny_model(seed=3, vocab_size=202048, num_hidden_layers=2, **WIDE_SHAPE)
+    hf = tmp_path_factory.mktemp("big_hf")
+    model.save_pretrained(hf)
+    del model
+    try:
+        path = llama_quantized(hf, tmp_path_factory.mktemp("big_llama"), ("Q4_K_M",))["Q4_K_M"]
+    except LlamaCppUnavailable as exc:
+        pytest.fail(f"llama-quantize is needed for this test: {exc}")
+    file_bytes = sum(checkpoint_tensor_bytes(path).values())
+    assert sum(stored_bytes(t)[1] for t in checkpoint_tensors(path)) == file_bytes
+    resident = resident_weight_bytes("torch-cpu", path)
+    print(f"Q4_K_M on torch-cpu: resident {resident} of file {file_bytes} ({resident / file_bytes:.3f}x)")
+    assert resident <= 1.1 * file_bytes
