@@ -78,8 +78,8 @@ if executor == "torch-cpu":
     from musegl_cuda.executor import TorchExecutor
     native.load()  # the kernels built and loaded before the baseline
     torch.empty(1)
+    checkpoint = load_checkpoint(path)  # its metadata (the tokenizer's 200k strings) too
     gc.collect(); before = anon()
-    checkpoint = load_checkpoint(path)
     ex = TorchExecutor(checkpoint, device="cpu", block_size=16)
     checkpoint.close()
 else:
@@ -87,8 +87,8 @@ else:
     from musegl_mlx.executor import MLXExecutor
     from musegl_mlx.loader import checkpoint_weights
     mx.eval(mx.zeros(1))
-    gc.collect(); before = anon()
     checkpoint = load_checkpoint(path)
+    gc.collect(); before = anon()
     ex = MLXExecutor(checkpoint.config, checkpoint_weights(checkpoint), checkpoint.name, dtype="float32",
                      block_size=16, stored_dtype=checkpoint.file_type)
     checkpoint.close()
@@ -99,9 +99,10 @@ print(json.dumps({"resident": anon() - before}))
 
 def resident_weight_bytes(executor: str, path: str | Path) -> int:
     """Anonymous resident memory (``RssAnon``) an executor (``torch-cpu`` or ``mlx``) adds
-    by loading the checkpoint at ``path``, in a fresh process set up as the worker is
-    (glibc's mmap threshold fixed); the file's mapped pages, page cache, are not
-    counted: they are the file's, not the executor's."""
+    by loading the weights of the checkpoint at ``path``, in a fresh process set up as the
+    worker is (glibc's mmap threshold fixed). The checkpoint is opened before the
+    baseline (its metadata, a GGUF's tokenizer strings, is not weights), and the file's
+    mapped pages, page cache, are not counted: they are the file's, not the executor's."""
     out = subprocess.run([sys.executable, "-c", _RESIDENT, executor, str(path)], capture_output=True, text=True,
                          timeout=600)
     if out.returncode:
