@@ -1,8 +1,9 @@
 """The MLX executor on files quantized by the real tools (slow): llama.cpp's ``llama-quantize``
 (Q4_K_M, Q6_K, Q8_0; built on first use, musegl_core/testing/llamacpp.py) and mlx-lm's
 converter (4-bit, groups of 64). ``musegl generate --executor mlx`` is greedy-identical to
-transformers running the weights MLX holds, dequantized, in float32; for Q6_K, which MLX
-holds in its nearest form, the test also measures agreement with the file's own values."""
+transformers running the weights MLX holds, dequantized, in float32 (for Q8_0 and Q4_K_M also
+to transformers on the file's own values); for Q6_K, which MLX holds in its nearest form, the
+test measures top-1 agreement with the file's own values instead."""
 
 from __future__ import annotations
 
@@ -72,15 +73,29 @@ def test_llama_quantize_files_on_mlx_are_greedy_identical_to_transformers(wide, 
     path = llama_files[kind]
     ids = torch.randint(0, 512, (40,), generator=torch.Generator().manual_seed(31)).tolist()
     ours = greedy_cli(path, "mlx", ids, NEW_TOKENS)
-    held = reference_greedy(mlx_held_reference(model, path), ids, NEW_TOKENS)
-    assert ours == held
+    held_model = mlx_held_reference(model, path)
+    assert ours == reference_greedy(held_model, ids, NEW_TOKENS)
     checkpoint = load_checkpoint(path)
-    exact = reference_greedy(reference_with_weights(model, checkpoint), ids, NEW_TOKENS)
+    exact_model = reference_with_weights(model, checkpoint)
     checkpoint.close()
-    agreement = sum(a == b for a, b in zip(ours, exact)) / NEW_TOKENS
-    print(f"{kind}: greedy agreement with the file's own values {agreement:.3f}")
-    if kind == "Q8_0":  # maps exactly: the same tokens as the file's values
+    exact = reference_greedy(exact_model, ids, NEW_TOKENS)
+    # teacher-forced top-1 agreement with the file's own values over 256 random positions
+    probe = torch.randint(0, 512, (256,), generator=torch.Generator().manual_seed(32))[None]
+    with torch.no_grad():
+        agreement = float((held_model(input_ids=probe).logits.argmax(-1)
+                           == exact_model(input_ids=probe).logits.argmax(-1)).float().mean())
+    print(f"{kind}: greedy run equal to the file's values: {ours == exact}; top-1 agreement {agreement:.4f}")
+    if kind in ("Q8_0", "Q4_K_M"):  # exact forms (Q4_K_M's few Q6_K matrices do not move its tokens here)
         assert ours == exact
+    else:  # Q6_K in its nearest MLX form: 0.38 % RMS error on this file's matrices, 89 % top-1
+        # agreement on this random model (whose logits are nearly flat: a harsh measure)
+        from musegl_mlx.quant import q6_k_error
+
+        checkpoint = load_checkpoint(path)
+        errors = [q6_k_error(s) for s in checkpoint.iter_stored() if s.dtype == "q6_k"]
+        checkpoint.close()
+        assert errors and max(errors) < 0.005, max(errors)
+        assert agreement >= 0.85
 
 
 def test_mlx_lm_file_resident_bytes_are_its_tensor_bytes(tmp_path_factory):
