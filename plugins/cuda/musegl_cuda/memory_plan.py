@@ -38,7 +38,6 @@ def memory_plan(options: ExecutorOptions, default_device: str) -> MemoryPlan:
     from musegl_core.checkpoint.loader import load_checkpoint
     from musegl_core.engine.memory import available_ram
     from musegl_cuda.executor import resolve_dtype, resolve_weights
-    from musegl_cuda.plugin import weight_mode
 
     device = torch.device(options.device or default_device)
     dtype = resolve_dtype(options.dtype, device)
@@ -53,7 +52,7 @@ def memory_plan(options: ExecutorOptions, default_device: str) -> MemoryPlan:
         kind, n = stored_bytes(t)
         stored[kind] = stored.get(kind, 0) + n
     try:
-        mode = resolve_weights(weight_mode(options), device, dtype, file_type)
+        mode = resolve_weights(options.extra.get("weights"), device, dtype, file_type)  # --weights
     except ValueError:
         mode = "upcast"
     weights = stored if mode == "stored" else upcast

@@ -126,3 +126,17 @@ def test_mlx_lm_quantized_safetensors_load_as_stored_and_match_transformers(tiny
                                         max_new_tokens=32, do_sample=False)[0, 40:].tolist()
     assert float(np.abs(logits - ref_logits).max()) <= 1e-4
     assert tokens == ref_tokens
+
+
+def test_mlx_lm_file_on_torch_cpu_matches_transformers(tiny_hf, mlx_lm_4bit):
+    """The torch-cpu executor reads mlx-lm's file too (its matrices decoded to float32: the
+    CPU kernels have no MLX layout): ``musegl generate`` is greedy-identical to transformers
+    on the file's values."""
+    from musegl_core.testing.quantized_files import greedy_cli, reference_greedy
+    from musegl_core.testing.quantized_reference import reference_with_weights
+
+    checkpoint = load_checkpoint(mlx_lm_4bit)
+    reference = reference_with_weights(tiny_hf.model, checkpoint)
+    checkpoint.close()
+    ids = torch.randint(0, 512, (40,), generator=torch.Generator().manual_seed(13)).tolist()
+    assert greedy_cli(mlx_lm_4bit, "torch-cpu", ids, 24) == reference_greedy(reference, ids, 24)
