@@ -7,7 +7,8 @@ only under unprefixed names, while transformers saves it as ``model.vision_*``; 
 directory handed to the converter is therefore a text-only copy (the same
 config.json and the text tensors, byte for byte). The converter also loads a
 tokenizer; a directory without ``tokenizer.json`` (the tests' transformers models)
-gets a word-level one over the vocabulary's ids, which the weights do not depend on.
+gets a byte-level BPE one over the tiny test vocabulary, which the weights do not
+depend on (and which musegl reads too).
 """
 
 from __future__ import annotations
@@ -44,18 +45,25 @@ def text_only_copy(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> 
 
 
 def _write_id_tokenizer(directory: Path) -> None:
-    """A word-level tokenizer (``t0`` .. ``t{vocab-1}``) for a directory that has none."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
+    """A byte-level BPE tokenizer over the tiny test vocabulary
+    (:func:`~musegl_core.testing.reference_models.tiny_tokenizer_data`) for a directory that has none."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
     from musegl_core.checkpoint.hf_reader import text_config_dict
+    from musegl_core.checkpoint.tokenizer_data import CONTROL
+    from musegl_core.testing.reference_models import tiny_tokenizer_data
 
     raw = json.loads((directory / "config.json").read_text())
-    vocab = int(text_config_dict(raw, str(directory))["vocab_size"])
-    tokenizer = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    data = tiny_tokenizer_data(int(text_config_dict(raw, str(directory))["vocab_size"]))
+    vocab = {token: i for i, token in enumerate(data.tokens)}
+    merges = [tuple(m.split(" ")) for m in data.merges]
+    tokenizer = Tokenizer(models.BPE(vocab, merges))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    control = [t for t, kind in zip(data.tokens, data.token_types) if kind == CONTROL]
+    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in control])
     tokenizer.save(str(directory / "tokenizer.json"))
-    (directory / "tokenizer_config.json").write_text(json.dumps(
-        {"tokenizer_class": "PreTrainedTokenizerFast", "unk_token": "t0"}))
+    (directory / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
 
 
 def _numpy_dtype(kind: str):
