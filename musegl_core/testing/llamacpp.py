@@ -63,7 +63,7 @@ def build(root: Path, jobs: int | None = None) -> Path:
     sdist = sdists / f"llama_cpp_python-{LLAMA_CPP_PYTHON}.tar.gz"
     if not sdist.is_file():
         _run("downloading the llama-cpp-python sdist",
-             [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "--no-build-isolation",
+             [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
               f"llama-cpp-python=={LLAMA_CPP_PYTHON}", "-d", str(sdists)])
     work = Path(tempfile.mkdtemp(prefix=".build-", dir=root))
     try:
@@ -117,3 +117,7 @@ def quantize(src: str | os.PathLike[str], dst: str | os.PathLike[str], kind: str
     """``llama-quantize src dst kind threads`` (kind: ``Q4_K_M``, ``Q6_K``, ``Q8_0`` ...); returns ``dst``."""
     _run(f"llama-quantize {kind}", [str(llama_quantize()), str(src), str(dst), kind, str(threads)])
     return Path(dst)
+
+
+if __name__ == "__main__":  # python -m musegl_core.testing.llamacpp: build (once) and print the tool's path
+    print(llama_quantize())
