@@ -56,6 +56,8 @@ class MemoryPlan:
     weights: Mapping[str, int]
     reserve: int = 0
     alternatives: tuple[tuple[str, int], ...] = ()
+    #: ``(bytes per KV block, block size)`` when the plan knows it (else the spec's ``kv_layout``)
+    kv_layout: tuple[int, int] | None = None
 
     @property
     def weight_bytes(self) -> int:
@@ -314,14 +316,16 @@ def serve_fit(config, plugins) -> Fit | None:
     if config.model is None or extra.get("load_format") == "dummy" or (extra.get("tensor_parallel_size") or 1) > 1:
         return None
     spec = plugins.choose_executor(config.executor, config.model)
-    if spec.memory_plan is None or spec.kv_layout is None:
+    if spec.memory_plan is None:
         return None
     options = ExecutorOptions(model=config.model, device=config.device, dtype=config.dtype,
                               max_context=config.max_context, extra=extra)
     plan = spec.memory_plan(options)
     if plan is None:
         return None
-    per_block, block_size = spec.kv_layout(options)
+    if plan.kv_layout is None and spec.kv_layout is None:
+        return None
+    per_block, block_size = plan.kv_layout or spec.kv_layout(options)
     kv_flags = []
     if "kv_cache_dtype" in attrs.fields_dict(type(config)) and getattr(config, "kv_cache_dtype", None) != "fp8":
         kv_flags.append(("--kv-cache-dtype fp8", 0.5))  # one byte a value where the cache holds two

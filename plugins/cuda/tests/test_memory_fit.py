@@ -60,3 +60,24 @@ def test_a_model_that_does_not_fit_refuses_in_one_line_with_flags(q8_gguf, monke
     config, plugins = prepared(str(q8_gguf), "--weights", "upcast", "--max-context", "8192")
     line = serve_fit(config, plugins).refusal()
     assert "--weights stored (weights " in line
+
+
+def test_the_plan_matches_the_executor_and_imports_no_torch(q8_gguf):
+    """The front computes the plan without torch (seconds, and a CUDA context on a GPU
+    machine); its tables are the kernels' and the executor's."""
+    import subprocess
+    import sys
+
+    from musegl_cuda.cpu.stored_matrix import KINDS
+    from musegl_cuda.executor import DEFAULT_BLOCK_SIZE
+    from musegl_cuda.memory_plan import BLOCK_SIZE, STORED_BLOCKS
+
+    assert STORED_BLOCKS == {kind: block for kind, (_, block) in KINDS.items()}
+    assert BLOCK_SIZE == DEFAULT_BLOCK_SIZE
+    code = ("import sys\nfrom musegl_core.plugins.specs import ExecutorOptions\n"
+            "from musegl_cuda.memory_plan import memory_plan\n"
+            f"plan = memory_plan(ExecutorOptions(model={str(q8_gguf)!r}), 'cpu')\n"
+            "assert plan.weights['q8_0'] > 0 and plan.kv_layout == (6 * 2 * 16 * 2 * 16 * 4, 16), plan\n"
+            "print(sorted(m for m in ('torch', 'musegl_cuda.executor', 'musegl_cuda.cpu.native') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "[]"
