@@ -338,7 +338,13 @@ def check_serve_fit(config, plugins, log) -> None:
     numbers and the flags that would help) when the model does not fit its device."""
     from musegl_core.errors import ConfigError
 
-    fit = serve_fit(config, plugins)
+    try:
+        fit = serve_fit(config, plugins)
+    except ConfigError:
+        raise
+    except Exception as exc:  # a table the plan cannot read: the worker's load reports what is wrong
+        log.debug("no start-up fit: %s", exc, exc_info=True)
+        return
     if fit is None:
         return
     if not fit.fits:
