@@ -308,8 +308,8 @@ def q4_k_m_bytes(config, fused_qkv: bool = False) -> dict[str, int]:
 def serve_fit(config, plugins) -> Fit | None:
     """The :class:`Fit` of ``musegl serve``'s settings (a ``ServeConfig``) on the chosen
     executor, or None where it cannot be told before loading (an executor without
-    ``memory_plan`` or ``kv_layout``, random weights from a config, tensor parallelism,
-    a demo checkpoint)."""
+    ``memory_plan``, or with neither the plan's nor the spec's KV layout, random weights
+    from a config, tensor parallelism)."""
     from musegl_core.plugins.specs import ExecutorOptions
 
     extra = dict(config.extra)
