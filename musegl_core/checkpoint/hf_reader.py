@@ -8,6 +8,13 @@ are widened to float32 by a 16-bit shift, which is exact.
 
 Weight names are transformers names with the ``model.language_model.``
 prefix stripped (see :func:`text_weight_names`). Vision tensors are ignored.
+
+MLX quantized directories as mlx-lm's converter writes them (``config.json``
+``"quantization": {"group_size", "bits", "mode": "affine"}``, optionally with
+per-module overrides; each quantized matrix ``X.weight`` packed uint32 beside
+``X.scales`` and ``X.biases``) are read too: :meth:`HFTextReader.read_stored`
+gives such a matrix as an ``mlx_q{bits}_g{group}`` :class:`StoredTensor`,
+:meth:`HFTextReader.read` its float32 values (``scale·code + bias``).
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from musegl_core.checkpoint.config import TextConfig
-from musegl_core.checkpoint.stored import FP8, StoredTensor
+from musegl_core.checkpoint.stored import FP8, StoredTensor, mlx_dtype
 
 # transformers' MuseGlimmerTextConfig class defaults, used
 # for every field a config.json leaves out.
@@ -246,6 +253,13 @@ class SafetensorsFile:
             return "bf16", self._raw(name, np.uint16).copy()
         return "f32", self.read(name)
 
+    def read_words(self, name: str) -> np.ndarray:
+        """A U32 tensor (MLX packed codes) as a new uint32 array."""
+        entry = self.entries[name]
+        if entry["dtype"] != "U32":
+            raise ValueError(f"{self.path}: tensor {name} has dtype {entry['dtype']}, expected U32 (MLX codes)")
+        return self._raw(name, np.uint32).copy()
+
     def _raw(self, name: str, dtype: Any) -> np.ndarray:
         entry = self.entries[name]
         if self._map is None:
@@ -360,9 +374,33 @@ class HFTextReader:
         self._scales = fp8_scales(stored, wanted)
         self._fp8_block = fp8_weight_block(raw.get("quantization_config") or text.get("quantization_config"))
         self.tensor_names = text_weight_names(self.config)
+        quantization = raw.get("quantization")  # mlx-lm's converter's key
+        self._mlx_quantization = quantization if isinstance(quantization, dict) else None
         self.file_type = self._file_type()
 
+    def _mlx_layout(self, name: str) -> tuple[int, int] | None:
+        """``(bits, group_size)`` of an MLX-quantized matrix (its ``.scales`` beside it), else None."""
+        fname, stored = self._located[name]
+        if not stored.endswith(".weight") or self._mlx_quantization is None:
+            return None
+        base = stored.removesuffix(".weight")
+        if base + ".scales" not in self._files[fname].entries:
+            return None
+        q = self._mlx_quantization
+        own = q.get(base)
+        if own is None:  # mlx-lm keys per-module overrides by the module path it saw
+            own = next((v for k, v in q.items() if isinstance(v, dict) and canonical_name(k + ".weight") == name),
+                       None)
+        layout = own if isinstance(own, dict) else q
+        mode = layout.get("mode", "affine")
+        if mode != "affine":
+            raise ValueError(f"{self.path}: {stored} is MLX-quantized in mode {mode!r}; only 'affine' is supported")
+        return int(layout["bits"]), int(layout["group_size"])
+
     def _file_type(self) -> str:
+        if self._mlx_quantization is not None:
+            bits, group = self._mlx_quantization.get("bits"), self._mlx_quantization.get("group_size")
+            return mlx_dtype(int(bits), int(group)) if bits and group else "mlx"
         dtypes = set()
         for fname, stored in self._located.values():
             dtypes.add(self._files[fname].entries[stored]["dtype"].lower())
@@ -408,6 +446,8 @@ class HFTextReader:
         fp8 = self._fp8(name)
         if fp8 is not None:
             return fp8.to_float32()
+        if len(expected_shape(self.config, name)) == 2 and self._mlx_layout(name) is not None:
+            return self.read_stored(name).to_float32()
         fname, stored = self._located[name]
         array = self._files[fname].read(stored)
         want = expected_shape(self.config, name)
@@ -424,10 +464,26 @@ class HFTextReader:
         if fp8 is not None:
             return fp8
         fname, stored = self._located[name]
+        layout = self._mlx_layout(name)
+        if layout is not None:
+            return self._read_mlx(name, want, layout)
         dtype, array = self._files[fname].read_stored(stored)
         if array.shape != want:
             raise ValueError(f"{self.path}: {stored} has shape {array.shape}, expected {want}")
         return StoredTensor(name, dtype, want, array)
+
+    def _read_mlx(self, name: str, want: tuple[int, ...], layout: tuple[int, int]) -> StoredTensor:
+        bits, group = layout
+        fname, stored = self._located[name]
+        f, base = self._files[fname], stored.removesuffix(".weight")
+        words = f.read_words(stored)
+        scales, biases = f.read(base + ".scales"), f.read(base + ".biases")
+        rows, cols = want
+        if words.shape != (rows, cols * bits // 32) or scales.shape != (rows, cols // group) \
+                or biases.shape != scales.shape:
+            raise ValueError(f"{self.path}: {stored} is not a {bits}-bit, group {group} MLX matrix of shape "
+                             f"{want} (words {words.shape}, scales {scales.shape}, biases {biases.shape})")
+        return StoredTensor(name, mlx_dtype(bits, group), want, words, scales=scales, biases=biases)
 
     def close(self) -> None:
         for f in self._files.values():

@@ -24,6 +24,10 @@ operations, so they apply to quantized rows unchanged).
   blocks of :attr:`StoredTensor.scale_block` ``(bn, bk)`` values: ``W[i, j] =
   q[i, j] · scales[i // bn, j // bk]`` (one scale for the whole matrix:
   ``(rows, cols)``; one per output row: ``(1, cols)``; 128 x 128 blocks).
+- an MLX affine-quantized matrix as mlx-lm's converter writes it (``mlx_q{bits}_g{group}``,
+  :func:`mlx_dtype`): ``data`` the uint32 words ``(rows, cols·bits/32)`` (codes packed
+  little-endian, value 0 in the lowest bits), ``scales`` and ``biases`` float32
+  ``(rows, cols/group)``; ``w = scale·code + bias``.
 
 1-D tensors (the norms) are always ``f32``: the centered norms' stored ``+1``
 is removed in float32, as :meth:`Checkpoint.read` does.
@@ -49,6 +53,28 @@ def e4m3_to_float32(bits: np.ndarray) -> np.ndarray:
     bits = np.asarray(bits, dtype=np.uint8).astype(np.uint16)
     half = ((bits & 0x80) << 8) | ((bits & 0x7F) << 7)
     return half.view(np.float16).astype(np.float32) * np.float32(256.0)
+MLX_PREFIX = "mlx_q"
+
+
+def mlx_dtype(bits: int, group_size: int) -> str:
+    """The dtype tag of an MLX affine-quantized matrix: ``mlx_q4_g64``."""
+    return f"{MLX_PREFIX}{bits}_g{group_size}"
+
+
+def mlx_layout(dtype: str) -> tuple[int, int] | None:
+    """``(bits, group_size)`` of an :func:`mlx_dtype` tag, None for any other dtype."""
+    if not dtype.startswith(MLX_PREFIX):
+        return None
+    bits, group = dtype[len(MLX_PREFIX):].split("_g")
+    return int(bits), int(group)
+
+
+def unpack_mlx_codes(words: np.ndarray, bits: int, cols: int) -> np.ndarray:
+    """MLX packed codes (uint32 words, little-endian bit stream per row) -> uint8 ``(rows, cols)``."""
+    rows = words.shape[0]
+    stream = np.unpackbits(np.ascontiguousarray(words).view(np.uint8).reshape(rows, -1), axis=-1,
+                           bitorder="little")[:, :cols * bits].reshape(rows, cols, bits)
+    return (stream.astype(np.uint8) << np.arange(bits, dtype=np.uint8)).sum(axis=-1, dtype=np.uint8)
 
 
 def ggml_type_name(qtype: gguf.GGMLQuantizationType) -> str:
@@ -67,9 +93,12 @@ class StoredTensor:
     dtype: str
     shape: tuple[int, ...]
     data: np.ndarray = attrs.field(repr=False)
-    #: ``f8_e4m3`` only: float32 scales ``(ceil(rows/bn), ceil(cols/bk))`` and the block ``(bn, bk)``
+    #: ``f8_e4m3``: float32 scales ``(ceil(rows/bn), ceil(cols/bk))`` with the block ``(bn, bk)``;
+    #: MLX affine matrices: float32 scales ``(rows, cols/group)`` beside :attr:`biases` (see the module
+    #: docstring); None otherwise
     scales: np.ndarray | None = attrs.field(default=None, repr=False)
     scale_block: tuple[int, int] | None = None
+    biases: np.ndarray | None = attrs.field(default=None, repr=False)
 
     @property
     def quantized(self) -> bool:
@@ -78,7 +107,7 @@ class StoredTensor:
 
     @property
     def ggml_type(self) -> gguf.GGMLQuantizationType:
-        """The ggml type of the data (``F32``, ``F16``, ``BF16`` or a quantized type)."""
+        """The ggml type of the data (``F32``, ``F16``, ``BF16`` or a quantized type; not for MLX matrices)."""
         return gguf.GGMLQuantizationType[self.dtype.upper()]
 
     @property
@@ -88,7 +117,8 @@ class StoredTensor:
 
     @property
     def nbytes(self) -> int:
-        return int(self.data.nbytes) + (0 if self.scales is None else int(self.scales.nbytes))
+        extra = sum(int(a.nbytes) for a in (self.scales, self.biases) if a is not None)
+        return int(self.data.nbytes) + extra
 
     def to_float32(self) -> np.ndarray:
         """The values as a new float32 array of ``shape`` (what :meth:`Checkpoint.read` gives)."""
@@ -105,6 +135,14 @@ class StoredTensor:
             scales = np.asarray(self.scales, dtype=np.float32)
             full = np.repeat(np.repeat(scales, bn, axis=0)[:rows], bk, axis=1)[:, :cols]
             return e4m3_to_float32(self.data) * full
+        layout = mlx_layout(self.dtype)
+        if layout is not None:
+            bits, group = layout
+            rows, cols = self.shape
+            codes = unpack_mlx_codes(self.data, bits, cols).astype(np.float32).reshape(rows, cols // group, group)
+            scales = np.asarray(self.scales, dtype=np.float32)[..., None]
+            biases = np.asarray(self.biases, dtype=np.float32)[..., None]
+            return (scales * codes + biases).reshape(rows, cols)
         try:
             values = gguf.quants.dequantize(self.data, self.ggml_type)
         except NotImplementedError:

@@ -45,9 +45,19 @@ def _on_off(text: str) -> bool:
 KINDS = {"str": None, "int": _int, "float": _float, "size": _size, "on-off": _on_off}
 
 
+#: Which checkpoint formats each executor keeps as stored (see README, "Weights as stored").
+STORED_FORMATS = (
+    "Weights kept as stored (not converted at load): torch-cpu: f32, f16, bf16 and GGUF Q8_0, Q4_0, Q4_K, Q5_K, "
+    "Q6_K (a whole Q4_K_M file), other GGUF types decoded to float32; mlx: f16, bf16, GGUF Q8_0, Q4_0, Q4_1, Q4_K, "
+    "Q5_K (exact) and Q6_K (as 8-bit groups of 32), mlx-lm's quantized safetensors (affine, any bits/group); "
+    "cuda: every weight converted to --dtype at load. At start-up serve prints the weights' bytes on the device "
+    "and the KV room left, and refuses a model that does not fit with the flags that would help.")
+
+
 def build_parser(plugins=None) -> OneLineParser:
     """The ``musegl serve`` parser: one flag per :meth:`ServeConfig.flag_fields` field."""
-    p = OneLineParser(prog="musegl serve", description="Serve a Muse Glimmer checkpoint over an OpenAI-compatible HTTP API.")
+    p = OneLineParser(prog="musegl serve", description="Serve a Muse Glimmer checkpoint over an OpenAI-compatible HTTP API.",
+                      epilog=STORED_FORMATS)
     p.add_argument("model", nargs="?", help="GGUF file, Hugging Face directory, or an ExecuTorch export (.pte or its directory, musegl export); omitted: the built-in random-weight demo")
     p.add_argument("--model", dest="model_opt", metavar="PATH", help="same as the positional MODEL")
     p.add_argument("--plugin", action="append", dest="plugins", metavar="NAME",
@@ -222,6 +232,9 @@ def main(argv: list[str]) -> int:
         config = attrs.evolve(config, model=str(path), demo=True, mmproj=config.mmproj or demo_mmproj_path(path))
         log.warning("no model given: serving the built-in RANDOM-WEIGHT DEMO checkpoint %s (its output is noise)", path)
     check_kv_memory(config, plugins)  # before loading: a --kv-cache-memory that cannot hold the limits
+    from musegl_core.engine.fit import check_serve_fit
+
+    check_serve_fit(config, plugins, log)  # before loading: the weights and the KV at the limits fit the device
     if config.demo:  # a given model was checked in prepare()
         check_speculators(config, plugins)
 

@@ -78,6 +78,10 @@ class ExecutorSpec:
     claims: Callable[[str], bool] | None = None
     check: Callable[[ExecutorOptions], None] | None = None
     kv_cache_dtypes: tuple[str, ...] = ("auto",)
+    #: (optional) before loading, what the weights will take on the device and the memory it
+    #: has (:class:`musegl_core.engine.fit.MemoryPlan`), from the checkpoint's tensor table
+    #: alone; ``musegl serve`` prints the fit and refuses a model that does not fit
+    memory_plan: Callable[[ExecutorOptions], Any] | None = None
 
 
 @attrs.frozen

@@ -254,6 +254,13 @@ def kv_layout(options: ExecutorOptions, default_device: str) -> tuple[int, int]:
     return per_block, DEFAULT_BLOCK_SIZE
 
 
+def memory_plan(options: ExecutorOptions, default_device: str):
+    """The weights' bytes on the device and its memory, before loading (:mod:`musegl_cuda.memory_plan`)."""
+    from musegl_cuda import memory_plan as plan
+
+    return plan.memory_plan(options, default_device)
+
+
 def create_cuda(options: ExecutorOptions) -> "TorchExecutor":
     """The decoder on a GPU (``options.device`` or ``cuda``), bfloat16 unless told otherwise."""
     return _create(options, "cuda")
@@ -271,9 +278,9 @@ def musegl_executors() -> list[ExecutorSpec]:
         ExecutorSpec(name="cuda", description="Muse Glimmer decoder in PyTorch on an NVIDIA GPU",
                      create=create_cuda, available=cuda_available, priority=100,
                      kv_layout=lambda options: kv_layout(options, "cuda"), check=check_model,
-                     kv_cache_dtypes=KV_CACHE_DTYPES),
+                     kv_cache_dtypes=KV_CACHE_DTYPES, memory_plan=lambda options: memory_plan(options, "cuda")),
         ExecutorSpec(name="torch-cpu", description="Muse Glimmer decoder in PyTorch on the CPU",
                      create=create_torch_cpu, available=lambda: True, priority=10,
                      kv_layout=lambda options: kv_layout(options, "cpu"), check=check_cpu_model,
-                     kv_cache_dtypes=KV_CACHE_DTYPES),
+                     kv_cache_dtypes=KV_CACHE_DTYPES, memory_plan=lambda options: memory_plan(options, "cpu")),
     ]

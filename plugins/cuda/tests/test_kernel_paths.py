@@ -14,7 +14,7 @@ from musegl_cuda.cpu import fixed_blocks, native
 from musegl_cuda.cpu.stored_matrix import DenseMatrix, HalfRows, StoredMatrix, stored_matrix
 from stored_weights_support import stored_weight
 
-DTYPES = ["f32", "f16", "bf16", "q8_0", "q4_0", "q4_k"]
+DTYPES = ["f32", "f16", "bf16", "q8_0", "q4_0", "q4_k", "q5_k", "q6_k"]
 LANES = {"avx512fp16": 16, "avx512": 16, "avx2": 8}
 AVX512_FLAGS = {"avx512f", "avx512bw", "avx512_fp16"}
 

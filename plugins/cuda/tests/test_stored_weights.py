@@ -226,7 +226,7 @@ def assert_half_arithmetic(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) ->
     assert not torch.allclose(y, (x @ w.T), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("dtype", ["f32", "f16", "bf16", "q8_0", "q4_0", "q4_k"])
+@pytest.mark.parametrize("dtype", ["f32", "f16", "bf16", "q8_0", "q4_0", "q4_k", "q5_k", "q6_k"])
 @pytest.mark.parametrize("m", [1, 3, 9, 20, 40])  # one row, one weight row at a time, register tiles, wide
 @pytest.mark.parametrize("n", [40, 42])  # weight rows in whole register tiles, and two left over
 def test_kernel_products_and_rows(dtype, m, n):

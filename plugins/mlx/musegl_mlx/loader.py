@@ -19,7 +19,7 @@ import numpy as np
 
 from musegl_core.checkpoint.config import TextConfig
 from musegl_core.checkpoint.hf_reader import CENTERED_NORMS, text_weight_names
-from musegl_mlx.model import Embedding, Linear, MuseGlimmerDecoder
+from musegl_mlx.model import Embedding, Linear, LinearGroup, MuseGlimmerDecoder
 from musegl_mlx.quant import QuantizedWeight
 
 log = logging.getLogger("musegl.mlx")
@@ -33,18 +33,28 @@ def checkpoint_weights(checkpoint) -> Iterator[tuple[str, object]]:
     one at a time, as :func:`load_weights` takes them, read in their stored
     form (:meth:`~musegl_core.checkpoint.loader.Checkpoint.iter_stored`):
     f32/f16 as numpy arrays, bf16 as MLX bfloat16 arrays (no float32 copy),
-    GGUF Q8_0/Q4_0/Q4_1 as :class:`~musegl_mlx.quant.QuantizedWeight` (kept
-    quantized); any other quantized type is dequantized, and the log says so
-    once per type."""
-    from musegl_mlx.quant import quantized_weight
+    GGUF Q8_0/Q4_0/Q4_1/Q4_K/Q5_K/Q6_K and mlx-lm's quantized matrices as
+    :class:`~musegl_mlx.quant.QuantizedWeight` (kept quantized; Q6_K in its
+    nearest MLX form, whose error the log gives for the first such matrix); any
+    other quantized type is dequantized, and the log says so once per type."""
+    from musegl_core.checkpoint.stored import mlx_layout
+    from musegl_mlx.quant import q6_k_error, quantized_weight
 
     told: set[str] = set()
     for stored in checkpoint.iter_stored():
+        layout = mlx_layout(stored.dtype)
         if stored.dtype in ("f32", "f16"):
             yield stored.name, stored.data
         elif stored.dtype == "bf16":
             yield stored.name, mx.array(stored.data).view(mx.bfloat16)
+        elif layout is not None:
+            yield stored.name, QuantizedWeight(stored.shape, stored.data, stored.scales, stored.biases,
+                                               bits=layout[0], group_size=layout[1])
         else:
+            if stored.dtype == "q6_k" and "q6_k" not in told:
+                log.warning("GGUF Q6_K has no exact MLX layout (16-value scales): its tensors run as 8-bit "
+                            "groups of 32, relative RMS error %.2e on %s", q6_k_error(stored), stored.name)
+                told.add("q6_k")
             weight = quantized_weight(stored)
             if weight is None:
                 if stored.dtype not in told:
@@ -72,20 +82,32 @@ def norm_weight(array: np.ndarray, dtype: mx.Dtype) -> mx.array:
     return converted(array, dtype).astype(mx.float32)
 
 
-def fuse(parts: list[Linear], dtype: mx.Dtype) -> Linear:
-    """Stack the rows of several projections into one (quantized parts stay
-    quantized when they share a layout; otherwise everything is dense)."""
-    if all(p.quantized for p in parts) and len({(p.group_size, p.bits) for p in parts}) == 1:
-        return Linear(mx.concatenate([p.weight for p in parts]), mx.concatenate([p.scales for p in parts]),
-                      mx.concatenate([p.biases for p in parts]), parts[0].group_size, parts[0].bits)
-    return Linear(mx.concatenate([as_dense(p, dtype) for p in parts]))
+def _layout(linear: Linear) -> tuple[int, int] | None:
+    return (linear.group_size, linear.bits) if linear.quantized else None
 
 
-def as_dense(linear: Linear, dtype: mx.Dtype) -> mx.array:
-    if not linear.quantized:
-        return linear.weight
-    return mx.dequantize(linear.weight, linear.scales, linear.biases, group_size=linear.group_size,
-                         bits=linear.bits).astype(dtype)
+def _stack(parts: list[Linear]) -> Linear:
+    if len(parts) == 1:
+        return parts[0]
+    if not parts[0].quantized:
+        return Linear(mx.concatenate([p.weight for p in parts]))
+    return Linear(mx.concatenate([p.weight for p in parts]), mx.concatenate([p.scales for p in parts]),
+                  mx.concatenate([p.biases for p in parts]), parts[0].group_size, parts[0].bits)
+
+
+def fuse(parts: list[Linear], dtype: mx.Dtype) -> Linear | LinearGroup:
+    """Stack the rows of several projections into one where they share a layout (all
+    dense, or all quantized alike); otherwise a :class:`LinearGroup` of runs of
+    consecutive parts that do, each kept as stored."""
+    runs: list[list[Linear]] = []
+    for part in parts:
+        if runs and _layout(runs[-1][-1]) == _layout(part):
+            runs[-1].append(part)
+        else:
+            runs.append([part])
+    if len(runs) == 1:
+        return _stack(runs[0])
+    return LinearGroup([_stack(run) for run in runs])
 
 
 def load_weights(model: MuseGlimmerDecoder, weights: Iterable[tuple[str, object]]) -> None:
@@ -131,7 +153,7 @@ def load_weights(model: MuseGlimmerDecoder, weights: Iterable[tuple[str, object]
             group = QKVG if suffix in QKVG else GATE_UP
             if all((int(index), s) in pending for s in group):
                 fused = fuse([pending.pop((int(index), s)) for s in group], dtype)
-                mx.eval([a for a in (fused.weight, fused.scales, fused.biases) if a is not None])
+                mx.eval(fused.arrays())
                 if group is QKVG:
                     layer.qkvg = fused
                 else:
@@ -142,6 +164,7 @@ def load_weights(model: MuseGlimmerDecoder, weights: Iterable[tuple[str, object]
     if missing:
         raise ValueError(f"checkpoint did not provide {sorted(missing)[:5]}")
     mx.eval(model_arrays(model))
+    mx.clear_cache()  # the buffers of load-time copies (fused parts, casts) go back to the system
 
 
 def model_arrays(model: MuseGlimmerDecoder) -> list[mx.array]:
@@ -152,7 +175,7 @@ def model_arrays(model: MuseGlimmerDecoder) -> list[mx.array]:
         out.extend(layer.norms.values())
         linears.extend((layer.qkvg, layer.o_proj, layer.gate_up, layer.down_proj))
     for linear in linears:
-        out.extend(a for a in (linear.weight, linear.scales, linear.biases) if a is not None)
+        out.extend(linear.arrays())
     return out
 
 

@@ -70,6 +70,27 @@ class Linear:
         return mx.quantized_matmul(x, self.weight, self.scales, self.biases, transpose=True,
                                    group_size=self.group_size, bits=self.bits)
 
+    def arrays(self) -> list[mx.array]:
+        return [a for a in (self.weight, self.scales, self.biases) if a is not None]
+
+
+@attrs.define
+class LinearGroup:
+    """Matrices sharing one input whose stored layouts differ (a Q4_K_M file's Q4_K q/k
+    beside its Q6_K v): each part multiplied as it is kept, the outputs side by side."""
+
+    parts: list[Linear]
+
+    @property
+    def quantized(self) -> bool:
+        return any(p.quantized for p in self.parts)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return mx.concatenate([p(x) for p in self.parts], axis=-1)
+
+    def arrays(self) -> list[mx.array]:
+        return [a for p in self.parts for a in p.arrays()]
+
 
 @attrs.define
 class Embedding:
@@ -123,9 +144,9 @@ class Layer:
         self.qk_scale = config.qk_scale_factor
         self.scaling = config.head_dim ** -0.5
         # Filled by the loader: q/k/v/gate as one product (rows q | k | v | gate), gate/up as one.
-        self.qkvg: Linear | None = None
+        self.qkvg: Linear | LinearGroup | None = None
         self.o_proj: Linear | None = None
-        self.gate_up: Linear | None = None
+        self.gate_up: Linear | LinearGroup | None = None
         self.down_proj: Linear | None = None
         self.norms: dict[str, mx.array] = {}  # centered-norm name -> 1+w (float32)
         #: ``--kv-cache-dtype fp8``: ``(2, kv_heads)`` float32 K and V scales (set by the executor,

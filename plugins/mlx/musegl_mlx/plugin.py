@@ -108,6 +108,14 @@ def kv_layout(options: ExecutorOptions) -> tuple[int, int]:
     return per_position * DEFAULT_BLOCK_SIZE, DEFAULT_BLOCK_SIZE
 
 
+def memory_plan(options: ExecutorOptions):
+    """The weights' bytes as MLX will hold them and the memory there (:mod:`musegl_mlx.memory_plan`)."""
+    from musegl_mlx import memory_plan as plan
+
+    apply_options(options)
+    return plan.memory_plan(options)
+
+
 def check(options: ExecutorOptions) -> None:
     """The front's check: the core's (a checkpoint with a tokenizer), and no flag of another
     executor that MLX would not honour."""
@@ -126,5 +134,6 @@ def musegl_executors() -> list[ExecutorSpec]:
                      create=create_mlx, available=mlx_available,
                      priority=APPLE_PRIORITY if apple_silicon() else OTHER_PRIORITY,
                      kv_layout=kv_layout, unavailable_reason=unavailable_reason, check=check,
-                     kv_cache_dtypes=("auto", "fp8")),
+                     kv_cache_dtypes=("auto", "fp8"),
+                     memory_plan=memory_plan),
     ]

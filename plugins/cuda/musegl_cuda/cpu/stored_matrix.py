@@ -1,7 +1,7 @@
 """A weight matrix kept in its stored form on the CPU, multiplied by the C kernels.
 
 :class:`StoredMatrix` holds the bytes of ``rows`` weight rows of ``cols``
-values each (float32, float16, bfloat16 or GGUF Q8_0/Q4_0/Q4_K blocks, as
+values each (float32, float16, bfloat16 or GGUF Q8_0/Q4_0/Q4_K/Q5_K/Q6_K blocks, as
 :class:`~musegl_core.checkpoint.stored.StoredTensor` gives them) in one uint8
 torch tensor. ``x @ W^T`` runs ``mw_matmul`` of the kernel path
 :mod:`musegl_cuda.cpu.native` chose (AVX-512 or AVX2): decode steps decode each
@@ -31,7 +31,8 @@ from musegl_cuda.cpu.fixed_blocks import fixed_block_linear
 log = logging.getLogger("musegl.cuda")
 
 # stored dtype tag -> (kernel type code, values per block)
-KINDS = {"f32": (0, 32), "f16": (1, 32), "bf16": (2, 32), "q8_0": (8, 32), "q4_0": (4, 32), "q4_k": (12, 256)}
+KINDS = {"f32": (0, 32), "f16": (1, 32), "bf16": (2, 32), "q8_0": (8, 32), "q4_0": (4, 32), "q4_k": (12, 256),
+         "q5_k": (13, 256), "q6_k": (14, 256)}
 #: Prompt rows that nobody samples (see :class:`HalfRows`) are multiplied with float16
 #: matrices in float16 arithmetic where the CPU has AVX512-FP16 (``mw_gemm_f16``: twice
 #: float32's multiply-adds per instruction, and no float32 copy of the matrix); False keeps
@@ -226,7 +227,7 @@ class DenseMatrix:
 
 def stored_matrix(stored: StoredTensor) -> StoredMatrix | DenseMatrix:
     """The weight as a :class:`StoredMatrix` where the kernels run it; another type
-    (Q6_K, Q5_K ...) decoded to float32 and run by the kernels' f32 path where its rows
+    (Q5_0, Q4_1 ...) decoded to float32 and run by the kernels' f32 path where its rows
     fill 32-value blocks; else a float32 :class:`DenseMatrix`."""
     kernels = native.load()
     if kernels is not None and supported(stored):

@@ -1,7 +1,7 @@
 /* Matrix products that read weights in their stored form, on the CPU.
  *
  * y[m, n] = sum_k x[m, k] * W[n, k] for activation rows x (float32) and a weight W
- * kept as float32, float16, bfloat16 or GGUF blocks (Q8_0, Q4_0, Q4_K). Each weight
+ * kept as float32, float16, bfloat16 or GGUF blocks (Q8_0, Q4_0, Q4_K, Q5_K, Q6_K). Each weight
  * row is decoded in registers, 32 values at a time, and multiplied into the activation
  * rows, so a decode step reads the weight once, at its stored size: decode is bound by
  * weight bytes, which is what halving or quartering them buys. Wide products (prefill
@@ -36,6 +36,16 @@
  *         8 sub-blocks of 32, uint8 q[128]; each 64 values use 32 bytes of q: low
  *         nibbles the first 32 (sub-block 2i), high nibbles the next 32 (2i+1);
  *         v = d*scale*nibble - dmin*min.
+ *   Q5_K: 256 values, 176 bytes: f16 d, f16 dmin, 12 bytes of (scale, min) as in Q4_K,
+ *         uint8 qh[32], uint8 q[128] (nibbles as in Q4_K); bit s of qh[l] is the fifth
+ *         bit of value l of sub-block s; v = d*scale*(nibble + 16*bit) - dmin*min.
+ *   Q6_K: 256 values, 210 bytes: uint8 ql[128], uint8 qh[64], int8 scales[16], f16 d.
+ *         Sub-block s (32 values) of half h = s / 4, quarter t = s % 4: low 4 bits from
+ *         ql[64h + 32(t&1) + l] (low nibble for t < 2, high for t >= 2), high 2 bits
+ *         (qh[32h + l] >> 2t) & 3; values 0-15 scaled by scales[2s], 16-31 by
+ *         scales[2s+1]; v = d*scale*(q - 32).
+ * Every decoded value is exact in float32 before the final subtraction (Q4_K/Q5_K: one
+ * rounding, as in gguf-py's dequantizer), so every kernel sees gguf-py's floats.
  */
 #include <pthread.h>
 #include <stdatomic.h>
@@ -44,7 +54,7 @@
 #include <string.h>
 #include <immintrin.h>
 
-enum { MW_F32 = 0, MW_F16 = 1, MW_BF16 = 2, MW_Q8_0 = 8, MW_Q4_0 = 4, MW_Q4_K = 12 };
+enum { MW_F32 = 0, MW_F16 = 1, MW_BF16 = 2, MW_Q8_0 = 8, MW_Q4_0 = 4, MW_Q4_K = 12, MW_Q5_K = 13, MW_Q6_K = 14 };
 enum { PATH_AVX2 = 1, PATH_AVX512 = 2, PATH_AVX512FP16 = 3 };
 
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
@@ -71,6 +81,9 @@ typedef __m512i vi;
 #define i_and(a, b) _mm512_and_si512((a), (b))
 #define i_sub(a, b) _mm512_sub_epi32((a), (b))
 #define i_srli(a, n) _mm512_srli_epi32((a), (n))
+#define i_slli(a, n) _mm512_slli_epi32((a), (n))
+#define i_srlv(a, n) _mm512_srl_epi32((a), _mm_cvtsi32_si128(n)) /* a shift count known at run time */
+#define i_or(a, b) _mm512_or_si512((a), (b))
 #define v_max(a, b) _mm512_max_ps((a), (b))
 #define v_add(a, b) _mm512_add_ps((a), (b))
 #define v_sub(a, b) _mm512_sub_ps((a), (b))
@@ -107,6 +120,9 @@ typedef __m256i vi;
 #define i_and(a, b) _mm256_and_si256((a), (b))
 #define i_sub(a, b) _mm256_sub_epi32((a), (b))
 #define i_srli(a, n) _mm256_srli_epi32((a), (n))
+#define i_slli(a, n) _mm256_slli_epi32((a), (n))
+#define i_srlv(a, n) _mm256_srl_epi32((a), _mm_cvtsi32_si128(n))
+#define i_or(a, b) _mm256_or_si256((a), (b))
 #define v_max(a, b) _mm256_max_ps((a), (b))
 #define v_add(a, b) _mm256_add_ps((a), (b))
 #define v_sub(a, b) _mm256_sub_ps((a), (b))
@@ -169,6 +185,8 @@ long mw_row_bytes(int type, long k) {
     case MW_Q8_0: return k / 32 * 34;
     case MW_Q4_0: return k / 32 * 18;
     case MW_Q4_K: return k / 256 * 144;
+    case MW_Q5_K: return k / 256 * 176;
+    case MW_Q6_K: return k / 256 * 210;
     }
     return -1;
 }
@@ -214,6 +232,39 @@ ALWAYS_INLINE void decode32(const int type, const uint8_t *wrow, long b, vf w[NV
             vi q = i_u8(blk + 2 + c * VL);
             w[c] = v_mul(d, v_cvt(i_sub(i_and(q, low), eight)));
             w[c + NV / 2] = v_mul(d, v_cvt(i_sub(i_srli(q, 4), eight)));
+        }
+    } else if (type == MW_Q5_K) {  /* 32-value sub-block s of super-block b / 8 */
+        const uint8_t *blk = wrow + (b >> 3) * 176;
+        const int s = (int)(b & 7);
+        uint16_t dh, mh;
+        memcpy(&dh, blk, 2);
+        memcpy(&mh, blk + 2, 2);
+        int sc, mn;
+        q4k_scale_min(s, blk + 4, &sc, &mn);
+        const vf d = v_set1(half_to_float(dh) * sc), m = v_set1(half_to_float(mh) * mn);
+        const uint8_t *qh = blk + 16, *q = blk + 48 + (s >> 1) * 32;
+        const vi low = i_set1(15), one = i_set1(1);
+        for (int c = 0; c < NV; ++c) {
+            vi n = i_u8(q + c * VL);
+            n = (s & 1) ? i_srli(n, 4) : i_and(n, low);
+            const vi h = i_and(i_srlv(i_u8(qh + c * VL), s), one);
+            w[c] = v_fmsub(d, v_cvt(i_or(n, i_slli(h, 4))), m);
+        }
+    } else if (type == MW_Q6_K) {
+        const uint8_t *blk = wrow + (b >> 3) * 210;
+        const int s = (int)(b & 7), h = s >> 2, t = s & 3;
+        uint16_t dh;
+        memcpy(&dh, blk + 208, 2);
+        const float d = half_to_float(dh);
+        const int8_t *scales = (const int8_t *)(blk + 192) + 2 * s;
+        const uint8_t *ql = blk + 64 * h + 32 * (t & 1), *qh = blk + 128 + 32 * h;
+        const vi low = i_set1(15), three = i_set1(3), bias = i_set1(32);
+        for (int c = 0; c < NV; ++c) {
+            vi lo = i_u8(ql + c * VL);
+            lo = (t >= 2) ? i_srli(lo, 4) : i_and(lo, low);
+            const vi hi = i_and(i_srlv(i_u8(qh + c * VL), 2 * t), three);
+            const vf ds = v_set1(d * (float)scales[c * VL / 16]);  /* exact: f16 x int8 */
+            w[c] = v_mul(ds, v_cvt(i_sub(i_or(lo, i_slli(hi, 4)), bias)));
         }
     } else {  /* MW_Q4_K: 32-value sub-block s of super-block b / 8 */
         const uint8_t *blk = wrow + (b >> 3) * 144;
@@ -383,6 +434,8 @@ static void direct_rows(int type, const uint8_t *w, long rb, long k, const float
                 case MW_BF16: tile_nr_mr(MW_BF16, 1, mr, wr, rb, k, xm, ldx, ym, ldy); break;
                 case MW_Q8_0: tile_nr_mr(MW_Q8_0, 1, mr, wr, rb, k, xm, ldx, ym, ldy); break;
                 case MW_Q4_0: tile_nr_mr(MW_Q4_0, 1, mr, wr, rb, k, xm, ldx, ym, ldy); break;
+                case MW_Q5_K: tile_nr_mr(MW_Q5_K, 1, mr, wr, rb, k, xm, ldx, ym, ldy); break;
+                case MW_Q6_K: tile_nr_mr(MW_Q6_K, 1, mr, wr, rb, k, xm, ldx, ym, ldy); break;
                 default: tile_nr_mr(MW_Q4_K, 1, mr, wr, rb, k, xm, ldx, ym, ldy); break;
                 }
             }
@@ -399,6 +452,8 @@ static void direct_rows(int type, const uint8_t *w, long rb, long k, const float
             case MW_BF16: tile_1_mr(MW_BF16, 1, mr, wr, rb, k, xm, ldx, ym, ldy); break;
             case MW_Q8_0: tile_1_mr(MW_Q8_0, 1, mr, wr, rb, k, xm, ldx, ym, ldy); break;
             case MW_Q4_0: tile_1_mr(MW_Q4_0, 1, mr, wr, rb, k, xm, ldx, ym, ldy); break;
+            case MW_Q5_K: tile_1_mr(MW_Q5_K, 1, mr, wr, rb, k, xm, ldx, ym, ldy); break;
+            case MW_Q6_K: tile_1_mr(MW_Q6_K, 1, mr, wr, rb, k, xm, ldx, ym, ldy); break;
             default: tile_1_mr(MW_Q4_K, 1, mr, wr, rb, k, xm, ldx, ym, ldy); break;
             }
         }
@@ -449,6 +504,8 @@ static void decode_rows(int type, const uint8_t *w, long rb, long k, int rows, f
             case MW_BF16: decode32(MW_BF16, w + j * rb, b, wv); break;
             case MW_Q8_0: decode32(MW_Q8_0, w + j * rb, b, wv); break;
             case MW_Q4_0: decode32(MW_Q4_0, w + j * rb, b, wv); break;
+            case MW_Q5_K: decode32(MW_Q5_K, w + j * rb, b, wv); break;
+            case MW_Q6_K: decode32(MW_Q6_K, w + j * rb, b, wv); break;
             default: decode32(MW_Q4_K, w + j * rb, b, wv); break;
             }
             for (int c = 0; c < NV; ++c) v_store(out + j * k + b * 32 + c * VL, wv[c]);
