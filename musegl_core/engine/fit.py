@@ -5,13 +5,16 @@ Before the worker loads anything, ``musegl serve`` asks the executor's plugin fo
 and the bytes the weights will take there, by stored type, from the checkpoint's
 tensor table alone) and the KV layout (``kv_layout``). :class:`Fit` adds them up:
 
-    weights + KV at the limits (--max-sessions + --prefix-cache-entries slots of
-    --max-context positions) + the executor's reserve  <=  device memory
+    weights + KV of one --max-context request + the executor's reserve  <=  device memory
 
-and gives one line either way: what the weights take, what the KV cache needs and
-the room left; or, when it does not fit, the numbers and the flags that would make
-it fit (a smaller --max-context or --max-sessions, the executor's lighter weight
-forms, a KV cache memory cap). With ``--kv-cache-memory`` the KV side is that cap.
+(KV blocks are taken on demand, docs/engine.md "KV memory: blocks on demand": sessions
+hold what they fill, so the least the pool must hold is one request of --max-context
+positions, as the engine's own check asks) and gives one line either way: what the
+weights take, the KV bytes a position, the room left for KV in bytes, positions and
+sessions of --max-context; or, when it does not fit, the numbers and the flags that
+would make it fit (a smaller --max-context, the executor's lighter weight forms, a
+lighter KV dtype, a KV cache memory cap). With ``--kv-cache-memory`` the KV side is
+that cap.
 
 :func:`checkpoint_tensor_bytes` reads the tensor table of a GGUF file or a Hugging
 Face directory (the text weights' bytes per stored type); :func:`q4_k_m_types` is
@@ -82,10 +85,19 @@ class Fit:
 
     @property
     def kv_needed(self) -> int:
-        """KV bytes for every slot at --max-context (the --kv-cache-memory cap when given)."""
+        """KV bytes of one request of --max-context positions, the least the pool must hold
+        (blocks on demand); the --kv-cache-memory cap when given."""
         if self.kv_cap is not None:
             return self.kv_cap
-        return int(self.slots * self.max_context * self.kv_bytes_per_token)
+        return int(self.max_context * self.kv_bytes_per_token)
+
+    @property
+    def kv_positions(self) -> int | None:
+        """Positions the KV room holds (None: device memory unknown or no KV bytes)."""
+        room = self.kv_cap if self.kv_cap is not None else self.room
+        if room is None or self.kv_bytes_per_token <= 0:
+            return None
+        return max(int(room // self.kv_bytes_per_token), 0)
 
     @property
     def room(self) -> int | None:
@@ -108,15 +120,20 @@ class Fit:
         if self.room is None:
             return f"{weights}; {kv}; device memory unknown"
         left = self.room - self.kv_needed
+        held = ""
+        positions = self.kv_positions
+        if positions is not None and left >= 0:
+            held = f" = {positions:,} positions = {positions / self.max_context:.1f} sessions of --max-context"
         return (f"{weights}; {kv}; KV room {human_bytes(max(self.room, 0))} of {human_bytes(plan.memory)}"
                 + (f" (reserve {human_bytes(plan.reserve)})" if plan.reserve else "")
+                + held
                 + (f", {human_bytes(left)} left" if left >= 0 else f", {human_bytes(-left)} short"))
 
     def _kv_words(self) -> str:
         if self.kv_cap is not None:
             return f"KV cache {human_bytes(self.kv_cap)} (--kv-cache-memory)"
-        return (f"KV {human_bytes(self.kv_needed)} for {self.slots} x {self.max_context} tokens "
-                f"({human_bytes(self.kv_bytes_per_token)}/token)")
+        return (f"KV {human_bytes(self.kv_needed)} for one {self.max_context}-token request "
+                f"({human_bytes(self.kv_bytes_per_token)}/token; blocks on demand)")
 
     def refusal(self) -> str:
         """The one line for a model that does not fit: the numbers and the flags that help."""
@@ -128,12 +145,9 @@ class Fit:
         assert room is not None
         out = []
         if room > 0 and self.kv_cap is None and self.kv_bytes_per_token > 0:
-            per_slot = room / self.slots / self.kv_bytes_per_token
-            if per_slot >= 1:
-                out.append(f"--max-context {int(per_slot)}")
-            sessions = int(room / (self.max_context * self.kv_bytes_per_token)) - self.snapshots
-            if sessions >= 1:
-                out.append(f"--max-sessions {sessions}")
+            context = int(room / self.kv_bytes_per_token)
+            if context >= 1:
+                out.append(f"--max-context {context}")
         if room > 0 and self.kv_cap is not None:
             out.append(f"--kv-cache-memory {human_bytes(room)}")
         for flag, factor in self.kv_flags:

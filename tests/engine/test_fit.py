@@ -38,14 +38,16 @@ def test_the_30b_shape_at_q4_k_m_with_a_32k_context_fits_24_gib():
     assert one.fits and one.room - one.kv_needed > 5 * GIB
     line = one.line()
     assert "weights 15.75 GiB on cuda:0" in line and "q4_k 12.05 GiB" in line and "q6_k 3.70 GiB" in line
-    assert "1 x 32768 tokens" in line and "KV room 7.25 GiB of 24.00 GiB" in line
+    assert "one 32768-token request" in line and "KV room 7.25 GiB of 24.00 GiB" in line
+    # blocks on demand: the room is counted in positions and in sessions of --max-context (4.5 here)
+    assert one.kv_positions == int(one.room // per_token) and "4.5 sessions of --max-context" in line
     assert Fit(plan, per_token, max_sessions=4, max_context=32768).fits
 
 
 def test_a_model_that_does_not_fit_says_so_with_the_numbers_and_the_flags_that_help():
     """bfloat16 weights of the 30B shape (55.6 GiB) on a 24 GiB card: nothing of the KV
-    side helps, the lighter weight form does; a Q4_K_M file with too many sessions: the
-    line names a --max-context and a --max-sessions that fit."""
+    side helps, the lighter weight form does; a Q4_K_M file with a context longer than its
+    KV room: the line names the --max-context that fits and the lighter KV dtype."""
     per_token = kv_block_bytes(SHAPE_30B, 16, 2) / 16
     bf16 = sum(matrix_bytes("bf16", r, c) for r, c in _shapes().values())
     plan = MemoryPlan("cuda:0", 24 * GIB, {"bfloat16": bf16}, reserve=CUDA_RESERVE,
@@ -57,12 +59,11 @@ def test_a_model_that_does_not_fit_says_so_with_the_numbers_and_the_flags_that_h
     assert "--weights stored (weights 15.75 GiB: fits)" in line and "--max-context" not in line
 
     crowded = Fit(MemoryPlan("cuda:0", 24 * GIB, q4_k_m_bytes(SHAPE_30B), reserve=CUDA_RESERVE), per_token,
-                  max_sessions=8, max_context=32768, kv_flags=(("--kv-cache-dtype fp8", 0.5),))
-    assert not crowded.fits
+                  max_sessions=8, max_context=8 * 32768, kv_flags=(("--kv-cache-dtype fp8", 0.5),))
+    assert not crowded.fits  # one 262,144-position request: 13.0 GiB of bfloat16 KV, 7.25 GiB of room
     flags = crowded.helpful_flags()
-    assert flags[0].startswith("--max-context ") and flags[1] == "--max-sessions 4"
-    assert int(flags[0].split()[1]) * 8 * per_token <= crowded.room
-    assert flags[2] == "--kv-cache-dtype fp8"  # 13.0 GiB of bfloat16 KV halved: 6.5 of the 7.25 GiB room
+    assert flags[0].startswith("--max-context ") and int(flags[0].split()[1]) * per_token <= crowded.room
+    assert flags[1] == "--kv-cache-dtype fp8"  # 13.0 GiB of bfloat16 KV halved: 6.5 of the 7.25 GiB room
 
 
 def test_unknown_device_memory_always_fits_and_says_so():

@@ -39,23 +39,24 @@ def test_the_startup_line_gives_the_weights_as_held_and_the_kv_room(q8_gguf, mon
     fit = serve_fit(config, plugins)
     file_bytes = checkpoint_tensor_bytes(q8_gguf)
     assert fit.plan.weights["q8_0"] == file_bytes["q8_0"] and fit.plan.weights["f32"] == file_bytes["f32"]
-    assert fit.kv_bytes_per_token == 6 * 2 * 2 * 16 * 4 and fit.kv_needed == 2 * 4096 * 1536
+    assert fit.kv_bytes_per_token == 6 * 2 * 2 * 16 * 4 and fit.kv_needed == 4096 * 1536
     with caplog.at_level(logging.INFO):
         check_serve_fit(config, plugins, logging.getLogger("test.fit"))
     line = caplog.records[-1].getMessage()
     assert line.startswith("memory: weights ") and "on cpu (host memory available) (q8_0 " in line
-    assert "2 x 4096 tokens (1.50 KiB/token)" in line and "KV room" in line and "left" in line
+    assert "one 4096-token request (1.50 KiB/token; blocks on demand)" in line and "KV room" in line
+    assert "sessions of --max-context" in line and "left" in line
 
 
 def test_a_model_that_does_not_fit_refuses_in_one_line_with_flags(q8_gguf, monkeypatch):
     weights = sum(checkpoint_tensor_bytes(q8_gguf).values())
     monkeypatch.setattr(memory, "available_ram", lambda meminfo=memory.MEMINFO: weights + (8 << 20))
-    config, plugins = prepared(str(q8_gguf), "--max-context", "8192", "--max-sessions", "4")
+    config, plugins = prepared(str(q8_gguf), "--max-context", "32768", "--max-sessions", "4")
     with pytest.raises(ConfigError) as err:
         check_serve_fit(config, plugins, logging.getLogger("test.fit"))
     line = str(err.value)
     assert "\n" not in line and line.startswith("the model does not fit cpu")
-    assert "KV 48.00 MiB for 4 x 8192 tokens" in line and "--max-context 1365" in line
+    assert "KV 48.00 MiB for one 32768-token request" in line and "--max-context 5461" in line
     # upcast to float32 would take more: the refusal names the stored form as the lighter one
     config, plugins = prepared(str(q8_gguf), "--weights", "upcast", "--max-context", "8192")
     line = serve_fit(config, plugins).refusal()
