@@ -30,8 +30,9 @@ def checkpoint(request, tiny_hf, tiny_gguf):
     return load_checkpoint(tiny_hf.path if request.param == "hf" else tiny_gguf)
 
 
-def engine_for(checkpoint, tokenizer, sliding: bool) -> tuple[Engine, list]:
-    executor = TorchExecutor(checkpoint, device="cpu", dtype="float32", block_size=BLOCK)
+def engine_for(checkpoint, tokenizer, sliding: bool, kv_cache_dtype: str = "auto") -> tuple[Engine, list]:
+    executor = TorchExecutor(checkpoint, device="cpu", dtype="float32", block_size=BLOCK,
+                             kv_cache_dtype=kv_cache_dtype)
     events: list = []
     config = EngineConfig(max_context=256, max_sessions=4, max_inflight_requests=4, max_decode_sequences=4,
                           max_prefill_chunk=16, kv_blocks=200, sliding_window_kv=sliding)
@@ -106,3 +107,13 @@ def test_a_long_prompt_matches_transformers_with_sliding_pages(tiny_hf, tokenize
                                   sampling=GREEDY))
     engine.run_until_idle()
     assert generated(events, "r") == reference_greedy(tiny_hf.model, prompt, 24)
+
+
+def test_fp8_kv_with_sliding_pages_answers_as_fp8_kv_with_every_position_kept(tiny_gguf, tokenizer):
+    """The two KV savings together: FP8 pages of sliding layers keep their window and read
+    exactly what FP8 KV with every position kept reads (the same quantized bytes)."""
+    checkpoint = load_checkpoint(tiny_gguf)
+    full, full_events = engine_for(checkpoint, tokenizer, sliding=False, kv_cache_dtype="fp8")
+    paged, paged_events = engine_for(checkpoint, tokenizer, sliding=True, kv_cache_dtype="fp8")
+    assert paged.pool.companions == 2
+    assert conversation(paged, paged_events) == conversation(full, full_events)
