@@ -5,12 +5,14 @@
 K or V and KV head (a fixed, position-independent overhead that is not counted per
 position). The executors that support ``fp8`` (torch on CUDA and the CPU) report their
 block bytes through :func:`kv_position_bytes`; the others refuse ``fp8`` at start-up.
+The element sizes themselves are :func:`musegl_core.engine.kv_memory.element_bytes`.
 """
 
 from __future__ import annotations
 
 import math
 
+from musegl_core.engine.kv_memory import element_bytes
 from musegl_core.errors import ConfigError
 
 KV_CACHE_DTYPES = ("auto", "fp8")
@@ -42,12 +44,9 @@ def check_kv_cache_dtype(kv_cache_dtype: str, spec) -> None:
 
 
 def kv_element_bytes(kv_cache_dtype: str, activation_itemsize: int) -> int:
-    """Bytes of one cached K or V element: the activation dtype's for ``auto``, 1 for ``fp8``."""
-    if kv_cache_dtype == "auto":
-        return activation_itemsize
-    if kv_cache_dtype == "fp8":
-        return 1
-    raise ValueError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
+    """Bytes of one cached K or V element: the activation dtype's for ``auto``, 1 for ``fp8``
+    (:func:`musegl_core.engine.kv_memory.element_bytes`, the one table of KV element sizes)."""
+    return element_bytes(kv_cache_dtype, activation_itemsize)
 
 
 def kv_position_bytes(config, kv_cache_dtype: str, activation_itemsize: int) -> int:

@@ -64,7 +64,7 @@ def cuda_total_memory(index: int) -> tuple[int, str] | None:
 def memory_plan(options: ExecutorOptions, default_device: str) -> MemoryPlan:
     from musegl_core.checkpoint.loader import load_checkpoint
     from musegl_core.engine.dtypes import dtype_name
-    from musegl_core.engine.kv_sizing import kv_block_bytes
+    from musegl_core.engine.kv_dtype import kv_position_bytes
     from musegl_core.engine.memory import available_ram
 
     device = options.device or default_device
@@ -80,17 +80,22 @@ def memory_plan(options: ExecutorOptions, default_device: str) -> MemoryPlan:
     for t in tensors:
         kind, n = stored_bytes(t)
         stored[kind] = stored.get(kind, 0) + n
-    mode = options.extra.get("weights")  # --weights; None: the executor's default (resolve_weights)
+    mode = options.extra.get("weights")  # --weights; None: the executor's default (executor.resolve_weights)
     if mode is None:
-        mode = "stored" if not on_cuda and dtype == "float32" and file_type not in ("f32", "") else "upcast"
+        if on_cuda:  # quantized files (GGUF blocks, FP8) run as stored on CUDA, unquantized ones upcast
+            quantized = options.extra.get("quantization") or file_type not in ("f32", "f16", "bf16", "mixed", "")
+            mode = "stored" if quantized else "upcast"
+        else:
+            mode = "stored" if dtype == "float32" and file_type not in ("f32", "") else "upcast"
     weights = stored if mode == "stored" else upcast
-    kv = (kv_block_bytes(config, BLOCK_SIZE, size), BLOCK_SIZE)
+    kv = (kv_position_bytes(config, options.kv_cache_dtype, size) * BLOCK_SIZE, BLOCK_SIZE)
     if on_cuda:
         index = int(device.split(":", 1)[1]) if ":" in device else 0
         found = cuda_total_memory(index)
         memory, name = found if found is not None else (None, "")
+        alternatives = (("--weights stored", sum(stored.values())),) if mode == "upcast" else ()
         return MemoryPlan(f"{device} ({name})" if name else device, memory, weights, reserve=CUDA_RESERVE,
-                          kv_layout=kv)
+                          kv_layout=kv, alternatives=alternatives)
     alternatives = (("--weights stored", sum(stored.values())),) if mode == "upcast" and dtype == "float32" else ()
     return MemoryPlan("cpu (host memory available)", available_ram(), weights, alternatives=alternatives,
                       kv_layout=kv)
