@@ -18,7 +18,8 @@ Every route that takes a JSON body reads it through :func:`load_json_object`
   A surrogate *pair* is one character and fine.
 
 Both checks are cheap on ordinary bodies: surrogates are looked for only when
-the raw bytes hold a ``\\uD800``-``\\uDFFF`` escape, and the depth walk visits
+the raw bytes hold a ``\\uD800``-``\\uDFFF`` escape or a surrogate's raw UTF-8
+bytes (``ED A0 80``: not valid UTF-8, but Python's decoder passes them), and the depth walk visits
 containers only (a list of scalars, such as a prompt's token ids, is one
 C-level pass).
 """
@@ -34,7 +35,9 @@ from musegl_core.errors import ApiError, bad_request
 #: The deepest nesting of arrays and objects a body may have (the body itself is level 1).
 MAX_JSON_DEPTH = 128
 
-_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+#: a surrogate spelled as an escape, or encoded raw (UTF-8's ED A0 80 .. ED BF BF, which
+#: ``json.loads`` decodes with ``surrogatepass``)
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}|\xed[\xa0-\xbf][\x80-\xbf]")
 _SURROGATE = re.compile("[\ud800-\udfff]")
 _CONTAINERS = (dict, list)
 _TOKENS = re.compile(rb'"(?:[^"\\]|\\.)*"|[\[\]{}]', re.S)

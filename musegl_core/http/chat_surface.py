@@ -78,6 +78,9 @@ class CompletionsSurface(ApiSurface):
     title = "Completions"
     prefixes = ("/v1/completions", "/completions")
 
+    def error_response(self, error):
+        return super().error_response(tc.prompt_error(error))  # the input is 'prompt' here, not 'messages'
+
     def routes(self) -> list:
         context = self.context
 

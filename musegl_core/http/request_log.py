@@ -46,6 +46,10 @@ HEADER = b"x-request-id"
 SANE_ID = re.compile(r"[A-Za-z0-9._:/+=@-]{1,128}")
 #: paths polled by machines: their summary lines are DEBUG
 POLLED = frozenset({"/health", "/v1/health", "/metrics"})
+#: the status logged and counted for a request whose client hung up before its body arrived (nginx's 499)
+CLIENT_CLOSED = 499
+#: ``scope["state"]`` key set once the client disconnected while the application read the body
+CLIENT_GONE = "musegl_client_gone"
 
 
 @attrs.define
@@ -117,31 +121,38 @@ class RequestLog:
         record = RequestRecord(request_id(scope.get("headers") or []), time.monotonic())
         scope.setdefault("state", {})["request_id"] = record.id
         status = 500  # nothing sent: the server's own failure
+        started = False
 
         async def send_with_id(message: Any) -> None:
-            nonlocal status
+            nonlocal status, started
             if message["type"] == "http.response.start":
-                status = message["status"]
+                status, started = message["status"], True
                 headers = [(k, v) for k, v in message.get("headers") or [] if k.lower() != HEADER]
                 message = {**message, "headers": [*headers, (HEADER, record.id.encode())]}
             await send(message)
 
         body_bytes = 0
+        state = scope["state"]
 
         async def counting_receive() -> Any:
             nonlocal body_bytes
             message = await receive()
-            if message.get("type") == "http.request":
+            kind = message.get("type")
+            if kind == "http.request":
                 body_bytes += len(message.get("body") or b"")
+            elif kind == "http.disconnect" and not started:  # before any answer: it hung up on its body
+                state[CLIENT_GONE] = True
             return message
 
         token = CURRENT.set(record)
         try:
-            await self.app(scope, counting_receive if self.trim is not None else receive, send_with_id)
+            await self.app(scope, counting_receive, send_with_id)
         finally:
             CURRENT.reset(token)
             if self.trim is not None:
                 self.trim.after_request(body_bytes)
+            if not started and state.get(CLIENT_GONE):
+                status = CLIENT_CLOSED
             path = scope.get("path", "")
             route = scope.get("path_template") or path
             level = logging.DEBUG if path in POLLED else logging.INFO

@@ -43,6 +43,21 @@ from musegl_core.http.dialect import Dialect
 from musegl_core.worker import messages as m
 
 
+#: ``max_tokens`` when a request gives none: OpenAI's default for this API (the Completions
+#: reference: "defaults to 16"), not the context budget that Chat Completions uses
+DEFAULT_MAX_TOKENS = 16
+
+
+def prompt_error(error: ApiError) -> ApiError:
+    """``error`` as this API names its input: a context overflow of the worker's (which counts
+    ``messages``) names ``prompt``."""
+    if error.code != "context_length_exceeded" or error.param != "messages":
+        return error
+    message = error.message.replace("in the messages", "in the prompt").replace(
+        "the length of the messages", "the length of the prompt")
+    return attrs.evolve(error, param="prompt", message=message)
+
+
 @attrs.frozen
 class CompletionPlan:
     generate: m.Generate
@@ -61,14 +76,15 @@ def plan_completion(request: s.CompletionRequest, *, request_id: str, config: Se
     n = choice_count(request.n, config, None)
     segment = prompt_segment(request.prompt)
     stream = bool(request.stream)
+    limit = completion_limit(request) or DEFAULT_MAX_TOKENS
     generate = m.Generate(
         id=request_id,
         prompt=(segment,),
-        max_tokens=completion_limit(request),
+        max_tokens=limit,
         sampling=sampling_params(request),
         stop=stop_strings(request.stop),
         stop_token_ids=stopping.stop_token_ids(request.stop_token_ids),
-        min_tokens=stopping.min_tokens(request.min_tokens, request.max_tokens),
+        min_tokens=stopping.min_tokens(request.min_tokens, limit),
         ignore_eos=bool(request.ignore_eos),
         add_bos=False,
         stream=stream,
@@ -204,7 +220,7 @@ class TextStream(GroupStream):
             except ApiError as exc:
                 error = exc
             await self.close()  # cancel the other choices before telling the client
-            yield sse.data_event(self.dialect.error_body(error))
+            yield sse.data_event(self.dialect.error_body(prompt_error(error)))
             yield sse.DONE
         finally:
             await self.close()

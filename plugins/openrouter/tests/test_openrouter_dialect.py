@@ -240,3 +240,14 @@ def test_model_entry_has_the_openrouter_shape_around_the_runtime_budget():
 
 def test_keepalive_is_an_sse_comment():
     assert dialect.keepalive.startswith(b":") and dialect.keepalive.endswith(b"\n\n")
+
+
+def test_an_overflow_counted_to_a_lower_bound_says_so_where_the_client_reads_it():
+    """Issue 47 item 18: a prompt whose counting stopped at the budget (``exact`` False) was
+    reported as "about 93 tokens (93 of text input" though it held 101: clients compacted too little."""
+    body = dialect.error_body(api_error(ContextTooLong(93, 1, 64, exact=False)))["error"]
+    match = CLIENT_PATTERN.search(body["message"])
+    assert match is not None and tuple(map(int, match.groups())) == (63, 93, 0)
+    assert "at least 93 tokens (at least 93 of text input" in body["message"]
+    assert "about 93" not in body["message"]
+    assert body["metadata"]["prompt_tokens_exact"] is False

@@ -1,0 +1,281 @@
+"""Hardening III (issue 47): a local server that no web page can drive, idle sockets
+cannot starve, heavy bodies cannot freeze; no 500s, nothing silently ignored.
+
+The checks that need no model run on the application alone (Litestar's test
+client); the rest on a real front and worker with the scripted executor."""
+
+from __future__ import annotations
+
+import io
+import logging
+import socket
+import sys
+import time
+
+import httpx
+import pytest
+from litestar.testing import TestClient
+
+from musegl_core.config import ServeConfig
+from musegl_core.http.app import create_app
+from musegl_core.plugins.manager import PluginManager
+from musegl_core.testing.server import running_server, scripted_plugin_env
+from musegl_core.worker.client import WorkerClient
+
+SCRIPT = [{"when": "", "reply": " to=user<|message|>ok<|eot|>"}]
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 1}
+GENERATION_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/responses")
+
+
+@pytest.fixture(scope="module")
+def client():
+    """The whole application, every installed plugin's surfaces, no worker (503 after validation)."""
+    config = ServeConfig().validate()
+    app = create_app(config, PluginManager(), WorkerClient(config), manage_worker=False)
+    with TestClient(app) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    from musegl_core.tiny import default_model_path
+
+    with scripted_plugin_env(tmp_path_factory.mktemp("hardening"), SCRIPT):
+        config = ServeConfig(model=str(default_model_path()), port=0, executor="scripted", max_context=512,
+                             header_timeout=1.0, idle_timeout=1.0, max_connections=24)
+        with running_server(config) as running:
+            yield running
+
+
+# -- item 1: cross-site requests -------------------------------------------------------------------
+@pytest.mark.parametrize("path", GENERATION_ROUTES)
+@pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded",
+                                          "multipart/form-data; boundary=x"])
+def test_a_simple_cross_site_content_type_is_415(client, path, content_type):
+    response = client.post(path, content=b'{"messages":[{"role":"user","content":"x"}],"max_tokens":1}',
+                           headers={"content-type": content_type})
+    assert response.status_code == 415, response.text
+    assert "x-request-id" in response.headers
+    assert "must be JSON" in response.text  # each surface's envelope (Anthropic's has no code)
+
+
+def test_json_content_types_pass_the_check(client):
+    for content_type in ("application/json", "application/json; charset=utf-8", "application/vnd.x+json"):
+        response = client.post("/v1/chat/completions", content=b'{"messages": 1}', headers={"content-type": content_type})
+        assert response.status_code == 400, response.text  # validation, not the media type
+
+
+@pytest.mark.parametrize("path", GENERATION_ROUTES)
+def test_a_foreign_origin_is_refused_on_a_keyless_server(client, path):
+    response = client.post(path, json=CHAT, headers={"origin": "http://evil.example"})
+    assert response.status_code == 403, response.text
+    assert "--cors-allow-origin" in response.text
+    assert client.post(path, json=CHAT, headers={"origin": "null"}).status_code == 403
+
+
+def test_the_servers_own_origin_and_allowed_origins_pass(tmp_path):
+    config = ServeConfig(cors_allow_origins=("https://app.example",)).validate()
+    app = create_app(config, PluginManager(only=[]), WorkerClient(config), manage_worker=False)
+    with TestClient(app, base_url="http://127.0.0.1:8000") as c:
+        own = c.post("/v1/chat/completions", json={"messages": 1}, headers={"origin": "http://127.0.0.1:8000"})
+        assert own.status_code == 400
+        allowed = c.post("/v1/chat/completions", json={"messages": 1}, headers={"origin": "https://app.example"})
+        assert allowed.status_code == 400
+        other_port = c.post("/v1/chat/completions", json={"messages": 1}, headers={"origin": "http://127.0.0.1:9"})
+        assert other_port.status_code == 403
+    keyed = ServeConfig(api_key="k").validate()
+    app = create_app(keyed, PluginManager(only=[]), WorkerClient(keyed), manage_worker=False)
+    with TestClient(app) as c:  # with a key, a page cannot authenticate without a preflight
+        response = c.post("/v1/chat/completions", json={"messages": 1},
+                          headers={"origin": "http://evil.example", "authorization": "Bearer k"})
+        assert response.status_code == 400
+
+
+def test_a_text_plain_csrf_post_cannot_take_a_session(server):
+    """The issue's reproduction: a page's text/plain POST with a session_id."""
+    response = httpx.post(f"{server.url}/v1/chat/completions", timeout=30,
+                          headers={"origin": "http://evil.example", "content-type": "text/plain"},
+                          content=b'{"messages":[{"role":"user","content":"x"}],"max_tokens":1,"session_id":"csrf1"}')
+    assert response.status_code in (403, 415)
+    sessions = httpx.get(f"{server.url}/v1/sessions", timeout=30).json()
+    assert "csrf1" not in str(sessions)
+
+
+# -- item 2: DNS rebinding -------------------------------------------------------------------------
+def test_a_foreign_host_is_refused_on_a_loopback_bind(server):
+    response = httpx.get(f"{server.url}/v1/sessions", headers={"host": "attacker.test:8000"}, timeout=30)
+    assert response.status_code == 403 and "host_not_allowed" in response.text
+    for host in ("localhost", f"127.0.0.1:{server.config.port}", "[::1]:1", "app.localhost"):
+        assert httpx.get(f"{server.url}/v1/models", headers={"host": host}, timeout=30).status_code == 200
+
+
+def test_allowed_host_admits_a_name():
+    from musegl_core.http.guards import BrowserGuard
+
+    guard = BrowserGuard(ServeConfig(allowed_hosts=("musegl.lan",)))
+    assert guard.host_allowed("musegl.lan:8000") and not guard.host_allowed("attacker.test")
+    assert BrowserGuard(ServeConfig(allowed_hosts=("*",))).host_allowed("attacker.test")
+
+
+# -- item 5: --api-key in the process list -----------------------------------------------------------
+def test_an_api_key_on_the_command_line_is_warned_about():
+    from musegl_core.cli.serve import key_on_command_line
+
+    assert "MUSEGL_API_KEY" in key_on_command_line(["--api-key", "s3cret"])
+    assert "MUSEGL_API_KEY" in key_on_command_line(["--api-key=s3cret"])
+    assert key_on_command_line(["--port", "8000"]) is None
+
+
+# -- item 6: idle sockets --------------------------------------------------------------------------
+def _closed_within(sock: socket.socket, seconds: float) -> bool:
+    sock.settimeout(seconds)
+    try:
+        return sock.recv(1024) == b""
+    except (socket.timeout, TimeoutError):
+        return False
+    except ConnectionResetError:
+        return True
+
+
+def test_partial_headers_and_a_silent_body_are_closed_on_time(server):
+    port = server.config.port
+    with socket.create_connection(("127.0.0.1", port)) as headers_only:
+        headers_only.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+        started = time.monotonic()
+        assert _closed_within(headers_only, 5), "partial headers were kept open"
+        assert time.monotonic() - started < 4
+    with socket.create_connection(("127.0.0.1", port)) as silent:
+        assert _closed_within(silent, 5), "a connection that never sent a byte was kept open"
+    with socket.create_connection(("127.0.0.1", port)) as body:
+        body.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 100\r\n\r\n{\"messages\"")
+        assert _closed_within(body, 5), "a body that went silent was kept open"
+    assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
+
+
+def test_connections_beyond_the_cap_are_closed_and_health_recovers(server):
+    port = server.config.port
+    held = [socket.create_connection(("127.0.0.1", port)) for _ in range(40)]
+    try:
+        for sock in held:
+            sock.sendall(b"GET /health HTTP/1.1\r\n")  # never finished
+        time.sleep(0.3)
+        closed = sum(_closed_within(sock, 0.05) for sock in held)
+        assert closed >= 40 - 24, closed  # the cap (24) holds: the rest were closed at once
+    finally:
+        for sock in held:
+            sock.close()
+    time.sleep(0.2)
+    assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
+
+
+# -- items 7 and 8: the log is bounded ----------------------------------------------------------------
+def test_repeated_lines_are_rate_limited_and_client_strings_cut(monkeypatch):
+    from musegl_core import logs
+
+    stream = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", stream)
+    root = logging.getLogger()
+    saved = (list(root.handlers), root.level)
+    try:
+        logs.configure("info", "front")
+        log = logging.getLogger("asyncio")
+        for _ in range(10_000):
+            try:
+                raise OSError(24, "Too many open files")
+            except OSError:
+                log.exception("socket.accept() out of system resource")
+        logging.getLogger("musegl.http").warning("bad type %r", "x" * (20 << 20))
+    finally:
+        for handler in list(root.handlers):
+            root.removeHandler(handler)
+        for handler in saved[0]:
+            root.addHandler(handler)
+        root.setLevel(saved[1])
+    text = stream.getvalue()
+    assert text.count("socket.accept() out of system resource") == logs.BURST
+    assert len(text) < 200_000, len(text)  # 10,000 tracebacks and a 20 MiB string were written whole before
+    assert "more characters left out" in text
+
+
+def test_a_window_that_dropped_lines_says_how_many():
+    from musegl_core.logs import RepeatLimit
+
+    now = [0.0]
+    limit = RepeatLimit(burst=2, window=10, clock=lambda: now[0])
+
+    def record():
+        return logging.LogRecord("x", logging.ERROR, "f.py", 1, "same %s", ("line",), None)
+
+    assert [limit.filter(record()) for _ in range(5)] == [True, True, False, False, False]
+    now[0] = 11
+    later = record()
+    assert limit.filter(later) and "3 more like this" in later.getMessage()
+
+
+# -- item 12: raw surrogate bytes ------------------------------------------------------------------
+@pytest.mark.parametrize("path, body", [
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "a\xed\xa0\x80b"}], "max_tokens": 1}'),
+    ("/v1/completions", b'{"prompt": "\xed\xbf\xbf", "max_tokens": 1}'),
+    ("/v1/messages", b'{"model": "m", "max_tokens": 1, "messages": [{"role": "user", "content": "\xed\xa0\x80"}]}'),
+    ("/v1/responses", b'{"model": "m", "input": "\xed\xa0\x80"}'),
+    ("/tokenize", b'{"prompt": "\xed\xa0\x80"}'),
+])
+def test_raw_utf8_surrogate_bytes_are_the_invalid_unicode_400(client, path, body):
+    response = client.post(path, content=body, headers={"content-type": "application/json"})
+    assert response.status_code == 400, response.text
+    assert "surrogate" in response.text
+
+
+# -- item 14: JSON nested inside an arguments string -------------------------------------------------
+@pytest.mark.parametrize("depth", [5000, 200])
+def test_deep_json_inside_tool_call_arguments_is_a_400(client, depth):
+    arguments = '{"a":' + "[" * depth + "]" * depth + "}"
+    body = {"messages": [{"role": "user", "content": "x"},
+                         {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function",
+                                                               "function": {"name": "f", "arguments": arguments}}]},
+                         {"role": "tool", "tool_call_id": "c1", "content": "ok"}], "max_tokens": 1}
+    response = client.post("/v1/chat/completions", json=body)
+    assert response.status_code == 400, response.text[:300]
+    error = response.json()["error"]
+    assert error["code"] == "json_too_deep" and error["param"] == "messages[1].tool_calls[0].function.arguments"
+
+
+# -- item 16: a client that hangs up while uploading -------------------------------------------------
+def test_a_client_gone_mid_body_is_499_not_500(server):
+    def count(status: str) -> float:
+        text = httpx.get(f"{server.url}/metrics", timeout=30).text
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith("musegl_http_requests_total{") and f'status="{status}"' in line)
+
+    before_500, before_499 = count("500"), count("499")
+    with socket.create_connection(("127.0.0.1", server.config.port)) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 1000\r\n\r\n{\"messages\": [")
+        time.sleep(0.3)
+    deadline = time.monotonic() + 10
+    while count("499") == before_499 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert count("499") == before_499 + 1
+    assert count("500") == before_500
+
+
+# -- items 17 and 22: /v1/completions ----------------------------------------------------------------
+def test_completions_context_errors_name_the_prompt(server):
+    response = httpx.post(f"{server.url}/v1/completions", json={"prompt": "hello " * 600, "max_tokens": 4}, timeout=60)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["code"] == "context_length_exceeded" and error["param"] == "prompt"
+    assert "messages" not in error["message"]
+
+
+def test_completions_default_to_16_tokens(server):
+    from musegl_core.http.text_completions import DEFAULT_MAX_TOKENS, plan_completion
+    from musegl_core.http import schemas as s
+
+    plan = plan_completion(s.structure_body({"prompt": "hi"}, s.CompletionRequest), request_id="r",
+                           config=server.config)
+    assert plan.generate.max_tokens == DEFAULT_MAX_TOKENS == 16
+    given = plan_completion(s.structure_body({"prompt": "hi", "max_tokens": 40}, s.CompletionRequest),
+                            request_id="r", config=server.config)
+    assert given.generate.max_tokens == 40
