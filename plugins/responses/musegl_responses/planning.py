@@ -21,7 +21,7 @@ from musegl_core.errors import ApiError, bad_request
 from musegl_core.http.completions import sampling_params, session_id as explicit_session
 from musegl_core.http.logprobs import MAX_TOP_LOGPROBS
 from musegl_core.service.conversation import AnswerFormat, Conversation
-from musegl_core.service.sessions import client_session, soft_session_name
+from musegl_core.service.sessions import client_session, private_session_name
 from musegl_core.worker import messages as m
 
 from musegl_responses.items import Reader
@@ -35,7 +35,9 @@ INCLUDES = (ENCRYPTED, LOGPROBS, "message.input_image.image_url")
 EFFORTS = ("low", "medium", "high")
 SUMMARIES = ("auto", "detailed")
 KEY_SOURCE = "codex"  # soft sessions named by a client key: codex:<key> (docs/sessions.md)
-CHAIN_SOURCE = "responses"  # a stored chain's own soft session: responses:<first response id>
+#: a stored chain's own soft session: responses:sha256-<digest of its first response id> (the id is
+#: a capability: the session list must not show it)
+CHAIN_SOURCE = "responses"
 
 
 def unsupported(param: str, message: str) -> ApiError:
@@ -224,7 +226,7 @@ def plan_response(
             (KEY_SOURCE, headers.get("thread-id")),
         ])
     if session is None and keep and max_sessions > 0:
-        session, soft = soft_session_name(CHAIN_SOURCE, response_id), True  # a chain's first stored turn
+        session, soft = private_session_name(CHAIN_SOURCE, response_id), True  # a chain's first stored turn
     settings = m.Generate(
         id=response_id,
         prompt=(),
