@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from typing import Any, Iterator
 
 from musegl_core.errors import ApiError, bad_request
@@ -50,6 +51,9 @@ def load_json_object(body: bytes) -> dict[str, Any]:
     except RecursionError:
         raise too_deep(_deep_field_in_text(body)) from None
     except (UnicodeDecodeError, ValueError) as exc:
+        if "integer string conversion" in str(exc):  # Python's digit limit, not a JSON error
+            raise bad_request(f"the request body holds an integer of more than {sys.get_int_max_str_digits()} "
+                              "digits, which no field takes", code="invalid_json") from None
         raise bad_request(f"the request body is not valid JSON: {exc}", code="invalid_json") from exc
     if not isinstance(payload, dict):
         raise bad_request("the request body must be a JSON object")

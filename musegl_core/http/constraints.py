@@ -163,7 +163,7 @@ def output_grammar(
             text += g.calls_rule(parallel) + call_rules
     error = g.check(text)
     if error is not None:
-        raise bad_request(f"the output constraint cannot be enforced: {_first_line(error)}",
+        raise bad_request(f"the output constraint cannot be enforced: {_plain(error)}",
                           code="unsupported_schema", param=param)
     return text
 
@@ -203,11 +203,14 @@ def lazy_call_grammar(
     for text in (lazy.in_tool_message, lazy.in_visible_message):
         error = g.check(text)
         if error is not None:
-            raise bad_request(f"the strict tools cannot be enforced: {_first_line(error)}",
+            raise bad_request(f"the strict tools cannot be enforced: {_plain(error)}",
                               code="unsupported_schema", param="tools")
     return lazy
 
 
-def _first_line(error: str) -> str:
-    line = error.strip().splitlines()[0] if error.strip() else error
-    return line.split("failed to compile JSON schema: ", 1)[-1]
+def _plain(error: str, limit: int = 2000) -> str:
+    """llguidance's error whole, on one line (a regex parse error spans several: the
+    pattern, a caret under the fault, the reason), bounded."""
+    text = " ".join(line.strip() for line in error.strip().splitlines() if line.strip())
+    text = text.split("failed to compile JSON schema: ", 1)[-1]
+    return text if len(text) <= limit else text[:limit] + "..."

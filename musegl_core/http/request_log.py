@@ -18,6 +18,10 @@ included), so that every response carries an ``X-Request-Id`` header:
   ``/metrics`` are polled by load balancers and scrapers: their lines are
   DEBUG; every other line is INFO.
 
+An exception that is not an ``Exception`` (a Rust panic in a native library
+reaches Python as a ``BaseException``) passes every handler of Litestar's; here
+it becomes a JSON 500 with the request id rather than uvicorn's plain text.
+
 When given a :class:`~musegl_core.http.memory.MemoryTrim`, it also counts
 the body bytes the application read and, once a request with a large body
 has ended, asks for the front's freed memory to be given back to the system.
@@ -29,7 +33,9 @@ observer (:mod:`musegl_core.http.metrics`) fills in.
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
+import json
 import logging
 import re
 import time
@@ -147,6 +153,18 @@ class RequestLog:
         token = CURRENT.set(record)
         try:
             await self.app(scope, counting_receive, send_with_id)
+        except (asyncio.CancelledError, KeyboardInterrupt, SystemExit, GeneratorExit):
+            raise
+        except BaseException as exc:  # past Litestar's handlers (they take Exception): a panic in a native library
+            log.error("unhandled %s in %s %s: %s", type(exc).__name__, scope.get("method", "?"),
+                      _printable(scope.get("path", "")), exc)
+            if started:
+                raise
+            await send_with_id({"type": "http.response.start", "status": 500,
+                                "headers": [(b"content-type", b"application/json")]})
+            await send_with_id({"type": "http.response.body", "body": json.dumps({"error": {
+                "message": f"internal error: {type(exc).__name__}", "type": "server_error", "param": None,
+                "code": None}}).encode()})
         finally:
             CURRENT.reset(token)
             if self.trim is not None:

@@ -279,3 +279,64 @@ def test_completions_default_to_16_tokens(server):
     given = plan_completion(s.structure_body({"prompt": "hi", "max_tokens": 40}, s.CompletionRequest),
                             request_id="r", config=server.config)
     assert given.generate.max_tokens == 40
+
+
+# -- item 13: a panic in the grammar library --------------------------------------------------------
+@pytest.fixture(scope="module")
+def tools_client():
+    config = ServeConfig(tool_parser="atem").validate()
+    app = create_app(config, PluginManager(), WorkerClient(config), manage_worker=False)
+    with TestClient(app, raise_server_exceptions=False) as c:
+        yield c
+
+
+def test_a_panic_in_the_grammar_library_is_a_json_400(tools_client, monkeypatch):
+    """llguidance answered 256+ forced tools with a Rust panic ("class too large"), a
+    BaseException that passed every handler: a plain-text 500 without X-Request-Id."""
+    import llguidance
+
+    panic = type("PanicException", (BaseException,), {})
+
+    def panicking(grammar):
+        raise panic("class too large")
+
+    monkeypatch.setattr(llguidance.LLMatcher, "validate_grammar", staticmethod(panicking))
+    tools = [{"type": "function", "function": {"name": f"tool_{i}", "parameters": {"type": "object"}}}
+             for i in range(300)]
+    response = tools_client.post("/v1/chat/completions", json={**CHAT, "tools": tools, "tool_choice": "required"})
+    assert response.status_code == 400, response.text[:300]
+    error = response.json()["error"]
+    assert error["param"] == "tool_choice" and "class too large" in error["message"]
+    assert "internal limits" in error["message"] and "x-request-id" in response.headers
+
+
+def test_a_base_exception_past_the_handlers_is_a_json_500_with_the_request_id(tools_client, monkeypatch):
+    from musegl_core.http import schemas as s
+
+    def panicking(payload):
+        raise type("PanicException", (BaseException,), {})("boom")
+
+    monkeypatch.setattr(s, "structure_request", panicking)
+    response = tools_client.post("/v1/chat/completions", json=CHAT)
+    assert response.status_code == 500 and response.json()["error"]["type"] == "server_error"
+    assert "x-request-id" in response.headers
+
+
+# -- item 23: whole, plain error messages -----------------------------------------------------------
+def test_a_regex_error_is_given_whole(client):
+    body = {**CHAT, "response_format": {"type": "json_schema", "json_schema": {
+        "schema": {"type": "string", "pattern": "a{"}}}}
+    response = client.post("/v1/chat/completions", json=body)
+    assert response.status_code == 400
+    message = response.json()["error"]["message"]
+    assert message.startswith("the output constraint cannot be enforced: regex parse error:")
+    assert len(message) > len("the output constraint cannot be enforced: regex parse error:") + 10, message
+    assert "\n" not in message
+
+
+def test_a_huge_integer_names_no_python_internals(client):
+    raw = b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": ' + b"9" * 100_000 + b"}"
+    response = client.post("/v1/chat/completions", content=raw, headers={"content-type": "application/json"})
+    assert response.status_code == 400
+    message = response.json()["error"]["message"]
+    assert "sys.set_int_max_str_digits" not in message and "4300 digits" in message
