@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import datetime
 import traceback
-from typing import Any, NoReturn, TypeVar, get_origin
+from typing import Any, Callable, NoReturn, TypeVar, get_origin
 
 import attrs
 import cattrs
@@ -650,6 +650,59 @@ def structure_body(payload: dict[str, Any], cls: type[T]) -> T:
         _refuse(exc)
 
 
+#: Chat Completions fields of OpenAI's that musegl does not implement, refused by name with what to do.
+REFUSED_CHAT_FIELDS = {
+    "functions": "the legacy 'functions' are not supported: declare them in 'tools' "
+                 "([{\"type\": \"function\", \"function\": {...}}])",
+    "function_call": "the legacy 'function_call' is not supported: use 'tool_choice'",
+    "audio": "audio output is not supported by this server",
+    "prediction": "predicted outputs are not supported by this server",
+    "web_search_options": "web search is not supported by this server",
+}
+
+#: Fields accepted only where they change nothing by their own definition (docs/protocol.md 1.1):
+#: each field's check of its value, and the values it takes.
+NEUTRAL_CHAT_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    # an end-user's id for the provider's abuse monitoring: no effect on the output
+    "user": (lambda v: isinstance(v, str), "a string"),
+    "safety_identifier": (lambda v: isinstance(v, str), "a string"),
+    # tags of a stored completion: this server stores none, and 'store' is only false
+    "metadata": (lambda v: isinstance(v, dict) and all(isinstance(x, str) for x in v.values()),
+                 "an object of strings"),
+    "store": (lambda v: v is False, "false (completions are not stored here)"),
+    # the processing tier of OpenAI's own service: 'auto' and 'default' both mean the standard one
+    "service_tier": (lambda v: v in ("auto", "default"), "'auto' or 'default'"),
+    # the output modalities: text is what this server writes
+    "modalities": (lambda v: v == ["text"], '["text"]'),
+    # the answer's length hint: 'medium' is the model's own default
+    "verbosity": (lambda v: v == "medium", "'medium' (the default; other lengths are not supported)"),
+}
+
+
+#: the keys a Chat Completions body may have besides the neutral ones
+_CHAT_FIELDS = frozenset(f.name for f in attrs.fields(ChatCompletionRequest)) | set(REJECTED_FIELDS) | set(FIXED_FIELDS)
+
+
+def refuse_unknown_chat_fields(payload: dict[str, Any]) -> None:
+    """Every key of a Chat Completions body is one this server honours, refuses by name, or
+    accepts at a value that changes nothing; any other key is 400 ``unsupported_parameter``
+    (as Messages and Responses refuse theirs): nothing a client sends is silently ignored."""
+    for name, value in payload.items():
+        if value is None or name in _CHAT_FIELDS:
+            continue
+        if name in REFUSED_CHAT_FIELDS:
+            raise bad_request(REFUSED_CHAT_FIELDS[name], code="unsupported_parameter", param=name)
+        neutral = NEUTRAL_CHAT_FIELDS.get(name)
+        if neutral is not None:
+            if not neutral[0](value):
+                raise bad_request(f"'{name}' is accepted only as {neutral[1]} (or absent)",
+                                  code="unsupported_parameter", param=name)
+            continue
+        shown = name if len(name) <= 100 else name[:100] + "..."
+        raise bad_request(f"unknown parameter '{shown}': this server does not implement it",
+                          code="unsupported_parameter", param=shown)
+
+
 def structure_request(payload: dict[str, Any]) -> ChatCompletionRequest:
     """Type-check ``payload`` into a :class:`ChatCompletionRequest`.
 
@@ -666,6 +719,7 @@ def structure_request(payload: dict[str, Any]) -> ChatCompletionRequest:
         if given is not None and (given != value or type(given) is not type(value)):
             raise bad_request(f"'{name}' is only supported as {json_literal(value)} (or absent)",
                               code="unsupported_parameter", param=name)
+    refuse_unknown_chat_fields(payload)
     try:
         return converter.structure(payload, ChatCompletionRequest)
     except cattrs.BaseValidationError as exc:

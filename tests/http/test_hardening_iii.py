@@ -340,3 +340,27 @@ def test_a_huge_integer_names_no_python_internals(client):
     assert response.status_code == 400
     message = response.json()["error"]["message"]
     assert "sys.set_int_max_str_digits" not in message and "4300 digits" in message
+
+
+# -- item 20: nothing silently ignored on Chat Completions ------------------------------------------
+@pytest.mark.parametrize("field, value", [
+    ("functions", [{"name": "f", "parameters": {"type": "object"}}]), ("function_call", {"name": "f"}),
+    ("audio", {"voice": "alloy", "format": "wav"}), ("modalities", ["text", "audio"]),
+    ("prediction", {"type": "content", "content": "x"}), ("web_search_options", {}),
+    ("verbosity", "low"), ("service_tier", "flex"), ("store", True), ("metadata", {"k": 1}),
+    ("some_vendor_key", {"x": 1}), ("provider", {"order": ["a"]}), ("transforms", ["middle-out"]), ("models", ["a"]),
+])
+def test_chat_completions_refuse_what_they_would_ignore(client, field, value):
+    response = client.post("/v1/chat/completions", json={**CHAT, field: value})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == field and error["code"] == "unsupported_parameter"
+
+
+@pytest.mark.parametrize("field, value", [
+    ("user", "u-1"), ("safety_identifier", "h"), ("metadata", {"k": "v"}), ("store", False),
+    ("service_tier", "auto"), ("service_tier", "default"), ("modalities", ["text"]), ("verbosity", "medium"),
+])
+def test_chat_completions_take_fields_that_change_nothing(client, field, value):
+    response = client.post("/v1/chat/completions", json={**CHAT, field: value})
+    assert response.status_code == 503, response.text  # past validation: no worker here

@@ -109,7 +109,19 @@ def test_contradicting_usage_switches_are_refused():
 def test_the_openai_dialect_does_not_know_the_usage_switch():
     payload = {"messages": [], "usage": {"include": True}}
     assert Dialect().adapt_request(payload) is payload
-    assert s.structure_request(payload).stream_options is None
+    with pytest.raises(ApiError) as refused:  # unknown to Chat Completions: refused, not ignored (issue 47 item 20)
+        s.structure_request(payload)
+    assert refused.value.param == "usage" and refused.value.code == "unsupported_parameter"
+
+
+@pytest.mark.parametrize("field, value", [("provider", {"order": ["x"]}), ("transforms", ["middle-out"]),
+                                          ("models", ["a", "b"])])
+def test_openrouter_routing_fields_are_refused_not_ignored(field, value):
+    """Issue 47 item 20: one server is one provider and one model, and no prompt transform runs."""
+    payload = dialect.adapt_request({"messages": [{"role": "user", "content": "x"}], field: value})
+    with pytest.raises(ApiError) as refused:
+        s.structure_request(payload)
+    assert refused.value.param == field and refused.value.code == "unsupported_parameter"
 
 
 # -- errors ---------------------------------------------------------------------------------
