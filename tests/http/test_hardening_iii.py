@@ -364,3 +364,21 @@ def test_chat_completions_refuse_what_they_would_ignore(client, field, value):
 def test_chat_completions_take_fields_that_change_nothing(client, field, value):
     response = client.post("/v1/chat/completions", json={**CHAT, field: value})
     assert response.status_code == 503, response.text  # past validation: no worker here
+
+
+# -- item 10: extreme aspect ratios stay under the patch cap -------------------------------------------
+@pytest.mark.parametrize("width, detail, cap", [(200_000, None, 1024), (200_000, "low", 64), (1_000_000, "low", 64),
+                                                (1_000_000, None, 1024)])
+def test_a_one_pixel_high_png_stays_under_the_row_cap(width, detail, cap):
+    from PIL import Image
+
+    from musegl_core.vision.preprocess import ImagePreprocessor
+
+    buffer = io.BytesIO()
+    Image.new("RGB", (width, 1), (10, 20, 30)).save(buffer, "PNG")
+    assert len(buffer.getvalue()) < 5000  # hundreds of bytes: the 662-byte PNG
+    for size in ((width, 1), (1, width)):
+        buffer = io.BytesIO()
+        Image.new("RGB", size, (10, 20, 30)).save(buffer, "PNG")
+        image = ImagePreprocessor(max_vision_patches=4096).preprocess_bytes(buffer.getvalue(), "image/png", detail)
+        assert 1 <= image.rows <= cap, (size, detail, image.rows)  # 7,140 / 3,575 / 8,000 rows before
