@@ -382,3 +382,32 @@ def test_a_one_pixel_high_png_stays_under_the_row_cap(width, detail, cap):
         Image.new("RGB", size, (10, 20, 30)).save(buffer, "PNG")
         image = ImagePreprocessor(max_vision_patches=4096).preprocess_bytes(buffer.getvalue(), "image/png", detail)
         assert 1 <= image.rows <= cap, (size, detail, image.rows)  # 7,140 / 3,575 / 8,000 rows before
+
+
+# -- item 19: a linear $ref chain counts what is expanded ------------------------------------------------
+def ref_chain(length: int) -> dict:
+    defs = {f"d{i}": {"$ref": f"#/$defs/d{i + 1}"} for i in range(length - 1)}
+    defs[f"d{length - 1}"] = {"type": "string"}
+    return {"type": "object", "properties": {"x": {"$ref": "#/$defs/d0"}}, "$defs": defs}
+
+
+@pytest.mark.parametrize("length", [60, 91, 200])
+def test_a_linear_ref_chain_is_counted_once(tools_client, length):
+    """91 definitions were refused as "more than 4096 subschemas": every definition was
+    expanded once from $defs and again along the chain (n^2 / 2 nodes)."""
+    tools = [{"type": "function", "function": {"name": "f", "parameters": ref_chain(length)}}]
+    response = tools_client.post("/v1/chat/completions", json={**CHAT, "tools": tools})
+    assert response.status_code == 503, response.text[:400]  # past every check: no worker here
+
+
+def test_a_chain_past_the_hop_limit_says_so():
+    from musegl_atem.schemas import MAX_PREFLIGHT_VISITS, MAX_REFERENCE_HOPS, SchemaRejected, compile_tool
+
+    def root_chain(length: int) -> dict:  # the root's alternatives are expanded along the chain
+        defs = {f"d{i}": {"$ref": f"#/$defs/d{i + 1}"} for i in range(length - 1)}
+        defs[f"d{length - 1}"] = {"type": "object", "properties": {"a": {"type": "string"}}}
+        return {"$ref": "#/$defs/d0", "$defs": defs}
+
+    assert compile_tool("t", root_chain(91), MAX_PREFLIGHT_VISITS).expanded_nodes == 93
+    with pytest.raises(SchemaRejected, match="chain more than"):
+        compile_tool("t", root_chain(MAX_REFERENCE_HOPS + 10), MAX_PREFLIGHT_VISITS)
