@@ -43,6 +43,7 @@ from musegl_core.http.front_tokenizer import FrontTokenizer
 from musegl_core.http.guards import browser_guard
 from musegl_core.http.memory import MemoryTrim
 from musegl_core.http.metrics import FrontMetrics, MeteredWorker
+from musegl_core.http.offload import off_loop
 from musegl_core.http.model_ids import ModelIds
 from musegl_core.http.request_log import CLIENT_CLOSED, CLIENT_GONE, RequestLog
 from musegl_core.http.sessions import session_routes
@@ -207,7 +208,7 @@ def create_app(
           operation_class=openapi.operation(body=s.TokenizeRequest, responses=openapi.PLAIN(s.TokenizeResult)))
     async def tokenize_text(request: Request) -> Response:
         """Token ids of raw text, or of a conversation rendered with the chat template."""
-        body = s.structure_body(s.parse_body(await request.body()), s.TokenizeRequest)
+        body = await off_loop(lambda raw: s.structure_body(s.parse_body(raw), s.TokenizeRequest), await request.body())
         result = await tokenize(body, tokenizer=front.tokenizer.tokenizer, template=front.template,
                                 tool_parser=front.tool_parser, config=config)
         return Response(s.to_json(result), media_type="application/json")
@@ -216,7 +217,7 @@ def create_app(
           operation_class=openapi.operation(body=s.DetokenizeRequest, responses=openapi.PLAIN(s.DetokenizeResult)))
     async def detokenize_ids(request: Request) -> Response:
         """The text of token ids, special tokens written out."""
-        body = s.structure_body(s.parse_body(await request.body()), s.DetokenizeRequest)
+        body = await off_loop(lambda raw: s.structure_body(s.parse_body(raw), s.DetokenizeRequest), await request.body())
         result = await detokenize(body, tokenizer=front.tokenizer.tokenizer)
         return Response(s.to_json(result), media_type="application/json")
 

@@ -19,6 +19,7 @@ from musegl_core.http import schemas as s
 from musegl_core.http import sse
 from musegl_core.http import text_completions as tc
 from musegl_core.http.completions import ChatStream, ResponseMeta, complete, plan_chat
+from musegl_core.http.offload import off_loop
 from musegl_core.http.surface import ApiSurface, unless_disconnected
 from musegl_core.service.sessions import header_keys, session_echo
 
@@ -42,20 +43,24 @@ class ChatCompletionsSurface(ApiSurface):
             arrived = time.monotonic()
             context.check_open()
             service = context.service
-            payload = context.dialect.adapt_request(s.parse_body(await request.body()))
-            chat = s.structure_request(payload)
+            body = await request.body()
             served = context.served_model
             meta = ResponseMeta.new(served.name, served.backend or "unknown")
-            plan = plan_chat(
-                chat,
-                request_id=meta.id,
-                config=context.config,
-                template=service.template,
-                tool_parser=service.tool_parser,
-                header_session_id=request.headers.get("x-session-id"),
-                client_keys=header_keys(request.headers),
-                tokenizer=service.tokenizer,
-            )
+
+            def prepare():  # off the event loop (http/offload.py): parsing, checks, prompt, constraint
+                chat = s.structure_request(context.dialect.adapt_request(s.parse_body(body)))
+                return plan_chat(
+                    chat,
+                    request_id=meta.id,
+                    config=context.config,
+                    template=service.template,
+                    tool_parser=service.tool_parser,
+                    header_session_id=request.headers.get("x-session-id"),
+                    client_keys=header_keys(request.headers),
+                    tokenizer=service.tokenizer,
+                )
+
+            plan = await off_loop(prepare)
             service.require_ready()
             worker = context.metered(arrived)
             echo = session_echo(plan.generate.session_id, plan.generate.soft_session)
@@ -91,10 +96,15 @@ class CompletionsSurface(ApiSurface):
             """Raw-prompt generation (no chat template) as one JSON object or an SSE stream."""
             arrived = time.monotonic()
             context.check_open()
-            body = s.structure_body(s.parse_body(await request.body()), s.CompletionRequest)
+            raw = await request.body()
             served = context.served_model
             meta = tc.new_meta(served.name, served.backend or "unknown")
-            plan = tc.plan_completion(body, request_id=meta.id, config=context.config)
+
+            def prepare():  # off the event loop (http/offload.py)
+                body = s.structure_body(s.parse_body(raw), s.CompletionRequest)
+                return tc.plan_completion(body, request_id=meta.id, config=context.config)
+
+            plan = await off_loop(prepare)
             context.service.require_ready()
             worker = context.metered(arrived)
             if not plan.stream:

@@ -11,6 +11,7 @@ never silently dropped. See ``docs/constrained.md``.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import attrs
@@ -208,9 +209,14 @@ def lazy_call_grammar(
     return lazy
 
 
+_GRAMMAR_ECHO = re.compile(r"\d+ \| ")
+
+
 def _plain(error: str, limit: int = 2000) -> str:
     """llguidance's error whole, on one line (a regex parse error spans several: the
     pattern, a caret under the fault, the reason), bounded."""
-    text = " ".join(line.strip() for line in error.strip().splitlines() if line.strip())
+    lines = [line.strip() for line in error.strip().splitlines()]
+    # "4 | answer_json: %json{...}": llguidance quotes the grammar it was given, the client's whole schema
+    text = " ".join(line for line in lines if line and not _GRAMMAR_ECHO.match(line))
     text = text.split("failed to compile JSON schema: ", 1)[-1]
     return text if len(text) <= limit else text[:limit] + "..."

@@ -411,3 +411,70 @@ def test_a_chain_past_the_hop_limit_says_so():
     assert compile_tool("t", root_chain(91), MAX_PREFLIGHT_VISITS).expanded_nodes == 93
     with pytest.raises(SchemaRejected, match="chain more than"):
         compile_tool("t", root_chain(MAX_REFERENCE_HOPS + 10), MAX_PREFLIGHT_VISITS)
+
+
+# -- item 9: heavy bodies do not freeze the front --------------------------------------------------------
+@pytest.mark.parametrize("where", ["response_format", "tool"])
+def test_a_huge_enum_is_refused_by_its_bound(tools_client, where):
+    enum = [f"value-{i}" for i in range(100_000)]
+    if where == "response_format":
+        body = {**CHAT, "response_format": {"type": "json_schema", "json_schema": {
+            "schema": {"type": "string", "enum": enum}}}}
+    else:
+        body = {**CHAT, "tool_choice": "required", "tools": [{"type": "function", "function": {
+            "name": "f", "parameters": {"type": "object", "properties": {"a": {"enum": enum}}}}}]}
+    started = time.monotonic()
+    response = tools_client.post("/v1/chat/completions", json=body)
+    assert response.status_code == 400, response.text[:300]
+    assert "more than 10000 values" in response.json()["error"]["message"]
+    assert time.monotonic() - started < 5
+
+
+def test_health_is_answered_while_a_heavy_body_is_prepared(server):
+    """Order of events: while 100,000 messages are parsed and checked (1.6 s on the event loop
+    before), /health answers, each time in a fraction of the heavy request's time."""
+    import threading
+
+    body = {"model": "m", "max_tokens": 1, "messages": [{"role": "user", "content": f"m{i}"} for i in range(100_000)]}
+    done: list[float] = []
+
+    def heavy():
+        started = time.monotonic()
+        httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=120)
+        done.append(time.monotonic() - started)
+
+    thread = threading.Thread(target=heavy)
+    thread.start()
+    time.sleep(0.3)  # the body is sent and being prepared
+    waits = []
+    while thread.is_alive() and len(waits) < 50:
+        started = time.monotonic()
+        assert httpx.get(f"{server.url}/health", timeout=30).status_code == 200
+        waits.append(time.monotonic() - started)
+        time.sleep(0.02)
+    thread.join()
+    assert waits, "the heavy request ended before /health was asked"
+    assert max(waits) < done[0] / 2, (max(waits), done[0])
+
+
+def test_the_preparation_lane_is_bounded():
+    import asyncio
+    import threading
+
+    from musegl_core.errors import ApiError
+    from musegl_core.http.offload import Lane
+
+    lane, release = Lane(threads=1, waiting=1), threading.Event()
+
+    async def main():
+        first = asyncio.ensure_future(lane.run(release.wait, 10))
+        second = asyncio.ensure_future(lane.run(lambda: "ran"))
+        await asyncio.sleep(0.05)
+        with pytest.raises(ApiError) as busy:
+            await lane.run(lambda: None)
+        assert busy.value.status == 503 and busy.value.code == "server_busy"
+        release.set()
+        assert await first and await second == "ran"
+        assert await lane.run(lambda: 7) == 7
+
+    asyncio.run(main())
