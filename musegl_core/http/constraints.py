@@ -155,8 +155,8 @@ def output_grammar(
         param = "tool_choice"
     else:
         schema, param = answer
+        check_enforceable(schema, param)  # first: its bounds are cheap to check, the preflight is not
         preflight_schema(schema, param, tool_parser)
-        check_enforceable(schema, param)
         text = g.answer_grammar(schema, reasoning)
         if call_rules is not None:  # tools stay callable next to a JSON answer
             text = text.replace("start: reasoning? answer\n", "start: reasoning? (answer | calls)\n", 1)

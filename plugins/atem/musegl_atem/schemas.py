@@ -16,8 +16,7 @@ Every active tool's
   :data:`MAX_EXPANDED_NODES` expanded nodes, nesting deeper than
   :data:`MAX_SCHEMA_DEPTH`, a ``$ref`` chain through more than
   :data:`MAX_REFERENCE_HOPS` definitions, or, over all tools together, more than
-  :data:`MAX_PREFLIGHT_VISITS` preflight visits or more than
-  :data:`MAX_ENUM_VALUES` ``enum`` members.
+  :data:`MAX_PREFLIGHT_VISITS` preflight visits.
 
 The structural limits are checked before the metaschema and the regex
 compiler see a schema, so hostile schemas fail in milliseconds; the
@@ -55,11 +54,6 @@ MAX_SCHEMA_DEPTH = 64
 #: Definitions one chain of ``$ref`` may pass through while expanding alternatives (each a
 #: Python frame there, with the nesting's: well under the interpreter's limit).
 MAX_REFERENCE_HOPS = 256
-#: ``enum`` members over all active tools of a request [decision]: far above any real tool
-#: (a country list is 250), well under what llguidance compiles quickly (10,000 strings: about
-#: 0.05 s) and what it refuses (between 30,000 and 60,000); a 100,000-member enum took the front
-#: seconds before it was refused.
-MAX_ENUM_VALUES = 10_000
 
 _FORBIDDEN = ("$dynamicRef", "$dynamicAnchor", "$recursiveRef", "$recursiveAnchor")
 #: Keywords whose value is one subschema.
@@ -229,7 +223,6 @@ class CompiledTool:
     visits: int
     #: Every subschema of the document with its path (for the metaschema check).
     nodes: tuple[tuple[Any, tuple], ...] = ()
-    enum_values: int = 0
 
 
 def _walk(schema: Any, dialect: str) -> tuple[References, dict[str, Any], list[tuple[Any, tuple]]]:
@@ -376,18 +369,13 @@ def declared_parameters(subschema: dict) -> int:
     return count
 
 
-def compile_tool(name: str, parameters: Any, visits_left: int, enum_left: int = MAX_ENUM_VALUES) -> CompiledTool:
+def compile_tool(name: str, parameters: Any, visits_left: int) -> CompiledTool:
     """Preflight one tool's schema; raises :class:`SchemaRejected`."""
     schema = DEFAULT_PARAMETERS if parameters is None else parameters
     if not isinstance(schema, (dict, bool)):
         raise SchemaRejected("'parameters' must be a JSON Schema object")
     dialect = dialect_of(schema)
     references, patterns, nodes = _walk(schema, dialect)
-    enum_values = sum(len(node["enum"]) for node, _ in nodes
-                      if isinstance(node, dict) and isinstance(node.get("enum"), list))
-    if enum_values > enum_left:
-        raise SchemaRejected(f"the enums list more than {MAX_ENUM_VALUES} values (all tools of a request together, "
-                             "or one answer schema)")
     expanded = count_expanded(schema, references)
     alternatives = object_alternatives(schema, references)
     visits = 0
@@ -398,8 +386,7 @@ def compile_tool(name: str, parameters: Any, visits_left: int, enum_left: int = 
                 f"checking the tools' parameters needs more than {MAX_PREFLIGHT_VISITS} preflight visits "
                 "across all tools of the request"
             )
-    return CompiledTool(name, schema, dialect, references, tuple(alternatives), patterns, expanded, visits, tuple(nodes),
-                        enum_values)
+    return CompiledTool(name, schema, dialect, references, tuple(alternatives), patterns, expanded, visits, tuple(nodes))
 
 
 def compile_tools(tools: list[Any]) -> list[CompiledTool]:
@@ -410,14 +397,13 @@ def compile_tools(tools: list[Any]) -> list[CompiledTool]:
     request is refused without compiling anything.
     """
     compiled = []
-    visits_left, enum_left = MAX_PREFLIGHT_VISITS, MAX_ENUM_VALUES
+    visits_left = MAX_PREFLIGHT_VISITS
     for index, tool in enumerate(tools):
         try:
-            tool_schema = compile_tool(tool.name, tool.parameters, visits_left, enum_left)
+            tool_schema = compile_tool(tool.name, tool.parameters, visits_left)
         except SchemaRejected as exc:
             raise invalid_tool_schema(f"Tool {tool.name!r} has an invalid parameters schema: {exc}", index) from None
         visits_left -= tool_schema.visits
-        enum_left -= tool_schema.enum_values
         compiled.append(tool_schema)
     for index, tool_schema in enumerate(compiled):
         try:
