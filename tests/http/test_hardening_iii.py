@@ -478,3 +478,35 @@ def test_the_preparation_lane_is_bounded():
         assert await lane.run(lambda: 7) == 7
 
     asyncio.run(main())
+
+
+# -- item 4: cache_salt on every surface -------------------------------------------------------------
+def test_cache_salt_isolates_the_prefix_cache_on_messages_and_responses(server):
+    system = "You are a careful assistant. " * 40  # a shared prefix of several blocks
+
+    def messages(salt, text):
+        body = {"model": "m", "max_tokens": 2, "system": system, "messages": [{"role": "user", "content": text}]}
+        if salt is not None:
+            body["cache_salt"] = salt
+        response = httpx.post(f"{server.url}/v1/messages", json=body, timeout=60)
+        assert response.status_code == 200, response.text
+        return response.json()["usage"]["cache_read_input_tokens"]
+
+    messages("tenant-a", "first")
+    assert messages("tenant-a", "second") > 0  # the same salt reuses the prefix
+    assert messages("tenant-b", "third") == 0  # another salt guesses nothing
+    assert messages(None, "fourth") == 0
+
+    def responses(salt, text):
+        body = {"model": "m", "instructions": system, "input": text, "store": False}
+        if salt is not None:
+            body["cache_salt"] = salt
+        response = httpx.post(f"{server.url}/v1/responses", json=body, timeout=60)
+        assert response.status_code == 200, response.text
+        return response.json()["usage"]["input_tokens_details"]["cached_tokens"]
+
+    responses("tenant-c", "first")
+    assert responses("tenant-c", "second") > 0
+    assert responses("tenant-d", "third") == 0
+    bad = httpx.post(f"{server.url}/v1/responses", json={"model": "m", "input": "x", "cache_salt": ""}, timeout=60)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "cache_salt"

@@ -50,7 +50,7 @@ from musegl_core.chat.messages import FunctionCall, ImagePart, Message, TextPart
 from musegl_core.chat.template import TemplateVariables
 from musegl_core.engine.executor import SamplingParams
 from musegl_core.errors import ApiError, bad_request
-from musegl_core.http.completions import session_id as checked_session_id
+from musegl_core.http.completions import cache_salt, session_id as checked_session_id
 from musegl_core.service.conversation import AnswerFormat, Conversation, ToolChoice
 from musegl_core.service.sessions import client_session
 from musegl_core.worker import messages as m
@@ -507,6 +507,7 @@ def read_request(request: MessagesRequest, *, headers: Any, seal: Any, tokenizer
         session_id=session,
         soft_session=soft,
         stream=stream,
+        cache_salt=cache_salt(request.cache_salt),
     )
     conversation = Conversation(
         messages=messages,

@@ -18,7 +18,7 @@ import attrs
 from musegl_core.chat.messages import Message
 from musegl_core.chat.template import TemplateVariables
 from musegl_core.errors import ApiError, bad_request
-from musegl_core.http.completions import sampling_params, session_id as explicit_session
+from musegl_core.http.completions import cache_salt, sampling_params, session_id as explicit_session
 from musegl_core.http.logprobs import MAX_TOP_LOGPROBS
 from musegl_core.service.conversation import AnswerFormat, Conversation
 from musegl_core.service.sessions import client_session, private_session_name
@@ -236,6 +236,7 @@ def plan_response(
         soft_session=soft,
         stream=bool(request.stream),
         logprobs=(request.top_logprobs or 0) if (LOGPROBS in includes or request.top_logprobs is not None) else -1,
+        cache_salt=cache_salt(request.cache_salt),
     )
     variables = TemplateVariables(reasoning_strength=effort, tool_namespace_descriptions=tools.namespace_descriptions)
     conversation = Conversation(messages=messages, settings=settings, tools=tools.defs, tool_choice=choice,
