@@ -144,10 +144,16 @@ class PluginManager:
             raise ConfigError(f"only one speculator can be enabled, got {', '.join(n for n, _ in created)}")
         return created[0][1] if created else None
 
-    def add_serve_options(self, parser) -> None:
+    def add_serve_options(self, parser, kinds: tuple[str, ...] | None = None) -> None:
+        """The plugins' own ``musegl serve`` flags on ``parser``; with ``kinds``, only those of
+        plugins that provide one of these kinds (``musegl generate`` runs executors and
+        speculators, not API surfaces: the Responses store's flags mean nothing there)."""
+        providers = None
+        if kinds is not None:
+            providers = {plugin for kind in kinds for plugin, _ in self._collect(kind).values()}
         for name, plugin in self.pm.list_name_plugin():
             impl = getattr(plugin, "musegl_serve_options", None)
-            if impl is not None:
+            if impl is not None and (providers is None or name in providers):
                 impl(group=parser.add_argument_group(f"plugin {name}"))
 
     def describe(self) -> list[PluginInfo]:

@@ -510,3 +510,16 @@ def test_cache_salt_isolates_the_prefix_cache_on_messages_and_responses(server):
     assert responses("tenant-d", "third") == 0
     bad = httpx.post(f"{server.url}/v1/responses", json={"model": "m", "input": "x", "cache_salt": ""}, timeout=60)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "cache_salt"
+
+
+# -- item 24: the small ones ---------------------------------------------------------------------------
+def test_generate_help_lists_no_responses_store_flags():
+    import subprocess
+
+    generate = subprocess.run([sys.executable, "-m", "musegl_core.cli.main", "generate", "--help"],
+                              capture_output=True, text=True, timeout=120)
+    assert generate.returncode == 0, generate.stderr
+    assert "--responses-store" not in generate.stdout and "plugin cuda" in generate.stdout
+    serve = subprocess.run([sys.executable, "-m", "musegl_core.cli.main", "serve", "--help"],
+                           capture_output=True, text=True, timeout=120)
+    assert "--responses-store" in serve.stdout
