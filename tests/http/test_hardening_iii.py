@@ -22,7 +22,8 @@ from musegl_core.plugins.manager import PluginManager
 from musegl_core.testing.server import running_server, scripted_plugin_env
 from musegl_core.worker.client import WorkerClient
 
-SCRIPT = [{"when": "", "reply": " to=user<|message|>ok<|eot|>"}]
+SCRIPT = [{"when": "special please", "reply": " to=user<|message|>a<|reserved_special_token_5|>b<|eot|>"},
+          {"when": "", "reply": " to=user<|message|>ok<|eot|>"}]
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 1}
 GENERATION_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/responses")
 
@@ -523,3 +524,11 @@ def test_generate_help_lists_no_responses_store_flags():
     serve = subprocess.run([sys.executable, "-m", "musegl_core.cli.main", "serve", "--help"],
                            capture_output=True, text=True, timeout=120)
     assert "--responses-store" in serve.stdout
+
+
+def test_anthropic_text_blocks_carry_no_raw_special_tokens(server):
+    body = {"model": "m", "max_tokens": 16, "messages": [{"role": "user", "content": "special please"}]}
+    reply = httpx.post(f"{server.url}/v1/messages", json=body, timeout=60)
+    assert reply.status_code == 200, reply.text
+    text = "".join(block.get("text", "") for block in reply.json()["content"])
+    assert text == "ab", text  # "a<|reserved_special_token_5|>b" before

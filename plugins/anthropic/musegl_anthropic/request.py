@@ -508,6 +508,9 @@ def read_request(request: MessagesRequest, *, headers: Any, seal: Any, tokenizer
         soft_session=soft,
         stream=stream,
         cache_salt=cache_salt(request.cache_salt),
+        # the special tokens the output grammar does not use (<|reserved_special_token_5|>, <|patch|>)
+        # never reach a text or thinking block: the API has no field to ask for them, and no client wants them
+        special_tokens="control",
     )
     conversation = Conversation(
         messages=messages,
