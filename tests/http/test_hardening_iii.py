@@ -271,12 +271,14 @@ def test_completions_context_errors_name_the_prompt(server):
 
 
 def test_completions_default_to_16_tokens(server):
-    from musegl_core.http.text_completions import DEFAULT_MAX_TOKENS, plan_completion
     from musegl_core.http import schemas as s
+    from musegl_core.http.text_completions import plan_completion
 
     plan = plan_completion(s.structure_body({"prompt": "hi"}, s.CompletionRequest), request_id="r",
                            config=server.config)
-    assert plan.generate.max_tokens == DEFAULT_MAX_TOKENS == 16
+    assert plan.generate.max_tokens == 16  # None before: the whole context budget (8,191 tokens in 75 s)
+    reply = httpx.post(f"{server.url}/v1/completions", json={"prompt": "hi", "ignore_eos": True}, timeout=60)
+    assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] <= 16
     given = plan_completion(s.structure_body({"prompt": "hi", "max_tokens": 40}, s.CompletionRequest),
                             request_id="r", config=server.config)
     assert given.generate.max_tokens == 40
