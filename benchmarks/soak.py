@@ -116,7 +116,8 @@ def hostile_bodies() -> list[tuple[str, str, bytes, tuple[int, ...]]]:
     Image.new("RGB", (200_000, 1), (10, 20, 30)).save(thin, format="PNG")
     thin_image = [{"type": "text", "text": "And this?"},
                   {"type": "image_url", "image_url": {"url": "data:image/png;base64,"
-                                                      + base64.b64encode(thin.getvalue()).decode()}}]
+                                                      + base64.b64encode(thin.getvalue()).decode(),
+                                                      "detail": "low"}}]  # 64 rows: within --max-context 1024
     enum = {"model": "soak", "max_tokens": 1, "messages": [{"role": "user", "content": "x"}],
             "response_format": {"type": "json_schema", "json_schema": {
                 "schema": {"type": "string", "enum": [f"value-{i}" for i in range(100_000)]}}}}
