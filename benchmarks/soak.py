@@ -15,7 +15,23 @@ Starts ``musegl serve`` (the tiny demo checkpoint unless ``--model``) on
 * ``hostile``: one of the inputs that used to crash or stall the server, each
   expecting its 400 (or 200 where the request is valid): a 10 MiB run of one
   letter (chat and ``/tokenize``), a 6 MiB prompt, a lone ``\ud800`` escape,
-  JSON nested 2,000 levels deep, an 8190 x 8190 PNG.
+  JSON nested 2,000 levels deep, an 8190 x 8190 PNG; and those of issue 47: a
+  web page's ``text/plain`` POST with a ``session_id`` (415) and a foreign
+  ``Origin`` (403), a 100,000-member enum (400) and 100,000 messages (400),
+  a 200,000 x 1 PNG (200, under the row cap), raw surrogate bytes (400), 300
+  tools with a forced call (200) and JSON 5,000 levels deep inside a tool
+  call's ``arguments`` (400).
+
+Beside the client loops (issue 47's done-when):
+
+* an **idle-socket** loop opens connections that send part of a request line
+  and go silent, ``IDLE_BATCH`` every ``IDLE_EVERY`` seconds, and counts how
+  many the server closed within ``--header-timeout`` and a margin;
+* a **probe** loop asks ``/health`` every 0.2 s, and a second client sends a
+  1-token chat request every second: their latencies' p50, p99 and max are
+  reported, and the run fails past ``--health-p99`` / ``--probe-p99``;
+* the server's **log** is measured before and after: growth past
+  ``--log-growth-mb`` fails the run.
 
 A separate loop DELETEs a random live session about once a second, active or
 not (200, 404 and 409 are all expected answers).
@@ -65,7 +81,11 @@ from common import serve_process
 
 MAX_REQUEST_BYTES = 12 * 2**20  # room for the 10 MiB hostile bodies; ``oversize`` sends more
 SERVE_FLAGS = ("--max-context", "1024", "--max-decode-sequences", "8", "--max-image-bytes", str(2**20),
-               "--max-request-bytes", str(MAX_REQUEST_BYTES))
+               "--max-request-bytes", str(MAX_REQUEST_BYTES), "--tool-parser", "atem", "--header-timeout", "5")
+#: the server's --header-timeout (above) and the margin the idle-socket loop allows beyond it
+HEADER_TIMEOUT, CLOSE_MARGIN = 5.0, 5.0
+#: idle sockets opened per batch, and seconds between batches
+IDLE_BATCH, IDLE_EVERY = 50, 2.0
 # Prompt tokens after which a session starts over. The budget is 1024, and one turn can add
 # about 350 tokens on the tiny checkpoint (its tokenizer is nearly byte-level).
 HISTORY_LIMIT = 450
@@ -92,6 +112,26 @@ def hostile_bodies() -> list[tuple[str, str, bytes, tuple[int, ...]]]:
              {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(png.getvalue()).decode(),
                                                 "detail": "low"}}]
     deep = b'{"model": "soak", "messages": [], "x": ' + b"[" * 2000 + b"]" * 2000 + b"}"
+    thin = io.BytesIO()
+    Image.new("RGB", (200_000, 1), (10, 20, 30)).save(thin, format="PNG")
+    thin_image = [{"type": "text", "text": "And this?"},
+                  {"type": "image_url", "image_url": {"url": "data:image/png;base64,"
+                                                      + base64.b64encode(thin.getvalue()).decode(),
+                                                      "detail": "low"}}]  # 64 rows: within --max-context 1024
+    enum = {"model": "soak", "max_tokens": 1, "messages": [{"role": "user", "content": "x"}],
+            "response_format": {"type": "json_schema", "json_schema": {
+                "schema": {"type": "string", "enum": [f"value-{i}" for i in range(100_000)]}}}}
+    many = {"model": "soak", "max_tokens": 1, "messages": [{"role": "user", "content": f"m{i}"} for i in range(100_000)]}
+    tools = {"model": "soak", "max_tokens": 1, "messages": [{"role": "user", "content": "x"}], "tool_choice": "required",
+             "tools": [{"type": "function", "function": {"name": f"tool_{i}", "parameters": {"type": "object"}}}
+                       for i in range(300)]}
+    arguments = '{"a":' + "[" * 5000 + "]" * 5000 + "}"
+    nested = {"model": "soak", "max_tokens": 1, "messages": [
+        {"role": "user", "content": "x"},
+        {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function",
+                                              "function": {"name": "f", "arguments": arguments}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "ok"}]}
+    csrf = b'{"messages":[{"role":"user","content":"x"}],"max_tokens":1,"session_id":"csrf1"}'
     return [
         ("letter-run", "/v1/chat/completions", chat("A" * (10 * 2**20)), (400,)),
         ("letter-run-tokenize", "/tokenize", json.dumps({"prompt": "A" * (10 * 2**20)}).encode(), (200, 400)),
@@ -99,7 +139,22 @@ def hostile_bodies() -> list[tuple[str, str, bytes, tuple[int, ...]]]:
         ("lone-surrogate", "/v1/chat/completions", chat("x").replace(b'"x"', b'"\\ud800"'), (400,)),
         ("deep-json", "/v1/chat/completions", deep, (400,)),
         ("huge-png", "/v1/chat/completions", chat(image), (200,)),
+        ("csrf-text-plain", "/v1/chat/completions", csrf, (415,), {"content-type": "text/plain"}),
+        ("csrf-origin", "/v1/messages", csrf, (403,), {"origin": "http://evil.example"}),
+        ("huge-enum", "/v1/chat/completions", json.dumps(enum).encode(), (400,)),
+        ("many-messages", "/v1/chat/completions", json.dumps(many).encode(), (400,)),
+        ("thin-png", "/v1/chat/completions", chat(thin_image), (200,)),
+        ("raw-surrogate", "/v1/chat/completions", chat("x").replace(b'"x"', b'"\xed\xa0\x80"'), (400,)),
+        ("forced-300-tools", "/v1/chat/completions", json.dumps(tools).encode(), (200, 400)),  # 400: over 1024 tokens
+        ("deep-arguments", "/v1/chat/completions", json.dumps(nested).encode(), (400,)),
     ]
+
+
+def post_hostile(http, url: str, body: tuple):
+    """Send one of :func:`hostile_bodies` with its headers (JSON unless it names others)."""
+    name, path, raw, statuses, *rest = body
+    headers = {"content-type": "application/json", **(rest[0] if rest else {})}
+    return http.post(f"{url}{path}", content=raw, headers=headers)
 
 
 @attrs.define
@@ -147,6 +202,8 @@ class Soak:
     live_sessions: set = attrs.field(factory=set)
     stop_at: float = 0.0
     hostile: list = attrs.field(factory=list)
+    idle: collections.Counter = attrs.field(factory=collections.Counter)  # idle sockets opened, closed
+    latency: dict = attrs.field(factory=lambda: {"health": [], "probe": []})  # seconds, in order
 
     def body(self, messages: list, **extra) -> dict:
         return {"model": "soak", "messages": messages, "max_tokens": self.rng.randint(4, 24),
@@ -215,10 +272,9 @@ class Soak:
                     response = await http.post(f"{self.url}/v1/chat/completions", json=huge)
                     await self.expect(http, action, response, (413,))
                 elif action == "hostile":
-                    name, path, raw, statuses = self.rng.choice(self.hostile)
-                    response = await http.post(f"{self.url}{path}", content=raw,
-                                               headers={"content-type": "application/json"})
-                    await self.expect(http, f"hostile {name}", response, statuses)
+                    body = self.rng.choice(self.hostile)
+                    response = await post_hostile(http, self.url, body)
+                    await self.expect(http, f"hostile {body[0]}", response, body[3])
                 else:
                     name = f"soak-{client}-{generation}"
                     if not history:
@@ -262,12 +318,74 @@ class Soak:
     async def prime(self, http: httpx.AsyncClient) -> None:
         """Every client sends every hostile body at once: the warm-up sees the largest burst of
         large bodies the load can produce, so the warm memory figure includes it."""
-        async def one(name: str, path: str, raw: bytes, statuses: tuple[int, ...]) -> None:
-            response = await http.post(f"{self.url}{path}", content=raw, headers={"content-type": "application/json"})
-            await self.expect(http, f"hostile {name}", response, statuses)
+        async def one(body: tuple) -> None:
+            response = await post_hostile(http, self.url, body)
+            await self.expect(http, f"hostile {body[0]}", response, body[3])
 
         for body in self.hostile:
-            await asyncio.gather(*[one(*body) for _ in range(self.clients)])
+            await asyncio.gather(*[one(body) for _ in range(self.clients)])
+
+    async def idle_sockets(self) -> None:
+        """Batches of connections that send part of a request line and go silent: each must be
+        closed by the server within the header timeout and a margin."""
+        host, port = self.url.removeprefix("http://").rsplit(":", 1)
+
+        async def one() -> None:
+            try:
+                reader, writer = await asyncio.open_connection(host, int(port))
+            except OSError as exc:
+                self.tally.error("idle-socket", f"connect {type(exc).__name__}", str(exc))
+                return
+            self.idle["opened"] += 1
+            try:
+                writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+                await writer.drain()
+                closed = await asyncio.wait_for(reader.read(1024), HEADER_TIMEOUT + CLOSE_MARGIN)
+                if closed == b"":
+                    self.idle["closed"] += 1
+                else:
+                    self.tally.error("idle-socket", "answered instead of closed", closed[:200].decode(errors="replace"))
+            except (asyncio.TimeoutError, TimeoutError):
+                self.tally.error("idle-socket", "kept open past the header timeout")
+            except OSError:
+                self.idle["closed"] += 1  # reset by the server
+            finally:
+                writer.close()
+
+        tasks = []
+        while time.monotonic() < self.stop_at:
+            tasks += [asyncio.ensure_future(one()) for _ in range(IDLE_BATCH)]
+            await asyncio.sleep(IDLE_EVERY)
+        await asyncio.gather(*tasks)
+
+    async def probes(self) -> None:
+        """/health every 0.2 s and, from a client of its own, a 1-token chat request every second."""
+        async with httpx.AsyncClient(timeout=60) as health, httpx.AsyncClient(timeout=60) as second:
+            async def health_loop() -> None:
+                while time.monotonic() < self.stop_at:
+                    started = time.monotonic()
+                    try:
+                        response = await health.get(f"{self.url}/health")
+                        if response.status_code != 200:
+                            self.tally.error("health", error_kind(response.status_code, response.content))
+                    except httpx.HTTPError as exc:
+                        self.tally.error("health", f"transport {type(exc).__name__}", str(exc))
+                    self.latency["health"].append(time.monotonic() - started)
+                    await asyncio.sleep(0.2)
+
+            async def probe_loop() -> None:
+                body = {"model": "soak", "max_tokens": 1, "messages": [{"role": "user", "content": "probe"}]}
+                while time.monotonic() < self.stop_at:
+                    started = time.monotonic()
+                    try:
+                        response = await second.post(f"{self.url}/v1/chat/completions", json=body)
+                        await self.expect(second, "probe", response, (200,))
+                    except httpx.HTTPError as exc:
+                        self.tally.error("probe", f"transport {type(exc).__name__}", str(exc))
+                    self.latency["probe"].append(time.monotonic() - started)
+                    await asyncio.sleep(1.0)
+
+            await asyncio.gather(health_loop(), probe_loop())
 
     async def run(self, seconds: float, *, prime: bool = False) -> None:
         self.stop_at = time.monotonic() + seconds
@@ -275,7 +393,8 @@ class Soak:
         async with httpx.AsyncClient(timeout=120, limits=limits) as http:
             if prime:
                 await self.prime(http)
-            await asyncio.gather(self.deleter(http), *[self.client_loop(http, i) for i in range(self.clients)])
+            await asyncio.gather(self.deleter(http), self.idle_sockets(), self.probes(),
+                                 *[self.client_loop(http, i) for i in range(self.clients)])
 
 
 async def wait_idle(http: httpx.AsyncClient, url: str, timeout: float = 120) -> None:
@@ -309,6 +428,24 @@ async def settle(url: str, timeout: float = 120) -> dict:
                  "sessions_anonymous")}
 
 
+def percentiles(values: list[float]) -> dict:
+    if not values:
+        return {"n": 0}
+    ordered = sorted(values)
+
+    def at(q: float) -> float:
+        return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))], 3)
+
+    return {"n": len(ordered), "p50": at(0.5), "p99": at(0.99), "max": round(ordered[-1], 3)}
+
+
+def log_bytes(process: psutil.Process) -> int:
+    """The size of the file the server's output goes to (benchmarks/common.py: a log file)."""
+    import os
+
+    return os.path.getsize(os.readlink(f"/proc/{process.pid}/fd/1"))
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--duration", type=float, default=120, help="seconds of measured load (after the warm-up)")
@@ -322,6 +459,9 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=16)
     p.add_argument("--rss-tolerance", type=float, default=0.10, help="allowed RSS growth, warm to end")
     p.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    p.add_argument("--health-p99", type=float, default=0.5, help="most /health p99 seconds (after the warm-up)")
+    p.add_argument("--probe-p99", type=float, default=2.0, help="most 1-token probe p99 seconds (after the warm-up)")
+    p.add_argument("--log-growth-mb", type=float, default=50.0, help="most MB the server's log may grow")
     args = p.parse_args()
     vision: tuple[str, ...] = ()
     if args.model is None:
@@ -344,7 +484,9 @@ def main() -> int:
         baseline = asyncio.run(settle(url))
         rss = {name: {"start": rss_mib(proc)} for name, proc in procs.items()}
         soak = Soak(url, args.clients, random.Random(args.seed), hostile=hostile_bodies())
+        log_start = log_bytes(front)
         asyncio.run(soak.run(args.warmup, prime=True))
+        soak.latency = {"health": [], "probe": []}  # the figures count from the end of the warm-up
         asyncio.run(quiet(url))
         for name, proc in procs.items():
             rss[name]["warm"] = rss_mib(proc)
@@ -359,6 +501,7 @@ def main() -> int:
             rss[name]["end"] = rss_mib(proc)
             rss[name]["growth"] = round(rss[name]["end"] / rss[name]["warm"] - 1, 4)
         worker_restarted = front.children() != [worker]
+        log_growth_mb = round((log_bytes(front) - log_start) / 1e6, 2)
     leaked = {key: end[key] - baseline[key] for key in ("kv_blocks_used", "kv_blocks_reserved")}
     report = {
         "duration_s": args.duration,
@@ -374,9 +517,15 @@ def main() -> int:
         "kv_end": end,
         "kv_leaked": leaked,
         "worker_restarted": worker_restarted,
+        "idle_sockets": dict(soak.idle),
+        "health_s": percentiles(soak.latency["health"]),
+        "probe_s": percentiles(soak.latency["probe"]),
+        "log_growth_mb": log_growth_mb,
     }
     passed = (not soak.tally.errors and not any(leaked.values()) and not worker_restarted
-              and all(abs(r["growth"]) <= args.rss_tolerance for r in rss.values()))
+              and all(abs(r["growth"]) <= args.rss_tolerance for r in rss.values())
+              and report["health_s"].get("p99", 0) <= args.health_p99
+              and report["probe_s"].get("p99", 0) <= args.probe_p99 and log_growth_mb <= args.log_growth_mb)
     report["passed"] = passed
     if args.json:
         print(json.dumps(report))
@@ -385,7 +534,8 @@ def main() -> int:
         print(f"soak {'PASSED' if passed else 'FAILED'}: {report['requests']} requests in "
               f"{args.warmup + args.duration:.0f} s, {sum(soak.tally.errors.values())} unexpected errors, "
               f"leaked blocks {leaked}, RSS growth front {rss['front']['growth']:+.1%} "
-              f"worker {rss['worker']['growth']:+.1%}")
+              f"worker {rss['worker']['growth']:+.1%}; /health {report['health_s']}, probe {report['probe_s']}, "
+              f"idle sockets {dict(soak.idle)}, log +{log_growth_mb} MB")
     return 0 if passed else 1
 
 

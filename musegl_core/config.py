@@ -63,6 +63,18 @@ class ServeConfig:
     cors_allow_origins: tuple[str, ...] = flag((), "allow cross-origin requests from ORIGIN (repeatable; '*' for any); "
                                                "default: CORS off", NET, kind="append", metavar="ORIGIN",
                                                name="--cors-allow-origin")
+    allowed_hosts: tuple[str, ...] = flag((), "on a loopback bind, also accept requests whose Host header names NAME "
+                                          "(repeatable; '*' for any); default: loopback names only, against DNS "
+                                          "rebinding", NET, kind="append", metavar="NAME", name="--allowed-host")
+    header_timeout: float = flag(10.0, "close a connection whose request line and headers have not all arrived "
+                                 "this long after it opened (kept alive: after the next request's first byte; "
+                                 "default %(default)s)", NET, kind="float",
+                                 metavar="SECONDS")
+    idle_timeout: float = flag(30.0, "close a connection that sends nothing for this long while the server waits "
+                               "for it: between requests (keep-alive) or in the middle of a body "
+                               "(default %(default)s)", NET, kind="float", metavar="SECONDS")
+    max_connections: int = flag(1000, "open connections at most; a connection beyond is closed at once "
+                                "(default %(default)s)", NET, kind="int")
     shutdown_timeout: float = flag(5.0, "on SIGINT/SIGTERM, how long in-flight requests may still run "
                                    "(default %(default)s)", NET, kind="float", metavar="SECONDS")
     api_key: str | None = flag(None, "require this bearer token on every route but /health (env MUSEGL_API_KEY, "
@@ -234,6 +246,11 @@ class ServeConfig:
         need(math.isfinite(t) and t > 0, f"--soft-session-idle-timeout must be a positive number of seconds, got {t}")
         int_range("--port", self.port, 0, 65535)
         need(bool(self.host.strip()), "--host must not be empty")
+        for name, t in (("--header-timeout", self.header_timeout), ("--idle-timeout", self.idle_timeout)):
+            need(math.isfinite(t) and t > 0, f"{name} must be a positive number of seconds, got {t}")
+        int_range("--max-connections", self.max_connections, 1)
+        for host in self.allowed_hosts:
+            need(bool(host.strip()), "--allowed-host must not be empty")
         need(
             math.isfinite(self.shutdown_timeout) and self.shutdown_timeout >= 0,
             f"--shutdown-timeout must be a non-negative number of seconds, got {self.shutdown_timeout}",

@@ -227,9 +227,26 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
 
 
+#: the deepest nesting of arrays and objects JSON inside an ``arguments`` string may have (the body's own limit)
+MAX_ARGUMENTS_DEPTH = 128
+
+
+def _json_depth_over(value: Any, limit: int) -> bool:
+    """``value`` nests arrays and objects more than ``limit`` levels (iterative)."""
+    stack = [(value, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if depth > limit:
+            return True
+        items = value.values() if isinstance(value, dict) else value
+        stack.extend((item, depth + 1) for item in items if isinstance(item, (dict, list)))
+    return False
+
+
 def _arguments(raw: Any, _: Any) -> dict[str, Any]:
     """Tool-call ``arguments``: a JSON string (the empty string: ``{}``) of an
-    object, or already a mapping; the client's key order is kept."""
+    object, or already a mapping; the client's key order is kept. The JSON in
+    the string may nest :data:`MAX_ARGUMENTS_DEPTH` levels, as the body may."""
     if isinstance(raw, dict):
         return raw
     _expect(raw, str, "a JSON string")
@@ -237,10 +254,16 @@ def _arguments(raw: Any, _: Any) -> dict[str, Any]:
         return {}
     try:
         value = json.loads(raw, parse_constant=_reject_constant)
+    except RecursionError:
+        raise Refusal("'{param}' is nested more than {limit} levels deep (arrays and objects).",
+                      code="json_too_deep", limit=MAX_ARGUMENTS_DEPTH) from None
     except ValueError as exc:
         raise Refusal("'{param}' is not valid JSON: {exc}.", exc=exc) from None
     if not isinstance(value, dict):
         raise Refusal("'{param}' must encode a JSON object, got {got}.", got=_type_name(value))
+    if _json_depth_over(value, MAX_ARGUMENTS_DEPTH):
+        raise Refusal("'{param}' is nested more than {limit} levels deep (arrays and objects).",
+                      code="json_too_deep", limit=MAX_ARGUMENTS_DEPTH)
     return value
 
 

@@ -92,7 +92,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--image", metavar="FILE", help="a PNG or JPEG for the prompt's one <|patch|> placeholder")
     p.add_argument("--max-vision-patches", type=int, default=4096, help="vision patch cap (default %(default)s)")
     known = {a.dest for a in p._actions}
-    plugins.add_serve_options(p)  # the plugins' own flags, as `musegl serve` takes them
+    # the flags of the plugins that generate runs (executors, speculators), as `musegl serve` takes them
+    plugins.add_serve_options(p, kinds=("executors", "speculators"))
     args = p.parse_args(argv)
     extra = {k: v for k, v in vars(args).items() if k not in known}
     if args.max_tokens < 1:

@@ -145,6 +145,15 @@ def prepare(argv: list[str]):
     return config, plugins, args.log_level
 
 
+def key_on_command_line(argv: list[str]) -> str | None:
+    """A warning when ``--api-key`` was given as an argument: every user of the machine reads it
+    in the process list (``ps``); ``MUSEGL_API_KEY`` keeps it out."""
+    if any(arg == "--api-key" or arg.startswith("--api-key=") for arg in argv):
+        return ("--api-key on the command line is visible to every user of this machine in the process list "
+                "(ps, /proc/PID/cmdline); set the environment variable MUSEGL_API_KEY instead")
+    return None
+
+
 def startup_line(config: ServeConfig, plugins) -> str:
     """What this server runs, in one line (logged at start-up): the model, the executor,
     the tool parser, the API surfaces, the dialect, the template and the speculator plugins."""
@@ -222,6 +231,9 @@ def main(argv: list[str]) -> int:
     configure(log_level, "front")
     show_progress(log_level in ("debug", "info"))
     log = logging.getLogger("musegl.serve")
+    exposed = key_on_command_line(argv)
+    if exposed:
+        log.warning("%s", exposed)
     sock = bind(config.host, config.port)  # a port in use ends here, before anything is announced
     host, port = sock.getsockname()[:2]
     config = attrs.evolve(config, port=port)
@@ -248,7 +260,8 @@ def main(argv: list[str]) -> int:
     log.info("%s", startup_line(config, plugins))
     log.info("listening on http://%s:%d (model loads in the worker; /health turns 200 when ready)", shown, port)
     server = GracefulServer.create(app, shutdown_timeout=config.shutdown_timeout,
-                                   on_shutdown=app.state["front"].begin_shutdown, log_level=log_level)
+                                   on_shutdown=app.state["front"].begin_shutdown, log_level=log_level,
+                                   serve_config=config)
     # A worker that cannot load the model, or keeps dying, stops the server (exit status 1).
     worker.on_fatal = lambda _reason: setattr(server, "should_exit", True)
     server.run(sockets=[sock])

@@ -53,11 +53,22 @@ _SCHEMA_VALUES = ("additionalProperties", "items", "additionalItems", "contains"
                   "propertyNames", "unevaluatedItems", "unevaluatedProperties")
 
 
+#: The most ``enum`` members one constrained schema may list [decision]: far above a real
+#: schema's (a country list is 250); the grammar engine compiles 10,000 strings in about
+#: 0.05 s and refuses somewhere between 30,000 and 60,000, after up to a second's work.
+MAX_ENUM_VALUES = 10_000
+
+
 def unenforceable(schema: Any) -> str | None:
     """Why ``schema`` cannot be enforced (a sentence), or None."""
     if not isinstance(schema, dict):
         return None
+    values = 0
     for node in _nodes(schema):
+        if isinstance(node.get("enum"), list):
+            values += len(node["enum"])
+            if values > MAX_ENUM_VALUES:
+                return f"its enums list more than {MAX_ENUM_VALUES} values"
         pattern = node.get("pattern")
         if isinstance(pattern, str):
             forced = forced_length(pattern)

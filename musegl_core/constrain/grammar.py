@@ -131,8 +131,23 @@ def lark_string(text: str) -> str:
 
 
 def check(grammar: str) -> str | None:
-    """None when llguidance compiles ``grammar`` (without a vocabulary), else its error."""
+    """None when llguidance compiles ``grammar`` (without a vocabulary), else its error.
+    A panic inside llguidance (a Rust ``panic!``, which reaches Python as a
+    ``BaseException``, such as "class too large" on a grammar past one of its
+    internal limits) is an error too, never an escape past the error handlers."""
     import llguidance
 
-    error = llguidance.LLMatcher.validate_grammar(llguidance.LLMatcher.grammar_from_lark(grammar))
+    try:
+        error = llguidance.LLMatcher.validate_grammar(llguidance.LLMatcher.grammar_from_lark(grammar))
+    except (KeyboardInterrupt, SystemExit, GeneratorExit):
+        raise
+    except BaseException as exc:  # pyo3's PanicException derives from BaseException
+        return panic_message(exc)
     return error or None
+
+
+def panic_message(exc: BaseException) -> str:
+    """What a client reads of a panic in llguidance."""
+    reason = " ".join(str(exc).split()) or type(exc).__name__
+    return (f"the grammar engine (llguidance) gave up on this constraint ({reason}): it is past one of the "
+            f"engine's internal limits; constrain fewer tools or a smaller schema")

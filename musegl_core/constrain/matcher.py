@@ -110,8 +110,16 @@ def _matcher(grammar: str, tokenizer) -> Any:
     """An llguidance matcher of ``grammar`` (Lark); one that does not compile is a 400."""
     import llguidance
 
-    matcher = llguidance.LLMatcher(ll_tokenizer(tokenizer), llguidance.LLMatcher.grammar_from_lark(grammar),
-                                   log_level=0)
+    try:
+        matcher = llguidance.LLMatcher(ll_tokenizer(tokenizer), llguidance.LLMatcher.grammar_from_lark(grammar),
+                                       log_level=0)
+    except (KeyboardInterrupt, SystemExit, GeneratorExit):
+        raise
+    except BaseException as exc:  # a panic in llguidance (pyo3's PanicException is a BaseException)
+        from musegl_core.constrain.grammar import panic_message
+
+        raise ApiError(400, f"the output constraint cannot be compiled: {panic_message(exc)}",
+                       "invalid_request_error", "invalid_constraint") from None
     if matcher.is_error():
         raise ApiError(400, f"the output constraint cannot be compiled: {matcher.get_error()}",
                        "invalid_request_error", "invalid_constraint")

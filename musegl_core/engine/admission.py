@@ -179,7 +179,7 @@ class Admission:
                 self.fail(request.id, errors.salt_mismatch(exc))
                 continue
             except CapacityError as exc:
-                if self.slot_frees_later():
+                if self.slot_frees_later(anonymous=name is None):
                     slots_full = True
                     continue  # it waits for a slot
                 self.unqueue(request)
@@ -241,13 +241,14 @@ class Admission:
                     del session.waiting[index]
                     return
 
-    def slot_frees_later(self) -> bool:
+    def slot_frees_later(self, anonymous: bool = False) -> bool:
         """Will a session slot free without a client's action? An anonymous request's
-        does when it ends; with ``--evict-idle-sessions`` so does a named session's,
-        which turns evictable once its request ends. Named sessions otherwise persist."""
+        does when it ends; with ``--evict-idle-sessions``, or for an anonymous request,
+        so does a named session's, which turns evictable once its request ends. Named
+        sessions otherwise persist."""
         table = self.sessions
         return (bool(table.anonymous) or any(s.active and s.soft for s in table.named.values())
-                or (table.evict_idle and any(s.active for s in table.named.values())))
+                or ((table.evict_idle or anonymous) and any(s.active for s in table.named.values())))
 
     def cancel(self, request_id: str) -> None:
         """Take a queued request out of the queue (it holds no KV)."""

@@ -261,7 +261,13 @@ class SessionTable:
         return (self.slots_in_use < self.max_sessions or bool(self._idle_soft())
                 or (self.evict_idle and any(s.idle for s in self.named.values())))
 
-    def _free_a_slot(self) -> None:
+    def _free_a_slot(self, anonymous: bool = False) -> None:
+        """Make room for one more session, or :class:`CapacityError`. Soft sessions give way
+        first; then, with ``--evict-idle-sessions``, the least recently used idle named
+        session is evicted. Without it, so is it for an anonymous request when no slot
+        would free on its own (no anonymous request or soft session running): anonymous
+        work always finds room, and named sessions cannot lock a server. A session with a
+        request running or queued is never evicted."""
         if self.slots_in_use < self.max_sessions:
             return
         soft = self._idle_soft()  # soft sessions give way first, with or without --evict-idle-sessions
@@ -269,7 +275,8 @@ class SessionTable:
             self.drop(self._lost(min(soft, key=lambda s: s.last_used), "evicted"))
             self.evictions += 1
             return
-        if self.evict_idle:
+        frees_on_its_own = bool(self.anonymous) or any(s.active and s.soft for s in self.named.values())
+        if self.evict_idle or (anonymous and not frees_on_its_own):
             idle = [s for s in self.named.values() if s.idle]
             if idle:
                 victim = min(idle, key=lambda s: s.last_used)
@@ -290,7 +297,7 @@ class SessionTable:
             if session.salt != salt:
                 raise SaltMismatch(f"session {name!r} was opened with a different cache_salt")
             return session, False
-        self._free_a_slot()
+        self._free_a_slot(anonymous=name is None)
         session = Session(name, Slot(self.pool), salt=salt, soft=soft and name is not None)
         if name is None:
             self.anonymous.add(session)
@@ -540,7 +547,7 @@ def session_policy(config) -> str:
     if config.evict_idle_sessions:
         keep += "; idle ones are evicted LRU when slots run out (--evict-idle-sessions)"
     else:
-        keep += ("; when every slot is held by a named session, new sessions and anonymous requests get 503 "
-                 "session_capacity")
+        keep += ("; when every slot is held by a named session, a new session gets 503 session_capacity and an "
+                 "anonymous request evicts the least recently used idle one")
     cache = "prefix caching on" if config.prefix_caching else "prefix caching off (--no-prefix-caching)"
     return f"sessions: {slots}; {keep}; {cache}; snapshots: {config.prefix_cache_entries}"

@@ -40,10 +40,11 @@ from musegl_core.http import openapi
 from musegl_core.http import schemas as s
 from musegl_core.http.dialect import Dialect, ServedModel
 from musegl_core.http.front_tokenizer import FrontTokenizer
+from musegl_core.http.guards import browser_guard
 from musegl_core.http.memory import MemoryTrim
 from musegl_core.http.metrics import FrontMetrics, MeteredWorker
 from musegl_core.http.model_ids import ModelIds
-from musegl_core.http.request_log import RequestLog
+from musegl_core.http.request_log import CLIENT_CLOSED, CLIENT_GONE, RequestLog
 from musegl_core.http.sessions import session_routes
 from musegl_core.http.surface import ApiSurface, SurfaceContext, unless_disconnected
 from musegl_core.plugins.manager import PluginManager
@@ -250,6 +251,7 @@ def create_app(
             HTTPException: on_http_error,
             Exception: on_unexpected,
         },
+        guards=[browser_guard(config)],  # web pages: content type, Origin, Host (http/guards.py)
         lifespan=[worker_lifespan],
         before_send=[count_response],
         cors_config=cors,
@@ -284,6 +286,10 @@ def http_error(request: Request, exc: HTTPException, config: ServeConfig) -> Api
     """One of Litestar's own errors (404, 405, 413, ...) as an :class:`ApiError`."""
     status = exc.status_code
     message = exc.detail or "request failed"
+    if status == 500 and request.scope.get("state", {}).get(CLIENT_GONE):
+        # the client hung up while sending its body: nobody to answer, and not the server's failure
+        return ApiError(CLIENT_CLOSED, "the client closed the connection before its request arrived whole",
+                        "invalid_request_error", "client_closed_request")
     if status == 404:
         message = "no such endpoint; see /v1/models and /v1/chat/completions"
         if not config.sessions_api and request.url.path.removeprefix("/v1").startswith("/sessions"):

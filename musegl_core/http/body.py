@@ -18,7 +18,8 @@ Every route that takes a JSON body reads it through :func:`load_json_object`
   A surrogate *pair* is one character and fine.
 
 Both checks are cheap on ordinary bodies: surrogates are looked for only when
-the raw bytes hold a ``\\uD800``-``\\uDFFF`` escape, and the depth walk visits
+the raw bytes hold a ``\\uD800``-``\\uDFFF`` escape or a surrogate's raw UTF-8
+bytes (``ED A0 80``: not valid UTF-8, but Python's decoder passes them), and the depth walk visits
 containers only (a list of scalars, such as a prompt's token ids, is one
 C-level pass).
 """
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from typing import Any, Iterator
 
 from musegl_core.errors import ApiError, bad_request
@@ -34,7 +36,9 @@ from musegl_core.errors import ApiError, bad_request
 #: The deepest nesting of arrays and objects a body may have (the body itself is level 1).
 MAX_JSON_DEPTH = 128
 
-_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+#: a surrogate spelled as an escape, or encoded raw (UTF-8's ED A0 80 .. ED BF BF, which
+#: ``json.loads`` decodes with ``surrogatepass``)
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}|\xed[\xa0-\xbf][\x80-\xbf]")
 _SURROGATE = re.compile("[\ud800-\udfff]")
 _CONTAINERS = (dict, list)
 _TOKENS = re.compile(rb'"(?:[^"\\]|\\.)*"|[\[\]{}]', re.S)
@@ -47,6 +51,9 @@ def load_json_object(body: bytes) -> dict[str, Any]:
     except RecursionError:
         raise too_deep(_deep_field_in_text(body)) from None
     except (UnicodeDecodeError, ValueError) as exc:
+        if "integer string conversion" in str(exc):  # Python's digit limit, not a JSON error
+            raise bad_request(f"the request body holds an integer of more than {sys.get_int_max_str_digits()} "
+                              "digits, which no field takes", code="invalid_json") from None
         raise bad_request(f"the request body is not valid JSON: {exc}", code="invalid_json") from exc
     if not isinstance(payload, dict):
         raise bad_request("the request body must be a JSON object")

@@ -56,7 +56,9 @@ _ERROR_TEXT = {
     401: "a valid API key is required",
     404: "unknown model id or session",
     409: "the session is active (a request runs or waits on it)",
+    403: "a web page's request: a foreign Origin on a server without an API key, or a foreign Host on a loopback bind",
     413: "request body too large",
+    415: "the body is not JSON (Content-Type other than application/json)",
     503: "the model is loading or restarting, or the server is shutting down",
 }
 _SCALARS = {str: "string", int: "integer", float: "number", bool: "boolean"}
@@ -129,12 +131,12 @@ def GENERATION(result: type) -> dict[int, Any]:  # noqa: N802 (a table, named li
     """A generation route: the object, or an SSE stream when ``stream`` is true."""
     return {
         200: {"application/json": result, "text/event-stream": SSE},
-        **{code: s.ErrorBody for code in (400, 401, 413, 503)},
+        **{code: s.ErrorBody for code in (400, 401, 403, 413, 415, 503)},
     }
 
 
 def PLAIN(result: type) -> dict[int, Any]:  # noqa: N802
-    return {200: result, **{code: s.ErrorBody for code in (400, 401, 413, 503)}}
+    return {200: result, **{code: s.ErrorBody for code in (400, 401, 403, 413, 415, 503)}}
 
 
 #: The header a chat request may name its session with instead of ``session_id``.

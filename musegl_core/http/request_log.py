@@ -25,6 +25,10 @@ event is logged with ``error=<code or type>`` after its status (the surfaces
 call :func:`stream_failed`). The completion count includes what was
 generated before either happened.
 
+An exception that is not an ``Exception`` (a Rust panic in a native library
+reaches Python as a ``BaseException``) passes every handler of Litestar's; here
+it becomes a JSON 500 with the request id rather than uvicorn's plain text.
+
 When given a :class:`~musegl_core.http.memory.MemoryTrim`, it also counts
 the body bytes the application read and, once a request with a large body
 has ended, asks for the front's freed memory to be given back to the system.
@@ -36,6 +40,7 @@ observer (:mod:`musegl_core.http.metrics`) fills in.
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import json
 import logging
@@ -54,6 +59,10 @@ HEADER = b"x-request-id"
 SANE_ID = re.compile(r"[A-Za-z0-9._:/+=@-]{1,128}")
 #: paths polled by machines: their summary lines are DEBUG
 POLLED = frozenset({"/health", "/v1/health", "/metrics"})
+#: the status logged and counted for a request whose client hung up before its body arrived (nginx's 499)
+CLIENT_CLOSED = 499
+#: ``scope["state"]`` key set once the client disconnected while the application read the body
+CLIENT_GONE = "musegl_client_gone"
 
 
 @attrs.define
@@ -164,27 +173,43 @@ class RequestLog:
             await send(message)
 
         body_bytes = 0
+        state = scope["state"]
 
         async def counting_receive() -> Any:
             nonlocal body_bytes
             message = await receive()
-            if message.get("type") == "http.request":
+            kind = message.get("type")
+            if kind == "http.request":
                 body_bytes += len(message.get("body") or b"")
+            elif kind == "http.disconnect" and not started:  # before any answer: it hung up on its body
+                state[CLIENT_GONE] = True
             return message
 
         token = CURRENT.set(record)
         crashed = False
         try:
-            await self.app(scope, counting_receive if self.trim is not None else receive, send_with_id)
-        except Exception:
-            crashed = True
+            await self.app(scope, counting_receive, send_with_id)
+        except (asyncio.CancelledError, KeyboardInterrupt, SystemExit, GeneratorExit):
             raise
+        except BaseException as exc:  # past Litestar's handlers (they take Exception): a panic in a native library
+            crashed = True
+            log.error("unhandled %s in %s %s: %s", type(exc).__name__, scope.get("method", "?"),
+                      _printable(scope.get("path", "")), exc)
+            if started:
+                raise
+            await send_with_id({"type": "http.response.start", "status": 500,
+                                "headers": [(b"content-type", b"application/json")]})
+            await send_with_id({"type": "http.response.body", "body": json.dumps({"error": {
+                "message": f"internal error: {type(exc).__name__}", "type": "server_error", "param": None,
+                "code": None}}).encode()})
         finally:
             if started and not ended and not crashed:
                 status = 499  # the client went away before the body was complete
             CURRENT.reset(token)
             if self.trim is not None:
                 self.trim.after_request(body_bytes)
+            if not started and state.get(CLIENT_GONE):
+                status = CLIENT_CLOSED
             path = scope.get("path", "")
             route = scope.get("path_template") or path
             level = logging.DEBUG if path in POLLED else logging.INFO

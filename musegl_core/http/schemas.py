@@ -28,6 +28,7 @@ from cattrs.gen import make_dict_structure_fn, make_dict_unstructure_fn
 
 from musegl_core.errors import ApiError, bad_request
 from musegl_core.http.body import load_json_object
+from musegl_core.service.rules import MAX_CACHE_SALT
 
 T = TypeVar("T")
 _OMIT_NONE = OMIT_NONE = "musegl_omit_none"
@@ -288,3 +289,11 @@ def to_json(obj: Any) -> dict[str, Any]:
     """Unstructure a response object for the wire."""
     return converter.unstructure(obj)
 
+
+def cache_salt_field() -> Any:
+    """``cache_salt`` (vLLM's field): requests share cached KV only with requests
+    of the same salt; absent is the shared unsalted space (docs/serving.md)."""
+    return attrs.field(default=None, metadata={JSON_SCHEMA: {
+        "anyOf": [{"type": "string", "minLength": 1, "maxLength": MAX_CACHE_SALT}, {"type": "null"}],
+        "description": "prefix-cache isolation: KV is reused only between requests with the same salt",
+    }})

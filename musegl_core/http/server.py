@@ -61,10 +61,14 @@ class GracefulServer(uvicorn.Server):
 
     @classmethod
     def create(cls, app, *, shutdown_timeout: float, on_shutdown: Callable[[], None],
-               log_level: str = "info") -> "GracefulServer":
-        """A server for ``app``; run it with ``server.run(sockets=[bound socket])``."""
+               log_level: str = "info", serve_config=None) -> "GracefulServer":
+        """A server for ``app``; run it with ``server.run(sockets=[bound socket])``. With
+        ``serve_config``, its connection limits (http/connections.py) apply."""
+        from musegl_core.http.connections import uvicorn_options
+
         config = uvicorn.Config(
             app,
+            **(uvicorn_options(serve_config) if serve_config is not None else {}),
             log_level=log_level,
             log_config=None,  # uvicorn's lines go through musegl's format (musegl_core.logs)
             access_log=False,  # the front logs one summary line per request itself (http/request_log.py)

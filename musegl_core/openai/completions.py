@@ -25,7 +25,7 @@ from typing import Any, AsyncIterator
 import attrs
 
 from musegl_core.config import ServeConfig
-from musegl_core.errors import bad_request, unsupported
+from musegl_core.errors import ApiError, bad_request, unsupported
 from musegl_core.http import sse
 from musegl_core.http.dialect import Dialect
 from musegl_core.http.request_log import stream_failed
@@ -45,6 +45,21 @@ from musegl_core.worker import messages as m
 CompletionPlan = Plan
 
 
+#: ``max_tokens`` when a request gives none: OpenAI's default for this API (the Completions
+#: reference: "defaults to 16"), not the context budget that Chat Completions uses
+DEFAULT_MAX_TOKENS = 16
+
+
+def prompt_error(error: ApiError) -> ApiError:
+    """``error`` as this API names its input: a context overflow of the worker's (which counts
+    ``messages``) names ``prompt``."""
+    if error.code != "context_length_exceeded" or error.param != "messages":
+        return error
+    message = error.message.replace("in the messages", "in the prompt").replace(
+        "the length of the messages", "the length of the prompt")
+    return attrs.evolve(error, param="prompt", message=message)
+
+
 def plan_completion(request: s.CompletionRequest, *, request_id: str, config: ServeConfig, service: Any = None
                     ) -> CompletionPlan:
     """Validate ``request``; raises :class:`ApiError` (400) before anything runs.
@@ -54,12 +69,13 @@ def plan_completion(request: s.CompletionRequest, *, request_id: str, config: Se
     n = choice_count(request.n, config, None)
     segment = prompt_segment(request.prompt)
     stream = bool(request.stream)
+    limit = completion_limit(request) or DEFAULT_MAX_TOKENS
     settings = Settings(
-        max_tokens=completion_limit(request),
+        max_tokens=limit,
         sampling=sampling_params(request),
         stop=stop_strings(request.stop),
         stop_token_ids=stopping.stop_token_ids(request.stop_token_ids),
-        min_tokens=stopping.min_tokens(request.min_tokens, request.max_tokens),
+        min_tokens=stopping.min_tokens(request.min_tokens, limit),
         ignore_eos=bool(request.ignore_eos),
         add_bos=False,
         stream=stream,
@@ -179,7 +195,7 @@ class TextStream:
                         yield sse.DONE
                 elif isinstance(event, ev.Failure):
                     stream_failed(event.error)
-                    yield sse.data_event(self.dialect.error_body(event.error))
+                    yield sse.data_event(self.dialect.error_body(prompt_error(event.error)))
                     yield sse.DONE
         finally:
             await self.close()

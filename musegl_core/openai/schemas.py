@@ -12,13 +12,13 @@ musegl's additions (docs/protocol.md).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import attrs
 
 from musegl_core.errors import bad_request
-from musegl_core.http.schemas import JSON_SCHEMA, closed, converter, json_literal, omittable, structure_body
-from musegl_core.service.rules import MAX_CACHE_SALT
+from musegl_core.http.schemas import (JSON_SCHEMA, cache_salt_field, closed, converter, json_literal, omittable,
+                                      structure_body)
 
 _TEXT_PART = {
     "type": "object",
@@ -69,15 +69,6 @@ MESSAGES_SCHEMA = {
 def messages_field() -> Any:
     """``messages``: raw JSON here, documented by :data:`MESSAGES_SCHEMA`."""
     return attrs.field(default=None, metadata={JSON_SCHEMA: MESSAGES_SCHEMA})
-
-
-def cache_salt_field() -> Any:
-    """``cache_salt`` (vLLM's field): requests share cached KV only with requests
-    of the same salt; absent is the shared unsalted space (docs/serving.md)."""
-    return attrs.field(default=None, metadata={JSON_SCHEMA: {
-        "anyOf": [{"type": "string", "minLength": 1, "maxLength": MAX_CACHE_SALT}, {"type": "null"}],
-        "description": "prefix-cache isolation: KV is reused only between requests with the same salt",
-    }})
 
 
 # -- requests --------------------------------------------------------------------------
@@ -462,6 +453,59 @@ converter.register_structure_hook_func(lambda t: t is PromptField, _structure_pr
 
 
 # -- entry points ----------------------------------------------------------------------
+#: Chat Completions fields of OpenAI's that musegl does not implement, refused by name with what to do.
+REFUSED_CHAT_FIELDS = {
+    "functions": "the legacy 'functions' are not supported: declare them in 'tools' "
+                 "([{\"type\": \"function\", \"function\": {...}}])",
+    "function_call": "the legacy 'function_call' is not supported: use 'tool_choice'",
+    "audio": "audio output is not supported by this server",
+    "prediction": "predicted outputs are not supported by this server",
+    "web_search_options": "web search is not supported by this server",
+}
+
+#: Fields accepted only where they change nothing by their own definition (docs/protocol.md 1.1):
+#: each field's check of its value, and the values it takes.
+NEUTRAL_CHAT_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    # an end-user's id for the provider's abuse monitoring: no effect on the output
+    "user": (lambda v: isinstance(v, str), "a string"),
+    "safety_identifier": (lambda v: isinstance(v, str), "a string"),
+    # tags of a stored completion: this server stores none, and 'store' is only false
+    "metadata": (lambda v: isinstance(v, dict) and all(isinstance(x, str) for x in v.values()),
+                 "an object of strings"),
+    "store": (lambda v: v is False, "false (completions are not stored here)"),
+    # the processing tier of OpenAI's own service: 'auto' and 'default' both mean the standard one
+    "service_tier": (lambda v: v in ("auto", "default"), "'auto' or 'default'"),
+    # the output modalities: text is what this server writes
+    "modalities": (lambda v: v == ["text"], '["text"]'),
+    # the answer's length hint: 'medium' is the model's own default
+    "verbosity": (lambda v: v == "medium", "'medium' (the default; other lengths are not supported)"),
+}
+
+
+#: the keys a Chat Completions body may have besides the neutral ones
+_CHAT_FIELDS = frozenset(f.name for f in attrs.fields(ChatCompletionRequest)) | set(REJECTED_FIELDS) | set(FIXED_FIELDS)
+
+
+def refuse_unknown_chat_fields(payload: dict[str, Any]) -> None:
+    """Every key of a Chat Completions body is one this server honours, refuses by name, or
+    accepts at a value that changes nothing; any other key is 400 ``unsupported_parameter``
+    (as Messages and Responses refuse theirs): nothing a client sends is silently ignored."""
+    for name, value in payload.items():
+        if value is None or name in _CHAT_FIELDS:
+            continue
+        if name in REFUSED_CHAT_FIELDS:
+            raise bad_request(REFUSED_CHAT_FIELDS[name], code="unsupported_parameter", param=name)
+        neutral = NEUTRAL_CHAT_FIELDS.get(name)
+        if neutral is not None:
+            if not neutral[0](value):
+                raise bad_request(f"'{name}' is accepted only as {neutral[1]} (or absent)",
+                                  code="unsupported_parameter", param=name)
+            continue
+        shown = name if len(name) <= 100 else name[:100] + "..."
+        raise bad_request(f"unknown parameter '{shown}': this server does not implement it",
+                          code="unsupported_parameter", param=shown)
+
+
 def structure_request(payload: dict[str, Any]) -> ChatCompletionRequest:
     """Type-check ``payload`` into a :class:`ChatCompletionRequest`.
 
@@ -478,4 +522,5 @@ def structure_request(payload: dict[str, Any]) -> ChatCompletionRequest:
         if given is not None and (given != value or type(given) is not type(value)):
             raise bad_request(f"'{name}' is only supported as {json_literal(value)} (or absent)",
                               code="unsupported_parameter", param=name)
+    refuse_unknown_chat_fields(payload)
     return structure_body(payload, ChatCompletionRequest)

@@ -19,6 +19,7 @@ from litestar.response import Stream
 
 from musegl_core.http import openapi
 from musegl_core.http import sse
+from musegl_core.http.offload import off_loop
 from musegl_core.http.schemas import parse_body, structure_body, to_json
 from musegl_core.http.surface import ApiSurface, unless_disconnected
 from musegl_core.openai import completions as tc
@@ -47,14 +48,18 @@ class ChatCompletionsSurface(ApiSurface):
             arrived = time.monotonic()
             context.check_open()
             service = context.service
-            payload = context.dialect.adapt_request(parse_body(await request.body()))
-            chat = s.structure_request(payload)
-            conversation, tools = read_chat(chat, config=context.config, tool_parser=service.tool_parser,
-                                            header_session_id=explicit_header_session(request.headers),
-                                            client_keys=header_keys(request.headers))
+            body = await request.body()
             served = context.served_model
             meta = ResponseMeta.new(served.name, served.backend or "unknown")
-            plan = service.prepare(conversation, request_id=meta.id, tool_setup=tools)
+
+            def prepare():  # off the event loop (http/offload.py): parsing, checks, prompt, constraint preflight
+                chat = s.structure_request(context.dialect.adapt_request(parse_body(body)))
+                conversation, tools = read_chat(chat, config=context.config, tool_parser=service.tool_parser,
+                                                header_session_id=explicit_header_session(request.headers),
+                                                client_keys=header_keys(request.headers))
+                return service.prepare(conversation, request_id=meta.id, tool_setup=tools)
+
+            plan = await off_loop(prepare)
             service.require_ready()
             generation = service.generation(plan, arrived=arrived)
             echo = session_echo(plan.generate.session_id, plan.generate.soft_session)
@@ -75,6 +80,9 @@ class CompletionsSurface(ApiSurface):
     title = "Completions"
     prefixes = ("/v1/completions", "/completions")
 
+    def error_response(self, error):
+        return super().error_response(tc.prompt_error(error))  # the input is 'prompt' here, not 'messages'
+
     def routes(self) -> list:
         context = self.context
 
@@ -86,10 +94,15 @@ class CompletionsSurface(ApiSurface):
             arrived = time.monotonic()
             context.check_open()
             service = context.service
-            body = structure_body(parse_body(await request.body()), s.CompletionRequest)
+            raw = await request.body()
             served = context.served_model
             meta = tc.new_meta(served.name, served.backend or "unknown")
-            plan = tc.plan_completion(body, request_id=meta.id, config=context.config, service=service)
+
+            def prepare():  # off the event loop (http/offload.py)
+                body = structure_body(parse_body(raw), s.CompletionRequest)
+                return tc.plan_completion(body, request_id=meta.id, config=context.config, service=service)
+
+            plan = await off_loop(prepare)
             service.require_ready()
             generation = service.generation(plan, arrived=arrived)
             if not plan.stream:
@@ -115,7 +128,7 @@ class TokenizeSurface(ApiSurface):
               operation_class=openapi.operation(body=s.TokenizeRequest, responses=openapi.PLAIN(s.TokenizeResult)))
         async def tokenize_text(request: Request) -> Response:
             """Token ids of raw text, or of a conversation rendered with the chat template."""
-            body = structure_body(parse_body(await request.body()), s.TokenizeRequest)
+            body = await off_loop(lambda raw: structure_body(parse_body(raw), s.TokenizeRequest), await request.body())
             service = context.service
             result = await tokenize(body, tokenizer=service.tokenizer, template=service.template,
                                     tool_parser=service.tool_parser, config=context.config)
@@ -126,7 +139,8 @@ class TokenizeSurface(ApiSurface):
                                                 responses=openapi.PLAIN(s.DetokenizeResult)))
         async def detokenize_ids(request: Request) -> Response:
             """The text of token ids, special tokens written out."""
-            body = structure_body(parse_body(await request.body()), s.DetokenizeRequest)
+            body = await off_loop(lambda raw: structure_body(parse_body(raw), s.DetokenizeRequest),
+                                  await request.body())
             result = await detokenize(body, tokenizer=context.service.tokenizer)
             return Response(to_json(result), media_type="application/json")
 

@@ -182,14 +182,20 @@ class PluginManager:
             raise ConfigError(f"only one speculator can be enabled, got {', '.join(n for n, _ in created)}")
         return created[0][1] if created else None
 
-    def add_serve_options(self, parser) -> None:
-        """Each plugin's ``musegl_serve_options`` with an argument group of its own."""
+    def add_serve_options(self, parser, kinds: tuple[str, ...] | None = None) -> None:
+        """Each plugin's ``musegl_serve_options`` with an argument group of its own; with
+        ``kinds``, only those of plugins that provide one of these kinds (``musegl generate``
+        runs executors and speculators, not API surfaces: the Responses store's flags mean
+        nothing there)."""
         implementing = {impl.plugin_name for impl in self.pm.hook.musegl_serve_options.get_hookimpls()}
         plugins = self.pm.list_name_plugin()
         if self.process is not None and self.process not in hookspecs.CALLED_IN["musegl_serve_options"]:
             raise RuntimeError(f"hook musegl_serve_options is not called in the {self.process} process")
+        providers = None
+        if kinds is not None:
+            providers = {plugin for kind in kinds for plugin, _ in self._collect(kind).values()}
         for name, _plugin in plugins:
-            if name in implementing:
+            if name in implementing and (providers is None or name in providers):
                 caller = self.pm.subset_hook_caller("musegl_serve_options",
                                                     remove_plugins=[p for n, p in plugins if n != name])
                 caller(group=parser.add_argument_group(f"plugin {name}"))

@@ -11,6 +11,7 @@ never silently dropped. See ``docs/constrained.md``.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import attrs
@@ -91,8 +92,8 @@ def output_grammar(
         param = "tool_choice"
     else:
         schema, param = answer
+        check_enforceable(schema, param)  # first: its bounds are cheap to check, the preflight is not
         preflight_schema(schema, param, tool_parser)
-        check_enforceable(schema, param)
         text = g.answer_grammar(schema, reasoning)
         if call_rules is not None:  # tools stay callable next to a JSON answer
             text = text.replace("start: reasoning? answer\n", "start: reasoning? (answer | calls)\n", 1)
@@ -100,7 +101,7 @@ def output_grammar(
             text += g.calls_rule(parallel) + call_rules
     error = g.check(text)
     if error is not None:
-        raise bad_request(f"the output constraint cannot be enforced: {_first_line(error)}",
+        raise bad_request(f"the output constraint cannot be enforced: {_plain(error)}",
                           code="unsupported_schema", param=param)
     return text
 
@@ -140,11 +141,19 @@ def lazy_call_grammar(
     for text in (lazy.in_tool_message, lazy.in_visible_message):
         error = g.check(text)
         if error is not None:
-            raise bad_request(f"the strict tools cannot be enforced: {_first_line(error)}",
+            raise bad_request(f"the strict tools cannot be enforced: {_plain(error)}",
                               code="unsupported_schema", param="tools")
     return lazy
 
 
-def _first_line(error: str) -> str:
-    line = error.strip().splitlines()[0] if error.strip() else error
-    return line.split("failed to compile JSON schema: ", 1)[-1]
+_GRAMMAR_ECHO = re.compile(r"\d+ \| ")
+
+
+def _plain(error: str, limit: int = 2000) -> str:
+    """llguidance's error whole, on one line (a regex parse error spans several: the
+    pattern, a caret under the fault, the reason), bounded."""
+    lines = [line.strip() for line in error.strip().splitlines()]
+    # "4 | answer_json: %json{...}": llguidance quotes the grammar it was given, the client's whole schema
+    text = " ".join(line for line in lines if line and not _GRAMMAR_ECHO.match(line))
+    text = text.split("failed to compile JSON schema: ", 1)[-1]
+    return text if len(text) <= limit else text[:limit] + "..."

@@ -68,6 +68,13 @@ def soft_session_name(source: str, key: str) -> str:
     return f"{source}:sha256-{hashlib.sha256(key.encode('utf-8', 'surrogatepass')).hexdigest()[:40]}"
 
 
+def private_session_name(source: str, secret: str) -> str:
+    """The session name for a key that is a capability (a stored response's id, which
+    lets its holder read, continue and delete the response): always
+    ``<source>:sha256-<40 hex digits>``, so ``GET /v1/sessions`` never shows the key."""
+    return f"{source}:sha256-{hashlib.sha256(secret.encode('utf-8', 'surrogatepass')).hexdigest()[:40]}"
+
+
 def client_session(explicit: str | None, keys: Iterable[tuple[str, str | None]]) -> tuple[str | None, bool]:
     """``(session_id, soft)`` for a request.
 

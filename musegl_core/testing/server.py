@@ -27,6 +27,7 @@ import uvicorn
 
 from musegl_core.config import ServeConfig
 from musegl_core.http.app import create_app
+from musegl_core.http.connections import uvicorn_options
 from musegl_core.plugins.manager import PluginManager
 from musegl_core.worker.client import WorkerClient
 
@@ -53,7 +54,8 @@ def running_server(config: ServeConfig, *, ready_timeout: float = 180) -> Iterat
     config = config.validate()
     worker = WorkerClient(config)
     app = create_app(config, PluginManager(only=config.plugins, process="front"), worker)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=config.port, log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=config.port, log_level="warning",
+                                           **uvicorn_options(config)))
     thread = threading.Thread(target=server.run, name="uvicorn", daemon=True)
     thread.start()
     url = f"http://127.0.0.1:{config.port}"

@@ -94,7 +94,10 @@ def smart_resize(height: int, width: int, max_cells: int, unit: int = UNIT) -> t
     the floor/ceil pair of ``(height/unit, width/unit)`` (scaled down first to
     keep the product within ``max_cells``) whose ratio is closest to the
     image's. The candidates are built as a Python set exactly as transformers
-    does, so ties resolve the same way."""
+    does, so ties resolve the same way. The product never exceeds
+    ``max_cells``: an image so thin that one side is under one cell (a
+    200,000 x 1 PNG) gets one cell on that side and at most ``max_cells`` on
+    the other."""
     a, b = height / unit, width / unit
     ratio = b / a if a > 0 else 1.0
     if a * b > max_cells:
@@ -102,8 +105,9 @@ def smart_resize(height: int, width: int, max_cells: int, unit: int = UNIT) -> t
         b = a * ratio
     candidates = list(set(itertools.product([math.floor(a), math.ceil(a)], [math.floor(b), math.ceil(b)])))
     candidates = [(h, w) for h, w in candidates if h >= 1 and w >= 1 and h * w <= max_cells]
-    if not candidates:
-        candidates = [(max(1, round(a)), max(1, round(b)))]
+    if not candidates:  # a side under one cell (an extreme aspect ratio): one cell there, the other side capped
+        rows = max(1, min(round(a), max_cells))
+        candidates = [(rows, max(1, min(round(b), max_cells // rows)))]
     return min(candidates, key=lambda grid: abs(grid[0] / grid[1] - height / width))
 
 

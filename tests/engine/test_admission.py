@@ -126,22 +126,42 @@ def test_a_session_request_waits_behind_its_session_without_blocking_others(toke
     assert done.index("s1") < done.index("s2") and len(done) == 3
 
 
-def test_slots_held_by_persisting_sessions_fail_at_once_without_a_retry_after(tokenizer):
+def test_slots_held_by_persisting_sessions_fail_a_new_session_at_once_without_a_retry_after(tokenizer):
     engine, _, events = engine_for(tokenizer, max_sessions=1)
     engine.submit(request("keep", session="resident"))
     engine.run_until_idle()
-    engine.submit(request("anon"))
+    engine.submit(request("new", session="newcomer"))
     engine.run_until_idle()
     (failed,) = of(events, ev.Failed)
     assert isinstance(failed.error, NoSessionSlot)
     assert failed.error.retry_after is None  # no slot frees on its own
 
 
+def test_anonymous_work_always_finds_room(tokenizer):
+    """Issue 47 item 11: sessions named by one client took every slot and every anonymous
+    request got 503; now the least recently used idle named session gives way."""
+    engine, _, events = engine_for(tokenizer, max_sessions=2)
+    engine.submit(request("one", session="first"))
+    engine.run_until_idle()
+    engine.submit(request("two", session="second"))
+    engine.run_until_idle()
+    engine.submit(request("anon"))
+    engine.run_until_idle()
+    assert not of(events, ev.Failed) and {e.id for e in of(events, ev.Done)} == {"one", "two", "anon"}
+    assert [info.id for info in engine.sessions.describe()] == ["second"]  # "first" was the least recently used
+    # a named session with a request running is never evicted: the anonymous request waits for it
+    engine.submit(request("busy", session="second", max_tokens=8))
+    engine.submit(request("third-name", session="third"))
+    engine.submit(request("anon2"))
+    engine.run_until_idle()
+    assert {e.id for e in of(events, ev.Done)} >= {"busy", "third-name", "anon2"}
+
+
 def test_with_an_idle_timeout_the_retry_after_is_when_a_session_can_expire(tokenizer):
     engine, _, events = engine_for(tokenizer, max_sessions=1, session_idle_timeout=30.0)
     engine.submit(request("keep", session="resident"))
     engine.run_until_idle()
-    engine.submit(request("anon"))
+    engine.submit(request("new", session="newcomer"))
     engine.run_until_idle()
     (failed,) = of(events, ev.Failed)
     assert isinstance(failed.error, NoSessionSlot) and 29 <= failed.error.retry_after <= 30

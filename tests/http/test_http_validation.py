@@ -200,7 +200,7 @@ def test_tools_without_a_tool_parser_are_unsupported(client):
         {"chat_template_kwargs": {"current_date": "2026-02-03", "knowledge_cutoff": "2025-01-01"}},
         {"stop": ["a", "b", "c", "d"], "max_tokens": 4, "max_completion_tokens": 4, "seed": -1},
         {"temperature": 0, "top_p": 1, "top_k": 0, "ignore_eos": True, "stream": True},
-        {"session_id": "chat-1:a.b_c", "parallel_tool_calls": True, "some_vendor_key": {"x": 1}},
+        {"session_id": "chat-1:a.b_c", "parallel_tool_calls": True},
         {
             "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
             "tool_choice": "none",

@@ -202,7 +202,7 @@ def test_choices_that_must_wait_are_queued_and_a_disconnect_cancels_them_all(ser
         host, port = server.url.removeprefix("http://").split(":")
         payload = json.dumps(body).encode()
         with socket.create_connection((host, int(port)), timeout=30) as raw:  # no answer comes until all run
-            raw.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            raw.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                         b"Content-Length: %d\r\n\r\n%s" % (len(payload), payload))
             deadline = time.monotonic() + 60
             while metric(server.url, "musegl_requests_waiting") < 1:  # choice 3 waits its turn

@@ -74,19 +74,22 @@ def test_four_sessions_fill_a_default_server_until_one_is_deleted(default):
     entry = listed["s4"]
     assert entry["object"] == "session" and entry["state"] == "idle"
     assert entry["cached_tokens"] > 0 and entry["idle_seconds"] >= 0 and entry["queued_requests"] == 0
-    refused = chat(default.url, SHORT)  # anonymous: no slot left
+    refused = chat(default.url, SHORT, session_id="s5")  # a new named session: no slot left
     assert refused.status_code == 503 and refused.json()["error"]["code"] == "session_capacity"
-    r = httpx.delete(f"{default.url}/v1/sessions/s1", timeout=30)
-    assert r.status_code == 200 and r.json() == {"id": "s1", "object": "session", "deleted": True}
-    assert "s1" not in sessions(default.url)
+    # anonymous work always finds room: the least recently used idle session (s1) gives way
     assert chat(default.url, SHORT).status_code == 200
-    gone = httpx.delete(f"{default.url}/v1/sessions/s1", timeout=30)
+    assert "s1" not in sessions(default.url) and "s2" in sessions(default.url)
+    r = httpx.delete(f"{default.url}/v1/sessions/s2", timeout=30)
+    assert r.status_code == 200 and r.json() == {"id": "s2", "object": "session", "deleted": True}
+    assert "s2" not in sessions(default.url)
+    assert chat(default.url, SHORT, session_id="s5").status_code == 200
+    gone = httpx.delete(f"{default.url}/v1/sessions/s2", timeout=30)
     assert gone.status_code == 404
     assert gone.json()["error"]["type"] == "not_found_error" and gone.json()["error"]["code"] == "session_not_found"
     bad = httpx.delete(f"{default.url}/v1/sessions/no%20spaces", timeout=30)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "session_id"
     assert metric(default.url, "musegl_sessions_closed") == 1
-    for name in ("s2", "s3", "s4"):
+    for name in ("s3", "s4", "s5"):
         assert httpx.delete(f"{default.url}/v1/sessions/{name}", timeout=30).status_code == 200
     assert metric(default.url, "musegl_kv_blocks_used") == 0
     assert metric(default.url, "musegl_kv_blocks_reserved") == 0

@@ -50,7 +50,7 @@ from musegl_core.chat.messages import FunctionCall, ImagePart, Message, TextPart
 from musegl_core.chat.template import TemplateVariables
 from musegl_core.engine.executor import SamplingParams
 from musegl_core.errors import ApiError, bad_request, unsupported
-from musegl_core.service.rules import session_id as checked_session_id
+from musegl_core.service.rules import cache_salt, session_id as checked_session_id
 from musegl_core.service.conversation import AnswerFormat, Conversation, Settings, ToolChoice
 from musegl_core.service.sessions import client_session, explicit_header_session
 from musegl_anthropic.schemas import MessagesRequest
@@ -567,6 +567,10 @@ def read_request(request: MessagesRequest, *, headers: Any, seal: Any, tokenizer
         session_id=session,
         soft_session=soft,
         stream=stream,
+        cache_salt=cache_salt(request.cache_salt),
+        # the special tokens the output grammar does not use (<|reserved_special_token_5|>, <|patch|>)
+        # never reach a text or thinking block: the API has no field to ask for them, and no client wants them
+        special_tokens="control",
     )
     conversation = Conversation(
         messages=messages,

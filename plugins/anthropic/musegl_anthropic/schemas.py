@@ -21,7 +21,7 @@ from typing import Any, ClassVar
 
 import attrs
 
-from musegl_core.http.schemas import JSON_SCHEMA, closed, omittable
+from musegl_core.http.schemas import JSON_SCHEMA, cache_salt_field, closed, omittable
 
 _BLOCK = {"type": "object", "properties": {"type": {"type": "string"}}, "required": ["type"]}
 MESSAGES_SCHEMA = {
@@ -64,6 +64,8 @@ class MessagesRequest:
     output_config: Any = raw({"type": "object"})
     output_format: Any = raw({"type": "object"})  # the structured-outputs beta's spelling of output_config.format
     metadata: Any = raw({"type": "object"})
+    #: musegl's (vLLM's) prefix-cache isolation: Anthropic's API has no field of its own for it
+    cache_salt: str | None = cache_salt_field()
     # Accepted; they change nothing here (one local model, no billing tiers, no server-side editing).
     cache_control: Any = raw({"type": "object"})
     context_management: Any = raw({"type": "object"})

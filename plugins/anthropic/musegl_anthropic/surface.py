@@ -34,6 +34,7 @@ from musegl_core.errors import ApiError
 from musegl_core.http import openapi
 from musegl_core.http import schemas as s
 from musegl_core.http import sse
+from musegl_core.http.offload import off_loop
 from musegl_core.http.request_log import stream_failed
 from musegl_core.http.surface import ApiSurface, unless_disconnected
 from musegl_core.service import events as ev
@@ -129,10 +130,15 @@ class MessagesSurface(ApiSurface):
         arrived = time.monotonic()
         context = self.context
         context.check_open()
-        call = self._read(await request.body(), request.headers, counting=False)
+        body = await request.body()
         service = context.service
         rid = message_id()
-        plan = service.prepare(call.conversation, request_id=rid)
+
+        def prepare():  # off the event loop (musegl_core.http.offload)
+            call = self._read(body, request.headers, counting=False)
+            return call, service.prepare(call.conversation, request_id=rid)
+
+        call, plan = await off_loop(prepare)
         service.require_ready()
         generation = service.generation(plan, arrived=arrived)
         echo = session_echo(plan.generate.session_id, plan.generate.soft_session)
@@ -179,8 +185,13 @@ class MessagesSurface(ApiSurface):
 
     async def count(self, request: Request) -> Response:
         context = self.context
-        call = self._read(await request.body(), request.headers, counting=True)
-        plan = context.service.prepare(call.conversation, request_id="count")
+        body = await request.body()
+
+        def prepare():  # off the event loop (musegl_core.http.offload)
+            return context.service.prepare(self._read(body, request.headers, counting=True).conversation,
+                                           request_id="count")
+
+        plan = await off_loop(prepare)
         tokenizer = context.service.tokenizer
         if tokenizer is None:
             raise ApiError(503, "the tokenizer is not loaded yet", "unavailable_error", "model_loading", retry_after=1)

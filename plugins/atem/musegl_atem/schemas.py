@@ -14,7 +14,8 @@ Every active tool's
   compile;
 * more than :data:`MAX_ALTERNATIVES` object alternatives, more than
   :data:`MAX_EXPANDED_NODES` expanded nodes, nesting deeper than
-  :data:`MAX_SCHEMA_DEPTH`, or, over all tools together, more than
+  :data:`MAX_SCHEMA_DEPTH`, a ``$ref`` chain through more than
+  :data:`MAX_REFERENCE_HOPS` definitions, or, over all tools together, more than
   :data:`MAX_PREFLIGHT_VISITS` preflight visits.
 
 The structural limits are checked before the metaschema and the regex
@@ -46,10 +47,13 @@ MAX_ALTERNATIVES = 1023
 MAX_EXPANDED_NODES = 4096
 #: Preflight visits over all active tools of a request.
 MAX_PREFLIGHT_VISITS = 65_536
-#: Nesting of subschemas (and of ``$ref`` hops while expanding alternatives)
+#: Nesting of subschemas and of combinators while expanding alternatives
 #: [decision]: deep enough for any real tool, shallow enough that the
 #: metaschema check and the validators never exhaust Python's stack.
 MAX_SCHEMA_DEPTH = 64
+#: Definitions one chain of ``$ref`` may pass through while expanding alternatives (each a
+#: Python frame there, with the nesting's: well under the interpreter's limit).
+MAX_REFERENCE_HOPS = 256
 
 _FORBIDDEN = ("$dynamicRef", "$dynamicAnchor", "$recursiveRef", "$recursiveAnchor")
 #: Keywords whose value is one subschema.
@@ -276,9 +280,16 @@ def _walk(schema: Any, dialect: str) -> tuple[References, dict[str, Any], list[t
     return references, patterns, nodes
 
 
+#: Keywords that only hold definitions: a definition is expanded where a ``$ref`` reaches it, not here.
+_DEFINITIONS = ("$defs", "definitions")
+
+
 def count_expanded(schema: Any, references: References) -> int:
     """Subschemas with every local ``$ref`` inlined (a reference back into its
-    own expansion counts once); stops just past the limit."""
+    own expansion counts once), from the root: a definition counts where a
+    reference inlines it, not also in ``$defs`` (a linear chain of 91
+    definitions is 92 nodes, not the 4,186 of every definition's own chain);
+    stops just past the limit."""
     count = 0
     stack: list[tuple[Any, frozenset[int]]] = [(schema, frozenset())]
     while stack:
@@ -290,7 +301,7 @@ def count_expanded(schema: Any, references: References) -> int:
             )
         if not isinstance(node, dict):
             continue
-        stack.extend((child, inlined) for child in subschemas(node))
+        stack.extend((child, inlined) for child, where in _children(node) if where[0] not in _DEFINITIONS)
         if "$ref" in node:
             target = references.resolve(node["$ref"])
             if id(target) not in inlined:
@@ -311,14 +322,16 @@ def object_alternatives(schema: Any, references: References) -> list[tuple[dict,
 
     def expand(node: Any, inlined: frozenset[int], depth: int) -> list[tuple]:
         if depth > MAX_SCHEMA_DEPTH:
-            raise SchemaRejected(f"the schema's combinators and references nest deeper than {MAX_SCHEMA_DEPTH} levels")
+            raise SchemaRejected(f"the schema's combinators nest deeper than {MAX_SCHEMA_DEPTH} levels")
+        if len(inlined) > MAX_REFERENCE_HOPS:
+            raise SchemaRejected(f"the schema's references chain more than {MAX_REFERENCE_HOPS} definitions")
         if not isinstance(node, dict):
             return [()]
         alternatives: list[tuple] = [(node,)]
-        if "$ref" in node:
+        if "$ref" in node:  # a hop along a chain of definitions, not a level of nesting
             target = references.resolve(node["$ref"])
             if id(target) not in inlined:
-                alternatives = _product(alternatives, expand(target, inlined | {id(target)}, depth + 1))
+                alternatives = _product(alternatives, expand(target, inlined | {id(target)}, depth))
         for member in node.get("allOf") or ():
             alternatives = _product(alternatives, expand(member, inlined, depth + 1))
         for key in ("anyOf", "oneOf"):

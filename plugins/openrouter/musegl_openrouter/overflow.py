@@ -14,7 +14,10 @@ these counts:
   reservation (``max_tokens``, or one token when absent), i.e. the
   ``max_prompt_tokens`` metadata;
 * ``X`` is the prompt's token count, image positions and the numeric BOS
-  included (the front counts text prompts; the worker counts image prompts);
+  included (the front counts text prompts; the worker counts image prompts).
+  When counting stopped once the prompt passed the budget
+  (``prompt_tokens_exact: false``), ``X`` is a lower bound and the message
+  says so: "at least X tokens (at least X of text input, ...)";
 * ``Z`` is ``0``: the reservation is already taken out of ``N``, so a client
   computing ``X + Z - N`` (the excess) or ``N - Z`` (its input budget) gets
   the right number either way. The full window stays in the metadata
@@ -51,6 +54,7 @@ class OverflowCounts:
     context_length: int  # the full model window (the runtime --max-context)
     prompt_tokens: int  # image positions and BOS included
     completion_reservation: int  # max_tokens, or 1 when absent
+    exact: bool = True  # False: counting stopped once the prompt passed the budget (a lower bound)
 
     @property
     def max_prompt_tokens(self) -> int:
@@ -68,7 +72,7 @@ class OverflowCounts:
         values = [metadata.get(key) for key in ("context_length", "prompt_tokens", "completion_reservation")]
         if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
             return None
-        return cls(*values)
+        return cls(*values, exact=metadata.get("prompt_tokens_exact", True) is not False)
 
 
 def overflow_message(counts: OverflowCounts | None) -> str:
@@ -86,6 +90,14 @@ def overflow_message(counts: OverflowCounts | None) -> str:
             f"{counts.context_length}."
         )
     budget = counts.max_prompt_tokens
+    if not counts.exact:  # the count is where counting stopped: say so where the client reads it
+        return (
+            f"This endpoint's maximum context length is {budget} tokens. However, you requested "
+            f"at least {counts.prompt_tokens} tokens (at least {counts.prompt_tokens} of text input, 0 in the "
+            f"output; counting stopped once the prompt passed the budget, so the prompt is longer). Please "
+            f"reduce the length of the messages by more than the difference. (Model window: "
+            f"{counts.context_length} tokens; completion reservation: {counts.completion_reservation} tokens.)"
+        )
     return (
         f"This endpoint's maximum context length is {budget} tokens. However, you requested "
         f"about {counts.prompt_tokens} tokens ({counts.prompt_tokens} of text input, 0 in the output). "

@@ -403,7 +403,7 @@ def test_a_reservation_that_fills_the_window_is_not_retried(client):
 
 
 # -- the openai dialect, with this plugin not loaded ------------------------------------------
-def test_openai_dialect_keeps_its_usage_chunk_and_ignores_the_legacy_switch(openai_client):
+def test_openai_dialect_keeps_its_usage_chunk_and_refuses_the_legacy_switch(openai_client):
     chunks = list(
         openai_client.chat.completions.create(
             model="muse", messages=[QUESTION], stream=True, stream_options={"include_usage": True}
@@ -411,13 +411,11 @@ def test_openai_dialect_keeps_its_usage_chunk_and_ignores_the_legacy_switch(open
     )
     assert chunks[-1].choices == [] and chunks[-1].usage is not None
     assert chunks[-2].choices[0].finish_reason == "stop" and chunks[-2].usage is None
-    legacy = list(
-        openai_client.chat.completions.create(
-            model="muse", messages=[QUESTION], stream=True, extra_body={"usage": {"include": True}}
-        )
-    )
-    assert all(chunk.usage is None for chunk in legacy)
-    assert all("reasoning" not in (chunk.choices[0].delta.model_extra or {}) for chunk in legacy)
+    # OpenRouter's switch is not Chat Completions': refused by name, never silently ignored (issue 47 item 20)
+    with pytest.raises(openai.BadRequestError) as info:
+        openai_client.chat.completions.create(model="muse", messages=[QUESTION], stream=True,
+                                              extra_body={"usage": {"include": True}})
+    assert info.value.body["param"] == "usage" and info.value.body["code"] == "unsupported_parameter"
 
 
 def test_openai_dialect_errors_on_overflow(openai_client):

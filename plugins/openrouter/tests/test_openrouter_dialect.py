@@ -110,7 +110,19 @@ def test_contradicting_usage_switches_are_refused():
 def test_the_openai_dialect_does_not_know_the_usage_switch():
     payload = {"messages": [], "usage": {"include": True}}
     assert Dialect().adapt_request(payload) is payload
-    assert s.structure_request(payload).stream_options is None
+    with pytest.raises(ApiError) as refused:  # unknown to Chat Completions: refused, not ignored (issue 47 item 20)
+        s.structure_request(payload)
+    assert refused.value.param == "usage" and refused.value.code == "unsupported_parameter"
+
+
+@pytest.mark.parametrize("field, value", [("provider", {"order": ["x"]}), ("transforms", ["middle-out"]),
+                                          ("models", ["a", "b"])])
+def test_openrouter_routing_fields_are_refused_not_ignored(field, value):
+    """Issue 47 item 20: one server is one provider and one model, and no prompt transform runs."""
+    payload = dialect.adapt_request({"messages": [{"role": "user", "content": "x"}], field: value})
+    with pytest.raises(ApiError) as refused:
+        s.structure_request(payload)
+    assert refused.value.param == field and refused.value.code == "unsupported_parameter"
 
 
 # -- errors ---------------------------------------------------------------------------------
@@ -241,3 +253,14 @@ def test_model_entry_has_the_openrouter_shape_around_the_runtime_budget():
 
 def test_keepalive_is_an_sse_comment():
     assert dialect.keepalive.startswith(b":") and dialect.keepalive.endswith(b"\n\n")
+
+
+def test_an_overflow_counted_to_a_lower_bound_says_so_where_the_client_reads_it():
+    """Issue 47 item 18: a prompt whose counting stopped at the budget (``exact`` False) was
+    reported as "about 93 tokens (93 of text input" though it held 101: clients compacted too little."""
+    body = dialect.error_body(api_error(ContextTooLong(93, 1, 64, exact=False)))["error"]
+    match = CLIENT_PATTERN.search(body["message"])
+    assert match is not None and tuple(map(int, match.groups())) == (63, 93, 0)
+    assert "at least 93 tokens (at least 93 of text input" in body["message"]
+    assert "about 93" not in body["message"]
+    assert body["metadata"]["prompt_tokens_exact"] is False

@@ -159,7 +159,7 @@ class Reader:
             elif kind == "item_reference":
                 raise unsupported(f"{item_param}.type", "item_reference is not supported: send the item itself")
             else:
-                log.info("responses: input item type %r is not used by musegl; left out", kind)
+                log.info("responses: input item type %.100r is not used by musegl; left out", kind)
         flush()
         images = [(i, m) for i, m in enumerate(out) if isinstance(m.content, tuple)
                   for p in m.content if isinstance(p, ImagePart)]

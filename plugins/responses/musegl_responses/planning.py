@@ -18,10 +18,10 @@ import attrs
 from musegl_core.chat.messages import Message
 from musegl_core.chat.template import TemplateVariables
 from musegl_core.errors import ApiError, bad_request, unsupported
-from musegl_core.service.rules import sampling_params, session_id as explicit_session
+from musegl_core.service.rules import cache_salt, sampling_params, session_id as explicit_session
 from musegl_core.service.logprobs import MAX_TOP_LOGPROBS
 from musegl_core.service.conversation import AnswerFormat, Conversation, Settings
-from musegl_core.service.sessions import client_session, explicit_header_session, soft_session_name
+from musegl_core.service.sessions import client_session, explicit_header_session, private_session_name
 
 from musegl_responses.items import Reader
 from musegl_responses.schemas import ResponseRequest
@@ -34,7 +34,9 @@ INCLUDES = (ENCRYPTED, LOGPROBS, "message.input_image.image_url")
 EFFORTS = ("low", "medium", "high")
 SUMMARIES = ("auto", "detailed")
 KEY_SOURCE = "codex"  # soft sessions named by a client key: codex:<key> (docs/sessions.md)
-CHAIN_SOURCE = "responses"  # a stored chain's own soft session: responses:<first response id>
+#: a stored chain's own soft session: responses:sha256-<digest of its first response id> (the id is
+#: a capability: the session list must not show it)
+CHAIN_SOURCE = "responses"
 
 
 def new_id(prefix: str) -> str:
@@ -220,7 +222,7 @@ def plan_response(
             ("opencode", headers.get("x-session-affinity")),
         ])
     if session is None and keep and max_sessions > 0:
-        session, soft = soft_session_name(CHAIN_SOURCE, response_id), True  # a chain's first stored turn
+        session, soft = private_session_name(CHAIN_SOURCE, response_id), True  # a chain's first stored turn
     settings = Settings(
         max_tokens=request.max_output_tokens,
         sampling=sampling,
@@ -228,6 +230,7 @@ def plan_response(
         soft_session=soft,
         stream=bool(request.stream),
         logprobs=(request.top_logprobs or 0) if (LOGPROBS in includes or request.top_logprobs is not None) else -1,
+        cache_salt=cache_salt(request.cache_salt),
     )
     variables = TemplateVariables(reasoning_strength=effort, tool_namespace_descriptions=tools.namespace_descriptions)
     conversation = Conversation(messages=messages, settings=settings, tools=tools.defs, tool_choice=choice,

@@ -63,6 +63,9 @@ class ResponseRequest:
     store: bool | None = None
     previous_response_id: str | None = None
     prompt_cache_key: str | None = None
+    #: musegl's (vLLM's) prefix-cache isolation; the Responses API has no field of its own for it
+    #: (``prompt_cache_key`` routes and names a conversation, it isolates nothing)
+    cache_salt: str | None = s.cache_salt_field()
     prompt_cache_retention: str | None = None
     metadata: dict[str, str] | None = None
     client_metadata: dict[str, Any] | None = None

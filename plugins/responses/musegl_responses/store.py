@@ -18,6 +18,7 @@ says ``store: false``).
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections import OrderedDict
 from typing import Any, Callable, Sequence
@@ -58,7 +59,8 @@ def entry_size(entry: StoredResponse) -> int:
 
 
 class ResponseStore:
-    """An LRU map of :class:`StoredResponse` with a TTL, an entry cap and a byte cap."""
+    """An LRU map of :class:`StoredResponse` with a TTL, an entry cap and a byte cap. Thread-safe:
+    requests are planned off the event loop (``musegl_core.http.offload``) while others are stored."""
 
     def __init__(self, *, ttl: float, max_entries: int, max_bytes: int, clock: Callable[[], float] = time.monotonic):
         self.ttl = ttl
@@ -67,10 +69,12 @@ class ResponseStore:
         self._clock = clock
         self._entries: OrderedDict[str, tuple[StoredResponse, float]] = OrderedDict()
         self.bytes = 0
+        self._lock = threading.RLock()
 
     def __len__(self) -> int:
-        self._expire()
-        return len(self._entries)
+        with self._lock:
+            self._expire()
+            return len(self._entries)
 
     @property
     def enabled(self) -> bool:
@@ -79,39 +83,43 @@ class ResponseStore:
     def put(self, entry: StoredResponse) -> bool:
         """Store ``entry`` (replacing one of the same id); False when it cannot fit at all."""
         entry.size = entry_size(entry)
-        self.delete(entry.id)
-        if not self.enabled or entry.size > self.max_bytes:
-            return False
-        self._entries[entry.id] = (entry, self._clock())
-        self.bytes += entry.size
-        self._expire()
-        while len(self._entries) > self.max_entries or self.bytes > self.max_bytes:
-            _, (old, _) = self._entries.popitem(last=False)
-            self.bytes -= old.size
-        return True
+        with self._lock:
+            self.delete(entry.id)
+            if not self.enabled or entry.size > self.max_bytes:
+                return False
+            self._entries[entry.id] = (entry, self._clock())
+            self.bytes += entry.size
+            self._expire()
+            while len(self._entries) > self.max_entries or self.bytes > self.max_bytes:
+                _, (old, _) = self._entries.popitem(last=False)
+                self.bytes -= old.size
+            return True
 
     def get(self, response_id: str) -> StoredResponse | None:
         """The entry (its use renews its lifetime and makes it most recent), or None."""
-        self._expire()
-        found = self._entries.get(response_id)
-        if found is None:
-            return None
-        self._entries[response_id] = (found[0], self._clock())
-        self._entries.move_to_end(response_id)
-        return found[0]
+        with self._lock:
+            self._expire()
+            found = self._entries.get(response_id)
+            if found is None:
+                return None
+            self._entries[response_id] = (found[0], self._clock())
+            self._entries.move_to_end(response_id)
+            return found[0]
 
     def delete(self, response_id: str) -> bool:
-        found = self._entries.pop(response_id, None)
-        if found is None:
-            return False
-        self.bytes -= found[0].size
-        return True
+        with self._lock:
+            found = self._entries.pop(response_id, None)
+            if found is None:
+                return False
+            self.bytes -= found[0].size
+            return True
 
     def _expire(self) -> None:
-        now = self._clock()
-        while self._entries:
-            key, (entry, used) = next(iter(self._entries.items()))
-            if now - used < self.ttl:
-                return
-            del self._entries[key]
-            self.bytes -= entry.size
+        with self._lock:
+            now = self._clock()
+            while self._entries:
+                key, (entry, used) = next(iter(self._entries.items()))
+                if now - used < self.ttl:
+                    return
+                del self._entries[key]
+                self.bytes -= entry.size

@@ -33,6 +33,7 @@ from musegl_core.errors import ApiError, bad_request
 from musegl_core.http import openapi
 from musegl_core.http import schemas as s
 from musegl_core.http import sse
+from musegl_core.http.offload import off_loop
 from musegl_core.http.request_log import stream_failed
 from musegl_core.http.surface import ApiSurface, unless_disconnected
 from musegl_core.service import events as ev
@@ -99,9 +100,14 @@ class ResponsesSurface(ApiSurface):
         return Reader(self.context.seal, self.context.service.tokenizer)
 
     async def _plan(self, request: Request) -> ResponsePlan:
-        body = s.structure_body(s.parse_body(await request.body()), rs.ResponseRequest)
-        plan = plan_response(body, headers=request.headers, store=self.store, reader=self.reader(),
-                             max_sessions=self.context.config.max_sessions)
+        raw = await request.body()
+
+        def read():  # off the event loop (musegl_core.http.offload)
+            body = s.structure_body(s.parse_body(raw), rs.ResponseRequest)
+            return body, plan_response(body, headers=request.headers, store=self.store, reader=self.reader(),
+                                       max_sessions=self.context.config.max_sessions)
+
+        body, plan = await off_loop(read)
         if body.truncation == "auto":
             service = self.context.service
             fitted = await fit(plan.conversation, prepare=lambda c: service.prepare(c, request_id=plan.id),
@@ -202,7 +208,7 @@ class ResponsesSurface(ApiSurface):
             plan = await surface._plan(request)
             service = context.service
             service.require_ready()
-            prepared = service.prepare(plan.conversation, request_id=plan.id)
+            prepared = await off_loop(service.prepare, plan.conversation, request_id=plan.id)
             generation = service.generation(prepared, arrived=arrived)
             echo = session_echo(prepared.generate.session_id, prepared.generate.soft_session)
             builder = ResponseBuilder(plan, context.served_model.name, seal=context.seal, tokenizer=service.tokenizer)

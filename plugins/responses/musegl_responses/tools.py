@@ -178,7 +178,7 @@ def parse_tools(raw: Any) -> ToolSet:
                 parse = _function if item["type"] == "function" else _custom
                 add(parse(item, item_param, namespace), item_param)
         elif isinstance(kind, str) and kind:
-            log.info("responses: the hosted tool %r is not run by musegl; left out of the prompt", kind)
+            log.info("responses: the hosted tool %.100r is not run by musegl; left out of the prompt", kind)
             hosted.append(kind)
         else:
             raise bad_request(f"'{param}.type' must be a string", param=f"{param}.type")

@@ -459,3 +459,15 @@ def test_a_client_that_leaves_mid_stream_cancels_the_response(server, client):
         assert time.monotonic() < deadline, "the response kept running after its client left"
         time.sleep(0.05)
     assert client.responses.create(model="m", input="hello", store=False).output_text == "Hi there"
+
+
+def test_a_stored_responses_id_is_not_listed_among_the_sessions(server):
+    """Issue 47 item 3: the chain's soft session was listed as responses:resp_<id>, and the id lets
+    any key holder read, continue and delete the response."""
+    stored = post(server, {"model": "m", "input": "hello"}).json()
+    listed = json.dumps(httpx.get(f"{server.url}/v1/sessions", timeout=30).json())
+    assert stored["id"] not in listed and stored["id"].removeprefix("resp_") not in listed
+    assert "responses:sha256-" in listed
+    follow = post(server, {"model": "m", "input": "second question", "previous_response_id": stored["id"]})
+    assert follow.status_code == 200
+    assert follow.json()["usage"]["input_tokens_details"]["cached_tokens"] > 0  # the chain still finds its KV
