@@ -4,6 +4,7 @@ their seeds, the shared prompt KV, streaming, admission and cancellation."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import re
 import socket
@@ -260,9 +261,11 @@ def test_n_choices_start_together_while_named_sessions_hold_the_other_slots():
         body = {"model": "m", "messages": MESSAGES, "n": 4, "max_tokens": 3000, "ignore_eos": True, "stream": True}
         with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body, timeout=120) as response:
             assert response.status_code == 200
-            first = next(line for line in response.iter_lines() if line.startswith("data: "))
+            lines = response.iter_lines()
+            first = next(line for line in lines if line.startswith("data: "))
             assert json.loads(first[6:])["choices"]
-            assert metric(server.url, "musegl_requests_running") == 4  # not one choice after another
+            running = metric(server.url, "musegl_requests_running")
+            assert running == 4, [first, *itertools.islice(lines, 40)]
             assert metric(server.url, "musegl_requests_waiting") == 0
         assert httpx.get(f"{server.url}/v1/sessions", timeout=30).json()["data"] == []
         wait_idle(server.url)
