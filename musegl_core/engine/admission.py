@@ -1,16 +1,18 @@
 """The admission queue: requests accepted by the worker that do not run yet.
 
 ``--max-inflight-requests`` bounds the requests that *run* (hold a sequence
-and KV blocks). A request that cannot run at once waits here, in arrival
-order, holding no KV: for a running place, for a session slot that frees on
-its own (an anonymous request's, or an evictable one with
-``--evict-idle-sessions``), for KV blocks that running requests give back
-when they end (blocks on demand: a request reserves, when it starts, what it
-may still take to its end), or for its named session's previous request.
-``--max-queued-requests`` bounds the queue; a request that finds it full is
-refused (``Busy``: 503 ``server_busy``). :class:`AdmissionQueue` keeps the order, the
-bound, the wait times and the estimate behind a refusal's ``Retry-After``;
-:class:`Admission` decides, on the engine thread, which request starts when.
+and KV blocks). A request that cannot run at once waits here, holding no KV:
+for a running place, for a session slot that frees on its own (an anonymous
+request's, or an evictable one with ``--evict-idle-sessions``), for KV blocks
+that running requests give back when they end (blocks on demand: a request
+reserves, when it starts, what it may still take to its end), or for its
+named session's previous request. ``--max-queued-requests`` bounds the queue;
+a request that finds it full is refused (``Busy``: 503 ``server_busy``).
+Waiting requests start in a fair order (:meth:`AdmissionQueue.fair_order`):
+round-robin over client keys, in arrival order within a client and within a
+named session. :class:`AdmissionQueue` keeps the order, the bound, the wait
+times and the estimate behind a refusal's ``Retry-After``; :class:`Admission`
+decides, on the engine thread, which request starts when.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ class Queued:
 
 
 class AdmissionQueue:
-    """Requests waiting to run, first come first served (see the module docstring)."""
+    """Requests waiting to run, a fair share per client key (see the module docstring)."""
 
     def __init__(self, limit: int, clock: Callable[[], float] = time.monotonic):
         self.limit = limit
@@ -49,6 +51,8 @@ class AdmissionQueue:
         self._departures: collections.deque[float] = collections.deque(maxlen=DEPARTURES_SEEN)
         self.refused = 0  # requests refused because the queue was full
         self.admitted = 0  # requests that entered the queue (and did not start at once)
+        self._starts = 0  # requests started from the queue
+        self._last_start: dict[str | None, int] = {}  # per client key, the ordinal of its last start
 
     def __len__(self) -> int:
         return len(self._items)
@@ -59,6 +63,46 @@ class AdmissionQueue:
     def __iter__(self) -> Iterator[Queued]:
         """The waiting requests in arrival order (a copy: the queue may change meanwhile)."""
         return iter(list(self._items.values()))
+
+    def fair_order(self) -> list[Queued]:
+        """The waiting requests in the order admission considers them: round-robin
+        over client keys (:attr:`~musegl_core.engine.request.RequestOptions.client`),
+        the client that started a request least recently first (one that never did
+        before any that did; ties by its oldest waiting request), and in arrival order
+        within a client. So one client's many requests cannot hold back another's.
+        A request behind an earlier one of its named session takes no turn: it comes
+        last (a session's requests run in arrival order, whoever sent them)."""
+        first = self.first_of_sessions()
+        by_client: dict[str | None, list[Queued]] = {}
+        behind: list[Queued] = []
+        for entry in self._items.values():  # arrival order
+            name = entry.request.session_id
+            if name is not None and first[name] != entry.request.id:
+                behind.append(entry)
+            else:
+                by_client.setdefault(entry.request.client, []).append(entry)
+        clients = sorted(by_client, key=lambda c: self._last_start.get(c, -1))  # stable: by oldest waiting
+        order: list[Queued] = []
+        for turn in range(max((len(q) for q in by_client.values()), default=0)):
+            order.extend(by_client[c][turn] for c in clients if turn < len(by_client[c]))
+        return order + behind
+
+    def first_of_sessions(self) -> dict[str, str]:
+        """Per named session with waiting requests, the id of the one that arrived first."""
+        first: dict[str, str] = {}
+        for entry in self._items.values():
+            name = entry.request.session_id
+            if name is not None:
+                first.setdefault(name, entry.request.id)
+        return first
+
+    def served(self, client: str | None) -> None:
+        """Note that a request of ``client`` started (it goes to the back of the round)."""
+        self._starts += 1
+        self._last_start[client] = self._starts
+        if len(self._last_start) > 4 * max(self.limit, 1):  # forget clients with nothing waiting
+            waiting = {entry.request.client for entry in self._items.values()}
+            self._last_start = {c: n for c, n in self._last_start.items() if c in waiting}
 
     def get(self, request_id: str) -> Queued | None:
         return self._items.get(request_id)
@@ -146,7 +190,7 @@ class Admission:
         self.queue.admitted += 1
 
     def dispatch(self) -> None:
-        """Start the queued requests that may run now, in arrival order: while a running
+        """Start the queued requests that may run now, in :meth:`AdmissionQueue.fair_order`: while a running
         place is free, each one whose session is not busy with an earlier request and
         that gets a session slot. One that waits for a slot that will never free on its
         own fails (:class:`~musegl_core.engine.errors.NoSessionSlot`) instead of waiting for ever;
@@ -155,13 +199,17 @@ class Admission:
         self.due = False
         slots_full = False  # once a new slot was refused, later requests needing one wait too
         kv_full = False  # once a request's KV blocks were refused, later requests wait too (in order)
-        for entry in self.queue:
+        first_of_session = self.queue.first_of_sessions()
+        for entry in self.queue.fair_order():
             if len(self.running) >= self.config.max_inflight_requests:
                 return
             request = entry.request
             if request.id not in self.queue:
                 continue
             name = request.session_id
+            earlier = first_of_session.get(name) if name is not None else None
+            if earlier is not None and earlier != request.id and earlier in self.queue:
+                continue  # a session's requests run in arrival order, whoever sent them
             existing = self.sessions.named.get(name) if name is not None else None
             if request.soft_session and not self.soft_fits(request, existing, slots_full):
                 self.unlink(request)  # it runs anonymously, on the prefix cache
@@ -173,7 +221,8 @@ class Admission:
             if (existing is None and slots_full) or kv_full:
                 continue
             try:
-                session, created = self.sessions.open(name, request.cache_salt, soft=request.soft_session)
+                session, created = self.sessions.open(name, request.cache_salt, soft=request.soft_session,
+                                                      group=request.group)
             except SaltMismatch as exc:
                 self.unqueue(request)
                 self.fail(request.id, errors.salt_mismatch(exc))
@@ -197,6 +246,7 @@ class Admission:
                 continue
             self.unlink(request)
             self.queue.take(request.id)
+            self.queue.served(request.client)
 
     def soft_fits(self, request: PreparedRequest, session: Session | None, slots_full: bool) -> bool:
         """May a soft-session request run on its session? Not while the session

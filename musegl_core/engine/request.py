@@ -88,6 +88,12 @@ class RequestOptions:
     #: ``control`` (only the output grammar's control tokens, which the channel parser reads:
     #: :data:`musegl_core.chat.channels.CONTROL_TOKENS`); ``none``
     special_tokens: str = attrs.field(default="all", validator=attrs.validators.in_(("all", "control", "none")))
+    #: who sent it, for a fair share of admission (the front's peer address; None: one shared key):
+    #: queued requests start round-robin over these keys, oldest first within a key
+    client: str | None = None
+    #: the response whose ``n`` choices this request is one of (choice 0's id; None: ``n`` = 1): an
+    #: anonymous choice never waits for a slot that only its own group's choices would free
+    group: str | None = None
 
     @property
     def completion_reservation(self) -> int:

@@ -176,6 +176,7 @@ class Session:
     tokens: list[int] = attrs.field(factory=list)
     salt: str | None = None
     soft: bool = False  # named by a client's own conversation key: expires and is evicted first
+    group: str | None = None  # an anonymous choice's response (RequestOptions.group)
     clean: bool = True
     confirmed: bool = False
     active: bool = False
@@ -261,13 +262,15 @@ class SessionTable:
         return (self.slots_in_use < self.max_sessions or bool(self._idle_soft())
                 or (self.evict_idle and any(s.idle for s in self.named.values())))
 
-    def _free_a_slot(self, anonymous: bool = False) -> None:
+    def _free_a_slot(self, anonymous: bool = False, group: str | None = None) -> None:
         """Make room for one more session, or :class:`CapacityError`. Soft sessions give way
         first; then, with ``--evict-idle-sessions``, the least recently used idle named
         session is evicted. Without it, so is it for an anonymous request when no slot
         would free on its own (no anonymous request or soft session running): anonymous
-        work always finds room, and named sessions cannot lock a server. A session with a
-        request running or queued is never evicted."""
+        work always finds room, and named sessions cannot lock a server. The slots of an
+        anonymous request's own ``group`` (the other choices of its response) do not count
+        as freeing on their own: its ``n`` choices start together rather than one after
+        another. A session with a request running or queued is never evicted."""
         if self.slots_in_use < self.max_sessions:
             return
         soft = self._idle_soft()  # soft sessions give way first, with or without --evict-idle-sessions
@@ -275,7 +278,8 @@ class SessionTable:
             self.drop(self._lost(min(soft, key=lambda s: s.last_used), "evicted"))
             self.evictions += 1
             return
-        frees_on_its_own = bool(self.anonymous) or any(s.active and s.soft for s in self.named.values())
+        frees_on_its_own = (any(group is None or s.group != group for s in self.anonymous)
+                            or any(s.active and s.soft for s in self.named.values()))
         if self.evict_idle or (anonymous and not frees_on_its_own):
             idle = [s for s in self.named.values() if s.idle]
             if idle:
@@ -288,17 +292,20 @@ class SessionTable:
             + ("" if self.evict_idle else " (start the server with --evict-idle-sessions to evict idle ones)")
         )
 
-    def open(self, name: str | None, salt: str | None = None, soft: bool = False) -> tuple[Session, bool]:
+    def open(self, name: str | None, salt: str | None = None, soft: bool = False,
+             group: str | None = None) -> tuple[Session, bool]:
         """The session for ``name`` (created with ``salt`` when new), or a temporary
-        one when None. :class:`SaltMismatch` when ``name`` exists with another salt."""
+        one when None (of choice group ``group``). :class:`SaltMismatch` when ``name``
+        exists with another salt."""
         self.expire_idle()
         if name is not None and name in self.named:
             session = self.named[name]
             if session.salt != salt:
                 raise SaltMismatch(f"session {name!r} was opened with a different cache_salt")
             return session, False
-        self._free_a_slot(anonymous=name is None)
-        session = Session(name, Slot(self.pool), salt=salt, soft=soft and name is not None)
+        self._free_a_slot(anonymous=name is None, group=group if name is None else None)
+        session = Session(name, Slot(self.pool), salt=salt, soft=soft and name is not None,
+                          group=group if name is None else None)
         if name is None:
             self.anonymous.add(session)
         else:

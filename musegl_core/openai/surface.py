@@ -26,7 +26,7 @@ from musegl_core.openai import completions as tc
 from musegl_core.openai import schemas as s
 from musegl_core.openai.chat import ChatStream, ResponseMeta, complete, read_chat
 from musegl_core.openai.tokenize import detokenize, tokenize
-from musegl_core.service.sessions import explicit_header_session, header_keys, session_echo
+from musegl_core.service.sessions import explicit_header_session, header_keys, peer_key, session_echo
 
 
 class ChatCompletionsSurface(ApiSurface):
@@ -61,7 +61,7 @@ class ChatCompletionsSurface(ApiSurface):
 
             plan = await off_loop(prepare)
             service.require_ready()
-            generation = service.generation(plan, arrived=arrived)
+            generation = service.generation(plan, arrived=arrived, client=peer_key(request))
             echo = session_echo(plan.generate.session_id, plan.generate.soft_session)
             if not plan.stream:
                 result = await unless_disconnected(request, complete(generation, meta, context.dialect))
@@ -104,7 +104,7 @@ class CompletionsSurface(ApiSurface):
 
             plan = await off_loop(prepare)
             service.require_ready()
-            generation = service.generation(plan, arrived=arrived)
+            generation = service.generation(plan, arrived=arrived, client=peer_key(request))
             if not plan.stream:
                 result = await unless_disconnected(request, tc.complete_text(generation, meta))
                 return Response(to_json(result), media_type="application/json")

@@ -46,7 +46,10 @@ def choice_seed(seed: int | None, index: int) -> int | None:
 
 
 def choice_requests(generate: m.Generate, n: int) -> list[m.Generate]:
-    """The worker requests of ``n`` choices of ``generate``."""
+    """The worker requests of ``n`` choices of ``generate``; with ``n`` > 1 each names
+    choice 0's id as its ``group`` (the engine admits them together)."""
+    if n > 1:
+        generate = attrs.evolve(generate, group=generate.id)
     requests = [generate]
     for index in range(1, n):
         sampling = attrs.evolve(generate.sampling, seed=choice_seed(generate.sampling.seed, index))

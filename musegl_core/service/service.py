@@ -21,6 +21,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import attrs
+
 from musegl_core.config import ServeConfig
 from musegl_core.errors import unavailable
 from musegl_core.service.conversation import Conversation, Settings
@@ -69,10 +71,13 @@ class GenerationService:
         (the output is the decoded text, without channels or tool calls)."""
         return prepare_text(prompt, settings, request_id=request_id, include_usage=include_usage, n=n)
 
-    def generation(self, plan: Plan, *, arrived: float | None = None) -> Generation:
+    def generation(self, plan: Plan, *, arrived: float | None = None, client: str | None = None) -> Generation:
         """A :class:`Generation` for ``plan`` on the (metered) worker. A streamed
         plan's :meth:`~Generation.open` is bounded by ``--streaming-preflight-timeout``.
-        ``arrived`` is ``time.monotonic()`` when the HTTP request arrived (latency metrics)."""
+        ``arrived`` is ``time.monotonic()`` when the HTTP request arrived (latency metrics);
+        ``client`` the admission fairness key (:func:`~musegl_core.service.sessions.peer_key`)."""
+        if client is not None:
+            plan = attrs.evolve(plan, generate=attrs.evolve(plan.generate, client=client))
         worker = self.worker
         if self._metered is not None:
             worker = self._metered(time.monotonic() if arrived is None else arrived)

@@ -45,6 +45,14 @@ def header_keys(headers) -> list[tuple[str, str | None]]:
     return [(source, headers.get(name)) for source, name in CLIENT_KEY_HEADERS]
 
 
+def peer_key(request) -> str | None:
+    """The admission fairness key of an HTTP request (``RequestOptions.client``): its
+    peer's address (None when unknown). Not the API key, which every client of a
+    server shares, nor a session key, which a client chooses freely (docs/sessions.md)."""
+    client = getattr(request, "client", None)
+    return getattr(client, "host", None) or None
+
+
 def explicit_header_session(headers) -> str | None:
     """The session an ``X-Session-Id`` header names on purpose (a mapping with ``get``), or None.
 

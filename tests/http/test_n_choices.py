@@ -4,6 +4,7 @@ their seeds, the shared prompt KV, streaming, admission and cancellation."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import re
 import socket
@@ -243,3 +244,28 @@ def test_a_client_disconnect_cancels_every_choice_and_leaks_nothing(server):
     asyncio.run(give_up_early())
     wait_idle(server.url, timeout=30)
     assert blocks(server.url) == baseline
+
+
+def test_n_choices_start_together_while_named_sessions_hold_the_other_slots():
+    """Issue 47 item 15: with 3 resident sessions and 4 slots, an ``n=4`` stream ran its choices one
+    after another before the first chunk. Now the first chunk comes with all four running: the idle
+    named sessions gave way (anonymous work always finds room, docs/sessions.md)."""
+    from musegl_core.tiny import default_model_path
+
+    config = ServeConfig(model=str(default_model_path()), port=0, max_context=4096, max_sessions=4,
+                         max_inflight_requests=8, max_decode_sequences=8)
+    with running_server(config) as server:
+        for i in range(3):
+            assert chat(server, session_id=f"resident{i}", max_tokens=2).status_code == 200
+        assert len(httpx.get(f"{server.url}/v1/sessions", timeout=30).json()["data"]) == 3
+        body = {"model": "m", "messages": MESSAGES, "n": 4, "max_tokens": 3000, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body, timeout=120) as response:
+            assert response.status_code == 200
+            lines = response.iter_lines()
+            first = next(line for line in lines if line.startswith("data: "))
+            assert json.loads(first[6:])["choices"]
+            running = metric(server.url, "musegl_requests_running")
+            assert running == 4, [first, *itertools.islice(lines, 40)]
+            assert metric(server.url, "musegl_requests_waiting") == 0
+        assert httpx.get(f"{server.url}/v1/sessions", timeout=30).json()["data"] == []
+        wait_idle(server.url)

@@ -37,7 +37,7 @@ from musegl_core.http.offload import off_loop
 from musegl_core.http.request_log import stream_failed
 from musegl_core.http.surface import ApiSurface, unless_disconnected
 from musegl_core.service import events as ev
-from musegl_core.service.sessions import session_echo
+from musegl_core.service.sessions import peer_key, session_echo
 from musegl_core.tokenizer import TokenizationError
 
 from musegl_responses import schemas as rs
@@ -209,7 +209,7 @@ class ResponsesSurface(ApiSurface):
             service = context.service
             service.require_ready()
             prepared = await off_loop(service.prepare, plan.conversation, request_id=plan.id)
-            generation = service.generation(prepared, arrived=arrived)
+            generation = service.generation(prepared, arrived=arrived, client=peer_key(request))
             echo = session_echo(prepared.generate.session_id, prepared.generate.soft_session)
             builder = ResponseBuilder(plan, context.served_model.name, seal=context.seal, tokenizer=service.tokenizer)
             builder.output_assembler = generation.outputs[0]
