@@ -449,6 +449,8 @@ def add_norm(o: torch.Tensor | None, h: torch.Tensor, scale_post: torch.Tensor |
     """``h' = h + CenteredNorm(o)`` (``o`` None: ``h' = h``) and ``CenteredNorm(h')`` with
     ``scale_next`` (None: not computed). Scales hold ``1+w`` in float32."""
     rows, n = h.shape
+    if o is not None:  # the kernel reads row r of ``o`` at r * n: a transposed product
+        o = o.contiguous()  # (Linear's small-batch CPU form, in the interpreter) is copied first
     h_out = torch.empty_like(h) if o is not None else h
     x = torch.empty_like(h) if scale_next is not None else None
     block = triton.next_power_of_2(n)
