@@ -34,8 +34,11 @@ T = TypeVar("T")
 
 #: threads that run request preparation (two cores' worth: the machine's other work goes on)
 THREADS = 2
-#: requests that may wait for one of those threads
-WAITING = 64
+#: requests that may wait for one of those threads: above the default connection cap
+#: (``--max-connections`` 1000), so a burst of ordinary requests queues here instead of failing
+#: (200 streams at once met 503 with 64 places); the bodies waiting are already read, bounded by
+#: the connections times ``--max-request-bytes``, so these places add no memory of their own
+WAITING = 1024
 
 
 class Lane:
