@@ -82,7 +82,7 @@ def run(label: str, python: str, model: Path, args, factor: float, extra: list[s
     history = args.windows * WINDOW
     max_context = int(history * factor)
     flags = ["--kv-cache-memory", args.kv_cache_memory, "--max-context", str(max_context), "--evict-idle-sessions",
-             "--max-inflight-requests", "1", "--device", "cpu", *(["--no-prefix-caching"] if args.no_prefix_caching
+             "--max-inflight-requests", "1", "--device", "cpu", *args.common_flags.split(), *(["--no-prefix-caching"] if args.no_prefix_caching
                                                                   else []), *extra]
     fit = sessions_that_fit(python, model, flags)
     max_sessions = fit if fit is not None else args.sessions
@@ -133,6 +133,7 @@ def main() -> int:
     p.add_argument("--windows", type=int, default=40, help="history length in windows (of 8 tokens)")
     p.add_argument("--factors", default="1.25,10", help="--max-context as multiples of the history")
     p.add_argument("--flags", default="--sliding-window-kv", help="serve flags of every checkout but the baseline")
+    p.add_argument("--common-flags", default="", help="serve flags of every checkout, the baseline's included")
     p.add_argument("--no-prefix-caching", action="store_true",
                    help="serve with --no-prefix-caching: only resident sessions count, not their cached blocks")
     args = p.parse_args()

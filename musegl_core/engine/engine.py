@@ -159,7 +159,7 @@ class Engine:
         self.speculator = speculator or NoSpeculator()
         self.clock = clock
         block_size = executor.block_size
-        companions, window = self._sliding_pages(config, executor)
+        companions, window, reach = self._sliding_pages(config, executor)
         blocks = plan_pool(config, executor, self.speculator)
         self.pool = KVPool(blocks * (1 + companions), block_size, companions)
         expect_taps = getattr(executor, "expect_taps", None)  # optional (docs/executor.md section 8)
@@ -180,6 +180,7 @@ class Engine:
             idle_timeout=config.session_idle_timeout,
             soft_idle_timeout=config.soft_session_idle_timeout,
             window=window,
+            reach=reach,
         )
         self.prefix_history = PrefixHistory(tokenizer)  # why a prefix missed (engine/prefix_miss.py)
         self.sessions.history = self.prefix_history
@@ -224,16 +225,27 @@ class Engine:
                      "no verify-rows budget" if budget is None else
                      f"at most {budget} verify rows a step (more than {budget // 2} decoding sequences: no drafts)")
 
-    def _sliding_pages(self, config: EngineConfig, executor: Executor) -> tuple[int, int | None]:
-        """Sliding layers keep their window when the executor offers it (optional
-        ``use_sliding_pages()``: it switches to the paged layout of layer groups and returns
-        (sliding pages per block, window), or None) and nothing reads the cache outside the
-        executor (no speculator); (0, None) otherwise."""
+    def _sliding_pages(self, config: EngineConfig, executor: Executor) -> tuple[int, int | None, int | None]:
+        """With ``--sliding-window-kv``, sliding layers keep their window: the executor must offer it
+        (optional ``use_sliding_pages()``: it switches to the paged layout of layer groups and returns
+        (sliding pages per block, window[, sliding layers]), or None) and nothing may read the cache
+        outside the executor (no speculator); else the flag is refused in one line
+        (:class:`~musegl_core.errors.ConfigError`). Returns (sliding pages per block, window, the
+        positions a rewind past the window recomputes: sliding layers x window, None when the executor
+        did not say), or (0, None, None) without the flag."""
+        if not config.sliding_window_kv:
+            return 0, None, None
         use = getattr(executor, "use_sliding_pages", None)
-        if not (config.sliding_window_kv and callable(use)) or self.speculator.max_draft or self.speculator.taps:
-            return 0, None
-        found = use()
-        return (0, None) if found is None else found
+        if self.speculator.max_draft or self.speculator.taps:
+            raise ConfigError("--sliding-window-kv does not run with a speculator (drafts read the cache "
+                              "outside the executor): drop one of them")
+        found = use() if callable(use) else None
+        if found is None:
+            raise ConfigError(f"--sliding-window-kv: the {type(executor).__name__} executor does not keep sliding "
+                              "layers' windows for this model and device (docs/engine.md \"Sliding layers keep "
+                              "their window\" lists where it does); serve without it")
+        companions, window, *layers = found
+        return companions, window, (layers[0] * window if layers else None)
 
     # -- thread-safe commands ---------------------------------------------------------
     def submit(self, request: PreparedRequest) -> None:
@@ -412,7 +424,10 @@ class Engine:
         session.clean = True  # its cache now holds exactly ``keys[:reused]``
         max_new = min(request.max_tokens or self.config.max_context, self.config.max_context - len(prompt))
         need = self.sessions.run_blocks(session, reused, len(prompt) + max_new)
-        if not self.sessions.reserve_run(session, need):
+        # a rewind past the sliding layers' window recomputes their K/V from ``start`` (sliding pages)
+        start = self.sessions.window_start(session.slot.blocks, reused) if self.pool.companions else reused
+        pages = self.sessions.window_pages(reused, start, self.scheduler.limits.max_step_tokens)
+        if not self.sessions.reserve_run(session, need, pages):
             return need
         self.prefix_history.ran(keys, session.salt)
         if replay is not None:
@@ -432,8 +447,9 @@ class Engine:
             keys=keys,
             prompt_len=len(prompt),
             session=session,
-            computed=reused,
-            cached=reused,
+            computed=start,
+            cached=start,
+            rewound=reused,
             detokenizer=IncrementalDetokenizer(self.tokenizer, hidden_ids(self.tokenizer, request.special_tokens)),
             stops=StopMatcher(request.stop, request.template_stops),
         )

@@ -192,6 +192,10 @@ class SeqChunk:
     #: per group of sliding layers, the page of each block of ``blocks``, -1 where no row's
     #: window reaches the block (its sliding K/V left the device); empty otherwise
     sliding_blocks: tuple = ()
+    #: with sliding pages, a rewind past the window: the full layers' K/V of these rows are in the
+    #: cache already; read them there and write nothing to ``blocks`` (only the sliding layers'
+    #: K/V are recomputed, docs/engine.md "Rewinds past the window"); the chunk samples nothing
+    keep_full: bool = False
 
     def __attrs_post_init__(self) -> None:
         if len(self.tokens) != len(self.positions) or not self.tokens:

@@ -118,18 +118,22 @@ class KVPool:
             self.unreserve(need)
         elif self.available_blocks < need:
             raise PoolExhausted("no free KV block")
-        while len(self._free) < need:  # evict the least recently released cached blocks
+        self._evict_until(need)
+        block = self._free.pop()
+        if self.companions:
+            self._companion_pages[block] = [self._free.pop() for _ in range(self.companions)]
+        self._refs[block] = 1
+        return block
+
+    def _evict_until(self, pages: int) -> None:
+        """Evict the least recently released cached blocks until ``pages`` pages are free."""
+        while len(self._free) < pages:
             old, _ = self._cached.popitem(last=False)
             self._cached_pages -= self.pages(old)
             self._forget(old)
             self._free.append(old)
             self._free.extend(self._companion_pages.pop(old, ()))
             self.evicted += 1
-        block = self._free.pop()
-        if self.companions:
-            self._companion_pages[block] = [self._free.pop() for _ in range(self.companions)]
-        self._refs[block] = 1
-        return block
 
     def share(self, block: int) -> int:
         """Add a holder to ``block``: an allocated block, or a cached one (revived)."""
@@ -177,6 +181,30 @@ class KVPool:
         pages = self._companion_pages.pop(block, ())
         self._free.extend(pages)
         return len(pages)
+
+    def take_pages(self, count: int) -> list[int]:
+        """``count`` lone pages from the caller's reservation (in pages): a rewind's private sliding
+        pages (docs/engine.md "Rewinds past the window"); cached blocks are evicted as for
+        :meth:`allocate`."""
+        self.unreserve(count)
+        self._evict_until(count)
+        return [self._free.pop() for _ in range(count)]
+
+    def give_pages(self, pages: list[int]) -> None:
+        """Return lone pages taken with :meth:`take_pages`."""
+        self._free.extend(pages)
+
+    def adopt_companions(self, block: int, pages: list[int]) -> bool:
+        """Make ``pages`` (lone pages holding this block's sliding K/V, one per sliding group) the
+        companions of held ``block``; False (nothing changes) when it still has its own."""
+        if self._refs[block] < 1:
+            raise ValueError(f"block {block} is not held")
+        if len(pages) != self.companions:
+            raise ValueError(f"{len(pages)} pages for {self.companions} sliding groups")
+        if block in self._companion_pages:
+            return False
+        self._companion_pages[block] = list(pages)
+        return True
 
     # -- prefix keys -----------------------------------------------------------------
     def register(self, block: int, key: bytes) -> bool:

@@ -193,6 +193,10 @@ class SequenceState:
     prompt_len: int = 0  # the executed prompt (after generated-token replay)
     computed: int = 0
     cached: int = 0
+    #: a rewind past the sliding layers' window (docs/engine.md "Rewinds past the window"): the
+    #: positions before this hold their full layers' K/V; from ``computed`` up to it only the
+    #: sliding layers' are recomputed
+    rewound: int = 0
     generated: list[int] = attrs.field(factory=list)
     chars: list[int] = attrs.field(factory=list)  # characters each generated id added to the text
     unreported: list[int] = attrs.field(factory=list)  # ids whose text is still held back

@@ -107,6 +107,8 @@ class Scheduler:
         self.drafted_tokens = 0  # drafts the committed steps carried, and how many of them were accepted
         self.accepted_tokens = 0
         self.verify_blocks = 0  # decode chunks that carried drafts
+        #: rows of window recomputations committed (rewinds past the sliding layers' window)
+        self.window_rows = 0
         self.mask_clock = MaskClock()
         #: grammar masks computed while the forward runs (None: inline, here)
         self.mask_workers = MaskWorkers(mask_threads, self.mask_clock) if mask_threads > 0 else None
@@ -140,9 +142,14 @@ class Scheduler:
         """Make the block table cover positions ``start .. end-1`` for writing:
         new blocks come from the session's slot; a block shared with a snapshot
         or another session, or keyed by the prefix cache, is copied first
-        (copy-on-write)."""
+        (copy-on-write). A window recomputation (``end <= seq.rewound``) writes no
+        block: its rows' sliding K/V go to the slot's own pages (:meth:`Slot.window_pages_of`)."""
         slot = seq.session.slot
         size = self.pool.block_size
+        if end <= seq.rewound:
+            for index in range(start // size, self.pool.blocks_for(end)):
+                slot.window_pages_of(index)
+            return
         for index in range(start // size, min(len(slot.blocks), self.pool.blocks_for(end))):
             if self.pool.immutable(slot.blocks[index]):  # shared, or keyed by the prefix cache
                 copies.extend(slot.copy_on_write(index))
@@ -188,7 +195,8 @@ class Scheduler:
             tokens=tokens,
             positions=list(range(start, start + count)),
             blocks=list(seq.blocks),
-            sliding_blocks=self._sliding_tables(seq.blocks) if self.pool.companions else (),
+            sliding_blocks=self._sliding_tables(seq.session.slot) if self.pool.companions else (),
+            keep_full=start + count <= seq.rewound,
             sample=sample,
             sampling=params,
             uniforms=uniforms,
@@ -199,10 +207,12 @@ class Scheduler:
             embeds=self._embeds(seq, start, count) if request.images else (),
         )
 
-    def _sliding_tables(self, blocks: list[int]) -> tuple[list[int], ...]:
+    def _sliding_tables(self, slot) -> tuple[list[int], ...]:
         """Each group of sliding layers' block table: the page of each block, -1 where the
-        block's sliding pages went back to the pool (no row's window reaches it)."""
-        pages = [self.pool.companion_pages(b) for b in blocks]
+        block's sliding pages went back to the pool (no row's window reaches it); during a
+        window recomputation, the slot's own pages of the blocks it recomputes."""
+        own = slot.window_pages
+        pages = [own.get(i) or self.pool.companion_pages(b) for i, b in enumerate(slot.blocks)]
         return tuple([p[group] if p is not None else -1 for p in pages] for group in range(self.pool.companions))
 
     def _trim_window(self, seq: SequenceState) -> None:
@@ -212,6 +222,11 @@ class Scheduler:
         slot = seq.session.slot
         size = self.pool.block_size
         end = min(len(slot.blocks), max(0, seq.computed - self.window) // size)
+        if slot.window_pages:  # a window recomputation: its own pages out of the window go back
+            if seq.computed >= seq.rewound:  # done: the exact ones become their blocks' sliding pages
+                slot.end_window_pages(max(0, seq.rewound - self.window) // size)
+            else:
+                slot.drop_window_pages(end)
         for block in slot.blocks[:end]:
             if self.pool.refcount(block) == 1 and self.pool.has_window(block):
                 self.pool.drop_companions(block)
@@ -259,6 +274,12 @@ class Scheduler:
         for seq in prefilling:
             if prefill_budget <= 0:
                 break
+            if seq.computed < seq.rewound:  # a window recomputation: its chunks stop where the cache resumes
+                count = min(seq.rewound - seq.computed, prefill_budget)
+                chunks.append(self._chunk(seq, count, sample=0, copies=copies))
+                plan.append((seq, count))
+                prefill_budget -= count
+                continue
             remaining = len(seq.tokens) - seq.computed
             count = min(remaining, prefill_budget)
             chunks.append(self._chunk(seq, count, sample=int(count == remaining), copies=copies))
@@ -307,6 +328,8 @@ class Scheduler:
                 continue
             sampled = output.tokens.get(seq.handle)
             if seq.phase is Phase.PREFILL:
+                if seq.computed < seq.rewound:
+                    self.window_rows += rows
                 seq.computed += rows
                 prompt_rows += rows
                 committed_rows[seq.handle] = rows

@@ -81,6 +81,10 @@ class Slot:
     pool: KVPool
     blocks: list[int] = attrs.field(factory=list)
     reserved: int = 0
+    #: a rewind past the window (sliding pages): the running request's own sliding pages of the
+    #: blocks it recomputes, by block index, and the pages it may still take for them
+    window_pages: dict[int, list[int]] = attrs.field(factory=dict)
+    page_reserve: int = 0
 
     @classmethod
     def open(cls, pool: KVPool, budget: int = 0) -> "Slot":
@@ -101,6 +105,46 @@ class Slot:
         """Give back every reserved block: the slot holds what it filled, nothing more."""
         self.pool.unreserve(self.reserved * self.pool.pages_per_block)
         self.reserved = 0
+        self.end_window_pages()
+
+    # -- a rewind's own sliding pages (docs/engine.md "Rewinds past the window") ---------------
+    def grow_pages(self, pages: int) -> None:
+        """Reserve ``pages`` lone pages for a window recomputation."""
+        if pages > 0:
+            self.pool.reserve(pages)
+            self.page_reserve += pages
+
+    def window_pages_of(self, index: int) -> list[int]:
+        """The recomputation's own sliding pages of ``blocks[index]`` (taken on first use)."""
+        pages = self.window_pages.get(index)
+        if pages is None:
+            count = self.pool.companions
+            if self.page_reserve < count:
+                raise RuntimeError("window recomputation budget exhausted")
+            self.page_reserve -= count
+            pages = self.window_pages[index] = self.pool.take_pages(count)
+        return pages
+
+    def drop_window_pages(self, before: int) -> None:
+        """Give back the own pages of the blocks before index ``before`` (out of every row's window);
+        the recomputation may take as many again."""
+        for index in [i for i in self.window_pages if i < before]:
+            pages = self.window_pages.pop(index)
+            self.pool.give_pages(pages)
+            self.pool.reserve(len(pages))
+            self.page_reserve += len(pages)
+
+    def end_window_pages(self, exact_from: int | None = None) -> None:
+        """The recomputation is over: the own pages of blocks from index ``exact_from`` on (every
+        sliding layer's K/V there recomputed exactly) become those blocks' sliding pages where
+        they have none; every other page and the unused reservation go back to the pool."""
+        for index, pages in sorted(self.window_pages.items()):
+            keep = exact_from is not None and index >= exact_from and index < len(self.blocks)
+            if not (keep and self.pool.adopt_companions(self.blocks[index], pages)):
+                self.pool.give_pages(pages)
+        self.window_pages.clear()
+        self.pool.unreserve(self.page_reserve)
+        self.page_reserve = 0
 
     def take_block(self) -> int:
         if self.reserved < 1:
@@ -221,11 +265,14 @@ class SessionTable:
 
     def __init__(self, pool: KVPool, *, max_sessions: int, max_context: int, snapshots: int, evict_idle: bool,
                  prefix_caching: bool = True, idle_timeout: float | None = None, soft_idle_timeout: float = 600.0,
-                 window: int | None = None):
+                 window: int | None = None, reach: int | None = None):
         self.pool = pool
         #: with sliding pages: the sliding layers' window (a reused prefix needs their K/V of its last
         #: ``window`` positions)
         self.window = window
+        #: with sliding pages: the positions a rewind past the window recomputes (sliding layers x
+        #: window, ``use_sliding_pages``); None: such a rewind recomputes the whole prompt
+        self.reach = reach
         self.max_sessions = max_sessions
         self.max_context = max_context
         self.snapshot_capacity = snapshots
@@ -405,9 +452,9 @@ class SessionTable:
             session.slot.truncate(0, rereserve=False)
             reuse = min(reuse, self._adopt(session.slot, snapshot.slot.blocks[: self.pool.blocks_for(reuse)]))
             snapshot.last_used = time.monotonic()
-        if not self.window_kept(session.slot.blocks, reuse):
-            # sliding pages: the window before ``reuse`` went back to the pool; its K/V would take a
-            # recomputation of (sliding layers x window) positions, about as long as the history here
+        if self.reach is None and not self.window_kept(session.slot.blocks, reuse):
+            # sliding pages: the window before ``reuse`` went back to the pool, and the executor did not
+            # say how far back its recomputation reaches (:meth:`window_start`): the prompt is recomputed
             reuse = 0
             session.slot.truncate(0, rereserve=False)
         session.tokens = list(prompt[:reuse])
@@ -422,6 +469,26 @@ class SessionTable:
         size = self.pool.block_size
         first = max(0, reuse - self.window) // size
         return all(self.pool.has_window(b) for b in blocks[first: self.pool.blocks_for(reuse)])
+
+    def window_start(self, blocks: Sequence[int], reuse: int) -> int:
+        """The first position a request reusing ``reuse`` positions of ``blocks`` computes: ``reuse``
+        when the sliding layers' window before it is still on the device, else (a rewind past the
+        window, docs/engine.md "Rewinds past the window") the start of the block ``reach`` positions
+        before the first block of that window. From there on the request recomputes the sliding
+        layers' K/V only (the full layers' stay), and those of the blocks from
+        :meth:`window_exact` on come out exact."""
+        if self.window_kept(blocks, reuse):
+            return reuse
+        size = self.pool.block_size
+        exact = self.window_exact(reuse) * size
+        return max(0, exact - (self.reach - self.window)) // size * size
+
+    def window_exact(self, reuse: int) -> int:
+        """The first block whose sliding K/V a window recomputation up to ``reuse`` makes exact (the
+        block holding ``reuse - window``): a sliding layer's K/V at a position is exact once every
+        sliding layer below had its ``window`` keys before it recomputed, ``window`` positions more
+        for each (:meth:`window_start` starts ``reach = sliding layers x window`` before)."""
+        return max(0, reuse - self.window) // self.pool.block_size
 
     def _adopt(self, slot: Slot, blocks: Sequence[int]) -> int:
         """Adopt ``blocks`` in order until the pool has no free block to revive a cached
@@ -450,17 +517,25 @@ class SessionTable:
             need += 1
         return need
 
-    def reserve_run(self, session: Session, blocks: int) -> bool:
-        """Reserve ``blocks`` for a request starting on ``session``, making room
-        (:meth:`make_room`) when the pool has not them free; False (nothing reserved)
-        when even then it has not."""
-        pages = blocks * self.pool.pages_per_block
-        if pages > self.pool.available_blocks:
-            self.make_room(pages, keep=session)
-        if pages > self.pool.available_blocks:
+    def reserve_run(self, session: Session, blocks: int, pages: int = 0) -> bool:
+        """Reserve ``blocks`` (and ``pages`` lone pages for a window recomputation) for a request
+        starting on ``session``, making room (:meth:`make_room`) when the pool has not them free;
+        False (nothing reserved) when even then it has not."""
+        total = blocks * self.pool.pages_per_block + pages
+        if total > self.pool.available_blocks:
+            self.make_room(total, keep=session)
+        if total > self.pool.available_blocks:
             return False
         session.slot.grow(blocks)
+        session.slot.grow_pages(pages)
         return True
+
+    def window_pages(self, reuse: int, start: int, rows: int) -> int:
+        """Lone pages a window recomputation of ``start .. reuse`` holds at most, in steps of at most
+        ``rows`` rows: its own sliding pages of the blocks one step writes and the ``window`` before."""
+        if start >= reuse:
+            return 0
+        return self.pool.companions * (self.pool.blocks_for(min(rows, reuse - start) + self.window) + 1)
 
     def end_run(self, session: Session, computed: int) -> None:
         """A request on ``session`` ended with ``computed`` positions in the cache: blocks past

@@ -378,9 +378,11 @@ class TorchExecutor:
         ``(places, 2, pages, block_size, kv_heads, head_dim)``, and a layer reads and writes
         its place at its group's pages (``SeqChunk.blocks`` for the full layers,
         ``SeqChunk.sliding_blocks[g]`` for sliding group ``g``). Called before
-        :meth:`allocate_kv`; returns (sliding groups, window), or None where this executor
-        does not offer it (CUDA, whose kernels read one block table; a layout whose full
-        layers do not form one group)."""
+        :meth:`allocate_kv`; returns (sliding groups, window, sliding layers), or None where
+        this executor does not offer it (CUDA, whose kernels read one block table; a layout
+        whose full layers do not form one group). A chunk that keeps its full layers
+        (``SeqChunk.keep_full``, a rewind past the window) writes their K/V to a scratch page
+        past the pool's."""
         c = self.config
         if self.paged or self.kv is not None:
             return None
@@ -392,14 +394,14 @@ class TorchExecutor:
         place = {layer: (0, j) for j, layer in enumerate(full)}
         place.update({layer: (1 + k // size, k % size) for k, layer in enumerate(sliding)})
         self.page_groups = (size, tuple(place[i] for i in range(c.num_layers)))
-        return len(sliding) // size, c.sliding_window
+        return len(sliding) // size, c.sliding_window, len(sliding)
 
     def allocate_kv(self, num_blocks: int) -> None:
         """The paged cache; on CUDA one more block (``num_blocks``: the scratch block
         padding rows write) and the decode graphs, captured here. With sliding pages,
         ``num_blocks`` counts pages (:meth:`use_sliding_pages`)."""
         c = self.config
-        extra = 1 if self.paged else 0
+        extra = 1 if self.paged or self.page_groups is not None else 0
         places = c.num_layers if self.page_groups is None else self.page_groups[0]
         self.kv = torch.zeros(places, 2, num_blocks + extra, self.block_size, c.num_kv_heads, c.head_dim,
                               dtype=self.kv_dtype, device=self.device)
@@ -608,6 +610,20 @@ class TorchExecutor:
             views.append(attrs.evolve(step, chunks=chunks))
         return views
 
+    def _keep_full(self, step: Step, batch: AttentionBatch) -> AttentionBatch:
+        """The full layers' batch with the rows of chunks that keep their full layers' K/V
+        (``SeqChunk.keep_full``) writing to the scratch page past the pool's instead: they read
+        the K/V already there."""
+        if not any(chunk.keep_full for chunk in step.chunks):
+            return batch
+        write = batch.write_slots.clone()
+        start = 0
+        for chunk in step.chunks:
+            if chunk.keep_full:
+                write[start:start + len(chunk.tokens)] = self.num_blocks * self.block_size
+            start += len(chunk.tokens)
+        return attrs.evolve(batch, write_slots=write)
+
     def _run_eager(self, step: Step, kv: torch.Tensor):
         vocab = self.config.vocab_size
         tokens = [t for c in step.chunks for t in c.tokens]
@@ -616,6 +632,7 @@ class TorchExecutor:
         batch = self._decode_batch(step) if decode else self._attention_batch(step)
         layers_batch: AttentionBatch | list[AttentionBatch] = batch
         if self.page_groups is not None:  # each layer reads its group's pages
+            batch = self._keep_full(step, batch)
             groups = [batch] + [self._decode_batch(view) if decode else self._attention_batch(view)
                                 for view in self._sliding_views(step)]
             layers_batch = [groups[group] for group, _ in self.page_groups[1]]

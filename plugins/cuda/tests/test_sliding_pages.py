@@ -2,7 +2,8 @@
 torch executor on the CPU: sessions whose histories run many windows long answer exactly
 as with every position of every layer kept, and as transformers' greedy generate; their
 sliding pages out of the window go back to the pool; a rewind whose window left the
-device recomputes instead of reading freed pages."""
+device recomputes the sliding layers' K/V of (sliding layers x window) positions, never
+the whole history, and answers exactly as with every position kept."""
 
 from __future__ import annotations
 
@@ -69,6 +70,7 @@ def conversation(engine: Engine, events: list) -> dict[str, list[int]]:
     history += run("t1", history) + ids(2, 23)
     history += run("t2", history) + ids(3, 19)
     history += run("t3", history)
+    run("rewind_late", history[:85] + ids(8, 6))  # back into the third turn: a window recomputation
     run("rewind", history[:30] + ids(4, 5))  # back into the first turn
     engine.submit(PreparedRequest(id="a", prompt_ids=tuple(ids(5, 50)), max_tokens=12, ignore_eos=True,
                                   sampling=GREEDY))
@@ -87,7 +89,12 @@ def test_sliding_pages_answer_as_every_position_kept_and_free_the_window(checkpo
     assert conversation(paged, paged_events) == expected
     for turn in ("t2", "t3"):  # each turn extends the last: its whole history is reused
         assert cached(paged_events, turn) == cached(full_events, turn) > 40
-    assert cached(paged_events, "rewind") == 0 < cached(full_events, "rewind")  # its window left the device
+    # Rewinds whose window left the device recompute only the sliding layers' K/V, from the block
+    # (sliding layers x window) positions before the block of the window: to 85, from 52 (window 8,
+    # blocks of 4, 4 sliding layers: the window's block starts at 76, 76 - 3 x 8 = 52); to 30, from 0.
+    assert cached(full_events, "rewind_late") == 85 and cached(paged_events, "rewind_late") == 52
+    assert cached(paged_events, "rewind") == 0 < cached(full_events, "rewind")
+    assert paged.scheduler.window_rows == (85 - 52) + 30 and full.scheduler.window_rows == 0
     # The idle session keeps every block of its full layers and, of its sliding layers, only the
     # blocks the window reaches.
     session = paged.sessions.named["chat"]
