@@ -22,7 +22,8 @@ warm counts against the first checkout's.
     python benchmarks/kv_capacity.py --checkout main=/work/main/.venv/bin/python \\
         --checkout branch=.venv/bin/python --kv-cache-memory 2MiB --sessions 60 --factors 1.25,10
 
-``--flags`` (default ``--sliding-window-kv``) go to every checkout but the first.
+``--flags`` (default ``--sliding-window-kv``) go to every checkout but the first, unless its
+``--checkout`` names its own (``LABEL=PYTHON FLAG ...``); ``--common-flags`` go to every one.
 """
 
 from __future__ import annotations
@@ -127,7 +128,8 @@ def run(label: str, python: str, model: Path, args, factor: float, extra: list[s
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--checkout", action="append", required=True, help="LABEL=PYTHON (the first is the baseline)")
+    p.add_argument("--checkout", action="append", required=True,
+                   help="LABEL=PYTHON [FLAG ...] (the first is the baseline; FLAGs replace --flags for it)")
     p.add_argument("--kv-cache-memory", default="4MiB")
     p.add_argument("--sessions", type=int, default=120)
     p.add_argument("--windows", type=int, default=40, help="history length in windows (of 8 tokens)")
@@ -137,11 +139,15 @@ def main() -> int:
     p.add_argument("--no-prefix-caching", action="store_true",
                    help="serve with --no-prefix-caching: only resident sessions count, not their cached blocks")
     args = p.parse_args()
-    checkouts = [tuple(c.split("=", 1)) for c in args.checkout]
+    checkouts = []
+    for i, spec in enumerate(args.checkout):  # LABEL=PYTHON [FLAG ...]: the flags replace --flags
+        label, rest = spec.split("=", 1)
+        python, *own = rest.split()
+        checkouts.append((label, python, own if own else [] if i == 0 else args.flags.split()))
     with tempfile.TemporaryDirectory(prefix="kv-capacity-") as tmp:
         model = write_model(Path(tmp))
-        figures = [run(label, python, model, args, float(f), [] if i == 0 else args.flags.split())
-                   for f in args.factors.split(",") for i, (label, python) in enumerate(checkouts)]
+        figures = [run(label, python, model, args, float(f), flags)
+                   for f in args.factors.split(",") for label, python, flags in checkouts]
     base = {f["max_context"]: f["warm"] for f in figures if f["label"] == checkouts[0][0]}
     for f in figures:
         if f["label"] != checkouts[0][0]:
