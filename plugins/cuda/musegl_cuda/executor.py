@@ -379,12 +379,13 @@ class TorchExecutor:
         its place at its group's pages (``SeqChunk.blocks`` for the full layers,
         ``SeqChunk.sliding_blocks[g]`` for sliding group ``g``). Called before
         :meth:`allocate_kv`; returns (sliding groups, window, sliding layers), or None where
-        this executor does not offer it (CUDA, whose kernels read one block table; a layout
-        whose full layers do not form one group). A chunk that keeps its full layers
-        (``SeqChunk.keep_full``, a rewind past the window) writes their K/V to a scratch page
-        past the pool's."""
+        this executor does not offer it (a layout whose full layers do not form one group).
+        A chunk that keeps its full layers (``SeqChunk.keep_full``, a rewind past the window)
+        writes their K/V to a scratch page past the pool's. On CUDA the Triton kernels read
+        each group's block table (:meth:`_forward_plan`); the decode graphs, captured with one
+        table, are not captured then (every step runs eagerly)."""
         c = self.config
-        if self.paged or self.kv is not None:
+        if self.kv is not None:
             return None
         full = [i for i, sliding in enumerate(c.sliding) if not sliding]
         sliding = [i for i, flag in enumerate(c.sliding) if flag]
@@ -406,7 +407,7 @@ class TorchExecutor:
         self.kv = torch.zeros(places, 2, num_blocks + extra, self.block_size, c.num_kv_heads, c.head_dim,
                               dtype=self.kv_dtype, device=self.device)
         self.num_blocks = num_blocks
-        if self.paged and self.limits.step_sizes:
+        if self.paged and self.limits.step_sizes and self.page_groups is None:
             from musegl_cuda.cuda.graphs import DecodeGraphs
 
             from musegl_core.progress import loading_progress
@@ -725,15 +726,42 @@ class TorchExecutor:
         if self.dense_prefill and len(plan.starts) == 1 and plan.num_tokens >= dense_attention.MIN_ROWS:
             n = plan.num_tokens
             dense = dense_attention.DenseKeys.of_table(tables[0], self.block_size, n, int(plan.positions[0]) + n)
-        meta = PagedMeta(torch.from_numpy(plan.slots).to(dev, non_blocking=True), tables,
-                         torch.from_numpy(plan.tiles).to(dev, non_blocking=True), tiles,
+        tiles_on_device = torch.from_numpy(plan.tiles).to(dev, non_blocking=True)
+        slots = plan.slots
+        if self.page_groups is not None:  # rows keeping their full layers' K/V write the scratch block
+            slots = self._keep_full_slots(step, plan.starts, slots)
+        meta = PagedMeta(torch.from_numpy(slots).to(dev, non_blocking=True), tables, tiles_on_device, tiles,
                          sliding, block_m, self.block_size, full, dense)
         tokens = torch.from_numpy(plan.tokens).to(dev, non_blocking=True)
         if step is not None:
             self._place_drafts(step, plan.starts, tokens)
         positions = torch.from_numpy(plan.positions).to(dev, non_blocking=True)
-        layers_kv = [(kv[i, 0], kv[i, 1]) for i in range(c.num_layers)]
-        return self.model.forward_paged(tokens, positions, meta, layers_kv, taps, embeds)
+        if self.page_groups is None:
+            layers_kv = [(kv[i, 0], kv[i, 1]) for i in range(c.num_layers)]
+            return self.model.forward_paged(tokens, positions, meta, layers_kv, taps, embeds)
+        # sliding pages: each group of sliding layers reads and writes its own pages (the same rows
+        # and tiles, its own block tables and slots)
+        group_rows = rows_per_tile(block_m, c.num_heads // c.num_kv_heads)
+        metas = [meta]
+        for view in self._sliding_views(step):
+            grouped = plan_step(view, self.block_size, self.num_blocks, c.vocab_size, group_rows)
+            metas.append(PagedMeta(torch.from_numpy(grouped.slots).to(dev, non_blocking=True),
+                                   torch.from_numpy(grouped.tables).to(dev, non_blocking=True), tiles_on_device,
+                                   tiles, sliding, block_m, self.block_size, full, None))
+        layers_kv = [(kv[j, 0], kv[j, 1]) for _, j in self.page_groups[1]]
+        layer_metas = [metas[group] for group, _ in self.page_groups[1]]
+        return self.model.forward_paged(tokens, positions, layer_metas, layers_kv, taps, embeds)
+
+    def _keep_full_slots(self, step: Step | None, starts: Sequence[int], slots):
+        """``slots`` with the rows of chunks that keep their full layers' K/V
+        (``SeqChunk.keep_full``) pointed at the scratch block past the pool's."""
+        if step is None or not any(chunk.keep_full for chunk in step.chunks):
+            return slots
+        slots = slots.copy()
+        for chunk, start in zip(step.chunks, starts):
+            if chunk.keep_full:
+                slots[start:start + len(chunk.tokens)] = self.num_blocks * self.block_size
+        return slots
 
     def _place_drafts(self, step: Step, starts: Sequence[int], tokens: torch.Tensor) -> None:
         """Write the step's device drafts into ``tokens`` (the forward's token ids on the

@@ -656,7 +656,7 @@ class MuseGlimmerDecoder(nn.Module):
         hidden = torch.stack([tapped[t] for t in taps]) if taps else None
         return plain_rms_norm(h, self.config.rms_norm_eps, self.norm), hidden
 
-    def forward_paged(self, tokens: torch.Tensor, positions: torch.Tensor, meta: PagedMeta,
+    def forward_paged(self, tokens: torch.Tensor, positions: torch.Tensor, meta: PagedMeta | list[PagedMeta],
                       kv: list[tuple[torch.Tensor, torch.Tensor]], taps: tuple[int, ...] = (),
                       embeds: tuple[torch.Tensor, torch.Tensor] | None = None
                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -664,7 +664,9 @@ class MuseGlimmerDecoder(nn.Module):
         :mod:`musegl_cuda.cuda.kernels`: one product for q/k/v/gate and one for
         gate/up, QK norm + RoPE + cache write in one launch, paged attention
         over every sequence at once, and the sandwich norms fused with the
-        residual adds. Same inputs and results (up to float rounding order)."""
+        residual adds. Same inputs and results (up to float rounding order).
+        ``meta``: one for every layer, or one per layer (sliding pages: each layer its
+        group's block tables and slots)."""
         from musegl_cuda.cuda import kernels
 
         c = self.local
@@ -678,9 +680,11 @@ class MuseGlimmerDecoder(nn.Module):
         first = layers[0].input_layernorm
         _, x = kernels.add_norm(None, h, None, 0.0, first.scale, first.eps)
         tapped: dict[int, torch.Tensor] = {}
+        metas = meta if isinstance(meta, list) else [meta] * len(layers)
         for i, layer in enumerate(layers):
             if i in taps:
                 tapped[i] = h
+            meta = metas[i]
             attn = layer.self_attn
             k_flat = kv[i][0].view(-1, kv_heads, hd)
             v_flat = kv[i][1].view(-1, kv_heads, hd)

@@ -7,6 +7,11 @@ the whole history, and answers exactly as with every position kept."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -124,3 +129,23 @@ def test_fp8_kv_with_sliding_pages_answers_as_fp8_kv_with_every_position_kept(ti
     paged, paged_events = engine_for(checkpoint, tokenizer, sliding=True, kv_cache_dtype="fp8")
     assert paged.pool.companions == 2
     assert conversation(paged, paged_events) == conversation(full, full_events)
+
+
+def test_the_forward_reads_each_group_s_pages_and_a_rewind_recomputes_only_the_sliding_layers(tiny_hf):
+    """The CPU path's forward (the same check runs the CUDA path's in Triton's interpreter below)."""
+    from sliding_page_checks import check_sliding_pages
+
+    found = check_sliding_pages(str(tiny_hf.path), paged=False)
+    assert found["worst"] < 1e-5 and found["recomputed"] == 60 - 28  # window 8, 4 sliding layers, blocks of 4
+
+
+@pytest.mark.slow  # Triton's interpreter over the tiny model's 6 layers (~1-2 min on two shared cores)
+def test_the_triton_kernels_read_each_group_s_pages_in_the_interpreter(tiny_hf):
+    pytest.importorskip("triton")
+    here = Path(__file__).resolve().parent
+    code = (f"import sys; sys.path.insert(0, {str(here)!r}); from sliding_page_checks import check_sliding_pages; "
+            f"found = check_sliding_pages({str(tiny_hf.path)!r}, paged=True); "
+            "assert found['worst'] < 1e-4 and found['recomputed'] == 32, found; print(found)")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=540)
+    assert done.returncode == 0, done.stderr[-4000:]
