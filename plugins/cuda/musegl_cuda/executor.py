@@ -371,7 +371,7 @@ class TorchExecutor:
             raise RuntimeError("expect_taps must be called before allocate_kv")
         self.taps = tuple(taps)
 
-    def use_sliding_pages(self) -> tuple[int, int] | None:
+    def use_sliding_pages(self) -> tuple[int, int, int] | None:
         """Store the cache as pages of layer groups, so sliding layers keep only their window
         (the engine's sliding pages, docs/engine.md): the full layers form one group, the
         sliding layers groups of as many; one tensor per place in a group,

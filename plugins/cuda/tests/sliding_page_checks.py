@@ -20,9 +20,9 @@ BLOCK = 4
 
 def _executor(path: str, sliding: bool, pages: int, paged: bool) -> TorchExecutor:
     ex = TorchExecutor(load_checkpoint(path), device="cpu", dtype="float32", block_size=BLOCK)
-    ex.paged = paged  # the CUDA path's forward on the CPU (under Triton's interpreter)
     groups = ex.use_sliding_pages() if sliding else None
     ex.allocate_kv(pages)
+    ex.paged = paged  # the CUDA path's forward on the CPU (under Triton's interpreter), called directly
     return ex, groups
 
 

@@ -36,9 +36,11 @@ def checkpoint(request, tiny_hf, tiny_gguf):
     return load_checkpoint(tiny_hf.path if request.param == "hf" else tiny_gguf)
 
 
-def engine_for(checkpoint, tokenizer, sliding: bool, kv_cache_dtype: str = "auto") -> tuple[Engine, list]:
-    executor = TorchExecutor(checkpoint, device="cpu", dtype="float32", block_size=BLOCK,
-                             kv_cache_dtype=kv_cache_dtype)
+def engine_for(checkpoint, tokenizer, sliding: bool, kv_cache_dtype: str = "auto", executor=None,
+               block_size: int = BLOCK) -> tuple[Engine, list]:
+    if executor is None:
+        executor = TorchExecutor(checkpoint, device="cpu", dtype="float32", block_size=block_size,
+                                 kv_cache_dtype=kv_cache_dtype)
     events: list = []
     config = EngineConfig(max_context=256, max_sessions=4, max_inflight_requests=4, max_decode_sequences=4,
                           max_prefill_chunk=16, kv_blocks=200, sliding_window_kv=sliding)
@@ -149,3 +151,25 @@ def test_the_triton_kernels_read_each_group_s_pages_in_the_interpreter(tiny_hf):
     env = dict(os.environ, TRITON_INTERPRET="1")
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=540)
     assert done.returncode == 0, done.stderr[-4000:]
+
+
+@pytest.mark.slow  # spawns two rank processes (gloo on the CPU)
+def test_tensor_parallel_ranks_follow_the_sliding_pages(tiny_hf, tokenizer):
+    """Two ranks (one KV head each) keep their sliding layers' window in pages of layer groups:
+    the conversation, rewinds past the window included, answers as one executor keeping every
+    position (blocks of 16, the ranks' size)."""
+    from musegl_cuda.parallel.executor import TensorParallelExecutor
+    from musegl_cuda.parallel.rank import RankSpec
+
+    checkpoint = load_checkpoint(tiny_hf.path)
+    full, full_events = engine_for(checkpoint, tokenizer, sliding=False, block_size=16)
+    expected = conversation(full, full_events)
+    parallel = TensorParallelExecutor(RankSpec(str(tiny_hf.path), "cpu", 2, dtype="float32"))
+    try:
+        paged, paged_events = engine_for(checkpoint, tokenizer, sliding=True, executor=parallel)
+        assert paged.pool.companions == 2
+        assert conversation(paged, paged_events) == expected
+        # to 85: the window's block starts at 64, 64 - 3 x 8 = 40, in the block from 32; to 30: from 0
+        assert cached(paged_events, "rewind_late") == 32 and paged.scheduler.window_rows == (85 - 32) + 30
+    finally:
+        parallel.close()

@@ -26,6 +26,7 @@ from musegl_mlx import blas
 
 blas.route()  # before MLX is loaded: MLX binds its BLAS then (see musegl_mlx.blas)
 
+import attrs  # noqa: E402
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 
@@ -38,6 +39,7 @@ from musegl_core.engine.memory import available_ram as host_ram  # noqa: E402
 from musegl_core.engine.sample_rows import SampleRows  # noqa: E402
 from musegl_core.engine.kv_dtype import KV_CACHE_DTYPES, kv_position_bytes  # noqa: E402
 from musegl_mlx import kv_fp8  # noqa: E402
+from musegl_core.engine.sliding_pages import PageGroups, group_tables  # noqa: E402
 from musegl_core.engine.step_checks import check_copy_pairs, check_step, kv_allocated  # noqa: E402
 from musegl_mlx.loader import load_weights  # noqa: E402
 from musegl_mlx.model import MuseGlimmerDecoder, StepLayout  # noqa: E402
@@ -122,6 +124,8 @@ class MLXExecutor:
             self.vision = load_vision_encoder(vision, config, self.dtype)
         self.kv: list[list[mx.array]] | None = None  # [K per layer, V per layer], each (slots, kv_heads, hd)
         self.num_blocks = 0
+        #: sliding pages (:meth:`use_sliding_pages`): one cache per place of a layer group
+        self.page_groups: PageGroups | None = None
         log.info("MLX %s on %s (%s), %s", mx.__version__, "Metal" if metal() else "the CPU",
                  f"{platform.system()} {platform.machine()}", self.info.dtype)
         log.info("MLX computes in %s: %s", choice.name, choice.reason)
@@ -138,11 +142,28 @@ class MLXExecutor:
     def kv_memory_available(self) -> int | None:
         return available_ram()
 
+    def use_sliding_pages(self) -> tuple[int, int, int] | None:
+        """Keep the cache as pages of layer groups, so sliding layers keep only their window (the
+        engine's sliding pages, docs/engine.md): one flat K and V cache per place of a group
+        (:class:`~musegl_core.engine.sliding_pages.PageGroups`), each layer reading and writing
+        its group's pages (``SeqChunk.blocks``, ``SeqChunk.sliding_blocks[g]``); one scratch page
+        past the pool's takes the full layers' writes of ``keep_full`` rows. Called before
+        :meth:`allocate_kv`; returns (sliding groups, window, sliding layers), or None."""
+        if self.kv is not None:
+            return None
+        self.page_groups = PageGroups.of(self.config.sliding)
+        if self.page_groups is None:
+            return None
+        return self.page_groups.sliding_groups, self.config.sliding_window, self.page_groups.sliding_layers
+
     def allocate_kv(self, num_blocks: int) -> None:
         c = self.config
-        shape = (num_blocks * self.block_size, c.num_kv_heads, c.head_dim)
+        groups = self.page_groups
+        pages = num_blocks if groups is None else num_blocks + 1  # sliding pages: a scratch page
+        shape = (pages * self.block_size, c.num_kv_heads, c.head_dim)
         dtype = mx.uint8 if self.kv_cache_dtype == "fp8" else self.dtype  # fp8: e4m3 bytes
-        self.kv = [[mx.zeros(shape, dtype=dtype) for _ in range(c.num_layers)] for _ in range(2)]
+        caches = c.num_layers if groups is None else groups.places
+        self.kv = [[mx.zeros(shape, dtype=dtype) for _ in range(caches)] for _ in range(2)]
         mx.eval(self.kv)
         self.num_blocks = num_blocks
 
@@ -240,10 +261,38 @@ class MLXExecutor:
         layout = self._layout(step, tables)
         starts = list(np.cumsum([0] + [len(ch.tokens) for ch in step.chunks[:-1]]))
         positions = [p for chunk in step.chunks for p in chunk.positions]
+        places = None
+        if self.page_groups is not None:  # each layer reads and writes its group's pages
+            layout, places = self._group_layouts(step, layout), [j for _, j in self.page_groups.layers]
         normed, hidden = self.model(mx.array(np.asarray(tokens, dtype=np.int32)),
                                     mx.array(np.asarray(positions, dtype=np.int32)), layout, kv,
-                                    tuple(step.taps), self._embedding_rows(step, starts))
+                                    tuple(step.taps), self._embedding_rows(step, starts), places)
         return self._outputs(step, normed, hidden, starts, kv)
+
+    def _group_layouts(self, step: Step, full: StepLayout) -> list[StepLayout]:
+        """Each layer's layout with sliding pages: the full layers' ``full`` (rows of
+        ``keep_full`` chunks writing the scratch page instead: their K/V are in the cache),
+        each sliding group's from its pages."""
+        groups = self.page_groups
+        if any(chunk.keep_full for chunk in step.chunks):
+            write, start = np.array(full.write_slots), 0
+            for chunk in step.chunks:
+                if chunk.keep_full:
+                    write[start:start + len(chunk.tokens)] = self.num_blocks * self.block_size
+                start += len(chunk.tokens)
+            full = attrs.evolve(full, write_slots=mx.array(write))
+        layouts = [full]
+        for group in range(groups.sliding_groups):
+            view = []
+            for chunk in step.chunks:
+                if len(chunk.sliding_blocks) != groups.sliding_groups:
+                    raise ValueError(f"sequence {chunk.seq}: {len(chunk.sliding_blocks)} sliding block tables, "
+                                     f"the cache has {groups.sliding_groups} groups of sliding layers")
+                view.append(attrs.evolve(chunk, blocks=group_tables(chunk.blocks, chunk.sliding_blocks)[1 + group]))
+            layouts.append(self._layout(attrs.evolve(step, chunks=view),
+                                        check_step(attrs.evolve(step, chunks=view), self.block_size,
+                                                   self.num_blocks, self.config.vocab_size)))
+        return [layouts[group] for group, _ in groups.layers]
 
     def _outputs(self, step: Step, normed: mx.array, hidden: mx.array | None, starts: list[int],
                  kv: list[list[mx.array]]) -> StepOutput:

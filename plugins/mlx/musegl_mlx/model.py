@@ -262,9 +262,10 @@ class MuseGlimmerDecoder:
     def embed(self, tokens: mx.array) -> mx.array:
         return plain_rms_norm(self.embed_tokens(tokens, self.dtype), self.config.rms_norm_eps)
 
-    def __call__(self, tokens: mx.array, positions: mx.array, layout: StepLayout,
+    def __call__(self, tokens: mx.array, positions: mx.array, layout: StepLayout | list[StepLayout],
                  kv: list[list[mx.array]], taps: Sequence[int] = (),
-                 embeds: tuple[mx.array, mx.array] | None = None) -> tuple[mx.array, mx.array | None]:
+                 embeds: tuple[mx.array, mx.array] | None = None,
+                 places: Sequence[int] | None = None) -> tuple[mx.array, mx.array | None]:
         """Run every packed row through the decoder, writing K/V into ``kv``
         (``kv[0][i]``/``kv[1][i]``: layer ``i``'s flat caches, replaced in the lists).
 
@@ -272,7 +273,8 @@ class MuseGlimmerDecoder:
         (image features, already normed). Returns the final-normed rows
         ``(rows, H)`` and, when ``taps`` is non-empty, the input residual of
         each tapped layer stacked ``(len(taps), rows, H)`` (tap ``num_layers``:
-        the last layer's output).
+        the last layer's output). Sliding pages: ``layout`` is one per layer and
+        ``places[i]`` the cache layer ``i`` uses (``kv[0][places[i]]``).
         """
         h = self.embed(tokens)
         if embeds is not None:
@@ -282,7 +284,9 @@ class MuseGlimmerDecoder:
         for i, layer in enumerate(self.layers):
             if i in taps:
                 tapped[i] = h
-            h, kv[0][i], kv[1][i] = layer(h, rope, layout, kv[0][i], kv[1][i])
+            j = i if places is None else places[i]
+            h, kv[0][j], kv[1][j] = layer(h, rope, layout[i] if isinstance(layout, list) else layout,
+                                          kv[0][j], kv[1][j])
         if len(self.layers) in taps:
             tapped[len(self.layers)] = h
         hidden = mx.stack([tapped[t] for t in taps]) if taps else None

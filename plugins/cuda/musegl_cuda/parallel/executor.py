@@ -223,6 +223,11 @@ class TensorParallelExecutor:
         """The speculator's taps, before :meth:`allocate_kv` (the ranks capture their graphs with them)."""
         self._call(msg.ExpectTaps(self._number(), tuple(taps)))
 
+    def use_sliding_pages(self) -> tuple[int, int, int] | None:
+        """Every rank keeps its sliding layers' window in pages of layer groups (its share of
+        the heads; ``TorchExecutor.use_sliding_pages``); the steps carry the group tables."""
+        return self._call(msg.UseSlidingPages(self._number()))
+
     def allocate_kv(self, num_blocks: int) -> None:
         limits = self._call(msg.AllocateKV(self._number(), num_blocks))
         if limits is not None:  # rank 0's, after its cache: on CUDA the lone-prompt chunk fits the memory left

@@ -120,6 +120,14 @@ class ExpectTaps:
 
 
 @attrs.frozen
+class UseSlidingPages:
+    """Switch to the cache of layer-group pages, before :class:`AllocateKV`
+    (``TorchExecutor.use_sliding_pages``): every rank answers the same."""
+
+    number: int
+
+
+@attrs.frozen
 class AllocateKV:
     number: int
     num_blocks: int

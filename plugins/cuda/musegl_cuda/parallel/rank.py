@@ -306,6 +306,8 @@ class Rank:
         if isinstance(request, msg.ExpectTaps):
             ex.expect_taps(request.taps)
             return None
+        if isinstance(request, msg.UseSlidingPages):
+            return ex.use_sliding_pages()
         if isinstance(request, msg.AllocateKV):
             ex.allocate_kv(request.num_blocks)
             dist.barrier(group=self.control)  # every rank has its cache (and graphs)

@@ -1,0 +1,85 @@
+"""Sliding layers keep their window on MLX (the engine's sliding pages, docs/engine.md): a
+named session of several turns, rewinds past the window (which recompute only the sliding
+layers' K/V of (sliding layers x window) positions) and side-by-side requests answer exactly
+as the MLX executor keeping every position of every layer, on the tiny reference model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from musegl_core.checkpoint.loader import load_checkpoint
+from musegl_core.engine import events as ev
+from musegl_core.engine.engine import Engine, EngineConfig
+from musegl_core.engine.executor import GREEDY
+from musegl_core.engine.request import PreparedRequest
+from musegl_mlx.executor import MLXExecutor
+from musegl_mlx.loader import checkpoint_weights
+
+BLOCK = 4  # the tiny reference model's window is 8: two blocks
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from musegl_core.tiny import default_model_path
+    from musegl_core.tokenizer import MuseTokenizer
+
+    return MuseTokenizer.load(str(default_model_path()))
+
+
+def engine_for(path, tokenizer, sliding: bool, kv_cache_dtype: str = "auto") -> tuple[Engine, list]:
+    checkpoint = load_checkpoint(path)
+    executor = MLXExecutor(checkpoint.config, checkpoint_weights(checkpoint), checkpoint.name, dtype="float32",
+                           block_size=BLOCK, kv_cache_dtype=kv_cache_dtype)
+    checkpoint.close()
+    events: list = []
+    config = EngineConfig(max_context=256, max_sessions=4, max_inflight_requests=4, max_decode_sequences=4,
+                          max_prefill_chunk=16, kv_blocks=200, sliding_window_kv=sliding)
+    return Engine(executor, tokenizer, config, events.append), events
+
+
+def ids(seed: int, n: int) -> list[int]:
+    return torch.randint(3, 500, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def done(events, rid: str) -> ev.Done:
+    return next(e for e in events if isinstance(e, ev.Done) and e.id == rid)
+
+
+def conversation(engine: Engine, events: list) -> dict[str, list[int]]:
+    out: dict[str, list[int]] = {}
+
+    def run(rid: str, prompt: list[int], session: str | None = "chat", n: int = 10) -> list[int]:
+        engine.submit(PreparedRequest(id=rid, prompt_ids=tuple(prompt), max_tokens=n, ignore_eos=True,
+                                      sampling=GREEDY, session_id=session, stream=True))
+        engine.run_until_idle()
+        out[rid] = list(done(events, rid).generated_ids)
+        return out[rid]
+
+    history = ids(1, 37)
+    history += run("t1", history) + ids(2, 23)
+    history += run("t2", history) + ids(3, 19)
+    history += run("t3", history)
+    run("rewind_late", history[:85] + ids(8, 6))
+    run("rewind", history[:30] + ids(4, 5))
+    engine.submit(PreparedRequest(id="a", prompt_ids=tuple(ids(5, 50)), max_tokens=12, ignore_eos=True,
+                                  sampling=GREEDY))
+    engine.submit(PreparedRequest(id="b", prompt_ids=tuple(ids(6, 21)), max_tokens=30, ignore_eos=True,
+                                  sampling=GREEDY))
+    engine.run_until_idle()
+    out["a"], out["b"] = list(done(events, "a").generated_ids), list(done(events, "b").generated_ids)
+    return out
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_mlx_sliding_pages_answer_as_every_position_kept(tiny_hf, tokenizer, kv_cache_dtype):
+    full, full_events = engine_for(tiny_hf.path, tokenizer, sliding=False, kv_cache_dtype=kv_cache_dtype)
+    paged, paged_events = engine_for(tiny_hf.path, tokenizer, sliding=True, kv_cache_dtype=kv_cache_dtype)
+    assert paged.pool.companions == 2  # 4 sliding layers: 2 groups of 2
+    assert conversation(paged, paged_events) == conversation(full, full_events)
+    # to 85: the window's block starts at 76, 76 - 3 x 8 = 52; to 30: from 0 (blocks of 4, window 8)
+    assert done(paged_events, "rewind_late").cached_tokens == 52 < done(full_events, "rewind_late").cached_tokens
+    assert paged.scheduler.window_rows == (85 - 52) + 30
+    blocks = paged.sessions.named["chat"].slot.blocks
+    kept = [b for b in blocks if paged.pool.companion_pages(b) is not None]
+    assert len(blocks) >= 10 and len(kept) <= 3
