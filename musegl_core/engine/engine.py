@@ -160,7 +160,7 @@ class Engine:
         self.clock = clock
         block_size = executor.block_size
         companions, window, reach = self._sliding_pages(config, executor)
-        blocks = plan_pool(config, executor, self.speculator)
+        blocks = plan_pool(config, executor, self.speculator, pages_per_block=1 + companions)
         self.pool = KVPool(blocks * (1 + companions), block_size, companions)
         expect_taps = getattr(executor, "expect_taps", None)  # optional (docs/executor.md section 8)
         if self.speculator.taps and callable(expect_taps):
@@ -228,17 +228,19 @@ class Engine:
     def _sliding_pages(self, config: EngineConfig, executor: Executor) -> tuple[int, int | None, int | None]:
         """With ``--sliding-window-kv``, sliding layers keep their window: the executor must offer it
         (optional ``use_sliding_pages()``: it switches to the paged layout of layer groups and returns
-        (sliding pages per block, window[, sliding layers]), or None) and nothing may read the cache
-        outside the executor (no speculator); else the flag is refused in one line
+        (sliding pages per block, window[, sliding layers]), or None) and a speculator must follow
+        the pages (``follows_sliding_pages``: its K/V indexed by the full layers' block ids, which
+        keep every position, as DFlash's context store); else the flag is refused in one line
         (:class:`~musegl_core.errors.ConfigError`). Returns (sliding pages per block, window, the
         positions a rewind past the window recomputes: sliding layers x window, None when the executor
         did not say), or (0, None, None) without the flag."""
         if not config.sliding_window_kv:
             return 0, None, None
         use = getattr(executor, "use_sliding_pages", None)
-        if self.speculator.max_draft or self.speculator.taps:
-            raise ConfigError("--sliding-window-kv does not run with a speculator (drafts read the cache "
-                              "outside the executor): drop one of them")
+        drafting = self.speculator.max_draft or self.speculator.taps
+        if drafting and not getattr(self.speculator, "follows_sliding_pages", False):
+            raise ConfigError(f"--sliding-window-kv: the {type(self.speculator).__name__} speculator keeps K/V "
+                              "that does not follow sliding pages: drop one of them")
         found = use() if callable(use) else None
         if found is None:
             raise ConfigError(f"--sliding-window-kv: the {type(executor).__name__} executor does not keep sliding "

@@ -81,13 +81,15 @@ def check_fits(*, bytes_per_block: int, block_size: int, budget: int, source: st
     return affordable
 
 
-def plan_pool(config, executor, speculator) -> int:
-    """The number of KV blocks for an engine with ``config`` over ``executor``."""
+def plan_pool(config, executor, speculator, pages_per_block: int = 1) -> int:
+    """The number of KV blocks for an engine with ``config`` over ``executor``. With sliding
+    pages (``pages_per_block`` > 1) the pool is of pages and a speculator's store, indexed
+    by page ids, takes its block bytes for every page of a block."""
     block_size = executor.block_size
     needed = config.needed_blocks(block_size)
     if config.kv_blocks is not None:
         return config.kv_blocks
-    per_block = executor.kv_bytes_per_block() + speculator.kv_bytes_per_block()
+    per_block = executor.kv_bytes_per_block() + speculator.kv_bytes_per_block() * pages_per_block
     if config.kv_cache_memory is not None:
         budget, source = config.kv_cache_memory, "--kv-cache-memory"
     else:

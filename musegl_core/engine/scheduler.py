@@ -328,11 +328,13 @@ class Scheduler:
                 continue
             sampled = output.tokens.get(seq.handle)
             if seq.phase is Phase.PREFILL:
-                if seq.computed < seq.rewound:
+                recomputed = seq.computed < seq.rewound  # a window recomputation: the rows were cached
+                if recomputed:
                     self.window_rows += rows
                 seq.computed += rows
                 prompt_rows += rows
-                committed_rows[seq.handle] = rows
+                if not recomputed:  # a speculator observed them when they were computed
+                    committed_rows[seq.handle] = rows
                 if not sampled:  # a prefill chunk that did not reach the end of the prompt
                     if self.sharing is not None:
                         self.sharing.computed(seq)  # its followers adopt the full blocks next step

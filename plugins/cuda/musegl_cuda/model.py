@@ -483,21 +483,29 @@ class MuseGlimmerDecoder(nn.Module):
     def finish_stored(self) -> dict[str, int]:
         """Put the matrices of :meth:`load_stored` in place (q/k/v/gate and gate/up
         stacked where their dtypes agree); returns the weight bytes per stored dtype."""
+        self.embed_stored, self.lm_head.stored, layers = self._take_pending()
+        for layer, (qkvg, o, gate_up, down) in zip(self.layers, layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            attn.qkvg_stored, attn.o_proj.stored = StoredGroup(qkvg), o
+            mlp.gate_up_stored, mlp.down_proj.stored = StoredGroup(gate_up), down
+        return self.stored_bytes()
+
+    def _take_pending(self):
+        """The matrices :meth:`load_stored` / :meth:`load_device` collected, taken out in
+        place order: (embedding, head, and per layer (q/k/v/gate list, o_proj, gate/up list,
+        down_proj)); a checkpoint that left one out is refused."""
         pending = self._pending
         missing = [n for n in self.weight_names(self.config) if n not in pending and "norm" not in n]
         if missing:
             raise ValueError(f"checkpoint did not provide {missing[:5]}")
-        self.embed_stored = pending.pop("embed_tokens.weight")
-        self.lm_head.stored = pending.pop("lm_head.weight")
-        for i, layer in enumerate(self.layers):
+        layers = []
+        for i in range(len(self.layers)):
             p = f"layers.{i}."
-            attn, mlp = layer.self_attn, layer.mlp
-            attn.qkvg_stored = StoredGroup([pending.pop(p + f"self_attn.{n}.weight")
-                                            for n in ("q_proj", "k_proj", "v_proj", "gate_proj")])
-            attn.o_proj.stored = pending.pop(p + "self_attn.o_proj.weight")
-            mlp.gate_up_stored = StoredGroup([pending.pop(p + f"mlp.{n}.weight") for n in ("gate_proj", "up_proj")])
-            mlp.down_proj.stored = pending.pop(p + "mlp.down_proj.weight")
-        return self.stored_bytes()
+            qkvg = [pending.pop(p + f"self_attn.{n}.weight") for n in ("q_proj", "k_proj", "v_proj", "gate_proj")]
+            layers.append((qkvg, pending.pop(p + "self_attn.o_proj.weight"),
+                           [pending.pop(p + f"mlp.{n}.weight") for n in ("gate_proj", "up_proj")],
+                           pending.pop(p + "mlp.down_proj.weight")))
+        return pending.pop("embed_tokens.weight"), pending.pop("lm_head.weight"), layers
 
     def load_device(self, stored: StoredTensor, quantization: str | None = None,
                     w8a8_rows: int | None = None) -> None:
@@ -519,27 +527,18 @@ class MuseGlimmerDecoder(nn.Module):
         stacked where their types agree); returns the weight bytes per stored dtype."""
         from musegl_cuda.cuda.device_weights import MatrixGroup
 
-        pending = self._pending
-        missing = [n for n in self.weight_names(self.config) if n not in pending and "norm" not in n]
-        if missing:
-            raise ValueError(f"checkpoint did not provide {missing[:5]}")
         total: dict[str, int] = {}
 
         def count(*matrices) -> None:
             for m in matrices:
                 total[m.dtype] = total.get(m.dtype, 0) + m.nbytes
 
-        self.embed_matrix = pending.pop("embed_tokens.weight")
-        self.lm_head.matrix = pending.pop("lm_head.weight")
+        self.embed_matrix, self.lm_head.matrix, layers = self._take_pending()
         count(self.embed_matrix, self.lm_head.matrix)
-        for i, layer in enumerate(self.layers):
-            p = f"layers.{i}."
+        for layer, (qkvg, o, gate_up, down) in zip(self.layers, layers):
             attn, mlp = layer.self_attn, layer.mlp
-            attn.qkvg_matrix = MatrixGroup([pending.pop(p + f"self_attn.{n}.weight")
-                                            for n in ("q_proj", "k_proj", "v_proj", "gate_proj")])
-            attn.o_proj.matrix = pending.pop(p + "self_attn.o_proj.weight")
-            mlp.gate_up_matrix = MatrixGroup([pending.pop(p + f"mlp.{n}.weight") for n in ("gate_proj", "up_proj")])
-            mlp.down_proj.matrix = pending.pop(p + "mlp.down_proj.weight")
+            attn.qkvg_matrix, attn.o_proj.matrix = MatrixGroup(qkvg), o
+            mlp.gate_up_matrix, mlp.down_proj.matrix = MatrixGroup(gate_up), down
             count(*attn.qkvg_matrix.parts, attn.o_proj.matrix, *mlp.gate_up_matrix.parts, mlp.down_proj.matrix)
         return total
 

@@ -120,6 +120,12 @@ class TargetHead:
 class DFlashSpeculator:
     """Block drafting with a DFlash draft over a target executor (any backend)."""
 
+    #: with the engine's sliding pages (``--sliding-window-kv``) the context store follows: it is
+    #: indexed by the full layers' block ids (``SeqChunk.blocks``), which keep every position, and
+    #: a window recomputation's rows are not observed again (the engine leaves them out of
+    #: ``committed``); its store spans every page id (the engine sizes the pool for that)
+    follows_sliding_pages = True
+
     #: how many trailing ids of a request's ``tokens`` it reads (the anchor; the rest only
     #: by their count): a host that sends the requests to another process sends only these
     token_tail = 1

@@ -1,0 +1,89 @@
+"""DFlash's context store follows the engine's sliding pages (``--sliding-window-kv``): with
+the draft proposing and the torch executor on the CPU keeping only its sliding layers'
+window, a named session of several turns, rewinds past the window (recomputing only the
+sliding layers' K/V, which the store does not take again) and side-by-side requests answer
+exactly as the plain engine keeping every position, and the draft proposes what it proposes
+with every position kept (the same drafts accepted)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dflash_support import build_reference_draft, save_draft
+from musegl_core.checkpoint.loader import load_checkpoint
+from musegl_core.engine import events as ev
+from musegl_core.engine.engine import Engine, EngineConfig
+from musegl_core.engine.executor import GREEDY
+from musegl_core.engine.request import PreparedRequest
+from musegl_core.plugins.specs import ExecutorOptions
+from musegl_cuda.executor import TorchExecutor
+
+
+@pytest.fixture(scope="module")
+def demo():
+    from musegl_core.tiny import default_model_path
+    from musegl_core.tokenizer import MuseTokenizer
+
+    path = str(default_model_path())
+    return path, MuseTokenizer.load(path)
+
+
+def engine_for(demo, draft: str | None, sliding: bool) -> tuple[Engine, list]:
+    from musegl_dflash.plugin import create
+
+    path, tokenizer = demo
+    executor = TorchExecutor(load_checkpoint(path), device="cpu", dtype="float32", block_size=16)
+    speculator = None if draft is None else create(executor, ExecutorOptions(model=path, extra={"dflash": draft}))
+    events: list = []
+    config = EngineConfig(max_context=512, max_sessions=4, max_inflight_requests=4, max_decode_sequences=4,
+                          max_prefill_chunk=32, kv_blocks=120, sliding_window_kv=sliding)
+    return Engine(executor, tokenizer, config, events.append, speculator=speculator), events
+
+
+def ids(seed: int, n: int) -> list[int]:
+    return torch.randint(3, 500, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def done(events, rid: str) -> ev.Done:
+    return next(e for e in events if isinstance(e, ev.Done) and e.id == rid)
+
+
+def conversation(engine: Engine, events: list) -> dict[str, list[int]]:
+    out: dict[str, list[int]] = {}
+
+    def run(rid: str, prompt: list[int], session: str | None = "chat", n: int = 12) -> list[int]:
+        engine.submit(PreparedRequest(id=rid, prompt_ids=tuple(prompt), max_tokens=n, ignore_eos=True,
+                                      sampling=GREEDY, session_id=session, stream=True))
+        engine.run_until_idle()
+        out[rid] = list(done(events, rid).generated_ids)
+        return out[rid]
+
+    history = ids(1, 70)
+    history += run("t1", history) + ids(2, 41)
+    history += run("t2", history) + ids(3, 37)
+    history += run("t3", history)
+    run("rewind_late", history[:150] + ids(8, 6))  # the window (32) of 150 left the device
+    engine.submit(PreparedRequest(id="a", prompt_ids=tuple(ids(5, 50)), max_tokens=12, ignore_eos=True,
+                                  sampling=GREEDY))
+    engine.submit(PreparedRequest(id="b", prompt_ids=tuple(ids(6, 21)), max_tokens=20, ignore_eos=True,
+                                  sampling=GREEDY))
+    engine.run_until_idle()
+    out["a"], out["b"] = list(done(events, "a").generated_ids), list(done(events, "b").generated_ids)
+    return out
+
+
+def test_dflash_with_sliding_pages_answers_as_the_plain_engine(demo, tmp_path):
+    draft = str(save_draft(build_reference_draft(), tmp_path / "draft"))
+    plain, plain_events = engine_for(demo, None, sliding=False)
+    paged, paged_events = engine_for(demo, draft, sliding=True)
+    assert paged.pool.companions == 3 and paged.speculator.max_draft > 0  # 3 sliding layers, 1 full
+    assert conversation(paged, paged_events) == conversation(plain, plain_events)
+    assert paged.scheduler.verify_blocks > 0  # the draft's blocks were verified
+    # the store held the same context as with every position kept: the same drafts were accepted
+    kept, kept_events = engine_for(demo, draft, sliding=False)
+    conversation(kept, kept_events)
+    assert (paged.scheduler.drafted_tokens, paged.scheduler.accepted_tokens) == (
+        kept.scheduler.drafted_tokens, kept.scheduler.accepted_tokens)
+    # 150 - 32 = 118 is in the block from 112; 3 sliding layers reach 96 positions: from 112 - 64 = 48
+    assert done(paged_events, "rewind_late").cached_tokens == 48 and paged.scheduler.window_rows == 150 - 48
