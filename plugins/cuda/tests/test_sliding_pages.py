@@ -173,3 +173,18 @@ def test_tensor_parallel_ranks_follow_the_sliding_pages(tiny_hf, tokenizer):
         assert cached(paged_events, "rewind_late") == 32 and paged.scheduler.window_rows == (85 - 32) + 30
     finally:
         parallel.close()
+
+
+def test_a_model_whose_layers_form_no_groups_refuses_the_flag_in_one_line(tmp_path, tokenizer):
+    """Two full layers and three sliding ones: no groups of as many layers (docs/engine.md), so
+    --sliding-window-kv is refused at start-up in one line rather than accepted and ignored."""
+    from musegl_core.errors import ConfigError
+    from musegl_core.testing.reference_models import build_tiny_model
+
+    kinds = ["sliding_attention", "full_attention", "sliding_attention", "full_attention", "sliding_attention"]
+    build_tiny_model(seed=6, num_hidden_layers=5, layer_types=kinds).save_pretrained(tmp_path)
+    with pytest.raises(ConfigError) as refused:
+        engine_for(load_checkpoint(tmp_path), tokenizer, sliding=True)
+    message = str(refused.value)
+    assert "--sliding-window-kv" in message and "TorchExecutor" in message and "\n" not in message
+    assert engine_for(load_checkpoint(tmp_path), tokenizer, sliding=False)[0].pool.companions == 0
