@@ -57,6 +57,7 @@ from musegl_cuda.model import AttentionBatch, DecodeAttention, MuseGlimmerDecode
 from musegl_cuda.parallel.shard import TensorShard
 from musegl_cuda.quantization import QUANTIZATIONS, quantized_stored
 from musegl_cuda.cuda import dense_attention
+from musegl_core.engine.sliding_pages import PageGroups, group_tables
 from musegl_cuda.cuda.plan import StepPlan, plan_step, rows_per_tile
 from musegl_cuda.vision import load_vision_encoder
 from musegl_cuda.pending import GreedyIds, Launched, Sampled, device_sources, follow_on_host
@@ -330,7 +331,7 @@ class TorchExecutor:
                      float(self.kv_scales[:, 1].min()), float(self.kv_scales[:, 1].max()))
         self.kv: torch.Tensor | None = None
         #: sliding pages (:meth:`use_sliding_pages`): layers per page and each layer's (group, index)
-        self.page_groups: tuple[int, tuple[tuple[int, int], ...]] | None = None
+        self.page_groups: PageGroups | None = None
         self.num_blocks = 0
         self.graphs = None
         self.taps: tuple[int, ...] = ()  # captured into the decode graphs (expect_taps)
@@ -387,15 +388,10 @@ class TorchExecutor:
         c = self.config
         if self.kv is not None:
             return None
-        full = [i for i, sliding in enumerate(c.sliding) if not sliding]
-        sliding = [i for i, flag in enumerate(c.sliding) if flag]
-        if not full or not sliding or len(sliding) % len(full):
+        self.page_groups = PageGroups.of(c.sliding)
+        if self.page_groups is None:
             return None
-        size = len(full)
-        place = {layer: (0, j) for j, layer in enumerate(full)}
-        place.update({layer: (1 + k // size, k % size) for k, layer in enumerate(sliding)})
-        self.page_groups = (size, tuple(place[i] for i in range(c.num_layers)))
-        return len(sliding) // size, c.sliding_window, len(sliding)
+        return self.page_groups.sliding_groups, c.sliding_window, self.page_groups.sliding_layers
 
     def allocate_kv(self, num_blocks: int) -> None:
         """The paged cache; on CUDA one more block (``num_blocks``: the scratch block
@@ -403,7 +399,7 @@ class TorchExecutor:
         ``num_blocks`` counts pages (:meth:`use_sliding_pages`)."""
         c = self.config
         extra = 1 if self.paged or self.page_groups is not None else 0
-        places = c.num_layers if self.page_groups is None else self.page_groups[0]
+        places = c.num_layers if self.page_groups is None else self.page_groups.places
         self.kv = torch.zeros(places, 2, num_blocks + extra, self.block_size, c.num_kv_heads, c.head_dim,
                               dtype=self.kv_dtype, device=self.device)
         self.num_blocks = num_blocks
@@ -598,7 +594,7 @@ class TorchExecutor:
     def _sliding_views(self, step: Step) -> list[Step]:
         """The step as each group of sliding layers sees it: every chunk with its group's pages
         as ``blocks`` (a page out of every row's window, -1, reads page 0 under a mask)."""
-        groups = len(self.page_groups[1]) and max(g for g, _ in self.page_groups[1])
+        groups = self.page_groups.sliding_groups
         views = []
         for group in range(groups):
             chunks = []
@@ -606,8 +602,7 @@ class TorchExecutor:
                 if len(chunk.sliding_blocks) != groups:
                     raise ValueError(f"sequence {chunk.seq}: {len(chunk.sliding_blocks)} sliding block tables, "
                                      f"the cache has {groups} groups of sliding layers")
-                table = [b if b >= 0 else 0 for b in chunk.sliding_blocks[group]]
-                chunks.append(attrs.evolve(chunk, blocks=table))
+                chunks.append(attrs.evolve(chunk, blocks=group_tables(chunk.blocks, chunk.sliding_blocks)[1 + group]))
             views.append(attrs.evolve(step, chunks=chunks))
         return views
 
@@ -636,7 +631,7 @@ class TorchExecutor:
             batch = self._keep_full(step, batch)
             groups = [batch] + [self._decode_batch(view) if decode else self._attention_batch(view)
                                 for view in self._sliding_views(step)]
-            layers_batch = [groups[group] for group, _ in self.page_groups[1]]
+            layers_batch = [groups[group] for group, _ in self.page_groups.layers]
         token_ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
         positions = torch.tensor([p for c in step.chunks for p in c.positions], device=self.device)
         starts = [seq.rows.start for seq in batch.sequences]
@@ -645,7 +640,7 @@ class TorchExecutor:
         if self.page_groups is None:
             layers_kv = [(kv[i, 0], kv[i, 1]) for i in range(self.config.num_layers)]
         else:
-            layers_kv = [(kv[j, 0], kv[j, 1]) for _, j in self.page_groups[1]]
+            layers_kv = [(kv[j, 0], kv[j, 1]) for _, j in self.page_groups.layers]
         normed, hidden = self.model(token_ids, positions, layers_batch, layers_kv, tuple(step.taps), embeds)
         return (lambda rows: self.model.logits(normed[rows])), hidden, starts
 
@@ -748,8 +743,8 @@ class TorchExecutor:
             metas.append(PagedMeta(torch.from_numpy(grouped.slots).to(dev, non_blocking=True),
                                    torch.from_numpy(grouped.tables).to(dev, non_blocking=True), tiles_on_device,
                                    tiles, sliding, block_m, self.block_size, full, None))
-        layers_kv = [(kv[j, 0], kv[j, 1]) for _, j in self.page_groups[1]]
-        layer_metas = [metas[group] for group, _ in self.page_groups[1]]
+        layers_kv = [(kv[j, 0], kv[j, 1]) for _, j in self.page_groups.layers]
+        layer_metas = [metas[group] for group, _ in self.page_groups.layers]
         return self.model.forward_paged(tokens, positions, layer_metas, layers_kv, taps, embeds)
 
     def _keep_full_slots(self, step: Step | None, starts: Sequence[int], slots):
