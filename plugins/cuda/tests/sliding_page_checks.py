@@ -8,7 +8,6 @@ the Triton kernels reading each layer group's block tables; on the CPU under
 
 from __future__ import annotations
 
-import attrs
 import torch
 
 from musegl_core.checkpoint.loader import load_checkpoint

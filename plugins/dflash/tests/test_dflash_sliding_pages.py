@@ -80,6 +80,8 @@ def test_dflash_with_sliding_pages_answers_as_the_plain_engine(demo, tmp_path):
     assert paged.pool.companions == 3 and paged.speculator.max_draft > 0  # 3 sliding layers, 1 full
     assert conversation(paged, paged_events) == conversation(plain, plain_events)
     assert paged.scheduler.verify_blocks > 0  # the draft's blocks were verified
+    # 150 - 32 = 118 is in the block from 112; 3 sliding layers reach 96 positions: from 112 - 64 = 48
+    assert done(paged_events, "rewind_late").cached_tokens == 48 and paged.scheduler.window_rows == 150 - 48
     # the store holds the session's context as with every position kept (the recomputed rows were
     # not stored again: their target features past the first sliding layer are not exact)
     kept, kept_events = engine_for(demo, draft, sliding=False)
@@ -94,5 +96,3 @@ def store_rows(engine: Engine) -> torch.Tensor:
     size = engine.pool.block_size
     slots = [session.slot.blocks[p // size] * size + p % size for p in range(len(session.tokens))]
     return engine.speculator.kv[:, :, slots]
-    # 150 - 32 = 118 is in the block from 112; 3 sliding layers reach 96 positions: from 112 - 64 = 48
-    assert done(paged_events, "rewind_late").cached_tokens == 48 and paged.scheduler.window_rows == 150 - 48
