@@ -29,11 +29,12 @@ def demo():
     return path, MuseTokenizer.load(path)
 
 
-def engine_for(demo, draft: str | None, sliding: bool) -> tuple[Engine, list]:
+def engine_for(demo, draft: str | None, sliding: bool, executor=None) -> tuple[Engine, list]:
     from musegl_dflash.plugin import create
 
     path, tokenizer = demo
-    executor = TorchExecutor(load_checkpoint(path), device="cpu", dtype="float32", block_size=16)
+    if executor is None:
+        executor = TorchExecutor(load_checkpoint(path), device="cpu", dtype="float32", block_size=16)
     speculator = None if draft is None else create(executor, ExecutorOptions(model=path, extra={"dflash": draft}))
     events: list = []
     config = EngineConfig(max_context=512, max_sessions=4, max_inflight_requests=4, max_decode_sequences=4,
@@ -96,3 +97,24 @@ def store_rows(engine: Engine) -> torch.Tensor:
     size = engine.pool.block_size
     slots = [session.slot.blocks[p // size] * size + p % size for p in range(len(session.tokens))]
     return engine.speculator.kv[:, :, slots]
+
+
+@pytest.mark.slow  # spawns two rank processes (gloo on the CPU)
+def test_dflash_on_tensor_parallel_ranks_follows_the_sliding_pages(demo, tmp_path):
+    """The draft hosted on two ranks (``RankSpeculator``) keeps its store in the pages' block ids
+    too (each rank's DFlashSpeculator, whose store the test above compares): the engine accepts
+    it with --sliding-window-kv and the conversation answers as the plain engine."""
+    from musegl_cuda.parallel.executor import TensorParallelExecutor
+    from musegl_cuda.parallel.rank import RankSpec
+
+    draft = str(save_draft(build_reference_draft(), tmp_path / "draft"))
+    plain, plain_events = engine_for(demo, None, sliding=False)
+    parallel = TensorParallelExecutor(RankSpec(demo[0], "cpu", 2, dtype="float32"))
+    try:
+        paged, paged_events = engine_for(demo, draft, sliding=True, executor=parallel)
+        assert paged.pool.companions == 3 and paged.speculator.follows_sliding_pages
+        assert conversation(paged, paged_events) == conversation(plain, plain_events)
+        assert done(paged_events, "rewind_late").cached_tokens == 48 and paged.scheduler.window_rows == 150 - 48
+        assert paged.scheduler.verify_blocks > 0
+    finally:
+        parallel.close()

@@ -196,6 +196,7 @@ class SpeculatorLoaded:
     kv_bytes_per_block: int  # one rank's
     free_memory: list[int | None]
     token_tail: int | None = None  # the trailing ids of a request it reads (None: all of them)
+    follows_sliding_pages: bool = False  # its K/V follows the engine's sliding pages (DFlash's store)
 
 
 @attrs.frozen

@@ -383,7 +383,8 @@ class Rank:
         every = [f for f, _ in every]
         tail = getattr(s, "token_tail", None)
         return msg.SpeculatorLoaded(tuple(s.taps), int(s.max_draft), int(s.kv_bytes_per_block()), every,
-                                    None if tail is None else int(tail))
+                                    None if tail is None else int(tail),
+                                    bool(getattr(s, "follows_sliding_pages", False)))
 
     def propose(self, request: msg.Propose) -> Any:
         """The hosted speculator's drafts: answered (the host path), or kept under the key."""

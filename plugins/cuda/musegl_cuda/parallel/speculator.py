@@ -58,6 +58,8 @@ class RankSpeculator:
         self.max_draft = loaded.max_draft
         self.per_rank_kv = loaded.kv_bytes_per_block
         self.token_tail = loaded.token_tail
+        #: the hosted speculator's (``--sliding-window-kv``: DFlash's store follows the pages)
+        self.follows_sliding_pages = loaded.follows_sliding_pages
         self._keys = 0
 
     def kv_bytes_per_block(self) -> int:
