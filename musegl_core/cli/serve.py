@@ -130,6 +130,9 @@ def prepare(argv: list[str]):
     from musegl_core.engine.kv_dtype import check_kv_cache_dtype
 
     check_kv_cache_dtype(config.kv_cache_dtype, spec)
+    from musegl_core.engine.sliding_pages import check_sliding_pages
+
+    check_sliding_pages(config.sliding_window_kv, spec)
     if config.model:
         if spec.check is not None:  # the executor checks the model itself (its own formats, --load-format)
             from musegl_core.plugins.specs import ExecutorOptions

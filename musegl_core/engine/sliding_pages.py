@@ -9,6 +9,8 @@ from collections.abc import Sequence
 
 import attrs
 
+from musegl_core.errors import ConfigError
+
 
 @attrs.frozen
 class PageGroups:
@@ -39,3 +41,12 @@ def group_tables(blocks: Sequence[int], sliding_blocks: Sequence[Sequence[int]])
     """Every group's block table of a chunk: the full layers' ``blocks``, then each sliding
     group's pages with -1 (a page out of every row's window, never read) as page 0."""
     return [list(blocks)] + [[b if b >= 0 else 0 for b in table] for table in sliding_blocks]
+
+
+def check_sliding_pages(sliding_window_kv: bool, spec) -> None:
+    """Refuse, in one line before the worker starts, ``--sliding-window-kv`` for an executor
+    (its :class:`~musegl_core.plugins.specs.ExecutorSpec`) that never keeps sliding windows."""
+    if sliding_window_kv and not spec.sliding_pages:
+        raise ConfigError(f"--sliding-window-kv: the {spec.name} executor keeps every position of every layer "
+                          "(docs/engine.md \"Sliding layers keep their window\" lists the executors that "
+                          "follow it); serve without it")

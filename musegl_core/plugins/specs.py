@@ -66,6 +66,9 @@ class ExecutorSpec:
 
     ``kv_cache_dtypes``: the ``--kv-cache-dtype`` values the executor stores
     (``auto`` always); ``musegl serve`` refuses any other in one line at start-up.
+    ``sliding_pages``: whether the executor's instances offer ``use_sliding_pages``
+    (``--sliding-window-kv``); ``musegl serve`` refuses the flag in one line before
+    the worker starts where it is False.
     """
 
     name: str
@@ -78,6 +81,7 @@ class ExecutorSpec:
     claims: Callable[[str], bool] | None = None
     check: Callable[[ExecutorOptions], None] | None = None
     kv_cache_dtypes: tuple[str, ...] = ("auto",)
+    sliding_pages: bool = False
     #: (optional) before loading, what the weights will take on the device and the memory it
     #: has (:class:`musegl_core.engine.fit.MemoryPlan`), from the checkpoint's tensor table
     #: alone; ``musegl serve`` prints the fit and refuses a model that does not fit

@@ -278,9 +278,11 @@ def musegl_executors() -> list[ExecutorSpec]:
         ExecutorSpec(name="cuda", description="Muse Glimmer decoder in PyTorch on an NVIDIA GPU",
                      create=create_cuda, available=cuda_available, priority=100,
                      kv_layout=lambda options: kv_layout(options, "cuda"), check=check_model,
-                     kv_cache_dtypes=KV_CACHE_DTYPES, memory_plan=lambda options: memory_plan(options, "cuda")),
+                     kv_cache_dtypes=KV_CACHE_DTYPES, memory_plan=lambda options: memory_plan(options, "cuda"),
+                     sliding_pages=True),
         ExecutorSpec(name="torch-cpu", description="Muse Glimmer decoder in PyTorch on the CPU",
                      create=create_torch_cpu, available=lambda: True, priority=10,
                      kv_layout=lambda options: kv_layout(options, "cpu"), check=check_cpu_model,
-                     kv_cache_dtypes=KV_CACHE_DTYPES, memory_plan=lambda options: memory_plan(options, "cpu")),
+                     kv_cache_dtypes=KV_CACHE_DTYPES, memory_plan=lambda options: memory_plan(options, "cpu"),
+                     sliding_pages=True),
     ]

@@ -135,5 +135,5 @@ def musegl_executors() -> list[ExecutorSpec]:
                      priority=APPLE_PRIORITY if apple_silicon() else OTHER_PRIORITY,
                      kv_layout=kv_layout, unavailable_reason=unavailable_reason, check=check,
                      kv_cache_dtypes=("auto", "fp8"),
-                     memory_plan=memory_plan),
+                     memory_plan=memory_plan, sliding_pages=True),
     ]
