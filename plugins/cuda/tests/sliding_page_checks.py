@@ -17,11 +17,11 @@ from musegl_cuda.executor import TorchExecutor
 BLOCK = 4
 
 
-def _executor(path: str, sliding: bool, pages: int, paged: bool) -> TorchExecutor:
-    ex = TorchExecutor(load_checkpoint(path), device="cpu", dtype="float32", block_size=BLOCK)
+def _executor(path: str, sliding: bool, pages: int, paged: bool, device: str) -> TorchExecutor:
+    ex = TorchExecutor(load_checkpoint(path), device=device, dtype="float32", block_size=BLOCK)
     groups = ex.use_sliding_pages() if sliding else None
     ex.allocate_kv(pages)
-    ex.paged = paged  # the CUDA path's forward on the CPU (under Triton's interpreter), called directly
+    ex.paged = paged  # on the CPU: the CUDA path's forward (under Triton's interpreter), called directly
     return ex, groups
 
 
@@ -35,21 +35,22 @@ def _forward(ex: TorchExecutor, step: Step) -> torch.Tensor:
             plan = plan_step(step, ex.block_size, ex.num_blocks, c.vocab_size,
                              rows_per_tile(ex.prefill_block_m, c.num_heads // c.num_kv_heads))
             normed, _ = ex._forward_plan(plan, ex.kv, ex.prefill_block_m, step=step)
-            return ex.model.logits(normed[:step.num_tokens]).float()
+            return ex.model.logits(normed[:step.num_tokens]).float().cpu()
         head, _hidden, _starts = ex._run_eager(step, ex.kv)
         return head(torch.arange(step.num_tokens)).float()
 
 
-def check_sliding_pages(path: str, paged: bool, prompt: int = 64, rewind: int = 60) -> dict:
+def check_sliding_pages(path: str, paged: bool, prompt: int = 64, rewind: int = 60, device: str = "cpu") -> dict:
     """Run a ``prompt``-token prefill, a continuation whose window left the first blocks, and a
     rewind to ``rewind`` whose window left the device: the rewind recomputes the sliding
     layers' K/V of ``start .. rewind`` into pages of its own (the engine's ``window_start``:
     from the block ``sliding layers × window`` before the window's block) while the full
     layers' K/V stay untouched; each continuation's logits match the executor that keeps
-    everything. Returns the worst relative logit difference."""
+    everything. Returns the worst relative logit difference. ``device`` "cuda": on a GPU
+    (``paged`` must then be True: the CUDA path)."""
     ids = torch.randint(3, 500, (prompt + 8,), generator=torch.Generator().manual_seed(3)).tolist()
-    full, _ = _executor(path, False, 80, paged)
-    paged_ex, found = _executor(path, True, 256, paged)
+    full, _ = _executor(path, False, 80, paged, device)
+    paged_ex, found = _executor(path, True, 256, paged, device)
     groups, window, layers = found
     blocks = list(range(1, -(-(prompt + 8) // BLOCK) + 1))  # the full layers' pages (the reference's blocks)
     # the sliding groups' pages, disjoint from the full ones; page 0 (what -1 reads) holds garbage

@@ -188,3 +188,25 @@ def test_a_model_whose_layers_form_no_groups_refuses_the_flag_in_one_line(tmp_pa
     message = str(refused.value)
     assert "--sliding-window-kv" in message and "TorchExecutor" in message and "\n" not in message
     assert engine_for(load_checkpoint(tmp_path), tokenizer, sliding=False)[0].pool.companions == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_the_cuda_forward_and_engine_follow_the_sliding_pages_on_a_gpu(tiny_hf, tokenizer):
+    """On a GPU: the forward check through the Triton kernels compiled for the card, and the
+    conversation (turns, rewinds past the window, side-by-side requests) through the engine
+    with sliding pages answering as without them (the CUDA path both times, float32)."""
+    from sliding_page_checks import check_sliding_pages
+
+    found = check_sliding_pages(str(tiny_hf.path), paged=True, device="cuda")
+    assert found["worst"] < 1e-3 and found["recomputed"] == 32
+
+    def cuda_engine(sliding: bool):
+        executor = TorchExecutor(load_checkpoint(tiny_hf.path), device="cuda", dtype="float32", block_size=BLOCK)
+        return engine_for(None, tokenizer, sliding=sliding, executor=executor)
+
+    full, full_events = cuda_engine(False)
+    paged, paged_events = cuda_engine(True)
+    assert paged.pool.companions == 2
+    assert conversation(paged, paged_events) == conversation(full, full_events)
+    assert cached(paged_events, "rewind_late") == 52 and paged.scheduler.window_rows == (85 - 52) + 30
