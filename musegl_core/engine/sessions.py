@@ -757,11 +757,21 @@ class SessionTable:
             blocks *= pool.pages_per_block
             return (f"the KV cache is full: a request needs {blocks} KV pages (a block of {pool.block_size} "
                     f"positions is {pool.pages_per_block} pages with its sliding layers'), {pool.available_blocks} "
-                    f"of {pool.num_blocks} are free; idle named sessions hold {idle}"
+                    f"of {pool.num_blocks} are free; idle named sessions hold {idle}{self._host_numbers()}"
                     + ("" if self.evict_idle else " (start the server with --evict-idle-sessions to evict idle ones)"))
         hint = "" if self.evict_idle else " (start the server with --evict-idle-sessions to evict idle ones)"
         return (f"the KV cache is full: a request needs {blocks} KV blocks of {pool.block_size} positions, "
-                f"{pool.available_blocks} of {pool.num_blocks} are free; idle named sessions hold {idle}{hint}")
+                f"{pool.available_blocks} of {pool.num_blocks} are free; idle named sessions hold {idle}"
+                f"{self._host_numbers()}{hint}")
+
+    def _host_numbers(self) -> str:
+        """The host tier's part of a 503's message: its pages, and what holds them."""
+        host = self.host
+        if host is None:
+            return "; no host tier (--kv-offload-memory 0, or the executor offers none)"
+        held = sum(len(b.pages) for h in [*self.named.values(), *self.snapshots] for b in h.host)
+        return (f"; the host tier (--kv-offload-memory) has {host.free_pages} of {host.num_pages} pages free, "
+                f"sessions and snapshots that may not be lost hold {held}")
 
     def publish(self, session: Session) -> None:
         """Key the session's computed full blocks in the prefix cache (when on)."""
