@@ -250,7 +250,7 @@ class SessionTable:
         #: requests that reused positions, and the positions, by where their K/V came from (cache_source)
         self.tier_hits = {"device": 0, "host": 0}
         self.tier_hit_tokens = {"device": 0, "host": 0}
-        self.suspended_offloads = 0  # idle holders moved down
+        self.offloads = 0  # idle holders moved down
 
     @staticmethod
     def pool_blocks(block_size: int, *, max_sessions: int, max_context: int, snapshots: int) -> int:
@@ -593,7 +593,7 @@ class SessionTable:
         if len(holder.tokens) > len(blocks) * pool.block_size:  # (never: a holder fills its blocks)
             holder.tokens = holder.tokens[: len(blocks) * pool.block_size]
         holder.slot.truncate(0, rereserve=False)
-        self.suspended_offloads += 1
+        self.offloads += 1
         return True
 
     def _host_room(self, pages: int, keep=None) -> None:

@@ -242,3 +242,20 @@ def test_tier_metrics_carry_a_cache_source_label():
         {"device": 10.0, "host": 20.0}
     assert [s.labels["cache_source"] for s in families["musegl_kv_tier_hits"].samples] == ["host"]
     assert "musegl_kv_tier_capacity_bytes" not in families
+
+
+def test_the_flag_takes_a_size_or_0():
+    from musegl_core.cli.serve import build_parser, config_from_args
+    from musegl_core.engine.engine import EngineConfig
+
+    parser = build_parser()
+
+    def offload(*flags):
+        config = config_from_args(parser.parse_args(list(flags)), parser).validate()
+        return EngineConfig.from_serve(config).kv_offload_memory
+
+    assert offload() is None  # the default (kv_host.default_host_bytes)
+    assert offload("--kv-offload-memory", "16GiB") == 16 << 30
+    assert offload("--kv-offload-memory", "0") == 0
+    with pytest.raises(SystemExit):
+        offload("--kv-offload-memory", "lots")
