@@ -109,6 +109,7 @@ def test_sliding_pages_move_down_and_back_too(checkpoint, tokenizer):
     assert tight.stats()["kv_restores"] >= 2  # (a session's sliding pages are few: less pressure)
 
 
+@pytest.mark.slow
 def test_snapshots_and_the_prefix_cache_move_down_and_come_back(checkpoint, tokenizer):
     """Anonymous requests sharing a system prefix: the prefix cache's blocks and the snapshots
     the pool evicts go to the host tier, and a later request with the prefix reuses them."""
