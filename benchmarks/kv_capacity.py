@@ -22,8 +22,14 @@ warm counts against the first checkout's.
     python benchmarks/kv_capacity.py --checkout main=/work/main/.venv/bin/python \\
         --checkout branch=.venv/bin/python --kv-cache-memory 2MiB --sessions 60 --factors 1.25,10
 
-``--flags`` (default ``--sliding-window-kv``) go to every checkout but the first, unless its
-``--checkout`` names its own (``LABEL=PYTHON FLAG ...``); ``--common-flags`` go to every one.
+``--flags`` (default ``--sliding-window-kv``) go to every checkout but the first,
+``--baseline-flags`` to the first, unless a ``--checkout`` names its own (``LABEL=PYTHON FLAG ...``);
+``--common-flags`` go to every one. The host tier (``--kv-offload-memory``) is measured
+with one checkout twice, the baseline without it:
+
+    python benchmarks/kv_capacity.py --checkout nohost=.venv/bin/python --checkout host=.venv/bin/python \
+        --baseline-flags "--sliding-window-kv --kv-offload-memory 0" \
+        --flags "--sliding-window-kv --kv-offload-memory 64MiB" --kv-cache-memory 4MiB --sessions 70
 """
 
 from __future__ import annotations
@@ -136,6 +142,7 @@ def main() -> int:
     p.add_argument("--factors", default="1.25,10", help="--max-context as multiples of the history")
     p.add_argument("--flags", default="--sliding-window-kv", help="serve flags of every checkout but the baseline")
     p.add_argument("--common-flags", default="", help="serve flags of every checkout, the baseline's included")
+    p.add_argument("--baseline-flags", default="", help="serve flags of the baseline (the first checkout)")
     p.add_argument("--no-prefix-caching", action="store_true",
                    help="serve with --no-prefix-caching: only resident sessions count, not their cached blocks")
     args = p.parse_args()
@@ -143,7 +150,7 @@ def main() -> int:
     for i, spec in enumerate(args.checkout):  # LABEL=PYTHON [FLAG ...]: the flags replace --flags
         label, rest = spec.split("=", 1)
         python, *own = rest.split()
-        checkouts.append((label, python, own if own else [] if i == 0 else args.flags.split()))
+        checkouts.append((label, python, own if own else args.baseline_flags.split() if i == 0 else args.flags.split()))
     with tempfile.TemporaryDirectory(prefix="kv-capacity-") as tmp:
         model = write_model(Path(tmp))
         figures = [run(label, python, model, args, float(f), flags)
