@@ -88,6 +88,9 @@ class EngineConfig:
     #: sliding layers keep only their window on the device, where the executor offers it
     #: (``--sliding-window-kv``, ``use_sliding_pages``; docs/engine.md "Sliding layers keep their window")
     sliding_window_kv: bool = False
+    #: the disk tier (``--kv-offload-dir``, ``--kv-offload-disk``; engine/kv_disk.py): None, None for none
+    kv_offload_dir: str | None = None
+    kv_offload_disk: int | None = None
 
     @classmethod
     def from_serve(cls, config) -> "EngineConfig":
