@@ -106,7 +106,12 @@ def payload_digest(data: bytes) -> bytes:
 
 
 class DiskTier:
-    """A file-backed block store of ``capacity`` bytes under ``root`` for blocks of ``fmt``."""
+    """A file-backed block store of ``capacity`` bytes under ``root`` for blocks of ``fmt``.
+
+    It is the tier below the host tier (the ``KVTier`` interface of engine/kv_host.py:
+    :attr:`name`, :meth:`contains`, :meth:`put`, :meth:`get`)."""
+
+    name = "disk"  # the cache_source label of its hits
 
     def __init__(self, root: str | os.PathLike, capacity: int, fmt: BlockFormat):
         self.root = Path(root)
@@ -188,9 +193,12 @@ class DiskTier:
         name = key.hex()
         return self.dir / name[:2] / f"{name}{SUFFIX}"
 
-    def __contains__(self, key: bytes) -> bool:
+    def contains(self, key: bytes) -> bool:
+        """Whether a block is indexed under ``key`` (its file is checked only by :meth:`get`)."""
         with self._lock:
             return key in self._lru
+
+    __contains__ = contains
 
     def __len__(self) -> int:
         return len(self._lru)
