@@ -425,6 +425,8 @@ class Engine:
         self._queue_seconds[request.id] = waited
         session.active = True
         session.last_used = time.monotonic()
+        if request.retention is not None:  # the latest ask sets how long the idle session is kept
+            session.retention = request.retention
         if request.sampling.seed is None:  # every draw is keyed by (seed, position)
             request = attrs.evolve(request, sampling=attrs.evolve(request.sampling, seed=random_seed()))
         seq = SequenceState(

@@ -36,6 +36,7 @@ import attrs
 from musegl_core.engine.kv_pool import KVPool, PoolExhausted
 from musegl_core.engine.prefix_cache import PrefixCache
 from musegl_core.engine.replay import ReplayLog
+from musegl_core.engine.retention import evict_order, idle_timeout
 
 
 class CapacityError(Exception):
@@ -64,6 +65,7 @@ class SessionInfo:
     cached_tokens: int
     idle_seconds: float
     queued_requests: int = 0
+    retention: str | None = None  # the residency its requests asked for (engine/retention.py)
 
 
 @attrs.define(eq=False)
@@ -177,6 +179,7 @@ class Session:
     salt: str | None = None
     soft: bool = False  # named by a client's own conversation key: expires and is evicted first
     group: str | None = None  # an anonymous choice's response (RequestOptions.group)
+    retention: str | None = None  # the residency its requests asked for (engine/retention.py; None: none)
     clean: bool = True
     confirmed: bool = False
     active: bool = False
@@ -275,7 +278,7 @@ class SessionTable:
             return
         soft = self._idle_soft()  # soft sessions give way first, with or without --evict-idle-sessions
         if soft:
-            self.drop(self._lost(min(soft, key=lambda s: s.last_used), "evicted"))
+            self.drop(self._lost(min(soft, key=evict_order(time.monotonic())), "evicted"))
             self.evictions += 1
             return
         frees_on_its_own = (any(group is None or s.group != group for s in self.anonymous)
@@ -283,7 +286,7 @@ class SessionTable:
         if self.evict_idle or (anonymous and not frees_on_its_own):
             idle = [s for s in self.named.values() if s.idle]
             if idle:
-                victim = min(idle, key=lambda s: s.last_used)
+                victim = min(idle, key=evict_order(time.monotonic()))
                 self.drop(self._lost(victim, "evicted"))
                 self.evictions += 1
                 return
@@ -340,6 +343,7 @@ class SessionTable:
                 cached_tokens=len(session.tokens) if session.clean else 0,
                 idle_seconds=round(max(0.0, now - session.last_used), 3) if session.idle else 0.0,
                 queued_requests=len(session.waiting),
+                retention=session.retention,
             )
             for session in sorted(self.named.values(), key=lambda s: s.last_used, reverse=True)
         ]
@@ -359,7 +363,7 @@ class SessionTable:
         now = time.monotonic() if now is None else now
 
         def timeout(session: Session) -> float | None:
-            return self.soft_idle_timeout if session.soft else self.idle_timeout
+            return idle_timeout(self.soft_idle_timeout if session.soft else self.idle_timeout, session.retention)
 
         stale = [s for s in self.named.values()
                  if s.idle and timeout(s) is not None and now - s.last_used > timeout(s)]
@@ -478,7 +482,7 @@ class SessionTable:
 
         def victims():
             idle = sorted((s for s in self.named.values() if s.idle and s is not keep and s.slot.blocks),
-                          key=lambda s: s.last_used)
+                          key=evict_order(time.monotonic()))
             yield from (s for s in idle if s.soft)
             yield from sorted(self.snapshots, key=lambda s: s.last_used)
             if self.evict_idle:
