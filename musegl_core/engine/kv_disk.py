@@ -362,6 +362,23 @@ class DiskTier:
         return line
 
 
+def files_identity(path: str | os.PathLike) -> str:
+    """A digest naming a checkpoint's weights as stored: each file's name, size and modification
+    time (a directory's files, recursively), not its bytes, which would take minutes to hash for
+    the 30B; a file rewritten in place changes its time, so a rewritten checkpoint is another
+    model. ``missing:PATH`` when there is no such file."""
+    root = Path(path)
+    if not root.exists():
+        return f"missing:{root}"
+    files = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file())
+    digest = hashlib.blake2b(digest_size=16)
+    for file in files:
+        stat = file.stat()
+        name = file.name if file == root else str(file.relative_to(root))
+        digest.update(f"{name}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
+    return digest.hexdigest()
+
+
 def check_dir(root: Path) -> None:
     """Refuse a ``--kv-offload-dir`` that is not a writable directory (or cannot be created)."""
     if root.exists():

@@ -153,3 +153,16 @@ def test_the_fingerprint_covers_every_field():
     base = FMT.fingerprint()
     for change in (dict(model="x"), dict(kv_dtype="bfloat16"), dict(layout="4x2x16"), dict(block_size=16)):
         assert attrs.evolve(FMT, **change).fingerprint() != base
+
+
+def test_the_weights_identity_follows_the_files(tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    (model / "model.safetensors").write_bytes(b"w" * 100)
+    first = kd.files_identity(model)
+    assert kd.files_identity(model) == first
+    os.utime(model / "model.safetensors", ns=(1, 1))  # rewritten in place
+    assert kd.files_identity(model) != first
+    assert kd.files_identity(model / "config.json") != kd.files_identity(model)
+    assert kd.files_identity(tmp_path / "nothing").startswith("missing:")
