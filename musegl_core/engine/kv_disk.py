@@ -26,7 +26,11 @@ of the same format are found again after the worker or the host restarts.
 **LRU within the size.** A hit touches the file's modification time, so the
 least recently used order survives a restart too; a block put when the store
 is full evicts first the files of other formats (oldest first), then the least
-recently used blocks of this one. Sizes count whole files (header included).
+recently used blocks of this one whose retention is over (or that have none),
+then, only if that is not enough, retained ones, least recently used first.
+A block's retention (``until``, a Unix time: the client asked for it,
+engine/retention.py) is kept in its header, so it survives a restart too.
+Sizes count whole files (header included).
 
 Thread-safe: the index is guarded by a lock; file I/O runs outside it, so a
 writer thread and the engine thread may use one store (a ``get`` racing the
@@ -54,8 +58,11 @@ from musegl_core.engine.kv_memory import human
 log = logging.getLogger("musegl.kv_disk")
 
 MAGIC = b"MGKVBLK1"
-#: magic, fingerprint (16), key length (1), payload length (8), payload digest (16); then the key, then the payload
-_HEADER = struct.Struct("<8s16sBQ16s")
+#: magic, fingerprint (16), key length (1), payload length (8), payload digest (16), kept until (a Unix time, 0:
+#: no retention); then the key, then the payload
+_HEADER = struct.Struct("<8s16sBQ16sd")
+_UNTIL = struct.Struct("<d")
+_UNTIL_AT = _HEADER.size - _UNTIL.size
 SUFFIX = ".kv"
 FORMAT_FILE = "format.json"
 MARKER = "MUSEGL-KV-DISK-TIER"
@@ -121,6 +128,8 @@ class DiskTier:
         self.dir = self.root / self._fp.hex()
         self._lock = threading.Lock()
         self._lru: collections.OrderedDict[bytes, int] = collections.OrderedDict()  # key -> file bytes, LRU first
+        self._until: dict[bytes, float] = {}  # key -> kept until (Unix time), for retained blocks only
+        self.clock = time.time
         self._foreign: list[tuple[float, Path, int]] = []  # (mtime, path, bytes) of other formats, oldest last
         self.used = 0  # file bytes held (both kinds)
         self.hits = 0
@@ -175,12 +184,14 @@ class DiskTier:
                         key = bytes.fromhex(path.name[: -len(SUFFIX)])
                     except ValueError:
                         continue
-                    own.append((stat.st_mtime, key, stat.st_size))
+                    own.append((stat.st_mtime, key, stat.st_size, _read_until(path)))
                 else:
                     self._foreign.append((stat.st_mtime, path, stat.st_size))
                 self.used += stat.st_size
-        for _, key, size in sorted(own):
+        for _, key, size, until in sorted(own):
             self._lru[key] = size
+            if until:
+                self._until[key] = until
         self._foreign.sort(reverse=True)  # oldest last: popped first
         with self._lock:
             victims = self._make_room(0)  # a smaller --kv-offload-disk than last time: evict down to it
@@ -207,23 +218,36 @@ class DiskTier:
     def blocks(self) -> int:
         return len(self._lru)
 
-    def put(self, key: bytes, data: bytes) -> bool:
-        """Store ``data`` under ``key`` (replacing nothing: a key names its content). False when it
-        cannot be stored: larger than the whole store, or the disk refused the write (logged)."""
+    def put(self, key: bytes, data: bytes, until: float = 0.0) -> bool:
+        """Store ``data`` under ``key`` (replacing nothing: a key names its content), retained until
+        ``until`` (a Unix time; 0: no retention; a block stored already keeps the later of its own and
+        this). False when it cannot be stored: larger than the whole store, or the disk refused the
+        write (logged)."""
         if not 0 < len(key) < 256:
             raise ValueError("a block key is 1..255 bytes")
         size = _HEADER.size + len(key) + len(data)
+        extend = False
         with self._lock:
-            if key in self._lru:
+            known = key in self._lru
+            if known:
                 self._lru.move_to_end(key)
-                return True
-            if size > self.capacity:
+                extend = until > self._until.get(key, 0.0)
+                if extend:
+                    self._until[key] = until
+            elif size > self.capacity:
                 return False
-            victims = self._make_room(size)
-            self.used += size  # counted now, so concurrent writers do not overfill
-            self._lru[key] = size
+            else:
+                victims = self._make_room(size)
+                self.used += size  # counted now, so concurrent writers do not overfill
+                self._lru[key] = size
+                if until:
+                    self._until[key] = until
+        if known:
+            if extend:
+                _write_until(self._path(key), until)
+            return True
         _unlink_all(victims)
-        header = _HEADER.pack(MAGIC, self._fp, len(key), len(data), payload_digest(data))
+        header = _HEADER.pack(MAGIC, self._fp, len(key), len(data), payload_digest(data), until)
         path = self._path(key)
         tmp = self.root / TMP / f"{uuid.uuid4().hex}.part"
         try:
@@ -236,9 +260,7 @@ class DiskTier:
         except OSError as exc:
             log.warning("disk tier: could not write a block to %s: %s", path, exc)
             _unlink_all([tmp])
-            with self._lock:
-                if self._lru.pop(key, None) is not None:
-                    self.used -= size
+            self._forget(key)
             return False
         with self._lock:
             self.writes += 1
@@ -284,7 +306,7 @@ class DiskTier:
     def _check(self, raw: bytes, key: bytes) -> str | None:
         if len(raw) < _HEADER.size:
             return f"truncated: {len(raw)} bytes, shorter than its header"
-        magic, fp, key_len, length, digest = _HEADER.unpack_from(raw)
+        magic, fp, key_len, length, digest, _ = _HEADER.unpack_from(raw)
         if magic != MAGIC:
             return "not a musegl KV block (bad magic)"
         if fp != self._fp:
@@ -309,23 +331,45 @@ class DiskTier:
     def _forget(self, key: bytes) -> bool:
         with self._lock:
             size = self._lru.pop(key, None)
+            self._until.pop(key, None)
             if size is None:
                 return False
             self.used -= size
             return True
 
     def _make_room(self, size: int) -> list[Path]:
-        """Drop index entries until ``size`` more bytes fit (lock held); the files to delete."""
-        victims = []
-        while self.used + size > self.capacity and (self._foreign or self._lru):
-            if self._foreign:
-                _, path, freed = self._foreign.pop()
-            else:
-                key, freed = self._lru.popitem(last=False)
-                path = self._path(key)
+        """Drop index entries until ``size`` more bytes fit (lock held): other formats' files, then
+        this format's blocks without a running retention, then retained ones, least recently used
+        first each; the files to delete."""
+        victims: list[Path] = []
+
+        def over() -> bool:
+            return self.used + size > self.capacity
+
+        while over() and self._foreign:
+            _, path, freed = self._foreign.pop()
             victims.append(path)
             self.used -= freed
             self.evicted += 1
+        if not over():
+            return victims
+        now = self.clock()
+        for retained in (False, True):
+            chosen = []
+            need = self.used + size - self.capacity
+            for key, freed in self._lru.items():  # least recently used first
+                if (self._until.get(key, 0.0) > now) == retained:
+                    chosen.append(key)
+                    need -= freed
+                    if need <= 0:
+                        break
+            for key in chosen:
+                self.used -= self._lru.pop(key)
+                self._until.pop(key, None)
+                victims.append(self._path(key))
+                self.evicted += 1
+            if not over():
+                break
         return victims
 
     # -- reporting -------------------------------------------------------------------
@@ -335,6 +379,7 @@ class DiskTier:
                 "kv_disk_bytes": self.used,
                 "kv_disk_capacity_bytes": self.capacity,
                 "kv_disk_blocks": len(self._lru),
+                "kv_disk_retained_blocks": sum(1 for until in self._until.values() if until > self.clock()),
                 "kv_disk_hits": self.hits,
                 "kv_disk_misses": self.misses,
                 "kv_disk_written_bytes": self.write_bytes,
@@ -403,6 +448,31 @@ def free_bytes(root: Path) -> int | None:
         return shutil.disk_usage(probe).free
     except OSError:
         return None
+
+
+def _read_until(path: Path) -> float:
+    """The retention in a block file's header (0 when none, or the header cannot be read)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(_HEADER.size)
+        if len(head) == _HEADER.size and head[:len(MAGIC)] == MAGIC:
+            return _UNTIL.unpack_from(head, _UNTIL_AT)[0]
+    except OSError:
+        pass
+    return 0.0
+
+
+def _write_until(path: Path, until: float) -> None:
+    """Rewrite a block file's retention in place (8 bytes of its header; the payload digest does not
+    cover them)."""
+    try:
+        with open(path, "r+b") as f:
+            f.seek(_UNTIL_AT)
+            f.write(_UNTIL.pack(until))
+    except FileNotFoundError:  # evicted, or still being written (with its own retention)
+        pass
+    except OSError as exc:
+        log.warning("disk tier: could not extend the retention of %s: %s", path, exc)
 
 
 def _read_format(sub: Path) -> str:

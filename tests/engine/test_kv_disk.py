@@ -166,3 +166,28 @@ def test_the_weights_identity_follows_the_files(tmp_path):
     assert kd.files_identity(model) != first
     assert kd.files_identity(model / "config.json") != kd.files_identity(model)
     assert kd.files_identity(tmp_path / "nothing").startswith("missing:")
+
+
+def test_retained_blocks_go_last_and_their_retention_survives_a_restart(tmp_path):
+    store = kd.DiskTier.open(tmp_path, 3 * FILE, FMT)
+    now = store.clock()
+    store.put(key(0), payload(0), until=now + 3600)  # least recently used, but retained
+    store.put(key(1), payload(1))
+    store.put(key(2), payload(2), until=now - 1)  # its retention is over
+    store.put(key(3), payload(3))  # evicts key(1): the oldest without a running retention
+    assert key(1) not in store and key(0) in store
+    store.put(key(4), payload(4))  # then key(2)
+    assert key(2) not in store and key(0) in store
+    assert store.stats()["kv_disk_retained_blocks"] == 1
+    again = kd.DiskTier.open(tmp_path, 3 * FILE, FMT)
+    assert again._until == {key(0): now + 3600}
+    again.put(key(3), payload(3), until=now + 7200)  # a later ask extends it, in the file too
+    assert kd.DiskTier.open(tmp_path, 3 * FILE, FMT)._until[key(3)] == now + 7200
+    assert again.get(key(3)) == payload(3)  # the header's retention is outside the payload's digest
+    full = kd.DiskTier.open(tmp_path, 3 * FILE, FMT)
+    for i in (5, 6, 7):
+        full.put(key(i), payload(i))  # plain blocks churn; retained ones stay while others can go
+    assert key(0) in full and key(3) in full
+    full.put(key(8), payload(8), until=now + 60)  # evicts the plain key(7): all three are retained now
+    full.put(key(9), payload(9))  # only retained ones are left to evict: the least recently used goes
+    assert key(0) not in full and full.used <= full.capacity
