@@ -407,6 +407,37 @@ class DiskTier:
         return line
 
 
+def block_format(executor, companions: int = 0) -> BlockFormat:
+    """The format of ``executor``'s blocks: its ``kv_identity()`` (an optional executor method: the
+    weights and how they are computed; :class:`DiskTierError` without it), its KV dtype and
+    layout, its block size. ``companions``: sliding pages per block (a block's bytes are then
+    its pages')."""
+    identity = getattr(executor, "kv_identity", None)
+    if not callable(identity):
+        raise DiskTierError(f"the {executor.info.backend!r} executor does not state what its K/V bytes depend on "
+                            "(the optional kv_identity(), docs/executor.md), so blocks on disk could not be told "
+                            "apart by model")
+    info = executor.info
+    kv_dtype = getattr(executor, "kv_cache_dtype", "auto")
+    return BlockFormat(model=f"{info.name}: {identity()}",
+                       kv_dtype=f"{kv_dtype} ({info.dtype} activations)",
+                       layout=(f"{info.backend}, {info.num_layers} layers, {executor.kv_bytes_per_block()} bytes "
+                               f"a block in {1 + companions} page{'s' if companions else ''}"),
+                       block_size=executor.block_size)
+
+
+def open_disk_tier(path: str, capacity: int, fmt: BlockFormat) -> DiskTier:
+    """Open the disk tier of ``--kv-offload-dir``/``--kv-offload-disk`` and log what it found (one
+    line); :class:`DiskTierError` when it cannot be used (a one-line reason)."""
+    store = DiskTier.open(Path(path).expanduser(), capacity, fmt)
+    line = store.startup_line()
+    free = free_bytes(store.root)
+    if free is not None and free + store.used < capacity:
+        line += f"; the file system has {human(free)} free, less than --kv-offload-disk leaves to fill"
+    log.info("KV %s", line)
+    return store
+
+
 def files_identity(path: str | os.PathLike) -> str:
     """A digest naming a checkpoint's weights as stored: each file's name, size and modification
     time (a directory's files, recursively), not its bytes, which would take minutes to hash for

@@ -191,3 +191,22 @@ def test_retained_blocks_go_last_and_their_retention_survives_a_restart(tmp_path
     full.put(key(8), payload(8), until=now + 60)  # evicts the plain key(7): all three are retained now
     full.put(key(9), payload(9))  # only retained ones are left to evict: the least recently used goes
     assert key(0) not in full and full.used <= full.capacity
+
+
+def test_the_format_of_an_executors_blocks(tmp_path, caplog):
+    from musegl_core.testing.example_executor import ExampleExecutor
+
+    plain = ExampleExecutor(64)
+    with pytest.raises(kd.DiskTierError, match="does not state what its K/V bytes depend on"):
+        kd.block_format(plain)
+
+    class Stating(ExampleExecutor):
+        def kv_identity(self) -> str:
+            return "weights abc"
+
+    fmt = kd.block_format(Stating(64))
+    assert "weights abc" in fmt.model and fmt.block_size == plain.block_size
+    assert kd.block_format(Stating(64), companions=3).fingerprint() != fmt.fingerprint()
+    with caplog.at_level(logging.INFO, logger="musegl.kv_disk"):
+        store = kd.open_disk_tier(str(tmp_path / "kv"), 10 * FILE, fmt)
+    assert store.blocks == 0 and "KV disk tier" in caplog.text and "found 0 blocks" in caplog.text
