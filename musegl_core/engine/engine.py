@@ -38,6 +38,7 @@ from musegl_core.engine.admission import Admission
 from musegl_core.engine.detokenize import IncrementalDetokenizer, hidden_ids
 from musegl_core.engine.executor import DEFAULT_PREFILL_CHUNK, Executor, ExecutorLimits, TokenLogprobs
 from musegl_core.engine.identity import prompt_keys, split_keys
+from musegl_core.engine.kv_disk import DiskTier, DiskTierError, block_format, open_disk_tier
 from musegl_core.engine.kv_memory import room_line
 from musegl_core.engine.kv_pool import KVPool
 from musegl_core.engine.launch_gate import LaunchGate
@@ -173,6 +174,7 @@ class Engine:
                                  block_bytes=executor.kv_bytes_per_block() + self.speculator.kv_bytes_per_block(),
                                  max_context=config.max_context, companions=companions, window=window))
         self.speculator.allocate_kv(self.pool.num_blocks)
+        self.disk = self._disk_tier(config, executor, companions)
         self.sessions = SessionTable(
             self.pool,
             max_sessions=config.max_sessions,
@@ -226,6 +228,26 @@ class Engine:
             log.info("speculation: up to %d drafts a sequence; %s", self.speculator.max_draft,
                      "no verify-rows budget" if budget is None else
                      f"at most {budget} verify rows a step (more than {budget // 2} decoding sequences: no drafts)")
+
+    def _disk_tier(self, config: EngineConfig, executor: Executor, companions: int) -> DiskTier | None:
+        """The disk tier below the host tier (``--kv-offload-dir``, ``--kv-offload-disk``;
+        engine/kv_disk.py), or None. Refused in one line (:class:`ConfigError`) where it cannot
+        work: no host tier above it, an executor that does not state its KV identity, a
+        directory it cannot use."""
+        if config.kv_offload_dir is None:
+            return None
+        if not config.kv_offload_disk:
+            raise ConfigError("--kv-offload-dir needs --kv-offload-disk SIZE (how much of the disk the tier may fill)")
+        host = getattr(self, "host", None)
+        if host is None:
+            raise ConfigError("--kv-offload-dir: the disk tier sits below the host tier (--kv-offload-memory), "
+                              "which is off here; leave --kv-offload-dir out")
+        try:
+            disk = open_disk_tier(config.kv_offload_dir, config.kv_offload_disk, block_format(executor, companions))
+        except DiskTierError as exc:
+            raise ConfigError(f"--kv-offload-dir: {exc}") from None
+        host.lower = disk
+        return disk
 
     def _sliding_pages(self, config: EngineConfig, executor: Executor) -> tuple[int, int | None]:
         """Sliding layers keep their window when the executor offers it (optional

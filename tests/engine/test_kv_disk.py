@@ -210,3 +210,13 @@ def test_the_format_of_an_executors_blocks(tmp_path, caplog):
     with caplog.at_level(logging.INFO, logger="musegl.kv_disk"):
         store = kd.open_disk_tier(str(tmp_path / "kv"), 10 * FILE, fmt)
     assert store.blocks == 0 and "KV disk tier" in caplog.text and "found 0 blocks" in caplog.text
+
+
+def test_an_engine_refuses_a_disk_tier_without_a_host_tier_above_it(tmp_path):
+    from musegl_core.engine.engine import Engine, EngineConfig
+    from musegl_core.errors import ConfigError
+    from musegl_core.testing.example_executor import ExampleExecutor
+
+    config = EngineConfig(max_context=64, kv_offload_dir=str(tmp_path), kv_offload_disk=1 << 20)
+    with pytest.raises(ConfigError, match="--kv-offload-dir: the disk tier sits below the host tier"):
+        Engine(ExampleExecutor(64), None, config, lambda event: None)
