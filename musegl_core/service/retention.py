@@ -63,18 +63,22 @@ def retention_header(residency: str | None, words=openai_name) -> dict[str, str]
 def anthropic_ttl(markers: Iterable[tuple[Any, str]]) -> str | None:
     """The residency of a Messages request from its ``cache_control`` values, each with the
     param it sits at: ``{"type": "ephemeral", "ttl": "5m" | "1h"}`` (``ttl`` defaults to ``5m``).
-    The longest ``ttl`` wins; None when no block carries one."""
+    The longest ``ttl`` wins; None when no block carries one. ``scope`` (a string; Claude Code
+    sends it on system blocks) says who may share the cached prefix on Anthropic's side: here
+    sharing is by ``cache_salt``, whatever the scope, so it is accepted and changes nothing."""
     found = None
     for value, param in markers:
         if value is None:
             continue
         if not isinstance(value, dict):
             raise bad_request(f"'{param}' must be an object", param=param)
-        unknown = sorted(set(value) - {"type", "ttl"})
+        unknown = sorted(key for key in set(value) - {"type", "ttl", "scope"} if value[key] is not None)
         if unknown:
             raise bad_request(f"'{param}.{unknown[0]}' is not supported by this server", param=f"{param}.{unknown[0]}")
         if value.get("type") != "ephemeral":
             raise bad_request(f"'{param}.type' must be 'ephemeral'", param=f"{param}.type")
+        if value.get("scope") is not None and not isinstance(value["scope"], str):
+            raise bad_request(f"'{param}.scope' must be a string", param=f"{param}.scope")
         ttl = value.get("ttl") or "5m"
         if ttl not in _TTLS:
             raise bad_request(f"'{param}.ttl' must be '5m' or '1h', got {ttl!r}", param=f"{param}.ttl")

@@ -116,8 +116,10 @@ def test_anthropic_ttls_the_longest_wins():
     assert sr.anthropic_ttl([(None, "system[0].cache_control")]) is None
     assert sr.anthropic_ttl([({"type": "ephemeral"}, "a")]) == "5m"
     assert sr.anthropic_ttl([({"type": "ephemeral", "ttl": "1h"}, "a"), ({"type": "ephemeral"}, "b")]) == "1h"
+    assert sr.anthropic_ttl([({"type": "ephemeral", "scope": "global"}, "a")]) == "5m"  # Claude Code's
     for value, param in (({"type": "ephemeral", "ttl": "2h"}, "x.ttl"), ({"type": "persistent"}, "x.type"),
-                         ({"type": "ephemeral", "scope": 1}, "x.scope"), ("5m", "x")):
+                         ({"type": "ephemeral", "scope": 1}, "x.scope"), ({"type": "ephemeral", "x": 1}, "x.x"),
+                         ("5m", "x")):
         with pytest.raises(ApiError) as bad:
             sr.anthropic_ttl([(value, "x")])
         assert bad.value.status == 400 and bad.value.param == param
