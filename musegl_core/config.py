@@ -155,6 +155,12 @@ class ServeConfig:
     kv_cache_memory: int | None = flag(None, "memory for the KV cache, e.g. 24GiB; the pool fills it (default: what "
                                        "the limits need, checked against --kv-cache-fraction of the free memory)",
                                        KV, kind="size", metavar="SIZE")
+    kv_offload_memory: int | None = flag(None, "host RAM for the KV host tier, e.g. 16GiB (pinned on CUDA): idle "
+                                         "sessions', snapshots' and the prefix cache's KV blocks move there when the "
+                                         "device pool runs short and come back when used, instead of being "
+                                         "recomputed; 0: off (default: what every session slot and snapshot fills "
+                                         "at --max-context, at most 8 GiB and a quarter of the available RAM; "
+                                         "docs/engine.md)", KV, kind="size-or-0", metavar="SIZE")
     kv_cache_fraction: float = flag(0.9, "share of the memory free after loading that the KV cache may use "
                                     "(default %(default)s)", KV, kind="float", metavar="F")
     kv_cache_dtype: str = flag("auto", "how K and V are stored: auto (the activation dtype) or fp8 (float8 e4m3 "

@@ -36,13 +36,19 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _size_or_zero(text: str) -> int:
+    """A size, or 0 (off)."""
+    return 0 if text.strip() in ("0", "off") else _size(text)
+
+
 def _on_off(text: str) -> bool:
     if text in ("on", "off"):
         return text == "on"
     raise argparse.ArgumentTypeError(f"expected on or off, got {text!r}")
 
 
-KINDS = {"str": None, "int": _int, "float": _float, "size": _size, "on-off": _on_off}
+KINDS = {"str": None, "int": _int, "float": _float, "size": _size, "size-or-0": _size_or_zero,
+         "on-off": _on_off}
 
 
 #: Which checkpoint formats each executor keeps as stored (see README, "Weights as stored").

@@ -39,7 +39,9 @@ from musegl_core.engine.detokenize import IncrementalDetokenizer, hidden_ids
 from musegl_core.engine.executor import DEFAULT_PREFILL_CHUNK, Executor, ExecutorLimits, TokenLogprobs
 from musegl_core.engine.identity import prompt_keys, split_keys
 from musegl_core.engine.kv_disk import DiskTier, DiskTierError, block_format, open_disk_tier
+from musegl_core.engine.kv_host import HostTier, default_host_bytes, host_kv
 from musegl_core.engine.kv_memory import room_line
+from musegl_core.engine.memory import available_ram
 from musegl_core.engine.kv_pool import KVPool
 from musegl_core.engine.launch_gate import LaunchGate
 from musegl_core.engine.kv_sizing import plan_pool
@@ -78,6 +80,8 @@ class EngineConfig:
     kv_blocks: int | None = None
     kv_cache_memory: int | None = None
     kv_cache_fraction: float = 0.9
+    #: the host tier's bytes (``--kv-offload-memory``; None: the default, engine/kv_host.py; 0: off)
+    kv_offload_memory: int | None = None
     prefix_caching: bool = True
     session_idle_timeout: float | None = None
     soft_session_idle_timeout: float = 600.0
@@ -170,9 +174,11 @@ class Engine:
         if self.speculator.taps and callable(expect_taps):
             expect_taps(tuple(self.speculator.taps))
         executor.allocate_kv(self.pool.num_blocks)
+        self.host = self._host_tier(config, executor, companions)
         log.info("%s", room_line(device_blocks=blocks, block_size=block_size,
                                  block_bytes=executor.kv_bytes_per_block() + self.speculator.kv_bytes_per_block(),
-                                 max_context=config.max_context, companions=companions, window=window))
+                                 max_context=config.max_context, companions=companions, window=window,
+                                 host_bytes=self.host.num_pages * self.host.page_bytes if self.host else None))
         self.speculator.allocate_kv(self.pool.num_blocks)
         self.disk = self._disk_tier(config, executor, companions)
         self.sessions = SessionTable(
@@ -186,6 +192,9 @@ class Engine:
             soft_idle_timeout=config.soft_session_idle_timeout,
             window=window,
         )
+        if self.host is not None:
+            self.sessions.host = self.host
+            self.pool.on_evict = self.sessions.evicted_to_host
         self.prefix_history = PrefixHistory(tokenizer)  # why a prefix missed (engine/prefix_miss.py)
         self.sessions.history = self.prefix_history
         limits = executor.limits
@@ -249,6 +258,37 @@ class Engine:
         host.lower = disk
         return disk
 
+    def _host_tier(self, config: EngineConfig, executor: Executor, companions: int) -> HostTier | None:
+        """The host tier below the device pool (``--kv-offload-memory``, engine/kv_host.py), allocated
+        by the executor; None, with one start-up line saying why, where it is off. A size asked for
+        where the executor cannot copy KV pages to host memory is refused."""
+        asked = config.kv_offload_memory
+        if asked == 0:
+            log.info("KV host tier: off (--kv-offload-memory 0)")
+            return None
+        capable = host_kv(executor)
+        why = None
+        if capable is None:
+            why = (f"the {executor.info.backend!r} executor cannot copy KV pages to host memory (the optional "
+                   "HostKV capability, docs/executor.md)")
+        elif self.speculator.kv_bytes_per_block():
+            why = "the speculator keeps KV of its own, which the host tier would not move with the target's"
+        if why is not None:
+            if asked is not None:
+                raise ConfigError(f"--kv-offload-memory: {why}; leave the flag out or pass 0")
+            log.info("KV host tier: off: %s", why)
+            return None
+        page_bytes = executor.kv_bytes_per_block() // (1 + companions)
+        if asked is None:
+            slot_bytes = config.needed_blocks(executor.block_size) * executor.kv_bytes_per_block()
+            asked = default_host_bytes(slot_bytes=slot_bytes, available_ram=available_ram())
+        pages = asked // page_bytes
+        if pages < 1 + companions:
+            log.info("KV host tier: off (%d bytes hold no block of %d)", asked, page_bytes * (1 + companions))
+            return None
+        capable.allocate_host_kv(pages)
+        return HostTier(pages, page_bytes, capable)
+
     def _sliding_pages(self, config: EngineConfig, executor: Executor) -> tuple[int, int | None]:
         """Sliding layers keep their window when the executor offers it (optional
         ``use_sliding_pages()``: it switches to the paged layout of layer groups and returns
@@ -304,8 +344,26 @@ class Engine:
             "mask_blocked_seconds": self.scheduler.mask_clock.blocked,
             **self.step_book.stats(),
             **self.sessions.stats(),
+            **self._tier_stats(),
             **(self.scheduler.sharing.stats() if self.scheduler.sharing is not None else {}),
         }
+
+    def _tier_stats(self) -> dict:
+        """Per-tier bytes and hits (``cache_source``: device, host) and the host tier's counters."""
+        sessions = self.sessions
+        block_bytes = self.executor.kv_bytes_per_block() // self.pool.pages_per_block
+        stats = {"kv_tier_bytes_device": self.pool.used_blocks * block_bytes,
+                 "kv_tier_capacity_bytes_device": self.pool.num_blocks * block_bytes}
+        for tier in ("device", "host"):
+            stats[f"kv_tier_hits_{tier}"] = sessions.tier_hits[tier]
+            stats[f"kv_tier_hit_tokens_{tier}"] = sessions.tier_hit_tokens[tier]
+        if self.host is not None:
+            stats["kv_tier_bytes_host"] = self.host.used_bytes
+            stats["kv_tier_capacity_bytes_host"] = self.host.num_pages * self.host.page_bytes
+            stats["kv_host_offloads"] = sessions.suspended_offloads
+            stats["kv_host_cached_blocks"] = len(sessions.host_cached)
+            stats.update(self.host.stats())
+        return stats
 
     # -- loop ------------------------------------------------------------------------
     @property
@@ -430,6 +488,9 @@ class Engine:
                 keys = replayed
                 replay = ReplayLog(session.replay.executed, kept)
         prompt, images = split_keys(keys, request)
+        lacking = self.sessions.restore_room(session, keys)
+        if lacking:  # its blocks in the host tier cannot come back yet: they stay there, the request waits
+            return -(-lacking // self.pool.pages_per_block)
         held = list(session.tokens) if session.clean else []  # what the session held before this prompt
         reused = self.sessions.attach(session, keys)  # a dirty session reuses nothing
         miss = self.prefix_history.diagnose(name=session.name, new=not held, held=held, salt=session.salt,

@@ -445,6 +445,11 @@ class Executor(Protocol):
     def close(self) -> None:
         """Free device memory. The executor is not used afterwards."""
 
+    # Optional capabilities, checked at load: TargetAccess (below) and the host tier's page
+    # copies, musegl_core.engine.kv_host.HostKV (allocate_host_kv, offload_pages,
+    # restore_pages, read_host_pages, write_host_pages; all or none). Without HostKV the
+    # engine runs with the host tier off and says so in one start-up line.
+
 
 @runtime_checkable
 class PendingStep(Protocol):
@@ -527,6 +532,7 @@ def target_access(executor: object) -> TargetAccess | None:
 CONTRACT_MEMBERS = 'docs/executor.md section 2, "What the executor object provides"'
 CONTRACT_ASYNC = 'docs/executor.md section 4a, "Asynchronous steps"'
 CONTRACT_TARGET = 'docs/executor.md section 8, "Speculators (drafts)"'
+CONTRACT_HOST = 'docs/executor.md, "The host tier (optional)"'
 
 
 def _protocol_members(protocol: type) -> tuple[list[str], list[str]]:
@@ -574,6 +580,12 @@ def contract_problems(executor: object) -> list[str]:
                          if not (_present(executor, name) and callable(getattr(executor, name)))]
         if async_missing:
             problems.append(f"limits.async_steps is set but {', '.join(async_missing)} is missing ({CONTRACT_ASYNC})")
+    from musegl_core.engine.kv_host import HostKV, host_kv
+
+    offered = [name for name in _protocol_members(HostKV)[1] if _present(executor, name)]
+    if offered and host_kv(executor) is None:
+        problems.append(f"HostKV (the host tier) needs {', '.join(_protocol_members(HostKV)[1])} as methods, it "
+                        f"has {', '.join(offered)} ({CONTRACT_HOST})")
     lent = [name for name in _protocol_members(TargetAccess)[1] if _present(executor, name)]
     if lent and target_access(executor) is None:
         methods = _protocol_members(TargetAccess)[1]

@@ -108,8 +108,12 @@ def room_line(*, device_blocks: int, block_size: int, block_bytes: int, max_cont
             f"(blocks on demand: shorter sessions hold less)")
     if host_bytes:
         host_positions = host_bytes // block_bytes * block_size
+        host_sessions = host_bytes // block_bytes // per_session
+        if companions and window:  # host pages hold what the device's pages hold
+            host_pages = host_bytes // (block_bytes // (1 + companions))
+            host_sessions = host_pages // session_pages
         line += (f"; host tier {human(host_bytes)} = {host_positions:,} positions = "
-                 f"{host_bytes // block_bytes // per_session:,} sessions of --max-context {max_context:,}")
+                 f"{host_sessions:,} sessions of --max-context {max_context:,}")
     else:
         line += "; host tier: none"
     return line

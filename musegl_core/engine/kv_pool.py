@@ -52,6 +52,9 @@ class KVPool:
     evicted: int = attrs.field(init=False, default=0)  # cached blocks reused for other content
     _companion_pages: dict[int, list[int]] = attrs.field(init=False, factory=dict)  # block -> its sliding pages
     _cached_pages: int = attrs.field(init=False, default=0)  # pages the cached blocks hold
+    #: called as ``on_evict(block, key)`` before a cached block is reused for other content (its
+    #: pages still hold the keyed K/V): the host tier takes it (SessionTable.evicted_to_host)
+    on_evict: object = attrs.field(init=False, default=None)
 
     def __attrs_post_init__(self) -> None:
         if self.num_blocks < 1 or self.block_size < 1:
@@ -120,6 +123,8 @@ class KVPool:
             raise PoolExhausted("no free KV block")
         while len(self._free) < need:  # evict the least recently released cached blocks
             old, _ = self._cached.popitem(last=False)
+            if self.on_evict is not None:
+                self.on_evict(old, self._key_of[old])
             self._cached_pages -= self.pages(old)
             self._forget(old)
             self._free.append(old)

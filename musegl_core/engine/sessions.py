@@ -33,8 +33,9 @@ from typing import Sequence
 
 import attrs
 
+from musegl_core.engine.kv_host import HostBlock, HostFull, HostTier
 from musegl_core.engine.kv_pool import KVPool, PoolExhausted
-from musegl_core.engine.prefix_cache import PrefixCache
+from musegl_core.engine.prefix_cache import PrefixCache, block_key, chain_root
 from musegl_core.engine.replay import ReplayLog
 from musegl_core.engine.retention import evict_order, idle_timeout
 
@@ -186,6 +187,8 @@ class Session:
     waiting: collections.deque = attrs.field(factory=collections.deque)
     last_used: float = attrs.field(factory=time.monotonic)
     replay: ReplayLog = attrs.field(factory=ReplayLog)
+    #: its blocks while they are in the host tier (then ``slot`` holds none): ``tokens``' K/V
+    host: list[HostBlock] = attrs.field(factory=list)
 
     @property
     def idle(self) -> bool:
@@ -198,6 +201,7 @@ class Snapshot:
     slot: Slot
     salt: str | None = None  # only sessions of this salt reuse it
     last_used: float = attrs.field(factory=time.monotonic)
+    host: list[HostBlock] = attrs.field(factory=list)  # its blocks while they are in the host tier
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -242,6 +246,14 @@ class SessionTable:
         self.evictions = 0
         self.expired = 0
         self.closed = 0
+        #: the host tier below the device pool (``--kv-offload-memory``; the engine sets it), None: none
+        self.host: HostTier | None = None
+        #: the prefix cache's blocks the pool evicted into the host tier, by key, least recently used first
+        self.host_cached: collections.OrderedDict[bytes, HostBlock] = collections.OrderedDict()
+        #: requests that reused positions, and the positions, by where their K/V came from (cache_source)
+        self.tier_hits = {"device": 0, "host": 0}
+        self.tier_hit_tokens = {"device": 0, "host": 0}
+        self.suspended_offloads = 0  # idle holders moved down
 
     @staticmethod
     def pool_blocks(block_size: int, *, max_sessions: int, max_context: int, snapshots: int) -> int:
@@ -324,6 +336,7 @@ class SessionTable:
         return session
 
     def drop(self, session: Session) -> None:
+        self._free_host(session)
         session.slot.close()
         session.tokens.clear()
         session.replay = ReplayLog()
@@ -389,9 +402,22 @@ class SessionTable:
 
     def attach(self, session: Session, prompt: Sequence[int]) -> int:
         """Point ``session``'s KV at the longest reusable prefix of ``prompt``: its own
-        transcript, a snapshot or the prefix cache, whichever is longest; returns it."""
-        reuse, snapshot = self.best_prefix(session, prompt)
+        transcript, a snapshot or the prefix cache, whichever is longest; returns it. K/V in the
+        host tier comes back first (:meth:`restore`, :meth:`promote`) and counts as reused."""
         block_size = self.pool.block_size
+        from_host = 0  # positions whose K/V came back from the host tier
+        if session.host:
+            if session.clean:
+                own = min(common_prefix(session.tokens, prompt), len(prompt) - 1)
+                from_host = self.restore(session, self.pool.blocks_for(own)) * block_size
+            else:
+                self._free_host(session)
+        if self.host is not None and self.cache is not None:
+            from_host = max(from_host, self.promote(prompt, len(prompt) - 1, session.salt, keep=session) * block_size)
+        reuse, snapshot = self.best_prefix(session, prompt)
+        if snapshot is not None and snapshot.host:
+            from_host = max(from_host, self.restore(snapshot, self.pool.blocks_for(reuse), keep=session) * block_size)
+            reuse, snapshot = self.best_prefix(session, prompt)
         cached: list[int] | None = None
         if self.cache is not None:
             own = session.slot.blocks[: reuse // block_size] if snapshot is None else ()
@@ -416,7 +442,28 @@ class SessionTable:
             session.slot.truncate(0, rereserve=False)
         session.tokens = list(prompt[:reuse])
         assert len(session.slot.blocks) * block_size >= reuse
+        self._count_hit(reuse, min(reuse, from_host))
         return reuse
+
+    def _count_hit(self, reuse: int, from_host: int) -> None:
+        """Count a request's reused positions by the tier they came from (``cache_source``)."""
+        for tier, positions in (("host", from_host), ("device", reuse - from_host)):
+            if positions > 0:
+                self.tier_hits[tier] += 1
+                self.tier_hit_tokens[tier] += positions
+
+    def restore_room(self, session: Session, prompt: Sequence[int]) -> int:
+        """Device pages a request on ``session`` lacks to bring the session's host blocks back
+        (after :meth:`make_room`): 0 when they fit, or nothing is in the host tier. The engine
+        asks before :meth:`attach`, so a session whose blocks cannot come back yet keeps them
+        in the host tier while its request waits."""
+        if not session.host or not session.clean:
+            return 0
+        own = min(common_prefix(session.tokens, prompt), len(prompt) - 1)
+        need = min(len(session.host), self.pool.blocks_for(own)) * self.pool.pages_per_block
+        if need > self.pool.available_blocks:
+            self.make_room(need, keep=session)
+        return max(0, need - self.pool.available_blocks)
 
     def window_kept(self, blocks: Sequence[int], reuse: int) -> bool:
         """Whether ``blocks`` still hold the sliding layers' K/V of the ``window`` positions
@@ -474,17 +521,32 @@ class SessionTable:
             slot.truncate(self.pool.blocks_for(computed), rereserve=False)
         slot.settle()
 
-    def make_room(self, pages: int, keep: Session | None = None) -> None:
-        """Free KV pages (blocks without sliding pages) until ``pages`` are available: drop idle soft sessions, then
-        snapshots, then (``--evict-idle-sessions``) idle named sessions, least recently
-        used first. Their keyed blocks stay cached (and free) for the prefix cache."""
+    def make_room(self, pages: int, keep: "Session | Snapshot | tuple | None" = None) -> None:
+        """Free KV pages (blocks without sliding pages) until ``pages`` are available. With a host
+        tier, idle holders move their blocks down first (:meth:`offload`): idle named sessions
+        (soft or not) and snapshots, least recently used first. Then, what the host tier could
+        not take is dropped: idle soft sessions, then snapshots, then (``--evict-idle-sessions``)
+        idle named sessions, least recently used first. Their keyed blocks stay cached (and
+        free) for the prefix cache. ``keep``: a holder (or a tuple of them) left alone."""
         pool = self.pool
+        kept = keep if isinstance(keep, tuple) else (keep,)
+
+        def spared(holder) -> bool:
+            return any(holder is k for k in kept)
+
+        if self.host is not None:
+            movable = [s for s in self.named.values() if s.idle and s.clean and s.slot.blocks and not spared(s)]
+            movable += [s for s in self.snapshots if s.slot.blocks and not spared(s)]
+            for holder in sorted(movable, key=lambda h: h.last_used):
+                if pool.available_blocks >= pages:
+                    return
+                self.offload(holder)
 
         def victims():
-            idle = sorted((s for s in self.named.values() if s.idle and s is not keep and s.slot.blocks),
+            idle = sorted((s for s in self.named.values() if s.idle and not spared(s) and s.slot.blocks),
                           key=evict_order(time.monotonic()))
             yield from (s for s in idle if s.soft)
-            yield from sorted(self.snapshots, key=lambda s: s.last_used)
+            yield from sorted((s for s in self.snapshots if not spared(s)), key=lambda s: s.last_used)
             if self.evict_idle:
                 yield from (s for s in idle if not s.soft)
 
@@ -493,10 +555,203 @@ class SessionTable:
                 return
             if isinstance(victim, Snapshot):
                 self.snapshots.remove(victim)
+                self._free_host(victim)
                 victim.slot.close()
             else:
                 self.drop(victim)
                 self.evictions += 1
+
+    # -- the host tier (engine/kv_host.py) -------------------------------------------
+    def offload(self, holder: "Session | Snapshot") -> bool:
+        """Move an idle holder's blocks (a session's or a snapshot's) to the host tier: its
+        K/V copied into host pages, its device blocks released (keyed ones stay cached in the
+        pool until it reuses them). The host tier makes room by letting go of its least
+        recently used holders that may be lost (:meth:`_host_room`). False (nothing moved)
+        when there is no host tier or it cannot take them."""
+        host, pool = self.host, self.pool
+        if host is None or holder.host or not holder.slot.blocks:
+            return False
+        blocks = holder.slot.blocks[: pool.blocks_for(len(holder.tokens))]
+        items = [([b, *(pool.companion_pages(b) or ())], pool.key(b)) for b in blocks]
+        # a block the host tier's prefix cache holds already (same key: same K/V) is taken from there
+        there = [self.host_cached.get(key) if key is not None else None for _, key in items]
+        copy = [item for item, found in zip(items, there)
+                if found is None or len(found.pages) < len(item[0])]
+        need = sum(len(pages) for pages, _ in copy)
+        if need > host.free_pages:
+            self._host_room(need, keep=holder)
+            there = [self.host_cached.get(key) if key is not None else None for _, key in items]
+            copy = [item for item, found in zip(items, there)
+                    if found is None or len(found.pages) < len(item[0])]
+        try:
+            copied = iter(host.offload(copy))
+        except HostFull:
+            return False
+        moved = []
+        for item, found in zip(items, there):
+            if found is None or len(found.pages) < len(item[0]):
+                moved.append(next(copied))
+            else:
+                moved.append(self.host_cached.pop(item[1]))
+        holder.host = moved
+        if len(holder.tokens) > len(blocks) * pool.block_size:  # (never: a holder fills its blocks)
+            holder.tokens = holder.tokens[: len(blocks) * pool.block_size]
+        holder.slot.truncate(0, rereserve=False)
+        self.suspended_offloads += 1
+        return True
+
+    def _host_room(self, pages: int, keep=None) -> None:
+        """Free host pages until ``pages`` are: the host tier's prefix cache first (its blocks go
+        to the tier below when there is one), then holders in the host tier that may be lost
+        (soft sessions, snapshots, with ``--evict-idle-sessions`` named sessions), least
+        recently used first, whose keyed blocks join that cache before it lets go of them."""
+        host = self.host
+        sessions = sorted((s for s in self.named.values() if s.host and s.idle and s is not keep
+                           and (s.soft or self.evict_idle)), key=evict_order(time.monotonic()))
+        snapshots = sorted((s for s in self.snapshots if s.host and s is not keep), key=lambda s: s.last_used)
+        victims = [*(s for s in sessions if s.soft), *snapshots, *(s for s in sessions if not s.soft)]
+        while host.free_pages < pages:
+            if self.host_cached:
+                _, block = self.host_cached.popitem(last=False)
+                host.free([block], hand_down=True)
+            elif victims:
+                victim = victims.pop(0)
+                if isinstance(victim, Snapshot):
+                    self.snapshots.remove(victim)
+                    self._free_host(victim)
+                    victim.slot.close()
+                else:
+                    self.drop(self._lost(victim, "evicted"))
+                    self.evictions += 1
+            else:
+                return
+
+    def _free_host(self, holder: "Session | Snapshot") -> None:
+        """Let go of a holder's host blocks: keyed ones join the host tier's prefix cache
+        (:attr:`host_cached`, where a later prompt finds them), the others are freed."""
+        if holder.host:
+            self._keep_cached(holder.host)
+            holder.host = []
+
+    def _keep_cached(self, blocks: Sequence[HostBlock]) -> None:
+        for block in blocks:
+            if block.key is not None and block.key not in self.host_cached:
+                self.host_cached[block.key] = block
+            else:
+                self.host.free([block])
+
+    def restore(self, holder: "Session | Snapshot", blocks: int, keep=None) -> int:
+        """Bring the first ``blocks`` of a holder's host blocks back to the device (making room,
+        :meth:`make_room`, with ``keep`` and the holder spared); the rest are let go of. A block
+        whose key the device pool still holds is shared from there, the others are copied back
+        (and keyed again). Returns the blocks the holder has on the device afterwards."""
+        host, pool = self.host, self.pool
+        wanted = holder.host[:blocks]
+        need = len(wanted) * pool.pages_per_block
+        if need > pool.available_blocks:
+            self.make_room(need, keep=(holder, *(keep if isinstance(keep, tuple) else (keep,))))
+        started = time.perf_counter()
+        pairs: list[tuple[int, int]] = []
+        copied = 0
+        for moved in wanted:
+            found = pool.lookup(moved.key) if moved.key is not None else None
+            if found is not None and (len(moved.pages) == 1 or pool.has_window(found)):
+                try:
+                    holder.slot.adopt(found)
+                    continue
+                except PoolExhausted:
+                    break
+            if pool.available_blocks < pool.pages_per_block:
+                break
+            new = pool.allocate()
+            pages = [new, *(pool.companion_pages(new) or ())]
+            if len(moved.pages) < len(pages):  # its sliding pages had left the device already
+                pool.drop_companions(new)
+                pages = [new]
+            pairs.extend(zip(moved.pages, pages))
+            holder.slot.blocks.append(new)
+            if moved.key is not None:
+                pool.register(new, moved.key)
+            copied += 1
+        host.restore(pairs, copied)
+        self._keep_cached(holder.host)  # the restored blocks' host copies too: evicted again, they need no copy
+        holder.host = []
+        host.restores += 1
+        host.restore_seconds += time.perf_counter() - started
+        kept_positions = len(holder.slot.blocks) * pool.block_size
+        if len(holder.tokens) > kept_positions:
+            holder.tokens = holder.tokens[:kept_positions]
+        return len(holder.slot.blocks)
+
+    def evicted_to_host(self, block: int, key: bytes) -> None:
+        """The pool evicts cached block ``block`` (keyed ``key``, :attr:`KVPool.on_evict`): its
+        K/V moves to the host tier, where a later prompt finds it (:meth:`promote`), unless the
+        host tier holds that key already or has no page to spare for it."""
+        host, pool = self.host, self.pool
+        if host.holds(key):
+            return
+        pages = [block, *(pool.companion_pages(block) or ())]
+        if host.free_pages < len(pages):
+            self._host_room(len(pages))
+        if host.free_pages < len(pages):
+            return
+        self.host_cached[key] = host.offload([(pages, key)])[0]
+
+    def promote(self, prompt: Sequence[int], limit: int, salt: str | None, keep=None) -> int:
+        """Copy the prompt's full blocks that only the host tier's prefix cache holds back into
+        the device pool as cached blocks (making room, :meth:`make_room`, with ``keep``
+        spared), so that the prefix cache's lookup finds them; how many came back."""
+        pool, host = self.pool, self.host
+        if not self.host_cached:
+            return 0
+        size = pool.block_size
+        parent = chain_root(salt)
+        wanted: list[tuple[bytes, HostBlock]] = []  # the chain's blocks missing on the device, in order
+        pinned: list[int] = []  # the chain's cached device blocks, held meanwhile so no allocation evicts them
+        for index in range(min(len(prompt) // size, pool.blocks_for(limit))):
+            key = block_key(parent, prompt[index * size:(index + 1) * size])
+            parent = key
+            found = pool.lookup(key)
+            if found is not None:
+                pinned.append(pool.share(found))
+                continue
+            moved = self.host_cached.get(key)
+            if moved is None:
+                break
+            wanted.append((key, moved))
+        try:
+            return self._promote(wanted, keep)
+        finally:
+            for block in reversed(pinned):
+                pool.release(block)
+
+    def _promote(self, wanted: list[tuple[bytes, HostBlock]], keep) -> int:
+        pool, host = self.pool, self.host
+        if not wanted:
+            return 0
+        need = len(wanted) * pool.pages_per_block
+        if need > pool.available_blocks:
+            self.make_room(need, keep=keep)
+        started = time.perf_counter()
+        pairs: list[tuple[int, int]] = []
+        came = 0
+        for key, moved in wanted:
+            if pool.available_blocks < pool.pages_per_block or pool.lookup(key) is not None:
+                break
+            del self.host_cached[key]
+            new = pool.allocate()
+            pages = [new, *(pool.companion_pages(new) or ())]
+            if len(moved.pages) < len(pages):
+                pool.drop_companions(new)
+                pages = [new]
+            pairs.extend(zip(moved.pages, pages))
+            pool.register(new, key)
+            pool.release(new)  # cached: free, found by the lookup
+            came += 1
+        host.restore(pairs, came)
+        host.free([moved for _, moved in wanted[:came]])
+        host.restore_seconds += time.perf_counter() - started
+        return came
 
     def kv_shortfall(self, blocks: int) -> str:
         """Why ``blocks`` could not be reserved, with the numbers (a 503's message)."""
@@ -529,6 +784,7 @@ class SessionTable:
         if len(self.snapshots) >= self.snapshot_capacity:
             oldest = min(self.snapshots, key=lambda s: s.last_used)
             self.snapshots.remove(oldest)
+            self._free_host(oldest)
             oldest.slot.close()
         slot = Slot(self.pool)
         for block in session.slot.blocks[: self.pool.blocks_for(len(tokens))]:

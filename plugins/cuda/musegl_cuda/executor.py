@@ -53,6 +53,7 @@ from musegl_core.engine.step_checks import check_positions, check_taps, check_to
 from musegl_cuda.cpu.stored_matrix import HalfRows
 from musegl_cuda.drafts import DraftRows
 from musegl_cuda import kv_fp8
+from musegl_cuda.host_kv import HostPages
 from musegl_cuda.model import AttentionBatch, DecodeAttention, MuseGlimmerDecoder, PagedMeta, SequenceAttention
 from musegl_cuda.parallel.shard import TensorShard
 from musegl_cuda.quantization import QUANTIZATIONS, quantized_stored
@@ -331,6 +332,7 @@ class TorchExecutor:
             log.info("KV cache: float8 e4m3, fixed per-head scales from the weights (V scale %.3g .. %.3g)",
                      float(self.kv_scales[:, 1].min()), float(self.kv_scales[:, 1].max()))
         self.kv: torch.Tensor | None = None
+        self.host_pages: HostPages | None = None  # the host tier (allocate_host_kv)
         #: sliding pages (:meth:`use_sliding_pages`): layers per page and each layer's (group, index)
         self.page_groups: tuple[int, tuple[tuple[int, int], ...]] | None = None
         self.num_blocks = 0
@@ -504,10 +506,34 @@ class TorchExecutor:
     def _require_kv(self) -> torch.Tensor:
         return kv_allocated(self.kv)
 
+    # -- the host tier (musegl_core.engine.kv_host.HostKV) -------------------------
+
+    def allocate_host_kv(self, num_pages: int) -> None:
+        """Host pages of the device cache's page shape; pinned on CUDA (musegl_cuda/host_kv.py)."""
+        self.host_pages = HostPages(self._require_kv(), num_pages)
+
+    def offload_pages(self, pairs: Sequence[tuple[int, int]]) -> None:
+        if pairs:
+            with torch.inference_mode():
+                self.host_pages.offload(self._require_kv(), pairs)
+
+    def restore_pages(self, pairs: Sequence[tuple[int, int]]) -> None:
+        if pairs:
+            with torch.inference_mode():
+                self.host_pages.restore(self._require_kv(), pairs)
+
+    def read_host_pages(self, pages: Sequence[int]) -> bytes:
+        return self.host_pages.read(pages)
+
+    def write_host_pages(self, pages: Sequence[int], data: bytes) -> None:
+        self.host_pages.write(pages, data)
+
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
         if not pairs:
             return
         kv = self._require_kv()
+        if self.host_pages is not None:
+            self.host_pages.await_pages(p for pair in pairs for p in pair)
         src = on_device([s for s, _ in pairs], self.device, torch.long)  # queued behind launched steps
         dst = on_device([d for _, d in pairs], self.device, torch.long)
         if kv.dtype == kv_fp8.FP8:  # as bytes: float8 indexing is not implemented everywhere
@@ -585,6 +611,9 @@ class TorchExecutor:
         check_taps(step.taps, self.config.num_layers)
         while len(self._unresolved) > 1:  # at most two launched steps in flight: their buffers alternate
             self._unresolved.popleft().settle()
+        if self.host_pages is not None and self.paged:  # a page a pending host copy reads or writes
+            self.host_pages.await_pages(page for chunk in step.chunks
+                                        for table in (chunk.blocks, *chunk.sliding_blocks) for page in table)
         with torch.inference_mode():
             if self.paged:
                 pending = self._launch_paged(step, kv, previous)
@@ -815,6 +844,9 @@ class TorchExecutor:
         self.graphs = None
         self.samplers = None
         self.kv = None
+        if self.host_pages is not None:
+            self.host_pages.settle()
+            self.host_pages = None
         self.num_blocks = 0
         self.model = None  # type: ignore[assignment]
         self.vision = None
