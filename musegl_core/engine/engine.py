@@ -49,6 +49,7 @@ from musegl_core.engine.prefill_budget import PrefillBudget
 from musegl_core.engine.prefill_sharing import PrefillSharing
 from musegl_core.engine.randomness import random_seed
 from musegl_core.engine.replay import ReplayLog, ReplayPlan, Replayer
+from musegl_core.engine.retention import residency
 from musegl_core.engine.loop import StepLoop
 from musegl_core.engine.request import Phase, PreparedRequest, SequenceState
 from musegl_core.engine.output import push_token
@@ -238,6 +239,13 @@ class Engine:
                      "no verify-rows budget" if budget is None else
                      f"at most {budget} verify rows a step (more than {budget // 2} decoding sequences: no drafts)")
 
+    def _write_through(self, session: Session) -> None:
+        """With a disk tier, a request whose residency asks for it (``1h``, ``24h``;
+        engine/retention.py) leaves its blocks on disk too, retained for the residency's time."""
+        kept = residency(session.retention)
+        if self.disk is not None and kept is not None and kept.write_through:
+            self.sessions.write_through(session, until=time.time() + kept.seconds)
+
     def _disk_tier(self, config: EngineConfig, executor: Executor, companions: int) -> DiskTier | None:
         """The disk tier below the host tier (``--kv-offload-dir``, ``--kv-offload-disk``;
         engine/kv_disk.py), or None. Refused in one line (:class:`ConfigError`) where it cannot
@@ -354,9 +362,15 @@ class Engine:
         block_bytes = self.executor.kv_bytes_per_block() // self.pool.pages_per_block
         stats = {"kv_tier_bytes_device": self.pool.used_blocks * block_bytes,
                  "kv_tier_capacity_bytes_device": self.pool.num_blocks * block_bytes}
-        for tier in ("device", "host"):
+        for tier in ("device", "host", "disk"):
             stats[f"kv_tier_hits_{tier}"] = sessions.tier_hits[tier]
             stats[f"kv_tier_hit_tokens_{tier}"] = sessions.tier_hit_tokens[tier]
+        if self.disk is not None:
+            disk = self.disk.stats()
+            stats["kv_tier_bytes_disk"] = disk["kv_disk_bytes"]
+            stats["kv_tier_capacity_bytes_disk"] = disk["kv_disk_capacity_bytes"]
+            stats.update(disk)
+        stats["sessions_moved_down"] = sessions.moved_down
         if self.host is not None:
             stats["kv_tier_bytes_host"] = self.host.used_bytes
             stats["kv_tier_capacity_bytes_host"] = self.host.num_pages * self.host.page_bytes
@@ -606,6 +620,7 @@ class Engine:
         self.sessions.end_run(session, seq.computed)  # blocks on demand: it keeps what it filled
         if reason is not None:  # not after an executor failure
             self.sessions.publish(session)
+            self._write_through(session)
         success = reason in ("stop", "length")
         if success:
             session.confirmed = True

@@ -267,6 +267,18 @@ class DiskTier:
             self.write_bytes += size
         return True
 
+    def retain(self, key: bytes, until: float) -> bool:
+        """Keep a stored block at least until ``until`` (a Unix time; a later retention it has
+        stays); False when no block is stored under ``key``."""
+        with self._lock:
+            if key not in self._lru:
+                return False
+            if until <= self._until.get(key, 0.0):
+                return True
+            self._until[key] = until
+        _write_until(self._path(key), until)
+        return True
+
     def get(self, key: bytes) -> bytes | None:
         """The payload stored under ``key``, or None: absent, or its file failed a check (logged, deleted)."""
         with self._lock:
