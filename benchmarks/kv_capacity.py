@@ -22,7 +22,13 @@ warm counts against the first checkout's.
     python benchmarks/kv_capacity.py --checkout main=/work/main/.venv/bin/python \\
         --checkout branch=.venv/bin/python --kv-cache-memory 2MiB --sessions 60 --factors 1.25,10
 
-``--flags`` (default ``--sliding-window-kv``) go to every checkout but the first.
+``--flags`` (default ``--sliding-window-kv``) go to every checkout but the first,
+``--baseline-flags`` to the first. The host tier (``--kv-offload-memory``) is measured
+with one checkout twice, the baseline without it:
+
+    python benchmarks/kv_capacity.py --checkout nohost=.venv/bin/python --checkout host=.venv/bin/python \
+        --baseline-flags "--sliding-window-kv --kv-offload-memory 0" \
+        --flags "--sliding-window-kv --kv-offload-memory 64MiB" --kv-cache-memory 4MiB --sessions 70
 """
 
 from __future__ import annotations
@@ -133,13 +139,14 @@ def main() -> int:
     p.add_argument("--windows", type=int, default=40, help="history length in windows (of 8 tokens)")
     p.add_argument("--factors", default="1.25,10", help="--max-context as multiples of the history")
     p.add_argument("--flags", default="--sliding-window-kv", help="serve flags of every checkout but the baseline")
+    p.add_argument("--baseline-flags", default="", help="serve flags of the baseline (the first checkout)")
     p.add_argument("--no-prefix-caching", action="store_true",
                    help="serve with --no-prefix-caching: only resident sessions count, not their cached blocks")
     args = p.parse_args()
     checkouts = [tuple(c.split("=", 1)) for c in args.checkout]
     with tempfile.TemporaryDirectory(prefix="kv-capacity-") as tmp:
         model = write_model(Path(tmp))
-        figures = [run(label, python, model, args, float(f), [] if i == 0 else args.flags.split())
+        figures = [run(label, python, model, args, float(f), args.baseline_flags.split() if i == 0 else args.flags.split())
                    for f in args.factors.split(",") for i, (label, python) in enumerate(checkouts)]
     base = {f["max_context"]: f["warm"] for f in figures if f["label"] == checkouts[0][0]}
     for f in figures:

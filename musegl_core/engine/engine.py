@@ -374,7 +374,7 @@ class Engine:
         if self.host is not None:
             stats["kv_tier_bytes_host"] = self.host.used_bytes
             stats["kv_tier_capacity_bytes_host"] = self.host.num_pages * self.host.page_bytes
-            stats["kv_host_offloads"] = sessions.suspended_offloads
+            stats["kv_host_offloads"] = sessions.offloads
             stats["kv_host_cached_blocks"] = len(sessions.host_cached)
             stats.update(self.host.stats())
         return stats

@@ -255,7 +255,7 @@ class SessionTable:
         self.tier_hit_tokens = {"device": 0, "host": 0, "disk": 0}
         self._from_lower = 0  # blocks the last promote brought up from the tier below the host (disk)
         self.moved_down = 0  # idle soft sessions moved to the host tier at their idle timeout, instead of closed
-        self.suspended_offloads = 0  # idle holders moved down
+        self.offloads = 0  # idle holders moved down
 
     @staticmethod
     def pool_blocks(block_size: int, *, max_sessions: int, max_context: int, snapshots: int) -> int:
@@ -614,7 +614,7 @@ class SessionTable:
         if len(holder.tokens) > len(blocks) * pool.block_size:  # (never: a holder fills its blocks)
             holder.tokens = holder.tokens[: len(blocks) * pool.block_size]
         holder.slot.truncate(0, rereserve=False)
-        self.suspended_offloads += 1
+        self.offloads += 1
         return True
 
     def _host_room(self, pages: int, keep=None) -> None:
@@ -878,11 +878,21 @@ class SessionTable:
             blocks *= pool.pages_per_block
             return (f"the KV cache is full: a request needs {blocks} KV pages (a block of {pool.block_size} "
                     f"positions is {pool.pages_per_block} pages with its sliding layers'), {pool.available_blocks} "
-                    f"of {pool.num_blocks} are free; idle named sessions hold {idle}"
+                    f"of {pool.num_blocks} are free; idle named sessions hold {idle}{self._host_numbers()}"
                     + ("" if self.evict_idle else " (start the server with --evict-idle-sessions to evict idle ones)"))
         hint = "" if self.evict_idle else " (start the server with --evict-idle-sessions to evict idle ones)"
         return (f"the KV cache is full: a request needs {blocks} KV blocks of {pool.block_size} positions, "
-                f"{pool.available_blocks} of {pool.num_blocks} are free; idle named sessions hold {idle}{hint}")
+                f"{pool.available_blocks} of {pool.num_blocks} are free; idle named sessions hold {idle}"
+                f"{self._host_numbers()}{hint}")
+
+    def _host_numbers(self) -> str:
+        """The host tier's part of a 503's message: its pages, and what holds them."""
+        host = self.host
+        if host is None:
+            return "; no host tier (--kv-offload-memory 0, or the executor offers none)"
+        held = sum(len(b.pages) for h in [*self.named.values(), *self.snapshots] for b in h.host)
+        return (f"; the host tier (--kv-offload-memory) has {host.free_pages} of {host.num_pages} pages free, "
+                f"sessions and snapshots that may not be lost hold {held}")
 
     def publish(self, session: Session) -> None:
         """Key the session's computed full blocks in the prefix cache (when on)."""

@@ -60,6 +60,16 @@ SERIES = {
                                 "prompt's prefill", "counter"),
     "prefill_follow_steps": ("prefill_follow_steps", "steps x prompts that waited for the blocks an earlier prompt "
                              "was computing", "counter"),
+    "kv_host_offloads": ("kv_host_offloads", "idle sessions and snapshots whose KV blocks moved to the host tier "
+                         "(--kv-offload-memory)", "counter"),
+    "kv_host_offloaded_blocks": ("kv_host_offloaded_blocks", "KV blocks copied from the device to the host tier",
+                                 "counter"),
+    "kv_host_restored_blocks": ("kv_host_restored_blocks", "KV blocks copied from the host tier back to the device",
+                                "counter"),
+    "kv_host_cached_blocks": ("kv_host_cached_blocks", "blocks of the prefix cache kept in the host tier", "gauge"),
+    "kv_restores": ("kv_restores", "sessions, snapshots and prompts whose KV came back from the host tier", "counter"),
+    "kv_restore_seconds": ("kv_restore_seconds", "seconds the engine spent bringing KV back from the host tier "
+                           "(on CUDA: issuing the copies, which finish on a side stream)", "counter"),
     "running": ("requests_running", "requests running in the engine", "gauge"),
     "waiting": ("requests_waiting", "requests in the admission queue (for a running place, a session slot or "
                 "their session's previous request)", "gauge"),
@@ -119,6 +129,28 @@ VLLM_GAUGES = {
 }
 
 
+#: the KV tiers, as SGLang's ``cache_source`` label spells them (disk: the tier below the host's)
+TIERS = ("device", "host", "disk")
+
+
+def tier_families(values: Mapping[str, float]) -> Iterable[Metric]:
+    """Per-tier KV bytes and hits with a ``cache_source`` label, from the engine's
+    ``kv_tier_*_<tier>`` stats (a tier the server does not have is left out)."""
+    families = (
+        ("kv_tier_bytes", GaugeMetricFamily, "KV bytes held in each tier"),
+        ("kv_tier_capacity_bytes", GaugeMetricFamily, "KV bytes each tier can hold"),
+        ("kv_tier_hits", CounterMetricFamily, "requests that reused KV positions from each tier"),
+        ("kv_tier_hit_tokens", CounterMetricFamily, "prompt positions reused from each tier (cached tokens)"),
+    )
+    for key, family, help_text in families:
+        present = [(tier, values[f"{key}_{tier}"]) for tier in TIERS if f"{key}_{tier}" in values]
+        if present:
+            metric = family(f"musegl_{key}", help_text, labels=["cache_source"])
+            for tier, value in present:
+                metric.add_metric([tier], float(value))
+            yield metric
+
+
 class _Snapshot:
     """A one-shot collector over one stats snapshot."""
 
@@ -141,6 +173,7 @@ class _Snapshot:
                 gauge = GaugeMetricFamily(name, help_text, labels=["model_name"])
                 gauge.add_metric([self.model_name], float(value))
                 yield gauge
+        yield from tier_families(self.values)
         blocks = self.values.get("verify_blocks")
         if blocks:
             accepted = self.values.get("accepted_tokens", 0)

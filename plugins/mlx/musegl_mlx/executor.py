@@ -149,6 +149,27 @@ class MLXExecutor:
     def _require_kv(self) -> list[list[mx.array]]:
         return kv_allocated(self.kv)
 
+    # -- the host tier (musegl_core.engine.kv_host.HostKV; musegl_mlx/host_kv.py) ----
+
+    def allocate_host_kv(self, num_pages: int) -> None:
+        from musegl_mlx.host_kv import HostPages
+
+        self.host_pages = HostPages(self._require_kv(), self.block_size, num_pages)
+
+    def offload_pages(self, pairs: Sequence[tuple[int, int]]) -> None:
+        if pairs:
+            self.host_pages.offload(self._require_kv(), pairs)
+
+    def restore_pages(self, pairs: Sequence[tuple[int, int]]) -> None:
+        if pairs:
+            self.host_pages.restore(self._require_kv(), pairs)
+
+    def read_host_pages(self, pages: Sequence[int]) -> bytes:
+        return self.host_pages.read(pages)
+
+    def write_host_pages(self, pages: Sequence[int], data: bytes) -> None:
+        self.host_pages.write(pages, data)
+
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
         if not pairs:
             return
@@ -303,6 +324,7 @@ class MLXExecutor:
 
     def close(self) -> None:
         self.kv = None
+        self.host_pages = None
         self.num_blocks = 0
         self.model = None  # type: ignore[assignment]
         self.vision = None
