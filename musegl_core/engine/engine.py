@@ -176,12 +176,13 @@ class Engine:
             expect_taps(tuple(self.speculator.taps))
         executor.allocate_kv(self.pool.num_blocks)
         self.host = self._host_tier(config, executor, companions)
+        self.disk = self._disk_tier(config, executor, companions)
         log.info("%s", room_line(device_blocks=blocks, block_size=block_size,
                                  block_bytes=executor.kv_bytes_per_block() + self.speculator.kv_bytes_per_block(),
                                  max_context=config.max_context, companions=companions, window=window,
-                                 host_bytes=self.host.num_pages * self.host.page_bytes if self.host else None))
+                                 host_bytes=self.host.num_pages * self.host.page_bytes if self.host else None,
+                                 disk_bytes=self.disk.capacity if self.disk else None))
         self.speculator.allocate_kv(self.pool.num_blocks)
-        self.disk = self._disk_tier(config, executor, companions)
         self.sessions = SessionTable(
             self.pool,
             max_sessions=config.max_sessions,

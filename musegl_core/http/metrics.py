@@ -45,6 +45,8 @@ SERIES = {
     "prefix_cache_hits": ("prefix_cache_hits", "requests that reused KV blocks from the prefix cache", "counter"),
     "prefix_cache_hit_tokens": ("prefix_cache_hit_tokens", "prompt positions reused from the prefix cache", "counter"),
     "prefix_cache_evicted_blocks": ("prefix_cache_evicted_blocks", "cached KV blocks evicted to make room", "counter"),
+    "sessions_moved_down": ("sessions_moved_down", "idle soft sessions moved to the host tier at their idle "
+                            "timeout instead of closed", "counter"),
     "kv_disk_blocks": ("kv_disk_blocks", "KV blocks of this model and KV format in the disk tier", "gauge"),
     "kv_disk_retained_blocks": ("kv_disk_retained_blocks", "disk-tier blocks whose client-asked retention still "
                                 "runs (evicted after the others)", "gauge"),

@@ -220,3 +220,12 @@ def test_an_engine_refuses_a_disk_tier_without_a_host_tier_above_it(tmp_path):
     config = EngineConfig(max_context=64, kv_offload_dir=str(tmp_path), kv_offload_disk=1 << 20)
     with pytest.raises(ConfigError, match="--kv-offload-dir: the disk tier sits below the host tier"):
         Engine(ExampleExecutor(64), None, config, lambda event: None)
+
+
+def test_the_room_line_states_the_disk_tier():
+    from musegl_core.engine.kv_memory import room_line
+
+    line = room_line(device_blocks=100, block_size=16, block_bytes=1024, max_context=64, host_bytes=64 * 1024,
+                     disk_bytes=10 * (1024 + kd._HEADER.size + 16))
+    assert line.endswith("; disk tier 10.71 KiB = 160 positions = 2 sessions of --max-context 64")
+    assert "disk tier" not in room_line(device_blocks=100, block_size=16, block_bytes=1024, max_context=64)

@@ -87,3 +87,28 @@ def test_anthropic_a_bad_ttl_is_a_400_naming_where_it_is(server):
     reply = anthropic(server, type="ephemeral", ttl="24h")
     assert reply.status_code == 400
     assert reply.json()["error"]["message"] == "'messages[0].content[0].cache_control.ttl' must be '5m' or '1h', got '24h'"
+
+
+@pytest.fixture(scope="module")
+def disk_server(tmp_path_factory):
+    from musegl_core.tiny import default_model_path
+
+    config = ServeConfig(model=str(default_model_path()), port=0, max_context=512, max_sessions=8,
+                         kv_offload_dir=str(tmp_path_factory.mktemp("kv")), kv_offload_disk=64 << 20)
+    with running_server(config) as running:
+        yield running
+
+
+def test_24h_with_a_disk_tier_is_granted_and_written_to_disk(disk_server):
+    reply = chat(disk_server.url, HISTORY, prompt_cache_key="ret-day", prompt_cache_retention="24h")
+    assert reply.status_code == 200, reply.text
+    assert reply.headers["x-prompt-cache-retention"] == "24h"
+    assert [s for name, s in sessions(disk_server).items() if name.endswith("ret-day")][0]["retention"] == "24h"
+    body = {"model": "m", "input": "tell me " * 20, "max_output_tokens": 4, "temperature": 0,
+            "prompt_cache_retention": "24h", "store": False}
+    response = httpx.post(f"{disk_server.url}/v1/responses", json=body, timeout=120)
+    assert response.json()["prompt_cache_retention"] == "24h"
+    metrics = httpx.get(f"{disk_server.url}/metrics", timeout=30).text
+    blocks = [line for line in metrics.splitlines() if line.startswith("musegl_kv_disk_blocks ")]
+    assert blocks and float(blocks[0].split()[1]) > 0  # written through at the end of the request
+    assert 'musegl_kv_tier_capacity_bytes{cache_source="disk"} 6.7108864e+07' in metrics

@@ -138,3 +138,30 @@ def test_a_damaged_block_file_is_recomputed_never_misread(checkpoint, tokenizer,
 def test_the_disk_tier_needs_the_host_tier(checkpoint, tokenizer, tmp_path):
     with pytest.raises(ConfigError, match="--kv-offload-dir"):
         engine_for(checkpoint, tokenizer, host=0, disk=tmp_path)
+
+
+def test_an_idle_soft_session_moves_down_the_tiers_instead_of_closing(checkpoint, tokenizer, tmp_path):
+    expected = reference(checkpoint, tokenizer, 2, "a")
+    history = {"a": ids(0, 40)}
+    engine, events = engine_for(checkpoint, tokenizer, host=None, disk=tmp_path, soft_session_idle_timeout=30.0)
+
+    def soft(rid: str) -> tuple[list[int], int]:
+        engine.submit(PreparedRequest(id=rid, prompt_ids=tuple(history["a"]), max_tokens=8, ignore_eos=True,
+                                      sampling=GREEDY, session_id="claude-code:a", soft_session=True, stream=True))
+        engine.run_until_idle()
+        (done,) = [e for e in events if isinstance(e, ev.Done) and e.id == rid]
+        return list(done.generated_ids), done.cached_tokens
+
+    first = soft("a0")
+    history["a"] = history["a"] + first[0] + ids(100, 9)
+    session = engine.sessions.named["claude-code:a"]
+    assert engine.sessions.expire_idle(now=session.last_used + 31) == 0  # not closed:
+    assert session.host and not session.slot.blocks  # its blocks went down to the host tier
+    assert engine.sessions.expire_idle(now=session.last_used + 62) == 0  # and stay there
+    second = soft("a1")
+    assert [first[0], second[0]] == [expected["a0"][0], expected["a1"][0]]
+    assert second[1] == expected["a1"][1] > 40  # restored, not recomputed
+    stats = engine.stats()
+    assert stats["sessions_moved_down"] == 1 and stats["kv_tier_hit_tokens_host"] >= 40
+    engine.sessions.drop(engine.sessions.named["claude-code:a"])  # closed at last (a slot was needed, say):
+    assert engine.sessions.host_cached  # its keyed blocks stay in the host tier's cache, then go to disk
