@@ -181,7 +181,7 @@ class Engine:
                                  block_bytes=executor.kv_bytes_per_block() + self.speculator.kv_bytes_per_block(),
                                  max_context=config.max_context, companions=companions, window=window,
                                  host_bytes=self.host.num_pages * self.host.page_bytes if self.host else None,
-                                 disk_bytes=self.disk.capacity if self.disk else None))
+                                 disk_bytes=self.disk.capacity if self.disk is not None else None))
         self.speculator.allocate_kv(self.pool.num_blocks)
         self.sessions = SessionTable(
             self.pool,

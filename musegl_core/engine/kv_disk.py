@@ -211,9 +211,6 @@ class DiskTier:
 
     __contains__ = contains
 
-    def __len__(self) -> int:
-        return len(self._lru)
-
     @property
     def blocks(self) -> int:
         return len(self._lru)

@@ -364,7 +364,7 @@ class TorchExecutor:
         path, seed, kind, shard = self._identity
         weights = f"random:{seed}:{kind}" if seed is not None else files_identity(path)
         return (f"weights {weights} ({self.weights}, {self.quantization or 'no quantization'}), "
-                f"{self.device.type} {str(self.dtype).removeprefix('torch.')}, KV {self.kv_cache_dtype}"
+                f"{self.device.type} {str(self.dtype).removeprefix('torch.')}"
                 + (f", shard {shard.plan!r}" if shard is not None else ""))
 
     def kv_bytes_per_block(self) -> int:
