@@ -165,3 +165,13 @@ def test_an_idle_soft_session_moves_down_the_tiers_instead_of_closing(checkpoint
     assert stats["sessions_moved_down"] == 1 and stats["kv_tier_hit_tokens_host"] >= 40
     engine.sessions.drop(engine.sessions.named["claude-code:a"])  # closed at last (a slot was needed, say):
     assert engine.sessions.host_cached  # its keyed blocks stay in the host tier's cache, then go to disk
+
+
+def test_only_a_retention_that_asks_for_it_writes_through(checkpoint, tokenizer, tmp_path):
+    engine, events = engine_for(checkpoint, tokenizer, host=None, disk=tmp_path)
+    run(engine, events, "plain", ids(1, 40))  # anonymous, no retention, no pressure: nothing reaches the disk
+    run(engine, events, "5m", ids(2, 40), retention="5m")
+    assert engine.stats()["kv_disk_blocks"] == 0
+    run(engine, events, "1h", ids(3, 40), retention="1h")  # anonymous: its blocks are written through
+    stats = engine.stats()
+    assert stats["kv_disk_blocks"] == 40 // BLOCK + 1 and stats["kv_disk_retained_blocks"] == stats["kv_disk_blocks"]
