@@ -144,6 +144,12 @@ class ServeConfig:
                                    "device, where the executor offers it (the torch executor on the CPU, without "
                                    "a speculator): about 3x the sessions of a long history; a rewind past the "
                                    "window recomputes the prompt (docs/engine.md)", KV, kind="switch")
+    kv_offload_dir: str | None = flag(None, "the disk tier: a directory for KV blocks below the host tier, kept "
+                                      "across restarts of the worker and the server, one subdirectory per model and "
+                                      "KV format; needs --kv-offload-disk (default: no disk tier)", KV, metavar="PATH")
+    kv_offload_disk: int | None = flag(None, "bytes the disk tier may fill under --kv-offload-dir, e.g. 100GiB; the "
+                                       "least recently used blocks go first (docs/engine.md \"The disk tier\")", KV,
+                                       kind="size", metavar="SIZE")
     kv_blocks: int | None = flag(None, "KV pool size in blocks (default: sized from memory, see --kv-cache-memory)",
                                  KV, kind="int", metavar="N")
     kv_cache_memory: int | None = flag(None, "memory for the KV cache, e.g. 24GiB; the pool fills it (default: what "
@@ -272,6 +278,7 @@ class ServeConfig:
             int_range("--kv-blocks", self.kv_blocks, 1)
         if self.kv_cache_memory is not None:
             need(self.kv_cache_memory > 0, "--kv-cache-memory must be positive")
+        self._validate_disk_tier(need)
         f = self.kv_cache_fraction
         need(math.isfinite(f) and 0 < f <= 1, f"--kv-cache-fraction must be in (0, 1], got {f}")
         need(self.kv_cache_dtype in ("auto", "fp8"), f"--kv-cache-dtype must be auto or fp8, got {self.kv_cache_dtype!r}")
@@ -279,3 +286,22 @@ class ServeConfig:
         need(math.isfinite(f) and (f == 0 or f >= 1),
              f"--prefill-stall-factor must be 0 (off) or at least 1, got {f}")
         return self
+
+    def _validate_disk_tier(self, need) -> None:
+        """``--kv-offload-dir`` and ``--kv-offload-disk`` go together; the directory must be writable."""
+        if self.kv_offload_dir is None and self.kv_offload_disk is None:
+            return
+        need(self.kv_offload_dir is not None, "--kv-offload-disk needs --kv-offload-dir PATH (where the disk tier "
+             "keeps its blocks)")
+        need(self.kv_offload_disk is not None, "--kv-offload-dir needs --kv-offload-disk SIZE (how much of the disk "
+             "the tier may fill, e.g. 100GiB)")
+        need(self.kv_offload_disk > 0, "--kv-offload-disk must be positive")
+        need(bool(self.kv_offload_dir.strip()), "--kv-offload-dir must not be empty")
+        from pathlib import Path
+
+        from musegl_core.engine.kv_disk import DiskTierError, check_dir
+
+        try:
+            check_dir(Path(self.kv_offload_dir).expanduser())
+        except DiskTierError as exc:
+            raise ConfigError(str(exc)) from None

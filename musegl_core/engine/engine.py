@@ -38,6 +38,7 @@ from musegl_core.engine.admission import Admission
 from musegl_core.engine.detokenize import IncrementalDetokenizer, hidden_ids
 from musegl_core.engine.executor import DEFAULT_PREFILL_CHUNK, Executor, ExecutorLimits, TokenLogprobs
 from musegl_core.engine.identity import prompt_keys, split_keys
+from musegl_core.engine.kv_disk import DiskTier, DiskTierError, block_format, open_disk_tier
 from musegl_core.engine.kv_host import HostTier, default_host_bytes, host_kv
 from musegl_core.engine.kv_memory import room_line
 from musegl_core.engine.memory import available_ram
@@ -48,6 +49,7 @@ from musegl_core.engine.prefill_budget import PrefillBudget
 from musegl_core.engine.prefill_sharing import PrefillSharing
 from musegl_core.engine.randomness import random_seed
 from musegl_core.engine.replay import ReplayLog, ReplayPlan, Replayer
+from musegl_core.engine.retention import residency
 from musegl_core.engine.loop import StepLoop
 from musegl_core.engine.request import Phase, PreparedRequest, SequenceState
 from musegl_core.engine.output import push_token
@@ -92,6 +94,9 @@ class EngineConfig:
     #: sliding layers keep only their window on the device, where the executor offers it
     #: (``--sliding-window-kv``, ``use_sliding_pages``; docs/engine.md "Sliding layers keep their window")
     sliding_window_kv: bool = False
+    #: the disk tier (``--kv-offload-dir``, ``--kv-offload-disk``; engine/kv_disk.py): None, None for none
+    kv_offload_dir: str | None = None
+    kv_offload_disk: int | None = None
 
     @classmethod
     def from_serve(cls, config) -> "EngineConfig":
@@ -171,10 +176,12 @@ class Engine:
             expect_taps(tuple(self.speculator.taps))
         executor.allocate_kv(self.pool.num_blocks)
         self.host = self._host_tier(config, executor, companions)
+        self.disk = self._disk_tier(config, executor, companions)
         log.info("%s", room_line(device_blocks=blocks, block_size=block_size,
                                  block_bytes=executor.kv_bytes_per_block() + self.speculator.kv_bytes_per_block(),
                                  max_context=config.max_context, companions=companions, window=window,
-                                 host_bytes=self.host.num_pages * self.host.page_bytes if self.host else None))
+                                 host_bytes=self.host.num_pages * self.host.page_bytes if self.host else None,
+                                 disk_bytes=self.disk.capacity if self.disk is not None else None))
         self.speculator.allocate_kv(self.pool.num_blocks)
         self.sessions = SessionTable(
             self.pool,
@@ -233,6 +240,33 @@ class Engine:
             log.info("speculation: up to %d drafts a sequence; %s", self.speculator.max_draft,
                      "no verify-rows budget" if budget is None else
                      f"at most {budget} verify rows a step (more than {budget // 2} decoding sequences: no drafts)")
+
+    def _write_through(self, session: Session) -> None:
+        """With a disk tier, a request whose residency asks for it (``1h``, ``24h``;
+        engine/retention.py) leaves its blocks on disk too, retained for the residency's time."""
+        kept = residency(session.retention)
+        if self.disk is not None and kept is not None and kept.write_through:
+            self.sessions.write_through(session, until=time.time() + kept.seconds)
+
+    def _disk_tier(self, config: EngineConfig, executor: Executor, companions: int) -> DiskTier | None:
+        """The disk tier below the host tier (``--kv-offload-dir``, ``--kv-offload-disk``;
+        engine/kv_disk.py), or None. Refused in one line (:class:`ConfigError`) where it cannot
+        work: no host tier above it, an executor that does not state its KV identity, a
+        directory it cannot use."""
+        if config.kv_offload_dir is None:
+            return None
+        if not config.kv_offload_disk:
+            raise ConfigError("--kv-offload-dir needs --kv-offload-disk SIZE (how much of the disk the tier may fill)")
+        host = getattr(self, "host", None)
+        if host is None:
+            raise ConfigError("--kv-offload-dir: the disk tier sits below the host tier (--kv-offload-memory), "
+                              "which is off here; leave --kv-offload-dir out")
+        try:
+            disk = open_disk_tier(config.kv_offload_dir, config.kv_offload_disk, block_format(executor, companions))
+        except DiskTierError as exc:
+            raise ConfigError(f"--kv-offload-dir: {exc}") from None
+        host.lower = disk
+        return disk
 
     def _host_tier(self, config: EngineConfig, executor: Executor, companions: int) -> HostTier | None:
         """The host tier below the device pool (``--kv-offload-memory``, engine/kv_host.py), allocated
@@ -343,9 +377,15 @@ class Engine:
         block_bytes = self.executor.kv_bytes_per_block() // self.pool.pages_per_block
         stats = {"kv_tier_bytes_device": self.pool.used_blocks * block_bytes,
                  "kv_tier_capacity_bytes_device": self.pool.num_blocks * block_bytes}
-        for tier in ("device", "host"):
+        for tier in ("device", "host", "disk"):
             stats[f"kv_tier_hits_{tier}"] = sessions.tier_hits[tier]
             stats[f"kv_tier_hit_tokens_{tier}"] = sessions.tier_hit_tokens[tier]
+        if self.disk is not None:
+            disk = self.disk.stats()
+            stats["kv_tier_bytes_disk"] = disk["kv_disk_bytes"]
+            stats["kv_tier_capacity_bytes_disk"] = disk["kv_disk_capacity_bytes"]
+            stats.update(disk)
+        stats["sessions_moved_down"] = sessions.moved_down
         if self.host is not None:
             stats["kv_tier_bytes_host"] = self.host.used_bytes
             stats["kv_tier_capacity_bytes_host"] = self.host.num_pages * self.host.page_bytes
@@ -500,6 +540,8 @@ class Engine:
         self._queue_seconds[request.id] = waited
         session.active = True
         session.last_used = time.monotonic()
+        if request.retention is not None:  # the latest ask sets how long the idle session is kept
+            session.retention = request.retention
         if request.sampling.seed is None:  # every draw is keyed by (seed, position)
             request = attrs.evolve(request, sampling=attrs.evolve(request.sampling, seed=random_seed()))
         seq = SequenceState(
@@ -597,6 +639,7 @@ class Engine:
         self.sessions.end_run(session, seq.computed)  # blocks on demand: it keeps what it filled
         if reason is not None:  # not after an executor failure
             self.sessions.publish(session)
+            self._write_through(session)
         success = reason in ("stop", "length")
         if success:
             session.confirmed = True

@@ -20,6 +20,7 @@ from typing import ClassVar
 
 import attrs
 
+from musegl_core.engine.retention import idle_timeout
 from musegl_core.engine.sessions import CapacityError, SaltMismatch, SessionTable
 
 
@@ -139,7 +140,8 @@ def capacity_error(exc: CapacityError, table: SessionTable) -> NoSessionSlot:
     retry = None
     if table.idle_timeout is not None and table.named:
         now = time.monotonic()
-        idle = [s.last_used + table.idle_timeout - now for s in table.named.values() if s.idle]
+        idle = [s.last_used + idle_timeout(table.idle_timeout, s.retention) - now
+                for s in table.named.values() if s.idle]
         retry = max(1, math.ceil(min(idle) if idle else table.idle_timeout))
     return NoSessionSlot(str(exc), retry)
 

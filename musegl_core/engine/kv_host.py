@@ -181,17 +181,33 @@ class HostTier:
         return True
 
     def fetch(self, key: bytes, pages: int) -> HostBlock | None:
-        """Bring the block keyed ``key`` (``pages`` pages) up from the tier below into host
-        pages; None when the tier below has it not or the host tier has no room."""
+        """Bring the block keyed ``key`` (at most ``pages`` pages: a block whose sliding pages had
+        left the device has fewer) up from the tier below into host pages; None when the tier
+        below has it not or the host tier has no room."""
         if self.lower is None or pages > len(self._free):
             return None
         data = self.lower.get(key)
-        if data is None or len(data) != pages * self.page_bytes:
+        if data is None or len(data) % self.page_bytes or not 0 < len(data) // self.page_bytes <= pages:
             return None
-        host = tuple(self._free.pop() for _ in range(pages))
+        host = tuple(self._free.pop() for _ in range(len(data) // self.page_bytes))
         self.executor.write_host_pages(host, data)
         self._keys[key] += 1
         return HostBlock(host, key)
+
+    def read_blocks(self, blocks: Sequence[Sequence[int]]) -> list[bytes]:
+        """The bytes of device blocks (each given as its device pages), copied through free host
+        pages that are free again afterwards (a copy written through to the tier below; no
+        offload is counted). :class:`HostFull` when the pages are not free."""
+        need = sum(len(pages) for pages in blocks)
+        if need > len(self._free):
+            raise HostFull(f"need {need} host pages, {len(self._free)} free")
+        hosts = [tuple(self._free.pop() for _ in pages) for pages in blocks]
+        try:
+            self.executor.offload_pages([pair for pages, host in zip(blocks, hosts) for pair in zip(pages, host)])
+            return [self.executor.read_host_pages(host) for host in hosts]
+        finally:
+            for host in hosts:
+                self._free.extend(host)
 
     def holds(self, key: bytes) -> bool:
         """Whether a host block keyed ``key`` is here."""

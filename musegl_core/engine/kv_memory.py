@@ -87,7 +87,8 @@ def sessions_held(memory: int, shape: KVShape, positions: int, itemsize: int, sl
 
 
 def room_line(*, device_blocks: int, block_size: int, block_bytes: int, max_context: int,
-              host_bytes: int | None = None, companions: int = 0, window: int | None = None) -> str:
+              host_bytes: int | None = None, companions: int = 0, window: int | None = None,
+              disk_bytes: int | None = None) -> str:
     """The start-up line that states the KV room (``musegl serve`` logs it): the device pool in
     bytes, positions and sessions of ``--max-context``, and the host tier. ``device_blocks`` of
     ``block_bytes`` (every layer); with sliding pages (``companions`` per block, ``window``) a
@@ -116,6 +117,10 @@ def room_line(*, device_blocks: int, block_size: int, block_bytes: int, max_cont
                  f"{host_sessions:,} sessions of --max-context {max_context:,}")
     else:
         line += "; host tier: none"
+    if disk_bytes:  # a block file holds a block's bytes, a 57-byte header and its 16-byte key (engine/kv_disk.py)
+        disk_positions = disk_bytes // (block_bytes + 73) * block_size
+        line += (f"; disk tier {human(disk_bytes)} = {disk_positions:,} positions = "
+                 f"{disk_positions // max_context:,} sessions of --max-context {max_context:,}")
     return line
 
 

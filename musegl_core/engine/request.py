@@ -94,6 +94,9 @@ class RequestOptions:
     #: the response whose ``n`` choices this request is one of (choice 0's id; None: ``n`` = 1): an
     #: anonymous choice never waits for a slot that only its own group's choices would free
     group: str | None = None
+    #: the residency the client asked for and was granted (engine/retention.py: "5m", "1h", "24h"; None: the
+    #: server's defaults): how long its idle session is kept, and whether its blocks are written to disk
+    retention: str | None = attrs.field(default=None, validator=attrs.validators.in_((None, "5m", "1h", "24h")))
 
     @property
     def completion_reservation(self) -> int:

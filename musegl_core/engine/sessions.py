@@ -37,6 +37,7 @@ from musegl_core.engine.kv_host import HostBlock, HostFull, HostTier
 from musegl_core.engine.kv_pool import KVPool, PoolExhausted
 from musegl_core.engine.prefix_cache import PrefixCache, block_key, chain_root
 from musegl_core.engine.replay import ReplayLog
+from musegl_core.engine.retention import evict_order, idle_timeout
 
 
 class CapacityError(Exception):
@@ -65,6 +66,7 @@ class SessionInfo:
     cached_tokens: int
     idle_seconds: float
     queued_requests: int = 0
+    retention: str | None = None  # the residency its requests asked for (engine/retention.py)
 
 
 @attrs.define(eq=False)
@@ -222,6 +224,7 @@ class Session:
     salt: str | None = None
     soft: bool = False  # named by a client's own conversation key: expires and is evicted first
     group: str | None = None  # an anonymous choice's response (RequestOptions.group)
+    retention: str | None = None  # the residency its requests asked for (engine/retention.py; None: none)
     clean: bool = True
     confirmed: bool = False
     active: bool = False
@@ -295,8 +298,10 @@ class SessionTable:
         #: the prefix cache's blocks the pool evicted into the host tier, by key, least recently used first
         self.host_cached: collections.OrderedDict[bytes, HostBlock] = collections.OrderedDict()
         #: requests that reused positions, and the positions, by where their K/V came from (cache_source)
-        self.tier_hits = {"device": 0, "host": 0}
-        self.tier_hit_tokens = {"device": 0, "host": 0}
+        self.tier_hits = {"device": 0, "host": 0, "disk": 0}
+        self.tier_hit_tokens = {"device": 0, "host": 0, "disk": 0}
+        self._from_lower = 0  # blocks the last promote brought up from the tier below the host (disk)
+        self.moved_down = 0  # idle soft sessions moved to the host tier at their idle timeout, instead of closed
         self.offloads = 0  # idle holders moved down
 
     @staticmethod
@@ -334,7 +339,7 @@ class SessionTable:
             return
         soft = self._idle_soft()  # soft sessions give way first, with or without --evict-idle-sessions
         if soft:
-            self.drop(self._lost(min(soft, key=lambda s: s.last_used), "evicted"))
+            self.drop(self._lost(min(soft, key=evict_order(time.monotonic())), "evicted"))
             self.evictions += 1
             return
         frees_on_its_own = (any(group is None or s.group != group for s in self.anonymous)
@@ -342,7 +347,7 @@ class SessionTable:
         if self.evict_idle or (anonymous and not frees_on_its_own):
             idle = [s for s in self.named.values() if s.idle]
             if idle:
-                victim = min(idle, key=lambda s: s.last_used)
+                victim = min(idle, key=evict_order(time.monotonic()))
                 self.drop(self._lost(victim, "evicted"))
                 self.evictions += 1
                 return
@@ -400,6 +405,7 @@ class SessionTable:
                 cached_tokens=len(session.tokens) if session.clean else 0,
                 idle_seconds=round(max(0.0, now - session.last_used), 3) if session.idle else 0.0,
                 queued_requests=len(session.waiting),
+                retention=session.retention,
             )
             for session in sorted(self.named.values(), key=lambda s: s.last_used, reverse=True)
         ]
@@ -415,18 +421,30 @@ class SessionTable:
 
     def expire_idle(self, now: float | None = None) -> int:
         """Close named sessions idle longer than ``--session-idle-timeout`` and soft
-        ones idle longer than ``--soft-session-idle-timeout``; how many."""
+        ones idle longer than ``--soft-session-idle-timeout`` (each at least its retention's,
+        engine/retention.py); how many. With a host tier, an idle soft session moves down
+        instead of closing: its blocks go to the host tier (:meth:`offload`) and it stays, until
+        the host tier or the slots need its room (its keyed blocks then go on down, to the disk
+        tier when there is one)."""
         now = time.monotonic() if now is None else now
 
         def timeout(session: Session) -> float | None:
-            return self.soft_idle_timeout if session.soft else self.idle_timeout
+            return idle_timeout(self.soft_idle_timeout if session.soft else self.idle_timeout, session.retention)
 
         stale = [s for s in self.named.values()
                  if s.idle and timeout(s) is not None and now - s.last_used > timeout(s)]
+        closed = 0
         for session in stale:
+            if session.soft and self.host is not None and session.clean:
+                if session.host and not session.slot.blocks:
+                    continue  # moved down already
+                if self.offload(session):
+                    self.moved_down += 1
+                    continue
             self.drop(self._lost(session, "expired"))
-        self.expired += len(stale)
-        return len(stale)
+            closed += 1
+        self.expired += closed
+        return closed
 
     # -- prefix reuse ----------------------------------------------------------------
     def best_prefix(self, session: Session, prompt: Sequence[int]) -> tuple[int, Snapshot | None]:
@@ -455,8 +473,10 @@ class SessionTable:
                 from_host = self.restore(session, self.pool.blocks_for(own)) * block_size
             else:
                 self._free_host(session)
+        from_disk = 0  # the part of them that came up from the disk tier
         if self.host is not None and self.cache is not None:
             from_host = max(from_host, self.promote(prompt, len(prompt) - 1, session.salt, keep=session) * block_size)
+            from_disk = self._from_lower * block_size
         reuse, snapshot = self.best_prefix(session, prompt)
         if snapshot is not None and snapshot.host:
             from_host = max(from_host, self.restore(snapshot, self.pool.blocks_for(reuse), keep=session) * block_size)
@@ -485,12 +505,13 @@ class SessionTable:
             session.slot.truncate(0, rereserve=False)
         session.tokens = list(prompt[:reuse])
         assert len(session.slot.blocks) * block_size >= reuse
-        self._count_hit(reuse, min(reuse, from_host))
+        self._count_hit(reuse, min(reuse, from_host), min(reuse, from_disk, from_host))
         return reuse
 
-    def _count_hit(self, reuse: int, from_host: int) -> None:
-        """Count a request's reused positions by the tier they came from (``cache_source``)."""
-        for tier, positions in (("host", from_host), ("device", reuse - from_host)):
+    def _count_hit(self, reuse: int, from_host: int, from_disk: int = 0) -> None:
+        """Count a request's reused positions by the tier they came from (``cache_source``):
+        ``from_host`` came up from below the device, ``from_disk`` of them from the disk tier."""
+        for tier, positions in (("disk", from_disk), ("host", from_host - from_disk), ("device", reuse - from_host)):
             if positions > 0:
                 self.tier_hits[tier] += 1
                 self.tier_hit_tokens[tier] += positions
@@ -615,7 +636,7 @@ class SessionTable:
 
         def victims():
             idle = sorted((s for s in self.named.values() if s.idle and not spared(s) and s.slot.blocks),
-                          key=lambda s: s.last_used)
+                          key=evict_order(time.monotonic()))
             yield from (s for s in idle if s.soft)
             yield from sorted((s for s in self.snapshots if not spared(s)), key=lambda s: s.last_used)
             if self.evict_idle:
@@ -678,7 +699,7 @@ class SessionTable:
         recently used first, whose keyed blocks join that cache before it lets go of them."""
         host = self.host
         sessions = sorted((s for s in self.named.values() if s.host and s.idle and s is not keep
-                           and (s.soft or self.evict_idle)), key=lambda s: s.last_used)
+                           and (s.soft or self.evict_idle)), key=evict_order(time.monotonic()))
         snapshots = sorted((s for s in self.snapshots if s.host and s is not keep), key=lambda s: s.last_used)
         victims = [*(s for s in sessions if s.soft), *snapshots, *(s for s in sessions if not s.soft)]
         while host.free_pages < pages:
@@ -771,30 +792,124 @@ class SessionTable:
     def promote(self, prompt: Sequence[int], limit: int, salt: str | None, keep=None) -> int:
         """Copy the prompt's full blocks that only the host tier's prefix cache holds back into
         the device pool as cached blocks (making room, :meth:`make_room`, with ``keep``
-        spared), so that the prefix cache's lookup finds them; how many came back."""
+        spared), so that the prefix cache's lookup finds them; then those of the chain that
+        follow in the tier below (disk: :meth:`_promote_lower`). How many came back; the
+        tier below's part of them is left in ``_from_lower``."""
         pool, host = self.pool, self.host
-        if not self.host_cached:
+        self._from_lower = 0
+        if not self.host_cached and host.lower is None:
             return 0
         size = pool.block_size
         parent = chain_root(salt)
         wanted: list[tuple[bytes, HostBlock]] = []  # the chain's blocks missing on the device, in order
+        below: list[bytes] = []  # the chain's blocks after those, found in the tier below
         pinned: list[int] = []  # the chain's cached device blocks, held meanwhile so no allocation evicts them
         for index in range(min(len(prompt) // size, pool.blocks_for(limit))):
             key = block_key(parent, prompt[index * size:(index + 1) * size])
             parent = key
-            found = pool.lookup(key)
+            found = None if below else pool.lookup(key)
             if found is not None:
                 pinned.append(pool.share(found))
                 continue
-            moved = self.host_cached.get(key)
-            if moved is None:
+            moved = None if below else self.host_cached.get(key)
+            if moved is not None:
+                wanted.append((key, moved))
+            elif host.lower is not None and host.lower.contains(key):
+                below.append(key)
+            else:
                 break
-            wanted.append((key, moved))
         try:
-            return self._promote(wanted, keep)
+            came = self._promote(wanted, keep)
+            if came == len(wanted) and below:
+                self._from_lower = self._promote_lower(below, keep)
+            return came + self._from_lower
         finally:
             for block in reversed(pinned):
                 pool.release(block)
+
+    def _promote_lower(self, keys: Sequence[bytes], keep) -> int:
+        """Bring the blocks keyed ``keys`` (consecutive blocks of one prefix chain, in order) up
+        from the tier below the host tier into the device pool as cached blocks, through host
+        pages, as many at a time as the host tier has room for (device room is made first, so
+        nothing pushes them out of the host tier on the way); stops at the first that does not
+        come (gone, or its file failed a check: engine/kv_disk.py). How many came."""
+        pool, host = self.pool, self.host
+        per = pool.pages_per_block
+        came = 0
+        started = time.perf_counter()
+        while came < len(keys):
+            want = len(keys) - came
+            if pool.available_blocks < want * per:
+                self.make_room(want * per, keep=keep)
+            want = min(want, pool.available_blocks // per)
+            if host.free_pages < want * per:
+                self._host_room(want * per, keep=keep)
+            want = min(want, host.free_pages // per)
+            if want < 1:
+                break
+            batch = []
+            for key in keys[came:came + want]:
+                moved = host.fetch(key, per)
+                if moved is None:
+                    break
+                batch.append((key, moved))
+            pairs: list[tuple[int, int]] = []
+            held: list[int] = []  # held until their K/V is in: an allocation could evict them
+            for key, moved in batch:
+                new = pool.allocate()
+                pages = [new, *(pool.companion_pages(new) or ())]
+                if len(moved.pages) < len(pages):  # its sliding pages had left the device before
+                    pool.drop_companions(new)
+                    pages = [new]
+                pairs.extend(zip(moved.pages, pages))
+                pool.register(new, key)
+                held.append(new)
+            host.restore(pairs, len(batch))
+            for new in held:
+                pool.release(new)  # cached: free, found by the lookup
+            host.free([moved for _, moved in batch])
+            came += len(batch)
+            if len(batch) < want:
+                break
+        host.restore_seconds += time.perf_counter() - started
+        return came
+
+    def write_through(self, session: Session, until: float) -> int:
+        """Write ``session``'s keyed full blocks to the tier below the host tier (disk) when they
+        are not there yet, retained until ``until`` (a Unix time; blocks there already get it
+        too): the residencies that ask for it (engine/retention.py). Copies go through free
+        host pages (making host room when there are none); how many blocks were written."""
+        host, pool = self.host, self.pool
+        lower = host.lower if host is not None else None
+        if lower is None:
+            return 0
+        items: list[tuple[list[int], bytes]] = []
+        for block in session.slot.blocks[: len(session.tokens) // pool.block_size]:
+            key = pool.key(block)
+            if key is None:
+                continue
+            if not lower.retain(key, until):  # a block stored already only has its retention extended
+                items.append(([block, *(pool.companion_pages(block) or ())], key))
+        written = 0
+        while items:
+            if host.free_pages < pool.pages_per_block:
+                self._host_room(pool.pages_per_block, keep=session)
+            chunk, room = [], host.free_pages
+            while items and len(items[0][0]) <= room:
+                room -= len(items[0][0])
+                chunk.append(items.pop(0))
+            if not chunk:
+                break
+            for (_, key), data in zip(chunk, host.read_blocks([pages for pages, _ in chunk])):
+                written += bool(lower.put(key, data, until))
+        return written
+
+    def _still_cached(self, wanted: list[tuple[bytes, HostBlock]]) -> list[tuple[bytes, HostBlock]]:
+        """The leading part of ``wanted`` still in the host tier's prefix cache, as it was found."""
+        kept = 0
+        while kept < len(wanted) and self.host_cached.get(wanted[kept][0]) is wanted[kept][1]:
+            kept += 1
+        return wanted[:kept]
 
     def _promote(self, wanted: list[tuple[bytes, HostBlock]], keep) -> int:
         pool, host = self.pool, self.host
@@ -803,13 +918,15 @@ class SessionTable:
         need = len(wanted) * pool.pages_per_block
         if need > pool.available_blocks:
             self.make_room(need, keep=keep)
+            wanted = self._still_cached(wanted)  # holders moved down may have pushed some out of the host tier
         started = time.perf_counter()
+        for key, _ in wanted:  # taken out of the host tier's cache, so no room made below lets go of them
+            del self.host_cached[key]
         pairs: list[tuple[int, int]] = []
-        came = 0
+        held: list[int] = []  # the new device blocks, held until their K/V is in (an allocation could evict them)
         for key, moved in wanted:
             if pool.available_blocks < pool.pages_per_block or pool.lookup(key) is not None:
                 break
-            del self.host_cached[key]
             new = pool.allocate()
             pages = [new, *(pool.companion_pages(new) or ())]
             if len(moved.pages) < len(pages):
@@ -817,10 +934,14 @@ class SessionTable:
                 pages = [new]
             pairs.extend(zip(moved.pages, pages))
             pool.register(new, key)
-            pool.release(new)  # cached: free, found by the lookup
-            came += 1
+            held.append(new)
+        came = len(held)
         host.restore(pairs, came)
+        for new in held:
+            pool.release(new)  # cached: free, found by the lookup
         host.free([moved for _, moved in wanted[:came]])
+        for key, moved in wanted[came:]:  # back into the host tier's cache
+            self.host_cached[key] = moved
         host.restore_seconds += time.perf_counter() - started
         return came
 

@@ -45,6 +45,17 @@ SERIES = {
     "prefix_cache_hits": ("prefix_cache_hits", "requests that reused KV blocks from the prefix cache", "counter"),
     "prefix_cache_hit_tokens": ("prefix_cache_hit_tokens", "prompt positions reused from the prefix cache", "counter"),
     "prefix_cache_evicted_blocks": ("prefix_cache_evicted_blocks", "cached KV blocks evicted to make room", "counter"),
+    "sessions_moved_down": ("sessions_moved_down", "idle soft sessions moved to the host tier at their idle "
+                            "timeout instead of closed", "counter"),
+    "kv_disk_blocks": ("kv_disk_blocks", "KV blocks of this model and KV format in the disk tier", "gauge"),
+    "kv_disk_retained_blocks": ("kv_disk_retained_blocks", "disk-tier blocks whose client-asked retention still "
+                                "runs (evicted after the others)", "gauge"),
+    "kv_disk_written_bytes": ("kv_disk_written_bytes", "bytes of KV blocks written to the disk tier", "counter"),
+    "kv_disk_read_bytes": ("kv_disk_read_bytes", "bytes of KV blocks read back from the disk tier", "counter"),
+    "kv_disk_evicted_blocks": ("kv_disk_evicted_blocks", "disk-tier block files deleted to stay within "
+                               "--kv-offload-disk", "counter"),
+    "kv_disk_corrupt_blocks": ("kv_disk_corrupt_blocks", "disk-tier block files that failed a check (truncated, "
+                               "corrupt, another key or format): treated as misses and deleted", "counter"),
     "prefill_shared_tokens": ("prefill_shared_tokens", "prompt positions adopted from another running prompt's "
                               "prefill (shared prefill: computed once for prompts that arrived together)", "counter"),
     "prefill_shared_requests": ("prefill_shared_requests", "requests that adopted positions of another running "

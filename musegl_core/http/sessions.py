@@ -28,6 +28,7 @@ class SessionObject:
     cached_tokens: int  # positions whose K/V the next request on it may reuse
     idle_seconds: float  # since its last request ended; 0 while active
     queued_requests: int
+    retention: str | None = None  # the residency its requests asked for (docs/sessions.md "Retention")
     object: str = "session"
 
 

@@ -43,6 +43,7 @@ from musegl_core.service.conversation import AnswerFormat, Conversation, Setting
 from musegl_core.service.generation import Generation
 from musegl_core.service.output import LogprobEntries, Output, OutputAssembler, reasoning_tokens
 from musegl_core.service.prepare import Plan, ToolSetup, prepare, prompt_images, setup_tools
+from musegl_core.service.retention import granted, openai_retention
 from musegl_core.service.rules import (
     cache_salt,
     choice_count,
@@ -115,6 +116,7 @@ def read_chat(
     salt = cache_salt(request.cache_salt)
     n = choice_count(request.n, config, session)
     key = prompt_cache_key(request.prompt_cache_key)
+    retention = granted(openai_retention(request.prompt_cache_retention), config.kv_offload_dir is not None)
     soft = False
     if session is None and n == 1:  # n choices cannot share one transcript: those run anonymously
         session, soft = client_session(None, [(CLIENT_KEY_SOURCE, key), *client_keys])
@@ -139,6 +141,7 @@ def read_chat(
         stream=stream,
         logprobs=(request.top_logprobs or 0) if request.logprobs else -1,
         special_tokens="control" if request.skip_special_tokens else "all",
+        retention=retention,
     )
     conversation = Conversation(
         messages=messages,

@@ -140,6 +140,8 @@ class ChatCompletionRequest:
     ignore_eos: bool | None = None
     session_id: str | None = None
     prompt_cache_key: str | None = None  # OpenAI's conversation key: names a soft session (docs/sessions.md)
+    #: ``in_memory`` or ``24h``: how long the prompt's KV is kept (docs/sessions.md "Retention")
+    prompt_cache_retention: str | None = None
     cache_salt: str | None = cache_salt_field()
     reasoning_effort: str | None = None
     reasoning: ReasoningOptions | None = None

@@ -26,6 +26,7 @@ from musegl_core.openai import completions as tc
 from musegl_core.openai import schemas as s
 from musegl_core.openai.chat import ChatStream, ResponseMeta, complete, read_chat
 from musegl_core.openai.tokenize import detokenize, tokenize
+from musegl_core.service.retention import retention_header
 from musegl_core.service.sessions import explicit_header_session, header_keys, peer_key, session_echo
 
 
@@ -63,6 +64,7 @@ class ChatCompletionsSurface(ApiSurface):
             service.require_ready()
             generation = service.generation(plan, arrived=arrived, client=peer_key(request))
             echo = session_echo(plan.generate.session_id, plan.generate.soft_session)
+            echo.update(retention_header(plan.generate.retention))
             if not plan.stream:
                 result = await unless_disconnected(request, complete(generation, meta, context.dialect))
                 return Response(to_json(result), media_type="application/json", headers=echo)

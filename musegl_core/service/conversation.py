@@ -81,6 +81,7 @@ class Settings:
     special_tokens: str = "all"
     clamp_to_context: bool = False
     add_bos: bool = True
+    retention: str | None = None  # the residency granted (service/retention.py)
 
     def request(self, request_id: str, prompt: tuple[PromptSegment, ...], **more: Any) -> GenerateRequest:
         """The worker request for ``prompt`` with these settings (``more``: its

@@ -50,6 +50,7 @@ from musegl_core.chat.messages import FunctionCall, ImagePart, Message, TextPart
 from musegl_core.chat.template import TemplateVariables
 from musegl_core.engine.executor import SamplingParams
 from musegl_core.errors import ApiError, bad_request, unsupported
+from musegl_core.service.retention import anthropic_ttl
 from musegl_core.service.rules import cache_salt, session_id as checked_session_id
 from musegl_core.service.conversation import AnswerFormat, Conversation, Settings, ToolChoice
 from musegl_core.service.sessions import client_session, explicit_header_session
@@ -534,6 +535,28 @@ def check_refused(request: MessagesRequest) -> None:
         _keys(request.metadata, {"user_id"}, "metadata")
 
 
+def cache_control_markers(request: MessagesRequest):
+    """Every ``cache_control`` of a request with the param it sits at: the top level, system
+    blocks, message content blocks (and a tool result's own blocks), and tools."""
+    yield request.cache_control, "cache_control"
+
+    def blocks(raw: Any, param: str):
+        if not isinstance(raw, list):
+            return
+        for index, block in enumerate(raw):
+            if isinstance(block, dict):
+                yield block.get("cache_control"), f"{param}[{index}].cache_control"
+                yield from blocks(block.get("content"), f"{param}[{index}].content")
+
+    yield from blocks(request.system, "system")
+    for index, message in enumerate(request.messages if isinstance(request.messages, list) else ()):
+        if isinstance(message, dict):
+            yield from blocks(message.get("content"), f"messages[{index}].content")
+    for index, tool in enumerate(request.tools or ()):
+        if isinstance(tool, dict):
+            yield tool.get("cache_control"), f"tools[{index}].cache_control"
+
+
 def read_request(request: MessagesRequest, *, headers: Any, seal: Any, tokenizer: Any,
                  counting: bool = False) -> MessagesCall:
     """Check ``request`` and build its conversation; raises :class:`ApiError` (400)."""
@@ -553,6 +576,7 @@ def read_request(request: MessagesRequest, *, headers: Any, seal: Any, tokenizer
     reader = _Reader(seal, tokenizer)
     messages, turn_effort = read_messages(request.messages, request.system, reader)
     safeguards = read_safeguards(request.safeguards)
+    retention = anthropic_ttl(cache_control_markers(request))  # "5m" and "1h" are honoured on every server
     explicit = explicit_header_session(headers)
     if explicit is not None:
         explicit = checked_session_id(None, explicit)
@@ -571,6 +595,7 @@ def read_request(request: MessagesRequest, *, headers: Any, seal: Any, tokenizer
         # the special tokens the output grammar does not use (<|reserved_special_token_5|>, <|patch|>)
         # never reach a text or thinking block: the API has no field to ask for them, and no client wants them
         special_tokens="control",
+        retention=retention,
     )
     conversation = Conversation(
         messages=messages,

@@ -4,9 +4,9 @@ Requests are structured with the core's strict converter
 (:func:`musegl_core.http.schemas.structure_body`): a wrong type is a 400 that
 names the field, and a top-level key this server does not know is a 400
 naming it (as Anthropic's own API answers), never silently dropped. Fields
-that change nothing on a single local model (``cache_control``,
-``context_management``, ``service_tier``, ``speed``, ``inference_geo``) are
-declared and accepted. The nested shapes (``messages``, ``system``,
+that change nothing on a single local model (``context_management``,
+``service_tier``, ``speed``, ``inference_geo``) are declared and accepted;
+``cache_control`` asks for a retention (docs/sessions.md "Retention"). The nested shapes (``messages``, ``system``,
 ``tools``, ``tool_choice``, ``thinking``, ``output_config``) stay raw JSON
 here and are checked by :mod:`musegl_anthropic.request`, whose errors name
 the exact path (``messages[2].content[0].source.type``).
@@ -66,8 +66,10 @@ class MessagesRequest:
     metadata: Any = raw({"type": "object"})
     #: musegl's (vLLM's) prefix-cache isolation: Anthropic's API has no field of its own for it
     cache_salt: str | None = cache_salt_field()
-    # Accepted; they change nothing here (one local model, no billing tiers, no server-side editing).
+    #: ``{"type": "ephemeral", "ttl": "5m" | "1h"}``: how long the conversation's KV is kept (request.py,
+    #: docs/sessions.md "Retention"); here and on any block or tool
     cache_control: Any = raw({"type": "object"})
+    # Accepted; they change nothing here (one local model, no billing tiers, no server-side editing).
     context_management: Any = raw({"type": "object"})
     service_tier: str | None = None
     speed: str | None = None

@@ -38,6 +38,7 @@ from musegl_core.http.offload import off_loop
 from musegl_core.http.request_log import stream_failed
 from musegl_core.http.surface import ApiSurface, unless_disconnected
 from musegl_core.service import events as ev
+from musegl_core.service.retention import retention_header
 from musegl_core.service.sessions import peer_key, session_echo
 from musegl_anthropic import errors
 from musegl_anthropic import schemas as a
@@ -142,6 +143,7 @@ class MessagesSurface(ApiSurface):
         service.require_ready()
         generation = service.generation(plan, arrived=arrived, client=peer_key(request))
         echo = session_echo(plan.generate.session_id, plan.generate.soft_session)
+        echo.update(retention_header(plan.generate.retention, words=str))  # Anthropic's words: 5m, 1h
         writer = BlockWriter(message_id=rid, model=call.model, output=generation.outputs[0], seal=context.seal,
                              tokenizer=service.tokenizer, omit_thinking_text=call.omit_thinking_text,
                              safeguards=call.safeguards)

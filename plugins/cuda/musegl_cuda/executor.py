@@ -250,6 +250,8 @@ class TorchExecutor:
         elif dummy_seed is not None:
             self.weights = "stored"  # random matrices as stored (device_weights.random_matrix)
         self.block_size = block_size
+        #: what the K/V bytes depend on besides the tokens (kv_identity; the disk tier's format)
+        self._identity = (getattr(checkpoint, "path", None), dummy_seed, dummy_kind, shard)
         self.paged = self.device.type == "cuda"
         if self.paged:
             unsplit_cublas_products()
@@ -353,6 +355,18 @@ class TorchExecutor:
         self._profiler = StepProfiler.from_env()  # benchmark only (MUSEGL_BENCHMARK_PROFILE)
 
     # -- KV storage ------------------------------------------------------------
+
+    def kv_identity(self) -> str:
+        """Everything a block's K/V bytes depend on besides its tokens and the KV layout: the weights
+        (the checkpoint's files, or the random seed), how they are kept and computed in (the disk
+        tier's format, engine/kv_disk.py; a block written under another identity is never read)."""
+        from musegl_core.engine.kv_disk import files_identity
+
+        path, seed, kind, shard = self._identity
+        weights = f"random:{seed}:{kind}" if seed is not None else files_identity(path)
+        return (f"weights {weights} ({self.weights}, {self.quantization or 'no quantization'}), "
+                f"{self.device.type} {str(self.dtype).removeprefix('torch.')}"
+                + (f", shard {shard.plan!r}" if shard is not None else ""))
 
     def kv_bytes_per_block(self) -> int:
         itemsize = torch.empty((), dtype=self.dtype).element_size()

@@ -18,6 +18,7 @@ import attrs
 from musegl_core.chat.messages import Message
 from musegl_core.chat.template import TemplateVariables
 from musegl_core.errors import ApiError, bad_request, unsupported
+from musegl_core.service.retention import granted, openai_name, openai_retention
 from musegl_core.service.rules import cache_salt, sampling_params, session_id as explicit_session
 from musegl_core.service.logprobs import MAX_TOP_LOGPROBS
 from musegl_core.service.conversation import AnswerFormat, Conversation, Settings
@@ -83,6 +84,8 @@ class ResponsePlan:
             "truncation": r.truncation or "disabled",
             "metadata": dict(r.metadata or {}),
             "prompt_cache_key": r.prompt_cache_key,
+            # the residency granted, in OpenAI's words ("24h" asked on a server without a disk tier: "in_memory")
+            "prompt_cache_retention": openai_name(self.conversation.settings.retention),
             "top_logprobs": r.top_logprobs,
         }
 
@@ -100,8 +103,6 @@ def _check_fixed(r: ResponseRequest) -> None:
         raise unsupported("stream_options.include_obfuscation", "stream obfuscation is not implemented")
     if r.text is not None and r.text.verbosity not in (None, "medium"):
         raise unsupported("text.verbosity", "the model has no verbosity control; only 'medium' is accepted")
-    if r.prompt_cache_retention not in (None, "in_memory", "in-memory"):
-        raise unsupported("prompt_cache_retention", "the prompt cache lives in memory only ('in_memory')")
     if r.truncation not in (None, "disabled", "auto"):
         raise bad_request("'truncation' must be 'auto' or 'disabled'", param="truncation")
     if r.max_output_tokens is not None and r.max_output_tokens < 1:
@@ -183,6 +184,7 @@ def plan_response(
     store: ResponseStore,
     reader: Reader,
     max_sessions: int,
+    disk_tier: bool = False,
 ) -> ResponsePlan:
     """Validate ``request`` into a :class:`ResponsePlan`; raises :class:`ApiError`."""
     _check_fixed(request)
@@ -231,6 +233,7 @@ def plan_response(
         stream=bool(request.stream),
         logprobs=(request.top_logprobs or 0) if (LOGPROBS in includes or request.top_logprobs is not None) else -1,
         cache_salt=cache_salt(request.cache_salt),
+        retention=granted(openai_retention(request.prompt_cache_retention), disk_tier),
     )
     variables = TemplateVariables(reasoning_strength=effort, tool_namespace_descriptions=tools.namespace_descriptions)
     conversation = Conversation(messages=messages, settings=settings, tools=tools.defs, tool_choice=choice,

@@ -142,6 +142,7 @@ class ResponseObject:
     truncation: str
     metadata: dict[str, str]
     prompt_cache_key: str | None
+    prompt_cache_retention: str | None = None  # the residency granted (docs/sessions.md "Retention")
 
 
 @attrs.frozen

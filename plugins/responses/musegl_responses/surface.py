@@ -37,6 +37,7 @@ from musegl_core.http.offload import off_loop
 from musegl_core.http.request_log import stream_failed
 from musegl_core.http.surface import ApiSurface, unless_disconnected
 from musegl_core.service import events as ev
+from musegl_core.service.retention import retention_header
 from musegl_core.service.sessions import peer_key, session_echo
 from musegl_core.tokenizer import TokenizationError
 
@@ -105,7 +106,8 @@ class ResponsesSurface(ApiSurface):
         def read():  # off the event loop (musegl_core.http.offload)
             body = s.structure_body(s.parse_body(raw), rs.ResponseRequest)
             return body, plan_response(body, headers=request.headers, store=self.store, reader=self.reader(),
-                                       max_sessions=self.context.config.max_sessions)
+                                       max_sessions=self.context.config.max_sessions,
+                                       disk_tier=self.context.config.kv_offload_dir is not None)
 
         body, plan = await off_loop(read)
         if body.truncation == "auto":
@@ -211,6 +213,7 @@ class ResponsesSurface(ApiSurface):
             prepared = await off_loop(service.prepare, plan.conversation, request_id=plan.id)
             generation = service.generation(prepared, arrived=arrived, client=peer_key(request))
             echo = session_echo(prepared.generate.session_id, prepared.generate.soft_session)
+            echo.update(retention_header(prepared.generate.retention))
             builder = ResponseBuilder(plan, context.served_model.name, seal=context.seal, tokenizer=service.tokenizer)
             builder.output_assembler = generation.outputs[0]
             running = Running(builder)
