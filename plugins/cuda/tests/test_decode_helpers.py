@@ -36,19 +36,20 @@ def test_the_greedy_helper_returns_the_argmax_of_each_step(tiny_hf):
 
 
 @pytest.mark.parametrize("rows", [1, 2])
-def test_the_fp8_gpu_tests_decode_helper_reads_every_sequence_s_ids_and_logits(tiny_hf, rows):
+@pytest.mark.parametrize("forced", [False, True])
+def test_the_fp8_gpu_tests_decode_helper_reads_every_sequence_s_ids_and_logits(tiny_hf, rows, forced):
     from test_gpu_quantized import _prompt_logits
     from test_kv_fp8_gpu import _decode
 
     prompts = [_prompt(2 + i, n) for i, n in enumerate((7, 12, 5))]
-    ids, logits = _decode(_executor(tiny_hf.path), prompts, 3, rows)
+    feed = [[40 + i, 50 + i, 60 + i] for i in range(3)] if forced else None  # teacher forcing
+    ids, logits = _decode(_executor(tiny_hf.path), prompts, 3, rows, feed=feed)
     assert [len(i) for i in ids] == [4, 4, 4]
     assert len(logits) == 3 and all(t.shape == (load_checkpoint(tiny_hf.path).config.vocab_size,) for t in logits)
     reference = _executor(tiny_hf.path)  # each prompt from position 0: it writes every row it reads
-    for i, prompt in enumerate(prompts):  # the sequence as fed: the prompt, then each id `rows` times
-        fed = prompt + [t for t in ids[i][:-1] for _ in range(rows)]
+    for i, prompt in enumerate(prompts):  # the sequence as fed: the prompt, then each fed id `rows` times
+        fed = prompt + [t for t in (feed[i] if forced else ids[i][:-1]) for _ in range(rows)]
         want = _prompt_logits(reference, fed)
         assert want[len(prompt) - 1].argmax().item() == ids[i][0]
         assert [want[len(prompt) - 1 + rows * (s + 1)].argmax().item() for s in range(3)] == ids[i][1:]
         assert torch.allclose(logits[i], want[-1], atol=1e-4, rtol=1e-4)
-
