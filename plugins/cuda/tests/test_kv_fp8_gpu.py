@@ -110,21 +110,35 @@ def test_fp8_float32_on_the_gpu_matches_the_cpu_reference(checkpoint_path):
 
 
 def test_a_long_prefill_chunk_reads_fp8_keys_in_the_fused_attention(checkpoint_path):
+    """The fused (cuDNN) attention of a long prefill chunk against the paged kernel, in bf16,
+    with FP8 K/V and, as the baseline of the same run, with bf16 K/V. The two attentions sum in
+    different orders and round P to bf16 in different places: with bf16 K/V their logits differ
+    by up to 0.25 on this model (test_dense_attention's bound). FP8 adds one rounding in the
+    fused path only (the gathered keys dequantized to bf16, 2^-9 of a value, as small as the
+    rounding that stores bf16 K/V), so its distance is the baseline's kind and size: at most 3x
+    the baseline, or 2^-5 of the largest logit (four bf16 units) where the baseline is tiny. A
+    fixed 5 % of the largest logit failed on an H100 at 5.9 % (0.0518 of 0.883;
+    benchmarks/results/gpu_quantized_2026-12-07_h100); a misread scale or byte moves whole
+    attention rows, far outside."""
     from musegl_core.engine.executor import SeqChunk, Step
     from musegl_cuda.cuda import dense_attention
 
     prompt = np.random.default_rng(7).integers(4, 4096, size=1100).tolist()
     table = list(range(70))
-    logits = {}
-    for dense in (True, False):
-        ex = executor(checkpoint_path, blocks=72, forward_sizes=())
-        if not ex.dense_prefill:
-            pytest.skip("no fused attention backend on this GPU")
-        ex.dense_prefill = dense
-        assert len(prompt) >= dense_attention.MIN_ROWS
-        out = ex.step(Step([SeqChunk(1, prompt, list(range(len(prompt))), table, want_logits=True)]))
-        logits[dense] = out.logits[1].float().cpu()
-        ex.close()
-    diff = float((logits[True] - logits[False]).abs().max())
-    print(f"\nfp8 KV, bf16: fused vs paged prefill attention {diff:.2e}")
-    assert diff <= 0.05 * float(logits[False].abs().max())
+    diffs, top = {}, 0.0
+    for kv in ("fp8", "auto"):
+        logits = {}
+        for dense in (True, False):
+            ex = executor(checkpoint_path, kv=kv, blocks=72, forward_sizes=())
+            if not ex.dense_prefill:
+                pytest.skip("no fused attention backend on this GPU")
+            ex.dense_prefill = dense
+            assert len(prompt) >= dense_attention.MIN_ROWS
+            out = ex.step(Step([SeqChunk(1, prompt, list(range(len(prompt))), table, want_logits=True)]))
+            logits[dense] = out.logits[1].float().cpu()
+            ex.close()
+        diffs[kv] = float((logits[True] - logits[False]).abs().max())
+        top = max(top, float(logits[False].abs().max()))
+    print(f"\nbf16, fused vs paged prefill attention: fp8 KV {diffs['fp8']:.2e}, bf16 KV {diffs['auto']:.2e}")
+    assert diffs["fp8"] <= 0.25
+    assert diffs["fp8"] <= max(3 * diffs["auto"], 2.0 ** -5 * top)

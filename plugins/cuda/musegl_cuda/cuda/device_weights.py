@@ -15,7 +15,7 @@ A :class:`~musegl_core.checkpoint.stored.StoredTensor` becomes one of:
   kernel here, decoded at load) in the activation dtype, through ``F.linear``.
 
 Every class offers ``matmul(x)`` (``x @ W^T`` in ``x.dtype``), ``rows(ids)`` (the
-embedding's gather, decoded) and ``nbytes``; :class:`MatrixGroup` stacks the
+embedding's gather, decoded to the activation dtype, or to ``dtype``) and ``nbytes``; :class:`MatrixGroup` stacks the
 matrices that share an input (q/k/v/gate, gate/up). Nothing here reads a device
 value on the host, so decode steps capture into CUDA graphs as with bf16.
 """
@@ -74,8 +74,9 @@ class DenseMatrix:
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight)
 
-    def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(ids, self.weight)
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        out = F.embedding(ids, self.weight)
+        return out if dtype is None else out.to(dtype)
 
     @staticmethod
     def concat(parts: list["DenseMatrix"]) -> "DenseMatrix":
@@ -124,8 +125,8 @@ class GGUFMatrix:
             y[:, start:start + len(ids)] = F.linear(x, gguf_rows(ids, self.data, self.dtype, self.cols, x.dtype))
         return y
 
-    def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        return gguf_rows(ids.contiguous(), self.data, self.dtype, self.cols, self.act_dtype)
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        return gguf_rows(ids.contiguous(), self.data, self.dtype, self.cols, dtype or self.act_dtype)
 
     @staticmethod
     def concat(parts: list["GGUFMatrix"]) -> "GGUFMatrix":
@@ -186,11 +187,11 @@ class FP8Matrix:
         xq = (xf / x_scale).clamp_(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
         return torch._scaled_mm(xq, self.weight.t(), scale_a=x_scale, scale_b=self.row_scales, out_dtype=x.dtype)
 
-    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         bn, bk = self.block
         picked = self.weight.view(torch.uint8)[ids].view(torch.float8_e4m3fn).float()  # gathers as bytes
         scales = self.scales[ids // bn].repeat_interleave(bk, 1)[:, :self.cols]
-        return (picked * scales).to(self.act_dtype)
+        return (picked * scales).to(dtype or self.act_dtype)
 
     @staticmethod
     def concat(parts: list["FP8Matrix"]) -> "FP8Matrix":
