@@ -80,7 +80,8 @@ def check_fp8_attention(device: str, dtype: torch.dtype, heads: int = 4, kv_head
     # roundings to ``dtype``, after which they may sit one unit in the last place apart (on both
     # sides of a rounding boundary). Outputs reach ~9 (V ~ 3·N(0,1)), where a bf16 unit is 0.0625:
     # a bound of 0.03 cannot hold (an H100 failed it, benchmarks/results/gpu_quantized_2026-12-07_h100;
-    # these roundings emulated in torch: one unit, 0.0081 of the largest output, over 20 seeds).
+    # these roundings emulated in torch: one unit, 0.0081 of the largest output, over 20 seeds,
+    # benchmarks/results/kv_fp8_cpu_parity_2026-12-07).
     # Two units at the largest output: 2^-6 of it in bf16 (8 significant bits), 2^-9 in float16.
     relative = {torch.bfloat16: 2.0 ** -6, torch.float16: 2.0 ** -9}.get(dtype)
     for block_m in (max(16, group), 64):

@@ -93,7 +93,7 @@ def test_fp8_float32_on_the_gpu_matches_the_cpu_reference(checkpoint_path):
     different sequences, and their logits then differ by the logits' own size: 1.13 against
     FP8's 1.29 on an H100 (benchmarks/results/gpu_quantized_2026-12-07_h100), where the kernels
     in Triton's interpreter, fed the same ids, are within 0.006 of the reference against FP8's
-    0.16-0.20 (float32, splits as on an H100)."""
+    0.16-0.20 (float32, splits as on an H100; benchmarks/results/kv_fp8_cpu_parity_2026-12-07)."""
     rng = np.random.default_rng(6)
     prompts = [rng.integers(4, 4096, size=n).tolist() for n in (30, 64, 12, 40)]
     results = {}
