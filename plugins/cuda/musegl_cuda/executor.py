@@ -733,12 +733,11 @@ class TorchExecutor:
                     logits = graphs.logits[width]
                     return self._outputs(step, lambda r: logits[r], hidden, starts)
         step = follow_on_host(step, previous)
-        decode = all(len(chunk.tokens) == 1 for chunk in step.chunks)
-        block_m = self.decode_block_m if decode else self.prefill_block_m
+        block_m, split_tiles = self._dynamic_attention(step)
         plan = plan_step(step, self.block_size, self.num_blocks, c.vocab_size,
                          rows_per_tile(block_m, c.num_heads // c.num_kv_heads))
         normed, hidden = self._forward_plan(plan, kv, block_m, tuple(step.taps),
-                                            self._embedding_rows(step, plan.starts), step)
+                                            self._embedding_rows(step, plan.starts), step, split_tiles)
         return self._outputs(step, lambda rows: self.model.logits(normed[rows]), hidden, plan.starts)
 
     def _sample_in_graph(self, step: Step, width: int, starts: list[int], rows: dict[int, int] | None,
@@ -749,16 +748,32 @@ class TorchExecutor:
             return None
         return self.samplers.launch(step, starts, width, rows, hidden)
 
+    def _dynamic_attention(self, step: Step) -> tuple[int, int | None]:
+        """The attention tiles' ``block_m`` of a step the dynamic path runs, and the tile count
+        its key splits follow (None: its own tiles). A decode-only step no wider than the widest
+        decode graph runs as its graph runs (:class:`~musegl_cuda.cuda.graphs.DecodeGraphs`: the
+        decode tiles, the splits of ``step.width`` tiles), so that it gives the graph's values
+        without graphs and where its block tables outgrow the graphs'. With the prefill tiles and
+        its own tile count, a verify step of 4 x 2 rows split its keys otherwise (and on an H100 read
+        them 128 a block, the wide prefill launch), and greedy ids parted from the graphs' in bf16
+        (benchmarks/results/gpu_quantized_2026-12-07_h100, test_fp8_graphs_match_the_dynamic_path[2])."""
+        if step.decode_only and step.width <= max(self.limits.step_sizes or DEFAULT_FORWARD_SIZES):
+            return self.decode_block_m, step.width
+        decode = all(len(chunk.tokens) == 1 for chunk in step.chunks)
+        return (self.decode_block_m if decode else self.prefill_block_m), None
+
     def _forward_plan(self, plan: StepPlan, kv: torch.Tensor, block_m: int, taps: tuple[int, ...] = (),
-                      embeds: tuple[torch.Tensor, torch.Tensor] | None = None, step: Step | None = None):
+                      embeds: tuple[torch.Tensor, torch.Tensor] | None = None, step: Step | None = None,
+                      split_tiles: int | None = None):
         """The paged forward of ``plan`` outside any graph (prefill, mixed and wide steps);
-        ``step``: the planned step, whose device drafts are placed into the tokens."""
+        ``step``: the planned step, whose device drafts are placed into the tokens; ``split_tiles``:
+        the tile count the key splits follow (default: the plan's; :meth:`_dynamic_attention`)."""
         from musegl_cuda.cuda.kernels import layer_splits
 
         c = self.config
         dev = self.device
         tiles = len(plan.tiles)
-        sliding, full = layer_splits(tiles, c.num_kv_heads, self.sm_count)
+        sliding, full = layer_splits(split_tiles or tiles, c.num_kv_heads, self.sm_count)
         tables = torch.from_numpy(plan.tables).to(dev, non_blocking=True)
         dense = None
         if self.dense_prefill and len(plan.starts) == 1 and plan.num_tokens >= dense_attention.MIN_ROWS:

@@ -82,8 +82,11 @@ def layer_scales(model) -> torch.Tensor:
     scales[:, 0] = k_scale(c.head_dim)
     for i, layer in enumerate(model.layers):
         attn = layer.self_attn
+        v_rows = (attn.q_rows + attn.kv_rows, attn.q_rows + 2 * attn.kv_rows)
         if attn.qkvg_stored is not None:  # stored mode: V's rows of the q/k/v/gate group, decoded
-            weight = group_rows(attn.qkvg_stored, attn.q_rows + attn.kv_rows, attn.q_rows + 2 * attn.kv_rows)
+            weight = group_rows(attn.qkvg_stored, *v_rows)
+        elif attn.qkvg_matrix is not None:  # CUDA's weights as stored (v_proj's weight is on "meta")
+            weight = device_group_rows(attn.qkvg_matrix, *v_rows)
         else:
             weight = attn.v_proj.weight
         scales[i, 1] = v_scales(weight.to(device), layer.input_layernorm.scale, c.num_kv_heads)
@@ -99,6 +102,22 @@ def group_rows(group, start: int, stop: int) -> torch.Tensor:
         if lo < hi:
             out.append(part.dequantize(torch.arange(lo - offset, hi - offset)))
         offset += part.rows
+    return torch.cat(out)
+
+
+def device_group_rows(group, start: int, stop: int) -> torch.Tensor:
+    """Rows ``start:stop`` of a :class:`~musegl_cuda.cuda.device_weights.MatrixGroup` (its parts
+    stacked), decoded to float32 on the group's device (the values :func:`group_rows` decodes
+    from the same file on the CPU)."""
+    from musegl_cuda.cuda.device_weights import matrix_device  # Triton: only where device matrices are
+
+    out, offset = [], 0
+    for part in group.parts:
+        lo, hi = max(start, offset), min(stop, offset + part.rows_count)
+        if lo < hi:
+            ids = torch.arange(lo - offset, hi - offset, device=matrix_device(part))
+            out.append(part.rows(ids, torch.float32))
+        offset += part.rows_count
     return torch.cat(out)
 
 

@@ -75,7 +75,15 @@ def check_fp8_attention(device: str, dtype: torch.dtype, heads: int = 4, kv_head
     vd = kv_fp8.dequantize_rows(v8, all_slots, scales[1], dtype)
     # dequantized in float32, so that the reference sees exactly the stored values times the scale
     kd32 = kv_fp8.dequantize_rows(k8, all_slots, scales[0], torch.float32)
-    tol = {torch.float32: 2e-5, torch.bfloat16: 3e-2, torch.float16: 5e-3}[dtype]
+    # The FP8 kernel reads e4m3 exactly and scales in float32, the other reads K and V rounded to
+    # ``dtype`` (2^-9 of a value in bf16): the two agree to float32 rounding before the output's
+    # roundings to ``dtype``, after which they may sit one unit in the last place apart (on both
+    # sides of a rounding boundary). Outputs reach ~9 (V ~ 3·N(0,1)), where a bf16 unit is 0.0625:
+    # a bound of 0.03 cannot hold (an H100 failed it, benchmarks/results/gpu_quantized_2026-12-07_h100;
+    # these roundings emulated in torch: one unit, 0.0081 of the largest output, over 20 seeds,
+    # benchmarks/results/kv_fp8_cpu_parity_2026-12-07).
+    # Two units at the largest output: 2^-6 of it in bf16 (8 significant bits), 2^-9 in float16.
+    relative = {torch.bfloat16: 2.0 ** -6, torch.float16: 2.0 ** -9}.get(dtype)
     for block_m in (max(16, group), 64):
         plan = plan_step(step, bs, nb, 100, rows_per_tile(block_m, group), scratch_block=nb)
         q = torch.randn(plan.width, heads, hd, device=dev).to(dtype)
@@ -89,6 +97,7 @@ def check_fp8_attention(device: str, dtype: torch.dtype, heads: int = 4, kv_head
                 yd = kernels.gated_attention(q, kd, vd, bs, tables, tiles, len(plan.tiles), n, block_m, 8, sliding,
                                              hd ** -0.5, gate, gate_offset)
                 assert torch.isfinite(y8.float()).all(), where
+                tol = 2e-5 if relative is None else relative * yd.float().abs().max().item()
                 assert (y8.float() - yd.float()).abs().max().item() <= tol, where
                 if dtype == torch.float32:  # the K scale inside the dot's sum or outside it: float rounding only
                     y32 = kernels.gated_attention(q, kd32, vd, bs, tables, tiles, len(plan.tiles), n, block_m, 8,

@@ -50,6 +50,7 @@ def check_gguf(device: str, act_dtype: torch.dtype, rows=(1, 5, 70), n: int = 72
     against gguf-py's dequantization; float32 activations must agree to
     1e-5 of the largest output, bf16 to 2e-2 (the activations and decoded weights are
     rounded to bf16 before the tensor cores)."""
+    from musegl_cuda.cuda import device_weights
     from musegl_cuda.cuda.device_weights import GGUFMatrix
     from musegl_cuda.cuda.quantized import gguf_matmul, gguf_rows
 
@@ -70,6 +71,14 @@ def check_gguf(device: str, act_dtype: torch.dtype, rows=(1, 5, 70), n: int = 72
         err = _rel(scratch.matmul(x).float().cpu(), x.float().cpu().double() @ ref.double().T)
         results.append(dict(kind=f"{dtype} via scratch", rows=rows[-1], rel_err=err))
         assert err < tol, f"{dtype} x {rows[-1]} rows through a scratch: relative error {err}"
+        saved = device_weights.SCRATCH_BYTES
+        device_weights.SCRATCH_BYTES = 5 * k * x.element_size()  # slabs of 5 weight rows, the last shorter
+        try:
+            err = _rel(scratch.matmul(x).float().cpu(), x.float().cpu().double() @ ref.double().T)
+        finally:
+            device_weights.SCRATCH_BYTES = saved
+        results.append(dict(kind=f"{dtype} via scratch slabs", rows=rows[-1], rel_err=err))
+        assert err < tol, f"{dtype} x {rows[-1]} rows through scratch slabs: relative error {err}"
         ids = torch.tensor([3, 0, n - 1, 3, 17, 40], device=device)
         got = gguf_rows(ids, w, dtype, k, act_dtype).float().cpu()
         want = ref[ids.cpu()].to(act_dtype).float()

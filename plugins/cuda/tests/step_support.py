@@ -54,3 +54,16 @@ def decode_run(ex: Any, prompts: dict[int, list[int]], blocks: dict[int, list[in
     if pending is not None:
         collect(pending.result())
     return ids
+
+
+def greedy_ids(ex: Any, prompt: list[int], steps: int, seq: int = 1, blocks: list[int] | None = None) -> list[int]:
+    """Prefill ``prompt`` (its last row sampled), then ``steps`` one-row greedy decode steps
+    fed the previous id: the ``steps + 1`` ids sampled (the GPU tests' greedy helper, also
+    run on the CPU by ``test_decode_helpers.py`` so that it follows the step API there)."""
+    blocks = list(range(16, 32)) if blocks is None else blocks
+    out = ex.step(Step([chunk(seq, list(prompt), 0, blocks, sample=1)]))
+    ids = [int(t) for t in out.tokens[seq]]
+    for i in range(steps):
+        out = ex.step(Step([chunk(seq, [ids[-1]], len(prompt) + i, blocks, sample=1)]))
+        ids += [int(t) for t in out.tokens[seq]]
+    return ids

@@ -59,14 +59,9 @@ def _prompt_logits(executor, prompt) -> torch.Tensor:
 
 
 def _greedy(executor, prompt, steps: int) -> list[int]:
-    from musegl_core.engine.executor import SeqChunk, Step
+    from step_support import greedy_ids  # also run on the CPU (test_decode_helpers.py)
 
-    out = executor.step(Step([SeqChunk(1, prompt, list(range(len(prompt))), list(range(16, 32)))]))
-    ids = [int(out.tokens[1][0])]
-    for i in range(steps):
-        out = executor.step(Step([SeqChunk(1, [ids[-1]], [len(prompt) + i], list(range(16, 32)))]))
-        ids.append(int(out.tokens[1][0]))
-    return ids
+    return greedy_ids(executor, [int(t) for t in prompt], steps)
 
 
 def _agreement(got: torch.Tensor, want: torch.Tensor) -> float:

@@ -45,10 +45,12 @@ def test_fp8_kernels_match_the_reference_on_the_gpu(dtype):
     check_fp8_attention("cuda", dt, heads=8, kv_heads=2, head_dim=64, splits=(1, 3, 16))
 
 
-def _decode(ex, prompts, steps, rows=1):
+def _decode(ex, prompts, steps, rows=1, feed=None):
     """Prefill each prompt, then ``steps`` steps of ``rows`` greedy rows per sequence (rows > 1:
     verify-shaped blocks, every row sampled, each fed the sequence's last id, as a draft would
-    be): the ids of each step's last rows and the last step's logits."""
+    be): the ids of each step's last rows and the last step's logits. ``feed``: ids of another
+    run (this function's first result), fed in place of this run's own (teacher forcing: both
+    runs then read the same sequences, whatever their argmax picks)."""
     from musegl_core.engine.executor import SeqChunk, Step
 
     tables = [list(range(16 * i, 16 * i + 16)) for i in range(len(prompts))]
@@ -56,8 +58,9 @@ def _decode(ex, prompts, steps, rows=1):
     ids = [[out.tokens[i][-1]] for i in range(len(prompts))]
     fed = [len(p) for p in prompts]
     logits = None
-    for _ in range(steps):
-        chunks = [SeqChunk(i, [ids[i][-1]] * rows, list(range(fed[i], fed[i] + rows)), tables[i], sample=rows,
+    for step in range(steps):
+        last = [ids[i][-1] if feed is None else feed[i][step] for i in range(len(prompts))]
+        chunks = [SeqChunk(i, [last[i]] * rows, list(range(fed[i], fed[i] + rows)), tables[i], sample=rows,
                            want_logits=True) for i in range(len(prompts))]
         out = ex.step(Step(chunks, width=rows * len(prompts)))  # 4 or 8: captured widths
         for i in range(len(prompts)):
@@ -84,12 +87,21 @@ def test_fp8_graphs_match_the_dynamic_path(checkpoint_path, rows):
 
 
 def test_fp8_float32_on_the_gpu_matches_the_cpu_reference(checkpoint_path):
+    """Teacher-forced: the GPU and the float32 KV run are fed the FP8 CPU reference's ids. Free
+    running, one argmax that float rounding flips (the near-flat logits of random weights; an
+    e4m3 code a rounding lands on the other side of moves 1/16 of a value) sends the runs down
+    different sequences, and their logits then differ by the logits' own size: 1.13 against
+    FP8's 1.29 on an H100 (benchmarks/results/gpu_quantized_2026-12-07_h100), where the kernels
+    in Triton's interpreter, fed the same ids, are within 0.006 of the reference against FP8's
+    0.16-0.20 (float32, splits as on an H100; benchmarks/results/kv_fp8_cpu_parity_2026-12-07)."""
     rng = np.random.default_rng(6)
     prompts = [rng.integers(4, 4096, size=n).tolist() for n in (30, 64, 12, 40)]
     results = {}
+    feed = None
     for device, kv in (("cpu", "fp8"), ("cuda", "fp8"), ("cpu", "auto")):
         ex = executor(checkpoint_path, device=device, dtype="float32", kv=kv)
-        results[device, kv] = _decode(ex, prompts, 6)[1]
+        ids, results[device, kv] = _decode(ex, prompts, 6, feed=feed)
+        feed = feed or [i[:-1] for i in ids]  # the reference's ids, fed to the other two
         ex.close()
     fp8_error = max(float((a - b).abs().max()) for a, b in zip(results["cpu", "fp8"], results["cpu", "auto"]))
     devices = max(float((a - b).abs().max()) for a, b in zip(results["cuda", "fp8"], results["cpu", "fp8"]))
@@ -98,21 +110,35 @@ def test_fp8_float32_on_the_gpu_matches_the_cpu_reference(checkpoint_path):
 
 
 def test_a_long_prefill_chunk_reads_fp8_keys_in_the_fused_attention(checkpoint_path):
+    """The fused (cuDNN) attention of a long prefill chunk against the paged kernel, in bf16,
+    with FP8 K/V and, as the baseline of the same run, with bf16 K/V. The two attentions sum in
+    different orders and round P to bf16 in different places: with bf16 K/V their logits differ
+    by up to 0.25 on this model (test_dense_attention's bound). FP8 adds one rounding in the
+    fused path only (the gathered keys dequantized to bf16, 2^-9 of a value, as small as the
+    rounding that stores bf16 K/V), so its distance is the baseline's kind and size: at most 3x
+    the baseline, or 2^-5 of the largest logit (four bf16 units) where the baseline is tiny. A
+    fixed 5 % of the largest logit failed on an H100 at 5.9 % (0.0518 of 0.883;
+    benchmarks/results/gpu_quantized_2026-12-07_h100); a misread scale or byte moves whole
+    attention rows, far outside."""
     from musegl_core.engine.executor import SeqChunk, Step
     from musegl_cuda.cuda import dense_attention
 
     prompt = np.random.default_rng(7).integers(4, 4096, size=1100).tolist()
     table = list(range(70))
-    logits = {}
-    for dense in (True, False):
-        ex = executor(checkpoint_path, blocks=72, forward_sizes=())
-        if not ex.dense_prefill:
-            pytest.skip("no fused attention backend on this GPU")
-        ex.dense_prefill = dense
-        assert len(prompt) >= dense_attention.MIN_ROWS
-        out = ex.step(Step([SeqChunk(1, prompt, list(range(len(prompt))), table, want_logits=True)]))
-        logits[dense] = out.logits[1].float().cpu()
-        ex.close()
-    diff = float((logits[True] - logits[False]).abs().max())
-    print(f"\nfp8 KV, bf16: fused vs paged prefill attention {diff:.2e}")
-    assert diff <= 0.05 * float(logits[False].abs().max())
+    diffs, top = {}, 0.0
+    for kv in ("fp8", "auto"):
+        logits = {}
+        for dense in (True, False):
+            ex = executor(checkpoint_path, kv=kv, blocks=72, forward_sizes=())
+            if not ex.dense_prefill:
+                pytest.skip("no fused attention backend on this GPU")
+            ex.dense_prefill = dense
+            assert len(prompt) >= dense_attention.MIN_ROWS
+            out = ex.step(Step([SeqChunk(1, prompt, list(range(len(prompt))), table, want_logits=True)]))
+            logits[dense] = out.logits[1].float().cpu()
+            ex.close()
+        diffs[kv] = float((logits[True] - logits[False]).abs().max())
+        top = max(top, float(logits[False].abs().max()))
+    print(f"\nbf16, fused vs paged prefill attention: fp8 KV {diffs['fp8']:.2e}, bf16 KV {diffs['auto']:.2e}")
+    assert diffs["fp8"] <= 0.25
+    assert diffs["fp8"] <= max(3 * diffs["auto"], 2.0 ** -5 * top)

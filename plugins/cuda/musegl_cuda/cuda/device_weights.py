@@ -15,7 +15,7 @@ A :class:`~musegl_core.checkpoint.stored.StoredTensor` becomes one of:
   kernel here, decoded at load) in the activation dtype, through ``F.linear``.
 
 Every class offers ``matmul(x)`` (``x @ W^T`` in ``x.dtype``), ``rows(ids)`` (the
-embedding's gather, decoded) and ``nbytes``; :class:`MatrixGroup` stacks the
+embedding's gather, decoded to the activation dtype, or to ``dtype``) and ``nbytes``; :class:`MatrixGroup` stacks the
 matrices that share an input (q/k/v/gate, gate/up). Nothing here reads a device
 value on the host, so decode steps capture into CUDA graphs as with bf16.
 """
@@ -35,12 +35,21 @@ from musegl_cuda.quantization import E4M3_MAX, quantize_fp8
 
 log = logging.getLogger("musegl.cuda")
 
-#: GGUF products of at least this many activation rows decode the whole matrix into a
-#: scratch in the activation dtype (``gguf_rows``) and run ``F.linear`` (cuBLAS) on it, instead
-#: of the Triton kernel's dequantized tiles; None: the kernel at every width. Not yet measured
-#: on a GPU: ``benchmarks/gpu_quantized_products.py`` times both (``q4_k`` against
-#: ``q4_k_via_bf16`` at the prefill chunk) so that this can follow the faster.
-SCRATCH_ROWS: int | None = None
+#: GGUF products of at least this many activation rows decode the matrix into a scratch in
+#: the activation dtype (``gguf_rows``, :data:`SCRATCH_BYTES` of it at a time) and run
+#: ``F.linear`` (cuBLAS) on it, instead of the Triton kernel's dequantized tiles; None: the
+#: kernel at every width. The kernel decodes every weight tile once per 64 activation rows and
+#: splits no depth past 16 rows, so a 4,096-row prefill decoded each weight 64 times: on an
+#: H100 (benchmarks/results/gpu_quantized_2026-12-07_h100, 30B shape, 26 layers, the kernel at
+#: every width) Q4_K_M prefilled 890 tok/s against bf16's 23,677, and a batch-64 step took
+#: 106 ms against bf16's 10.9, while the batch-1 step (one decode of every weight) took 22 ms:
+#: a scratch costs about one such decode plus bf16's product. The crossing was not timed (the
+#: products benchmark's output did not come back): ``benchmarks/gpu_quantized_products.py``
+#: times both (``q4_k`` against ``q4_k_via_bf16``) so that this can follow the faster.
+SCRATCH_ROWS: int | None = 64
+#: Most bytes of scratch one product decodes at a time (its weight rows in slabs), so that a
+#: wide matrix (the fused gate/up, the head) holds no whole decoded copy beside the KV pool.
+SCRATCH_BYTES = 64 << 20
 #: Products of at least this many activation rows run W8A8 (``torch._scaled_mm``), fewer
 #: rows weight-only (the Triton kernel); ``--fp8-w8a8-rows`` sets it. Not yet measured on a
 #: GPU: ``benchmarks/gpu_fp8_products.py`` times both ways at 1 and 64 rows and a prefill
@@ -65,8 +74,9 @@ class DenseMatrix:
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight)
 
-    def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(ids, self.weight)
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        out = F.embedding(ids, self.weight)
+        return out if dtype is None else out.to(dtype)
 
     @staticmethod
     def concat(parts: list["DenseMatrix"]) -> "DenseMatrix":
@@ -97,13 +107,26 @@ class GGUFMatrix:
 
     def matmul(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         if self.scratch_rows is not None and x.shape[0] >= self.scratch_rows:
-            every = torch.arange(self.rows_count, device=self.data.device)
-            y = F.linear(x, gguf_rows(every, self.data, self.dtype, self.cols, x.dtype))
-            return y if out is None else out.copy_(y)
+            return self._via_scratch(x, out)
         return gguf_matmul(x.contiguous(), self.data, self.dtype, self.rows_count, self.cols, out)
 
-    def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        return gguf_rows(ids.contiguous(), self.data, self.dtype, self.cols, self.act_dtype)
+    def _via_scratch(self, x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+        """``x @ W^T`` through the weight rows decoded to ``x.dtype``, a slab of at most
+        :data:`SCRATCH_BYTES` at a time, each slab's product by ``F.linear``."""
+        n = self.rows_count
+        slab = max(1, SCRATCH_BYTES // (self.cols * x.element_size()))
+        every = torch.arange(n, device=self.data.device)
+        if slab >= n:
+            y = F.linear(x, gguf_rows(every, self.data, self.dtype, self.cols, x.dtype))
+            return y if out is None else out.copy_(y)
+        y = out if out is not None else torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
+        for start in range(0, n, slab):
+            ids = every[start:start + slab]
+            y[:, start:start + len(ids)] = F.linear(x, gguf_rows(ids, self.data, self.dtype, self.cols, x.dtype))
+        return y
+
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        return gguf_rows(ids.contiguous(), self.data, self.dtype, self.cols, dtype or self.act_dtype)
 
     @staticmethod
     def concat(parts: list["GGUFMatrix"]) -> "GGUFMatrix":
@@ -164,11 +187,11 @@ class FP8Matrix:
         xq = (xf / x_scale).clamp_(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
         return torch._scaled_mm(xq, self.weight.t(), scale_a=x_scale, scale_b=self.row_scales, out_dtype=x.dtype)
 
-    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         bn, bk = self.block
         picked = self.weight.view(torch.uint8)[ids].view(torch.float8_e4m3fn).float()  # gathers as bytes
         scales = self.scales[ids // bn].repeat_interleave(bk, 1)[:, :self.cols]
-        return (picked * scales).to(self.act_dtype)
+        return (picked * scales).to(dtype or self.act_dtype)
 
     @staticmethod
     def concat(parts: list["FP8Matrix"]) -> "FP8Matrix":
