@@ -14,13 +14,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
-import time
 
 import gguf
 import numpy as np
 import torch
 
+from cpu_weight_kernels import median_ms
 from musegl_core.checkpoint.stored import StoredTensor
 from musegl_cuda.cpu import native
 from musegl_cuda.cpu.stored_matrix import StoredMatrix
@@ -41,16 +40,6 @@ def weight(dtype: str, n: int, k: int, rng: np.random.Generator) -> StoredTensor
     return StoredTensor("w", dtype, (n, k), data)
 
 
-def median_ms(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return round(statistics.median(times) * 1e3, 3)
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rows", default="1,4")
@@ -69,7 +58,7 @@ def main() -> int:
             matrix.threads = 1
             for rows in map(int, args.rows.split(",")):
                 x = torch.randn(rows, stored.shape[1])
-                result["ms"][f"{path} {name}_x{rows} {dtype}"] = median_ms(lambda: matrix.matmul(x), args.repeats)
+                result["ms"][f"{path} {name}_x{rows} {dtype}"] = median_ms(lambda: matrix.matmul(x), args.repeats, 3)
     result["load_avg_at_end"] = os.getloadavg()
     print(json.dumps(result, indent=2))
     return 0

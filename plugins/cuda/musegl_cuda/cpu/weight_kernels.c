@@ -62,6 +62,7 @@ enum { PATH_AVX2 = 1, PATH_AVX512 = 2, PATH_AVX512FP16 = 3 };
 /* ---- Vectors of the build's width ------------------------------------------------ */
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__F16C__) && defined(__FMA__)
 #define VL 16
+#define NV (32 / VL) /* vectors per 32-value block */
 typedef __m512 vf;
 typedef __m512i vi;
 #ifdef __AVX512FP16__
@@ -96,6 +97,11 @@ ALWAYS_INLINE vf v_bf16(const uint16_t *p) {
 }
 ALWAYS_INLINE vi i_u8(const uint8_t *p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)); }
 ALWAYS_INLINE vi i_i8(const int8_t *p) { return _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)); }
+/* 32 signed bytes of a register as NV vectors of int32 (bytes c*VL .. c*VL+VL-1 in q[c]). */
+ALWAYS_INLINE void i_i8x32(__m256i b, vi q[NV]) {
+    q[0] = _mm512_cvtepi8_epi32(_mm256_castsi256_si128(b));
+    q[1] = _mm512_cvtepi8_epi32(_mm256_extracti128_si256(b, 1));
+}
 /* The 16 lanes folded to 4: lane i + lane i+8, then + (lane i+4 + lane i+12). */
 ALWAYS_INLINE __m128 v_fold4(vf v) {
     __m256 a = _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
@@ -105,6 +111,7 @@ ALWAYS_INLINE __m128 v_fold4(vf v) {
 #define TILE_MR 4
 #elif defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
 #define VL 8
+#define NV (32 / VL)
 typedef __m256 vf;
 typedef __m256i vi;
 #define MW_PATH PATH_AVX2
@@ -135,6 +142,13 @@ ALWAYS_INLINE vf v_bf16(const uint16_t *p) {
 }
 ALWAYS_INLINE vi i_u8(const uint8_t *p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)); }
 ALWAYS_INLINE vi i_i8(const int8_t *p) { return _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)); }
+ALWAYS_INLINE void i_i8x32(__m256i b, vi q[NV]) {
+    const __m128i lo = _mm256_castsi256_si128(b), hi = _mm256_extracti128_si256(b, 1);
+    q[0] = _mm256_cvtepi8_epi32(lo);
+    q[1] = _mm256_cvtepi8_epi32(_mm_unpackhi_epi64(lo, lo));
+    q[2] = _mm256_cvtepi8_epi32(hi);
+    q[3] = _mm256_cvtepi8_epi32(_mm_unpackhi_epi64(hi, hi));
+}
 /* The 8 lanes folded to 4: lane i + lane i+4. */
 ALWAYS_INLINE __m128 v_fold4(vf v) { return _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1)); }
 /* 16 registers: 4 x 3 accumulators and the 4 vectors of one decoded 32-value block. */
@@ -158,7 +172,6 @@ ALWAYS_INLINE __m128 v_sum4(vf a, vf b, vf c, vf d) {
     return _mm_add_ps(_mm_shuffle_ps(ab, cd, _MM_SHUFFLE(2, 0, 2, 0)), _mm_shuffle_ps(ab, cd, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
-#define NV (32 / VL) /* vectors per 32-value block */
 #define NR 4         /* weight rows of a register tile */
 #ifndef NR_WIDE
 #if VL == 16
@@ -170,7 +183,21 @@ ALWAYS_INLINE __m128 v_sum4(vf a, vf b, vf c, vf d) {
 #endif
 #endif
 #define SMALL_M 8    /* activation rows up to which one weight row at a time is multiplied */
-#define PREFETCH(p) _mm_prefetch((const char *)(p) + 1024, _MM_HINT_T0)
+/* Software prefetch of the weight stream in the decode tiles, whose weights come from DRAM
+ * (the bench model's 600 MB of f16 weights a step outsize any cache). One weight row at a
+ * time is one stream the hardware prefetchers follow: 1 KiB ahead into L1. A tile of NRT > 1
+ * rows reads NRT streams a row apart, each only a row long, which they follow poorly:
+ * measured on an AMD EPYC (Zen 4; thread CPU time, one thread, f16 head 202048 x 1024, one
+ * activation row), the AVX2 build's 4-row tiles took 37 ms with the 1 KiB prefetch and 36 ms
+ * with none. Such a tile prefetches, for each row at its current position, the same position
+ * NRT rows on (the next tile's rows, in the order it reads them) into L2: 18 ms (into L1:
+ * 34 ms). With it, 4-row tiles beat one row at a time at one and two activation rows on
+ * both builds (AVX-512: f16 17.8 vs 22.9 ms, Q6_K 21.1 vs 26.1, Q4_K 25.6 vs 32.0). A
+ * prefetch past the matrix's end is harmless (prefetches never fault). */
+ALWAYS_INLINE void prefetch_weights(const int NRT, const uint8_t *p, long rb) {
+    if (NRT == 1) _mm_prefetch((const char *)p + 1024, _MM_HINT_T0);
+    else _mm_prefetch((const char *)p + NRT * rb, _MM_HINT_T1);
+}
 
 int mw_path(void) { return MW_PATH; }
 int mw_vector_lanes(void) { return VL; }
@@ -233,41 +260,30 @@ ALWAYS_INLINE void decode32(const int type, const uint8_t *wrow, long b, vf w[NV
             w[c] = v_mul(d, v_cvt(i_sub(i_and(q, low), eight)));
             w[c + NV / 2] = v_mul(d, v_cvt(i_sub(i_srli(q, 4), eight)));
         }
-    } else if (type == MW_Q5_K) {  /* 32-value sub-block s of super-block b / 8 */
-        const uint8_t *blk = wrow + (b >> 3) * 176;
-        const int s = (int)(b & 7);
-        uint16_t dh, mh;
-        memcpy(&dh, blk, 2);
-        memcpy(&mh, blk + 2, 2);
-        int sc, mn;
-        q4k_scale_min(s, blk + 4, &sc, &mn);
-        const vf d = v_set1(half_to_float(dh) * sc), m = v_set1(half_to_float(mh) * mn);
-        const uint8_t *qh = blk + 16, *q = blk + 48 + (s >> 1) * 32;
-        const vi low = i_set1(15), one = i_set1(1);
-        for (int c = 0; c < NV; ++c) {
-            vi n = i_u8(q + c * VL);
-            n = (s & 1) ? i_srli(n, 4) : i_and(n, low);
-            const vi h = i_and(i_srlv(i_u8(qh + c * VL), s), one);
-            w[c] = v_fmsub(d, v_cvt(i_or(n, i_slli(h, 4))), m);
-        }
     } else if (type == MW_Q6_K) {
+        /* The 6-bit codes of the 32 values put together in one register of bytes (two
+         * shifts and masks for all 32, against two per vector of values), then widened. */
         const uint8_t *blk = wrow + (b >> 3) * 210;
         const int s = (int)(b & 7), h = s >> 2, t = s & 3;
         uint16_t dh;
         memcpy(&dh, blk + 208, 2);
         const float d = half_to_float(dh);
         const int8_t *scales = (const int8_t *)(blk + 192) + 2 * s;
-        const uint8_t *ql = blk + 64 * h + 32 * (t & 1), *qh = blk + 128 + 32 * h;
-        const vi low = i_set1(15), three = i_set1(3), bias = i_set1(32);
+        __m256i lo = _mm256_loadu_si256((const __m256i *)(blk + 64 * h + 32 * (t & 1)));
+        if (t >= 2) lo = _mm256_srli_epi16(lo, 4);
+        lo = _mm256_and_si256(lo, _mm256_set1_epi8(15));
+        const __m256i hi = _mm256_and_si256(_mm256_srl_epi16(_mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h)),
+                                                             _mm_cvtsi32_si128(2 * t)),
+                                            _mm256_set1_epi8(3));
+        vi q[NV];
+        i_i8x32(_mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)), _mm256_set1_epi8(32)), q);
         for (int c = 0; c < NV; ++c) {
-            vi lo = i_u8(ql + c * VL);
-            lo = (t >= 2) ? i_srli(lo, 4) : i_and(lo, low);
-            const vi hi = i_and(i_srlv(i_u8(qh + c * VL), 2 * t), three);
             const vf ds = v_set1(d * (float)scales[c * VL / 16]);  /* exact: f16 x int8 */
-            w[c] = v_mul(ds, v_cvt(i_sub(i_or(lo, i_slli(hi, 4)), bias)));
+            w[c] = v_mul(ds, v_cvt(q[c]));
         }
-    } else {  /* MW_Q4_K: 32-value sub-block s of super-block b / 8 */
-        const uint8_t *blk = wrow + (b >> 3) * 144;
+    } else {  /* MW_Q4_K, MW_Q5_K: 32-value sub-block s of super-block b / 8 */
+        const int q5 = type == MW_Q5_K;
+        const uint8_t *blk = wrow + (b >> 3) * (q5 ? 176 : 144);
         const int s = (int)(b & 7);
         uint16_t dh, mh;
         memcpy(&dh, blk, 2);
@@ -275,11 +291,12 @@ ALWAYS_INLINE void decode32(const int type, const uint8_t *wrow, long b, vf w[NV
         int sc, mn;
         q4k_scale_min(s, blk + 4, &sc, &mn);
         const vf d = v_set1(half_to_float(dh) * sc), m = v_set1(half_to_float(mh) * mn);
-        const uint8_t *q = blk + 16 + (s >> 1) * 32;
-        const vi low = i_set1(15);
+        const uint8_t *qh = blk + 16, *q = blk + (q5 ? 48 : 16) + (s >> 1) * 32;
+        const vi low = i_set1(15), one = i_set1(1);
         for (int c = 0; c < NV; ++c) {
             vi n = i_u8(q + c * VL);
             n = (s & 1) ? i_srli(n, 4) : i_and(n, low);
+            if (q5) n = i_or(n, i_slli(i_and(i_srlv(i_u8(qh + c * VL), s), one), 4));
             w[c] = v_fmsub(d, v_cvt(n), m);
         }
     }
@@ -316,7 +333,7 @@ ALWAYS_INLINE void tile(const int type, const int NRT, const int MRT, const int 
             vf xv[SMALL_M];
             for (int m = 0; m < MRT; ++m) xv[m] = v_load(x + m * ldx + i);
             for (int j = 0; j < NRT; ++j) {
-                if (prefetch && (i & 31) == 0) PREFETCH(w + j * rb + i / 32 * bytes);
+                if (prefetch && (i & 31) == 0) prefetch_weights(NRT, w + j * rb + i / 32 * bytes, rb);
                 const vf wv = type == MW_F32 ? v_load((const float *)(w + j * rb) + i)
                               : type == MW_F16 ? v_f16((const uint16_t *)(w + j * rb) + i)
                                                : v_bf16((const uint16_t *)(w + j * rb) + i);
@@ -333,7 +350,7 @@ ALWAYS_INLINE void tile(const int type, const int NRT, const int MRT, const int 
             for (int c = 0; c < NV; ++c) xv[m][c] = v_load(x + m * ldx + b * 32 + c * VL);
 #endif
         for (int j = 0; j < NRT; ++j) {
-            if (prefetch) PREFETCH(w + j * rb + b * bytes);
+            if (prefetch) prefetch_weights(NRT, w + j * rb + b * bytes, rb);
             vf wv[NV];
             decode32(type, w + j * rb, b, wv);
             for (int c = 0; c < NV; ++c)
@@ -692,16 +709,14 @@ typedef struct {
 
 /* Activation-row counts for which the weight rows are taken one at a time (the weight
  * stream the prefetcher follows best; up to SMALL_M x rows share each decoded row)
- * rather than in NR-row register tiles: GROUP_FEW < m <= SMALL_M. Measured on the bench
- * shapes (one thread, CPU time): AVX-512 one row at a time from 1 to 8 rows as before;
- * AVX2 tiles at 1-2 rows (four accumulator chains where one row has one), one row at a
- * time at 3-8 (a 3-row AVX2 tile would decode each weight row two or three times). */
+ * rather than in NR-row register tiles: GROUP_FEW < m <= SMALL_M. Both builds use tiles at
+ * 1-2 rows (four accumulator chains where one row has one; with the tiles' prefetch, see
+ * prefetch_weights, measured on the head as stated there) and one row at a time at 3-8
+ * (a 3-row tile would decode each weight row two or three times; at 4 rows one row at a
+ * time with the 1 KiB prefetch was faster than with a row-ahead one into L2, f16 head:
+ * AVX-512 28.5 vs 32.5 ms, AVX2 31.1 vs 37.0). */
 #ifndef GROUP_FEW
-#if VL == 16
-#define GROUP_FEW 0
-#else
 #define GROUP_FEW 2
-#endif
 #endif
 
 static void matmul_chunk(long begin, long end, const void *p) {
