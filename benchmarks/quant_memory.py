@@ -65,6 +65,9 @@ def main() -> None:
                              "ratio": round(resident / file_bytes, 3), "within_bound": resident <= BOUND * file_bytes})
                 print(json.dumps(rows[-1]), flush=True)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    if subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                      text=True).stdout.strip():
+        commit += "-dirty"
     lines = ["| file | executor | file tensor bytes | resident (RssAnon) | ratio | <= 1.1x |", "|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['file']} | {r['executor']} | {r['file_tensor_bytes']:,} | {r['resident_bytes']:,} | "
