@@ -253,9 +253,10 @@ def _q6_k(stored: StoredTensor) -> QuantizedWeight:
 
 def q6_k_error(stored: StoredTensor) -> float:
     """The RMS difference between a Q6_K matrix's values and its MLX form, relative to
-    the RMS of its values."""
+    the RMS of its values (over its first :data:`CHUNK_ROWS` rows)."""
     from musegl_core.checkpoint.stored import unpack_mlx_codes
 
+    stored = _row_chunk(stored, 0, min(stored.shape[0], CHUNK_ROWS))
     exact = stored.to_float32()
     weight = _q6_k(stored)
     rows, cols = exact.shape
@@ -265,8 +266,54 @@ def q6_k_error(stored: StoredTensor) -> float:
     return float(np.sqrt(np.mean((approx - exact) ** 2) / max(np.mean(exact ** 2), 1e-30)))
 
 
+#: Rows converted at a time: the conversion's numpy temporaries (float32 values, codes) stay
+#: tens of MB however large the matrix (a 30B head is 1.3 billion values).
+CHUNK_ROWS = 4096
+
+
+def _row_chunk(stored: StoredTensor, r0: int, r1: int) -> StoredTensor:
+    rows = stored.shape[0]
+    data = np.asarray(stored.data).reshape(rows, -1)[r0:r1]
+    return StoredTensor(stored.name, stored.dtype, (r1 - r0, stored.shape[1]), data)
+
+
+def _concatenate(parts: list) -> "np.ndarray | Products":
+    if isinstance(parts[0], Products):
+        first = parts[0]
+        return Products(np.concatenate([p.factor for p in parts]),
+                        None if first.multiplier is None else np.concatenate([p.multiplier for p in parts]),
+                        first.times)
+    return np.concatenate(parts)
+
+
 def quantized_weight(stored: StoredTensor) -> QuantizedWeight | None:
-    """The MLX form of a GGUF quantized matrix, or None when its type does not map."""
+    """The MLX form of a GGUF quantized matrix, or None when its type does not map.
+    Converted :data:`CHUNK_ROWS` rows at a time."""
+    if len(stored.shape) != 2:
+        return None
+    rows = stored.shape[0]
+    if rows > CHUNK_ROWS:
+        parts = [_quantized_weight(_row_chunk(stored, r0, min(rows, r0 + CHUNK_ROWS)))
+                 for r0 in range(0, rows, CHUNK_ROWS)]
+        if parts[0] is None:
+            return None
+        first = parts[0]
+        shared = first.biases is not None and isinstance(first.biases, Products) and \
+            isinstance(first.scales, np.ndarray) and first.biases.factor is first.scales
+        scales = _concatenate([p.scales for p in parts])
+        if shared:  # Q4_0: the bias is computed from the scales array itself, held once
+            biases = Products(scales, None, first.biases.times)
+        else:
+            biases = _concatenate([p.biases for p in parts])
+        if isinstance(scales, Products) and isinstance(biases, Products) and \
+                first.scales.factor is first.biases.factor and first.scales.multiplier is first.biases.multiplier:
+            biases = Products(scales.factor, scales.multiplier, first.biases.times)  # Q6_K: one d, one sc
+        return QuantizedWeight(stored.shape, np.concatenate([p.packed for p in parts]), scales, biases,
+                               first.bits, first.group_size)
+    return _quantized_weight(stored)
+
+
+def _quantized_weight(stored: StoredTensor) -> QuantizedWeight | None:
     if len(stored.shape) != 2:
         return None
     if stored.dtype in ("q4_k", "q5_k", "q6_k") and stored.shape[1] % 256 == 0:

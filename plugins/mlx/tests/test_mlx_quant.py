@@ -85,6 +85,23 @@ def test_q6_k_takes_its_nearest_mlx_form_with_a_bounded_error():
     assert 0 < error < 0.02, error
 
 
+@pytest.mark.parametrize("dtype", ["q4_k", "q5_k", "q6_k", "q8_0", "q4_0", "q4_1"])
+def test_large_matrices_convert_in_row_chunks_to_the_same_form(dtype, monkeypatch):
+    """Row chunks (bounded temporaries for a 30B head) give the whole matrix's form, and
+    scales and biases that share their factors still hold them once."""
+    from musegl_mlx import quant
+
+    stored = stored_weight(dtype, 24, 512, seed=7)
+    whole = quantized_weight(stored)
+    monkeypatch.setattr(quant, "CHUNK_ROWS", 10)
+    chunked = quantized_weight(stored)
+    assert np.array_equal(chunked.packed, whole.packed)
+    for a, b in zip(chunked.dense_values(), whole.dense_values()):
+        assert np.array_equal(a, b)
+    assert sum(a.nbytes for a in chunked.linear(mx.float32).arrays()) == \
+        sum(a.nbytes for a in whole.linear(mx.float32).arrays())
+
+
 def test_projections_of_different_layouts_stay_quantized():
     """A Q4_K_M file's Q4_K q/k beside its Q6_K v: each part keeps its own layout, and the
     group's product is the parts' products side by side."""
