@@ -7,9 +7,11 @@ converter as a float32 GGUF and quantized by llama.cpp's own ``llama-quantize`` 
 Q8_0), and converted by mlx-lm's converter (4-bit, groups of 64). ``musegl generate`` (greedy,
 float32) on each file equals transformers running the file's weights dequantized, in float32;
 on MLX, whose Q6_K form is not the file's (docs/mlx.md), the files holding Q6_K matrices equal
-transformers running the values MLX holds, and the test measures top-1 agreement with the
-file's own values. The tiny model's cases are test_llama_quantize_exactness.py (torch-cpu),
-test_mlx_real_quantizers.py and test_mlx_quant.py (MLX and mlx-lm).
+transformers running the values MLX holds; the error MLX's form adds to the logits
+(teacher-forced, 128 positions) must stay below the file's own error against the float32 model
+the files were made from, and top-1 agreement with the file's values is printed. The tiny
+model's cases are test_llama_quantize_exactness.py (torch-cpu), test_mlx_real_quantizers.py
+and test_mlx_quant.py (MLX and mlx-lm).
 """
 
 from __future__ import annotations
@@ -86,9 +88,10 @@ def test_small_text_on_mlx_is_greedy_identical_to_transformers(small_text, kind)
     exact_model = reference_with_weights(model, checkpoint)
     checkpoint.close()
     exact = reference_greedy(exact_model, prompt(), NEW_TOKENS)
-    probe = torch.randint(0, 512, (256,), generator=torch.Generator().manual_seed(42))[None]
+    probe = torch.randint(0, 512, (128,), generator=torch.Generator().manual_seed(42))[None]
     with torch.no_grad():
-        exact_top = exact_model(input_ids=probe).logits.argmax(-1)
+        file_logits = exact_model(input_ids=probe).logits
+        original = model(input_ids=probe).logits  # the float32 model the files came from
     del exact_model
     gc.collect()
     ours = greedy_cli(path, "mlx", prompt(), NEW_TOKENS)
@@ -98,6 +101,16 @@ def test_small_text_on_mlx_is_greedy_identical_to_transformers(small_text, kind)
     held_model = mlx_held_reference(model, path)
     assert ours == reference_greedy(held_model, prompt(), NEW_TOKENS)
     with torch.no_grad():
-        agreement = float((held_model(input_ids=probe).logits.argmax(-1) == exact_top).float().mean())
-    print(f"{kind} on MLX: greedy equal to the file's values: {ours == exact}; top-1 agreement {agreement:.4f}")
-    assert agreement >= 0.85
+        held = held_model(input_ids=probe).logits
+
+    def relative(a, b) -> float:
+        return float((a - b).norm() / b.norm())
+
+    agreement = float((held.argmax(-1) == file_logits.argmax(-1)).float().mean())
+    print(f"{kind} on MLX: greedy equal to the file's values: {ours == exact}; top-1 agreement with the file "
+          f"{agreement:.4f}; logits' relative error: MLX vs file {relative(held, file_logits):.4f}, "
+          f"file vs the float32 model {relative(file_logits, original):.4f}")
+    # the error Q6_K's MLX form (6-bit groups of 32) adds is below the file's own quantization error
+    # (this random model's logits are nearly flat, so top-1 agreement says little: the Q4_K_M file
+    # itself agrees with the float32 model on 2 % of 512 positions)
+    assert relative(held, file_logits) < relative(file_logits, original)
