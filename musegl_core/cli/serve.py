@@ -53,9 +53,10 @@ KINDS = {"str": None, "int": _int, "float": _float, "size": _size, "size-or-0": 
 
 #: Which checkpoint formats each executor keeps as stored (see README, "Weights as stored").
 STORED_FORMATS = (
-    "Weights kept as stored (not converted at load): torch-cpu: f32, f16, bf16 and GGUF Q8_0, Q4_0, Q4_K, Q5_K, "
-    "Q6_K (a whole Q4_K_M file), other GGUF types decoded to float32; mlx: f16, bf16, GGUF Q8_0, Q4_0, Q4_1, Q4_K, "
-    "Q5_K (exact) and Q6_K (as 8-bit groups of 32), mlx-lm's quantized safetensors (affine, any bits/group); "
+    "Weights kept as stored (not converted at load): torch-cpu: f32, f16, bf16, GGUF Q8_0, Q4_0, Q4_K, Q5_K, "
+    "Q6_K (a whole Q4_K_M file) and mlx-lm's 4-bit groups of 64, other GGUF types and MLX layouts decoded to "
+    "float32; mlx: f16, bf16, GGUF Q8_0, Q4_0, Q4_1, Q4_K, Q5_K (exact) and Q6_K (as 6-bit groups of 32, its "
+    "nearest form at the file's size), mlx-lm's quantized safetensors (affine, any bits/group); "
     "cuda: every weight converted to --dtype at load. At start-up serve prints the weights' bytes on the device "
     "and the KV room left, and refuses a model that does not fit with the flags that would help.")
 

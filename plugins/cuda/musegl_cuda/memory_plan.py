@@ -6,7 +6,8 @@ CUDA a context that takes device memory): from the checkpoint's tensor table alo
 
 * ``--weights stored`` (the torch-cpu default with float32 activations): f32/f16/bf16 and
   the GGUF types the CPU kernels run (:data:`STORED_BLOCKS`, the kernels' table
-  :data:`~musegl_cuda.cpu.stored_matrix.KINDS`: Q8_0, Q4_0, Q4_K, Q5_K, Q6_K) at their
+  :data:`~musegl_cuda.cpu.stored_matrix.KINDS`: Q8_0, Q4_0, Q4_K, Q5_K, Q6_K, and mlx-lm's 4-bit
+  groups of 64) at their
   file size; any other type decoded to float32;
 * ``--weights upcast``: every value in the activation dtype.
 
@@ -27,7 +28,8 @@ from musegl_core.plugins.specs import ExecutorOptions
 #: CUDA context, cuBLAS workspace, graphs and the step's activations, kept out of the KV room.
 CUDA_RESERVE = 1 << 30
 #: stored form -> values per block the CPU kernels need a row to fill (stored_matrix.KINDS)
-STORED_BLOCKS = {"f32": 32, "f16": 32, "bf16": 32, "q8_0": 32, "q4_0": 32, "q4_k": 256, "q5_k": 256, "q6_k": 256}
+STORED_BLOCKS = {"f32": 32, "f16": 32, "bf16": 32, "q8_0": 32, "q4_0": 32, "q4_k": 256, "q5_k": 256, "q6_k": 256,
+                 "mlx_q4_g64": 64}
 #: the executor's KV block (musegl_cuda.executor.DEFAULT_BLOCK_SIZE)
 BLOCK_SIZE = 16
 ITEM_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2}

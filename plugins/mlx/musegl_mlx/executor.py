@@ -42,6 +42,7 @@ from musegl_mlx import kv_fp8  # noqa: E402
 from musegl_core.engine.sliding_pages import PageGroups, group_tables  # noqa: E402
 from musegl_core.engine.step_checks import check_copy_pairs, check_step, kv_allocated  # noqa: E402
 from musegl_mlx.loader import load_weights  # noqa: E402
+from musegl_core.allocator import release_free_heap  # noqa: E402
 from musegl_mlx.model import MuseGlimmerDecoder, StepLayout  # noqa: E402
 from musegl_mlx.precision import DtypeChoice, choose_dtype  # noqa: E402
 from musegl_mlx.sampling import sample  # noqa: E402
@@ -133,6 +134,7 @@ class MLXExecutor:
             status = blas.route()
             log.info("MLX float32 products: %s", f"OpenBLAS ({status.library})" if status.routed
                      else f"MLX's own BLAS ({status.reason})")
+        release_free_heap()  # the heap's holes that loading left (musegl_core.allocator)
 
     # -- KV storage ------------------------------------------------------------
 

@@ -21,9 +21,9 @@ def dense_rows(linear, start: int, stop: int) -> np.ndarray:
     if not linear.quantized:
         rows = linear.weight[start:stop]
     else:
-        biases = None if linear.biases is None else linear.biases[start:stop]
-        rows = mx.dequantize(linear.weight[start:stop], linear.scales[start:stop], biases,
-                             group_size=linear.group_size, bits=linear.bits)
+        from musegl_mlx.model import dequantized_rows
+
+        rows = dequantized_rows(linear, slice(start, stop))
     return np.array(rows.astype(mx.float32))
 
 

@@ -11,15 +11,17 @@ gate/up into another, so each runs as one product.
 
 from __future__ import annotations
 
+import gc
 import logging
 from typing import Iterable, Iterator
 
 import mlx.core as mx
 import numpy as np
 
+from musegl_core.allocator import release_free_heap
 from musegl_core.checkpoint.config import TextConfig
 from musegl_core.checkpoint.hf_reader import CENTERED_NORMS, text_weight_names
-from musegl_mlx.model import Embedding, Linear, LinearGroup, MuseGlimmerDecoder
+from musegl_mlx.model import Embedding, GroupProducts, Linear, LinearGroup, MuseGlimmerDecoder
 from musegl_mlx.quant import QuantizedWeight
 
 log = logging.getLogger("musegl.mlx")
@@ -52,7 +54,7 @@ def checkpoint_weights(checkpoint) -> Iterator[tuple[str, object]]:
                                                bits=layout[0], group_size=layout[1])
         else:
             if stored.dtype == "q6_k" and "q6_k" not in told:
-                log.warning("GGUF Q6_K has no exact MLX layout (16-value scales): its tensors run as 8-bit "
+                log.warning("GGUF Q6_K has no exact MLX layout (16-value scales): its tensors run as 6-bit "
                             "groups of 32, relative RMS error %.2e on %s", q6_k_error(stored), stored.name)
                 told.add("q6_k")
             weight = quantized_weight(stored)
@@ -82,8 +84,8 @@ def norm_weight(array: np.ndarray, dtype: mx.Dtype) -> mx.array:
     return converted(array, dtype).astype(mx.float32)
 
 
-def _layout(linear: Linear) -> tuple[int, int] | None:
-    return (linear.group_size, linear.bits) if linear.quantized else None
+def _layout(linear: Linear) -> tuple | None:
+    return linear.layout
 
 
 def _stack(parts: list[Linear]) -> Linear:
@@ -91,8 +93,24 @@ def _stack(parts: list[Linear]) -> Linear:
         return parts[0]
     if not parts[0].quantized:
         return Linear(mx.concatenate([p.weight for p in parts]))
-    return Linear(mx.concatenate([p.weight for p in parts]), mx.concatenate([p.scales for p in parts]),
-                  mx.concatenate([p.biases for p in parts]), parts[0].group_size, parts[0].bits)
+    done: dict[tuple[int, ...], mx.array] = {}  # an array the parts' scales and biases share is stacked once
+
+    def stacked(arrays: list[mx.array]) -> mx.array:
+        key = tuple(id(a) for a in arrays)
+        if key not in done:
+            done[key] = mx.concatenate(arrays)
+        return done[key]
+
+    def values(items: list):
+        if items[0] is None:
+            return None
+        if isinstance(items[0], GroupProducts):
+            multipliers = None if items[0].multiplier is None else stacked([v.multiplier for v in items])
+            return GroupProducts(stacked([v.factor for v in items]), multipliers, items[0].times, items[0].dtype)
+        return stacked(items)
+
+    return Linear(mx.concatenate([p.weight for p in parts]), values([p.scales for p in parts]),
+                  values([p.biases for p in parts]), parts[0].group_size, parts[0].bits)
 
 
 def fuse(parts: list[Linear], dtype: mx.Dtype) -> Linear | LinearGroup:
@@ -165,6 +183,8 @@ def load_weights(model: MuseGlimmerDecoder, weights: Iterable[tuple[str, object]
         raise ValueError(f"checkpoint did not provide {sorted(missing)[:5]}")
     mx.eval(model_arrays(model))
     mx.clear_cache()  # the buffers of load-time copies (fused parts, casts) go back to the system
+    gc.collect()
+    release_free_heap()  # and the heap's holes the numpy conversions left
 
 
 def model_arrays(model: MuseGlimmerDecoder) -> list[mx.array]:

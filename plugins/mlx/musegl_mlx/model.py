@@ -49,14 +49,86 @@ def centered_rms_norm(x: mx.array, scale: mx.array, eps: float) -> mx.array:
     return (xf * mx.rsqrt(mx.mean(xf * xf, axis=-1, keepdims=True) + eps) * scale).astype(x.dtype)
 
 
+@attrs.frozen
+class GroupProducts:
+    """The per-group scales or biases of a quantized matrix kept as a product, computed
+    when the matrix is used: ``factor[r, g // per] · multiplier[r, g] · times`` in
+    float32 (``per`` groups share a factor; no multiplier: one factor per group).
+
+    GGUF k-quants store a float16 factor per 256-value super-block and a 6-bit
+    integer per 32-value group: their products are exact in float32 but not in
+    float16, and a float32 array per group costs 2 bits per weight more than the
+    file (a Q4_K matrix would take 1.33x its stored bytes). Kept as the file's
+    factors they take its bytes; the product costs a small elementwise kernel per
+    use. ``dtype``: the dtype the values are used in (float32, or the activation
+    dtype, as a plain array of scales would be cast)."""
+
+    factor: mx.array
+    multiplier: mx.array | None = None
+    times: float = 1.0
+    dtype: mx.Dtype = mx.float32
+
+    @property
+    def form(self) -> tuple:
+        """What must agree for two matrices' products to be stacked into one."""
+        per = 1 if self.multiplier is None else self.multiplier.shape[-1] // self.factor.shape[-1]
+        return ("products", per, self.times, self.dtype, self.factor.dtype,
+                None if self.multiplier is None else self.multiplier.dtype)
+
+    def value(self) -> mx.array:
+        out = self.factor.astype(mx.float32)
+        if self.multiplier is not None:
+            rows, groups = self.multiplier.shape[:-1], self.multiplier.shape[-1]
+            per = groups // self.factor.shape[-1]
+            out = (out[..., None] * self.multiplier.astype(mx.float32).reshape(*rows, -1, per)).reshape(*rows, groups)
+        if self.times != 1.0:
+            out = out * self.times
+        return out if self.dtype == mx.float32 else out.astype(self.dtype)
+
+    def __getitem__(self, index) -> "GroupProducts":
+        """The rows ``index`` (a slice or token ids) picks."""
+        return GroupProducts(self.factor[index], None if self.multiplier is None else self.multiplier[index],
+                             self.times, self.dtype)
+
+    def arrays(self) -> list[mx.array]:
+        return [a for a in (self.factor, self.multiplier) if a is not None]
+
+    @staticmethod
+    def concatenate(parts: Sequence["GroupProducts"]) -> "GroupProducts":
+        first = parts[0]
+        return GroupProducts(mx.concatenate([p.factor for p in parts]),
+                             None if first.multiplier is None else mx.concatenate([p.multiplier for p in parts]),
+                             first.times, first.dtype)
+
+
+def group_values(values: "mx.array | GroupProducts | None") -> mx.array | None:
+    """Scales or biases as an array (:class:`GroupProducts` computed)."""
+    return values.value() if isinstance(values, GroupProducts) else values
+
+
+def dequantized_rows(linear: "Linear", index) -> mx.array:
+    """Rows ``index`` (a slice or token ids) of a quantized :class:`Linear`, decoded in
+    float32 (scales kept in float16 or bfloat16 would otherwise round the values)."""
+    biases = None if linear.biases is None else group_values(linear.biases[index]).astype(mx.float32)
+    return mx.dequantize(linear.weight[index], group_values(linear.scales[index]).astype(mx.float32), biases,
+                         group_size=linear.group_size, bits=linear.bits)
+
+
+def values_form(values: "mx.array | GroupProducts | None") -> tuple | None:
+    if values is None:
+        return None
+    return values.form if isinstance(values, GroupProducts) else ("array", values.dtype)
+
+
 @attrs.define
 class Linear:
     """``x @ W^T`` without bias: a dense weight ``(out, in)``, or an MLX-quantized one
-    (``weight`` packed, ``scales``/``biases`` per group of ``group_size``)."""
+    (``weight`` packed, ``scales``/``biases`` per group of ``group_size``: arrays, or
+    :class:`GroupProducts` computed at each use)."""
 
     weight: mx.array
-    scales: mx.array | None = None
-    biases: mx.array | None = None
+    scales: "mx.array | GroupProducts | None" = None
+    biases: "mx.array | GroupProducts | None" = None
     group_size: int = 32
     bits: int = 8
 
@@ -64,14 +136,26 @@ class Linear:
     def quantized(self) -> bool:
         return self.scales is not None
 
+    @property
+    def layout(self) -> tuple | None:
+        """None when dense; else what two quantized matrices must share to be stacked."""
+        if self.scales is None:
+            return None
+        return self.group_size, self.bits, values_form(self.scales), values_form(self.biases)
+
     def __call__(self, x: mx.array) -> mx.array:
         if self.scales is None:
             return x @ self.weight.T
-        return mx.quantized_matmul(x, self.weight, self.scales, self.biases, transpose=True,
-                                   group_size=self.group_size, bits=self.bits)
+        return mx.quantized_matmul(x, self.weight, group_values(self.scales), group_values(self.biases),
+                                   transpose=True, group_size=self.group_size, bits=self.bits)
 
     def arrays(self) -> list[mx.array]:
-        return [a for a in (self.weight, self.scales, self.biases) if a is not None]
+        out = [self.weight]
+        for values in (self.scales, self.biases):
+            for a in values.arrays() if isinstance(values, GroupProducts) else [values] if values is not None else []:
+                if not any(a is b for b in out):  # one array may serve the scales and the biases
+                    out.append(a)
+        return out
 
 
 @attrs.define
@@ -103,8 +187,7 @@ class Embedding:
         t = self.table
         if not t.quantized:
             return t.weight[tokens]
-        return mx.dequantize(t.weight[tokens], t.scales[tokens], t.biases[tokens], group_size=t.group_size,
-                             bits=t.bits).astype(dtype)
+        return dequantized_rows(t, tokens).astype(dtype)
 
 
 @attrs.define

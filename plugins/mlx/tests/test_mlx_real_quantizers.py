@@ -3,7 +3,9 @@
 converter (4-bit, groups of 64). ``musegl generate --executor mlx`` is greedy-identical to
 transformers running the weights MLX holds, dequantized, in float32 (for Q8_0 and Q4_K_M also
 to transformers on the file's own values); for Q6_K, which MLX holds in its nearest form, the
-test measures top-1 agreement with the file's own values instead."""
+test measures top-1 agreement with the file's own values and with the float32 model instead.
+Resident bytes: every executor x file pair (torch-cpu and MLX; Q4_K_M, Q6_K, Q8_0 and mlx-lm's
+4-bit files with float32 and bfloat16 scales) holds at most 1.1x the file's tensor bytes."""
 
 from __future__ import annotations
 
@@ -58,8 +60,9 @@ def mlx_held_reference(model, path):
         def iter_weights(self):
             for name, weight in checkpoint_weights(load_checkpoint(path)):
                 if isinstance(weight, QuantizedWeight):
-                    values = mx.dequantize(mx.array(weight.packed), mx.array(weight.scales),
-                                           mx.array(weight.biases), group_size=weight.group_size, bits=weight.bits)
+                    scales, biases = weight.dense_values()
+                    values = mx.dequantize(mx.array(weight.packed), mx.array(scales), mx.array(biases),
+                                           group_size=weight.group_size, bits=weight.bits)
                     yield name, np.array(values.astype(mx.float32))
                 else:
                     yield name, np.asarray(weight, dtype=np.float32)
@@ -87,20 +90,35 @@ def test_llama_quantize_files_on_mlx_are_greedy_identical_to_transformers(wide, 
     print(f"{kind}: greedy run equal to the file's values: {ours == exact}; top-1 agreement {agreement:.4f}")
     if kind in ("Q8_0", "Q4_K_M"):  # exact forms (Q4_K_M's few Q6_K matrices do not move its tokens here)
         assert ours == exact
-    else:  # Q6_K in its nearest MLX form: 0.38 % RMS error on this file's matrices, 89 % top-1
-        # agreement on this random model (whose logits are nearly flat: a harsh measure)
+    else:  # Q6_K in its nearest MLX form at the file's size (6-bit groups of 32): 1.5 % RMS error on
+        # this file's matrices, 66 % top-1 agreement with the file's values on this random model
+        # (whose logits are nearly flat: a harsh measure). Against the float32 model the file was
+        # quantized from, the MLX form keeps most of Q6_K's fidelity: measured 45 % agreement
+        # against the file's 53 % (a Q5_K_M file of the same model: 33 %) over 1,024 positions.
         from musegl_mlx.quant import q6_k_error
 
         checkpoint = load_checkpoint(path)
         errors = [q6_k_error(s) for s in checkpoint.iter_stored() if s.dtype == "q6_k"]
         checkpoint.close()
-        assert errors and max(errors) < 0.005, max(errors)
-        assert agreement >= 0.85
+        assert errors and max(errors) < 0.02, max(errors)
+        assert agreement >= 0.55
+        wide_probe = torch.randint(0, 512, (1024,), generator=torch.Generator().manual_seed(32))[None]
+        with torch.no_grad():
+            original = model(input_ids=wide_probe).logits.argmax(-1)
+            held_fidelity = float((held_model(input_ids=wide_probe).logits.argmax(-1) == original).float().mean())
+            file_fidelity = float((exact_model(input_ids=wide_probe).logits.argmax(-1) == original).float().mean())
+        print(f"Q6_K top-1 agreement with the float32 model: file {file_fidelity:.4f}, MLX {held_fidelity:.4f}")
+        assert held_fidelity >= 0.8 * file_fidelity
 
 
-def test_mlx_lm_file_resident_bytes_are_its_tensor_bytes(tmp_path_factory):
-    """Resident memory (RssAnon) the MLX executor adds loading an mlx-lm 4-bit file (the real
-    vocabulary, so the file is 65 MB), against the file's tensor bytes: at most 1.1x."""
+@pytest.fixture(scope="module")
+def big_files(tmp_path_factory):
+    """A 2-layer wide model with the real vocabulary (files of 60-110 MB, the embedding and
+    head most of them), quantized by llama-quantize (Q4_K_M, Q6_K, Q8_0) and by mlx-lm's
+    converter (4-bit, groups of 64, scales in float32 as the model, and in bfloat16 as
+    published mlx-lm files have them)."""
+    from musegl_core.testing.llamacpp import LlamaCppUnavailable
+
     pytest.importorskip("mlx_lm")
     from musegl_core.testing.mlx_lm_tools import mlx_lm_quantize
 
@@ -108,8 +126,35 @@ def test_mlx_lm_file_resident_bytes_are_its_tensor_bytes(tmp_path_factory):
     hf = tmp_path_factory.mktemp("big_hf")
     model.save_pretrained(hf)
     del model
-    mlx4 = mlx_lm_quantize(hf, tmp_path_factory.mktemp("big_mlx") / "q4g64", bits=4, group_size=64)
-    file_bytes = sum(checkpoint_tensor_bytes(mlx4).values())
-    resident = resident_weight_bytes("mlx", mlx4)
-    print(f"mlx-lm 4-bit: resident {resident} of file {file_bytes} ({resident / file_bytes:.3f}x)")
+    try:
+        files = llama_quantized(hf, tmp_path_factory.mktemp("big_llama"), KINDS)
+    except LlamaCppUnavailable as exc:
+        pytest.fail(f"llama-quantize is needed for this test: {exc}")
+    out = tmp_path_factory.mktemp("big_mlx")
+    files["mlx-lm f32"] = mlx_lm_quantize(hf, out / "q4g64-f32", bits=4, group_size=64)
+    files["mlx-lm bf16"] = mlx_lm_quantize(hf, out / "q4g64-bf16", bits=4, group_size=64, dtype="bfloat16")
+    return files
+
+
+@pytest.mark.parametrize("executor", ["torch-cpu", "mlx"])
+@pytest.mark.parametrize("kind", [*KINDS, "mlx-lm f32", "mlx-lm bf16"])
+def test_resident_bytes_are_at_most_1_1x_the_files_tensor_bytes(big_files, kind, executor):
+    """Resident memory (RssAnon) an executor adds loading a file written by the real tools,
+    against the file's tensor bytes: at most 1.1x (issue 48), on torch-cpu and on MLX. The
+    start-up plan (``memory_plan``) keeps within the same bound."""
+    from musegl_core.plugins.specs import ExecutorOptions
+
+    path = big_files[kind]
+    file_bytes = sum(checkpoint_tensor_bytes(path).values())
+    resident = resident_weight_bytes(executor, path)
+    print(f"{kind} on {executor}: resident {resident} of file {file_bytes} ({resident / file_bytes:.3f}x)")
     assert resident <= 1.1 * file_bytes
+    if executor == "mlx":
+        from musegl_mlx.memory_plan import memory_plan
+    else:
+        from musegl_cuda.memory_plan import memory_plan as cuda_plan
+
+        def memory_plan(options):
+            return cuda_plan(options, "cpu")
+    planned = sum(memory_plan(ExecutorOptions(model=str(path), dtype="float32")).weights.values())
+    assert 0.9 * file_bytes <= planned <= 1.1 * file_bytes, (planned, file_bytes)

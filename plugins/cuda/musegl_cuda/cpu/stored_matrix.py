@@ -2,7 +2,8 @@
 
 :class:`StoredMatrix` holds the bytes of ``rows`` weight rows of ``cols``
 values each (float32, float16, bfloat16 or GGUF Q8_0/Q4_0/Q4_K/Q5_K/Q6_K blocks, as
-:class:`~musegl_core.checkpoint.stored.StoredTensor` gives them) in one uint8
+:class:`~musegl_core.checkpoint.stored.StoredTensor` gives them, or mlx-lm's 4-bit
+codes in groups of 64 laid out again as the kernels' A4 blocks: :func:`mlx_a4_blocks`) in one uint8
 torch tensor. ``x @ W^T`` runs ``mw_matmul`` of the kernel path
 :mod:`musegl_cuda.cpu.native` chose (AVX-512 or AVX2): decode steps decode each
 weight row in registers and read the weight once; wide products (prefill
@@ -24,7 +25,7 @@ import attrs
 import numpy as np
 import torch
 
-from musegl_core.checkpoint.stored import StoredTensor
+from musegl_core.checkpoint.stored import StoredTensor, mlx_layout
 from musegl_cuda.cpu import native
 from musegl_cuda.cpu.fixed_blocks import fixed_block_linear
 
@@ -32,7 +33,9 @@ log = logging.getLogger("musegl.cuda")
 
 # stored dtype tag -> (kernel type code, values per block)
 KINDS = {"f32": (0, 32), "f16": (1, 32), "bf16": (2, 32), "q8_0": (8, 32), "q4_0": (4, 32), "q4_k": (12, 256),
-         "q5_k": (13, 256), "q6_k": (14, 256)}
+         "q5_k": (13, 256), "q6_k": (14, 256), "a4_f32": (20, 64), "a4_f16": (21, 64), "a4_bf16": (22, 64)}
+#: The MLX affine layout the kernels run (mlx-lm's default: 4-bit codes, groups of 64).
+A4_LAYOUT = (4, 64)
 #: Prompt rows that nobody samples (see :class:`HalfRows`) are multiplied with float16
 #: matrices in float16 arithmetic where the CPU has AVX512-FP16 (``mw_gemm_f16``: twice
 #: float32's multiply-adds per instruction, and no float32 copy of the matrix); False keeps
@@ -225,13 +228,62 @@ class DenseMatrix:
         return self.weight.clone() if rows is None else self.weight[rows]
 
 
+def _a4_scale_dtype(scales: np.ndarray, biases: np.ndarray) -> str:
+    """The narrowest of bfloat16, float16, float32 that holds every scale and bias exactly
+    (the reader gives them as float32; mlx-lm writes them in the model's dtype)."""
+    both = np.concatenate([np.ravel(scales), np.ravel(biases)]).astype(np.float32)
+    if not np.any(both.view(np.uint32) & 0xFFFF):
+        return "bf16"
+    with np.errstate(over="ignore"):
+        if np.array_equal(both.astype(np.float16).astype(np.float32), both):
+            return "f16"
+    return "f32"
+
+
+def mlx_a4_blocks(stored: StoredTensor, chunk_rows: int = 4096) -> tuple[str, np.ndarray]:
+    """An MLX 4-bit, group-64 matrix (mlx-lm's layout) as the kernels' A4 blocks:
+    ``(kind, uint8 (rows, row_bytes))``. Per group of 64 values: its scale and bias in the
+    narrowest exact dtype (``kind``: ``a4_bf16``, ``a4_f16`` or ``a4_f32``), then 32
+    bytes of nibbles in Q4_0's order (byte ``j`` of each 32 values holds values ``j`` and
+    ``j + 16``; MLX holds values ``2i`` and ``2i + 1`` in byte ``i``). The same bytes as
+    the file's tensors (codes, scales, biases) when the kind is the file's scale dtype."""
+    rows, cols = stored.shape
+    scales = np.asarray(stored.scales, dtype=np.float32)
+    biases = np.asarray(stored.biases, dtype=np.float32)
+    kind = _a4_scale_dtype(scales, biases)
+    size = {"bf16": 2, "f16": 2, "f32": 4}[kind]
+    groups = cols // 64
+    out = np.empty((rows, groups, 2 * size + 32), dtype=np.uint8)
+    words = np.ascontiguousarray(stored.data).view(np.uint8).reshape(rows, cols // 2)
+    for r0 in range(0, rows, chunk_rows):  # row chunks: the unpacked codes stay small
+        r1 = min(rows, r0 + chunk_rows)
+        packed = words[r0:r1]
+        codes = np.stack([packed & 0x0F, packed >> 4], axis=-1).reshape(r1 - r0, cols // 32, 32)
+        nibbles = codes[..., :16] | (codes[..., 16:] << 4)
+        out[r0:r1, :, 2 * size:] = nibbles.reshape(r1 - r0, groups, 32)
+        for i, values in enumerate((scales[r0:r1], biases[r0:r1])):
+            if kind == "bf16":
+                raw = (values.view(np.uint32) >> 16).astype("<u2")
+            elif kind == "f16":
+                raw = values.astype("<f2")
+            else:
+                raw = values.astype("<f4")
+            out[r0:r1, :, i * size:(i + 1) * size] = raw.view(np.uint8).reshape(r1 - r0, groups, size)
+    return f"a4_{kind}", out.reshape(rows, -1)
+
+
 def stored_matrix(stored: StoredTensor) -> StoredMatrix | DenseMatrix:
-    """The weight as a :class:`StoredMatrix` where the kernels run it; another type
-    (Q5_0, Q4_1 ...) decoded to float32 and run by the kernels' f32 path where its rows
-    fill 32-value blocks; else a float32 :class:`DenseMatrix`."""
+    """The weight as a :class:`StoredMatrix` where the kernels run it (mlx-lm's 4-bit,
+    group-64 matrices as A4 blocks: :func:`mlx_a4_blocks`); another type (Q5_0, Q4_1,
+    other MLX layouts ...) decoded to float32 and run by the kernels' f32 path where its
+    rows fill 32-value blocks; else a float32 :class:`DenseMatrix`."""
     kernels = native.load()
     if kernels is not None and supported(stored):
         return StoredMatrix.from_stored(stored, kernels)
+    if kernels is not None and mlx_layout(stored.dtype) == A4_LAYOUT and len(stored.shape) == 2 \
+            and stored.shape[1] % 64 == 0:
+        kind, blocks = mlx_a4_blocks(stored)
+        return StoredMatrix(kind, torch.from_numpy(blocks), stored.shape[0], stored.shape[1], kernels=kernels)
     weight = np.ascontiguousarray(stored.to_float32(), dtype=np.float32)
     f32 = StoredTensor(stored.name, "f32", stored.shape, weight)
     if kernels is not None and supported(f32):

@@ -44,6 +44,11 @@
  *         ql[64h + 32(t&1) + l] (low nibble for t < 2, high for t >= 2), high 2 bits
  *         (qh[32h + l] >> 2t) & 3; values 0-15 scaled by scales[2s], 16-31 by
  *         scales[2s+1]; v = d*scale*(q - 32).
+ *   A4 (MLX's affine 4-bit codes in groups of 64, as mlx-lm's converter writes them, laid out
+ *         again at load): 64 values per block, a scale and a bias (float32 for MW_A4_F32,
+ *         float16 for MW_A4_F16, bfloat16 for MW_A4_BF16: the file's dtype), then 32 bytes of
+ *         nibbles in Q4_0's order per 32 values; v = scale*q + bias (the product rounded,
+ *         then the sum: numpy's order).
  * Every decoded value is exact in float32 before the final subtraction (Q4_K/Q5_K: one
  * rounding, as in gguf-py's dequantizer), so every kernel sees gguf-py's floats.
  */
@@ -54,7 +59,8 @@
 #include <string.h>
 #include <immintrin.h>
 
-enum { MW_F32 = 0, MW_F16 = 1, MW_BF16 = 2, MW_Q8_0 = 8, MW_Q4_0 = 4, MW_Q4_K = 12, MW_Q5_K = 13, MW_Q6_K = 14 };
+enum { MW_F32 = 0, MW_F16 = 1, MW_BF16 = 2, MW_Q8_0 = 8, MW_Q4_0 = 4, MW_Q4_K = 12, MW_Q5_K = 13, MW_Q6_K = 14,
+       MW_A4_F32 = 20, MW_A4_F16 = 21, MW_A4_BF16 = 22 };
 enum { PATH_AVX2 = 1, PATH_AVX512 = 2, PATH_AVX512FP16 = 3 };
 
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
@@ -214,6 +220,8 @@ long mw_row_bytes(int type, long k) {
     case MW_Q4_K: return k / 256 * 144;
     case MW_Q5_K: return k / 256 * 176;
     case MW_Q6_K: return k / 256 * 210;
+    case MW_A4_F32: return k / 64 * 40;
+    case MW_A4_F16: case MW_A4_BF16: return k / 64 * 36;
     }
     return -1;
 }
@@ -259,6 +267,34 @@ ALWAYS_INLINE void decode32(const int type, const uint8_t *wrow, long b, vf w[NV
             vi q = i_u8(blk + 2 + c * VL);
             w[c] = v_mul(d, v_cvt(i_sub(i_and(q, low), eight)));
             w[c + NV / 2] = v_mul(d, v_cvt(i_sub(i_srli(q, 4), eight)));
+        }
+    } else if (type == MW_A4_F32 || type == MW_A4_F16 || type == MW_A4_BF16) {  /* half b & 1 of group b / 2 */
+        const int ss = type == MW_A4_F32 ? 4 : 2;
+        const uint8_t *blk = wrow + (b >> 1) * (2 * ss + 32);
+        float sf, bf;
+        if (type == MW_A4_F32) {
+            memcpy(&sf, blk, 4);
+            memcpy(&bf, blk + 4, 4);
+        } else {
+            uint16_t sh, bh;
+            memcpy(&sh, blk, 2);
+            memcpy(&bh, blk + 2, 2);
+            if (type == MW_A4_F16) {
+                sf = half_to_float(sh);
+                bf = half_to_float(bh);
+            } else {
+                uint32_t su = (uint32_t)sh << 16, bu = (uint32_t)bh << 16;
+                memcpy(&sf, &su, 4);
+                memcpy(&bf, &bu, 4);
+            }
+        }
+        const vf d = v_set1(sf), m = v_set1(bf);
+        const uint8_t *q = blk + 2 * ss + (b & 1) * 16;
+        const vi low = i_set1(15);
+        for (int c = 0; c < NV / 2; ++c) {
+            vi n = i_u8(q + c * VL);
+            w[c] = v_add(v_mul(d, v_cvt(i_and(n, low))), m);
+            w[c + NV / 2] = v_add(v_mul(d, v_cvt(i_srli(n, 4))), m);
         }
     } else if (type == MW_Q6_K) {
         /* The 6-bit codes of the 32 values put together in one register of bytes (two
@@ -453,6 +489,9 @@ static void direct_rows(int type, const uint8_t *w, long rb, long k, const float
                 case MW_Q4_0: tile_nr_mr(MW_Q4_0, 1, mr, wr, rb, k, xm, ldx, ym, ldy); break;
                 case MW_Q5_K: tile_nr_mr(MW_Q5_K, 1, mr, wr, rb, k, xm, ldx, ym, ldy); break;
                 case MW_Q6_K: tile_nr_mr(MW_Q6_K, 1, mr, wr, rb, k, xm, ldx, ym, ldy); break;
+                case MW_A4_F32: tile_nr_mr(MW_A4_F32, 1, mr, wr, rb, k, xm, ldx, ym, ldy); break;
+                case MW_A4_F16: tile_nr_mr(MW_A4_F16, 1, mr, wr, rb, k, xm, ldx, ym, ldy); break;
+                case MW_A4_BF16: tile_nr_mr(MW_A4_BF16, 1, mr, wr, rb, k, xm, ldx, ym, ldy); break;
                 default: tile_nr_mr(MW_Q4_K, 1, mr, wr, rb, k, xm, ldx, ym, ldy); break;
                 }
             }
@@ -471,6 +510,9 @@ static void direct_rows(int type, const uint8_t *w, long rb, long k, const float
             case MW_Q4_0: tile_1_mr(MW_Q4_0, 1, mr, wr, rb, k, xm, ldx, ym, ldy); break;
             case MW_Q5_K: tile_1_mr(MW_Q5_K, 1, mr, wr, rb, k, xm, ldx, ym, ldy); break;
             case MW_Q6_K: tile_1_mr(MW_Q6_K, 1, mr, wr, rb, k, xm, ldx, ym, ldy); break;
+            case MW_A4_F32: tile_1_mr(MW_A4_F32, 1, mr, wr, rb, k, xm, ldx, ym, ldy); break;
+            case MW_A4_F16: tile_1_mr(MW_A4_F16, 1, mr, wr, rb, k, xm, ldx, ym, ldy); break;
+            case MW_A4_BF16: tile_1_mr(MW_A4_BF16, 1, mr, wr, rb, k, xm, ldx, ym, ldy); break;
             default: tile_1_mr(MW_Q4_K, 1, mr, wr, rb, k, xm, ldx, ym, ldy); break;
             }
         }
@@ -523,6 +565,9 @@ static void decode_rows(int type, const uint8_t *w, long rb, long k, int rows, f
             case MW_Q4_0: decode32(MW_Q4_0, w + j * rb, b, wv); break;
             case MW_Q5_K: decode32(MW_Q5_K, w + j * rb, b, wv); break;
             case MW_Q6_K: decode32(MW_Q6_K, w + j * rb, b, wv); break;
+            case MW_A4_F32: decode32(MW_A4_F32, w + j * rb, b, wv); break;
+            case MW_A4_F16: decode32(MW_A4_F16, w + j * rb, b, wv); break;
+            case MW_A4_BF16: decode32(MW_A4_BF16, w + j * rb, b, wv); break;
             default: decode32(MW_Q4_K, w + j * rb, b, wv); break;
             }
             for (int c = 0; c < NV; ++c) v_store(out + j * k + b * 32 + c * VL, wv[c]);
