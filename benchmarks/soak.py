@@ -504,6 +504,8 @@ def main() -> int:
         log_growth_mb = round((log_bytes(front) - log_start) / 1e6, 2)
     leaked = {key: end[key] - baseline[key] for key in ("kv_blocks_used", "kv_blocks_reserved")}
     report = {
+        "command": " ".join(["python", "benchmarks/soak.py", *sys.argv[1:]]),
+        "server": "musegl serve MODEL " + " ".join(flags),
         "duration_s": args.duration,
         "warmup_s": args.warmup,
         "clients": args.clients,

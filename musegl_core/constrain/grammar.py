@@ -94,6 +94,21 @@ def calls_grammar(call_rules: str, reasoning_tokens: int, parallel: bool = True)
 TERMINATORS = "(<|eom|> | <|eot|>)"
 
 
+#: The nested grammars (``%json``, ``%lark``) one grammar may hold next to a ``max_tokens`` rule
+#: (the reasoning bound, :func:`reasoning_rules`). llguidance numbers its lexer classes with one
+#: byte, the root grammar's being 0; while any rule carries ``max_tokens`` it gives every nested
+#: grammar a class of its own (without one, nested grammars share classes and there is no such
+#: limit). The 256th panicked ("class too large"): 256 forced tools with a JSON-valued parameter
+#: each, at the default ``--constrained-reasoning-tokens`` (issue 47 item 13).
+MAX_NESTED_WITH_TOKEN_BOUND = 255
+
+
+def nested_grammars(text: str) -> int:
+    """The nested grammars of ``text``, counted from above (a ``%json`` spelt inside a schema's
+    string counts too)."""
+    return text.count("%json") + text.count("%lark")
+
+
 def lazy_grammars(trigger: str, rules: str, parallel: bool = True):
     """The two grammars of a lazily activated call constraint
     (:class:`~musegl_core.engine.request.LazyGrammar`) from the tool parser's

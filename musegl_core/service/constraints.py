@@ -88,17 +88,25 @@ def output_grammar(
         check_tool_schemas(tools, names)
         call_rules = tool_parser.grammar(tools, {"aliases": aliases, "prepared": prepared_tools, "names": names})
     if forced_calls:
-        text = g.calls_grammar(call_rules, reasoning, parallel)
         param = "tool_choice"
     else:
         schema, param = answer
         check_enforceable(schema, param)  # first: its bounds are cheap to check, the preflight is not
         preflight_schema(schema, param, tool_parser)
+
+    def whole(reasoning: int) -> str:
+        if forced_calls:
+            return g.calls_grammar(call_rules, reasoning, parallel)
         text = g.answer_grammar(schema, reasoning)
         if call_rules is not None:  # tools stay callable next to a JSON answer
             text = text.replace("start: reasoning? answer\n", "start: reasoning? (answer | calls)\n", 1)
             text = text.replace("start: answer\n", "start: answer | calls\n", 1)
             text += g.calls_rule(parallel) + call_rules
+        return text
+
+    text = whole(reasoning)
+    if reasoning > 0 and g.nested_grammars(text) > g.MAX_NESTED_WITH_TOKEN_BOUND:
+        text = whole(0)  # past llguidance's lexer classes with the reasoning bound: no reasoning message
     error = g.check(text)
     if error is not None:
         raise bad_request(f"the output constraint cannot be enforced: {_plain(error)}",

@@ -25,6 +25,7 @@ import contextlib
 import logging
 import math
 import os
+import signal
 import sys
 import time
 from typing import AsyncIterator, Callable
@@ -58,6 +59,33 @@ def worker_env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in SECRET_ENV}
     env["PYTHONUNBUFFERED"] = "1"
     return env
+
+
+def send_signal(proc: asyncio.subprocess.Process, sig: int) -> None:
+    """Send ``sig`` to the worker ``proc`` unless it has been reaped, without reaping it.
+
+    ``Process.terminate()``/``kill()`` go through ``subprocess.Popen.send_signal``, which
+    first polls the child (``waitpid(WNOHANG)``). When the worker had just exited (it stops
+    on EOF on its stdin, which shutdown closes right before), that poll reaped it ahead of
+    asyncio's child watcher, whose own ``waitpid`` then failed: "Unknown child process pid
+    N, will report returncode 255" at shutdown (2 of 11 SIGINTs), and a wrong exit status.
+    Here the watcher stays the only reaper: a pidfd (Linux) names the process even as a
+    zombie and fails once it is reaped; elsewhere the pid is signalled directly (a zombie
+    takes signals; once the watcher has reaped it, ``returncode`` is set, checked first)."""
+    if proc.returncode is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        try:
+            fd = os.pidfd_open(proc.pid)
+        except (AttributeError, OSError) as exc:  # not Linux 5.3+ (macOS), or no such process
+            if isinstance(exc, ProcessLookupError):
+                return
+            os.kill(proc.pid, sig)
+            return
+        try:
+            signal.pidfd_send_signal(fd, sig)
+        finally:
+            os.close(fd)
 
 
 class WorkerClient:
@@ -121,13 +149,11 @@ class WorkerClient:
             if proc.stdin is not None:  # EOF on stdin is the worker's signal to stop
                 with contextlib.suppress(Exception):
                     proc.stdin.close()
-            with contextlib.suppress(ProcessLookupError):
-                proc.terminate()
+            send_signal(proc, signal.SIGTERM)
             try:
                 await asyncio.wait_for(proc.wait(), 10)
             except asyncio.TimeoutError:
-                with contextlib.suppress(ProcessLookupError):
-                    proc.kill()
+                send_signal(proc, signal.SIGKILL)
                 await proc.wait()
 
     async def _supervise(self) -> None:
@@ -216,8 +242,7 @@ class WorkerClient:
         try:
             return await asyncio.wait_for(proc.wait(), 5)
         except asyncio.TimeoutError:
-            with contextlib.suppress(ProcessLookupError):
-                proc.kill()
+            send_signal(proc, signal.SIGKILL)
             with contextlib.suppress(asyncio.TimeoutError):
                 return await asyncio.wait_for(proc.wait(), 5)
             return proc.returncode
@@ -229,7 +254,7 @@ class WorkerClient:
                 line = await proc.stdout.readline()
             except ValueError:  # a frame over the 1 MiB limit: the worker is broken
                 log.error("worker sent a frame over %d bytes; restarting it", m.MAX_EVENT_FRAME)
-                proc.kill()
+                send_signal(proc, signal.SIGKILL)
                 return
             if not line:
                 (log.info if self._closing else log.warning)("worker pipe closed (pid %d)", proc.pid)

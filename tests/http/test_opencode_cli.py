@@ -19,36 +19,21 @@ import logging
 import os
 import pathlib
 import re
-import shutil
 import subprocess
 
 import httpx
 import pytest
 
-from musegl_core.config import ServeConfig
-from musegl_core.tiny import default_model_path
-from musegl_core.testing.server import running_server, scripted_plugin_env
+from musegl_core.testing.clients import npm_client, scripted_server
 
 VERSION = "1.18.33"
-CACHE = pathlib.Path(os.environ.get("XDG_CACHE_HOME", pathlib.Path.home() / ".cache")) / "musegl-tests" / "opencode"
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def opencode() -> pathlib.Path:
-    binary = CACHE / VERSION / "node_modules" / ".bin" / "opencode"
-    if not binary.exists():
-        if shutil.which("npm") is None:
-            pytest.skip("npm is not installed")
-        (CACHE / VERSION).mkdir(parents=True, exist_ok=True)
-        install = subprocess.run(["npm", "install", "--no-audit", "--no-fund", f"opencode-ai@{VERSION}"],
-                                 cwd=CACHE / VERSION, capture_output=True, text=True, timeout=600)
-        if install.returncode != 0:
-            pytest.skip(f"npm could not install opencode: {install.stderr[-500:]}")
-    version = subprocess.run([str(binary), "--version"], capture_output=True, text=True, timeout=60)
-    assert VERSION in version.stdout, version.stdout + version.stderr
-    return binary
+    return npm_client("opencode", "opencode-ai", VERSION, "opencode")
 
 
 def run_opencode(opencode: pathlib.Path, url: str, root: pathlib.Path, prompt: str) -> subprocess.CompletedProcess:
@@ -70,20 +55,17 @@ def run_opencode(opencode: pathlib.Path, url: str, root: pathlib.Path, prompt: s
 
 def test_six_opencode_conversations_on_a_default_server_then_an_anonymous_request(opencode, tmp_path, caplog):
     script = [{"when": "", "reply": " to=user<|message|>ok<|eot|>"}]
-    (tmp_path / "plugin").mkdir()
     caplog.set_level(logging.INFO, logger="musegl.http")
-    with scripted_plugin_env(tmp_path / "plugin", script):
+    with scripted_server(tmp_path / "plugin", script) as server:
         # no session flags: 4 slots, named sessions persist, no eviction of named sessions
-        config = ServeConfig(model=str(default_model_path()), port=0, executor="scripted", tool_parser="atem",
-                             max_context=131072)
+        config = server.config
         assert config.max_sessions == 4 and not config.evict_idle_sessions and config.session_idle_timeout is None
-        with running_server(config) as server:
-            for i in range(6):
-                done = run_opencode(opencode, server.url, tmp_path / f"c{i}", f"say hello number {i}")
-                assert done.returncode == 0, (i, done.stdout[-2000:], done.stderr[-2000:])
-            sessions = httpx.get(f"{server.url}/v1/sessions").json()["data"]
-            anonymous = httpx.post(f"{server.url}/v1/chat/completions", timeout=60, json={
-                "model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]})
+        for i in range(6):
+            done = run_opencode(opencode, server.url, tmp_path / f"c{i}", f"say hello number {i}")
+            assert done.returncode == 0, (i, done.stdout[-2000:], done.stderr[-2000:])
+        sessions = httpx.get(f"{server.url}/v1/sessions").json()["data"]
+        anonymous = httpx.post(f"{server.url}/v1/chat/completions", timeout=60, json={
+            "model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]})
     assert anonymous.status_code == 200, anonymous.text
     # opencode's conversations ran in soft sessions; none of them holds a slot for good
     assert sessions and all(re.fullmatch(r"opencode:ses_\w+", s["id"]) for s in sessions), sessions

@@ -13,41 +13,21 @@ from __future__ import annotations
 import json
 import os
 import pathlib
-import shutil
 import subprocess
 
 import httpx
 import pytest
 
-from musegl_core.config import ServeConfig
-from musegl_core.tiny import default_model_path
-from musegl_core.testing.server import running_server, scripted_plugin_env
+from musegl_core.testing.clients import atem_block as atem, npm_client, scripted_server
 
 VERSION = "2.1.328"
-CACHE = pathlib.Path(os.environ.get("XDG_CACHE_HOME", pathlib.Path.home() / ".cache")) / "musegl-tests" / "claude-code"
 
 pytestmark = pytest.mark.slow
 
 
-def atem(name: str, params: list[tuple[str, str]]) -> str:
-    body = "".join(f'<atem:parameter name="{k}">{v}</atem:parameter>\n' for k, v in params)
-    return f'<atem:function_calls>\n<atem:invoke name="{name}">\n{body}</atem:invoke>\n</atem:function_calls>'
-
-
 @pytest.fixture(scope="module")
 def claude() -> pathlib.Path:
-    binary = CACHE / VERSION / "node_modules" / ".bin" / "claude"
-    if not binary.exists():
-        if shutil.which("npm") is None:
-            pytest.skip("npm is not installed")
-        (CACHE / VERSION).mkdir(parents=True, exist_ok=True)
-        install = subprocess.run(["npm", "install", "--no-audit", "--no-fund", f"@anthropic-ai/claude-code@{VERSION}"],
-                                 cwd=CACHE / VERSION, capture_output=True, text=True, timeout=600)
-        if install.returncode != 0:
-            pytest.skip(f"npm could not install Claude Code: {install.stderr[-500:]}")
-    version = subprocess.run([str(binary), "--version"], capture_output=True, text=True, timeout=60)
-    assert VERSION in version.stdout, version.stdout + version.stderr
-    return binary
+    return npm_client("claude-code", "@anthropic-ai/claude-code", VERSION, "claude")
 
 
 def test_claude_code_writes_a_file_through_its_tool_and_turn_two_is_cached(claude, tmp_path):
@@ -62,20 +42,16 @@ def test_claude_code_writes_a_file_through_its_tool_and_turn_two_is_cached(claud
                                               "to=Write.Write<|message|>" + call + "<|eot|>"},
         {"when": "", "reply": " to=user<|message|>ok<|eot|>"},  # any side request Claude Code makes
     ]
-    (tmp_path / "plugin").mkdir()
-    with scripted_plugin_env(tmp_path / "plugin", script):
-        # The tiny demo tokenizer is close to one token per character: Claude Code's
-        # system prompt and tools are some 50k of its tokens.
-        config = ServeConfig(model=str(default_model_path()), port=0, executor="scripted", tool_parser="atem",
-                             max_context=131072, max_sessions=4)
-        with running_server(config) as server:
-            env = {**os.environ, "ANTHROPIC_BASE_URL": server.url, "ANTHROPIC_API_KEY": "local",
-                   "DISABLE_TELEMETRY": "1", "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
-                   "DISABLE_AUTOUPDATER": "1", "CLAUDE_CODE_DISABLE_NONSTREAMING_FALLBACK": "1",
-                   "HOME": str(work / "home")}
-            run = subprocess.run([str(claude), "-p", "create hello.txt", "--output-format", "stream-json", "--verbose",
-                                  "--permission-mode", "acceptEdits"],
-                                 cwd=work, env=env, capture_output=True, text=True, timeout=300)
+    # The tiny demo tokenizer is close to one token per character: Claude Code's
+    # system prompt and tools are some 50k of its tokens (the 131,072-token context).
+    with scripted_server(tmp_path / "plugin", script, max_sessions=4) as server:
+        env = {**os.environ, "ANTHROPIC_BASE_URL": server.url, "ANTHROPIC_API_KEY": "local",
+               "DISABLE_TELEMETRY": "1", "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
+               "DISABLE_AUTOUPDATER": "1", "CLAUDE_CODE_DISABLE_NONSTREAMING_FALLBACK": "1",
+               "HOME": str(work / "home")}
+        run = subprocess.run([str(claude), "-p", "create hello.txt", "--output-format", "stream-json", "--verbose",
+                              "--permission-mode", "acceptEdits"],
+                             cwd=work, env=env, capture_output=True, text=True, timeout=300)
     events = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
     assert run.returncode == 0, (run.stdout[-2000:], run.stderr[-2000:])
     assert target.read_text() == "hello from musegl\n"
@@ -159,12 +135,9 @@ def run_interactive(claude: pathlib.Path, url: str, work: pathlib.Path, lines: l
 def plain_server(tmp_path):
     from musegl_core.testing.capture import capturing_proxy
 
-    (tmp_path / "plugin").mkdir()
-    with scripted_plugin_env(tmp_path / "plugin", [{"when": "", "reply": " to=user<|message|>ok<|eot|>"}]):
-        config = ServeConfig(model=str(default_model_path()), port=0, executor="scripted", tool_parser="atem",
-                             max_context=131072)
-        with running_server(config) as server, capturing_proxy(server.url) as proxy:
-            yield server, proxy
+    with scripted_server(tmp_path / "plugin", [{"when": "", "reply": " to=user<|message|>ok<|eot|>"}]) as server, \
+            capturing_proxy(server.url) as proxy:
+        yield server, proxy
 
 
 def generations(caplog) -> list[str]:
@@ -242,15 +215,11 @@ def test_claude_code_drops_an_image_a_text_only_model_refuses_and_goes_on(claude
          "reply": " to=Read.Read<|message|>" + atem("Read.Read", [("file_path", str(work / "pic.png"))]) + "<|eot|>"},
         {"when": "", "reply": " to=user<|message|>ok<|eot|>"},
     ]
-    (tmp_path / "plugin").mkdir()
-    with scripted_plugin_env(tmp_path / "plugin", script):
-        config = ServeConfig(model=str(default_model_path()), port=0, executor="scripted", tool_parser="atem",
-                             max_context=131072)
-        with running_server(config) as server, capturing_proxy(server.url) as proxy:
-            run = subprocess.run([str(claude), "-p", "describe pic.png", "--output-format", "stream-json",
-                                  "--verbose", "--permission-mode", "acceptEdits"],
-                                 cwd=work, env=claude_env(proxy.url, work), capture_output=True, text=True,
-                                 timeout=300)
+    with scripted_server(tmp_path / "plugin", script) as server, capturing_proxy(server.url) as proxy:
+        run = subprocess.run([str(claude), "-p", "describe pic.png", "--output-format", "stream-json",
+                              "--verbose", "--permission-mode", "acceptEdits"],
+                             cwd=work, env=claude_env(proxy.url, work), capture_output=True, text=True,
+                             timeout=300)
     assert run.returncode == 0, (run.stdout[-2000:], run.stderr[-2000:])
     statuses = [e.status for e in proxy.exchanges]
     assert statuses == [200, 400, 200], statuses  # one round trip for the image, not a dozen

@@ -109,7 +109,13 @@ def _string_value(tool: str, name: str, node: dict, rule: str) -> tuple[str, boo
             f"{lark_string(CLOSE_PARAMETER)}\n"), True
 
 
-def _tool_rules(tool: str, alias: str, schema: Any, index: int) -> str:
+def _tool_rules(tool: str, alias: str, schema: Any, index: int, shared: dict[str, str] | None = None) -> str:
+    """The rules of one tool's call. ``shared`` maps each JSON value grammar already written
+    (``%json{...}``) to the rule that holds it: a parameter with the same schema refers to
+    that rule instead of nesting the same grammar again (each nested grammar costs
+    llguidance a lexer class, :data:`musegl_core.constrain.grammar.MAX_NESTED_WITH_TOKEN_BOUND`)."""
+    if shared is None:
+        shared = {}
     if schema is None:
         schema = {"type": "object", "properties": {}}
     if not isinstance(schema, dict) or schema.get("type", "object") != "object":
@@ -138,7 +144,11 @@ def _tool_rules(tool: str, alias: str, schema: Any, index: int) -> str:
             raise unsupported_schema(tool, f"parameter {name!r} mixes strings with other types")
         else:
             body = {**node, **defs} if isinstance(node, dict) else node
-            rules.append(f"{value}: {json_rule(body)}\n")
+            grammar = json_rule(body)
+            if grammar not in shared:
+                shared[grammar] = f"json{len(shared)}"
+                rules.append(f"{shared[grammar]}: {grammar}\n")
+            rules.append(f"{value}: {shared[grammar]}\n")
         param = f"p{index}_{j}"
         open_tag = lark_string('<atem:parameter name="' + name + '">')
         rules.append(f"{param}: {open_tag} {value} {close}\n")
@@ -172,11 +182,11 @@ def call_grammar(tools: Iterable[Any], options: Mapping[str, Any]) -> Any:
     if options.get("lazy"):
         return lazy_call_grammar(tools, options)
     allowed = set(options.get("names") or ())
-    rules, alternatives = [], []
+    rules, alternatives, shared = [], [], {}
     for index, tool in enumerate(tools):
         if tool.name not in allowed:
             continue
-        rules.append(_tool_rules(tool.name, _alias(tool), tool.parameters, index))
+        rules.append(_tool_rules(tool.name, _alias(tool), tool.parameters, index, shared))
         alternatives.append(f"call{index}")
     if not alternatives:
         raise ApiError(400, "no declared tool can be called", "invalid_request_error", param="tool_choice")
@@ -193,10 +203,10 @@ def lazy_call_grammar(tools: Iterable[Any], options: Mapping[str, Any]) -> dict[
     the rule ends and the call is free text again."""
     strict = set(options.get("names") or ())
     free = set(options.get("free_names") or ())
-    rules, alternatives, opens = [], [], []
+    rules, alternatives, opens, shared = [], [], [], {}
     for index, tool in enumerate(tools):
         if tool.name in strict:
-            rules.append(_tool_rules(tool.name, _alias(tool), tool.parameters, index))
+            rules.append(_tool_rules(tool.name, _alias(tool), tool.parameters, index, shared))
             alternatives.append(f"invoke{index}")
         elif tool.name in free:
             opens.append(lark_string(_open_invoke(_alias(tool))))

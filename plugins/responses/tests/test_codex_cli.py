@@ -13,23 +13,16 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 
 import pytest
 
-from musegl_core.config import ServeConfig
-from musegl_core.testing.server import running_server, scripted_plugin_env
+from musegl_core.testing.clients import atem_block as block, npm_client, scripted_server
 
 pytestmark = pytest.mark.slow
 
-CODEX = "@openai/codex@0.169.0"
+VERSION = "0.169.0"
 PATCH = "*** Begin Patch\n*** Add File: patched.txt\n+patched\n*** End Patch\n"
-
-
-def block(name: str, params: list[tuple[str, str]]) -> str:
-    body = "".join(f'<atem:parameter name="{k}">{v}</atem:parameter>\n' for k, v in params)
-    return f'<atem:function_calls>\n<atem:invoke name="{name}">\n{body}</atem:invoke>\n</atem:function_calls>'
 
 
 def call(name: str, params: list[tuple[str, str]], why: str) -> str:
@@ -59,28 +52,15 @@ CATALOG = {"models": [{
 
 
 @pytest.fixture(scope="module")
-def codex(tmp_path_factory):
-    npm = shutil.which("npm")
-    if npm is None:
-        pytest.skip("npm is not installed")
-    prefix = tmp_path_factory.mktemp("codex-cli")
-    done = subprocess.run([npm, "install", "--no-audit", "--no-fund", "--prefix", str(prefix), CODEX],
-                          capture_output=True, text=True, timeout=600)
-    if done.returncode != 0:
-        pytest.skip(f"npm could not install {CODEX}: {done.stderr.strip()[-300:]}")
-    return prefix / "node_modules" / ".bin" / "codex"
+def codex():
+    return npm_client("codex", "@openai/codex", VERSION, "codex")
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    from musegl_core.tiny import default_model_path
-
-    with scripted_plugin_env(tmp_path_factory.mktemp("codex-script"), SCRIPT):
-        # Codex's first request is ~36k tokens of the demo tokenizer
-        config = ServeConfig(model=str(default_model_path()), port=0, executor="scripted", tool_parser="atem",
-                             max_context=262144)
-        with running_server(config) as running:
-            yield running
+    # Codex's first request is ~36k tokens of the demo tokenizer
+    with scripted_server(tmp_path_factory.mktemp("codex-script"), SCRIPT, max_context=262144) as running:
+        yield running
 
 
 def codex_home(path, url: str):
