@@ -10,7 +10,7 @@ resident memory (``RssAnon``) the executor adds
 (:func:`musegl_core.testing.quantized_files.resident_weight_bytes`; the file's mapped pages
 are page cache, not counted). The issue's bound: resident <= 1.1x the file's tensor bytes.
 
-    python benchmarks/quant_memory.py --out benchmarks/results/quant_memory_<date>
+    python benchmarks/quant_memory.py --out benchmarks/results/<folder>
 
 writes ``table.md`` and ``results.json`` into ``--out`` (and prints the table).
 """

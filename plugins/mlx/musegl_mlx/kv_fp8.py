@@ -18,13 +18,7 @@ from musegl_core.engine.kv_dtype import E4M3_MAX, fp8_k_scale, fp8_v_scale
 def dense_rows(linear, start: int, stop: int) -> np.ndarray:
     """Rows ``start:stop`` of a :class:`~musegl_mlx.model.Linear` as float32 (dequantized
     where MLX-quantized)."""
-    if not linear.quantized:
-        rows = linear.weight[start:stop]
-    else:
-        from musegl_mlx.model import dequantized_rows
-
-        rows = dequantized_rows(linear, slice(start, stop))
-    return np.array(rows.astype(mx.float32))
+    return np.array(linear.rows(start, stop).astype(mx.float32))
 
 
 def layer_scales(layer, hidden: int) -> mx.array:

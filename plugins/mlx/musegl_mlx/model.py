@@ -143,6 +143,10 @@ class Linear:
             return None
         return self.group_size, self.bits, values_form(self.scales), values_form(self.biases)
 
+    def rows(self, start: int, stop: int) -> mx.array:
+        """Rows ``start:stop`` of the matrix (dequantized in float32 where MLX-quantized)."""
+        return self.weight[start:stop] if self.scales is None else dequantized_rows(self, slice(start, stop))
+
     def __call__(self, x: mx.array) -> mx.array:
         if self.scales is None:
             return x @ self.weight.T
@@ -168,6 +172,17 @@ class LinearGroup:
     @property
     def quantized(self) -> bool:
         return any(p.quantized for p in self.parts)
+
+    def rows(self, start: int, stop: int) -> mx.array:
+        """Output rows ``start:stop`` across the parts (each part's rows follow the previous part's)."""
+        out, first = [], 0
+        for part in self.parts:
+            count = part.weight.shape[0]
+            lo, hi = max(start, first), min(stop, first + count)
+            if lo < hi:
+                out.append(part.rows(lo - first, hi - first).astype(mx.float32))
+            first += count
+        return mx.concatenate(out, axis=0)
 
     def __call__(self, x: mx.array) -> mx.array:
         return mx.concatenate([p(x) for p in self.parts], axis=-1)

@@ -183,3 +183,20 @@ def test_mlx_lm_file_on_torch_cpu_matches_transformers(tiny_hf, mlx_lm_4bit):
     checkpoint.close()
     ids = torch.randint(0, 512, (40,), generator=torch.Generator().manual_seed(13)).tolist()
     assert greedy_cli(mlx_lm_4bit, "torch-cpu", ids, 24) == reference_greedy(reference, ids, 24)
+
+
+def test_a_linear_groups_rows_run_across_its_parts():
+    """FP8 KV's V scales read V's rows of a fused q/k/v/g matrix whose parts are kept in
+    different forms (a Q4_K_M file's Q4_K q/k beside its Q6_K v): rows across parts."""
+    import mlx.core as mx
+
+    from musegl_mlx.model import Linear, LinearGroup
+
+    rng = np.random.default_rng(0)
+    dense = rng.standard_normal((96, 64)).astype(np.float32)
+    weight, scales, biases = mx.quantize(mx.array(dense[40:]), group_size=32, bits=8)
+    group = LinearGroup([Linear(mx.array(dense[:40])), Linear(weight, scales, biases, group_size=32, bits=8)])
+    want = np.concatenate([dense[:40], np.array(group.parts[1].rows(0, 56))])
+    for start, stop in ((0, 96), (30, 50), (40, 41), (45, 96), (0, 40)):
+        np.testing.assert_array_equal(np.array(group.rows(start, stop)), want[start:stop])
+    assert np.abs(want[40:] - dense[40:]).max() < 0.05

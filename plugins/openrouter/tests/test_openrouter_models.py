@@ -48,6 +48,7 @@ EXAMPLES = {
     "stop_token_ids": {"stop_token_ids": [100, 101]},
     "min_tokens": {"min_tokens": 2},
     "skip_special_tokens": {"skip_special_tokens": True},
+    "prompt_cache_retention": {"prompt_cache_retention": "in_memory"},
     # capabilities: OpenRouter's name for what a field provides
     "structured_outputs": {"response_format": {"type": "json_schema", "json_schema": {
         "name": "n", "schema": {"type": "object", "properties": {"b": {"type": "boolean"}}, "required": ["b"]}}}},
