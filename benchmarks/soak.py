@@ -42,7 +42,11 @@ seconds, at the end) and the KV blocks in use and reserved at the end, once
 idle and with every session deleted, against the baseline before any load.
 The run passes when there is no unexpected error, no block is leaked and
 both processes' RSS at the end is within ``--rss-tolerance`` of the warm
-value. Exit status 0 when it passes, 1 otherwise.
+value. Exit status 0 when it passes, 1 otherwise. The worker's growth is
+counted net of the host KV tier filling its pages (``--kv-offload-memory``,
+on by default: its pages become resident as they are first used, up to the
+tier's size): the high-water of its bytes in use over the run, minus that at
+the warm reading, is taken off the end RSS (``host_tier_filled``).
 
 The warm and the end RSS are read once the server is idle and
 :data:`QUIET_SECONDS` later: the front gives freed memory back to the system
@@ -187,6 +191,15 @@ def metric(text: str, name: str) -> float:
 
 async def metrics(client: httpx.AsyncClient, url: str) -> str:
     return (await client.get(f"{url}/metrics")).text
+
+
+def host_tier_mib(url: str) -> float:
+    """The host KV tier's pages in use (``musegl_kv_tier_bytes{cache_source="host"}``), MiB; 0 without
+    the tier. Its pages are touched as they are first used (a free page is reused before an untouched
+    one), so the high-water of this figure is what the tier adds to the worker's RSS by design."""
+    text = httpx.get(f"{url}/metrics", timeout=60).text
+    match = re.search(r'^musegl_kv_tier_bytes\{cache_source="host"\} ([0-9.e+]+)$', text, re.M)
+    return round(float(match.group(1)) / 2**20, 1) if match else 0.0
 
 
 def rss_mib(process: psutil.Process) -> float:
@@ -490,16 +503,23 @@ def main() -> int:
         asyncio.run(quiet(url))
         for name, proc in procs.items():
             rss[name]["warm"] = rss_mib(proc)
+        host_warm = host_high = host_tier_mib(url)
         samples: list = []
         started = time.monotonic()
         while (left := args.duration - (time.monotonic() - started)) > 0:
             asyncio.run(soak.run(min(args.sample, left)))
-            samples.append({"t": round(time.monotonic() - started), **{n: rss_mib(p) for n, p in procs.items()}})
+            host_high = max(host_high, host_tier_mib(url))
+            samples.append({"t": round(time.monotonic() - started), **{n: rss_mib(p) for n, p in procs.items()},
+                            "host_tier": host_high})
         end = asyncio.run(settle(url))
         asyncio.run(quiet(url))
         for name, proc in procs.items():
             rss[name]["end"] = rss_mib(proc)
-            rss[name]["growth"] = round(rss[name]["end"] / rss[name]["warm"] - 1, 4)
+        # the worker's growth net of the host KV tier filling its pages (by design, up to its size)
+        rss["worker"]["host_tier_filled"] = round(host_high - host_warm, 1)
+        for name in procs:
+            net = rss[name]["end"] - rss[name].get("host_tier_filled", 0.0)
+            rss[name]["growth"] = round(net / rss[name]["warm"] - 1, 4)
         worker_restarted = front.children() != [worker]
         log_growth_mb = round((log_bytes(front) - log_start) / 1e6, 2)
     leaked = {key: end[key] - baseline[key] for key in ("kv_blocks_used", "kv_blocks_reserved")}
