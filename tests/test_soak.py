@@ -31,8 +31,8 @@ def test_two_minute_soak_leaks_nothing():
     assert not report["worker_restarted"]
     # The worker's RSS stays flat (net of the host KV tier filling its pages, soak.py). The front's
     # climbs in steps while the hostile mix's bodies (30 MB enums, 100k messages, 6 MiB prompts) are
-    # parsed on the preparation threads, to a high-water mark it then keeps: in the 600 s run (benchmarks/results/soak_hardening_2026-12-07_600s.json) 279 MiB
-    # at 67 s, 294 at 100-233 s, 311-330 from 310 s to 604 s. Two minutes after a 20 s warm-up end
+    # parsed on the preparation threads, to a high-water mark it then keeps: in the 600 s run
+    # (benchmarks/results/soak_hardening_2026-12-07_600s.json) 279 MiB at 67 s, 294 at 100-233 s, 311-330 from 310 s to 604 s. Two minutes after a 20 s warm-up end
     # inside that climb (+8.9 % to +18.5 % measured beside the slow tier), so the front is held to
     # 30 %: a per-request leak over these ~2,400 requests still exceeds it.
     tolerance = {"front": 0.30, "worker": 0.10}
