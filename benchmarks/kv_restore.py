@@ -8,8 +8,9 @@ pool that holds one ``--tokens`` session and a little more:
 * **recompute**: no host tier (``--kv-offload-memory 0``), ``--evict-idle-sessions``.
 
 On each, named session ``a`` runs a ``--tokens`` prompt (one generated token), then session
-``b`` runs another ``--tokens`` prompt (``--pushers N``: N sessions, one after the other), which pushes ``a`` off the device (host: into the
-host tier; recompute: evicted, its blocks reused). Then ``a``'s next turn (its history plus
+``b`` runs another ``--tokens`` prompt (``--pushers N``: N sessions, one after the other),
+which pushes ``a`` off the device (host: into the host tier; recompute: evicted, its blocks
+reused). Then ``a``'s next turn (its history plus
 ``--turn`` new tokens) is timed from submission to its first token: the host engine restores
 ``a``'s blocks and computes only the new tokens, the other re-prefills everything. Prints one
 JSON line per engine and the ratio (host / recompute), all measured in the same run (``--out``:
