@@ -73,6 +73,41 @@ class SessionComparison:
     ratio: float | None
 
 
+#: A warm turn is held when at least this share of its prompt came from the cache (issue 45's
+#: "next turn cached >= 95 %").
+WARM_SHARE = 0.95
+
+
+@attrs.frozen
+class WarmStats:
+    """``agent``: the turns after each conversation's first (warm turns: their history was sent
+    before), subagents' conversations included. A conversation is held when it had a warm turn
+    and every one of them succeeded with at least :data:`WARM_SHARE` of its prompt cached (the
+    server kept its context the whole run, on the device or in a tier below)."""
+
+    sessions: int
+    sessions_held: int
+    warm_turns: int
+    warm_turns_held: int
+    ttft: LatencyStats
+
+    @classmethod
+    def of(cls, results: Sequence[RequestResult]) -> "WarmStats":
+        by_conversation: dict[int, list[RequestResult]] = {}
+        for r in results:
+            if r.kind == "turn":
+                by_conversation.setdefault(r.conversation, []).append(r)
+        warm = [r for r in results if r.kind == "turn" and r.turn > 1]
+
+        def held(r: RequestResult) -> bool:
+            return r.ok and r.prompt_tokens > 0 and r.cached_tokens >= WARM_SHARE * r.prompt_tokens
+
+        sessions_held = sum(1 for turns in by_conversation.values()
+                            if any(r.turn > 1 for r in turns) and all(held(r) for r in turns if r.turn > 1))
+        return cls(len(by_conversation), sessions_held, len(warm), sum(1 for r in warm if held(r)),
+                   LatencyStats.of(r.ttft for r in warm if r.ok and r.ttft is not None))
+
+
 @attrs.frozen
 class SpeculationStats:
     """Speculative decoding over the measured phase, from the server's ``/metrics``
@@ -175,6 +210,8 @@ class BenchReport:
     #: devices the server's model spans (``--tensor-parallel-size``), and the output tokens/s per device
     tensor_parallel_size: int = 1
     output_tokens_per_s_per_device: float = 0.0
+    #: ``agent`` over Chat Completions: the warm turns and the sessions held
+    warm: WarmStats | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict (what ``musegl bench --json`` prints)."""
@@ -265,6 +302,7 @@ def build_report(
         replay=replay_summary(api, results, references) if api != "chat" else None,
         tensor_parallel_size=tensor_parallel_size,
         output_tokens_per_s_per_device=output / duration / tensor_parallel_size,
+        warm=WarmStats.of(results) if workload == "agent" and api == "chat" else None,
     )
 
 
@@ -387,6 +425,12 @@ def render(report: BenchReport, console: Console) -> None:
     summary.add_row("cached-token ratio", f"{report.cached_ratio:.1%}")
     for name, stats in (("TTFT", report.ttft), ("inter-token latency", report.itl), ("request latency", report.latency)):
         summary.add_row(f"{name} p50 / p95 / p99", f"{_ms(stats.p50)} / {_ms(stats.p95)} / {_ms(stats.p99)}")
+    warm = report.warm
+    if warm is not None and warm.warm_turns:
+        summary.add_row("warm-turn TTFT p50 / p99", f"{_ms(warm.ttft.p50)} / {_ms(warm.ttft.p99)}")
+        summary.add_row(f"sessions held (warm turns >= {WARM_SHARE:.0%} cached)",
+                        f"{warm.sessions_held} of {warm.sessions} ({warm.warm_turns_held} of {warm.warm_turns} "
+                        "warm turns)")
     spec = report.speculation
     if spec is not None and spec.target_steps:
         summary.add_row("output tokens per target step", f"{spec.tokens_per_target_step:.2f}")

@@ -49,6 +49,8 @@ from musegl_core.bench.report import BenchReport, build_report
 
 #: Filler words between the two calibration prompts.
 CALIBRATION_WORDS = 200
+#: The turn of a conversation at whose start it spawns its subagents (``BenchConfig.subagents``).
+SUBAGENT_TURN = 2
 
 
 class BenchError(RuntimeError):
@@ -100,6 +102,22 @@ class BenchConfig:
     shared_system_tokens: int = attrs.field(default=0, validator=attrs.validators.ge(0))
     #: ``agent`` over Chat Completions: send the coding agent's ten tool definitions with every turn
     tools: bool = False
+    #: ``agent`` over Chat Completions: each conversation's first user message carries a context of
+    #: its own of about this many tokens (files it read, an earlier history), so it starts long
+    context_tokens: int = attrs.field(default=0, validator=attrs.validators.ge(0))
+    #: ``agent``: subagent conversations, spawned by the conversations in turn (subagent ``k`` by
+    #: conversation ``k % conversations``) as their turn :data:`SUBAGENT_TURN` starts, each running
+    #: beside its parent in a session of its own
+    subagents: int = attrs.field(default=0, validator=attrs.validators.ge(0))
+    #: ``agent``: turns of a subagent
+    subagent_turns: int = attrs.field(default=3, validator=_positive)
+    #: ``agent``: a subagent's own context, as ``context_tokens``
+    subagent_context_tokens: int = attrs.field(default=0, validator=attrs.validators.ge(0))
+    #: ``agent``: ``concurrency`` bounds the requests in flight, not the conversations: every
+    #: conversation is open from the start and their turns interleave (many sessions held at
+    #: once, as an agent host's users are); off: a conversation holds a client from its first
+    #: turn to its last
+    interleave: bool = False
     #: devices the server's model spans (its ``--tensor-parallel-size``): the report adds the
     #: output throughput per device, the figure tensor parallelism and replicas compare by
     tensor_parallel_size: int = attrs.field(default=1, validator=_positive)
@@ -110,6 +128,10 @@ class BenchConfig:
         if (self.shared_system_tokens or self.tools) and (self.workload != "agent" or self.api != "chat"):
             raise ValueError("shared_system_tokens and tools belong to the agent workload over Chat Completions "
                              "(--api messages|responses send their own system prompt and tools)")
+        if (self.context_tokens or self.subagents or self.interleave) and (self.workload != "agent"
+                                                                            or self.api != "chat"):
+            raise ValueError("context_tokens, subagents and interleave belong to the agent workload over Chat "
+                             "Completions")
         if self.api != "chat" and self.concurrency != 1:
             raise ValueError(f"api {self.api} replays one conversation at a time, interleaved with its "
                              "Chat Completions reference: concurrency must be 1")
@@ -127,7 +149,8 @@ class BenchConfig:
     def measured_requests(self) -> int:
         if self.workload == "chat":
             return self.requests
-        return self.conversation_count * self.turns * (1 if self.api == "chat" else 2)
+        return (self.conversation_count * self.turns * (1 if self.api == "chat" else 2)
+                + self.subagents * self.subagent_turns)
 
 
 class _Bar:
@@ -244,38 +267,76 @@ def shared_system(config: BenchConfig, calibration: "Calibration") -> str:
 
 async def _run_agent(
     client: httpx.AsyncClient, config: BenchConfig, words: int, bar: _Bar, sessions: list[str],
-    system: str = workloads.SYSTEM_PROMPT,
+    system: str = workloads.SYSTEM_PROMPT, calibration: Calibration | None = None,
 ) -> tuple[list[RequestResult], list[tuple[int, int, tuple[dict, ...]]]]:
-    """The conversations; every session id used is appended to ``sessions`` before its first turn."""
+    """The conversations (and their subagents: indices from ``conversation_count`` on); every
+    session id used is appended to ``sessions`` before its first turn."""
     run_id = uuid.uuid4().hex[:10]
     tools = agent_tools(config)
     gate = asyncio.Semaphore(config.concurrency)
     results: list[RequestResult] = []
     last_histories: list[tuple[int, int, tuple[dict, ...]]] = []
+    spawned: list[asyncio.Task] = []
+    context = calibration.words(config.context_tokens, whole_prompt=False) if config.context_tokens else 0
+    sub_context = (calibration.words(config.subagent_context_tokens, whole_prompt=False)
+                   if config.subagent_context_tokens else 0)
 
-    async def conversation_task(index: int) -> None:
-        conversation = workloads.Conversation(index, f"bench-{run_id}-{index}", config.seed, words, system=system)
-        async with gate:
+    @contextlib.asynccontextmanager
+    async def held(per_turn: bool):
+        if per_turn:
+            yield
+        else:
+            async with gate:
+                yield
+
+    async def turns_of(conversation: workloads.Conversation, index: int, turns: int, per_turn: bool,
+                       children: list[int]) -> None:
+        async with held(per_turn):
             sessions.append(conversation.session_id)
-            for turn in range(1, config.turns + 1):
+            for turn in range(1, turns + 1):
+                if turn == SUBAGENT_TURN:
+                    spawned.extend(asyncio.create_task(subagent_task(k)) for k in children)
                 history = conversation.next_user_turn()
                 body = chat_body(history, max_tokens=config.max_tokens, session_id=conversation.session_id,
                                  model=config.model, tools=tools)
                 # the session in X-Session-Id too: the header a router keys its session affinity by
-                result = await stream_chat(client, config.endpoint, body, RequestResult("turn", index, turn),
-                                           headers={"X-Session-Id": conversation.session_id})
+                async with (gate if per_turn else contextlib.nullcontext()):
+                    result = await stream_chat(client, config.endpoint, body, RequestResult("turn", index, turn),
+                                               headers={"X-Session-Id": conversation.session_id})
                 results.append(result)
                 bar.done(result)
                 if not result.ok:  # the history cannot grow past a failed turn
-                    for skipped in range(turn + 1, config.turns + 1):
+                    for skipped in range(turn + 1, turns + 1):
                         missed = RequestResult("turn", index, skipped, error=f"skipped: turn {turn} failed")
                         results.append(missed)
                         bar.done(missed)
+                    if turn < SUBAGENT_TURN:  # its subagents never start: counted as failed
+                        for k in children:
+                            for skipped in range(1, config.subagent_turns + 1):
+                                missed = RequestResult("turn", config.conversation_count + k, skipped,
+                                                       error=f"skipped: parent turn {turn} failed")
+                                results.append(missed)
+                                bar.done(missed)
                     return
                 conversation.record_reply(result.content, result.reasoning, result.reply)
-            last_histories.append((index, config.turns, history))
+            if index < config.conversation_count:
+                last_histories.append((index, turns, history))
+
+    async def conversation_task(index: int) -> None:
+        conversation = workloads.Conversation(index, f"bench-{run_id}-{index}", config.seed, words, system=system,
+                                              context_words=context)
+        children = [k for k in range(config.subagents) if k % config.conversation_count == index]
+        await turns_of(conversation, index, config.turns, config.interleave, children)
+
+    async def subagent_task(k: int) -> None:
+        index = config.conversation_count + k
+        conversation = workloads.Conversation(index, f"bench-{run_id}-sub{k}", config.seed, words, system=system,
+                                              context_words=sub_context)
+        await turns_of(conversation, index, config.subagent_turns, True, [])  # (its parent may hold a client)
 
     await asyncio.gather(*(conversation_task(i) for i in range(config.conversation_count)))
+    while spawned:  # (a subagent spawns none, so the list is final once the parents are done)
+        await spawned.pop()
     return results, last_histories
 
 
@@ -391,7 +452,7 @@ async def run_bench_async(config: BenchConfig, *, progress: bool = True,
                     results = await _run_chat(client, config, words, bar)
                 else:
                     results, histories = await _run_agent(client, config, words, bar, sessions,
-                                                          shared_system(config, calibration))
+                                                          shared_system(config, calibration), calibration)
                 duration = time.perf_counter() - started
                 after = await engine_counters(client, config)
                 await delete_sessions(client, config, sessions, cleanup)  # the baseline needs the slots

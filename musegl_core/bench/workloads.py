@@ -93,6 +93,9 @@ class Conversation:
     system: str = SYSTEM_PROMPT
     #: ids of the tool calls of the last reply, answered before the next user message
     open_calls: list[str] = attrs.field(factory=list)
+    #: ``--context-tokens``: words of the conversation's own context (files read, an earlier
+    #: history), sent ahead of its first user message; 0: none
+    context_words: int = 0
 
     def __attrs_post_init__(self) -> None:
         if not self.messages:
@@ -108,6 +111,8 @@ class Conversation:
                                                          words=self.turn_words)})
         self.open_calls = []
         text = filler_text(self.seed, "agent", self.index, turn, words=self.turn_words)
+        if turn == 1 and self.context_words:
+            text = filler_text(self.seed, "agent-context", self.index, words=self.context_words) + "\n\n" + text
         self.messages.append({"role": "user", "content": text})
         return tuple(dict(message) for message in self.messages)
 

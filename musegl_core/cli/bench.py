@@ -18,7 +18,14 @@ workloads:
          --shared-system-tokens N opens every conversation with the same system
          prompt of about N tokens (a coding agent's rules and project notes) and
          --tools sends ten tool definitions each turn; a reply's tool calls are
-         answered with a tool result before the next user message
+         answered with a tool result before the next user message.
+         --context-tokens N opens each conversation with a context of its own
+         of about N tokens (files read, an earlier history); --subagents K adds K
+         conversations spawned by the others at their turn 2 (--subagent-turns,
+         --subagent-context-tokens), each in its own session beside its parent;
+         --interleave keeps every conversation open at once, -c bounding the
+         requests in flight. The report adds warm-turn TTFT (turns after the
+         first) and the sessions held (every warm turn >= 95 % cached)
 
 apis (--api):
   chat       Chat Completions, the workloads above (the default)
@@ -62,6 +69,16 @@ def main(argv: list[str]) -> int:
                         "(default 0: one line)")
     p.add_argument("--tools", action="store_true",
                    help="agent over chat: send a coding agent's ten tool definitions with every turn")
+    p.add_argument("--context-tokens", type=int, default=0,
+                   help="agent over chat: each conversation's own context of about N tokens ahead of its first "
+                        "message (default 0)")
+    p.add_argument("--subagents", type=int, default=0,
+                   help="agent over chat: subagent conversations spawned at their parents' turn 2 (default 0)")
+    p.add_argument("--subagent-turns", type=int, default=3, help="agent: turns of a subagent (default 3)")
+    p.add_argument("--subagent-context-tokens", type=int, default=0,
+                   help="agent: a subagent's own context in tokens (default 0)")
+    p.add_argument("--interleave", action="store_true",
+                   help="agent: every conversation open at once, --concurrency bounding the requests in flight")
     p.add_argument("--concurrency", "-c", type=int, default=1, help="concurrent clients (default 1)")
     p.add_argument("--requests", "-n", type=int, default=16, help="chat: number of requests (default 16)")
     p.add_argument("--conversations", type=int, default=None, help="agent: conversations (default: --concurrency)")
@@ -108,7 +125,9 @@ def main(argv: list[str]) -> int:
             prompt_tokens=args.prompt_tokens, seed=args.seed, timeout=args.timeout, api_key=args.api_key,
             baseline=args.baseline, api=args.api, system_tokens=args.system_tokens,
             shared_system_tokens=args.shared_system_tokens, tools=args.tools,
-            tensor_parallel_size=args.tensor_parallel_size,
+            tensor_parallel_size=args.tensor_parallel_size, context_tokens=args.context_tokens,
+            subagents=args.subagents, subagent_turns=args.subagent_turns,
+            subagent_context_tokens=args.subagent_context_tokens, interleave=args.interleave,
         )
     except ValueError as exc:
         raise ConfigError(str(exc).replace("_", "-")) from None

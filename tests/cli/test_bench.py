@@ -390,3 +390,50 @@ def test_tensor_parallel_size_gives_the_throughput_per_device(capsys):
     assert report.to_dict()["tensor_parallel_size"] == 4
     assert cli_main(["bench", "--tensor-parallel-size", "0"]) == 2
     assert "tensor-parallel-size" in capsys.readouterr().err
+
+
+def test_agent_sessions_with_contexts_of_their_own_subagents_and_interleaved_turns(server):
+    """The AgentX shape in small: each conversation opens with a long context of its own, spawns a
+    subagent (its own session, its own context) at its turn 2, and with ``interleave`` every
+    conversation is open at once; the report's warm turns and sessions held count them all."""
+    config = BenchConfig(url=server.url, workload="agent", concurrency=2, conversations=2, turns=3,
+                         max_tokens=MAX_TOKENS, prompt_tokens=20, timeout=120, baseline=False,
+                         context_tokens=2000, subagents=2, subagent_turns=2, subagent_context_tokens=1000,
+                         interleave=True)
+    assert config.measured_requests == 2 * 3 + 2 * 2
+    report, sent = run_recording(config)
+    assert (report.requests, report.errors) == (10, 0)
+    order = [body["session_id"] for _, _, body in sent]
+    parents = sorted({s for s in order if "-sub" not in s})
+    subagents = sorted({s for s in order if "-sub" in s})
+    assert len(parents) == 2 and len(subagents) == 2 and order.count(subagents[0]) == 2
+    for k, sub in enumerate(subagents):  # spawned by conversation k % 2 once its first turn was answered
+        parent = next(p for p in parents if p.endswith(f"-{k % 2}"))
+        assert order.index(sub) > order.index(parent)
+    first = {body["session_id"]: body for _, _, body in reversed(sent)}  # each session's first request
+    parent_words = len(first[parents[0]]["messages"][1]["content"].split())
+    sub_words = len(first[subagents[0]]["messages"][1]["content"].split())
+    assert parent_words > 1.6 * sub_words > 1.6 * 200  # contexts of 2000 and 1000 tokens (and 20 a turn)
+    assert report.turns[0].cached_tokens == 0 and report.turns[0].prompt_tokens >= 2 * 2000 + 2 * 1000
+    warm = report.warm
+    assert warm is not None and warm.sessions == 4 and warm.warm_turns == 2 * 2 + 2 * 1
+    assert warm.ttft.count == warm.warm_turns
+    assert warm.sessions_held == 4 and warm.warm_turns_held == warm.warm_turns  # all kept: >= 95 % cached
+    with pytest.raises(ValueError, match="agent workload over Chat Completions"):
+        BenchConfig(workload="chat", subagents=1)
+
+
+def test_sessions_held_needs_every_warm_turn_cached():
+    from musegl_core.bench.client import RequestResult
+    from musegl_core.bench.report import WarmStats
+
+    def turn(conversation: int, number: int, prompt: int, cached: int, error: str | None = None):
+        return RequestResult("turn", conversation, number, ttft=0.1 * number, prompt_tokens=prompt,
+                             cached_tokens=cached, error=error, latency=1.0, output_tokens=1)
+
+    warm = WarmStats.of([turn(0, 1, 1000, 0), turn(0, 2, 1100, 1050), turn(0, 3, 1200, 1150),
+                         turn(1, 1, 1000, 0), turn(1, 2, 1100, 1050), turn(1, 3, 1200, 200),  # re-prefilled
+                         turn(2, 1, 1000, 0), turn(2, 2, 1100, 0, error="HTTP 503"),
+                         turn(3, 1, 500, 0)])  # no warm turn
+    assert (warm.sessions, warm.sessions_held, warm.warm_turns, warm.warm_turns_held) == (4, 1, 5, 3)
+    assert warm.ttft.count == 4
