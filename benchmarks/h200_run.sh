@@ -10,6 +10,11 @@
 #                                    # levels, 32k TTFT, rows (JSON schema, logprobs); waits for
 #                                    # stage 1's jobs first (up to 2 minutes)
 #   benchmarks/h200_run.sh compare   # the agent workload and plain decode, musegl vs llama-server
+#   benchmarks/h200_run.sh agentx    # issue 45: the agent workload in the AgentX shape (llamacpp_cuda_compare.py
+#                                    # --preset agentx: sessions growing past 100K, subagents), musegl (host
+#                                    # tier) vs llama-server --cache-ram; needs stage 1's jobs (jobs or build)
+#   benchmarks/h200_run.sh restore   # issue 45: kv_restore.py on CUDA, a 131K-token session restored from the
+#                                    # host tier vs re-prefilled, at RESTORE_LAYERS (default 26) layers
 #   benchmarks/h200_run.sh probe     # gpu_gemv.py (the four weight products: cuBLAS vs a Triton kernel),
 #                                    # then the executor phase of gpu_decode.py as in decode, profiled
 #   benchmarks/h200_run.sh exec CMD  # CMD (e.g. one gpu_decode.py phase with other flags) in the same setup
@@ -26,11 +31,17 @@
 # agent workload; SIDES (default musegl,llamacpp) picks the compare stage's servers.
 # PROFILE=1 adds gpu_decode's --profile (torch.profiler tables of the executor's prefill and decode points
 # on stderr, and of the served plain/DFlash steps in $OUT/profiles; the probe stage always profiles).
+# agentx: AGENTX_SESSIONS (8), AGENTX_TURNS (4), AGENTX_SUBAGENTS (4), AGENTX_CONTEXT (88000: each session's own
+# context on top of 12K system + tools), AGENTX_GROWTH (2000 user tokens a turn, as many of tool results),
+# AGENTX_CONCURRENCY (4 requests in flight; llama-server's -np), CACHE_RAM (MiB, 32768) and KV_OFFLOAD (32GiB)
+# the two servers' host RAM, T_AGENTX (540 s); LLAMA_SERVER a llama-server binary of a tree built elsewhere.
+# restore: RESTORE_LAYERS, RESTORE_TOKENS (130816: the history; with its next turn inside the 131,072
+# positions), RESTORE_FLAGS (more kv_restore.py flags, e.g. "--kv-cache-dtype fp8"), T_RESTORE (480 s).
 # SMOKE=1 runs the same three stages on the CPU at the tiny shape with small counts (the local
 # check of this script; the GPU tests are skipped; WORK=/tmp/h200 and SITE=/tmp/site unless set).
 set -uo pipefail
 
-stage=${1:?usage: h200_run.sh build|decode|compare|probe|jobs|exec CMD...}
+stage=${1:?usage: h200_run.sh build|decode|compare|agentx|restore|probe|jobs|exec CMD...}
 shift
 OUT=${OUT:-$PWD/h200_out}
 LAYERS=${LAYERS:-26}
@@ -46,6 +57,10 @@ if [ "$SMOKE" = 1 ]; then
     dflash_args=(--serve-prompt-tokens 64 --dflash-batches 1,2 --dflash-accept 4,2 --dflash-max-tokens 16)
     compare_args=(--device cpu --threads 2 --conversations 2 --turns 2 --shared-system-tokens 300 --prompt-tokens 40
                   --max-tokens 8 --decode-concurrency 1,2 --decode-max-tokens 8 --decode-prompt-tokens 64)
+    agentx_args=(--device cpu --threads 2 --conversations 2 --turns 2 --subagents 1 --subagent-turns 2
+                 --shared-system-tokens 300 --context-tokens 600 --subagent-context-tokens 200 --prompt-tokens 40
+                 --max-tokens 8 --concurrency 2 --cache-ram 64 --kv-offload-memory 64MiB)
+    restore_args=(--device cpu --tiny --tokens 512 --turn 8)
 else
     shape=()
     build_flag=(); binary=build-cuda; gguf_shape=(--layers "$LAYERS")
@@ -59,6 +74,12 @@ else
     # (SIDES=musegl, then SIDES=llamacpp)
     compare_args=(--conversations 32 --turns "${COMPARE_TURNS:-5}" --shared-system-tokens 12000 --prompt-tokens 500
                   --max-tokens "${COMPARE_MAX_TOKENS:-128}" --decode-concurrency 1,32 --decode-max-tokens 128)
+    agentx_args=(--conversations "${AGENTX_SESSIONS:-8}" --turns "${AGENTX_TURNS:-4}" --subagents "${AGENTX_SUBAGENTS:-4}"
+                 --context-tokens "${AGENTX_CONTEXT:-88000}" --prompt-tokens "${AGENTX_GROWTH:-2000}"
+                 --concurrency "${AGENTX_CONCURRENCY:-4}" --cache-ram "${CACHE_RAM:-32768}"
+                 --kv-offload-memory "${KV_OFFLOAD:-32GiB}")
+    # shellcheck disable=SC2206  # (RESTORE_FLAGS: more flags, split on spaces)
+    restore_args=(--device cuda --layers "${RESTORE_LAYERS:-26}" --tokens "${RESTORE_TOKENS:-130816}" ${RESTORE_FLAGS:-})
 fi
 profile=()
 [ "${PROFILE:-0}" = 1 ] && profile=(--profile --profile-at "${PROFILE_AT:-512x1,512x64,32768x1}")
@@ -186,6 +207,35 @@ compare)
     reap compare
     note "\"compare_rc\": $rc, \"layers\": \"$([ "$SMOKE" = 1 ] && echo tiny || echo "$LAYERS")\""
     ;;
+agentx)
+    if [ -f "$WORK/gguf.log" ] || [ -f "$WORK/llamacpp.log" ]; then  # stage 1's jobs ran here: wait for them
+        wait_for gguf "${WAIT_JOBS:-120}"
+        [ -n "${LLAMA_SERVER:-}" ] || wait_for llamacpp "${WAIT_JOBS:-120}"
+    fi
+    server=${LLAMA_SERVER:-$WORK/llamacpp/llama.cpp/$binary/bin/llama-server}
+    tree=$(dirname "$(dirname "$(dirname "$server")")")  # (TREE/BUILD/bin/llama-server)
+    sides=${SIDES:-musegl,llamacpp}
+    if [ ! -f "$WORK/model/config.json" ]; then
+        python3 "$here/make_gguf_30b.py" --config-only "${gguf_shape[@]}" --config-out "$WORK/model"
+    fi
+    if [ ! -x "$server" ] || [ ! -f "$WORK/model.gguf" ]; then
+        note "\"error\": \"no llama-server or GGUF from stage 1 (see llamacpp.log, gguf.log): musegl side only\""
+        sides=musegl
+    fi
+    timeout -k 40 "${T_AGENTX:-540}" python3 "$here/llamacpp_cuda_compare.py" --preset agentx --llama-server "$server" \
+        --gguf "$WORK/model.gguf" --model "$WORK/model" --sides "$sides" \
+        --chat-template "$tree/models/templates/muse-glimmer.jinja" "${agentx_args[@]}" \
+        --out "$OUT/agentx.jsonl" 2>"$OUT/agentx.stderr"
+    rc=$?
+    reap agentx
+    note "\"agentx_rc\": $rc, \"layers\": \"$([ "$SMOKE" = 1 ] && echo tiny || echo "$LAYERS")\", \"sides\": \"$sides\""
+    ;;
+restore)
+    timeout -k 40 "${T_RESTORE:-480}" python3 "$here/kv_restore.py" "${restore_args[@]}" --out "$OUT/kv_restore.jsonl" \
+        2>"$OUT/kv_restore.stderr"
+    rc=$?
+    note "\"kv_restore_rc\": $rc"
+    ;;
 probe)
     if [ "$SMOKE" = 1 ]; then note "\"gpu_gemv\": \"skipped (SMOKE)\""; else
         timeout -k 20 "${T_GEMV:-150}" python3 "$here/gpu_gemv.py" >"$OUT/gpu_gemv.jsonl" 2>"$OUT/gpu_gemv.stderr"
@@ -205,5 +255,5 @@ exec)
     note "\"exec_rc\": $rc, \"command\": \"$(echo "$*" | tr -d '"\\')\""
     ;;
 *)
-    echo "unknown stage $stage (build, decode, compare, probe, jobs or exec)" >&2; exit 2 ;;
+    echo "unknown stage $stage (build, decode, compare, agentx, restore, probe, jobs or exec)" >&2; exit 2 ;;
 esac

@@ -23,8 +23,21 @@ and the official Muse Glimmer chat template (``--chat-template-file``; its outpu
 figure (``--out``: appended there too) and, last, the musegl / llama.cpp ratios with the issue's
 targets (agent output tok/s >= 2.0x, TTFT p50 <= 0.5x).
 
+**The AgentX shape** (``--preset agentx``, issue 45): ``--conversations`` sessions whose
+contexts grow past 100K (each opens with a context of its own, ``--context-tokens``, on top of
+the shared system prompt and tools, and grows by ``--prompt-tokens`` of user text and as much
+again of tool results a turn), ``--subagents`` subagent sessions spawned at their parents' turn
+2 beside them (``musegl bench --subagents``), every session open at once with
+``--concurrency`` requests in flight (``--interleave``). llama.cpp runs ``--llama-slots`` slots
+(default: ``--concurrency``) and keeps the other sessions' prompts in host RAM with
+``--cache-ram MIB``; musegl holds every session (``--max-sessions``), on the device and in its
+host tier (``--kv-offload-memory SIZE``). Reported per side: sessions held (every warm turn
+>= 95 % cached), warm-turn TTFT p50/p99 (turns after each session's first) and output tok/s.
+The preset skips plain decode (``--decode-concurrency ""``).
+
     python benchmarks/llamacpp_cuda_compare.py --llama-server BIN --gguf M.gguf --model DIR
         [--sides musegl,llamacpp] [--device cpu] [--musegl-flag=--prefix-cache-entries=4 ...]
+    python benchmarks/llamacpp_cuda_compare.py --preset agentx --cache-ram 32768 --kv-offload-memory 32GiB ...
 """
 
 from __future__ import annotations
@@ -47,6 +60,15 @@ from musegl_core.bench.report import BenchReport  # noqa: E402
 
 TARGETS = {"agent_output_tok_s": (">=", 2.0), "agent_ttft_p50": ("<=", 0.5)}
 OUT: list[str] = []
+#: ``--preset`` defaults (flags given on the command line win). ``agentx``: AgentX's coding-agent
+#: traffic (a median session of 43 turns and 142K input tokens, 44 % spawning subagents) cut to a
+#: stage of minutes: 8 sessions opening at about 104K positions (12K system + tools + 88K of their
+#: own) and growing about 4.3K a turn to about 117K, 4 subagents of 16K beside them.
+PRESETS = {
+    "agentx": dict(conversations=8, turns=4, shared_system_tokens=12000, context_tokens=88000, prompt_tokens=2000,
+                   max_tokens=64, subagents=4, subagent_turns=3, subagent_context_tokens=16000, concurrency=4,
+                   interleave=True, decode_concurrency=""),
+}
 
 
 def emit(**fields) -> None:
@@ -79,16 +101,36 @@ def slot_context(args) -> int:
         return args.slot_context
     tools = 0 if args.no_tools else TOOLS_AND_TEMPLATE_TOKENS
     per_turn = args.prompt_tokens * (1 if args.no_tools else 2) + args.max_tokens * REPLY_RETOKENIZE + 64
-    need = args.shared_system_tokens + tools + 256 + args.turns * per_turn + args.max_tokens
-    return int(need * SLOT_MARGIN)
+    own = max(args.context_tokens + args.turns * per_turn,
+              args.subagent_context_tokens + args.subagent_turns * per_turn if args.subagents else 0)
+    need = args.shared_system_tokens + tools + 256 + own + args.max_tokens
+    native = native_context(args.model)
+    return min(int(need * SLOT_MARGIN), native) if native else int(need * SLOT_MARGIN)
+
+
+def native_context(model: Path) -> int | None:
+    """The model's positions (``max_position_embeddings`` of its config.json), or None."""
+    config = Path(model) / "config.json"
+    if not config.is_file():
+        return None
+    raw = json.loads(config.read_text())
+    return (raw.get("text_config") or raw).get("max_position_embeddings")
+
+
+def sessions_of(args) -> int:
+    """Named sessions the agent part opens: its conversations and their subagents."""
+    return args.conversations + args.subagents
 
 
 @contextlib.contextmanager
 def llama_server(args, slots: int, context: int) -> Iterator[str]:
     port = free_port()
+    slots = args.llama_slots or slots
     command = [args.llama_server, "-m", str(args.gguf), "--host", "127.0.0.1", "--port", str(port),
                "-np", str(slots), "-c", str(context * slots), "--jinja", "-fa", "on",
                "-ngl", "999" if args.device != "cpu" else "0"]
+    if args.cache_ram is not None:  # the host-RAM prompt cache (MiB)
+        command += ["--cache-ram", str(args.cache_ram)]
     if args.chat_template:
         command += ["--chat-template-file", str(args.chat_template), "--skip-chat-parsing"]
     if args.threads:
@@ -105,9 +147,11 @@ def llama_server(args, slots: int, context: int) -> Iterator[str]:
 @contextlib.contextmanager
 def musegl_server(args, slots: int, context: int) -> Iterator[str]:
     executor = "torch-cpu" if args.device == "cpu" else "cuda"
-    flags = ["--load-format", "dummy", "--executor", executor, "--max-sessions", str(slots),
+    flags = ["--load-format", "dummy", "--executor", executor, "--max-sessions", str(max(slots, sessions_of(args))),
              "--max-inflight-requests", str(2 * slots), "--max-decode-sequences", str(slots),
              "--max-context", str(context)]
+    if args.kv_offload_memory:
+        flags += ["--kv-offload-memory", args.kv_offload_memory]
     if not args.no_tools:
         flags += ["--tool-parser", "atem"]  # musegl refuses tools it cannot parse calls of
     flags += [part for flag in args.musegl_flag for part in flag.split("=", 1)]
@@ -128,6 +172,14 @@ def agent_figures(report: BenchReport) -> dict:
                 prompt_tokens=report.prompt_tokens, cached_tokens=report.cached_tokens,
                 cached_share=round(report.cached_tokens / report.prompt_tokens, 4) if report.prompt_tokens else None,
                 duration_s=round(report.duration_s, 1),
+                # the warm turns (after each session's first) and the sessions held (every warm turn
+                # >= 95 % cached): musegl bench's WarmStats
+                sessions=report.warm.sessions if report.warm else None,
+                sessions_held=report.warm.sessions_held if report.warm else None,
+                warm_turns=report.warm.warm_turns if report.warm else None,
+                warm_turns_held=report.warm.warm_turns_held if report.warm else None,
+                warm_ttft_p50_ms=ms(report.warm.ttft.p50) if report.warm else None,
+                warm_ttft_p99_ms=ms(report.warm.ttft.p99) if report.warm else None,
                 # per turn: TTFT p50 and the mean new (uncached) prompt positions of a request
                 per_turn=[dict(turn=t.turn, ttft_p50_ms=ms(t.ttft.p50),
                             new_rows=round((t.prompt_tokens - t.cached_tokens) / t.requests) if t.requests else None)
@@ -150,10 +202,12 @@ def measure(args, side: str, url: str) -> dict:
         figures[f"decode_c{c}"] = fig
         emit(side=side, figure="decode", concurrency=c, max_tokens=args.decode_max_tokens, **fig)
     started = time.perf_counter()
-    agent = BenchConfig(url=url, workload="agent", concurrency=args.conversations, conversations=args.conversations,
-                        turns=args.turns, prompt_tokens=args.prompt_tokens, max_tokens=args.max_tokens,
-                        baseline=False, shared_system_tokens=args.shared_system_tokens, tools=not args.no_tools,
-                        timeout=args.request_timeout)
+    agent = BenchConfig(url=url, workload="agent", concurrency=args.concurrency or args.conversations,
+                        conversations=args.conversations, turns=args.turns, prompt_tokens=args.prompt_tokens,
+                        max_tokens=args.max_tokens, baseline=False, shared_system_tokens=args.shared_system_tokens,
+                        tools=not args.no_tools, timeout=args.request_timeout, context_tokens=args.context_tokens,
+                        subagents=args.subagents, subagent_turns=args.subagent_turns,
+                        subagent_context_tokens=args.subagent_context_tokens, interleave=args.interleave)
     figures["agent"] = agent_figures(run_bench(agent, progress=False))
     if side == "musegl" and args.metrics_out:  # where the engine's time went (step kinds, prefill, queue)
         import httpx
@@ -161,13 +215,18 @@ def measure(args, side: str, url: str) -> dict:
         Path(args.metrics_out).write_text(httpx.get(f"{url}/metrics", timeout=60).text, encoding="utf-8")
     emit(side=side, figure="agent", conversations=args.conversations, turns=args.turns,
          shared_system_tokens=args.shared_system_tokens, prompt_tokens_per_turn=args.prompt_tokens,
-         max_tokens=args.max_tokens, **figures["agent"], wall_s=round(time.perf_counter() - started, 1))
+         max_tokens=args.max_tokens, context_tokens=args.context_tokens, subagents=args.subagents,
+         subagent_turns=args.subagent_turns, subagent_context_tokens=args.subagent_context_tokens,
+         concurrency=args.concurrency or args.conversations, interleave=args.interleave,
+         **figures["agent"], wall_s=round(time.perf_counter() - started, 1))
     return figures
 
 
 def main() -> int:
     exit_on_termination()  # SIGTERM (timeout) ends through the cleanup: the servers' groups are stopped
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", choices=sorted(PRESETS), default=None,
+                   help="defaults of a workload shape (agentx: see the module); flags given win")
     p.add_argument("--llama-server", default=os.environ.get("LLAMA_SERVER"), help="llama.cpp's server binary")
     p.add_argument("--gguf", type=Path, help="the GGUF llama.cpp serves (make_gguf_30b.py)")
     p.add_argument("--model", type=Path, required=True, help="the directory of the same shape's bare config.json")
@@ -183,6 +242,22 @@ def main() -> int:
     p.add_argument("--prompt-tokens", type=int, default=500, help="new tokens a turn (user text, tool results)")
     p.add_argument("--max-tokens", type=int, default=256, help="generated tokens a turn")
     p.add_argument("--slot-context", type=int, default=None, help="context per conversation (default: computed)")
+    p.add_argument("--context-tokens", type=int, default=0, help="each conversation's own context ahead of its "
+                   "first message (musegl bench --context-tokens)")
+    p.add_argument("--subagents", type=int, default=0, help="subagent sessions spawned at their parents' turn 2")
+    p.add_argument("--subagent-turns", type=int, default=3)
+    p.add_argument("--subagent-context-tokens", type=int, default=0)
+    p.add_argument("--concurrency", type=int, default=None,
+                   help="agent requests in flight (default: --conversations)")
+    p.add_argument("--interleave", action="store_true",
+                   help="every agent session open at once, --concurrency bounding the requests in flight")
+    p.add_argument("--cache-ram", type=int, default=None, metavar="MIB",
+                   help="llama-server --cache-ram (its host-RAM prompt cache; default: llama.cpp's, 8192)")
+    p.add_argument("--llama-slots", type=int, default=None,
+                   help="llama-server -np (default: the largest of --conversations and --decode-concurrency; "
+                        "with --preset agentx: --concurrency, the other sessions waiting in --cache-ram)")
+    p.add_argument("--kv-offload-memory", default=None, metavar="SIZE",
+                   help="musegl serve --kv-offload-memory (its host tier; default: musegl's)")
     p.add_argument("--decode-concurrency", default="1,32")
     p.add_argument("--decode-prompt-tokens", type=int, default=256)
     p.add_argument("--decode-max-tokens", type=int, default=128)
@@ -192,16 +267,27 @@ def main() -> int:
     p.add_argument("--llama-flag", action="append", default=[], help="extra llama-server flag (repeatable)")
     p.add_argument("--out", default=None, help="also append every JSON line to this file")
     p.add_argument("--metrics-out", default=None, help="write musegl's /metrics after its agent part to this file")
+    known, _ = p.parse_known_args()
+    if known.preset:
+        p.set_defaults(**PRESETS[known.preset])
+        if known.preset == "agentx":
+            p.set_defaults(llama_slots=PRESETS["agentx"]["concurrency"])
     args = p.parse_args()
     if args.out:
         OUT.append(args.out)
+    if args.preset == "agentx" and args.llama_slots == PRESETS["agentx"]["concurrency"] and args.concurrency:
+        args.llama_slots = args.concurrency  # (a --concurrency given: llama.cpp's slots follow it)
     sides = [s for s in args.sides.split(",") if s]
     if "llamacpp" in sides and (not args.llama_server or not args.gguf):
         p.error("the llamacpp side needs --llama-server and --gguf")
-    slots = max(args.conversations, max(int(x) for x in args.decode_concurrency.split(",") if x))
+    decode_levels = [int(x) for x in args.decode_concurrency.split(",") if x]
+    slots = max([args.conversations if not args.interleave else (args.concurrency or args.conversations)]
+                + decode_levels)
     context = slot_context(args)
     emit(figure="setup", sides=sides, slots=slots, slot_context=context, device=args.device,
-         model=str(args.model), gguf=str(args.gguf) if args.gguf else None)
+         model=str(args.model), gguf=str(args.gguf) if args.gguf else None, preset=args.preset,
+         sessions=sessions_of(args), llama_slots=args.llama_slots or slots, cache_ram_mib=args.cache_ram,
+         kv_offload_memory=args.kv_offload_memory)
     results = {}
     for side in sides:
         runner = musegl_server if side == "musegl" else llama_server
@@ -213,13 +299,18 @@ def main() -> int:
                   if theirs["agent"]["output_tok_s"] else None,
                   "agent_ttft_p50": ours["agent"]["ttft_p50_ms"] / theirs["agent"]["ttft_p50_ms"]
                   if ours["agent"]["ttft_p50_ms"] and theirs["agent"]["ttft_p50_ms"] else None}
+        for key in ("warm_ttft_p50_ms", "warm_ttft_p99_ms"):
+            mine, other = ours["agent"].get(key), theirs["agent"].get(key)
+            ratios[f"agent_{key.removesuffix('_ms')}"] = mine / other if mine and other else None
+        held = {side: f"{figs['agent']['sessions_held']} of {figs['agent']['sessions']}" for side, figs in results.items()
+                if figs["agent"].get("sessions") is not None}
         for key in ours:
             if key.startswith("decode_") and key in theirs and theirs[key]["output_tok_s"]:
                 ratios[f"{key}_output_tok_s"] = ours[key]["output_tok_s"] / theirs[key]["output_tok_s"]
         met = {k: r is not None and (r >= t if d == ">=" else r <= t) for k, (d, t) in TARGETS.items()
                for r in [ratios.get(k)]}
         emit(figure="ratio_musegl_over_llamacpp", **{k: None if v is None else round(v, 3) for k, v in ratios.items()},
-             targets={k: f"{d} {t}" for k, (d, t) in TARGETS.items()}, met=met)
+             targets={k: f"{d} {t}" for k, (d, t) in TARGETS.items()}, met=met, sessions_held=held)
     errors = sum(f.get("errors", 0) for side in results.values() for f in side.values())
     return 1 if errors else 0
 
