@@ -34,7 +34,9 @@
 # agentx: AGENTX_SESSIONS (8), AGENTX_TURNS (4), AGENTX_SUBAGENTS (4), AGENTX_CONTEXT (88000: each session's own
 # context on top of 12K system + tools), AGENTX_GROWTH (2000 user tokens a turn, as many of tool results),
 # AGENTX_CONCURRENCY (4 requests in flight; llama-server's -np), CACHE_RAM (MiB, 32768) and KV_OFFLOAD (32GiB)
-# the two servers' host RAM, T_AGENTX (540 s); LLAMA_SERVER a llama-server binary of a tree built elsewhere.
+# the two servers' host RAM, T_AGENTX (500 s); LLAMA_SERVER a llama-server binary of a tree built elsewhere.
+# Both sides may not fit one call: SIDES=musegl, then SIDES=llamacpp on the same warm machine; the second
+# takes the first's lines from $WORK/agentx.jsonl for the ratios (llamacpp_cuda_compare.py --previous).
 # restore: RESTORE_LAYERS, RESTORE_TOKENS (130816: the history; with its next turn inside the 131,072
 # positions), RESTORE_FLAGS (more kv_restore.py flags, e.g. "--kv-cache-dtype fp8"), T_RESTORE (480 s).
 # SMOKE=1 runs the same three stages on the CPU at the tiny shape with small counts (the local
@@ -222,11 +224,12 @@ agentx)
         note "\"error\": \"no llama-server or GGUF from stage 1 (see llamacpp.log, gguf.log): musegl side only\""
         sides=musegl
     fi
-    timeout -k 40 "${T_AGENTX:-540}" python3 "$here/llamacpp_cuda_compare.py" --preset agentx --llama-server "$server" \
+    timeout -k 40 "${T_AGENTX:-500}" python3 "$here/llamacpp_cuda_compare.py" --preset agentx --llama-server "$server" \
         --gguf "$WORK/model.gguf" --model "$WORK/model" --sides "$sides" \
         --chat-template "$tree/models/templates/muse-glimmer.jinja" "${agentx_args[@]}" \
-        --out "$OUT/agentx.jsonl" 2>"$OUT/agentx.stderr"
+        --previous "$WORK/agentx.jsonl" --out "$OUT/agentx.jsonl" 2>"$OUT/agentx.stderr"
     rc=$?
+    cat "$OUT/agentx.jsonl" >>"$WORK/agentx.jsonl" 2>/dev/null  # (a later call's --previous: SIDES one at a time)
     reap agentx
     note "\"agentx_rc\": $rc, \"layers\": \"$([ "$SMOKE" = 1 ] && echo tiny || echo "$LAYERS")\", \"sides\": \"$sides\""
     ;;

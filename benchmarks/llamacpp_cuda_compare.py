@@ -222,6 +222,37 @@ def measure(args, side: str, url: str) -> dict:
     return figures
 
 
+#: what an ``agent`` line must match to stand in for a side of this run (``--previous``)
+WORKLOAD_KEYS = ("conversations", "turns", "shared_system_tokens", "prompt_tokens_per_turn", "max_tokens",
+                 "context_tokens", "subagents", "subagent_turns", "subagent_context_tokens", "concurrency",
+                 "interleave")
+
+
+def load_previous(path: Path, args) -> dict[str, dict]:
+    """Per side, the newest ``decode`` and ``agent`` figures of an earlier run's JSON lines
+    (``--out`` of a call that ran one side: a stage of minutes per side), the agent part only
+    where its workload is this run's."""
+    wanted = dict(conversations=args.conversations, turns=args.turns, shared_system_tokens=args.shared_system_tokens,
+                  prompt_tokens_per_turn=args.prompt_tokens, max_tokens=args.max_tokens,
+                  context_tokens=args.context_tokens, subagents=args.subagents, subagent_turns=args.subagent_turns,
+                  subagent_context_tokens=args.subagent_context_tokens,
+                  concurrency=args.concurrency or args.conversations, interleave=args.interleave)
+    found: dict[str, dict] = {}
+    if not Path(path).is_file():
+        return found
+    for line in Path(path).read_text(encoding="utf-8").splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        side = row.get("side")
+        if row.get("figure") == "agent" and all(row.get(k) == wanted[k] for k in WORKLOAD_KEYS):
+            found.setdefault(side, {})["agent"] = row
+        elif row.get("figure") == "decode" and side:
+            found.setdefault(side, {})[f"decode_c{row['concurrency']}"] = row
+    return {side: figures for side, figures in found.items() if "agent" in figures}
+
+
 def main() -> int:
     exit_on_termination()  # SIGTERM (timeout) ends through the cleanup: the servers' groups are stopped
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -266,6 +297,9 @@ def main() -> int:
     p.add_argument("--musegl-flag", action="append", default=[], help="extra musegl serve flag (repeatable)")
     p.add_argument("--llama-flag", action="append", default=[], help="extra llama-server flag (repeatable)")
     p.add_argument("--out", default=None, help="also append every JSON line to this file")
+    p.add_argument("--previous", type=Path, default=None,
+                   help="JSON lines of an earlier run on the same machine (its --out): a side not run now is "
+                        "taken from there for the ratios (one side per call when both do not fit one)")
     p.add_argument("--metrics-out", default=None, help="write musegl's /metrics after its agent part to this file")
     known, _ = p.parse_known_args()
     if known.preset:
@@ -293,6 +327,11 @@ def main() -> int:
         runner = musegl_server if side == "musegl" else llama_server
         with runner(args, slots, context) as url:
             results[side] = measure(args, side, url)
+    if args.previous:  # the other side, measured by an earlier call on the same machine
+        for side, figures in load_previous(args.previous, args).items():
+            if side not in results:
+                results[side] = figures
+                emit(figure="previous", side=side, path=str(args.previous), parts=sorted(figures))
     if {"musegl", "llamacpp"} <= set(results):
         ours, theirs = results["musegl"], results["llamacpp"]
         ratios = {"agent_output_tok_s": ours["agent"]["output_tok_s"] / theirs["agent"]["output_tok_s"]
