@@ -3,8 +3,9 @@
 Runs two engines one after the other (the torch executor, in this process), each with a device
 pool that holds one ``--tokens`` session and a little more:
 
-* **host**: ``--kv-offload-memory`` large enough for three such sessions (pinned memory on
-  CUDA, the copies on a side stream: ``plugins/cuda/musegl_cuda/host_kv.py``);
+* **host**: ``--kv-offload-memory`` large enough for three such sessions (``--pushers`` + 2 with
+  more pushers; pinned memory on CUDA, the copies on a side stream:
+  ``plugins/cuda/musegl_cuda/host_kv.py``);
 * **recompute**: no host tier (``--kv-offload-memory 0``), ``--evict-idle-sessions``.
 
 On each, named session ``a`` runs a ``--tokens`` prompt (one generated token), then session
@@ -114,7 +115,8 @@ def timed_engine(model: Model, tokens: int, label: str, pushers: int = 1):
     executor = model.executor()
     bs = executor.block_size
     session_blocks = -(-(tokens + TURN_MARGIN) // bs)
-    host = 0 if label == "recompute" else 3 * session_blocks * executor.kv_bytes_per_block()
+    # the host tier: every session that may go down (a and the pushers but the last), a little more
+    host = 0 if label == "recompute" else max(3, pushers + 2) * session_blocks * executor.kv_bytes_per_block()
     blocks = session_blocks + 8  # one session and its next turn, a little more
     stamps: dict[str, float] = {}
     done: dict[str, ev.Done] = {}
