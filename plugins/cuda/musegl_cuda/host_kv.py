@@ -31,8 +31,6 @@ from typing import Iterable, Sequence
 
 import torch
 
-from musegl_cuda.sampling import on_device
-
 #: device bytes one batch of a CUDA copy stages at most (at least one page)
 STAGE_BYTES = 256 << 20
 
@@ -71,7 +69,7 @@ class HostPages:
         per = self._per_batch()
         with torch.cuda.stream(self.stream):  # (a batch's buffer is the side stream's: reused in its order)
             for lo in range(0, len(src), per):
-                index = on_device(src[lo:lo + per], self.device, torch.long)  # (never waits)
+                index = self._index(src[lo:lo + per])
                 gathered = kv[:, :, index].movedim(2, 0).contiguous()
                 for start, stop, first in runs(dst[lo:lo + per]):
                     host[first:first + stop - start].copy_(gathered[start:stop], non_blocking=True)
@@ -94,8 +92,14 @@ class HostPages:
                 staged = torch.empty((len(batch), *host.shape[1:]), dtype=host.dtype, device=self.device)
                 for start, stop, first in runs(batch):
                     staged[start:stop].copy_(host[first:first + stop - start], non_blocking=True)
-                kv[:, :, on_device(dst[lo:lo + per], self.device, torch.long)] = staged.movedim(0, 2)
+                kv[:, :, self._index(dst[lo:lo + per])] = staged.movedim(0, 2)
         self._mark(dst)
+
+    def _index(self, pages: Sequence[int]) -> torch.Tensor:
+        """Page ids on the device, copied from pinned memory on the current (side) stream: the host
+        never waits (a pageable source may make the driver wait for the stream, and
+        ``torch.tensor(..., device=...)`` always does)."""
+        return torch.tensor(pages, dtype=torch.long, pin_memory=True).to(self.device, non_blocking=True)
 
     def _per_batch(self) -> int:
         """Pages one staged batch holds (:data:`STAGE_BYTES`, at least one)."""
