@@ -239,3 +239,64 @@ def compile_for_hopper(kinds=(("q4_k", 16, 32), ("q6_k", 64, 64), ("q8_0", 16, 3
               dict(SBN=1 if tile else 128, SBK=6656 if tile else 64, BLOCK_M=16, BLOCK_N=32, BLOCK_K=128,
                    TILE_SCALE=tile, PRECISION=precision), f"fp8 scaled per {'tile' if tile else 'value'}")
     return done
+
+
+def check_gemv(device: str, act_dtype: torch.dtype, rows=(1, 5), n: int = 40, k: int = 512) -> list[dict]:
+    """The skinny decode products (:mod:`musegl_cuda.cuda.gemv`) against the float32 dequantized
+    references: every GGUF type (gguf-py's dequantizers) and FP8 with one scale per row, 128 x 128
+    blocks and blocks narrower than a step, at each of ``rows`` activation rows, with the
+    table's launch and with a config of 2-row programs and 3 depth splits (a row count that
+    is not a multiple of the programs' and parts of unequal length); float32 activations agree
+    to 1e-5 of the largest output, bf16 to 2e-2."""
+    from musegl_cuda.cuda.gemv import GemvConfig, fp8_gemv, gguf_gemv
+
+    tol = 1e-5 if act_dtype == torch.float32 else 2e-2
+    odd = GemvConfig(block_n=2, blocks=4, split_k=3, num_warps=2)
+    results = []
+    for dtype in GGUF_LAYOUTS:
+        data = random_blocks(dtype, n + 3, k, seed=7 + len(results))
+        ref = dequantized(dtype, data, n + 3, k).double()
+        w = torch.from_numpy(data).to(device)
+        for m in rows:
+            x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(device, act_dtype)
+            want = x.float().cpu().double() @ ref.T
+            for config in (None, odd):
+                got = gguf_gemv(x, w, dtype, n + 3, k, config=config).float().cpu()
+                err = _rel(got, want)
+                results.append(dict(kind=f"gemv {dtype}", rows=m, config=str(config), rel_err=err))
+                assert err < tol, f"gemv {dtype} x {m} rows ({config}): relative error {err}"
+    gen = torch.Generator().manual_seed(2)
+    bits = torch.randint(0, 256, (n + 3, k), dtype=torch.uint8, generator=gen)
+    bits[(bits & 0x7F) == 0x7F] = 0  # no NaN patterns
+    q = bits.view(torch.float8_e4m3fn)
+    for block in ((1, k), (128, 128), (16, 48)):
+        scales = torch.rand(-(-(n + 3) // block[0]), -(-k // block[1]), generator=gen) * 1e-3 + 1e-4
+        full = scales.repeat_interleave(block[0], 0)[:n + 3].repeat_interleave(block[1], 1)[:, :k]
+        ref = (q.float() * full).double()
+        for m in rows:
+            x = torch.randn(m, k, generator=gen).to(device, act_dtype)
+            want = x.float().cpu().double() @ ref.T
+            for config in (None, odd):
+                got = fp8_gemv(x, q.to(device), scales.to(device), block, config=config).float().cpu()
+                err = _rel(got, want)
+                results.append(dict(kind=f"gemv fp8 {block}", rows=m, config=str(config), rel_err=err))
+                assert err < tol, f"gemv fp8 {block} x {m} rows ({config}): relative error {err}"
+    return results
+
+
+def check_quantize_rows(device: str, act_dtype: torch.dtype, m: int = 5, k: int = 300) -> None:
+    """:func:`~musegl_cuda.cuda.quantized.quantize_rows_e4m3` (W8A8's activations, one launch)
+    writes the bytes and scales of the torch expression it replaces, a zero row included."""
+    from musegl_cuda.cuda.quantized import quantize_rows_e4m3
+    from musegl_cuda.quantization import E4M3_MAX
+
+    x = (torch.randn(m, k, generator=torch.Generator().manual_seed(4)) * 3).to(act_dtype)
+    x[1] = 0.0
+    x[2, 7] = 1e-30 if act_dtype == torch.float32 else 0.0  # subnormal codes in the row
+    xf = x.float()
+    want_scale = (xf.abs().amax(dim=-1, keepdim=True) / E4M3_MAX).clamp(min=1e-12)
+    want = (xf / want_scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    q, scale = quantize_rows_e4m3(x.to(device))
+    assert torch.equal(scale.cpu(), want_scale), (scale.cpu() - want_scale).abs().max()
+    same = q.cpu().view(torch.uint8) == want.view(torch.uint8)
+    assert bool(same.all()), f"{int((~same).sum())} bytes differ"

@@ -176,6 +176,14 @@ def test_quantized_kernels_match_the_references_in_the_interpreter():
                  "check_gguf('cpu', torch.float32); check_fp8('cpu', torch.float32)")
 
 
+@pytest.mark.slow  # Triton's interpreter: ~40 s on two cores
+def test_decode_gemv_kernels_and_w8a8_activations_match_the_references_in_the_interpreter():
+    pytest.importorskip("triton")
+    _interpreted("import torch; from quantized_checks import check_gemv, check_quantize_rows; "
+                 "check_gemv('cpu', torch.float32); check_quantize_rows('cpu', torch.float32); "
+                 "check_quantize_rows('cpu', torch.bfloat16)")
+
+
 @pytest.mark.slow  # Triton's interpreter: ~25 s on two cores
 def test_q4_k_m_file_runs_as_stored_through_the_kernels_in_the_interpreter(tmp_path):
     pytest.importorskip("triton")
