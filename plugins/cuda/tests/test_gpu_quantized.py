@@ -51,6 +51,14 @@ def test_kernels_match_the_references_in_bf16():
         record(part="kernel", **row)
 
 
+def test_decode_gemv_and_w8a8_activations_match_the_references_in_bf16():
+    from quantized_checks import check_gemv, check_quantize_rows
+
+    for row in check_gemv("cuda", torch.bfloat16, rows=(1, 2, 5, 8), n=300, k=2048):
+        record(part="gemv", **row)
+    check_quantize_rows("cuda", torch.bfloat16, m=70, k=6656)
+
+
 def _prompt_logits(executor, prompt) -> torch.Tensor:
     from musegl_core.engine.executor import SeqChunk, Step
 

@@ -75,15 +75,11 @@ def gemv_config(fmt: str, m: int) -> GemvConfig:
 
 
 def sweep_configs(fmt: str) -> list[GemvConfig]:
-    """The configs the benchmark's ``--gemv-sweep`` times for ``fmt``."""
-    out = []
+    """The configs the benchmark's ``--gemv-sweep`` times for ``fmt`` (the depth split left to
+    :func:`~musegl_cuda.cuda.quantized.depth_splits`)."""
     blocks = (16, 32, 64) if fmt == "fp8" else (4, 8, 16) if fmt in ("q8_0", "q4_0") else (1,)
-    for block_n in (2, 4, 8, 16):
-        for b in blocks:
-            for warps in (2, 4, 8):
-                for split in (None, 1):
-                    out.append(GemvConfig(block_n=block_n, blocks=b, split_k=split, num_warps=warps))
-    return out
+    return [GemvConfig(block_n=block_n, blocks=b, num_warps=warps)
+            for block_n in (2, 4, 8, 16) for b in blocks for warps in (2, 4, 8)]
 
 
 @triton.jit
