@@ -55,19 +55,22 @@ class GemvConfig:
 GEMV_ROWS = 8
 
 #: ``(format, rows) -> config`` for rows in 1..GEMV_ROWS, ``format`` a GGUF type or ``"fp8"``.
-#: Not yet timed on a GPU: chosen so that a program streams 1-2 KiB of weights per step with
-#: 16-byte loads and the 30B shapes launch several programs per multiprocessor without splits;
-#: ``gpu_quantized_products.py --gemv-sweep`` times every config of :func:`sweep_configs`.
+#: Not yet timed on a GPU. Chosen so that each of 128 threads loads whole 16-byte vectors of
+#: weights (a Q4_K step of 16 rows is 16 x 128 quant bytes, an FP8 step of 8 rows x 512
+#: values 4 KiB) and fewer rows per program for more activation rows (registers); the 30B
+#: matrices then launch 400-2,500 programs, split in depth up to 4 per multiprocessor.
+#: ``gpu_quantized_products.py --gemv-sweep`` times every config of :func:`sweep_configs`
+#: and prints the fastest per format and rows (``gemv_best``) for this table to follow.
 GEMV_CONFIGS: dict[tuple[str, int], GemvConfig] = {}
 for _fmt in (*GGUF_LAYOUTS, "fp8"):
     for _rows in range(1, GEMV_ROWS + 1):
-        _big = _rows > 4
+        _narrow = _rows <= 4
         if _fmt == "fp8":
-            GEMV_CONFIGS[_fmt, _rows] = GemvConfig(block_n=4 if _big else 8, blocks=32, num_warps=4)
+            GEMV_CONFIGS[_fmt, _rows] = GemvConfig(block_n=8 if _narrow else 4, blocks=32)
         elif _fmt in ("q8_0", "q4_0"):
-            GEMV_CONFIGS[_fmt, _rows] = GemvConfig(block_n=4 if _big else 8, blocks=8, num_warps=4)
+            GEMV_CONFIGS[_fmt, _rows] = GemvConfig(block_n=8 if _narrow else 4, blocks=16)
         else:
-            GEMV_CONFIGS[_fmt, _rows] = GemvConfig(block_n=4 if _big else 8, blocks=1, num_warps=4)
+            GEMV_CONFIGS[_fmt, _rows] = GemvConfig(block_n=16 if _narrow else 8, blocks=1)
 
 
 def gemv_config(fmt: str, m: int) -> GemvConfig:
@@ -88,7 +91,8 @@ def _accumulate(acc, X, stride_xm, M, lo, sc, mn, col, g_ok, BLOCK_M: tl.constex
     over the value tile ``lo`` ``(BN, G, R)`` whose columns are ``col`` ``(1, G, R)``."""
     mrow = tl.arange(0, BLOCK_M)
     for mi in tl.static_range(BLOCK_M):
-        x = tl.load(X + mi * stride_xm + col, mask=g_ok & (tl.full([1, 1, 1], mi, tl.int32) < M), other=0.0).to(tl.float32)
+        m_ok = tl.full([1, 1, 1], mi, tl.int32) < M
+        x = tl.load(X + mi * stride_xm + col, mask=g_ok & m_ok, other=0.0).to(tl.float32)
         part = tl.sum(sc * tl.sum(lo * x, axis=2), axis=1)
         if HAS_MIN:
             part -= tl.sum(mn * tl.sum(x, axis=2), axis=1)
@@ -229,7 +233,8 @@ def _fp8_gemv_kernel(X, W, S, Y, M, N, K, per_split, stride_xm, stride_wn, strid
         if not ROW_SCALE:
             w = w * tl.load(srows[:, None] + ks // SBK, mask=n_ok[:, None] & k_ok, other=0.0)
         for mi in tl.static_range(BLOCK_M):
-            x = tl.load(X + mi * stride_xm + ks, mask=k_ok & (tl.full([1, 1], mi, tl.int32) < M), other=0.0).to(tl.float32)
+            m_ok = tl.full([1, 1], mi, tl.int32) < M
+            x = tl.load(X + mi * stride_xm + ks, mask=k_ok & m_ok, other=0.0).to(tl.float32)
             acc += tl.where(mrow[:, None] == mi, tl.sum(w * x, axis=1)[None, :], 0.0)
     if ROW_SCALE:
         acc = acc * tl.load(srows, mask=n_ok, other=0.0)[None, :]
