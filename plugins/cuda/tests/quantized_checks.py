@@ -300,3 +300,74 @@ def check_quantize_rows(device: str, act_dtype: torch.dtype, m: int = 5, k: int 
     assert torch.equal(scale.cpu(), want_scale), (scale.cpu() - want_scale).abs().max()
     same = q.cpu().view(torch.uint8) == want.view(torch.uint8)
     assert bool(same.all()), f"{int((~same).sum())} bytes differ"
+
+
+def compile_gemv_for_hopper(act: str = "bf16", kinds=("q4_k", "q5_k", "q6_k", "q8_0", "q4_0"),
+                            rows=(1, 8)) -> list[dict]:
+    """Compile the decode GEMV kernels (:mod:`musegl_cuda.cuda.gemv`, the table's launches at
+    ``rows`` activation rows) and W8A8's activation quantizer for an sm_90 GPU without a GPU.
+    Returns per kernel its registers, spilled bytes and its global loads: 16-byte vectors
+    (``ld.global...v4``), others, and asynchronous copies (``cp.async``: the loop's loads
+    pipelined), the facts the interpreter cannot give."""
+    import re
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from musegl_cuda.cuda import gemv
+    from musegl_cuda.cuda import quantized as q
+
+    import subprocess
+    import tempfile
+
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    target = GPUTarget("cuda", 90, 32)
+    done = []
+    ptxas = get_ptxas(90).path
+
+    def build(fn, signature: dict, constants: dict, name: str, warps: int, aligned: tuple[int, ...]) -> None:
+        signature = {**signature, **{k: "constexpr" for k in constants}}
+        attrs = {(i,): [["tt.divisibility", 16]] for i in aligned}
+        src = ASTSource(fn=fn, signature=signature, constexprs=constants, attrs=attrs)
+        kernel = triton.compile(src, target=target, options={"num_warps": warps})
+        assert kernel.asm.get("cubin"), name
+        ptx = kernel.asm["ptx"]
+        with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+            f.write(ptx)
+            f.flush()
+            info = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", f.name, "-o", "/dev/null"],
+                                  capture_output=True, text=True).stderr
+        regs = re.search(r"Used (\d+) registers", info)
+        spill = re.search(r"(\d+) bytes spill stores", info)
+        done.append(dict(kernel=name, regs=int(regs.group(1)) if regs else None,
+                         spill_bytes=int(spill.group(1)) if spill else None,
+                         v4_loads=len(re.findall(r"ld\.global[.\w]*\.v4", ptx)),
+                         loads=len(re.findall(r"ld\.global", ptx)),
+                         async_copies=len(re.findall(r"cp\.async\.c[ag]", ptx))))
+    sig = {"X": f"*{act}", "W": "*u8", "Y": f"*{act}", "M": "i32", "N": "i32", "nblocks": "i32",
+           "per_split": "i32", "stride_xm": "i32", "stride_wn": "i32", "stride_ym": "i32", "stride_ys": "i32"}
+    for dtype in kinds:
+        code, vb, bb, _ = q.GGUF_LAYOUTS[dtype]
+        for m in rows:
+            cfg = gemv.gemv_config(dtype, m)
+            blocks = 1 if vb == 256 else cfg.blocks
+            build(gemv._gguf_gemv_kernel, sig,
+                  dict(QTYPE=code, BB=bb, BLOCK_M=gemv._rows_tile(m), BLOCK_N=cfg.block_n, BLOCKS=blocks,
+                       G=gemv._GROUPS[dtype] or blocks, R=gemv._GROUP_VALUES[dtype], STAGES=3),
+                  f"gemv {dtype} x{m}", cfg.num_warps, (0, 1, 2, 7, 8))
+    fsig = {"X": f"*{act}", "W": "*u8", "S": "*fp32", "Y": f"*{act}", "M": "i32", "N": "i32", "K": "i32",
+            "per_split": "i32", "stride_xm": "i32", "stride_wn": "i32", "stride_ym": "i32", "stride_ys": "i32",
+            "stride_sn": "i32"}
+    for m in rows:
+        cfg = gemv.gemv_config("fp8", m)
+        for row_scale in (True, False):
+            build(gemv._fp8_gemv_kernel, fsig,
+                  dict(SBN=1 if row_scale else 128, SBK=6656 if row_scale else 128, BLOCK_M=gemv._rows_tile(m),
+                       BLOCK_N=cfg.block_n, BLOCK_K=16 * cfg.blocks, ROW_SCALE=row_scale, STAGES=3),
+                  f"gemv fp8 x{m} {'row' if row_scale else 'block'} scales", cfg.num_warps, (0, 1, 3, 6, 8, 9))
+    build(q._quantize_rows_kernel, {"X": f"*{act}", "Q": "*u8", "S": "*fp32", "K": "i32", "stride_xm": "i32",
+                                    "stride_qm": "i32"},
+          dict(E4M3_MAX=448.0, BLOCK_K=4096), "w8a8 activations", 8, (0, 1, 3, 4, 5))
+    return done

@@ -268,3 +268,20 @@ def test_quantized_kernels_compile_for_hopper():
     from quantized_checks import compile_for_hopper
 
     assert len(compile_for_hopper()) == 6
+
+
+@pytest.mark.slow  # Triton's compiler and ptxas on two cores: ~45 s (seconds from Triton's cache)
+def test_decode_gemv_kernels_compile_for_hopper_without_spills():
+    """The GEMV kernels at the table's launches for 1 and 8 rows and W8A8's quantizer, built
+    for sm_90 (bf16): no register spills, and the loops' weight loads of Q4_K, Q5_K, Q8_0 and
+    FP8 (whose blocks are 4-byte aligned) pipelined through ``cp.async``."""
+    pytest.importorskip("triton")
+    sys.path.insert(0, str(HERE))
+    from quantized_checks import compile_gemv_for_hopper
+
+    built = compile_gemv_for_hopper()
+    assert len(built) == 15, built
+    assert all(k["spill_bytes"] == 0 for k in built), built
+    for k in built:
+        if k["kernel"].startswith(("gemv q4_k", "gemv q5_k", "gemv q8_0", "gemv fp8")):
+            assert k["async_copies"] > 0, k

@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from musegl_cuda.cuda.quantized import GGUF_LAYOUTS, _f16_at, _k4_scale_min, _launch_split, depth_splits
+from musegl_cuda.cuda.quantized import GGUF_LAYOUTS, _f16_at, _launch_split, depth_splits
 
 
 @attrs.frozen
@@ -55,22 +55,20 @@ class GemvConfig:
 GEMV_ROWS = 8
 
 #: ``(format, rows) -> config`` for rows in 1..GEMV_ROWS, ``format`` a GGUF type or ``"fp8"``.
-#: Not yet timed on a GPU. Chosen so that each of 128 threads loads whole 16-byte vectors of
-#: weights (a Q4_K step of 16 rows is 16 x 128 quant bytes, an FP8 step of 8 rows x 512
-#: values 4 KiB) and fewer rows per program for more activation rows (registers); the 30B
-#: matrices then launch 400-2,500 programs, split in depth up to 4 per multiprocessor.
+#: Not yet timed on a GPU. Chosen so that the float32 accumulator (activation rows x weight
+#: rows x values of a step, summed only after the loop) takes 32-64 registers a thread and a
+#: step is 1-4 KiB of weights (a Q4_K step of 16 rows is 16 x 128 quant bytes, loaded in
+#: 16-byte vectors through a 3-stage ``cp.async`` pipeline); the 30B matrices then launch
+#: 400-2,500 programs, split in depth up to 4 per multiprocessor.
 #: ``gpu_quantized_products.py --gemv-sweep`` times every config of :func:`sweep_configs`
 #: and prints the fastest per format and rows (``gemv_best``) for this table to follow.
 GEMV_CONFIGS: dict[tuple[str, int], GemvConfig] = {}
-for _fmt in (*GGUF_LAYOUTS, "fp8"):
-    for _rows in range(1, GEMV_ROWS + 1):
-        _narrow = _rows <= 4
-        if _fmt == "fp8":
-            GEMV_CONFIGS[_fmt, _rows] = GemvConfig(block_n=8 if _narrow else 4, blocks=32)
-        elif _fmt in ("q8_0", "q4_0"):
-            GEMV_CONFIGS[_fmt, _rows] = GemvConfig(block_n=8 if _narrow else 4, blocks=16)
-        else:
-            GEMV_CONFIGS[_fmt, _rows] = GemvConfig(block_n=16 if _narrow else 8, blocks=1)
+for _rows in range(1, GEMV_ROWS + 1):
+    _tile = 1 << (_rows - 1).bit_length()  # the activation rows a program holds
+    # the float32 accumulator (rows x weight rows x step values) at 32-64 per thread
+    GEMV_CONFIGS["fp8", _rows] = GemvConfig(block_n=max(2, 8 // _tile), blocks=32 if _tile <= 2 else 16)
+    for _fmt in GGUF_LAYOUTS:
+        GEMV_CONFIGS[_fmt, _rows] = GemvConfig(block_n=max(4, 16 // _tile), blocks=8)
 
 
 def gemv_config(fmt: str, m: int) -> GemvConfig:
@@ -86,32 +84,41 @@ def sweep_configs(fmt: str) -> list[GemvConfig]:
 
 
 @triton.jit
-def _accumulate(acc, X, stride_xm, M, lo, sc, mn, col, g_ok, BLOCK_M: tl.constexpr, HAS_MIN: tl.constexpr):
-    """``acc`` ``(BLOCK_M, BN)`` plus, for every activation row, ``sum_g(sc·sum_r(lo·x) − mn·sum_r(x))``
-    over the value tile ``lo`` ``(BN, G, R)`` whose columns are ``col`` ``(1, G, R)``."""
-    mrow = tl.arange(0, BLOCK_M)
-    for mi in tl.static_range(BLOCK_M):
-        m_ok = tl.full([1, 1, 1], mi, tl.int32) < M
-        x = tl.load(X + mi * stride_xm + col, mask=g_ok & m_ok, other=0.0).to(tl.float32)
-        part = tl.sum(sc * tl.sum(lo * x, axis=2), axis=1)
-        if HAS_MIN:
-            part -= tl.sum(mn * tl.sum(x, axis=2), axis=1)
-        acc += tl.where(mrow[:, None] == mi, part[None, :], 0.0)
-    return acc
+def _accumulate(acc, X, stride_xm, M, v, col, g_ok, BLOCK_M: tl.constexpr):
+    """``acc`` ``(BLOCK_M, BN, G, R)`` plus the decoded values ``v`` ``(BN, G, R)`` times every
+    activation row's values at columns ``col`` ``(1, G, R)`` (``g_ok``: which groups exist);
+    elementwise, so that the loop does no reduction (the sum is taken once, at the end)."""
+    mrow = tl.arange(0, BLOCK_M)[:, None, None, None]
+    x = tl.load(X + mrow * stride_xm + col[None], mask=(mrow < M) & g_ok[None], other=0.0).to(tl.float32)
+    return acc + v[None] * x
+
+
+@triton.jit
+def _k4_scale_min_words(w1, w2, w3, j):
+    """``get_scale_min_k4`` from the scale bytes held as words ``w1`` (bytes 0-3), ``w2``
+    (4-7), ``w3`` (8-11): the 6-bit scale and min of sub-blocks ``j`` (0..7), as float32."""
+    shift = 8 * (j % 4)
+    a = (w1 >> shift) & 0xFF
+    b = (w2 >> shift) & 0xFF
+    c = (w3 >> shift) & 0xFF
+    low = j < 4
+    sc = tl.where(low, a & 63, (c & 0xF) | ((a >> 6) << 4))
+    mn = tl.where(low, b & 63, (c >> 4) | ((b >> 6) << 4))
+    return sc.to(tl.float32), mn.to(tl.float32)
 
 
 @triton.jit
 def _gguf_gemv_kernel(X, W, Y, M, N, nblocks, per_split, stride_xm, stride_wn, stride_ym, stride_ys,
                       QTYPE: tl.constexpr, BB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCKS: tl.constexpr):
+                      BLOCKS: tl.constexpr, G: tl.constexpr, R: tl.constexpr, STAGES: tl.constexpr = 3):
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     rows = W + offs_n.to(tl.int64) * stride_wn  # (BN,)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_N, G, R], tl.float32)
     steps = tl.cdiv(nblocks, BLOCKS)
-    for it in range(split * per_split, tl.minimum(steps, (split + 1) * per_split)):
+    for it in tl.range(split * per_split, tl.minimum(steps, (split + 1) * per_split), num_stages=STAGES):
         if QTYPE == 12 or QTYPE == 13:  # Q4_K / Q5_K: d, dmin, 12 scale bytes, [qh 32], qs 128
             head = rows[:, None] + it * BB  # (BN, 1)
             base = head[:, :, None]
@@ -120,10 +127,15 @@ def _gguf_gemv_kernel(X, W, Y, M, N, nblocks, per_split, stride_xm, stride_wn, s
             ll = tl.arange(0, 32)[None, None, :]
             hmask = n_ok[:, None]
             mask = hmask[:, :, None]
-            d = _f16_at(head, hmask)
-            dmin = _f16_at(head + 2, hmask)
-            sc_lo, m_lo = _k4_scale_min(head + 4, 2 * c2, hmask)
-            sc_hi, m_hi = _k4_scale_min(head + 4, 2 * c2 + 1, hmask)
+            # the 16-byte head as 4 little-endian words: d | dmin << 16, then the 12 scale bytes
+            words = tl.load(head.to(tl.pointer_type(tl.int32)) + tl.arange(0, 4)[None, :], mask=hmask, other=0)
+            w02, w13 = tl.split(tl.reshape(words, (BLOCK_N, 2, 2)))
+            w0, w2 = tl.split(w02)
+            w1, w3 = tl.split(w13)
+            d = (w0 & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)[:, None]
+            dmin = ((w0 >> 16) & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)[:, None]
+            sc_lo, m_lo = _k4_scale_min_words(w1[:, None], w2[:, None], w3[:, None], 2 * c2)
+            sc_hi, m_hi = _k4_scale_min_words(w1[:, None], w2[:, None], w3[:, None], 2 * c2 + 1)
             if QTYPE == 12:
                 byte = tl.load(base + 16 + 32 * c + ll, mask=mask, other=0).to(tl.int32)
                 q_lo = byte & 0xF
@@ -134,11 +146,11 @@ def _gguf_gemv_kernel(X, W, Y, M, N, nblocks, per_split, stride_xm, stride_wn, s
                 q_lo = (byte & 0xF) | (((qh >> (2 * c)) & 1) << 4)
                 q_hi = (byte >> 4) | (((qh >> (2 * c + 1)) & 1) << 4)
             col = it * 256 + 64 * c + ll
-            ok = col >= 0
-            acc = _accumulate(acc, X, stride_xm, M, q_lo.to(tl.float32), d * sc_lo, dmin * m_lo, col, ok,
-                              BLOCK_M, True)
-            acc = _accumulate(acc, X, stride_xm, M, q_hi.to(tl.float32), d * sc_hi, dmin * m_hi, col + 32, ok,
-                              BLOCK_M, True)
+            ok = tl.full([1, 1, 1], 1, tl.int1)  # every column (a splat: loads stay vectors)
+            v_lo = (d * sc_lo)[:, :, None] * q_lo.to(tl.float32) - (dmin * m_lo)[:, :, None]
+            v_hi = (d * sc_hi)[:, :, None] * q_hi.to(tl.float32) - (dmin * m_hi)[:, :, None]
+            acc = _accumulate(acc, X, stride_xm, M, v_lo, col, ok, BLOCK_M)
+            acc = _accumulate(acc, X, stride_xm, M, v_hi, col + 32, ok, BLOCK_M)
         elif QTYPE == 14:  # Q6_K: ql 128, qh 64, 16 x int8 scales, d; 8 groups of 16 ql bytes
             head = rows[:, None] + it * BB
             base = head[:, :, None]
@@ -157,11 +169,10 @@ def _gguf_gemv_kernel(X, W, Y, M, N, nblocks, per_split, stride_xm, stride_wn, s
             q_lo = (ql & 0xF) | (((qh >> (2 * up)) & 3) << 4)
             q_hi = (ql >> 4) | (((qh >> (4 + 2 * up)) & 3) << 4)
             col = it * 256 + 128 * (g // 4) + 16 * (g % 4) + r
-            ok = col >= 0
-            acc = _accumulate(acc, X, stride_xm, M, q_lo.to(tl.float32), sc_lo, 32.0 * sc_lo, col, ok,
-                              BLOCK_M, True)
-            acc = _accumulate(acc, X, stride_xm, M, q_hi.to(tl.float32), sc_hi, 32.0 * sc_hi, col + 64, ok,
-                              BLOCK_M, True)
+            ok = tl.full([1, 1, 1], 1, tl.int1)
+            acc = _accumulate(acc, X, stride_xm, M, sc_lo[:, :, None] * (q_lo - 32).to(tl.float32), col, ok, BLOCK_M)
+            acc = _accumulate(acc, X, stride_xm, M, sc_hi[:, :, None] * (q_hi - 32).to(tl.float32), col + 64, ok,
+                              BLOCK_M)
         else:  # Q8_0 / Q4_0: BLOCKS 32-value blocks of d + quants
             b2 = it * BLOCKS + tl.arange(0, BLOCKS)[None, :]
             b = b2[:, :, None]
@@ -172,19 +183,20 @@ def _gguf_gemv_kernel(X, W, Y, M, N, nblocks, per_split, stride_xm, stride_wn, s
             if QTYPE == 8:
                 r = tl.arange(0, 32)[None, None, :]
                 q = tl.load(head[:, :, None] + 2 + r, mask=mask, other=0).to(tl.int8, bitcast=True)
-                acc = _accumulate(acc, X, stride_xm, M, q.to(tl.float32), d, d, b * 32 + r, b < nblocks,
-                                  BLOCK_M, False)
+                acc = _accumulate(acc, X, stride_xm, M, d[:, :, None] * q.to(tl.float32), b * 32 + r, b < nblocks,
+                                  BLOCK_M)
             else:
                 r = tl.arange(0, 16)[None, None, :]
                 byte = tl.load(head[:, :, None] + 2 + r, mask=mask, other=0).to(tl.int32)
                 col = b * 32 + r
-                acc = _accumulate(acc, X, stride_xm, M, (byte & 0xF).to(tl.float32), d, 8.0 * d, col,
-                                  b < nblocks, BLOCK_M, True)
-                acc = _accumulate(acc, X, stride_xm, M, (byte >> 4).to(tl.float32), d, 8.0 * d, col + 16,
-                                  b < nblocks, BLOCK_M, True)
+                v_lo = d[:, :, None] * ((byte & 0xF) - 8).to(tl.float32)
+                v_hi = d[:, :, None] * ((byte >> 4) - 8).to(tl.float32)
+                acc = _accumulate(acc, X, stride_xm, M, v_lo, col, b < nblocks, BLOCK_M)
+                acc = _accumulate(acc, X, stride_xm, M, v_hi, col + 16, b < nblocks, BLOCK_M)
+    total = tl.sum(tl.sum(acc, axis=3), axis=2)
     offs_m = tl.arange(0, BLOCK_M)
     out = Y + split.to(tl.int64) * stride_ys + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
-    tl.store(out, acc.to(Y.dtype.element_ty), mask=(offs_m[:, None] < M) & n_ok[None, :])
+    tl.store(out, total.to(Y.dtype.element_ty), mask=(offs_m[:, None] < M) & n_ok[None, :])
 
 
 def _rows_tile(m: int) -> int:
@@ -209,13 +221,18 @@ def gguf_gemv(x: torch.Tensor, w: torch.Tensor, dtype: str, n: int, k: int, out:
     return _launch_split(_gguf_gemv_kernel, grid, splits, steps, x, y, m, n, (x, w),
                          lambda per, sm, ss: (m, n, nblocks, per, x.stride(0), w.stride(0), sm, ss),
                          QTYPE=code, BB=bb, BLOCK_M=_rows_tile(m), BLOCK_N=cfg.block_n, BLOCKS=blocks,
-                         num_warps=cfg.num_warps)
+                         G=_GROUPS[dtype] or blocks, R=_GROUP_VALUES[dtype], num_warps=cfg.num_warps)
+
+
+#: the value tile of one step: groups of one scale (None: ``blocks`` blocks) and their values
+_GROUPS = {"q4_k": 4, "q5_k": 4, "q6_k": 8, "q8_0": None, "q4_0": None}
+_GROUP_VALUES = {"q4_k": 32, "q5_k": 32, "q6_k": 16, "q8_0": 32, "q4_0": 16}
 
 
 @triton.jit
 def _fp8_gemv_kernel(X, W, S, Y, M, N, K, per_split, stride_xm, stride_wn, stride_ym, stride_ys, stride_sn,
                      SBN: tl.constexpr, SBK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, ROW_SCALE: tl.constexpr):
+                     BLOCK_K: tl.constexpr, ROW_SCALE: tl.constexpr, STAGES: tl.constexpr = 3):
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -223,24 +240,24 @@ def _fp8_gemv_kernel(X, W, S, Y, M, N, K, per_split, stride_xm, stride_wn, strid
     n_ok = offs_n < N
     rows = W + offs_n[:, None].to(tl.int64) * stride_wn
     srows = S + (offs_n // SBN).to(tl.int64) * stride_sn
-    mrow = tl.arange(0, BLOCK_M)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(split * per_split * BLOCK_K, tl.minimum(K, (split + 1) * per_split * BLOCK_K), BLOCK_K):
+    mrow = tl.arange(0, BLOCK_M)[:, None]
+    acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], tl.float32)
+    for k0 in tl.range(split * per_split * BLOCK_K, tl.minimum(K, (split + 1) * per_split * BLOCK_K), BLOCK_K,
+                       num_stages=STAGES):
         ks = k0 + offs_k
         k_ok = ks < K
         byte = tl.load(rows + ks, mask=n_ok[:, None] & k_ok, other=0)
         w = byte.to(tl.float8e4nv, bitcast=True).to(tl.float32)
         if not ROW_SCALE:
             w = w * tl.load(srows[:, None] + ks // SBK, mask=n_ok[:, None] & k_ok, other=0.0)
-        for mi in tl.static_range(BLOCK_M):
-            m_ok = tl.full([1, 1], mi, tl.int32) < M
-            x = tl.load(X + mi * stride_xm + ks, mask=k_ok & m_ok, other=0.0).to(tl.float32)
-            acc += tl.where(mrow[:, None] == mi, tl.sum(w * x, axis=1)[None, :], 0.0)
+        x = tl.load(X + mrow * stride_xm + ks, mask=k_ok & (mrow < M), other=0.0).to(tl.float32)
+        acc += w[None, :, :] * x[:, None, :]
+    total = tl.sum(acc, axis=2)
     if ROW_SCALE:
-        acc = acc * tl.load(srows, mask=n_ok, other=0.0)[None, :]
+        total = total * tl.load(srows, mask=n_ok, other=0.0)[None, :]
     offs_m = tl.arange(0, BLOCK_M)
     out = Y + split.to(tl.int64) * stride_ys + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
-    tl.store(out, acc.to(Y.dtype.element_ty), mask=(offs_m[:, None] < M) & n_ok[None, :])
+    tl.store(out, total.to(Y.dtype.element_ty), mask=(offs_m[:, None] < M) & n_ok[None, :])
 
 
 def fp8_gemv(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, block: tuple[int, int],
