@@ -3,12 +3,14 @@
 A :class:`~musegl_core.checkpoint.stored.StoredTensor` becomes one of:
 
 * :class:`GGUFMatrix`: GGUF ``Q8_0``/``Q4_0``/``Q4_K``/``Q5_K``/``Q6_K`` blocks as the
-  file stores them, multiplied and gathered by :mod:`musegl_cuda.cuda.quantized`;
+  file stores them, gathered by :mod:`musegl_cuda.cuda.quantized` and multiplied by its
+  GEMV (up to :data:`GEMV_ROWS` rows, :mod:`musegl_cuda.cuda.gemv`), its tiles, or (from
+  :data:`SCRATCH_ROWS` rows) ``F.linear`` on a decoded scratch;
 * :class:`FP8Matrix`: float8 e4m3 weights with float32 block scales (an FP8
   checkpoint as published, or a half-precision matrix quantized at load with
   ``--quantization fp8``: one scale per output row). A product of fewer than
-  ``w8a8_rows`` activation rows dequantizes the weights in the Triton kernel
-  (weight-only); a wider one quantizes the activations per row to e4m3 and runs
+  ``w8a8_rows`` activation rows dequantizes the weights in the Triton kernels
+  (weight-only: the GEMV up to :data:`GEMV_ROWS` rows, the tiles past it); a wider one quantizes the activations per row to e4m3 and runs
   ``torch._scaled_mm`` (W8A8), where the scales allow it (one per matrix or per
   output row, and both dimensions multiples of 16; other matrices always run weight-only);
 * :class:`DenseMatrix`: every other matrix (f16/bf16/f32, and GGUF types without a
