@@ -25,8 +25,9 @@ reads its weights from memory, not from the L2 cache), the median of
 ``--gemv-sweep`` then times every launch config of the decode GEMV
 (:func:`musegl_cuda.cuda.gemv.sweep_configs`) for ``--sweep-formats`` at ``--sweep-rows``
 rows (``part: "gemv_sweep"``, the same per-layer timing and GB/s against bf16 cuBLAS at
-the same rows), and ``part: "gemv_best"`` lines name the fastest config per (format, rows):
-what ``gemv.GEMV_CONFIGS`` should hold.
+the same rows), ``part: "gemv_best"`` lines name the fastest config per (format, rows):
+what ``gemv.GEMV_CONFIGS`` should hold, and ``part: "gemv_shape"`` lines time that config
+on each of the four shapes apart, in GB/s of stored bytes beside bf16 cuBLAS's GEMV.
 
 One JSON line per (format, rows): microseconds per layer, the weight bytes streamed per
 second, and the time as a ratio of bf16's at the same rows in the same run. The FP8 lines
@@ -150,14 +151,16 @@ def check(device: str, emit) -> int:
     return failures
 
 
-def layer_us(products: list[list], m: int, repeat: int) -> float:
-    """Microseconds per layer of ``products`` (per layer, one ``x -> y`` per shape) at ``m`` rows."""
+def layer_us(products: list[list], m: int, repeat: int, only: str | None = None) -> float:
+    """Microseconds per layer of ``products`` (per layer, one ``x -> y`` per shape) at ``m`` rows;
+    ``only``: that shape's product alone."""
     xs = {k: torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for _, k in SHAPES.values()}
 
     def step() -> None:
         for layer in products:
-            for fn, (_, k) in zip(layer, SHAPES.values()):
-                fn(xs[k])
+            for fn, (name, (_, k)) in zip(layer, SHAPES.items()):
+                if only is None or name == only:
+                    fn(xs[k])
 
     return graph_us(step, repeat) / len(products)
 
@@ -171,12 +174,15 @@ def gemv_product(matrix, config):
 def sweep(args, emit, bf16_us: dict[int, float]) -> None:
     """Every GEMV config of :func:`gemv.sweep_configs` per format and rows, then the fastest."""
     sweep_rows = [int(r) for r in args.sweep_rows.split(",")]
-    if any(m not in bf16_us for m in sweep_rows):
-        torch.manual_seed(0)
-        dense = [[build("bf16", n, k, "cuda")[0] for n, k in SHAPES.values()] for _ in range(args.layers)]
-        for m in sweep_rows:
-            bf16_us.setdefault(m, layer_us(dense, m, args.repeat))
-        del dense
+    torch.manual_seed(0)
+    dense = [[build("bf16", n, k, "cuda")[0] for n, k in SHAPES.values()] for _ in range(args.layers)]
+    shape_us: dict[tuple[str, int], float] = {}  # bf16 cuBLAS per shape and rows
+    for m in sweep_rows:
+        if m not in bf16_us:
+            bf16_us[m] = layer_us(dense, m, args.repeat)
+        for name in SHAPES:
+            shape_us[name, m] = layer_us(dense, m, args.repeat, only=name)
+    del dense
     for fmt in args.sweep_formats.split(","):
         kind = "fp8" if fmt.startswith("fp8") else fmt
         torch.manual_seed(0)
@@ -200,6 +206,15 @@ def sweep(args, emit, bf16_us: dict[int, float]) -> None:
                 emit(part="gemv_best", format=fmt, rows=m, config=attrs_dict(config), us_per_layer=round(us, 1),
                      gb_per_s=round(stored / us / 1e3, 1), vs_bf16=round(us / bf16_us[m], 3),
                      table=attrs_dict(gemv.gemv_config(kind, m)))
+                for name, (n, k) in SHAPES.items():  # the four products apart, against bf16's GEMV
+                    one = layer_us([[gemv_product(mx, config) for _, _, mx in layer] for layer in built], m,
+                                   args.repeat, only=name)
+                    nbytes = dict(zip(SHAPES, (b for _, b, _ in built[0])))[name]
+                    emit(part="gemv_shape", format=fmt, rows=m, shape=name, out=n, depth=k,
+                         config=attrs_dict(config), us=round(one, 2), gb_per_s=round(nbytes / one / 1e3, 1),
+                         bf16_us=round(shape_us[name, m], 2),
+                         bf16_gb_per_s=round(n * k * 2 / shape_us[name, m] / 1e3, 1),
+                         vs_bf16=round(one / shape_us[name, m], 3))
         del built
         torch.cuda.empty_cache()
 

@@ -80,7 +80,7 @@ def sweep_configs(fmt: str) -> list[GemvConfig]:
     :func:`~musegl_cuda.cuda.quantized.depth_splits`)."""
     blocks = (16, 32, 64) if fmt == "fp8" else (4, 8, 16) if fmt in ("q8_0", "q4_0") else (1,)
     return [GemvConfig(block_n=block_n, blocks=b, num_warps=warps)
-            for block_n in (2, 4, 8, 16) for b in blocks for warps in (2, 4, 8)]
+            for block_n in (4, 8, 16) for b in blocks for warps in (4, 8)]
 
 
 @triton.jit
