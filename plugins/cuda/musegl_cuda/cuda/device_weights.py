@@ -10,8 +10,8 @@ A :class:`~musegl_core.checkpoint.stored.StoredTensor` becomes one of:
   checkpoint as published, or a half-precision matrix quantized at load with
   ``--quantization fp8``: one scale per output row). A product of fewer than
   ``w8a8_rows`` activation rows dequantizes the weights in the Triton kernels
-  (weight-only: the GEMV up to :data:`GEMV_ROWS` rows, the tiles past it); a wider one quantizes the activations per row to e4m3 and runs
-  ``torch._scaled_mm`` (W8A8), where the scales allow it (one per matrix or per
+  (weight-only: the GEMV up to :data:`GEMV_ROWS` rows, the tiles past it); a wider one
+  quantizes the activations per row to e4m3 and runs ``torch._scaled_mm`` (W8A8), where the scales allow it (one per matrix or per
   output row, and both dimensions multiples of 16; other matrices always run weight-only);
 * :class:`DenseMatrix`: every other matrix (f16/bf16/f32, and GGUF types without a
   kernel here, decoded at load) in the activation dtype, through ``F.linear``.
