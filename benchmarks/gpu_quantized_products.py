@@ -20,7 +20,7 @@ reads its weights from memory, not from the L2 cache), the median of
   ``torch._scaled_mm`` (:meth:`~musegl_cuda.cuda.device_weights.FP8Matrix.w8a8`);
 * ``<gguf type>_via_bf16`` (rows >= ``--via-bf16-rows`` only): the alternative for prefill
   chunks and wide batches (``device_weights.SCRATCH_ROWS``), every weight row decoded to a
-  bf16 scratch (``gguf_rows``) and ``F.linear``.
+  bf16 scratch (``gemv.gguf_dequant``) and ``F.linear``.
 
 ``--gemv-sweep`` then times every launch config of the decode GEMV
 (:func:`musegl_cuda.cuda.gemv.sweep_configs`) for ``--sweep-formats`` at ``--sweep-rows``

@@ -305,7 +305,7 @@ def check_quantize_rows(device: str, act_dtype: torch.dtype, m: int = 5, k: int 
 def compile_gemv_for_hopper(act: str = "bf16", kinds=("q4_k", "q5_k", "q6_k", "q8_0", "q4_0"),
                             rows=(1, 8)) -> list[dict]:
     """Compile the decode GEMV kernels (:mod:`musegl_cuda.cuda.gemv`, the table's launches at
-    ``rows`` activation rows) and W8A8's activation quantizer for an sm_90 GPU without a GPU.
+    ``rows`` activation rows), the scratch's decoder and W8A8's activation quantizer for an sm_90 GPU without a GPU.
     Returns per kernel its registers, spilled bytes and its global loads: 16-byte vectors
     (``ld.global...v4``), others, and asynchronous copies (``cp.async``: the loop's loads
     pipelined), the facts the interpreter cannot give."""
@@ -357,6 +357,9 @@ def compile_gemv_for_hopper(act: str = "bf16", kinds=("q4_k", "q5_k", "q6_k", "q
                   dict(QTYPE=code, BB=bb, BLOCK_M=gemv._rows_tile(m), BLOCK_N=cfg.block_n, BLOCKS=blocks,
                        G=gemv._GROUPS[dtype] or blocks, R=gemv._GROUP_VALUES[dtype], STAGES=3),
                   f"gemv {dtype} x{m}", cfg.num_warps, (0, 1, 2, 7, 8))
+        build(gemv._gguf_dequant_kernel, {"W": "*u8", "Out": f"*{act}", "N": "i32", "nblocks": "i32",
+                                          "stride_wn": "i32", "stride_on": "i32"},
+              dict(QTYPE=code, BB=bb, BLOCK_N=16, BLOCKS=1 if vb == 256 else 8), f"dequant {dtype}", 4, (0, 1, 4, 5))
     fsig = {"X": f"*{act}", "W": "*u8", "S": "*fp32", "Y": f"*{act}", "M": "i32", "N": "i32", "K": "i32",
             "per_split": "i32", "stride_xm": "i32", "stride_wn": "i32", "stride_ym": "i32", "stride_ys": "i32",
             "stride_sn": "i32"}

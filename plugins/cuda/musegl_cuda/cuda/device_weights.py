@@ -40,7 +40,7 @@ from musegl_cuda.quantization import E4M3_MAX, quantize_fp8
 log = logging.getLogger("musegl.cuda")
 
 #: GGUF products of at least this many activation rows decode the matrix into a scratch in
-#: the activation dtype (``gguf_rows``, :data:`SCRATCH_BYTES` of it at a time) and run
+#: the activation dtype (``gemv.gguf_dequant``, :data:`SCRATCH_BYTES` of it at a time) and run
 #: ``F.linear`` (cuBLAS) on it, instead of the Triton kernel's dequantized tiles; None: the
 #: kernel at every width. The kernel decodes every weight tile once per 64 activation rows and
 #: splits no depth past 16 rows, so a 4,096-row prefill decoded each weight 64 times: on an
@@ -139,18 +139,18 @@ class GGUFMatrix:
         return gguf_matmul(x.contiguous(), self.data, self.dtype, self.rows_count, self.cols, out)
 
     def _via_scratch(self, x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
-        """``x @ W^T`` through the weight rows decoded to ``x.dtype``, a slab of at most
-        :data:`SCRATCH_BYTES` at a time, each slab's product by ``F.linear``."""
+        """``x @ W^T`` through the weight rows decoded to ``x.dtype`` (:func:`gemv.gguf_dequant`),
+        a slab of at most :data:`SCRATCH_BYTES` at a time, each slab's product by ``F.linear``."""
         n = self.rows_count
         slab = max(1, SCRATCH_BYTES // (self.cols * x.element_size()))
-        every = torch.arange(n, device=self.data.device)
         if slab >= n:
-            y = F.linear(x, gguf_rows(every, self.data, self.dtype, self.cols, x.dtype))
+            y = F.linear(x, gemv.gguf_dequant(self.data, self.dtype, n, self.cols, x.dtype))
             return y if out is None else out.copy_(y)
         y = out if out is not None else torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
         for start in range(0, n, slab):
-            ids = every[start:start + slab]
-            y[:, start:start + len(ids)] = F.linear(x, gguf_rows(ids, self.data, self.dtype, self.cols, x.dtype))
+            count = min(slab, n - start)
+            part = gemv.gguf_dequant(self.data[start:start + count], self.dtype, count, self.cols, x.dtype)
+            y[:, start:start + count] = F.linear(x, part)
         return y
 
     def rows(self, ids: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:

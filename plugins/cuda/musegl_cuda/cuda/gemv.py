@@ -108,6 +108,94 @@ def _k4_scale_min_words(w1, w2, w3, j):
 
 
 @triton.jit
+def _decode_step(rows, it, n_ok, nblocks, QTYPE: tl.constexpr, BB: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCKS: tl.constexpr):
+    """Step ``it`` of the weight rows at ``rows`` (uint8 pointers ``(BN,)``, ``n_ok`` their
+    mask): ``(v_lo, col_lo, v_hi, col_hi, ok)``, float32 value tiles ``(BN, G, R)`` and their
+    columns ``(1, G, R)`` (Q8_0 has no high tile: the low one twice), ``ok`` which groups exist."""
+    if QTYPE == 12 or QTYPE == 13:  # Q4_K / Q5_K: d, dmin, 12 scale bytes, [qh 32], qs 128
+        head = rows[:, None] + it * BB  # (BN, 1)
+        base = head[:, :, None]
+        c2 = tl.arange(0, 4)[None, :]  # 64-value chunk
+        c = c2[:, :, None]
+        ll = tl.arange(0, 32)[None, None, :]
+        hmask = n_ok[:, None]
+        mask = hmask[:, :, None]
+        # the 16-byte head as 4 little-endian words: d | dmin << 16, then the 12 scale bytes
+        words = tl.load(head.to(tl.pointer_type(tl.int32)) + tl.arange(0, 4)[None, :], mask=hmask, other=0)
+        w02, w13 = tl.split(tl.reshape(words, (BLOCK_N, 2, 2)))
+        w0, w2 = tl.split(w02)
+        w1, w3 = tl.split(w13)
+        d = (w0 & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)[:, None]
+        dmin = ((w0 >> 16) & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)[:, None]
+        sc_lo, m_lo = _k4_scale_min_words(w1[:, None], w2[:, None], w3[:, None], 2 * c2)
+        sc_hi, m_hi = _k4_scale_min_words(w1[:, None], w2[:, None], w3[:, None], 2 * c2 + 1)
+        if QTYPE == 12:
+            byte = tl.load(base + 16 + 32 * c + ll, mask=mask, other=0).to(tl.int32)
+            q_lo = byte & 0xF
+            q_hi = byte >> 4
+        else:
+            byte = tl.load(base + 48 + 32 * c + ll, mask=mask, other=0).to(tl.int32)
+            qh = tl.load(base + 16 + ll, mask=mask, other=0).to(tl.int32)
+            q_lo = (byte & 0xF) | (((qh >> (2 * c)) & 1) << 4)
+            q_hi = (byte >> 4) | (((qh >> (2 * c + 1)) & 1) << 4)
+        col = it * 256 + 64 * c + ll
+        ok = tl.full([1, 1, 1], 1, tl.int1)  # every column (a splat: loads stay vectors)
+        v_lo = (d * sc_lo)[:, :, None] * q_lo.to(tl.float32) - (dmin * m_lo)[:, :, None]
+        v_hi = (d * sc_hi)[:, :, None] * q_hi.to(tl.float32) - (dmin * m_hi)[:, :, None]
+        col_lo = col
+        col_hi = col + 32
+    elif QTYPE == 14:  # Q6_K: ql 128, qh 64, 16 x int8 scales, d; 8 groups of 16 ql bytes
+        head = rows[:, None] + it * BB
+        base = head[:, :, None]
+        g2 = tl.arange(0, 8)[None, :]
+        g = g2[:, :, None]
+        r = tl.arange(0, 16)[None, None, :]
+        hmask = n_ok[:, None]
+        mask = hmask[:, :, None]
+        d = _f16_at(head + 208, hmask)
+        s_at = head + 192 + 8 * (g2 // 4) + g2 % 4
+        sc_lo = d * tl.load(s_at, mask=hmask, other=0).to(tl.int8, bitcast=True).to(tl.float32)
+        sc_hi = d * tl.load(s_at + 4, mask=hmask, other=0).to(tl.int8, bitcast=True).to(tl.float32)
+        ql = tl.load(base + 16 * g + r, mask=mask, other=0).to(tl.int32)
+        qh = tl.load(base + 128 + 32 * (g // 4) + 16 * (g % 2) + r, mask=mask, other=0).to(tl.int32)
+        up = (g // 2) % 2
+        q_lo = (ql & 0xF) | (((qh >> (2 * up)) & 3) << 4)
+        q_hi = (ql >> 4) | (((qh >> (4 + 2 * up)) & 3) << 4)
+        col = it * 256 + 128 * (g // 4) + 16 * (g % 4) + r
+        ok = tl.full([1, 1, 1], 1, tl.int1)
+        v_lo = sc_lo[:, :, None] * (q_lo - 32).to(tl.float32)
+        v_hi = sc_hi[:, :, None] * (q_hi - 32).to(tl.float32)
+        col_lo = col
+        col_hi = col + 64
+    else:  # Q8_0 / Q4_0: BLOCKS 32-value blocks of d + quants
+        b2 = it * BLOCKS + tl.arange(0, BLOCKS)[None, :]
+        b = b2[:, :, None]
+        hmask = n_ok[:, None] & (b2 < nblocks)
+        mask = hmask[:, :, None]
+        head = rows[:, None] + b2 * BB
+        d = _f16_at(head, hmask)
+        if QTYPE == 8:
+            r = tl.arange(0, 32)[None, None, :]
+            q = tl.load(head[:, :, None] + 2 + r, mask=mask, other=0).to(tl.int8, bitcast=True)
+            v_lo = d[:, :, None] * q.to(tl.float32)
+            v_hi = v_lo
+            col_lo = b * 32 + r
+            col_hi = col_lo
+            ok = b < nblocks
+        else:
+            r = tl.arange(0, 16)[None, None, :]
+            byte = tl.load(head[:, :, None] + 2 + r, mask=mask, other=0).to(tl.int32)
+            col = b * 32 + r
+            v_lo = d[:, :, None] * ((byte & 0xF) - 8).to(tl.float32)
+            v_hi = d[:, :, None] * ((byte >> 4) - 8).to(tl.float32)
+            col_lo = col
+            col_hi = col + 16
+            ok = b < nblocks
+    return v_lo, col_lo, v_hi, col_hi, ok
+
+
+@triton.jit
 def _gguf_gemv_kernel(X, W, Y, M, N, nblocks, per_split, stride_xm, stride_wn, stride_ym, stride_ys,
                       QTYPE: tl.constexpr, BB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCKS: tl.constexpr, G: tl.constexpr, R: tl.constexpr, STAGES: tl.constexpr = 3):
@@ -119,80 +207,10 @@ def _gguf_gemv_kernel(X, W, Y, M, N, nblocks, per_split, stride_xm, stride_wn, s
     acc = tl.zeros([BLOCK_M, BLOCK_N, G, R], tl.float32)
     steps = tl.cdiv(nblocks, BLOCKS)
     for it in tl.range(split * per_split, tl.minimum(steps, (split + 1) * per_split), num_stages=STAGES):
-        if QTYPE == 12 or QTYPE == 13:  # Q4_K / Q5_K: d, dmin, 12 scale bytes, [qh 32], qs 128
-            head = rows[:, None] + it * BB  # (BN, 1)
-            base = head[:, :, None]
-            c2 = tl.arange(0, 4)[None, :]  # 64-value chunk
-            c = c2[:, :, None]
-            ll = tl.arange(0, 32)[None, None, :]
-            hmask = n_ok[:, None]
-            mask = hmask[:, :, None]
-            # the 16-byte head as 4 little-endian words: d | dmin << 16, then the 12 scale bytes
-            words = tl.load(head.to(tl.pointer_type(tl.int32)) + tl.arange(0, 4)[None, :], mask=hmask, other=0)
-            w02, w13 = tl.split(tl.reshape(words, (BLOCK_N, 2, 2)))
-            w0, w2 = tl.split(w02)
-            w1, w3 = tl.split(w13)
-            d = (w0 & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)[:, None]
-            dmin = ((w0 >> 16) & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)[:, None]
-            sc_lo, m_lo = _k4_scale_min_words(w1[:, None], w2[:, None], w3[:, None], 2 * c2)
-            sc_hi, m_hi = _k4_scale_min_words(w1[:, None], w2[:, None], w3[:, None], 2 * c2 + 1)
-            if QTYPE == 12:
-                byte = tl.load(base + 16 + 32 * c + ll, mask=mask, other=0).to(tl.int32)
-                q_lo = byte & 0xF
-                q_hi = byte >> 4
-            else:
-                byte = tl.load(base + 48 + 32 * c + ll, mask=mask, other=0).to(tl.int32)
-                qh = tl.load(base + 16 + ll, mask=mask, other=0).to(tl.int32)
-                q_lo = (byte & 0xF) | (((qh >> (2 * c)) & 1) << 4)
-                q_hi = (byte >> 4) | (((qh >> (2 * c + 1)) & 1) << 4)
-            col = it * 256 + 64 * c + ll
-            ok = tl.full([1, 1, 1], 1, tl.int1)  # every column (a splat: loads stay vectors)
-            v_lo = (d * sc_lo)[:, :, None] * q_lo.to(tl.float32) - (dmin * m_lo)[:, :, None]
-            v_hi = (d * sc_hi)[:, :, None] * q_hi.to(tl.float32) - (dmin * m_hi)[:, :, None]
-            acc = _accumulate(acc, X, stride_xm, M, v_lo, col, ok, BLOCK_M)
-            acc = _accumulate(acc, X, stride_xm, M, v_hi, col + 32, ok, BLOCK_M)
-        elif QTYPE == 14:  # Q6_K: ql 128, qh 64, 16 x int8 scales, d; 8 groups of 16 ql bytes
-            head = rows[:, None] + it * BB
-            base = head[:, :, None]
-            g2 = tl.arange(0, 8)[None, :]
-            g = g2[:, :, None]
-            r = tl.arange(0, 16)[None, None, :]
-            hmask = n_ok[:, None]
-            mask = hmask[:, :, None]
-            d = _f16_at(head + 208, hmask)
-            s_at = head + 192 + 8 * (g2 // 4) + g2 % 4
-            sc_lo = d * tl.load(s_at, mask=hmask, other=0).to(tl.int8, bitcast=True).to(tl.float32)
-            sc_hi = d * tl.load(s_at + 4, mask=hmask, other=0).to(tl.int8, bitcast=True).to(tl.float32)
-            ql = tl.load(base + 16 * g + r, mask=mask, other=0).to(tl.int32)
-            qh = tl.load(base + 128 + 32 * (g // 4) + 16 * (g % 2) + r, mask=mask, other=0).to(tl.int32)
-            up = (g // 2) % 2
-            q_lo = (ql & 0xF) | (((qh >> (2 * up)) & 3) << 4)
-            q_hi = (ql >> 4) | (((qh >> (4 + 2 * up)) & 3) << 4)
-            col = it * 256 + 128 * (g // 4) + 16 * (g % 4) + r
-            ok = tl.full([1, 1, 1], 1, tl.int1)
-            acc = _accumulate(acc, X, stride_xm, M, sc_lo[:, :, None] * (q_lo - 32).to(tl.float32), col, ok, BLOCK_M)
-            acc = _accumulate(acc, X, stride_xm, M, sc_hi[:, :, None] * (q_hi - 32).to(tl.float32), col + 64, ok,
-                              BLOCK_M)
-        else:  # Q8_0 / Q4_0: BLOCKS 32-value blocks of d + quants
-            b2 = it * BLOCKS + tl.arange(0, BLOCKS)[None, :]
-            b = b2[:, :, None]
-            hmask = n_ok[:, None] & (b2 < nblocks)
-            mask = hmask[:, :, None]
-            head = rows[:, None] + b2 * BB
-            d = _f16_at(head, hmask)
-            if QTYPE == 8:
-                r = tl.arange(0, 32)[None, None, :]
-                q = tl.load(head[:, :, None] + 2 + r, mask=mask, other=0).to(tl.int8, bitcast=True)
-                acc = _accumulate(acc, X, stride_xm, M, d[:, :, None] * q.to(tl.float32), b * 32 + r, b < nblocks,
-                                  BLOCK_M)
-            else:
-                r = tl.arange(0, 16)[None, None, :]
-                byte = tl.load(head[:, :, None] + 2 + r, mask=mask, other=0).to(tl.int32)
-                col = b * 32 + r
-                v_lo = d[:, :, None] * ((byte & 0xF) - 8).to(tl.float32)
-                v_hi = d[:, :, None] * ((byte >> 4) - 8).to(tl.float32)
-                acc = _accumulate(acc, X, stride_xm, M, v_lo, col, b < nblocks, BLOCK_M)
-                acc = _accumulate(acc, X, stride_xm, M, v_hi, col + 16, b < nblocks, BLOCK_M)
+        v_lo, col_lo, v_hi, col_hi, ok = _decode_step(rows, it, n_ok, nblocks, QTYPE, BB, BLOCK_N, BLOCKS)
+        acc = _accumulate(acc, X, stride_xm, M, v_lo, col_lo, ok, BLOCK_M)
+        if QTYPE != 8:
+            acc = _accumulate(acc, X, stride_xm, M, v_hi, col_hi, ok, BLOCK_M)
     total = tl.sum(tl.sum(acc, axis=3), axis=2)
     offs_m = tl.arange(0, BLOCK_M)
     out = Y + split.to(tl.int64) * stride_ys + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
@@ -222,6 +240,40 @@ def gguf_gemv(x: torch.Tensor, w: torch.Tensor, dtype: str, n: int, k: int, out:
                          lambda per, sm, ss: (m, n, nblocks, per, x.stride(0), w.stride(0), sm, ss),
                          QTYPE=code, BB=bb, BLOCK_M=_rows_tile(m), BLOCK_N=cfg.block_n, BLOCKS=blocks,
                          G=_GROUPS[dtype] or blocks, R=_GROUP_VALUES[dtype], num_warps=cfg.num_warps)
+
+
+@triton.jit
+def _gguf_dequant_kernel(W, Out, N, nblocks, stride_wn, stride_on, QTYPE: tl.constexpr, BB: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCKS: tl.constexpr):
+    pid_n = tl.program_id(0)
+    it = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    rows = W + offs_n.to(tl.int64) * stride_wn
+    v_lo, col_lo, v_hi, col_hi, ok = _decode_step(rows, it, n_ok, nblocks, QTYPE, BB, BLOCK_N, BLOCKS)
+    out = Out + offs_n[:, None, None].to(tl.int64) * stride_on
+    mask = n_ok[:, None, None] & ok
+    tl.store(out + col_lo, v_lo.to(Out.dtype.element_ty), mask=mask)
+    if QTYPE != 8:
+        tl.store(out + col_hi, v_hi.to(Out.dtype.element_ty), mask=mask)
+
+
+def gguf_dequant(w: torch.Tensor, dtype: str, n: int, k: int, out_dtype: torch.dtype,
+                 block_n: int = 16) -> torch.Tensor:
+    """The ``n`` rows of the GGUF ``dtype`` matrix stored as ``w`` (uint8 ``(n, row_bytes)``, rows
+    in order: a slab of a matrix is a row slice of its data), decoded to ``out_dtype`` ``(n, k)``
+    with the GEMV's decoding (contiguous, pipelined-width loads; one program per ``block_n``
+    rows and step): the scratch of wide products (``device_weights.SCRATCH_ROWS``)."""
+    code, vb, bb, _ = GGUF_LAYOUTS[dtype]
+    out = torch.empty(n, k, dtype=out_dtype, device=w.device)
+    if n == 0:
+        return out
+    blocks = 1 if vb == 256 else 8
+    nblocks = k // vb
+    grid = (triton.cdiv(n, block_n), triton.cdiv(nblocks, blocks))
+    _gguf_dequant_kernel[grid](w, out, n, nblocks, w.stride(0), out.stride(0), QTYPE=code, BB=bb, BLOCK_N=block_n,
+                               BLOCKS=blocks, num_warps=4)
+    return out
 
 
 #: the value tile of one step: groups of one scale (None: ``blocks`` blocks) and their values
