@@ -46,12 +46,14 @@ def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
 
 def check_gguf(device: str, act_dtype: torch.dtype, rows=(1, 5, 70), n: int = 72, k: int = 512) -> list[dict]:
     """Every GGUF type: ``gguf_matmul`` at each of ``rows`` activation rows and ``gguf_rows``
-    (the embedding), and a product through a decoded scratch (``GGUFMatrix.scratch_rows``),
+    (the embedding), the scratch's decoding (``gguf_dequant``, bit for bit) and a product
+    through a decoded scratch (``GGUFMatrix.scratch_rows``),
     against gguf-py's dequantization; float32 activations must agree to
     1e-5 of the largest output, bf16 to 2e-2 (the activations and decoded weights are
     rounded to bf16 before the tensor cores)."""
     from musegl_cuda.cuda import device_weights
     from musegl_cuda.cuda.device_weights import GGUFMatrix
+    from musegl_cuda.cuda.gemv import gguf_dequant
     from musegl_cuda.cuda.quantized import gguf_matmul, gguf_rows
 
     tol = 1e-5 if act_dtype == torch.float32 else 2e-2
@@ -83,6 +85,9 @@ def check_gguf(device: str, act_dtype: torch.dtype, rows=(1, 5, 70), n: int = 72
         got = gguf_rows(ids, w, dtype, k, act_dtype).float().cpu()
         want = ref[ids.cpu()].to(act_dtype).float()
         assert torch.equal(got, want), f"{dtype} rows: max difference {(got - want).abs().max()}"
+        got = gguf_dequant(w[5:], dtype, n - 5, k, act_dtype).float().cpu()  # a slab: rows 5..n-1
+        want = ref[5:].to(act_dtype).float()
+        assert torch.equal(got, want), f"{dtype} scratch decoding: max difference {(got - want).abs().max()}"
     return results
 
 
