@@ -147,6 +147,6 @@ def test_quantization_fp8_on_cuda(tmp_path, w8a8_rows):
 @pytest.mark.timeout(1500)  # every format at four widths, graphs captured for each
 def test_products_micro_benchmark():
     script = HERE.parents[2] / "benchmarks" / "gpu_quantized_products.py"
-    done = subprocess.run([sys.executable, str(script), "--out", str(RESULTS), "--layers", "2"],
-                          capture_output=True, text=True, timeout=1200)
+    done = subprocess.run([sys.executable, str(script), "--out", str(RESULTS), "--layers", "2",
+                           "--rows", "1,8,64,2048"], capture_output=True, text=True, timeout=1200)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
