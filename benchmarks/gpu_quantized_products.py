@@ -8,14 +8,26 @@ reads its weights from memory, not from the L2 cache), the median of
 ``--repeat`` replays:
 
 * ``bf16``: ``F.linear`` (cuBLAS, no workspace, as the executor runs it);
-* ``q4_k`` ``q5_k`` ``q6_k`` ``q8_0`` ``q4_0``: :func:`musegl_cuda.cuda.quantized.gguf_matmul`;
+* ``q4_k`` ``q5_k`` ``q6_k`` ``q8_0`` ``q4_0``: ``GGUFMatrix.matmul`` as the executor runs it
+  (the decode GEMV up to ``device_weights.GEMV_ROWS`` rows, the tiles, the bf16 scratch from
+  ``device_weights.SCRATCH_ROWS`` rows);
+* ``<gguf type>_tiles``: :func:`musegl_cuda.cuda.quantized.gguf_matmul` (tensor-core tiles)
+  at every width;
 * ``fp8_weight``: e4m3 weights with one scale per output row, dequantized in the Triton
-  kernel (:func:`~musegl_cuda.cuda.quantized.fp8_matmul`);
+  kernels (the GEMV up to ``GEMV_ROWS`` rows, :func:`~musegl_cuda.cuda.quantized.fp8_matmul`
+  past it); ``fp8_tiles``: ``fp8_matmul`` at every width;
 * ``fp8_w8a8``: the same weights, activations quantized per row to e4m3 and
   ``torch._scaled_mm`` (:meth:`~musegl_cuda.cuda.device_weights.FP8Matrix.w8a8`);
 * ``<gguf type>_via_bf16`` (rows >= ``--via-bf16-rows`` only): the alternative for prefill
-  chunks (``device_weights.SCRATCH_ROWS``), every weight row decoded to a bf16 scratch
-  (``gguf_rows``) and ``F.linear``.
+  chunks and wide batches (``device_weights.SCRATCH_ROWS``), every weight row decoded to a
+  bf16 scratch (``gemv.gguf_dequant``) and ``F.linear``.
+
+``--gemv-sweep`` then times every launch config of the decode GEMV
+(:func:`musegl_cuda.cuda.gemv.sweep_configs`) for ``--sweep-formats`` at ``--sweep-rows``
+rows (``part: "gemv_sweep"``, the same per-layer timing and GB/s against bf16 cuBLAS at
+the same rows), ``part: "gemv_best"`` lines name the fastest config per (format, rows):
+what ``gemv.GEMV_CONFIGS`` should hold, and ``part: "gemv_shape"`` lines time that config
+on each of the four shapes apart, in GB/s of stored bytes beside bf16 cuBLAS's GEMV.
 
 One JSON line per (format, rows): microseconds per layer, the weight bytes streamed per
 second, and the time as a ratio of bf16's at the same rows in the same run. The FP8 lines
@@ -23,7 +35,7 @@ are what ``--fp8-w8a8-rows`` should follow (W8A8 where it is faster, at 1, 64 an
 the GGUF lines, against bf16, what the stored bytes buy at decode. ``--check`` first
 compares every format's product with bf16 ``F.linear`` on its dequantized weights.
 
-    python benchmarks/gpu_quantized_products.py --out $OUT/quantized_products.jsonl
+    python benchmarks/gpu_quantized_products.py --gemv-sweep --out $OUT/quantized_products.jsonl
 """
 
 from __future__ import annotations
@@ -42,6 +54,7 @@ import torch.nn.functional as F  # noqa: E402
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[1] / "plugins" / "cuda")]
 
+from musegl_cuda.cuda import gemv  # noqa: E402
 from musegl_cuda.cuda.device_weights import FP8Matrix, GGUFMatrix  # noqa: E402
 from musegl_cuda.cuda.quantized import GGUF_LAYOUTS  # noqa: E402
 from musegl_cuda.quantization import quantize_fp8  # noqa: E402
@@ -53,8 +66,8 @@ SHAPES = {  # (out, in)
     "gate_up": (2 * FFN, HIDDEN),
     "down": (HIDDEN, FFN),
 }
-FORMATS = ("bf16", "q4_k", "q5_k", "q6_k", "q8_0", "q4_0", "fp8_weight", "fp8_w8a8", "q4_k_via_bf16",
-           "q6_k_via_bf16")
+FORMATS = ("bf16", "q4_k", "q5_k", "q6_k", "q8_0", "q4_0", "fp8_weight", "fp8_w8a8", "q4_k_tiles", "q6_k_tiles",
+           "fp8_tiles", "q4_k_via_bf16", "q6_k_via_bf16")
 
 
 def random_gguf(dtype: str, n: int, k: int, device: str) -> torch.Tensor:
@@ -69,18 +82,23 @@ def random_gguf(dtype: str, n: int, k: int, device: str) -> torch.Tensor:
 
 
 def build(fmt: str, n: int, k: int, device: str):
-    """``(product(x) -> y, stored bytes, dequantized bf16 weight or None)``."""
+    """``(product(x) -> y, stored bytes, the matrix)``."""
     if fmt == "bf16":
         w = torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.02
         return (lambda x: F.linear(x, w)), w.numel() * 2, w
     if fmt.startswith("fp8"):
         q, scales = quantize_fp8(torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.02)
         matrix = FP8Matrix(q, scales, (1, k), torch.bfloat16, w8a8_rows=None)
+        if fmt == "fp8_tiles":
+            matrix.gemv_rows = 0
         fn = matrix.w8a8 if fmt == "fp8_w8a8" else matrix.matmul
         return fn, matrix.nbytes, matrix
-    gguf_type = fmt.removesuffix("_via_bf16")
-    scratch = 1 if fmt.endswith("_via_bf16") else None  # device_weights.SCRATCH_ROWS
-    matrix = GGUFMatrix(gguf_type, random_gguf(gguf_type, n, k, device), n, k, torch.bfloat16, scratch_rows=scratch)
+    gguf_type = fmt.removesuffix("_via_bf16").removesuffix("_tiles")
+    matrix = GGUFMatrix(gguf_type, random_gguf(gguf_type, n, k, device), n, k, torch.bfloat16)
+    if fmt.endswith("_via_bf16"):
+        matrix.scratch_rows = 1
+    if fmt.endswith("_tiles"):
+        matrix.scratch_rows, matrix.gemv_rows = None, 0
     return matrix.matmul, matrix.nbytes, matrix
 
 
@@ -122,8 +140,8 @@ def check(device: str, emit) -> int:
         if isinstance(matrix, FP8Matrix):
             weight = matrix.dequantized()
         else:
-            weight = dequantized(fmt, matrix.data.cpu().numpy(), n, k).to(device)
-        for m in (1, 64, 300):
+            weight = dequantized(matrix.dtype, matrix.data.cpu().numpy(), n, k).to(device)
+        for m in (1, 5, 16, 64, 300):
             x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
             want = F.linear(x.float(), weight.float())
             err = float((fn(x).float() - want).abs().max() / want.abs().max())
@@ -133,14 +151,91 @@ def check(device: str, emit) -> int:
     return failures
 
 
+def layer_us(products: list[list], m: int, repeat: int, only: str | None = None) -> float:
+    """Microseconds per layer of ``products`` (per layer, one ``x -> y`` per shape) at ``m`` rows;
+    ``only``: that shape's product alone."""
+    xs = {k: torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for _, k in SHAPES.values()}
+
+    def step() -> None:
+        for layer in products:
+            for fn, (name, (_, k)) in zip(layer, SHAPES.items()):
+                if only is None or name == only:
+                    fn(xs[k])
+
+    return graph_us(step, repeat) / len(products)
+
+
+def gemv_product(matrix, config):
+    if isinstance(matrix, FP8Matrix):
+        return lambda x: gemv.fp8_gemv(x, matrix.weight, matrix.scales, matrix.block, config=config)
+    return lambda x: gemv.gguf_gemv(x, matrix.data, matrix.dtype, matrix.rows_count, matrix.cols, config=config)
+
+
+def sweep(args, emit, bf16_us: dict[int, float]) -> None:
+    """Every GEMV config of :func:`gemv.sweep_configs` per format and rows, then the fastest."""
+    sweep_rows = [int(r) for r in args.sweep_rows.split(",")]
+    torch.manual_seed(0)
+    dense = [[build("bf16", n, k, "cuda")[0] for n, k in SHAPES.values()] for _ in range(args.layers)]
+    shape_us: dict[tuple[str, int], float] = {}  # bf16 cuBLAS per shape and rows
+    for m in sweep_rows:
+        if m not in bf16_us:
+            bf16_us[m] = layer_us(dense, m, args.repeat)
+        for name in SHAPES:
+            shape_us[name, m] = layer_us(dense, m, args.repeat, only=name)
+    del dense
+    for fmt in args.sweep_formats.split(","):
+        kind = "fp8" if fmt.startswith("fp8") else fmt
+        torch.manual_seed(0)
+        built = [[build(fmt, n, k, "cuda") for n, k in SHAPES.values()] for _ in range(args.layers)]
+        stored = sum(b for layer in built for _, b, _ in layer) / args.layers
+        for m in sweep_rows:
+            best = None
+            for config in gemv.sweep_configs(kind):
+                try:
+                    us = layer_us([[gemv_product(mx, config) for _, _, mx in layer] for layer in built], m,
+                                  args.repeat)
+                except Exception as e:  # a config the compiler rejects (registers, shared memory)
+                    emit(part="gemv_sweep", format=fmt, rows=m, config=attrs_dict(config), error=repr(e)[:300])
+                    continue
+                emit(part="gemv_sweep", format=fmt, rows=m, config=attrs_dict(config), us_per_layer=round(us, 1),
+                     gb_per_s=round(stored / us / 1e3, 1), vs_bf16=round(us / bf16_us[m], 3))
+                if best is None or us < best[0]:
+                    best = (us, config)
+            if best is not None:
+                us, config = best
+                emit(part="gemv_best", format=fmt, rows=m, config=attrs_dict(config), us_per_layer=round(us, 1),
+                     gb_per_s=round(stored / us / 1e3, 1), vs_bf16=round(us / bf16_us[m], 3),
+                     table=attrs_dict(gemv.gemv_config(kind, m)))
+                for name, (n, k) in SHAPES.items():  # the four products apart, against bf16's GEMV
+                    one = layer_us([[gemv_product(mx, config) for _, _, mx in layer] for layer in built], m,
+                                   args.repeat, only=name)
+                    nbytes = dict(zip(SHAPES, (b for _, b, _ in built[0])))[name]
+                    emit(part="gemv_shape", format=fmt, rows=m, shape=name, out=n, depth=k,
+                         config=attrs_dict(config), us=round(one, 2), gb_per_s=round(nbytes / one / 1e3, 1),
+                         bf16_us=round(shape_us[name, m], 2),
+                         bf16_gb_per_s=round(n * k * 2 / shape_us[name, m] / 1e3, 1),
+                         vs_bf16=round(one / shape_us[name, m], 3))
+        del built
+        torch.cuda.empty_cache()
+
+
+def attrs_dict(config) -> dict:
+    import attrs
+
+    return attrs.asdict(config)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rows", default="1,32,64,2048")
+    p.add_argument("--rows", default="1,2,4,8,16,32,64,2048")
     p.add_argument("--formats", default=",".join(FORMATS))
     p.add_argument("--layers", type=int, default=4, help="layers of distinct matrices in one graph (default 4)")
     p.add_argument("--repeat", type=int, default=20)
     p.add_argument("--out", default=None, help="also append the JSON lines to this file")
-    p.add_argument("--via-bf16-rows", type=int, default=256, help="the *_via_bf16 formats from this many rows")
+    p.add_argument("--via-bf16-rows", type=int, default=16, help="the *_via_bf16 formats from this many rows")
+    p.add_argument("--gemv-sweep", action="store_true", help="also time every decode GEMV config")
+    p.add_argument("--sweep-formats", default="q4_k,q6_k,fp8_weight")
+    p.add_argument("--sweep-rows", default="1,4,8")
     p.add_argument("--no-check", action="store_true")
     args = p.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "plugins" / "cuda" / "tests"))
@@ -177,9 +272,12 @@ def main() -> int:
                 bf16_us[m] = us
             emit(part="product", format=fmt, rows=m, us_per_layer=round(us, 1),
                  stored_mb_per_layer=round(stored / 1e6, 1), tb_per_s=round(stored / us / 1e6, 3),
+                 gb_per_s=round(stored / us / 1e3, 1),
                  vs_bf16=round(us / bf16_us[m], 3) if m in bf16_us else None)
         del layers
         torch.cuda.empty_cache()
+    if args.gemv_sweep:
+        sweep(args, emit, bf16_us)
     if out is not None:
         out.close()
     return 1 if failures else 0

@@ -46,12 +46,14 @@ def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
 
 def check_gguf(device: str, act_dtype: torch.dtype, rows=(1, 5, 70), n: int = 72, k: int = 512) -> list[dict]:
     """Every GGUF type: ``gguf_matmul`` at each of ``rows`` activation rows and ``gguf_rows``
-    (the embedding), and a product through a decoded scratch (``GGUFMatrix.scratch_rows``),
+    (the embedding), the scratch's decoding (``gguf_dequant``, bit for bit) and a product
+    through a decoded scratch (``GGUFMatrix.scratch_rows``),
     against gguf-py's dequantization; float32 activations must agree to
     1e-5 of the largest output, bf16 to 2e-2 (the activations and decoded weights are
     rounded to bf16 before the tensor cores)."""
     from musegl_cuda.cuda import device_weights
     from musegl_cuda.cuda.device_weights import GGUFMatrix
+    from musegl_cuda.cuda.gemv import gguf_dequant
     from musegl_cuda.cuda.quantized import gguf_matmul, gguf_rows
 
     tol = 1e-5 if act_dtype == torch.float32 else 2e-2
@@ -83,6 +85,9 @@ def check_gguf(device: str, act_dtype: torch.dtype, rows=(1, 5, 70), n: int = 72
         got = gguf_rows(ids, w, dtype, k, act_dtype).float().cpu()
         want = ref[ids.cpu()].to(act_dtype).float()
         assert torch.equal(got, want), f"{dtype} rows: max difference {(got - want).abs().max()}"
+        got = gguf_dequant(w[5:], dtype, n - 5, k, act_dtype).float().cpu()  # a slab: rows 5..n-1
+        want = ref[5:].to(act_dtype).float()
+        assert torch.equal(got, want), f"{dtype} scratch decoding: max difference {(got - want).abs().max()}"
     return results
 
 
@@ -238,4 +243,139 @@ def compile_for_hopper(kinds=(("q4_k", 16, 32), ("q6_k", 64, 64), ("q8_0", 16, 3
                "stride_sn": "i32"},
               dict(SBN=1 if tile else 128, SBK=6656 if tile else 64, BLOCK_M=16, BLOCK_N=32, BLOCK_K=128,
                    TILE_SCALE=tile, PRECISION=precision), f"fp8 scaled per {'tile' if tile else 'value'}")
+    return done
+
+
+def check_gemv(device: str, act_dtype: torch.dtype, rows=(1, 5), n: int = 40, k: int = 512) -> list[dict]:
+    """The skinny decode products (:mod:`musegl_cuda.cuda.gemv`) against the float32 dequantized
+    references: every GGUF type (gguf-py's dequantizers) and FP8 with one scale per row, 128 x 128
+    blocks and blocks narrower than a step, at each of ``rows`` activation rows, with the
+    table's launch and with a config of 2-row programs and 3 depth splits (a row count that
+    is not a multiple of the programs' and parts of unequal length); float32 activations agree
+    to 1e-5 of the largest output, bf16 to 2e-2."""
+    from musegl_cuda.cuda.gemv import GemvConfig, fp8_gemv, gguf_gemv
+
+    tol = 1e-5 if act_dtype == torch.float32 else 2e-2
+    odd = GemvConfig(block_n=2, blocks=4, split_k=3, num_warps=2)
+    results = []
+    for dtype in GGUF_LAYOUTS:
+        data = random_blocks(dtype, n + 3, k, seed=7 + len(results))
+        ref = dequantized(dtype, data, n + 3, k).double()
+        w = torch.from_numpy(data).to(device)
+        for m in rows:
+            x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(device, act_dtype)
+            want = x.float().cpu().double() @ ref.T
+            for config in (None, odd):
+                got = gguf_gemv(x, w, dtype, n + 3, k, config=config).float().cpu()
+                err = _rel(got, want)
+                results.append(dict(kind=f"gemv {dtype}", rows=m, config=str(config), rel_err=err))
+                assert err < tol, f"gemv {dtype} x {m} rows ({config}): relative error {err}"
+    gen = torch.Generator().manual_seed(2)
+    bits = torch.randint(0, 256, (n + 3, k), dtype=torch.uint8, generator=gen)
+    bits[(bits & 0x7F) == 0x7F] = 0  # no NaN patterns
+    q = bits.view(torch.float8_e4m3fn)
+    for block in ((1, k), (128, 128), (16, 48)):
+        scales = torch.rand(-(-(n + 3) // block[0]), -(-k // block[1]), generator=gen) * 1e-3 + 1e-4
+        full = scales.repeat_interleave(block[0], 0)[:n + 3].repeat_interleave(block[1], 1)[:, :k]
+        ref = (q.float() * full).double()
+        for m in rows:
+            x = torch.randn(m, k, generator=gen).to(device, act_dtype)
+            want = x.float().cpu().double() @ ref.T
+            for config in (None, odd):
+                got = fp8_gemv(x, q.to(device), scales.to(device), block, config=config).float().cpu()
+                err = _rel(got, want)
+                results.append(dict(kind=f"gemv fp8 {block}", rows=m, config=str(config), rel_err=err))
+                assert err < tol, f"gemv fp8 {block} x {m} rows ({config}): relative error {err}"
+    return results
+
+
+def check_quantize_rows(device: str, act_dtype: torch.dtype, m: int = 5, k: int = 300) -> None:
+    """:func:`~musegl_cuda.cuda.quantized.quantize_rows_e4m3` (W8A8's activations, one launch)
+    writes the bytes and scales of the torch expression it replaces, a zero row included."""
+    from musegl_cuda.cuda.quantized import quantize_rows_e4m3
+    from musegl_cuda.quantization import E4M3_MAX
+
+    x = (torch.randn(m, k, generator=torch.Generator().manual_seed(4)) * 3).to(act_dtype)
+    x[1] = 0.0
+    x[2, 7] = 1e-30 if act_dtype == torch.float32 else 0.0  # subnormal codes in the row
+    xf = x.float()
+    want_scale = (xf.abs().amax(dim=-1, keepdim=True) / E4M3_MAX).clamp(min=1e-12)
+    want = (xf / want_scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    q, scale = quantize_rows_e4m3(x.to(device))
+    assert torch.equal(scale.cpu(), want_scale), (scale.cpu() - want_scale).abs().max()
+    same = q.cpu().view(torch.uint8) == want.view(torch.uint8)
+    assert bool(same.all()), f"{int((~same).sum())} bytes differ"
+
+
+def compile_gemv_for_hopper(act: str = "bf16", kinds=("q4_k", "q5_k", "q6_k", "q8_0", "q4_0"),
+                            rows=(1, 8)) -> list[dict]:
+    """Compile the decode GEMV kernels (:mod:`musegl_cuda.cuda.gemv`, the table's launches at
+    ``rows`` activation rows), the scratch's decoder and W8A8's activation quantizer for an sm_90 GPU without a GPU.
+    Returns per kernel its registers, spilled bytes and its global loads: 16-byte vectors
+    (``ld.global...v4``), others, and asynchronous copies (``cp.async``: the loop's loads
+    pipelined), the facts the interpreter cannot give."""
+    import re
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from musegl_cuda.cuda import gemv
+    from musegl_cuda.cuda import quantized as q
+
+    import subprocess
+    import tempfile
+
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    target = GPUTarget("cuda", 90, 32)
+    done = []
+    ptxas = get_ptxas(90).path
+
+    def build(fn, signature: dict, constants: dict, name: str, warps: int, aligned: tuple[int, ...]) -> None:
+        signature = {**signature, **{k: "constexpr" for k in constants}}
+        attrs = {(i,): [["tt.divisibility", 16]] for i in aligned}
+        src = ASTSource(fn=fn, signature=signature, constexprs=constants, attrs=attrs)
+        kernel = triton.compile(src, target=target, options={"num_warps": warps})
+        assert kernel.asm.get("cubin"), name
+        ptx = kernel.asm["ptx"]
+        with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+            f.write(ptx)
+            f.flush()
+            info = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", f.name, "-o", "/dev/null"],
+                                  capture_output=True, text=True).stderr
+        regs = re.search(r"Used (\d+) registers", info)
+        spill = re.search(r"(\d+) bytes spill stores", info)
+        done.append(dict(kernel=name, regs=int(regs.group(1)) if regs else None,
+                         spill_bytes=int(spill.group(1)) if spill else None,
+                         v4_loads=len(re.findall(r"ld\.global[.\w]*\.v4", ptx)),
+                         loads=len(re.findall(r"ld\.global", ptx)),
+                         async_copies=len(re.findall(r"cp\.async\.c[ag]", ptx))))
+    sig = {"X": f"*{act}", "W": "*u8", "Y": f"*{act}", "M": "i32", "N": "i32", "nblocks": "i32",
+           "per_split": "i32", "stride_xm": "i32", "stride_wn": "i32", "stride_ym": "i32", "stride_ys": "i32"}
+    for dtype in kinds:
+        code, vb, bb, _ = q.GGUF_LAYOUTS[dtype]
+        for m in rows:
+            cfg = gemv.gemv_config(dtype, m)
+            blocks = 1 if vb == 256 else cfg.blocks
+            build(gemv._gguf_gemv_kernel, sig,
+                  dict(QTYPE=code, BB=bb, BLOCK_M=gemv._rows_tile(m), BLOCK_N=cfg.block_n, BLOCKS=blocks,
+                       G=gemv._GROUPS[dtype] or blocks, R=gemv._GROUP_VALUES[dtype], STAGES=3),
+                  f"gemv {dtype} x{m}", cfg.num_warps, (0, 1, 2, 7, 8))
+        build(gemv._gguf_dequant_kernel, {"W": "*u8", "Out": f"*{act}", "N": "i32", "nblocks": "i32",
+                                          "stride_wn": "i32", "stride_on": "i32"},
+              dict(QTYPE=code, BB=bb, BLOCK_N=16, BLOCKS=1 if vb == 256 else 8), f"dequant {dtype}", 4, (0, 1, 4, 5))
+    fsig = {"X": f"*{act}", "W": "*u8", "S": "*fp32", "Y": f"*{act}", "M": "i32", "N": "i32", "K": "i32",
+            "per_split": "i32", "stride_xm": "i32", "stride_wn": "i32", "stride_ym": "i32", "stride_ys": "i32",
+            "stride_sn": "i32"}
+    for m in rows:
+        cfg = gemv.gemv_config("fp8", m)
+        for row_scale in (True, False):
+            build(gemv._fp8_gemv_kernel, fsig,
+                  dict(SBN=1 if row_scale else 128, SBK=6656 if row_scale else 128, BLOCK_M=gemv._rows_tile(m),
+                       BLOCK_N=cfg.block_n, BLOCK_K=16 * cfg.blocks, ROW_SCALE=row_scale, STAGES=3),
+                  f"gemv fp8 x{m} {'row' if row_scale else 'block'} scales", cfg.num_warps, (0, 1, 3, 6, 8, 9))
+    build(q._quantize_rows_kernel, {"X": f"*{act}", "Q": "*u8", "S": "*fp32", "K": "i32", "stride_xm": "i32",
+                                    "stride_qm": "i32"},
+          dict(E4M3_MAX=448.0, BLOCK_K=4096), "w8a8 activations", 8, (0, 1, 3, 4, 5))
     return done

@@ -51,6 +51,14 @@ def test_kernels_match_the_references_in_bf16():
         record(part="kernel", **row)
 
 
+def test_decode_gemv_and_w8a8_activations_match_the_references_in_bf16():
+    from quantized_checks import check_gemv, check_quantize_rows
+
+    for row in check_gemv("cuda", torch.bfloat16, rows=(1, 2, 5, 8), n=300, k=2048):
+        record(part="gemv", **row)
+    check_quantize_rows("cuda", torch.bfloat16, m=70, k=6656)
+
+
 def _prompt_logits(executor, prompt) -> torch.Tensor:
     from musegl_core.engine.executor import SeqChunk, Step
 
@@ -139,6 +147,6 @@ def test_quantization_fp8_on_cuda(tmp_path, w8a8_rows):
 @pytest.mark.timeout(1500)  # every format at four widths, graphs captured for each
 def test_products_micro_benchmark():
     script = HERE.parents[2] / "benchmarks" / "gpu_quantized_products.py"
-    done = subprocess.run([sys.executable, str(script), "--out", str(RESULTS), "--layers", "2"],
-                          capture_output=True, text=True, timeout=1200)
+    done = subprocess.run([sys.executable, str(script), "--out", str(RESULTS), "--layers", "2",
+                           "--rows", "1,8,64,2048"], capture_output=True, text=True, timeout=1200)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

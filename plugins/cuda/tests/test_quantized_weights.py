@@ -176,6 +176,14 @@ def test_quantized_kernels_match_the_references_in_the_interpreter():
                  "check_gguf('cpu', torch.float32); check_fp8('cpu', torch.float32)")
 
 
+@pytest.mark.slow  # Triton's interpreter: ~40 s on two cores
+def test_decode_gemv_kernels_and_w8a8_activations_match_the_references_in_the_interpreter():
+    pytest.importorskip("triton")
+    _interpreted("import torch; from quantized_checks import check_gemv, check_quantize_rows; "
+                 "check_gemv('cpu', torch.float32); check_quantize_rows('cpu', torch.float32); "
+                 "check_quantize_rows('cpu', torch.bfloat16)")
+
+
 @pytest.mark.slow  # Triton's interpreter: ~25 s on two cores
 def test_q4_k_m_file_runs_as_stored_through_the_kernels_in_the_interpreter(tmp_path):
     pytest.importorskip("triton")
@@ -260,3 +268,21 @@ def test_quantized_kernels_compile_for_hopper():
     from quantized_checks import compile_for_hopper
 
     assert len(compile_for_hopper()) == 6
+
+
+@pytest.mark.slow  # Triton's compiler and ptxas on two cores: ~45 s (seconds from Triton's cache)
+def test_decode_gemv_kernels_compile_for_hopper_without_spills():
+    """The GEMV kernels at the table's launches for 1 and 8 rows, the scratch's decoder and
+    W8A8's quantizer, built
+    for sm_90 (bf16): no register spills, and the loops' weight loads of Q4_K, Q5_K, Q8_0 and
+    FP8 (whose blocks are 4-byte aligned) pipelined through ``cp.async``."""
+    pytest.importorskip("triton")
+    sys.path.insert(0, str(HERE))
+    from quantized_checks import compile_gemv_for_hopper
+
+    built = compile_gemv_for_hopper()
+    assert len(built) == 20, built
+    assert all(k["spill_bytes"] == 0 for k in built), built
+    for k in built:
+        if k["kernel"].startswith(("gemv q4_k", "gemv q5_k", "gemv q8_0", "gemv fp8")):  # loops only
+            assert k["async_copies"] > 0, k

@@ -3,13 +3,15 @@
 A :class:`~musegl_core.checkpoint.stored.StoredTensor` becomes one of:
 
 * :class:`GGUFMatrix`: GGUF ``Q8_0``/``Q4_0``/``Q4_K``/``Q5_K``/``Q6_K`` blocks as the
-  file stores them, multiplied and gathered by :mod:`musegl_cuda.cuda.quantized`;
+  file stores them, gathered by :mod:`musegl_cuda.cuda.quantized` and multiplied by its
+  GEMV (up to :data:`GEMV_ROWS` rows, :mod:`musegl_cuda.cuda.gemv`), its tiles, or (from
+  :data:`SCRATCH_ROWS` rows) ``F.linear`` on a decoded scratch;
 * :class:`FP8Matrix`: float8 e4m3 weights with float32 block scales (an FP8
   checkpoint as published, or a half-precision matrix quantized at load with
   ``--quantization fp8``: one scale per output row). A product of fewer than
-  ``w8a8_rows`` activation rows dequantizes the weights in the Triton kernel
-  (weight-only); a wider one quantizes the activations per row to e4m3 and runs
-  ``torch._scaled_mm`` (W8A8), where the scales allow it (one per matrix or per
+  ``w8a8_rows`` activation rows dequantizes the weights in the Triton kernels
+  (weight-only: the GEMV up to :data:`GEMV_ROWS` rows, the tiles past it); a wider one
+  quantizes the activations per row to e4m3 and runs ``torch._scaled_mm`` (W8A8), where the scales allow it (one per matrix or per
   output row, and both dimensions multiples of 16; other matrices always run weight-only);
 * :class:`DenseMatrix`: every other matrix (f16/bf16/f32, and GGUF types without a
   kernel here, decoded at load) in the activation dtype, through ``F.linear``.
@@ -23,6 +25,7 @@ value on the host, so decode steps capture into CUDA graphs as with bf16.
 from __future__ import annotations
 
 import logging
+import os
 import warnings
 
 import numpy as np
@@ -30,23 +33,45 @@ import torch
 import torch.nn.functional as F
 
 from musegl_core.checkpoint.stored import FP8, HALF_DTYPES, StoredTensor
-from musegl_cuda.cuda.quantized import GGUF_LAYOUTS, fp8_matmul, gguf_matmul, gguf_rows
+from musegl_cuda.cuda import gemv
+from musegl_cuda.cuda.quantized import GGUF_LAYOUTS, fp8_matmul, gguf_matmul, gguf_rows, quantize_rows_e4m3
 from musegl_cuda.quantization import E4M3_MAX, quantize_fp8
 
 log = logging.getLogger("musegl.cuda")
 
 #: GGUF products of at least this many activation rows decode the matrix into a scratch in
-#: the activation dtype (``gguf_rows``, :data:`SCRATCH_BYTES` of it at a time) and run
+#: the activation dtype (``gemv.gguf_dequant``, :data:`SCRATCH_BYTES` of it at a time) and run
 #: ``F.linear`` (cuBLAS) on it, instead of the Triton kernel's dequantized tiles; None: the
 #: kernel at every width. The kernel decodes every weight tile once per 64 activation rows and
 #: splits no depth past 16 rows, so a 4,096-row prefill decoded each weight 64 times: on an
 #: H100 (benchmarks/results/gpu_quantized_2026-12-07_h100, 30B shape, 26 layers, the kernel at
 #: every width) Q4_K_M prefilled 890 tok/s against bf16's 23,677, and a batch-64 step took
 #: 106 ms against bf16's 10.9, while the batch-1 step (one decode of every weight) took 22 ms:
-#: a scratch costs about one such decode plus bf16's product. The crossing was not timed (the
-#: products benchmark's output did not come back): ``benchmarks/gpu_quantized_products.py``
-#: times both (``q4_k`` against ``q4_k_via_bf16``) so that this can follow the faster.
-SCRATCH_ROWS: int | None = 64
+#: a scratch costs about one such decode plus bf16's product. Past the decode kernels'
+#: 16 rows (the tiles split no depth there, so a 30B matrix ran about one program per
+#: multiprocessor) the scratch is taken. The crossing was not timed (the products benchmark's
+#: output did not come back): ``benchmarks/gpu_quantized_products.py`` times both (``q4_k_tiles``
+#: against ``q4_k_via_bf16`` at 32 and 64 rows) so that this can follow the faster.
+SCRATCH_ROWS: int | None = 17
+#: GGUF and FP8 products of at most this many activation rows run the skinny decode kernels
+#: (:mod:`musegl_cuda.cuda.gemv`: CUDA-core products reading each stored byte once) instead
+#: of the tensor-core tiles; 0 turns them off. ``MUSEGL_CUDA_GEMV_ROWS`` and
+#: ``MUSEGL_CUDA_SCRATCH_ROWS`` (a number, or ``off``) override these two at import, so that a
+#: benchmark can time the executor both ways without a code change. Only on CUDA: under
+#: Triton's interpreter (the CPU tests) the model runs the tiles, whose few programs interpret
+#: faster; ``quantized_checks.check_gemv`` checks these kernels there directly.
+GEMV_ROWS = gemv.GEMV_ROWS
+
+
+def _env_rows(name: str, default: int | None) -> int | None:
+    value = os.environ.get(name)
+    if value is None:
+        return default
+    return None if value.strip().lower() in ("off", "none", "") else int(value)
+
+
+GEMV_ROWS = min(_env_rows("MUSEGL_CUDA_GEMV_ROWS", GEMV_ROWS) or 0, gemv.GEMV_ROWS)
+SCRATCH_ROWS = _env_rows("MUSEGL_CUDA_SCRATCH_ROWS", SCRATCH_ROWS)
 #: Most bytes of scratch one product decodes at a time (its weight rows in slabs), so that a
 #: wide matrix (the fused gate/up, the head) holds no whole decoded copy beside the KV pool.
 SCRATCH_BYTES = 64 << 20
@@ -100,6 +125,7 @@ class GGUFMatrix:
         self.rows_count, self.cols = rows, cols
         self.act_dtype = act_dtype
         self.scratch_rows = scratch_rows  # see SCRATCH_ROWS
+        self.gemv_rows = GEMV_ROWS
 
     @property
     def nbytes(self) -> int:
@@ -108,21 +134,23 @@ class GGUFMatrix:
     def matmul(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         if self.scratch_rows is not None and x.shape[0] >= self.scratch_rows:
             return self._via_scratch(x, out)
+        if 0 < x.shape[0] <= self.gemv_rows and x.is_cuda:
+            return gemv.gguf_gemv(x.contiguous(), self.data, self.dtype, self.rows_count, self.cols, out)
         return gguf_matmul(x.contiguous(), self.data, self.dtype, self.rows_count, self.cols, out)
 
     def _via_scratch(self, x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
-        """``x @ W^T`` through the weight rows decoded to ``x.dtype``, a slab of at most
-        :data:`SCRATCH_BYTES` at a time, each slab's product by ``F.linear``."""
+        """``x @ W^T`` through the weight rows decoded to ``x.dtype`` (:func:`gemv.gguf_dequant`),
+        a slab of at most :data:`SCRATCH_BYTES` at a time, each slab's product by ``F.linear``."""
         n = self.rows_count
         slab = max(1, SCRATCH_BYTES // (self.cols * x.element_size()))
-        every = torch.arange(n, device=self.data.device)
         if slab >= n:
-            y = F.linear(x, gguf_rows(every, self.data, self.dtype, self.cols, x.dtype))
+            y = F.linear(x, gemv.gguf_dequant(self.data, self.dtype, n, self.cols, x.dtype))
             return y if out is None else out.copy_(y)
         y = out if out is not None else torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
         for start in range(0, n, slab):
-            ids = every[start:start + slab]
-            y[:, start:start + len(ids)] = F.linear(x, gguf_rows(ids, self.data, self.dtype, self.cols, x.dtype))
+            count = min(slab, n - start)
+            part = gemv.gguf_dequant(self.data[start:start + count], self.dtype, count, self.cols, x.dtype)
+            y[:, start:start + count] = F.linear(x, part)
         return y
 
     def rows(self, ids: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -131,8 +159,10 @@ class GGUFMatrix:
     @staticmethod
     def concat(parts: list["GGUFMatrix"]) -> "GGUFMatrix":
         first = parts[0]
-        return GGUFMatrix(first.dtype, torch.cat([p.data for p in parts]), sum(p.rows_count for p in parts),
-                          first.cols, first.act_dtype, first.scratch_rows)
+        merged = GGUFMatrix(first.dtype, torch.cat([p.data for p in parts]), sum(p.rows_count for p in parts),
+                            first.cols, first.act_dtype, first.scratch_rows)
+        merged.gemv_rows = first.gemv_rows
+        return merged
 
 
 class FP8Matrix:
@@ -162,6 +192,7 @@ class FP8Matrix:
         # torch._scaled_mm wants both dimensions of the weight in multiples of 16
         aligned = self.rows_count % 16 == 0 and self.cols % 16 == 0
         self.w8a8_rows = w8a8_rows if self.row_scales is not None and aligned else None
+        self.gemv_rows = GEMV_ROWS
 
     @property
     def nbytes(self) -> int:
@@ -177,14 +208,21 @@ class FP8Matrix:
         if self.w8a8_rows is not None and x.shape[0] >= self.w8a8_rows:
             y = self.w8a8(x)
             return y if out is None else out.copy_(y)
+        if 0 < x.shape[0] <= self.gemv_rows and x.is_cuda:
+            return gemv.fp8_gemv(x.contiguous(), self.weight, self.scales, self.block, out)
         return fp8_matmul(x.contiguous(), self.weight, self.scales, self.block, out)
 
     def w8a8(self, x: torch.Tensor) -> torch.Tensor:
         """``x @ W^T`` with ``x`` quantized per row to e4m3 (scale ``amax/448``), through
-        ``torch._scaled_mm`` with the weight's per-row scales; float32 accumulation."""
-        xf = x.float()
-        x_scale = (xf.abs().amax(dim=-1, keepdim=True) / E4M3_MAX).clamp_(min=1e-12)
-        xq = (xf / x_scale).clamp_(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+        ``torch._scaled_mm`` with the weight's per-row scales; float32 accumulation. On CUDA the
+        activations are quantized by one Triton launch (:func:`quantize_rows_e4m3`, the same
+        bytes as the torch expression here, which takes six passes over them)."""
+        if x.is_cuda:
+            xq, x_scale = quantize_rows_e4m3(x)
+        else:
+            xf = x.float()
+            x_scale = (xf.abs().amax(dim=-1, keepdim=True) / E4M3_MAX).clamp_(min=1e-12)
+            xq = (xf / x_scale).clamp_(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
         return torch._scaled_mm(xq, self.weight.t(), scale_a=x_scale, scale_b=self.row_scales, out_dtype=x.dtype)
 
     def rows(self, ids: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:

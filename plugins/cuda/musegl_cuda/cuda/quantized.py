@@ -35,6 +35,8 @@ import torch
 import triton
 import triton.language as tl
 
+from musegl_cuda.cuda.kernels import _e4m3_bits
+
 # stored dtype tag -> (type code, values per block, bytes per block, byte positions per block)
 GGUF_LAYOUTS = {
     "q8_0": (8, 32, 34, 32),
@@ -345,3 +347,40 @@ def fp8_matmul(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, block: tu
                          SBN=block[0], SBK=block[1], BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
                          TILE_SCALE=block[1] % block_k == 0 or block[1] >= k, PRECISION=_precision(x.dtype),
                          num_warps=warps)
+
+
+# ---------------------------------------------------------------------------
+# W8A8: activations quantized per row to e4m3
+
+
+@triton.jit
+def _quantize_rows_kernel(X, Q, S, K, stride_xm, stride_qm, E4M3_MAX: tl.constexpr, BLOCK_K: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_K)
+    amax = tl.zeros([BLOCK_K], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        x = tl.load(X + row * stride_xm + k0 + offs, mask=k0 + offs < K, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.abs(x))
+    scale = tl.maximum(tl.math.div_rn(tl.max(amax, 0), E4M3_MAX), 1e-12)  # IEEE division, as torch's
+    tl.store(S + row, scale)
+    for k0 in range(0, K, BLOCK_K):
+        ok = k0 + offs < K
+        x = tl.load(X + row * stride_xm + k0 + offs, mask=ok, other=0.0).to(tl.float32)
+        q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -E4M3_MAX), E4M3_MAX)
+        tl.store(Q + row * stride_qm + k0 + offs, _e4m3_bits(q).to(tl.uint8), mask=ok)
+
+
+def quantize_rows_e4m3(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(e4m3 (m, k), float32 scales (m, 1))`` of ``x`` quantized per row with scale
+    ``max(amax / 448, 1e-12)``, rounded to nearest even: the bytes of
+    ``(x.float() / scale).clamp(-448, 448).to(torch.float8_e4m3fn)``, in one launch (a
+    program per row, reading the row twice: once for its maximum, once to quantize it)."""
+    from musegl_cuda.quantization import E4M3_MAX
+
+    m, k = x.shape
+    q = torch.empty(m, k, dtype=torch.uint8, device=x.device)
+    scales = torch.empty(m, 1, dtype=torch.float32, device=x.device)
+    if m:
+        _quantize_rows_kernel[(m,)](x, q, scales, k, x.stride(0), q.stride(0), E4M3_MAX=E4M3_MAX,
+                                    BLOCK_K=min(4096, triton.next_power_of_2(k)), num_warps=8)
+    return q.view(torch.float8_e4m3fn), scales
