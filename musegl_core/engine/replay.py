@@ -52,7 +52,7 @@ class ReplayPlan:
 MEANINGS_KEPT = 4096
 #: ... and the most ids those turns may hold in all. A count alone does not bound the memory when
 #: turns are long: an id held in a key takes 40 bytes (a pointer and an int object), so 4,096
-#: turns of 8,192 ids held 1.25 GiB in keys alone, before their parsed text. 524,288 ids take
+#: turns of 8,192 ids would hold 1.25 GiB in keys alone, before their parsed text. 524,288 ids take
 #: 20 MiB in keys: room for the turns of several long agent sessions.
 MEANINGS_KEPT_IDS = 1 << 19
 
