@@ -54,11 +54,12 @@ MiB, worker 274.8 -> 274.1 MiB over 1,756 requests) while the worker's malloc fr
 62 MiB between two runs at the same point (29.6 and 91.9 MiB). In the second (with trims) the
 worker's anonymous memory grew 25.3 MiB: the host tier's 24 MiB of pages and malloc's 1.3 MiB more
 in use; the front's 16.6 MiB: pymalloc's arenas 105 -> 120 MiB while the bytes in their blocks went
-64.6 -> 65.2 MiB (arenas a few long-lived objects keep, a high-water, not a leak). The worker's RSS
-growth is counted net of the host KV tier filling its pages (``--kv-offload-memory``, on by default:
-its pages become resident as they are first used, up to the tier's size): the high-water of its
-bytes in use over the run, minus that at the warm reading, is taken off the end RSS
-(``host_tier_filled``).
+64.6 -> 65.2 MiB (arenas a few long-lived objects keep, a high-water, not a leak). Those runs
+predate the worker's own trims after each burst of work (``musegl_core/worker/memory.py``). The
+worker's RSS growth is counted net of the host KV tier filling its pages (``--kv-offload-memory``,
+on by default: its pages become resident as they are first used, up to the tier's size): the
+high-water of its bytes in use over the run, minus that at the warm reading, is taken off the end
+RSS (``host_tier_filled``).
 
 The warm and the end RSS are read once the server is idle and
 :data:`QUIET_SECONDS` later: the front gives freed memory back to the system
