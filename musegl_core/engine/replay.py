@@ -19,7 +19,8 @@ visible answer after a different history never picks up another turn's ids.
 
 from __future__ import annotations
 
-import functools
+import collections
+import threading
 from typing import Sequence
 
 import attrs
@@ -49,6 +50,46 @@ class ReplayPlan:
 #: Turns whose parsed meaning a :class:`Replayer` remembers: an agent's every request re-sends
 #: every earlier answer, so each turn's text is decoded and parsed once, not once a request.
 MEANINGS_KEPT = 4096
+#: ... and the most ids those turns may hold in all. A count alone does not bound the memory when
+#: turns are long: an id held in a key takes 40 bytes (a pointer and an int object), so 4,096
+#: turns of 8,192 ids would hold 1.25 GiB in keys alone, before their parsed text. 524,288 ids take
+#: 20 MiB in keys: room for the turns of several long agent sessions.
+MEANINGS_KEPT_IDS = 1 << 19
+
+
+class MeaningCache:
+    """The parsed meaning of turns, least recently used first out, within :data:`MEANINGS_KEPT`
+    turns and :data:`MEANINGS_KEPT_IDS` ids (a turn longer than that is parsed, never kept).
+    Thread-safe: the preparation threads and the engine thread share it; a parse runs outside
+    the lock (two threads may parse the same turn once each)."""
+
+    def __init__(self, parse, turns: int = MEANINGS_KEPT, ids: int = MEANINGS_KEPT_IDS):
+        self.parse = parse
+        self.max_turns, self.max_ids = turns, ids
+        self.ids = 0  # ids held by the kept turns
+        self._kept: collections.OrderedDict[tuple[int, ...], object] = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._kept)
+
+    def __call__(self, key: tuple[int, ...]):
+        with self._lock:
+            found = self._kept.get(key)
+            if found is not None:
+                self._kept.move_to_end(key)
+                return found
+        parsed = self.parse(key)
+        if len(key) > self.max_ids:
+            return parsed
+        with self._lock:
+            if key not in self._kept:
+                self._kept[key] = parsed
+                self.ids += len(key)
+                while len(self._kept) > self.max_turns or self.ids > self.max_ids:
+                    old, _ = self._kept.popitem(last=False)
+                    self.ids -= len(old)
+        return parsed
 
 
 class Replayer:
@@ -57,7 +98,7 @@ class Replayer:
         self.end_ids = end_ids
         self.eot = tokenizer.eot_id
         # (thread-safe: the preparation threads and the engine thread share the replayer)
-        self._parsed = functools.lru_cache(maxsize=MEANINGS_KEPT)(self._parse)
+        self._parsed = MeaningCache(self._parse)
 
     def _parse(self, ids: tuple[int, ...]):
         return parse_output(self.tokenizer.decode(list(ids)), tools_active=True)

@@ -10,7 +10,10 @@
   with a script for the model);
 * :mod:`~musegl_core.testing.server`: a real front + worker in-process
   (:func:`running_server`), and installing a test-only plugin for its worker;
-* :mod:`~musegl_core.testing.images`: PNG test images with real content and their data URLs.
+* :mod:`~musegl_core.testing.images`: PNG test images with real content and their data URLs;
+* :mod:`~musegl_core.testing.engine_runs`: driving an engine directly (prompt ids, a request's
+  ``Done``, a scripted conversation to compare two engines on, an engine over the example executor);
+* :mod:`~musegl_core.testing.files`: folders for tests (one this user cannot write).
 
 Nothing here is used to serve.
 """

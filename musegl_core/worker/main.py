@@ -34,6 +34,7 @@ from musegl_core.errors import ConfigError
 from musegl_core.vision.preprocess import ImagePreprocessor, vision_patches
 from musegl_core.worker import messages as m
 from musegl_core.worker.loading import load
+from musegl_core.worker.memory import IdleTrim
 from musegl_core.worker.prepare import prepare
 from musegl_core.worker.preparation import PreparationPool
 
@@ -164,6 +165,8 @@ def serve(config: ServeConfig, stdin: BinaryIO, stdout: BinaryIO) -> None:
     engine = Engine(executor, tokenizer, EngineConfig.from_serve(config), writer, speculator)
     engine_thread = threading.Thread(target=engine.run_forever, name="musegl-engine", daemon=True)
     engine_thread.start()
+    trim = IdleTrim(lambda: engine.steps, lambda: engine.idle)  # freed memory back after each burst
+    threading.Thread(target=trim.run_forever, name="musegl-memory-trim", daemon=True).start()
     if config.session_idle_timeout is not None:
         threading.Thread(target=_expire_idle_sessions, args=(engine, config.session_idle_timeout),
                          name="musegl-session-expiry", daemon=True).start()

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
 from musegl_core.config import ServeConfig
 from musegl_core.errors import ConfigError
+from musegl_core.testing.files import unwritable_dir
 
 
 def parse(*argv: str) -> ServeConfig:
@@ -43,13 +42,5 @@ def test_the_disk_tier_flags_are_checked_together(tmp_path, fields, message):
 
 
 def test_an_unwritable_directory_is_refused(tmp_path):
-    locked = tmp_path / "locked"
-    locked.mkdir()
-    locked.chmod(0o500)
-    try:
-        if os.access(locked, os.W_OK):
-            pytest.skip("running as a user that writes anywhere")
-        with pytest.raises(ConfigError, match="is not writable"):
-            ServeConfig(kv_offload_dir=str(locked), kv_offload_disk=1 << 30).validate()
-    finally:
-        locked.chmod(0o700)
+    with unwritable_dir(tmp_path) as locked, pytest.raises(ConfigError, match="is not writable"):
+        ServeConfig(kv_offload_dir=str(locked), kv_offload_disk=1 << 30).validate()

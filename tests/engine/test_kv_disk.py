@@ -11,6 +11,7 @@ import pytest
 
 from musegl_core.engine import kv_disk as kd
 from musegl_core.engine.prefix_cache import ROOT, block_key
+from musegl_core.testing.files import unwritable_dir
 
 FMT = kd.BlockFormat(model="tiny-abc", kv_dtype="float32", layout="4x2x8", block_size=4)
 OTHER = kd.BlockFormat(model="tiny-abc", kv_dtype="float8_e4m3", layout="4x2x8", block_size=4)
@@ -135,18 +136,11 @@ def test_the_directory_must_be_writable(tmp_path):
     with pytest.raises(kd.DiskTierError, match="is not a directory"):
         kd.DiskTier.open(plain, FILE, FMT)
     kd.check_dir(tmp_path / "new" / "deeper")  # creatable
-    locked = tmp_path / "locked"
-    locked.mkdir()
-    locked.chmod(0o500)
-    try:
-        if os.access(locked, os.W_OK):
-            pytest.skip("running as a user that writes anywhere")
+    with unwritable_dir(tmp_path) as locked:
         with pytest.raises(kd.DiskTierError, match="is not writable"):
             kd.DiskTier.open(locked, FILE, FMT)
         with pytest.raises(kd.DiskTierError, match="not writable to create it"):
             kd.check_dir(locked / "sub")
-    finally:
-        locked.chmod(0o700)
 
 
 def test_the_fingerprint_covers_every_field():

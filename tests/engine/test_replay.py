@@ -54,3 +54,25 @@ def test_a_different_answer_stops_the_replay(replayer):
     start = turns[1][0]
     prompt[start] = 777  # the client sent another second answer
     assert replayer.apply(ReplayLog(executed, turns), prompt)[1] == turns[:1]
+
+
+def test_the_parsed_turns_kept_stay_within_their_turn_and_id_bounds():
+    """Issue 47 (the soak's RSS): the replayer's memory of parsed turns is bounded in ids, not
+    only in turns, least recently used first out; a turn longer than the whole bound is parsed
+    and not kept; a kept turn is parsed once."""
+    from musegl_core.engine.replay import MeaningCache
+
+    parsed: list[tuple[int, ...]] = []
+    cache = MeaningCache(lambda ids: parsed.append(ids) or len(ids), turns=8, ids=100)
+    for n in range(200):  # 200 turns of 30 ids: 6,000 ids asked for
+        turn = tuple(range(n, n + 30))
+        assert cache(turn) == 30
+        assert len(cache) <= 8 and cache.ids <= 100
+    assert len(cache) == 3 and cache.ids == 90  # the three most recent
+    assert cache(tuple(range(199, 229))) == 30 and len(parsed) == 200  # kept: not parsed again
+    assert cache(tuple(range(197, 227))) == 30 and len(parsed) == 200
+    assert cache(tuple(range(101))) == 101 and len(cache) == 3  # too long to keep
+    for n in range(20):  # short turns: the turn bound applies
+        cache((n,))
+    assert len(cache) == 8 and cache.ids == 8
+

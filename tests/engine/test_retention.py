@@ -6,32 +6,20 @@ from __future__ import annotations
 import pytest
 
 from musegl_core.engine import events as ev
-from musegl_core.engine.engine import Engine, EngineConfig
 from musegl_core.engine.executor import GREEDY
 from musegl_core.engine.request import PreparedRequest
 from musegl_core.engine.retention import RESIDENCIES, idle_timeout
 from musegl_core.errors import ApiError
 from musegl_core.service import retention as sr
-from musegl_core.testing.example_executor import ExampleExecutor
+from musegl_core.testing.engine_runs import example_engine
 
 PROMPT = tuple(range(100, 124))
 
 
-@pytest.fixture(scope="module")
-def tokenizer():
-    from musegl_core.tiny import default_model_path
-    from musegl_core.tokenizer import MuseTokenizer
-
-    return MuseTokenizer.load(str(default_model_path()))
-
-
 def engine_for(tokenizer, **config):
-    events: list = []
     settings = dict(max_context=128, max_sessions=2, max_inflight_requests=4, max_decode_sequences=8,
                     soft_session_idle_timeout=30.0)
-    engine = Engine(ExampleExecutor(tokenizer.vocab_size), tokenizer, EngineConfig(**{**settings, **config}),
-                    events.append)
-    return engine, events
+    return example_engine(tokenizer, **{**settings, **config})
 
 
 def soft(rid: str, prompt, name: str, retention: str | None = None) -> PreparedRequest:

@@ -8,7 +8,7 @@ or need the host between steps (penalties, which are never pipelined)."""
 from __future__ import annotations
 
 import pytest
-from engine_run_support import Recording, demo_tokenizer
+from engine_run_support import Recording
 
 from musegl_core.checkpoint.loader import load_checkpoint
 from musegl_core.engine import events as ev
@@ -18,11 +18,6 @@ from musegl_core.engine.request import PreparedRequest
 from musegl_cuda.executor import TorchExecutor
 
 BLOCK = 4
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return demo_tokenizer()
 
 
 @pytest.fixture(scope="module")

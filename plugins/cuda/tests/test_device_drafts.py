@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_run_support import Recording, demo_tokenizer
+from engine_run_support import Recording
 
 from musegl_core.checkpoint.loader import load_checkpoint
 from musegl_core.engine import events as ev
@@ -173,11 +173,6 @@ class RecordedOnHost(Recorded):
     """The same drafts, through ``propose`` only (the class defines no ``propose_on_device``)."""
 
     propose_on_device = None
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return demo_tokenizer()
 
 
 def run(checkpoint, tokenizer, requests, speculator=None, **settings):

@@ -10,43 +10,22 @@ from __future__ import annotations
 import logging
 
 import pytest
-import torch
 
-from engine_run_support import demo_tokenizer
-from musegl_core.checkpoint.loader import load_checkpoint
-from musegl_core.engine import events as ev
-from musegl_core.engine.engine import Engine, EngineConfig
+from engine_run_support import tier_engine
+from musegl_core.engine.engine import Engine
 from musegl_core.engine.executor import GREEDY
 from musegl_core.engine.request import PreparedRequest
 from musegl_core.errors import ConfigError
+from musegl_core.testing.engine_runs import done, ids
 from musegl_cuda.executor import TorchExecutor
 
 BLOCK = 4
 
 
-@pytest.fixture(scope="module")
-def tokenizer():
-    return demo_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tiny_gguf):
-    return load_checkpoint(tiny_gguf)
-
-
 def engine_for(checkpoint, tokenizer, *, blocks: int = 400, host: int | None = 0, disk=None,
                dtype: str = "float32", **more) -> tuple[Engine, list]:
-    executor = TorchExecutor(checkpoint, device="cpu", dtype=dtype, block_size=BLOCK)
-    events: list = []
-    config = EngineConfig(max_context=256, max_sessions=6, max_inflight_requests=4, max_decode_sequences=4,
-                          max_prefill_chunk=32, kv_blocks=blocks, kv_offload_memory=host,
-                          kv_offload_dir=None if disk is None else str(disk),
-                          kv_offload_disk=None if disk is None else 64 << 20, **more)
-    return Engine(executor, tokenizer, config, events.append), events
-
-
-def ids(seed: int, n: int) -> list[int]:
-    return torch.randint(3, 500, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+    return tier_engine(checkpoint, tokenizer, blocks=blocks, host=host, disk=disk, dtype=dtype, block_size=BLOCK,
+                       **more)
 
 
 def run(engine: Engine, events: list, rid: str, prompt: list[int], session: str | None = None,
@@ -54,9 +33,8 @@ def run(engine: Engine, events: list, rid: str, prompt: list[int], session: str 
     engine.submit(PreparedRequest(id=rid, prompt_ids=tuple(prompt), max_tokens=8, ignore_eos=True, sampling=GREEDY,
                                   session_id=session, stream=True, retention=retention))
     engine.run_until_idle()
-    found = [e for e in events if isinstance(e, ev.Done) and e.id == rid]
-    assert found, [e for e in events if getattr(e, "id", None) == rid]
-    return list(found[0].generated_ids), found[0].cached_tokens
+    found = done(events, rid)
+    return list(found.generated_ids), found.cached_tokens
 
 
 def conversation(engine: Engine, events: list, retention: str | None, turns: range, history: dict) -> dict:
@@ -149,8 +127,8 @@ def test_an_idle_soft_session_moves_down_the_tiers_instead_of_closing(checkpoint
         engine.submit(PreparedRequest(id=rid, prompt_ids=tuple(history["a"]), max_tokens=8, ignore_eos=True,
                                       sampling=GREEDY, session_id="claude-code:a", soft_session=True, stream=True))
         engine.run_until_idle()
-        (done,) = [e for e in events if isinstance(e, ev.Done) and e.id == rid]
-        return list(done.generated_ids), done.cached_tokens
+        found = done(events, rid)
+        return list(found.generated_ids), found.cached_tokens
 
     first = soft("a0")
     history["a"] = history["a"] + first[0] + ids(100, 9)

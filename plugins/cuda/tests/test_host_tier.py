@@ -6,48 +6,21 @@ everything, with the same positions reused (restored, never recomputed); with sl
 from __future__ import annotations
 
 import pytest
-import torch
 
-from engine_run_support import demo_tokenizer
-from musegl_core.checkpoint.loader import load_checkpoint
-from musegl_core.engine import events as ev
+from engine_run_support import tier_engine
 from musegl_core.engine.engine import Engine, EngineConfig
 from musegl_core.engine.executor import GREEDY
 from musegl_core.engine.request import PreparedRequest
 from musegl_core.errors import ConfigError
-from musegl_cuda.executor import TorchExecutor
+from musegl_core.testing.engine_runs import done, ids
 
 BLOCK = 4
 
 
-@pytest.fixture(scope="module")
-def tokenizer():
-    return demo_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tiny_gguf):
-    return load_checkpoint(tiny_gguf)
-
-
 def engine_for(checkpoint, tokenizer, *, blocks: int, host: int | None, sliding: bool = False,
                snapshots: int = 0, **more) -> tuple[Engine, list]:
-    executor = TorchExecutor(checkpoint, device="cpu", dtype="float32", block_size=BLOCK)
-    events: list = []
-    config = EngineConfig(max_context=256, max_sessions=6, max_inflight_requests=4, max_decode_sequences=4,
-                          max_prefill_chunk=32, kv_blocks=blocks, kv_offload_memory=host, sliding_window_kv=sliding,
-                          prefix_cache_entries=snapshots, **more)
-    return Engine(executor, tokenizer, config, events.append), events
-
-
-def ids(seed: int, n: int) -> list[int]:
-    return torch.randint(3, 500, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def done(events, rid: str) -> ev.Done:
-    found = [e for e in events if isinstance(e, ev.Done) and e.id == rid]
-    assert found, [e for e in events if getattr(e, "id", None) == rid]
-    return found[0]
+    return tier_engine(checkpoint, tokenizer, blocks=blocks, host=host, block_size=BLOCK, sliding_window_kv=sliding,
+                       prefix_cache_entries=snapshots, **more)
 
 
 def agents(engine: Engine, events: list) -> dict[str, tuple[list[int], int]]:

@@ -15,20 +15,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine_run_support import demo_tokenizer
 from musegl_core.checkpoint.loader import load_checkpoint
-from musegl_core.engine import events as ev
 from musegl_core.engine.engine import Engine, EngineConfig
 from musegl_core.engine.executor import GREEDY
 from musegl_core.engine.request import PreparedRequest
+from musegl_core.testing.engine_runs import conversation, done, ids
 from musegl_cuda.executor import TorchExecutor
 
 BLOCK = 4  # the tiny reference model's window is 8: two blocks
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return demo_tokenizer()
 
 
 @pytest.fixture(scope="module", params=["hf", "gguf"])
@@ -47,45 +41,8 @@ def engine_for(checkpoint, tokenizer, sliding: bool, kv_cache_dtype: str = "auto
     return Engine(executor, tokenizer, config, events.append), events
 
 
-def ids(seed: int, n: int) -> list[int]:
-    return torch.randint(3, 500, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def generated(events, rid: str) -> list[int]:
-    done = [e for e in events if isinstance(e, ev.Done) and e.id == rid]
-    assert done, [e for e in events if getattr(e, "id", None) == rid]
-    return list(done[0].generated_ids)
-
-
 def cached(events, rid: str) -> int:
-    return next(e for e in events if isinstance(e, ev.Done) and e.id == rid).cached_tokens
-
-
-def conversation(engine: Engine, events: list) -> dict[str, list[int]]:
-    """Turns on a named session (each extends the last), two requests side by side, and a
-    rewind to an early position of the session's history."""
-    out: dict[str, list[int]] = {}
-
-    def run(rid: str, prompt: list[int], session: str | None = "chat", n: int = 10) -> list[int]:
-        engine.submit(PreparedRequest(id=rid, prompt_ids=tuple(prompt), max_tokens=n, ignore_eos=True,
-                                      sampling=GREEDY, session_id=session, stream=True))
-        engine.run_until_idle()
-        out[rid] = generated(events, rid)
-        return out[rid]
-
-    history = ids(1, 37)
-    history += run("t1", history) + ids(2, 23)
-    history += run("t2", history) + ids(3, 19)
-    history += run("t3", history)
-    run("rewind_late", history[:85] + ids(8, 6))  # back into the third turn: a window recomputation
-    run("rewind", history[:30] + ids(4, 5))  # back into the first turn
-    engine.submit(PreparedRequest(id="a", prompt_ids=tuple(ids(5, 50)), max_tokens=12, ignore_eos=True,
-                                  sampling=GREEDY))
-    engine.submit(PreparedRequest(id="b", prompt_ids=tuple(ids(6, 21)), max_tokens=30, ignore_eos=True,
-                                  sampling=GREEDY))
-    engine.run_until_idle()
-    out["a"], out["b"] = generated(events, "a"), generated(events, "b")
-    return out
+    return done(events, rid).cached_tokens
 
 
 def test_sliding_pages_answer_as_every_position_kept_and_free_the_window(checkpoint, tokenizer):
@@ -120,7 +77,7 @@ def test_a_long_prompt_matches_transformers_with_sliding_pages(tiny_hf, tokenize
     engine.submit(PreparedRequest(id="r", prompt_ids=tuple(prompt), max_tokens=24, ignore_eos=True,
                                   sampling=GREEDY))
     engine.run_until_idle()
-    assert generated(events, "r") == reference_greedy(tiny_hf.model, prompt, 24)
+    assert list(done(events, "r").generated_ids) == reference_greedy(tiny_hf.model, prompt, 24)
 
 
 def test_fp8_kv_with_sliding_pages_answers_as_fp8_kv_with_every_position_kept(tiny_gguf, tokenizer):

@@ -12,11 +12,10 @@ import torch
 
 from dflash_support import build_reference_draft, save_draft
 from musegl_core.checkpoint.loader import load_checkpoint
-from musegl_core.engine import events as ev
 from musegl_core.engine.engine import Engine, EngineConfig
-from musegl_core.engine.executor import GREEDY
-from musegl_core.engine.request import PreparedRequest
 from musegl_core.plugins.specs import ExecutorOptions
+from musegl_core.testing.engine_runs import Script, done
+from musegl_core.testing.engine_runs import conversation as run_script
 from musegl_cuda.executor import TorchExecutor
 
 
@@ -42,36 +41,12 @@ def engine_for(demo, draft: str | None, sliding: bool, executor=None) -> tuple[E
     return Engine(executor, tokenizer, config, events.append, speculator=speculator), events
 
 
-def ids(seed: int, n: int) -> list[int]:
-    return torch.randint(3, 500, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def done(events, rid: str) -> ev.Done:
-    return next(e for e in events if isinstance(e, ev.Done) and e.id == rid)
+#: turns of 12 ids, a rewind to 150 (the window (32) of 150 left the device), "b" generating 20
+SCRIPT = Script(turns=(70, 41, 37), reply=12, rewinds=(("rewind_late", 150, 8, 6),), side_tokens=20)
 
 
 def conversation(engine: Engine, events: list) -> dict[str, list[int]]:
-    out: dict[str, list[int]] = {}
-
-    def run(rid: str, prompt: list[int], session: str | None = "chat", n: int = 12) -> list[int]:
-        engine.submit(PreparedRequest(id=rid, prompt_ids=tuple(prompt), max_tokens=n, ignore_eos=True,
-                                      sampling=GREEDY, session_id=session, stream=True))
-        engine.run_until_idle()
-        out[rid] = list(done(events, rid).generated_ids)
-        return out[rid]
-
-    history = ids(1, 70)
-    history += run("t1", history) + ids(2, 41)
-    history += run("t2", history) + ids(3, 37)
-    history += run("t3", history)
-    run("rewind_late", history[:150] + ids(8, 6))  # the window (32) of 150 left the device
-    engine.submit(PreparedRequest(id="a", prompt_ids=tuple(ids(5, 50)), max_tokens=12, ignore_eos=True,
-                                  sampling=GREEDY))
-    engine.submit(PreparedRequest(id="b", prompt_ids=tuple(ids(6, 21)), max_tokens=20, ignore_eos=True,
-                                  sampling=GREEDY))
-    engine.run_until_idle()
-    out["a"], out["b"] = list(done(events, "a").generated_ids), list(done(events, "b").generated_ids)
-    return out
+    return run_script(engine, events, SCRIPT)
 
 
 def test_dflash_with_sliding_pages_answers_as_the_plain_engine(demo, tmp_path):

@@ -6,13 +6,10 @@ as the MLX executor keeping every position of every layer, on the tiny reference
 from __future__ import annotations
 
 import pytest
-import torch
 
 from musegl_core.checkpoint.loader import load_checkpoint
-from musegl_core.engine import events as ev
 from musegl_core.engine.engine import Engine, EngineConfig
-from musegl_core.engine.executor import GREEDY
-from musegl_core.engine.request import PreparedRequest
+from musegl_core.testing.engine_runs import conversation, done
 from musegl_mlx.executor import MLXExecutor
 from musegl_mlx.loader import checkpoint_weights
 
@@ -36,39 +33,6 @@ def engine_for(path, tokenizer, sliding: bool, kv_cache_dtype: str = "auto") -> 
     config = EngineConfig(max_context=256, max_sessions=4, max_inflight_requests=4, max_decode_sequences=4,
                           max_prefill_chunk=16, kv_blocks=200, sliding_window_kv=sliding)
     return Engine(executor, tokenizer, config, events.append), events
-
-
-def ids(seed: int, n: int) -> list[int]:
-    return torch.randint(3, 500, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def done(events, rid: str) -> ev.Done:
-    return next(e for e in events if isinstance(e, ev.Done) and e.id == rid)
-
-
-def conversation(engine: Engine, events: list) -> dict[str, list[int]]:
-    out: dict[str, list[int]] = {}
-
-    def run(rid: str, prompt: list[int], session: str | None = "chat", n: int = 10) -> list[int]:
-        engine.submit(PreparedRequest(id=rid, prompt_ids=tuple(prompt), max_tokens=n, ignore_eos=True,
-                                      sampling=GREEDY, session_id=session, stream=True))
-        engine.run_until_idle()
-        out[rid] = list(done(events, rid).generated_ids)
-        return out[rid]
-
-    history = ids(1, 37)
-    history += run("t1", history) + ids(2, 23)
-    history += run("t2", history) + ids(3, 19)
-    history += run("t3", history)
-    run("rewind_late", history[:85] + ids(8, 6))
-    run("rewind", history[:30] + ids(4, 5))
-    engine.submit(PreparedRequest(id="a", prompt_ids=tuple(ids(5, 50)), max_tokens=12, ignore_eos=True,
-                                  sampling=GREEDY))
-    engine.submit(PreparedRequest(id="b", prompt_ids=tuple(ids(6, 21)), max_tokens=30, ignore_eos=True,
-                                  sampling=GREEDY))
-    engine.run_until_idle()
-    out["a"], out["b"] = list(done(events, "a").generated_ids), list(done(events, "b").generated_ids)
-    return out
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
