@@ -70,6 +70,27 @@ def test_path_products_are_accurate_and_rows_ignore_their_batch(path, dtype):
     assert torch.equal(matrix.dequantize(), w)
 
 
+@pytest.mark.parametrize("dtype", ["q4_k", "q6_k"])
+@pytest.mark.parametrize("path", native.PATH_NAMES)
+def test_k_quant_decode_tiles_give_the_wide_products_bits(path, dtype):
+    """Q4_K and Q6_K decode tiles (up to 8 activation rows) decode several sub-blocks at once
+    (a super-block's scales together; Q6_K halves, Q4_K pairs of sub-blocks, Q4_K looked up by
+    vpermps on AVX-512), while the wide products (more rows) decode 32 values at a time into
+    a float32 scratch: every row count gives each row the same bits, over several super-blocks
+    of random codes and scale bytes (every 6-bit scale/min packing), whole 4-row tiles and 3
+    rows left over, and the scratch's floats are gguf-py's."""
+    kernels = path_kernels(path)
+    stored = stored_weight(dtype, 43, 1024, seed=5)
+    matrix = StoredMatrix.from_stored(stored, kernels)
+    w = torch.from_numpy(stored.to_float32())
+    assert torch.equal(matrix.dequantize(), w)
+    x = torch.randn(24, 1024, generator=torch.Generator().manual_seed(6))
+    wide = matrix.matmul(x)  # 24 rows: the scratch path
+    assert_float32_accuracy(wide, x, w)
+    for lo, hi in ((0, 1), (1, 3), (3, 7), (7, 15), (15, 16)):  # 1, 2, 4, 8 and 1 rows: the decode tiles
+        assert torch.equal(matrix.matmul(x[lo:hi]), wide[lo:hi]), (lo, hi)
+
+
 @pytest.mark.parametrize("path", native.PATH_NAMES)
 def test_other_gguf_types_run_the_f32_kernels(path, monkeypatch):
     """A type without its own kernel (Q5_0 here) is decoded to float32 at load and run by

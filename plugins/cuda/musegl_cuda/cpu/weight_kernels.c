@@ -178,7 +178,9 @@ ALWAYS_INLINE __m128 v_sum4(vf a, vf b, vf c, vf d) {
     return _mm_add_ps(_mm_shuffle_ps(ab, cd, _MM_SHUFFLE(2, 0, 2, 0)), _mm_shuffle_ps(ab, cd, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
+#ifndef NR
 #define NR 4         /* weight rows of a register tile */
+#endif
 #ifndef NR_WIDE
 #if VL == 16
 #define NR_WIDE 8
@@ -338,6 +340,91 @@ ALWAYS_INLINE void decode32(const int type, const uint8_t *wrow, long b, vf w[NV
     }
 }
 
+/* ---- Decoding several 32-value blocks of a k-quant at once ---------------------------
+ * The same floats as decode32, for the blocks that share stored bytes: Q6_K's four
+ * sub-blocks of a 128-value half (two 32-byte loads of low nibbles and one of high bits
+ * serve all four: decode32 loads and shifts them once per sub-block), and Q4_K's two
+ * sub-blocks of 64 values (one 32-byte run of nibbles, its low then its high halves).
+ * On AVX-512 a Q4_K value is looked up, not computed: the 16 values d*scale*n - dmin*min
+ * of a sub-block are computed once (v_fmsub on n = 0..15, the very operation decode32 does
+ * per value, so the same bits) and vpermps picks them by the nibble (it reads the low 4
+ * bits of each 32-bit index, so the low nibbles need no mask). */
+
+/* Q6_K half h of super-block blk: the 6-bit codes minus 32 of sub-blocks 4h .. 4h+3, as
+ * signed bytes in q[t] (value l of sub-block 4h+t in byte l). */
+ALWAYS_INLINE void q6k_half_codes(const uint8_t *blk, int h, __m256i q[4]) {
+    const __m256i l0 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h));
+    const __m256i l1 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h + 32));
+    const __m256i hb = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));
+    const __m256i m15 = _mm256_set1_epi8(15), m48 = _mm256_set1_epi8(48), k32 = _mm256_set1_epi8(32);
+    q[0] = _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(l0, m15), _mm256_and_si256(_mm256_slli_epi16(hb, 4), m48)), k32);
+    q[1] = _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(l1, m15), _mm256_and_si256(_mm256_slli_epi16(hb, 2), m48)), k32);
+    q[2] = _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m15), _mm256_and_si256(hb, m48)), k32);
+    q[3] = _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m15),
+                                           _mm256_and_si256(_mm256_srli_epi16(hb, 2), m48)), k32);
+}
+
+/* The 16 d * scale of a Q6_K super-block (an int8 converted to float times the f16 d: the
+ * product decode32 computes). */
+ALWAYS_INLINE void q6k_scales(const uint8_t *blk, float ds[16]) {
+    uint16_t dh;
+    memcpy(&dh, blk + 208, 2);
+    const __m128i sc = _mm_loadu_si128((const __m128i *)(blk + 192));
+    const __m256 d = _mm256_set1_ps(half_to_float(dh));
+    _mm256_storeu_ps(ds, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc))));
+    _mm256_storeu_ps(ds + 8, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(sc, sc)))));
+}
+
+/* Sub-block s of a Q6_K super-block from its codes (q6k_half_codes' q[s % 4]) and q6k_scales: w as
+ * decode32 gives it. */
+ALWAYS_INLINE void q6k_sub(const float ds[16], int s, __m256i codes, vf w[NV]) {
+    vi q[NV];
+    i_i8x32(codes, q);
+    for (int c = 0; c < NV; ++c) w[c] = v_mul(v_set1(ds[2 * s + c * VL / 16]), v_cvt(q[c]));
+}
+
+/* The 8 (d * scale, dmin * min) of a Q4_K/Q5_K super-block, as q4k_scale_min and decode32
+ * compute them (an int converted to float, times the f16 scale: the same product). */
+ALWAYS_INLINE void q4k_scales(const uint8_t *blk, float ds[8], float dm[8]) {
+    uint16_t dh, mh;
+    memcpy(&dh, blk, 2);
+    memcpy(&mh, blk + 2, 2);
+    uint32_t u[3], sc[2], mn[2];
+    memcpy(u, blk + 4, 12);
+    /* bytes 0-3 hold scales 0-3 (low 6 bits) and bits 4-5 of scales 4-7 (top 2); bytes 4-7 the
+     * same for the mins; bytes 8-11 the low 4 bits of scales 4-7 (low nibble) and mins 4-7 (high) */
+    sc[0] = u[0] & 0x3F3F3F3Fu;
+    mn[0] = u[1] & 0x3F3F3F3Fu;
+    sc[1] = (u[2] & 0x0F0F0F0Fu) | (((u[0] >> 6) & 0x03030303u) << 4);
+    mn[1] = ((u[2] >> 4) & 0x0F0F0F0Fu) | (((u[1] >> 6) & 0x03030303u) << 4);
+    const __m256 d = _mm256_set1_ps(half_to_float(dh)), dmin = _mm256_set1_ps(half_to_float(mh));
+    _mm256_storeu_ps(ds, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)sc)))));
+    _mm256_storeu_ps(dm, _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)mn)))));
+}
+
+/* Sub-blocks 2i and 2i+1 of a Q4_K super-block blk (scales from q4k_scales): w[0..NV) and
+ * w[NV..2NV) as decode32 gives them. */
+ALWAYS_INLINE void q4k_pair(const uint8_t *blk, int i, const float ds[8], const float dm[8], vf w[2 * NV]) {
+    const vf d0 = v_set1(ds[2 * i]), m0 = v_set1(dm[2 * i]), d1 = v_set1(ds[2 * i + 1]), m1 = v_set1(dm[2 * i + 1]);
+    const uint8_t *q = blk + 16 + i * 32;
+#if VL == 16
+    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512 t0 = v_fmsub(d0, iota, m0), t1 = v_fmsub(d1, iota, m1);
+    for (int c = 0; c < NV; ++c) {
+        const vi n = i_u8(q + c * VL);
+        w[c] = _mm512_permutexvar_ps(n, t0);
+        w[NV + c] = _mm512_permutexvar_ps(i_srli(n, 4), t1);
+    }
+#else
+    const vi low = i_set1(15);
+    for (int c = 0; c < NV; ++c) {
+        const vi n = i_u8(q + c * VL);
+        w[c] = v_fmsub(d0, v_cvt(i_and(n, low)), m0);
+        w[NV + c] = v_fmsub(d1, v_cvt(i_srli(n, 4)), m1);
+    }
+#endif
+}
+
 /* y[m * ldy + j] = v_sum(acc[j][m]): four weight rows at a time through v_sum4. */
 #define store_sums(NRT, MRT, acc, y, ldy)                                                                  \
     do {                                                                                                   \
@@ -374,6 +461,51 @@ ALWAYS_INLINE void tile(const int type, const int NRT, const int MRT, const int 
                               : type == MW_F16 ? v_f16((const uint16_t *)(w + j * rb) + i)
                                                : v_bf16((const uint16_t *)(w + j * rb) + i);
                 for (int m = 0; m < MRT; ++m) acc[j][m] = v_fma(wv, xv[m], acc[j][m]);
+            }
+        }
+        store_sums(NRT, MRT, acc, y, ldy);
+        return;
+    }
+    if (type == MW_Q6_K) {  /* a super-block's scales at once, then a 128-value half at a time */
+        for (long sb = 0; sb < k / 256; ++sb) {
+            for (int j = 0; j < NRT; ++j) {
+                const uint8_t *blk = w + j * rb + sb * 210;
+                float ds[16];
+                q6k_scales(blk, ds);
+                for (int h = 0; h < 2; ++h) {
+                    if (prefetch)
+                        for (int t = 0; t < 4; ++t) prefetch_weights(NRT, w + j * rb + (sb * 8 + 4 * h + t) * bytes, rb);
+                    __m256i codes[4];
+                    q6k_half_codes(blk, h, codes);
+                    for (int t = 0; t < 4; ++t) {
+                        vf wv[NV];
+                        q6k_sub(ds, 4 * h + t, codes[t], wv);
+                        for (int c = 0; c < NV; ++c)
+                            for (int m = 0; m < MRT; ++m)
+                                acc[j][m] = v_fma(wv[c], v_load(x + m * ldx + sb * 256 + h * 128 + t * 32 + c * VL),
+                                                  acc[j][m]);
+                    }
+                }
+            }
+        }
+        store_sums(NRT, MRT, acc, y, ldy);
+        return;
+    }
+    if (type == MW_Q4_K) {  /* a super-block's scales at once, then two sub-blocks (64 values) at a time */
+        for (long sb = 0; sb < k / 256; ++sb) {
+            for (int j = 0; j < NRT; ++j) {
+                const uint8_t *blk = w + j * rb + sb * 144;
+                float ds[8], dm[8];
+                q4k_scales(blk, ds, dm);
+                for (int i = 0; i < 4; ++i) {
+                    if (prefetch)
+                        for (int t = 0; t < 2; ++t) prefetch_weights(NRT, w + j * rb + (sb * 8 + 2 * i + t) * bytes, rb);
+                    vf wv[2 * NV];
+                    q4k_pair(blk, i, ds, dm, wv);
+                    for (int c = 0; c < 2 * NV; ++c)
+                        for (int m = 0; m < MRT; ++m)
+                            acc[j][m] = v_fma(wv[c], v_load(x + m * ldx + sb * 256 + i * 64 + c * VL), acc[j][m]);
+                }
             }
         }
         store_sums(NRT, MRT, acc, y, ldy);
