@@ -1059,8 +1059,10 @@ class SessionTable:
         if host is None:
             return "; no host tier (--kv-offload-memory 0, or the executor offers none)"
         held = sum(len(b.pages) for h in [*self.named.values(), *self.snapshots] for b in h.host)
+        windows = sum(len(b.pages) for s in self.named.values() for b in s.window_host.values())
         return (f"; the host tier (--kv-offload-memory) has {host.free_pages} of {host.num_pages} pages free, "
-                f"sessions and snapshots that may not be lost hold {held}")
+                f"sessions and snapshots that may not be lost hold {held}"
+                + (f" (sliding pages kept for rewinds hold {windows}, let go of first)" if windows else ""))
 
     def publish(self, session: Session) -> None:
         """Key the session's computed full blocks in the prefix cache (when on)."""

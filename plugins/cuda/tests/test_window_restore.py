@@ -123,3 +123,36 @@ def test_when_the_host_tier_let_go_of_them_the_rewind_recomputes_the_window_exac
 def test_without_a_host_tier_the_sliding_pages_are_dropped_as_before(model):
     paged, _ = engine_for(model, sliding=True, host=0)
     assert paged.host is None and paged.scheduler.window_down is None
+
+
+def test_a_session_moved_down_whole_then_rewound_gets_its_blocks_and_window_back(model):
+    """Two sessions taking turns in a device pool that holds about one: each moves down to the host
+    tier whole while the other runs, comes back, and then rewinds past its window, its sliding
+    pages restored too; greedy-identical to a pool that holds everything, nothing recomputed."""
+
+    def agents(engine: Engine, events: list) -> dict[str, tuple[list[int], int]]:
+        out: dict[str, tuple[list[int], int]] = {}
+        histories = {"x": ids(11, 40), "y": ids(12, 40)}
+
+        def run(rid: str, name: str, prompt: list[int]) -> None:
+            engine.submit(PreparedRequest(id=rid, prompt_ids=tuple(prompt), max_tokens=8, ignore_eos=True,
+                                          sampling=GREEDY, session_id=name, stream=True))
+            engine.run_until_idle()
+            result = done(events, rid)
+            out[rid] = (list(result.generated_ids), result.cached_tokens)
+
+        for turn in range(2):
+            for name in ("x", "y"):
+                run(f"{name}{turn}", name, histories[name])
+                histories[name] += out[f"{name}{turn}"][0] + ids(20 + turn, 9)
+        run("x_rewind", "x", histories["x"][:45] + ids(13, 5))  # back into x's first turn
+        run("y_rewind", "y", histories["y"][:30] + ids(14, 5))
+        return out
+
+    roomy, roomy_events = engine_for(model, sliding=False)
+    tight, tight_events = engine_for(model, sliding=True, host=1 << 20, blocks=15)  # 60 pages
+    expected = agents(roomy, roomy_events)
+    assert agents(tight, tight_events) == expected
+    stats = tight.stats()
+    assert stats["kv_host_offloads"] >= 2 and stats["kv_restores"] >= 2  # the sessions went down and came back
+    assert stats["kv_window_restores"] == 2 and tight.scheduler.window_rows == 0
