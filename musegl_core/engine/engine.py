@@ -217,6 +217,8 @@ class Engine:
                      if self.sessions.cache is not None and not companions else None),
             window=window,
         )
+        if self.host is not None and companions:  # sliding pages leaving the window go down, for rewinds
+            self.scheduler.window_down = self.sessions.window_down
         self.end_ids = frozenset(tokenizer.end_of_generation_ids)
         self.replayer = Replayer(tokenizer, self.end_ids)
         self._inbox: queue.Queue = queue.Queue()
@@ -386,11 +388,17 @@ class Engine:
             stats["kv_tier_capacity_bytes_disk"] = disk["kv_disk_capacity_bytes"]
             stats.update(disk)
         stats["sessions_moved_down"] = sessions.moved_down
+        if self.pool.companions:
+            stats["kv_window_recomputed_rows"] = self.scheduler.window_rows
         if self.host is not None:
             stats["kv_tier_bytes_host"] = self.host.used_bytes
             stats["kv_tier_capacity_bytes_host"] = self.host.num_pages * self.host.page_bytes
             stats["kv_host_offloads"] = sessions.offloads
             stats["kv_host_cached_blocks"] = len(sessions.host_cached)
+            stats["kv_host_window_blocks"] = len(sessions.window_lru)
+            stats["kv_window_offloaded_blocks"] = sessions.window_offloaded_blocks
+            stats["kv_window_restores"] = sessions.window_restores
+            stats["kv_window_restored_blocks"] = sessions.window_restored_blocks
             stats.update(self.host.stats())
         return stats
 

@@ -135,9 +135,10 @@ class HostTier:
         return self.used_pages * self.page_bytes
 
     # -- moving blocks ---------------------------------------------------------------------
-    def offload(self, blocks: Sequence[tuple[Sequence[int], bytes | None]]) -> list[HostBlock]:
+    def offload(self, blocks: Sequence[tuple[Sequence[int], bytes | None]], count: bool = True) -> list[HostBlock]:
         """Copy blocks down: each given as (its device pages, its prefix key); their host
-        blocks, in order. :class:`HostFull` (nothing taken) when the pages are not free."""
+        blocks, in order. :class:`HostFull` (nothing taken) when the pages are not free.
+        ``count`` False: sliding pages alone, counted by their holder (not as offloaded blocks)."""
         need = sum(len(pages) for pages, _ in blocks)
         if need > len(self._free):
             raise HostFull(f"need {need} host pages, {len(self._free)} free")
@@ -150,7 +151,8 @@ class HostTier:
                 self._keys[key] += 1
         if pairs:
             self.executor.offload_pages(pairs)
-        self.offloaded_blocks += len(moved)
+        if count:
+            self.offloaded_blocks += len(moved)
         return moved
 
     def restore(self, pairs: Sequence[tuple[int, int]], blocks: int) -> None:

@@ -94,6 +94,9 @@ class Scheduler:
         #: with sliding pages (``pool.companions``): the sliding layers' window; blocks a running
         #: sequence's window left give their sliding pages back (:meth:`_trim_window`)
         self.window = window
+        #: called as ``window_down(session, [(index, block), ...])`` before those blocks give their sliding
+        #: pages back: the host tier keeps a copy for rewinds (SessionTable.window_down; None: none)
+        self.window_down = None
         self.limits = limits
         #: prompt rows per step while sequences decode (None: always ``max_prefill_chunk``)
         self.budget = budget
@@ -227,9 +230,12 @@ class Scheduler:
                 slot.end_window_pages(max(0, seq.rewound - self.window) // size)
             else:
                 slot.drop_window_pages(end)
-        for block in slot.blocks[:end]:
-            if self.pool.refcount(block) == 1 and self.pool.has_window(block):
-                self.pool.drop_companions(block)
+        leaving = [(index, block) for index, block in enumerate(slot.blocks[:end])
+                   if self.pool.refcount(block) == 1 and self.pool.has_window(block)]
+        if leaving and self.window_down is not None:
+            self.window_down(seq.session, leaving)
+        for _, block in leaving:
+            self.pool.drop_companions(block)
 
     @staticmethod
     def _mask(processors, generated: list[int], drafts_before: list[int]) -> Any:

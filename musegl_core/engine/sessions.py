@@ -233,6 +233,9 @@ class Session:
     replay: ReplayLog = attrs.field(factory=ReplayLog)
     #: its blocks while they are in the host tier (then ``slot`` holds none): ``tokens``' K/V
     host: list[HostBlock] = attrs.field(factory=list)
+    #: sliding pages of its blocks that left the window, copied to the host tier, by block index
+    #: (:meth:`SessionTable.window_down`): a rewind past the window restores them
+    window_host: dict[int, HostBlock] = attrs.field(factory=dict)
 
     @property
     def idle(self) -> bool:
@@ -302,6 +305,12 @@ class SessionTable:
         self.tier_hit_tokens = {"device": 0, "host": 0, "disk": 0}
         self._from_lower = 0  # blocks the last promote brought up from the tier below the host (disk)
         self.moved_down = 0  # idle soft sessions moved to the host tier at their idle timeout, instead of closed
+        #: sliding pages in the host tier (:meth:`window_down`), least recently copied first
+        self.window_lru: collections.OrderedDict[tuple[Session, int], None] = collections.OrderedDict()
+        self.window_offloaded_blocks = 0  # blocks whose sliding pages went down as they left the window
+        self.window_restores = 0  # rewinds past the window whose sliding pages came back from the host tier
+        self.window_restored_blocks = 0  # ... and the blocks whose sliding pages came back
+        self.window_dropped_blocks = 0  # sliding pages the host tier let go of for room
         self.offloads = 0  # idle holders moved down
 
     @staticmethod
@@ -386,6 +395,7 @@ class SessionTable:
 
     def drop(self, session: Session) -> None:
         self._free_host(session)
+        self._free_windows(session)
         session.slot.close()
         session.tokens.clear()
         session.replay = ReplayLog()
@@ -467,6 +477,8 @@ class SessionTable:
         host tier comes back first (:meth:`restore`, :meth:`promote`) and counts as reused."""
         block_size = self.pool.block_size
         from_host = 0  # positions whose K/V came back from the host tier
+        # the positions of the session's sliding pages in the host tier that the prompt keeps
+        valid = common_prefix(session.tokens, prompt) if session.window_host and session.clean else 0
         if session.host:
             if session.clean:
                 own = min(common_prefix(session.tokens, prompt), len(prompt) - 1)
@@ -498,6 +510,9 @@ class SessionTable:
             session.slot.truncate(0, rereserve=False)
             reuse = min(reuse, self._adopt(session.slot, snapshot.slot.blocks[: self.pool.blocks_for(reuse)]))
             snapshot.last_used = time.monotonic()
+        if session.window_host:  # a rewind past the window: its sliding pages come back from the host tier
+            self.restore_window(session, reuse, valid)
+            self._free_windows(session, min(reuse, valid))
         if self.reach is None and not self.window_kept(session.slot.blocks, reuse):
             # sliding pages: the window before ``reuse`` went back to the pool, and the executor did not
             # say how far back its recomputation reaches (:meth:`window_start`): the prompt is recomputed
@@ -703,7 +718,9 @@ class SessionTable:
         snapshots = sorted((s for s in self.snapshots if s.host and s is not keep), key=lambda s: s.last_used)
         victims = [*(s for s in sessions if s.soft), *snapshots, *(s for s in sessions if not s.soft)]
         while host.free_pages < pages:
-            if self.host_cached:
+            if self.window_lru:  # sliding pages kept for rewinds go first: losing them costs a window's recompute
+                self._window_free(*next(iter(self.window_lru)), dropped=True)
+            elif self.host_cached:
                 _, block = self.host_cached.popitem(last=False)
                 host.free([block], hand_down=True)
             elif victims:
@@ -717,6 +734,82 @@ class SessionTable:
                     self.evictions += 1
             else:
                 return
+
+    # -- sliding pages in the host tier (docs/engine.md "Rewinds past the window") ----------------
+    def window_down(self, session: Session, items: Sequence[tuple[int, int]]) -> None:
+        """Blocks ``items`` (``(index, block)``) of ``session`` leave every window and give their sliding
+        pages back (:meth:`Scheduler._trim_window`): with a host tier, a named session's sliding pages of
+        them are copied to host pages first, so that a later rewind past the window brings them back
+        (:meth:`restore_window`) instead of recomputing. They take free host pages, or those of older
+        such copies (least recently copied first), never other holders' room; what does not fit is
+        not copied (newest kept)."""
+        host, pool = self.host, self.pool
+        if host is None or session.name is None or not items:
+            return
+        per = pool.companions
+        for index, _ in items:
+            if index in session.window_host:
+                self._window_free(session, index)
+        while host.free_pages < per * len(items) and self.window_lru:
+            self._window_free(*next(iter(self.window_lru)), dropped=True)
+        items = list(items)[len(items) - host.free_pages // per:] if host.free_pages < per * len(items) else items
+        if not items:
+            return
+        moved = host.offload([(pool.companion_pages(block), None) for _, block in items], count=False)
+        for (index, _), block in zip(items, moved):
+            session.window_host[index] = block
+            self.window_lru[(session, index)] = None
+        self.window_offloaded_blocks += len(moved)
+
+    def restore_window(self, session: Session, reuse: int, valid: int) -> bool:
+        """A request reuses ``reuse`` positions of ``session`` whose sliding layers' window left the
+        device: bring back, from the host tier, the sliding pages of the blocks that window covers
+        (:meth:`window_exact` on) into fresh device pages, so that nothing is recomputed. Only when the
+        host tier holds every one of them, and they hold the prompt's K/V (``reuse <= valid``, the
+        positions the session's transcript shares with the prompt); whether they came back (else the
+        request recomputes the window, :meth:`window_start`)."""
+        pool, host = self.pool, self.host
+        if not pool.companions or host is None or reuse == 0 or reuse > valid:
+            return False
+        blocks = session.slot.blocks
+        lacking = [i for i in range(self.window_exact(reuse), pool.blocks_for(reuse))
+                   if not pool.has_window(blocks[i])]
+        if not lacking or any(i not in session.window_host for i in lacking):
+            return False
+        need = len(lacking) * pool.companions
+        if need > pool.available_blocks:
+            self.make_room(need, keep=session)  # (may let go of sliding pages in the host tier)
+        if need > pool.available_blocks or any(i not in session.window_host for i in lacking):
+            return False
+        started = time.perf_counter()
+        moved = [session.window_host.pop(i) for i in lacking]  # out of the LRU: no room made below takes them
+        for i in lacking:
+            del self.window_lru[(session, i)]
+        pool.reserve(need)
+        pages = pool.take_pages(need)
+        pairs: list[tuple[int, int]] = []
+        for n, (i, block) in enumerate(zip(lacking, moved)):
+            own = pages[n * pool.companions:(n + 1) * pool.companions]
+            pairs.extend(zip(block.pages, own))
+            pool.adopt_companions(blocks[i], own)
+        host.restore(pairs, 0)
+        host.free(moved)
+        self.window_restores += 1
+        self.window_restored_blocks += len(lacking)
+        host.restore_seconds += time.perf_counter() - started
+        return True
+
+    def _window_free(self, session: Session, index: int, dropped: bool = False) -> None:
+        self.host.free([session.window_host.pop(index)])
+        del self.window_lru[(session, index)]
+        self.window_dropped_blocks += dropped
+
+    def _free_windows(self, session: Session, keep: int = 0) -> None:
+        """Let go of ``session``'s sliding pages in the host tier except those of blocks wholly within
+        its first ``keep`` positions."""
+        size = self.pool.block_size
+        for index in [i for i in session.window_host if (i + 1) * size > keep]:
+            self._window_free(session, index)
 
     def _free_host(self, holder: "Session | Snapshot") -> None:
         """Let go of a holder's host blocks: keyed ones join the host tier's prefix cache
@@ -966,8 +1059,10 @@ class SessionTable:
         if host is None:
             return "; no host tier (--kv-offload-memory 0, or the executor offers none)"
         held = sum(len(b.pages) for h in [*self.named.values(), *self.snapshots] for b in h.host)
+        windows = sum(len(b.pages) for s in self.named.values() for b in s.window_host.values())
         return (f"; the host tier (--kv-offload-memory) has {host.free_pages} of {host.num_pages} pages free, "
-                f"sessions and snapshots that may not be lost hold {held}")
+                f"sessions and snapshots that may not be lost hold {held}"
+                + (f" (sliding pages kept for rewinds hold {windows}, let go of first)" if windows else ""))
 
     def publish(self, session: Session) -> None:
         """Key the session's computed full blocks in the prefix cache (when on)."""

@@ -69,6 +69,16 @@ SERIES = {
     "kv_host_restored_blocks": ("kv_host_restored_blocks", "KV blocks copied from the host tier back to the device",
                                 "counter"),
     "kv_host_cached_blocks": ("kv_host_cached_blocks", "blocks of the prefix cache kept in the host tier", "gauge"),
+    "kv_host_window_blocks": ("kv_host_window_blocks", "blocks whose sliding layers' pages, out of every window, "
+                              "the host tier keeps for rewinds (--sliding-window-kv)", "gauge"),
+    "kv_window_offloaded_blocks": ("kv_window_offloaded_blocks", "blocks whose sliding layers' pages were copied to "
+                                   "the host tier as they left the window", "counter"),
+    "kv_window_restores": ("kv_window_restores", "rewinds past the sliding window whose sliding pages came back "
+                           "from the host tier (nothing recomputed)", "counter"),
+    "kv_window_restored_blocks": ("kv_window_restored_blocks", "blocks whose sliding pages came back from the "
+                                  "host tier for a rewind", "counter"),
+    "kv_window_recomputed_rows": ("kv_window_recomputed_rows", "positions whose sliding layers' K/V a rewind past "
+                                  "the window recomputed (their pages were in no tier)", "counter"),
     "kv_restores": ("kv_restores", "sessions, snapshots and prompts whose KV came back from the host tier", "counter"),
     "kv_restore_seconds": ("kv_restore_seconds", "seconds the engine spent bringing KV back from the host tier "
                            "(on CUDA: issuing the copies, which finish on a side stream)", "counter"),

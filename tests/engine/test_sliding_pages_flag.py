@@ -1,10 +1,13 @@
 """``--sliding-window-kv`` is refused in one line, before the worker starts, for an executor
-whose spec says it keeps every position of every layer (ExecuTorch), and taken by the ones
-that follow sliding pages (docs/engine.md "Sliding layers keep their window")."""
+whose spec says it keeps every position of every layer, and taken by the ones that follow
+sliding pages (docs/engine.md "Sliding layers keep their window"; ExecuTorch's programs follow
+when exported with ``--sliding-pages``, and the engine refuses the others at load)."""
 
 from __future__ import annotations
 
 import pytest
+
+import attrs
 
 from musegl_core.engine.sliding_pages import PageGroups, check_sliding_pages
 from musegl_core.errors import ConfigError
@@ -13,13 +16,14 @@ from musegl_core.plugins.manager import PluginManager
 
 def test_the_executors_that_follow_take_the_flag_and_the_others_refuse_it_in_one_line():
     specs = PluginManager(process="front").specs("executors")
-    for name in ("torch-cpu", "cuda", "mlx"):
+    for name in ("torch-cpu", "cuda", "mlx", "executorch"):
         check_sliding_pages(True, specs[name])
+    keeps_all = attrs.evolve(specs["executorch"], sliding_pages=False)  # an executor that keeps every position
     with pytest.raises(ConfigError) as refused:
-        check_sliding_pages(True, specs["executorch"])
+        check_sliding_pages(True, keeps_all)
     assert "--sliding-window-kv" in str(refused.value) and "executorch" in str(refused.value)
     assert "\n" not in str(refused.value)
-    check_sliding_pages(False, specs["executorch"])
+    check_sliding_pages(False, keeps_all)
 
 
 def test_page_groups_of_the_layer_layouts():

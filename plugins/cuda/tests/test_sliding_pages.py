@@ -37,7 +37,8 @@ def engine_for(checkpoint, tokenizer, sliding: bool, kv_cache_dtype: str = "auto
                                  kv_cache_dtype=kv_cache_dtype)
     events: list = []
     config = EngineConfig(max_context=256, max_sessions=4, max_inflight_requests=4, max_decode_sequences=4,
-                          max_prefill_chunk=16, kv_blocks=200, sliding_window_kv=sliding)
+                          max_prefill_chunk=16, kv_blocks=200, sliding_window_kv=sliding,
+                          kv_offload_memory=0)  # no host tier: rewinds recompute (test_window_restore.py: restore)
     return Engine(executor, tokenizer, config, events.append), events
 
 

@@ -18,6 +18,9 @@ from musegl_dflash.checkpoint import DraftConfig
 MANIFEST = "musegl-export.json"
 #: The off-graph KV ABI this plugin writes and runs (bumped on any change of the inputs).
 ABI = "musegl-offgraph-kv/1"
+#: ... exported with ``--sliding-pages`` (pools of layer groups' places, window cells per sliding group):
+#: another name, so that a server that does not know it refuses the program instead of misreading it
+SLIDING_ABI = "musegl-offgraph-kv/1-sliding-pages"
 FORMAT = "musegl-executorch"
 
 converter = cattrs.Converter()
@@ -95,6 +98,9 @@ class Manifest:
     export_seconds: float = 0.0
     vision: VisionExport | None = None  # None: a text-only program
     dflash: DFlashExport | None = None  # None: no draft (the methods return no hidden states)
+    #: pools of layer groups' places and window cells per sliding group (``--sliding-pages``);
+    #: False in the manifests of earlier exports
+    sliding_pages: bool = False
 
     def dump(self) -> str:
         return json.dumps(converter.unstructure(self), indent=2) + "\n"
@@ -125,13 +131,16 @@ def read_manifest(model: str) -> Manifest:
         raw: dict[str, Any] = json.loads(manifest_path.read_text())
     except (OSError, ValueError) as exc:
         raise ConfigError(f"{manifest_path}: unreadable manifest ({exc})") from None
-    if raw.get("format") != FORMAT or raw.get("abi") != ABI:
+    if raw.get("format") != FORMAT or raw.get("abi") not in (ABI, SLIDING_ABI):
         raise ConfigError(f"{model}: exported without the off-graph KV ABI {ABI!r} "
                           f"(found {raw.get('abi')!r}); re-export it with `musegl export`")
     try:
         manifest = converter.structure(raw, Manifest)
     except Exception as exc:  # cattrs raises a class group
         raise ConfigError(f"{manifest_path}: malformed manifest ({type(exc).__name__})") from None
+    if manifest.sliding_pages != (manifest.abi == SLIDING_ABI):
+        raise ConfigError(f"{manifest_path}: malformed manifest (ABI {manifest.abi!r} with sliding_pages "
+                          f"{manifest.sliding_pages})")
     directory = directory_of(model)
     if path.is_file() and path.name != manifest.program:
         raise ConfigError(f"{model}: the manifest beside it describes {manifest.program}, not {path.name}")

@@ -7,7 +7,9 @@ off-graph: this class owns the pool tensors ``k_pool``/``v_pool`` of shape
 unchanged (graph inputs are not memory-planned, so the runtime reads them in
 place) and writes the returned rows at their cells. The engine owns block ids
 as with every executor. Sampling is the torch executor's batched sampler
-(:mod:`musegl_cuda.sampling`) on the returned logits.
+(:mod:`musegl_cuda.sampling`) on the returned logits. A program exported with
+``--sliding-pages`` keeps one pool row per place of a layer group and follows
+the engine's sliding pages (:meth:`ExecuTorchExecutor.use_sliding_pages`).
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ from musegl_core.engine.step_checks import kv_allocated
 from musegl_core.engine.sample_rows import SampleRows
 from musegl_core.errors import ConfigError
 from musegl_cuda.sampling import sample
-from musegl_executorch.abi import plan_calls
+from musegl_core.engine.sliding_pages import PageGroups
+from musegl_executorch.abi import Pages, plan_calls
 from musegl_executorch.artifact import Manifest, directory_of, read_manifest
 from musegl_executorch.pools import copy_pool_blocks
 from musegl_executorch.export.lower import EMBED_TEXT, FROM_EMBEDDINGS, VISION_ENCODER
@@ -70,7 +73,11 @@ class ExecuTorchExecutor:
         )
         self.k_pool: torch.Tensor | None = None
         self.v_pool: torch.Tensor | None = None
-        self.num_blocks = 0
+        self.num_blocks = 0  # pages of the pool (blocks, without sliding pages)
+        #: a program exported with sliding pages: its layer groups, and how a call finds each group's pages
+        self.page_groups = PageGroups.of(c.sliding) if m.sliding_pages else None
+        self.pages: Pages | None = None
+        self.sliding = False  # the engine's sliding pages on (use_sliding_pages)
 
     # -- KV storage ----------------------------------------------------------------------
 
@@ -79,22 +86,46 @@ class ExecuTorchExecutor:
 
     def kv_memory_available(self) -> int | None:
         """MemAvailable, but never more blocks than the program's ``max_cells`` accept."""
-        cap = (self.manifest.limits.max_cells // self.block_size) * self.kv_bytes_per_block()
+        pages = 1 + (self.page_groups.sliding_groups if self.page_groups is not None else 0)  # pages a block
+        cap = (self.manifest.limits.max_cells // self.block_size // pages) * self.kv_bytes_per_block()
         ram = available_ram()
         return cap if ram is None else min(ram, cap)
 
+    def use_sliding_pages(self) -> tuple[int, int, int] | None:
+        """Follow the engine's sliding pages (docs/engine.md "Sliding layers keep their window"):
+        only a program exported with ``--sliding-pages``, whose pools hold one row per place of a
+        layer group and whose calls take one set of window cells per sliding group. Called before
+        :meth:`allocate_kv`; (sliding groups, window, sliding layers), or None."""
+        groups = self.page_groups
+        if groups is None or self.k_pool is not None:
+            return None
+        self.sliding = True
+        return groups.sliding_groups, self.config.sliding_window, groups.sliding_layers
+
     def allocate_kv(self, num_blocks: int) -> None:
-        cells = num_blocks * self.block_size
+        """The off-graph pools: ``num_blocks`` blocks of every layer; with a program exported with
+        sliding pages, rows of places, and ``num_blocks`` pages when the engine's sliding pages are
+        on, else every block's fixed page in each group (every position kept)."""
+        groups = self.page_groups
+        pages = num_blocks if groups is None or self.sliding else num_blocks * (1 + groups.sliding_groups)
+        if groups is not None:
+            self.pages = Pages(groups.sliding_groups, None if self.sliding else num_blocks)
+        cells = pages * self.block_size
         if cells > self.manifest.limits.max_cells:
             raise ConfigError(f"a KV pool of {num_blocks} blocks ({cells} cells) exceeds the {self.manifest.limits.max_cells} "
                               f"cells the program was exported for (musegl export --max-cells)")
         c = self.config
-        shape = (c.num_layers, max(cells, 2), c.num_kv_heads, c.head_dim)
+        rows = c.num_layers if groups is None else groups.places
+        shape = (rows, max(cells, 2), c.num_kv_heads, c.head_dim)
         self.k_pool = torch.zeros(shape, dtype=self.dtype)
         self.v_pool = torch.zeros(shape, dtype=self.dtype)
-        self.num_blocks = num_blocks
+        self.num_blocks = pages
 
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
+        pages = self.pages
+        if pages is not None and pages.fixed is not None:  # every position kept: each group's fixed page too
+            pairs = [(s + g * pages.fixed, d + g * pages.fixed) for g in range(1 + pages.sliding_groups)
+                     for s, d in pairs]
         copy_pool_blocks(self._pool(), pairs, self.block_size)
 
     def _pool(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -119,7 +150,8 @@ class ExecuTorchExecutor:
         c, lim = self.config, self.manifest.limits
         calls = plan_calls(step.chunks, needed, block_size=self.block_size, num_blocks=self.num_blocks,
                            window=c.sliding_window, vocab=c.vocab_size, sizes=lim.forward_sizes,
-                           max_chunk=lim.max_prefill_chunk, embedded=embedded, min_head_rows=lim.min_head_rows)
+                           max_chunk=lim.max_prefill_chunk, embedded=embedded, min_head_rows=lim.min_head_rows,
+                           pages=self.pages)
         # the head's rows in HeadRows order, copied once out of each call's output
         logits = torch.empty((len(plan.rows), c.vocab_size), dtype=torch.float32) if plan.rows else None
         hidden = None if taps is None else torch.empty((len(taps), int(starts[-1]) + len(step.chunks[-1].tokens),
@@ -133,12 +165,11 @@ class ExecuTorchExecutor:
             if call.method == FROM_EMBEDDINGS:
                 inputs[0] = self._input_rows(step.chunks[call.pieces[0].chunk], call.pieces[0], i["tokens"])
             out, new_k, new_v, *tapped = self._execute(call.method, inputs)
-            real = np.flatnonzero(call.write_slots >= 0)
-            if real.size:
-                at = torch.from_numpy(call.write_slots[real])
-                rows = torch.from_numpy(real)
-                k_pool[:, at] = new_k[:, rows]
-                v_pool[:, at] = new_v[:, rows]
+            if call.sliding_writes is None:
+                write_rows(k_pool, v_pool, new_k, new_v, None, call.write_slots)
+            else:  # each group's layers at their places, at the group's cells
+                for group, slots in enumerate([call.write_slots, *call.sliding_writes]):
+                    write_rows(k_pool, v_pool, new_k, new_v, self._group_layers[group], slots)
             if call.head_of:
                 gather_rows(logits, [plan.where[i][r] for i, r in call.head_of], out, list(call.head_of.values()))
             if hidden is not None:
@@ -151,6 +182,18 @@ class ExecuTorchExecutor:
             logits if plan.sampled == list(range(len(plan.rows))) else logits[plan.sampled])
         ids, logprobs = sample(sampled, SampleRows.of(step)) if plan.sampled else ([], [])
         return plan.output(step, starts, logits, ids, logprobs, hidden)
+
+    @property
+    def _group_layers(self) -> list[torch.Tensor]:
+        """Each group's layers, in the order of their places (sliding pages)."""
+        found = getattr(self, "_layers_of_groups", None)
+        if found is None:
+            groups = self.page_groups
+            found = [torch.tensor(sorted((i for i, (g, _) in enumerate(groups.layers) if g == group),
+                                         key=lambda i: groups.layers[i][1]))
+                     for group in range(1 + groups.sliding_groups)]
+            self._layers_of_groups = found
+        return found
 
     def _tap_index(self, taps: Sequence[int]) -> list[int] | None:
         """Where each requested tap is in the program's ``hidden`` output (None: no taps)."""
@@ -239,6 +282,24 @@ class ExecuTorchExecutor:
         self.num_blocks = 0
 
 
+
+
+def write_rows(k_pool: torch.Tensor, v_pool: torch.Tensor, new_k: torch.Tensor, new_v: torch.Tensor,
+               layers: torch.Tensor | None, slots: np.ndarray) -> None:
+    """Write a call's new K/V rows at their cells (``slots``, -1: not written): every layer's
+    (``layers`` None), or those of one group's ``layers`` at their places (rows 0.. of the pools)."""
+    real = np.flatnonzero(slots >= 0)
+    if not real.size:
+        return
+    at = torch.from_numpy(slots[real])
+    rows = torch.from_numpy(real)
+    if layers is None:
+        k_pool[:, at] = new_k[:, rows]
+        v_pool[:, at] = new_v[:, rows]
+    else:
+        places = torch.arange(len(layers))[:, None]
+        k_pool[places, at[None, :]] = new_k[layers][:, rows]
+        v_pool[places, at[None, :]] = new_v[layers][:, rows]
 
 
 def gather_rows(into: torch.Tensor, at: list[int], source: torch.Tensor, rows: list[int]) -> None:

@@ -115,7 +115,7 @@ def musegl_executors() -> list[ExecutorSpec]:
     return [ExecutorSpec(name="executorch", description="an exported Muse Glimmer program (musegl export) "
                                                         "on the CPU through ExecuTorch (XNNPACK)",
                          create=create, available=executorch_available, priority=5, kv_layout=kv_layout,
-                         claims=claims, check=check)]
+                         claims=claims, check=check, sliding_pages=True)]
 
 
 @hookimpl

@@ -114,3 +114,76 @@ def test_a_block_table_too_short_or_out_of_range_is_refused(pair):
         run(pair, [SeqChunk(seq=1, tokens=[1, 2], positions=[15, 16], blocks=[3], sample=1)])
     with pytest.raises(ValueError, match="block ids must lie in"):
         run(pair, [SeqChunk(seq=1, tokens=[1], positions=[0], blocks=[BLOCKS], sample=1)])
+
+
+def test_the_sliding_pages_graph_reads_each_group_s_pages(tiny_hf):
+    """A module set for sliding pages (``--sliding-pages``: pools of places, one set of window
+    cells per sliding group) driven by the planner with each group's own pages, the full layers'
+    and each sliding group's at other ids, gives the torch executor's logits; a ``keep_full``
+    chunk writes no full layer's row; the same program keeping every position (each group's
+    fixed page ``b + g x blocks``) does too."""
+    from musegl_core.engine.sliding_pages import PageGroups
+    from musegl_executorch.abi import Pages
+    from musegl_executorch.executor import write_rows
+
+    checkpoint = load_checkpoint(tiny_hf.path)
+    reference = TorchExecutor(checkpoint, device="cpu")
+    reference.allocate_kv(BLOCKS)
+    c = reference.config
+    groups = PageGroups.of(c.sliding)
+    assert (groups.places, groups.sliding_groups) == (2, 2)  # 6 layers, 4 sliding: 3 groups of 2
+    module = OffGraphDecoder.from_decoder(reference.model, torch.float32)
+    module.use_page_groups(groups)
+    layers = [torch.tensor(sorted((i for i, (g, _) in enumerate(groups.layers) if g == group),
+                                  key=lambda i: groups.layers[i][1])) for group in range(3)]
+
+    def drive(chunks, pages, pool_pages, pools):
+        k_pool, v_pool = pools
+        out = {}
+        for call in plan_calls(chunks, [list(range(len(ch.tokens))) for ch in chunks], block_size=16,
+                               num_blocks=pool_pages, window=c.sliding_window, vocab=c.vocab_size, sizes=(1, 4),
+                               max_chunk=16, pages=pages):
+            i = {k: torch.from_numpy(v) for k, v in call.inputs.items()}
+            assert i["window_slots"].shape[0] == 2  # one set of window cells per sliding group
+            logits, new_k, new_v = module(i["tokens"], i["positions"], k_pool, v_pool, i["full_slots"],
+                                          i["full_bias"], i["window_slots"], i["window_bias"], i["head_rows"])
+            for group, slots in enumerate([call.write_slots, *call.sliding_writes]):
+                write_rows(k_pool, v_pool, new_k, new_v, layers[group], slots)
+            for key, j in call.head_of.items():
+                out[key] = logits[j]
+        return out
+
+    def pools(pages):
+        shape = (groups.places, pages * 16, c.num_kv_heads, c.head_dim)
+        return torch.zeros(shape), torch.zeros(shape)
+
+    rng = np.random.default_rng(5)
+    prompt = rng.integers(0, 512, 40).tolist()
+    blocks, sliding = [3, 7, 1], ([12, 5, 9], [20, 14, 2])  # each group's pages of the three blocks
+    prefill = SeqChunk(seq=1, tokens=prompt, positions=list(range(40)), blocks=blocks, sliding_blocks=sliding,
+                       sample=1)
+    decode = SeqChunk(seq=1, tokens=[7], positions=[40], blocks=blocks, sliding_blocks=sliding, sample=1)
+    ref_prefill = reference_logits((reference,), [prefill])[1]
+    ref_decode = reference_logits((reference,), [decode])[1][0]
+    paged = pools(32)
+    mine = drive([prefill], Pages(2), 32, paged)
+    assert torch.allclose(torch.stack([mine[(0, r)] for r in range(40)]), ref_prefill, atol=1e-4)
+    assert torch.allclose(drive([decode], Pages(2), 32, paged)[(0, 0)], ref_decode, atol=1e-4)
+    # pages out of every window are never read: -1 there changes nothing
+    gone = SeqChunk(seq=1, tokens=[7], positions=[40], blocks=blocks, sliding_blocks=([-1, 5, 9], [-1, 14, 2]),
+                    sample=1)
+    assert torch.allclose(drive([gone], Pages(2), 32, paged)[(0, 0)], ref_decode, atol=1e-4)
+    # a rewind's recomputation: the full layers' cells stay as they are
+    full_page = paged[0][:, 7 * 16:8 * 16].clone()  # the full layers' page of positions 16..31, both places
+    paged[0][:, 25 * 16:27 * 16] = 0
+    again = SeqChunk(seq=1, tokens=prompt[16:32], positions=list(range(16, 32)), blocks=blocks,
+                     sliding_blocks=([12, 25, 9], [20, 26, 2]), sample=0, keep_full=True)
+    drive([again], Pages(2), 32, paged)
+    assert torch.equal(paged[0][:, 7 * 16:8 * 16], full_page)
+    # the recomputation wrote its own sliding pages, as the first pass wrote pages 5 and 14
+    assert torch.allclose(paged[0][:, 25 * 16:26 * 16], paged[0][:, 5 * 16:6 * 16], atol=1e-5)
+    assert torch.allclose(paged[1][:, 26 * 16:27 * 16], paged[1][:, 14 * 16:15 * 16], atol=1e-5)
+    # every position kept: sliding group g's page of block b is b + g x 16
+    kept = pools(48)
+    fixed = drive([attrs.evolve(prefill, sliding_blocks=())], Pages(2, fixed=16), 48, kept)
+    assert torch.allclose(torch.stack([fixed[(0, r)] for r in range(40)]), ref_prefill, atol=1e-4)

@@ -98,3 +98,26 @@ def test_export_refuses_a_draft_that_does_not_fit_the_target(tiny_gguf, tmp_path
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "reads target layers [0, 7] but the target has 6 layers" in err, err
     assert not (tmp_path / "out").exists()
+
+
+def test_a_manifest_whose_abi_and_sliding_pages_disagree_is_refused(tiny_hf, tmp_path):
+    """A program exported with --sliding-pages names its own ABI (a server that does not know it
+    refuses the program instead of misreading its pools); the manifest must say both or neither."""
+    import attrs
+
+    from musegl_core.errors import ConfigError
+    from musegl_executorch.artifact import SLIDING_ABI, read_manifest
+
+    config = load_checkpoint(tiny_hf.path).config
+    artifact(tmp_path / "plain", config, None)
+    assert read_manifest(str(tmp_path / "plain")).sliding_pages is False
+    for name, abi, sliding, ok in (("paged", SLIDING_ABI, True, True), ("half", SLIDING_ABI, False, False),
+                                   ("other", ABI, True, False)):
+        artifact(tmp_path / name, config, None)
+        manifest = attrs.evolve(read_manifest(str(tmp_path / name)), abi=abi, sliding_pages=sliding)
+        (tmp_path / name / MANIFEST).write_text(manifest.dump())
+        if ok:
+            assert read_manifest(str(tmp_path / name)).sliding_pages
+        else:
+            with pytest.raises(ConfigError, match="malformed manifest"):
+                read_manifest(str(tmp_path / name))

@@ -10,8 +10,10 @@ from typing import Callable
 
 import torch
 
-from musegl_executorch.artifact import (ABI, FORMAT, MANIFEST, VISION_INPUTS, DFlashExport, ExportLimits, Manifest,
-                                        VisionExport)
+from musegl_core.errors import ConfigError
+
+from musegl_executorch.artifact import (ABI, FORMAT, MANIFEST, SLIDING_ABI, VISION_INPUTS, DFlashExport,
+                                        ExportLimits, Manifest, VisionExport)
 from musegl_executorch.export.graph import HIDDEN_OUTPUT, INPUT_NAMES, OUTPUT_NAMES, OffGraphDecoder
 from musegl_executorch.export.lower import (Limits, draft_context_keys, export_method, lower_method, method_names,
                                             min_head_rows, prepare, to_program, write)
@@ -102,11 +104,14 @@ def build_artifact(checkpoint, tokenizer, out: Path, *, forward_sizes: tuple[int
                    max_cells: int, activation_dtype: str, quantization: str,
                    progress: Callable[[int, int, str], None] | None = None, vision_weights=None,
                    vision_patches: int = 0, vision_source: str = "", draft_path: str | None = None,
-                   draft_owners: int = 8, jobs: int = 1, method_progress: Report | None = None) -> Manifest:
+                   draft_owners: int = 8, jobs: int = 1, method_progress: Report | None = None,
+                   sliding_pages: bool = False) -> Manifest:
     """Export the checkpoint to ``out``. ``jobs`` processes export and lower the methods
     (:mod:`musegl_executorch.export.workers`); ``method_progress(method, done, total,
     what)`` follows each method, ``progress(done, total, what)`` the whole export (a
-    step per lowered method, then the program)."""
+    step per lowered method, then the program). ``sliding_pages``: pools of layer groups'
+    places and one set of window cells per sliding group (``--sliding-pages``;
+    :meth:`~musegl_executorch.export.graph.OffGraphDecoder.use_page_groups`)."""
     from executorch.version import __version__ as et_version
 
     started = time.perf_counter()
@@ -114,6 +119,14 @@ def build_artifact(checkpoint, tokenizer, out: Path, *, forward_sizes: tuple[int
     module = load_decoder(checkpoint, DTYPES[activation_dtype])
     if quantization == "int8-weight-only":
         quantize_int8(module)
+    if sliding_pages:
+        from musegl_core.engine.sliding_pages import PageGroups
+
+        groups = PageGroups.of(config.sliding)
+        if groups is None:
+            raise ConfigError("--sliding-pages: this model's full layers do not form one group of as many layers "
+                              "as each group of sliding layers (docs/engine.md \"Sliding layers keep their window\")")
+        module.use_page_groups(groups)
     limits = Limits(forward_sizes, max_prefill_chunk, max_cells, config.max_position_embeddings,
                     config.sliding_window)
     vision = None if vision_weights is None else load_vision_module(vision_weights, config,
@@ -151,7 +164,7 @@ def build_artifact(checkpoint, tokenizer, out: Path, *, forward_sizes: tuple[int
     write(program, out)
     write_tokenizer(tokenizer, out)
     manifest = Manifest(
-        format=FORMAT, abi=ABI, name=checkpoint.name, config=config, activation_dtype=activation_dtype,
+        format=FORMAT, abi=SLIDING_ABI if sliding_pages else ABI, name=checkpoint.name, config=config, activation_dtype=activation_dtype,
         quantization=quantization,
         limits=ExportLimits(config.max_position_embeddings, max_prefill_chunk, max_cells, forward_sizes,
                             min_head_rows(limits)),
@@ -161,6 +174,7 @@ def build_artifact(checkpoint, tokenizer, out: Path, *, forward_sizes: tuple[int
         vision=None if vision is None else VisionExport(vision.config, vision_patches, vision_source, VISION_INPUTS),
         dflash=None if draft is None else DFlashExport(draft.config, draft_owners,
                                                        draft_context_keys(draft.config, limits), str(draft_path)),
+        sliding_pages=sliding_pages,
     )
     (out / MANIFEST).write_text(manifest.dump())  # last: a directory without it is no export
     if method_progress:

@@ -61,6 +61,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="processes that export and lower the methods side by side (default: 2 when this "
                              "process may use two cores or more, else 1); each holds its own copies of the "
                              "weights while it lowers")
+    parser.add_argument("--sliding-pages", action="store_true",
+                        help="export for --sliding-window-kv: K/V pools of layer groups, so sliding layers keep "
+                             "only their window (docs/executorch.md); such a program also serves without it")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing export in OUTDIR")
 
 
@@ -138,7 +141,8 @@ def run(args: argparse.Namespace) -> int:
                                       quantization=QUANTIZATIONS[args.quantize], method_progress=progress,
                                       vision_weights=vision, vision_patches=args.max_vision_patches,
                                       vision_source=str(args.mmproj or args.model) if vision else "",
-                                      draft_path=args.dflash, draft_owners=args.max_draft_owners, jobs=jobs)
+                                      draft_path=args.dflash, draft_owners=args.max_draft_owners, jobs=jobs,
+                                      sliding_pages=args.sliding_pages)
         finally:
             checkpoint.close()
             if vision is not None:

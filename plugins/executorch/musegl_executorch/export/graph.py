@@ -35,6 +35,11 @@ so nothing has to be written to the pool before the call. Outputs:
 the pool at the rows' cells. With ``taps`` (an export with a DFlash draft) a
 fourth output ``hidden (taps, G·T, hidden)`` holds every row's input residual
 of each tapped layer (tap ``num_layers``: the last layer's output).
+
+Exported with sliding pages (``musegl export --sliding-pages``,
+:meth:`OffGraphDecoder.use_page_groups`), the pools hold one row per place of a
+layer group, ``(places, C, kvh, hd)``, and ``window_slots`` one set of cells per
+group of sliding layers, ``(S, G, Kw)`` (docs/executorch.md).
 """
 
 from __future__ import annotations
@@ -82,6 +87,7 @@ class ExportLayer(nn.Module):
         self.nq, self.nkv = config.num_heads * hd, config.num_kv_heads * hd
         self.f = config.intermediate_size
         self.index = index
+        self.place = index  # the pool row this layer reads and writes (its place in its group, sliding pages)
         self.use_rope = config.rope[index]
         self.sliding = config.sliding[index]
         self.eps, self.post_eps = config.rms_norm_eps, config.post_norm_eps
@@ -112,10 +118,10 @@ class ExportLayer(nn.Module):
         k = k.to(k_pool.dtype)
         v = v.to(v_pool.dtype)
 
-        # k_pool/v_pool are the whole pool as (layers·cells, kvh, hd) views: this layer's
-        # cells start at index·cells (k_pool[index] would copy the layer's whole pool per call)
+        # k_pool/v_pool are the whole pool as (rows·cells, kvh, hd) views: this layer's
+        # cells start at place·cells (k_pool[place] would copy the layer's whole pool per call)
         cached = slots.shape[1]
-        flat = slots.reshape(-1) + self.index * cells
+        flat = slots.reshape(-1) + self.place * cells
         past_k = torch.index_select(k_pool, 0, flat).reshape(groups, cached, self.kv_heads, self.hd)
         past_v = torch.index_select(v_pool, 0, flat).reshape(groups, cached, self.kv_heads, self.hd)
         keys = torch.cat([past_k, k.reshape(groups, chunk, self.kv_heads, self.hd)], dim=1).to(q.dtype)
@@ -156,7 +162,22 @@ class OffGraphDecoder(nn.Module):
         #: layers whose input residual every call also returns (``num_layers``: the last
         #: layer's output), as a fourth output ``hidden (taps, G·T, hidden)``; () for none
         self.taps: tuple[int, ...] = ()
+        #: sliding pages (:meth:`use_page_groups`): each layer's group (0: full), else None
+        self.layer_groups: tuple[int, ...] | None = None
+        self.page_groups = None  # ... and the PageGroups
         self.requires_grad_(False)
+
+    def use_page_groups(self, groups) -> None:
+        """Export for sliding pages (``musegl export --sliding-pages``; a
+        :class:`~musegl_core.engine.sliding_pages.PageGroups`): the pools hold one row per
+        *place* (``(places, C, kvh, hd)``), a layer reads its place's row, and ``window_slots``
+        carries one set of cells per sliding group (``(S, G, Kw)``; every group's window covers the
+        same positions, so ``window_bias`` stays one): a sliding layer of group ``g`` reads set
+        ``g - 1``."""
+        self.page_groups = groups
+        self.layer_groups = tuple(group for group, _ in groups.layers)
+        for layer, (_, place) in zip(self.layers, groups.layers):
+            layer.place = place
 
     @classmethod
     def from_decoder(cls, decoder, dtype: torch.dtype) -> "OffGraphDecoder":
@@ -200,10 +221,14 @@ class OffGraphDecoder(nn.Module):
         k_flat = k_pool.reshape(-1, c.num_kv_heads, c.head_dim)  # views (no copy in the program)
         v_flat = v_pool.reshape(-1, c.num_kv_heads, c.head_dim)
         tapped = {}
+        groups = self.layer_groups
         for i, layer in enumerate(self.layers):
             if i in self.taps:
                 tapped[i] = h
-            if layer.sliding:
+            if layer.sliding and groups is not None:  # sliding pages: its group's set of window keys
+                h, k, v = layer(h, cos, sin, k_flat, v_flat, cells, window_slots[groups[i] - 1],
+                                window_bias, own_window)
+            elif layer.sliding:
                 h, k, v = layer(h, cos, sin, k_flat, v_flat, cells, window_slots, window_bias, own_window)
             else:
                 h, k, v = layer(h, cos, sin, k_flat, v_flat, cells, full_slots, full_bias, own_full)
@@ -231,6 +256,7 @@ class FromEmbeddings(nn.Module):
         self.config, self.dtype = decoder.config, decoder.dtype
         self.layers, self.lm_head = decoder.layers, decoder.lm_head
         self.taps = decoder.taps
+        self.layer_groups = decoder.layer_groups
         self.register_buffer("norm", decoder.norm)
         self.register_buffer("inv_freq", decoder.inv_freq)
 

@@ -47,9 +47,14 @@ class Limits:
 
 
 def example_inputs(config: TextConfig, dtype: torch.dtype, groups: int, rows: int, cached: int,
-                   windowed: int, cells: int, heads: int) -> tuple[torch.Tensor, ...]:
-    """Inputs of the right shapes and valid values (the tracing example)."""
-    kv = (config.num_layers, cells, config.num_kv_heads, config.head_dim)
+                   windowed: int, cells: int, heads: int, page_groups=None) -> tuple[torch.Tensor, ...]:
+    """Inputs of the right shapes and valid values (the tracing example); ``page_groups``
+    (a :class:`~musegl_core.engine.sliding_pages.PageGroups`): the sliding pages' shapes."""
+    rows_of_pool = config.num_layers if page_groups is None else page_groups.places
+    kv = (rows_of_pool, cells, config.num_kv_heads, config.head_dim)
+    window = torch.arange(groups * windowed, dtype=torch.long).reshape(groups, windowed) % cells
+    if page_groups is not None:
+        window = window.expand(page_groups.sliding_groups, groups, windowed).contiguous()
     positions = torch.arange(groups * rows, dtype=torch.long).reshape(groups, rows) + cached
     return (
         torch.zeros(groups, rows, dtype=torch.long),
@@ -58,7 +63,7 @@ def example_inputs(config: TextConfig, dtype: torch.dtype, groups: int, rows: in
         torch.zeros(kv, dtype=dtype),
         torch.arange(groups * cached, dtype=torch.long).reshape(groups, cached) % cells,
         torch.zeros(groups, rows, cached, dtype=torch.float32),
-        torch.arange(groups * windowed, dtype=torch.long).reshape(groups, windowed) % cells,
+        window,
         torch.zeros(groups, rows, windowed, dtype=torch.float32),
         torch.arange(heads, dtype=torch.long),
     )
@@ -76,11 +81,12 @@ def min_head_rows(limits: Limits) -> int:
     return 0 if limits.max_prefill_chunk >= 2 else 1
 
 
-def method_shapes(limits: Limits, groups: int | None):
+def method_shapes(limits: Limits, groups: int | None, sliding_pages: bool = False):
     """(example sizes, dynamic_shapes) of one method: ``forward_{groups}`` (``groups``
     single-row groups) or, for ``groups=None``, ``forward_others`` (one group of up to
     ``max_prefill_chunk`` rows, 0 .. ``max_prefill_chunk`` head rows: see
-    :func:`min_head_rows`)."""
+    :func:`min_head_rows`). ``sliding_pages``: ``window_slots`` has a leading axis of sliding
+    groups (static)."""
     cells = Dim("cells", min=2, max=limits.max_cells)
     kf_max = min(limits.native_context, limits.max_cells)  # a call never reads more keys than the pool holds
     kw_max = max(1, limits.window - 1)
@@ -103,7 +109,7 @@ def method_shapes(limits: Limits, groups: int | None):
         axes(d1=t), axes(d1=t),  # tokens, positions
         {1: cells}, {1: cells},  # k_pool, v_pool
         axes(d1=kf), axes(d1=t, d2=kf),  # full_slots, full_bias
-        axes(d1=kw), axes(d1=t, d2=kw),  # window_slots, window_bias
+        axes(d2=kw) if sliding_pages else axes(d1=kw), axes(d1=t, d2=kw),  # window_slots, window_bias
         axes(d0=r),  # head_rows
     )
     return sizes, dynamic
@@ -143,8 +149,9 @@ def export_method(name: str, module: OffGraphDecoder, limits: Limits,
         rows = min(3, limits.max_prefill_chunk)
         return _export(EmbedText(module), (torch.zeros(rows, dtype=torch.long),), ({0: t} if t is not None else None,))
     groups = None if name in (OTHERS, FROM_EMBEDDINGS) else int(name.removeprefix("forward_"))
-    sizes, dyn = method_shapes(limits, groups)
-    inputs = example_inputs(module.config, module.dtype, **sizes)
+    page_groups = getattr(module, "page_groups", None)
+    sizes, dyn = method_shapes(limits, groups, sliding_pages=page_groups is not None)
+    inputs = example_inputs(module.config, module.dtype, **sizes, page_groups=page_groups)
     if name == FROM_EMBEDDINGS:
         first = torch.zeros(*inputs[0].shape, module.config.hidden_size, dtype=module.dtype)
         return _export(FromEmbeddings(module), (first,) + inputs[1:], dyn)
