@@ -303,6 +303,8 @@ class SessionTable:
         self._from_lower = 0  # blocks the last promote brought up from the tier below the host (disk)
         self.moved_down = 0  # idle soft sessions moved to the host tier at their idle timeout, instead of closed
         self.offloads = 0  # idle holders moved down
+        #: blocks on demand for running requests (engine/kv_suspend.py; the engine sets it with the host tier)
+        self.on_demand = None
 
     @staticmethod
     def pool_blocks(block_size: int, *, max_sessions: int, max_context: int, snapshots: int) -> int:
@@ -947,6 +949,8 @@ class SessionTable:
 
     def kv_shortfall(self, blocks: int) -> str:
         """Why ``blocks`` could not be reserved, with the numbers (a 503's message)."""
+        if self.on_demand is not None and self.on_demand.refused_pages:
+            return self.on_demand.shortfall()  # the guarantee over device plus host refused it
         pool = self.pool
         idle = sum(pool.pages(b) for s in self.named.values() if s.idle for b in s.slot.blocks)
         if pool.companions:  # counted in pages
