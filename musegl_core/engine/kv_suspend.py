@@ -20,9 +20,11 @@ needs:
    step, its blocks kept.
 
 Suspended sequences come back (:meth:`OnDemand.resume`, before each step is planned), admitted
-first first, when the device has room for their blocks and for one more block for every running
-sequence (the hysteresis that keeps a resumed sequence from being suspended again at the next
-block boundary). While any sequence is suspended, new requests wait.
+first first, when the device has room for their blocks and one more block for themselves and for
+each running sequence admitted before them (the hysteresis that keeps a resumed sequence from
+being suspended again at the next block boundary); room is made for them as for growth, running
+sequences admitted after them being suspended, since they come first. While any sequence is
+suspended, new requests wait.
 
 **The admission guarantee, over both tiers.** A request starts only when everything that may
 not be lost still fits in device plus host pages at its end (:meth:`OnDemand.lacking`): the
@@ -238,9 +240,14 @@ class OnDemand:
 
     # -- resumption --------------------------------------------------------------------------
     def resume(self, running: Sequence[SequenceState]) -> list[SequenceState]:
-        """Bring suspended sequences back, the first admitted first, while the device has room for
-        a sequence's blocks and one more block for each running sequence (idle holders make room
-        for them, nobody running is suspended for them). The sequences resumed."""
+        """Bring suspended sequences back, the first admitted first: a sequence comes back when the
+        device has room for its blocks and one more block for itself and for each running sequence
+        admitted before it (that margin keeps it from being suspended again at the next block
+        boundary). Room is made as for growth (:meth:`make_room`): idle holders first, then running
+        sequences admitted after it are suspended, since it comes before them. The first admitted
+        of all running sequences comes back block by block when the tiers are so full that its
+        blocks and the blocks moved down for them must take turns (every block it brings back frees
+        host pages for the next one moved down). The sequences resumed."""
         if not self.parked:
             return []
         pool = self.pool
@@ -248,16 +255,27 @@ class OnDemand:
         resumed = []
         for seq in sorted((s for s in running if s.handle in self.parked), key=lambda s: s.handle):
             parked = self.parked[seq.handle]
-            active = sum(1 for s in running if s.handle not in self.parked) + 1
-            pages = len(parked) * per + active * per
-            if pool.available_blocks < pages:
-                self.sessions.make_room(pages, keep=tuple(s.session for s in running))
-            if pool.available_blocks < pages:
-                break
-            self._restore(seq, parked)
+            older = sum(1 for s in running if s.handle < seq.handle and s.handle not in self.parked)
+            extra = per * (older + 1)
+            while parked:
+                want = len(parked) * per + extra
+                if pool.available_blocks < want:
+                    self.make_room(want, seq, running)
+                if pool.available_blocks >= want:
+                    fit = len(parked)
+                elif older == 0:  # nobody may suspend it again: bring back what fits, then make more room
+                    fit = min(len(parked), pool.available_blocks // per)
+                else:
+                    fit = 0
+                if fit == 0:
+                    break
+                self._restore(seq, parked[:fit])
+                self.resumed_blocks += fit
+                del parked[:fit]
+            if parked:
+                break  # the sequences admitted after it wait behind it
             del self.parked[seq.handle]
             self.resumptions += 1
-            self.resumed_blocks += len(parked)
             resumed.append(seq)
         return resumed
 
