@@ -30,8 +30,9 @@ suspended, new requests wait.
 not be lost still fits in device plus host pages at its end (:meth:`OnDemand.lacking`): the
 pages each running request may reach (its prompt and ``max_tokens``, counted as today's
 reservation was, :meth:`SessionTable.run_blocks`), the pages of named sessions that may not be
-lost (without ``--evict-idle-sessions``; and those whose next request waits in the queue), and
-one block's pages of slack for the granularity of moves. Snapshots, soft sessions and the prefix
+lost (without ``--evict-idle-sessions``; and those whose next request waits in the queue), and,
+with sliding pages, one block's pages of slack for the granularity of moves; and a request that
+may reach more pages than the device has never starts (it runs with all its blocks there). Snapshots, soft sessions and the prefix
 cache's blocks may be dropped and are not counted. Under that bound the running request admitted
 first can always grow: whatever the device lacks, the host tier has free (the counted pages
 exceed what is held by at least what every running request may still take), so moving lower
@@ -106,14 +107,23 @@ class OnDemand:
         """Device pages plus host pages."""
         return self.pool.num_blocks + self.host.num_pages
 
+    @property
+    def slack(self) -> int:
+        """Pages the guarantee keeps free for the granularity of moves: none when a block is one page
+        (every move frees what it takes), a block's pages with sliding pages (a block moved down may
+        be fewer pages than the one taken)."""
+        return self.pool.pages_per_block if self.pool.companions else 0
+
     def lacking(self, session: Session, ceiling: int) -> int:
         """Pages a request on ``session`` that may reach ``ceiling`` pages lacks to start now: 0
         when it may (the guarantee holds with it), else how many (a positive count also while
         any sequence is suspended: new requests wait for them)."""
+        if ceiling > self.pool.num_blocks:  # it runs with every block on the device: it never could
+            self.refused_pages = ceiling
+            return ceiling - self.pool.num_blocks
         if self.parked:
             return self.pool.pages_per_block
-        short = (self.committed + ceiling + self.pinned(exclude=session) + self.pool.pages_per_block
-                 - self.capacity)
+        short = self.committed + ceiling + self.pinned(exclude=session) + self.slack - self.capacity
         if short > 0:
             self.refused_pages = ceiling
         return max(0, short)
@@ -188,13 +198,38 @@ class OnDemand:
             if not session.clean:  # a dirty session reuses nothing of its blocks
                 session.slot.truncate(0, rereserve=False)
                 session.tokens = []
-            else:
-                table.offload(session)
+            elif not table.offload(session):  # the host tier cannot take it whole: its last blocks
+                self._move_tail(session, pages - pool.available_blocks)
         for victim in sorted(running, key=lambda s: s.handle, reverse=True):
             if pool.available_blocks >= pages or victim.handle <= seq.handle:
                 return
             if self._suspendable(victim):
                 self._suspend(victim, pages - pool.available_blocks)
+
+    def _move_tail(self, session: Session, short: int) -> None:
+        """Move an idle named session's last blocks to the host tier, as many as the device is
+        ``short`` of pages for (or as fit): its host blocks then follow those it keeps on the device
+        (:meth:`SessionTable.restore` brings them back in order). Named sessions that may not be
+        lost are moved down in part where the host tier cannot take them whole."""
+        pool, host = self.pool, self.host
+        slot = session.slot
+        items = [[b, *(pool.companion_pages(b) or ())] for b in slot.blocks[: pool.blocks_for(len(session.tokens))]]
+        if host.free_pages < short:
+            self.sessions._host_room(short, keep=session)  # the host tier's prefix cache, droppable holders
+        count, taken = 0, 0
+        for pages in reversed(items):
+            if taken + len(pages) > host.free_pages or taken >= short:
+                break
+            taken += len(pages)
+            count += 1
+        if count == 0:
+            return
+        keep = len(items) - count
+        moved = host.offload([(pages, pool.key(block)) for pages, block in zip(items[keep:], slot.blocks[keep:])])
+        session.host = moved + session.host
+        slot.truncate(keep, rereserve=False)
+        table = self.sessions
+        table.offloads += 1
 
     def _suspendable(self, seq: SequenceState) -> bool:
         slot = seq.session.slot

@@ -328,6 +328,8 @@ class Scheduler:
                 if self._ahead:
                     return None
                 skipped.add(seq.handle)
+                if seq.phase is Phase.DECODE:  # its turn is spent: the rotation moves on to the others
+                    seq.decode_turns += 1
         return [pick for pick in picks
                 if pick[0].handle not in skipped and not on_demand.is_suspended(pick[0])]
 

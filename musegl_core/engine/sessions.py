@@ -472,7 +472,8 @@ class SessionTable:
         if session.host:
             if session.clean:
                 own = min(common_prefix(session.tokens, prompt), len(prompt) - 1)
-                from_host = self.restore(session, self.pool.blocks_for(own)) * block_size
+                kept = len(session.slot.blocks)  # (blocks on demand may have moved only its last blocks down)
+                from_host = (self.restore(session, self.pool.blocks_for(own)) - kept) * block_size
             else:
                 self._free_host(session)
         from_disk = 0  # the part of them that came up from the disk tier
@@ -526,7 +527,8 @@ class SessionTable:
         if not session.host or not session.clean:
             return 0
         own = min(common_prefix(session.tokens, prompt), len(prompt) - 1)
-        need = min(len(session.host), self.pool.blocks_for(own)) * self.pool.pages_per_block
+        need = min(len(session.host), max(0, self.pool.blocks_for(own) - len(session.slot.blocks)))
+        need *= self.pool.pages_per_block
         if need > self.pool.available_blocks:
             self.make_room(need, keep=session)
         return max(0, need - self.pool.available_blocks)
@@ -735,12 +737,14 @@ class SessionTable:
                 self.host.free([block])
 
     def restore(self, holder: "Session | Snapshot", blocks: int, keep=None) -> int:
-        """Bring the first ``blocks`` of a holder's host blocks back to the device (making room,
-        :meth:`make_room`, with ``keep`` and the holder spared); the rest are let go of. A block
-        whose key the device pool still holds is shared from there, the others are copied back
-        (and keyed again). Returns the blocks the holder has on the device afterwards."""
+        """Bring a holder's host blocks back to the device until it has its first ``blocks`` there
+        (making room, :meth:`make_room`, with ``keep`` and the holder spared); the rest are let go
+        of. A block whose key the device pool still holds is shared from there, the others are
+        copied back (and keyed again). Returns the blocks the holder has on the device afterwards.
+        (A holder's host blocks follow those it kept on the device: all of them, or the last ones
+        only where blocks on demand moved part of a session down, engine/kv_suspend.py.)"""
         host, pool = self.host, self.pool
-        wanted = holder.host[:blocks]
+        wanted = holder.host[:max(0, blocks - len(holder.slot.blocks))]
         need = len(wanted) * pool.pages_per_block
         if need > pool.available_blocks:
             self.make_room(need, keep=(holder, *(keep if isinstance(keep, tuple) else (keep,))))

@@ -127,7 +127,7 @@ def test_requests_beyond_device_plus_host_wait_and_then_finish(tokenizer):
             break
         tight.step()
         peak.append(len(tight.scheduler.running))
-        assert tight.on_demand.committed + tight.pool.pages_per_block <= tight.on_demand.capacity
+        assert tight.on_demand.committed <= tight.on_demand.capacity
     got = {rid: tuple(of(tight_events, ev.Done, rid)[0].generated_ids) for rid in expected}
     assert got == expected and not of(tight_events, ev.Failed)
     assert max(peak) == 2  # 2 x 13 blocks fit 30 pages; 3 would not
@@ -150,6 +150,20 @@ def test_a_request_device_plus_host_cannot_hold_is_refused_naming_both_tiers(tok
     assert of(events, ev.Done, "small") and engine.pool.used_blocks == 0
 
 
+def test_a_request_larger_than_the_device_pool_is_refused_whatever_the_host_tier(tokenizer):
+    # a sequence runs with every block on the device: 17 blocks never fit 16, however large the host tier
+    engine, events = engine_for(tokenizer, kv_blocks=16, kv_offload_memory=1 << 20, prefix_caching=False,
+                                max_context=128)
+    engine.submit(request("big", prompt_of(0), max_tokens=56))  # 68 positions: 17 blocks
+    engine.run_until_idle()
+    failed = of(events, ev.Failed, "big")
+    assert failed and "a request may reach 17 KV blocks" in failed[0].error.reason
+    assert "the device pool has 16" in failed[0].error.reason
+    engine.submit(request("fits", prompt_of(0), max_tokens=52))  # 64 positions: 16 blocks
+    engine.run_until_idle()
+    assert of(events, ev.Done, "fits")
+
+
 def test_named_sessions_that_may_not_be_lost_count_against_the_guarantee(tokenizer):
     # two named sessions hold 4 blocks each (device or host); a request that would need more than
     # what is left of device plus host is refused, and the sessions stay whole
@@ -159,10 +173,10 @@ def test_named_sessions_that_may_not_be_lost_count_against_the_guarantee(tokeniz
         engine.submit(request(f"r{i}", prompt_of(i), session=f"s{i}"))
         engine.run_until_idle()
     assert engine.on_demand.pinned() == 8
-    engine.submit(request("new", prompt_of(5), max_tokens=28))  # 40 positions: 10 blocks; 8 + 10 + 1 > 18
+    engine.submit(request("new", prompt_of(5), max_tokens=32))  # 44 positions: 11 blocks; 8 + 11 > 18
     engine.run_until_idle()
     assert of(events, ev.Failed, "new")
-    engine.submit(request("fits", prompt_of(6), max_tokens=20))  # 32 positions: 8 blocks; 8 + 8 + 1 <= 18
+    engine.submit(request("fits", prompt_of(6), max_tokens=28))  # 40 positions: 10 blocks; 8 + 10 <= 18
     engine.run_until_idle()
     assert of(events, ev.Done, "fits"), of(events, ev.Failed, "fits")
     for i in range(2):  # both sessions come back warm
