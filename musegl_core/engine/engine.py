@@ -526,7 +526,7 @@ class Engine:
                 replay = ReplayLog(session.replay.executed, kept)
         prompt, images = split_keys(keys, request)
         if self.on_demand is not None:
-            self.on_demand.refused_pages = 0
+            self.on_demand.refused_pages, self.on_demand.never = 0, False
         lacking = self.sessions.restore_room(session, keys)
         if lacking:  # its blocks in the host tier cannot come back yet: they stay there, the request waits
             return -(-lacking // self.pool.pages_per_block)

@@ -75,6 +75,7 @@ class OnDemand:
         self.suspended_blocks = 0  # blocks moved down by suspensions
         self.resumed_blocks = 0  # blocks brought back by resumptions
         self.refused_pages = 0  # the pages the last refused request may reach (its 503's numbers)
+        self.never = False  # the last refused request may reach more pages than the device has
 
     # -- admission ---------------------------------------------------------------------------
     def ceiling(self, session: Session, blocks: int, pages: int = 0) -> int:
@@ -118,7 +119,8 @@ class OnDemand:
         """Pages a request on ``session`` that may reach ``ceiling`` pages lacks to start now: 0
         when it may (the guarantee holds with it), else how many (a positive count also while
         any sequence is suspended: new requests wait for them)."""
-        if ceiling > self.pool.num_blocks:  # it runs with every block on the device: it never could
+        self.never = ceiling > self.pool.num_blocks
+        if self.never:  # it runs with every block on the device: it never could
             self.refused_pages = ceiling
             return ceiling - self.pool.num_blocks
         if self.parked:

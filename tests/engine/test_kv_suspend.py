@@ -154,9 +154,13 @@ def test_a_request_larger_than_the_device_pool_is_refused_whatever_the_host_tier
     # a sequence runs with every block on the device: 17 blocks never fit 16, however large the host tier
     engine, events = engine_for(tokenizer, kv_blocks=16, kv_offload_memory=1 << 20, prefix_caching=False,
                                 max_context=128)
+    engine.submit(request("first", prompt_of(1), max_tokens=40))
     engine.submit(request("big", prompt_of(0), max_tokens=56))  # 68 positions: 17 blocks
+    engine._drain(block=False)
+    failed = of(events, ev.Failed, "big")  # at once: it never could run, whatever ends
+    assert failed and len(engine.scheduler.running) == 1
     engine.run_until_idle()
-    failed = of(events, ev.Failed, "big")
+    assert of(events, ev.Done, "first")
     assert failed and "a request may reach 17 KV blocks" in failed[0].error.reason
     assert "the device pool has 16" in failed[0].error.reason
     engine.submit(request("fits", prompt_of(0), max_tokens=52))  # 64 positions: 16 blocks
