@@ -238,7 +238,8 @@ class Admission:
             if lacking is not None:  # the pool has not the blocks it may take to its end
                 if created and (session.name is None or not session.confirmed):
                     self.sessions.drop(session)  # a new session holds nothing worth keeping
-                if self.running:
+                on_demand = getattr(self.sessions, "on_demand", None)
+                if self.running and not (on_demand is not None and on_demand.never):
                     kv_full = True  # a running request gives blocks back when it ends
                     continue
                 self.unqueue(request)

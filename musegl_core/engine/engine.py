@@ -41,6 +41,7 @@ from musegl_core.engine.identity import prompt_keys, split_keys
 from musegl_core.engine.kv_disk import DiskTier, DiskTierError, block_format, open_disk_tier
 from musegl_core.engine.kv_host import HostTier, default_host_bytes, host_kv
 from musegl_core.engine.kv_memory import room_line
+from musegl_core.engine.kv_suspend import OnDemand
 from musegl_core.engine.memory import available_ram
 from musegl_core.engine.kv_pool import KVPool
 from musegl_core.engine.launch_gate import LaunchGate
@@ -198,6 +199,10 @@ class Engine:
         if self.host is not None:
             self.sessions.host = self.host
             self.pool.on_evict = self.sessions.evicted_to_host
+        #: blocks on demand for running requests, suspended to the host tier (engine/kv_suspend.py);
+        #: None without a host tier: a running request reserves its blocks to its end at admission
+        self.on_demand = OnDemand(self.sessions) if self.host is not None else None
+        self.sessions.on_demand = self.on_demand
         self.prefix_history = PrefixHistory(tokenizer)  # why a prefix missed (engine/prefix_miss.py)
         self.sessions.history = self.prefix_history
         limits = executor.limits
@@ -219,6 +224,7 @@ class Engine:
         )
         if self.host is not None and companions:  # sliding pages leaving the window go down, for rewinds
             self.scheduler.window_down = self.sessions.window_down
+        self.scheduler.on_demand = self.on_demand
         self.end_ids = frozenset(tokenizer.end_of_generation_ids)
         self.replayer = Replayer(tokenizer, self.end_ids)
         self._inbox: queue.Queue = queue.Queue()
@@ -400,6 +406,8 @@ class Engine:
             stats["kv_window_restores"] = sessions.window_restores
             stats["kv_window_restored_blocks"] = sessions.window_restored_blocks
             stats.update(self.host.stats())
+        if self.on_demand is not None:
+            stats.update(self.on_demand.stats())
         return stats
 
     # -- loop ------------------------------------------------------------------------
@@ -525,6 +533,8 @@ class Engine:
                 keys = replayed
                 replay = ReplayLog(session.replay.executed, kept)
         prompt, images = split_keys(keys, request)
+        if self.on_demand is not None:
+            self.on_demand.refused_pages, self.on_demand.never = 0, False
         lacking = self.sessions.restore_room(session, keys)
         if lacking:  # its blocks in the host tier cannot come back yet: they stay there, the request waits
             return -(-lacking // self.pool.pages_per_block)
@@ -538,7 +548,15 @@ class Engine:
         # a rewind past the sliding layers' window recomputes their K/V from ``start`` (sliding pages)
         start = self.sessions.window_start(session.slot.blocks, reused) if self.pool.companions else reused
         pages = self.sessions.window_pages(reused, start, self.scheduler.limits.max_step_tokens)
-        if not self.sessions.reserve_run(session, need, pages):
+        ceiling = None
+        if self.on_demand is not None:  # blocks on demand: the guarantee over device plus host, nothing reserved
+            ceiling = self.on_demand.ceiling(session, need, pages)
+            short = self.on_demand.lacking(session, ceiling)
+            if short:
+                return -(-short // self.pool.pages_per_block)
+            if not self.sessions.reserve_run(session, 0, pages):  # a window recomputation's own pages
+                return -(-pages // self.pool.pages_per_block)
+        elif not self.sessions.reserve_run(session, need, pages):
             return need
         self.prefix_history.ran(keys, session.salt)
         if replay is not None:
@@ -567,6 +585,8 @@ class Engine:
             stops=StopMatcher(request.stop, request.template_stops),
         )
         self._next_handle += 1
+        if ceiling is not None:
+            self.on_demand.started(seq, ceiling)
         self.scheduler.add(seq)
         if self.trace is not None:
             self.trace.request("admitted", seq.id, prompt=seq.prompt_len, cached=seq.cached, waited=round(waited, 6))
@@ -642,9 +662,11 @@ class Engine:
         self.executor.release_sequence(seq.handle)
         self.speculator.release_sequence(seq.handle)
         session = seq.session
-        # Positions with K/V in the cache: the prompt and every generated token but the last.
-        session.tokens = seq.keys[: seq.computed]
-        self.sessions.end_run(session, seq.computed)  # blocks on demand: it keeps what it filled
+        # Positions with K/V in the cache: the prompt and every generated token but the last (those
+        # still on the device, for a request cancelled while suspended to the host tier).
+        computed = seq.computed if self.on_demand is None else self.on_demand.finish(seq)
+        session.tokens = seq.keys[: computed]
+        self.sessions.end_run(session, computed)  # blocks on demand: it keeps what it filled
         if reason is not None:  # not after an executor failure
             self.sessions.publish(session)
             self._write_through(session)

@@ -40,7 +40,7 @@ from typing import Sequence
 
 import attrs
 
-from musegl_core.engine.kv_pool import KVPool
+from musegl_core.engine.kv_pool import KVPool, PoolExhausted
 from musegl_core.engine.prefix_cache import PrefixCache, block_key, chain_root
 from musegl_core.engine.request import SequenceState
 
@@ -108,9 +108,16 @@ class PrefillSharing:
             return 0
         slot = seq.session.slot
         slot.truncate(index)  # blocks past ``computed`` hold nothing yet
+        adopted = 0
         for block in found:
-            slot.adopt(block)
-        positions = len(found) * self.pool.block_size
+            try:
+                slot.adopt(block)
+            except PoolExhausted:  # blocks on demand: no free block to revive a cached one
+                break
+            adopted += 1
+        if not adopted:
+            return 0
+        positions = adopted * self.pool.block_size
         seq.computed += positions
         seq.cached += positions
         self.shared_tokens += positions

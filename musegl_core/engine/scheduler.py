@@ -38,6 +38,7 @@ import attrs
 
 from musegl_core.engine.executor import EmbeddingSpan, ExecutorLimits, SeqChunk, Step, StepOutput, TokenLogprobs
 from musegl_core.engine.kv_pool import KVPool
+from musegl_core.engine.kv_suspend import OnDemand, runnable
 from musegl_core.engine.masks import MaskClock, MaskWorkers
 from musegl_core.engine.prefill_budget import PrefillBudget
 from musegl_core.engine.prefill_sharing import PrefillSharing
@@ -115,6 +116,11 @@ class Scheduler:
         self.mask_clock = MaskClock()
         #: grammar masks computed while the forward runs (None: inline, here)
         self.mask_workers = MaskWorkers(mask_threads, self.mask_clock) if mask_threads > 0 else None
+        #: blocks on demand for running sequences, suspended to the host tier under pressure
+        #: (engine/kv_suspend.py; the engine sets it where the host tier is on); None: each running
+        #: sequence reserved its blocks to its end at admission
+        self.on_demand: OnDemand | None = None
+        self._ahead = False  # planning a step ahead (schedule_ahead): no room is made, nobody suspended
 
     # -- membership ------------------------------------------------------------------
     def add(self, seq: SequenceState) -> None:
@@ -136,7 +142,7 @@ class Scheduler:
 
     def decoders(self) -> list[SequenceState]:
         """The decoding sequences the next step will carry (fair rotation)."""
-        decoders = [s for s in self.running if s.phase is Phase.DECODE]
+        decoders = [s for s in runnable(self.running, self.on_demand) if s.phase is Phase.DECODE]
         decoders.sort(key=lambda s: s.decode_turns)
         return decoders[: min(self.limits.max_decode_sequences, self.limits.max_step_tokens)]
 
@@ -250,12 +256,17 @@ class Scheduler:
 
     def schedule(self) -> ScheduledStep | None:
         """Plan the next forward: the step, (sequence, rows) pairs, and the
-        (src, dst) block copies to make before it runs."""
+        (src, dst) block copies to make before it runs. With blocks on demand
+        (:attr:`on_demand`), suspended sequences that have room come back first, and
+        each sequence the step carries takes the blocks it grows into
+        (:meth:`_secure`), or skips the step."""
         limits = self.limits
         budget = limits.max_step_tokens
-        plan: list[tuple[SequenceState, int]] = []
-        chunks: list[SeqChunk] = []
+        # (sequence, rows, sampled rows, drafts): what the step carries, before blocks are secured
+        picks: list[tuple[SequenceState, int, int, list[int]]] = []
         copies: list[tuple[int, int]] = []
+        if self.on_demand is not None and not self._ahead:
+            self.on_demand.resume(self.running)
 
         for seq in self.decoders():
             if budget < 1:
@@ -263,18 +274,17 @@ class Scheduler:
             drafts = seq.drafts[: budget - 1]
             seq.drafts = drafts
             rows = 1 + len(drafts)
-            chunks.append(self._chunk(seq, rows, sample=rows, copies=copies, drafts=drafts))
-            plan.append((seq, rows))
-            seq.decode_turns += 1
+            picks.append((seq, rows, rows, drafts))
             budget -= rows
 
+        decoding = len(picks)
         prefill_budget = min(limits.max_prefill_chunk, budget)
-        prefilling = [seq for seq in self.running if seq.phase is Phase.PREFILL]
+        prefilling = [seq for seq in runnable(self.running, self.on_demand) if seq.phase is Phase.PREFILL]
         if self.sharing is not None and prefilling:
             prefilling = self.sharing.ready(prefilling)  # followers wait for their leaders' blocks
         if self.budget is not None and prefilling:
-            prefill_budget = min(prefill_budget, self.budget.rows(decoding=len(plan), prefilling=len(prefilling)))
-        if not plan and len(self.running) == 1 and prefilling and limits.solo_prefill_chunk:
+            prefill_budget = min(prefill_budget, self.budget.rows(decoding=decoding, prefilling=len(prefilling)))
+        if not decoding and len(self.running) == 1 and prefilling and limits.solo_prefill_chunk:
             # one sequence prefills and nothing else runs: no one waits on this step
             prefill_budget = min(limits.solo_prefill_chunk, budget)
         for seq in prefilling:
@@ -282,21 +292,52 @@ class Scheduler:
                 break
             if seq.computed < seq.rewound:  # a window recomputation: its chunks stop where the cache resumes
                 count = min(seq.rewound - seq.computed, prefill_budget)
-                chunks.append(self._chunk(seq, count, sample=0, copies=copies))
-                plan.append((seq, count))
+                picks.append((seq, count, 0, []))
                 prefill_budget -= count
                 continue
             remaining = len(seq.tokens) - seq.computed
             count = min(remaining, prefill_budget)
-            chunks.append(self._chunk(seq, count, sample=int(count == remaining), copies=copies))
-            plan.append((seq, count))
+            picks.append((seq, count, int(count == remaining), []))
             prefill_budget -= count
+        if self.on_demand is not None:
+            picks = self._secure(picks)
+            if picks is None:
+                return None
+
+        plan: list[tuple[SequenceState, int]] = []
+        chunks: list[SeqChunk] = []
+        for seq, rows, sample, drafts in picks:
+            chunks.append(self._chunk(seq, rows, sample=sample, copies=copies, drafts=drafts))
+            plan.append((seq, rows))
+            if seq.phase is Phase.DECODE:
+                seq.decode_turns += 1
         if not chunks:
             return None
         step = Step(chunks=chunks, taps=self.taps)
         if limits.step_sizes and step.decode_only:
             step.width = limits.executor.padded_width(step.num_tokens)
         return ScheduledStep(step, plan, copies)
+
+    def _secure(self, picks: list) -> list | None:
+        """Blocks on demand: each picked sequence, the first admitted first, takes the blocks its
+        rows grow into (engine/kv_suspend.py: idle holders make room, then lower-priority running
+        sequences are suspended); a sequence that finds none, or was suspended meanwhile, skips
+        the step. Planning ahead (:meth:`schedule_ahead`) makes no room: None when any lacks."""
+        on_demand = self.on_demand
+        skipped: set[int] = set()
+        for seq, rows, _sample, _drafts in sorted(picks, key=lambda p: p[0].handle):
+            if on_demand.is_suspended(seq):
+                skipped.add(seq.handle)
+                continue
+            need = on_demand.need(seq, seq.computed, seq.computed + rows)
+            if not on_demand.secure(seq, need, self.running, suspend=not self._ahead):
+                if self._ahead:
+                    return None
+                skipped.add(seq.handle)
+                if seq.phase is Phase.DECODE:  # its turn is spent: the rotation moves on to the others
+                    seq.decode_turns += 1
+        return [pick for pick in picks
+                if pick[0].handle not in skipped and not on_demand.is_suspended(pick[0])]
 
     def schedule_ahead(self) -> ScheduledStep | None:
         """Plan step N+1 while step N is in flight: as if N's sampled id had arrived
@@ -306,9 +347,11 @@ class Scheduler:
         for seq in running:
             seq.tokens.append(0)
             seq.computed += 1
+        self._ahead = True
         try:
             planned = self.schedule()
         finally:
+            self._ahead = False
             for seq in running:
                 seq.tokens.pop()
                 seq.computed -= 1

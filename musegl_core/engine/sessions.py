@@ -312,6 +312,8 @@ class SessionTable:
         self.window_restored_blocks = 0  # ... and the blocks whose sliding pages came back
         self.window_dropped_blocks = 0  # sliding pages the host tier let go of for room
         self.offloads = 0  # idle holders moved down
+        #: blocks on demand for running requests (engine/kv_suspend.py; the engine sets it with the host tier)
+        self.on_demand = None
 
     @staticmethod
     def pool_blocks(block_size: int, *, max_sessions: int, max_context: int, snapshots: int) -> int:
@@ -482,7 +484,8 @@ class SessionTable:
         if session.host:
             if session.clean:
                 own = min(common_prefix(session.tokens, prompt), len(prompt) - 1)
-                from_host = self.restore(session, self.pool.blocks_for(own)) * block_size
+                kept = len(session.slot.blocks)  # (blocks on demand may have moved only its last blocks down)
+                from_host = (self.restore(session, self.pool.blocks_for(own)) - kept) * block_size
             else:
                 self._free_host(session)
         from_disk = 0  # the part of them that came up from the disk tier
@@ -539,7 +542,8 @@ class SessionTable:
         if not session.host or not session.clean:
             return 0
         own = min(common_prefix(session.tokens, prompt), len(prompt) - 1)
-        need = min(len(session.host), self.pool.blocks_for(own)) * self.pool.pages_per_block
+        need = min(len(session.host), max(0, self.pool.blocks_for(own) - len(session.slot.blocks)))
+        need *= self.pool.pages_per_block
         if need > self.pool.available_blocks:
             self.make_room(need, keep=session)
         return max(0, need - self.pool.available_blocks)
@@ -826,12 +830,14 @@ class SessionTable:
                 self.host.free([block])
 
     def restore(self, holder: "Session | Snapshot", blocks: int, keep=None) -> int:
-        """Bring the first ``blocks`` of a holder's host blocks back to the device (making room,
-        :meth:`make_room`, with ``keep`` and the holder spared); the rest are let go of. A block
-        whose key the device pool still holds is shared from there, the others are copied back
-        (and keyed again). Returns the blocks the holder has on the device afterwards."""
+        """Bring a holder's host blocks back to the device until it has its first ``blocks`` there
+        (making room, :meth:`make_room`, with ``keep`` and the holder spared); the rest are let go
+        of. A block whose key the device pool still holds is shared from there, the others are
+        copied back (and keyed again). Returns the blocks the holder has on the device afterwards.
+        (A holder's host blocks follow those it kept on the device: all of them, or the last ones
+        only where blocks on demand moved part of a session down, engine/kv_suspend.py.)"""
         host, pool = self.host, self.pool
-        wanted = holder.host[:blocks]
+        wanted = holder.host[:max(0, blocks - len(holder.slot.blocks))]
         need = len(wanted) * pool.pages_per_block
         if need > pool.available_blocks:
             self.make_room(need, keep=(holder, *(keep if isinstance(keep, tuple) else (keep,))))
@@ -1040,6 +1046,8 @@ class SessionTable:
 
     def kv_shortfall(self, blocks: int) -> str:
         """Why ``blocks`` could not be reserved, with the numbers (a 503's message)."""
+        if self.on_demand is not None and self.on_demand.refused_pages:
+            return self.on_demand.shortfall()  # the guarantee over device plus host refused it
         pool = self.pool
         idle = sum(pool.pages(b) for s in self.named.values() if s.idle for b in s.slot.blocks)
         if pool.companions:  # counted in pages

@@ -82,6 +82,17 @@ SERIES = {
     "kv_restores": ("kv_restores", "sessions, snapshots and prompts whose KV came back from the host tier", "counter"),
     "kv_restore_seconds": ("kv_restore_seconds", "seconds the engine spent bringing KV back from the host tier "
                            "(on CUDA: issuing the copies, which finish on a side stream)", "counter"),
+    "kv_suspended": ("kv_suspended", "running requests suspended to the host tier when the device pool ran short "
+                     "(their blocks copied down, the last admitted first; never recomputed)", "counter"),
+    "kv_resumed": ("kv_resumed", "suspended requests resumed (their blocks copied back to the device)", "counter"),
+    "kv_suspended_blocks": ("kv_suspended_blocks", "KV blocks of running requests copied to the host tier by "
+                            "suspensions", "counter"),
+    "kv_resumed_blocks": ("kv_resumed_blocks", "KV blocks of suspended requests copied back to the device",
+                          "counter"),
+    "kv_requests_suspended": ("kv_requests_suspended", "running requests suspended to the host tier now (their "
+                              "streams pause)", "gauge"),
+    "kv_pages_committed": ("kv_pages_committed", "KV pages the running requests may reach by their ends (blocks "
+                           "on demand: the admission guarantee over device plus host)", "gauge"),
     "running": ("requests_running", "requests running in the engine", "gauge"),
     "waiting": ("requests_waiting", "requests in the admission queue (for a running place, a session slot or "
                 "their session's previous request)", "gauge"),

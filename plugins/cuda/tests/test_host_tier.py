@@ -64,6 +64,42 @@ def test_sessions_moved_to_the_host_tier_answer_as_on_an_unconstrained_server(ch
     assert roomy.stats()["kv_tier_hits_host"] == 0
 
 
+def concurrent(engine: Engine, events: list, *, sessions: bool = False) -> dict[str, list[int]]:
+    """Four requests at once sharing a 16-token system prefix, each reaching 48 positions (12
+    blocks of 4): in a 24-block pool they start together (blocks on demand) and the last admitted
+    are suspended to the host tier as they grow. Per request, the ids generated."""
+    system = ids(31, 16)
+    requests = [PreparedRequest(id=f"r{i}", prompt_ids=tuple(system + ids(40 + i, 12)), max_tokens=20,
+                                ignore_eos=True, sampling=GREEDY, session_id=f"s{i}" if sessions else None,
+                                stream=True) for i in range(4)]
+    for request in requests:
+        engine.submit(request)
+    engine.run_until_idle()
+    return {r.id: list(done(events, r.id).generated_ids) for r in requests}
+
+
+def test_running_requests_suspended_to_the_host_tier_answer_as_on_an_unconstrained_server(checkpoint, tokenizer):
+    roomy, roomy_events = engine_for(checkpoint, tokenizer, blocks=400, host=0)
+    tight, tight_events = engine_for(checkpoint, tokenizer, blocks=24, host=1 << 20)
+    assert roomy.on_demand is None and tight.on_demand is not None
+    expected = concurrent(roomy, roomy_events)
+    assert concurrent(tight, tight_events) == expected
+    stats = tight.stats()
+    assert stats["kv_suspended"] >= 1 and stats["kv_resumed"] == stats["kv_suspended"]
+    assert stats["kv_requests_suspended"] == 0
+    assert not [e for e in tight_events if isinstance(e, ev.Failed)]
+    assert tight.pool.reserved_blocks == 0
+
+
+@pytest.mark.slow
+def test_running_requests_with_sliding_pages_suspended_and_resumed(checkpoint, tokenizer):
+    roomy, roomy_events = engine_for(checkpoint, tokenizer, blocks=400, host=0, sliding=True)
+    tight, tight_events = engine_for(checkpoint, tokenizer, blocks=20, host=1 << 20, sliding=True)
+    assert tight.pool.companions == 2
+    assert concurrent(tight, tight_events, sessions=True) == concurrent(roomy, roomy_events, sessions=True)
+    assert tight.stats()["kv_suspended"] >= 1
+
+
 @pytest.mark.slow
 def test_without_a_host_tier_the_same_pressure_loses_sessions(checkpoint, tokenizer):
     """The control: the tight pool alone cannot keep the three sessions (a returning one
@@ -76,7 +112,9 @@ def test_without_a_host_tier_the_same_pressure_loses_sessions(checkpoint, tokeni
 @pytest.mark.slow
 def test_sliding_pages_move_down_and_back_too(checkpoint, tokenizer):
     roomy, roomy_events = engine_for(checkpoint, tokenizer, blocks=400, host=0, sliding=True)
-    tight, tight_events = engine_for(checkpoint, tokenizer, blocks=30, host=1 << 20, sliding=True)
+    # 26 blocks (78 pages): the longest request may reach 75; running requests take blocks on demand,
+    # so idle sessions move down only when the pool is this tight
+    tight, tight_events = engine_for(checkpoint, tokenizer, blocks=26, host=1 << 20, sliding=True)
     assert tight.pool.companions == 2
     assert agents(tight, tight_events) == agents(roomy, roomy_events)
     assert tight.stats()["kv_restores"] >= 2  # (a session's sliding pages are few: less pressure)
