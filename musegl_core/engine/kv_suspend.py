@@ -79,10 +79,12 @@ class OnDemand:
 
     # -- admission ---------------------------------------------------------------------------
     def ceiling(self, session: Session, blocks: int, pages: int = 0) -> int:
-        """The pages a request on ``session`` may reach: the blocks it holds after attaching and the
-        ``blocks`` it may still take (:meth:`SessionTable.run_blocks`), plus ``pages`` lone pages of
-        a window recomputation."""
-        return (len(session.slot.blocks) + blocks) * self.pool.pages_per_block + pages
+        """The pages a request on ``session`` may reach: the pages of the blocks it holds after
+        attaching (with sliding pages, only the companions still kept: those that left the window
+        never come back to this request), every page of the ``blocks`` it may still take
+        (:meth:`SessionTable.run_blocks`), plus ``pages`` lone pages of a window recomputation."""
+        pool = self.pool
+        return sum(pool.pages(b) for b in session.slot.blocks) + blocks * pool.pages_per_block + pages
 
     def pinned(self, exclude: Session | None = None) -> int:
         """Pages, on the device and in the host tier, of named sessions that may not be lost: those

@@ -150,7 +150,7 @@ def test_a_session_moved_down_whole_then_rewound_gets_its_blocks_and_window_back
         return out
 
     roomy, roomy_events = engine_for(model, sliding=False)
-    tight, tight_events = engine_for(model, sliding=True, host=1 << 20, blocks=15)  # 60 pages
+    tight, tight_events = engine_for(model, sliding=True, host=1 << 20, blocks=12)  # 48 pages
     expected = agents(roomy, roomy_events)
     assert agents(tight, tight_events) == expected
     stats = tight.stats()
