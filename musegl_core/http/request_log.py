@@ -78,6 +78,7 @@ class RequestRecord:
     ttft: float | None = None
     error: str | None = None  # a stream's error event: its code, else its type
     prefix_miss: Any = None  # why the prompt reused less than the server held (engine/prefix_miss.py)
+    body_bytes: int = 0  # the body bytes read so far (http/offload.py picks a lane by them)
 
     def started_generating(self, prompt_tokens: int, cached_tokens: int, queue_seconds: float) -> None:
         if self.prompt_tokens is None:  # the first choice's (all share the prompt)
@@ -181,6 +182,7 @@ class RequestLog:
             kind = message.get("type")
             if kind == "http.request":
                 body_bytes += len(message.get("body") or b"")
+                record.body_bytes = body_bytes
             elif kind == "http.disconnect" and not started:  # before any answer: it hung up on its body
                 state[CLIENT_GONE] = True
             return message

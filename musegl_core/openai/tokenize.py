@@ -20,11 +20,11 @@ fails on is a 400 naming ``prompt`` or ``messages``.
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 from musegl_core.config import ServeConfig
 from musegl_core.errors import bad_request, unavailable
+from musegl_core.http.offload import off_loop
 from musegl_core.openai import schemas as s
 from musegl_core.openai.chat import plan_chat
 from musegl_core.openai.completions import prompt_segment
@@ -59,7 +59,7 @@ async def tokenize(
                               param="messages")
         segments, add_bos = plan.generate.prompt, plan.generate.add_bos
     try:
-        ids = await asyncio.to_thread(_need(tokenizer).encode_segments, segments, add_bos=add_bos)
+        ids = await off_loop(_need(tokenizer).encode_segments, segments, add_bos=add_bos)  # (a lane: http/offload.py)
     except TokenizationError as exc:  # the tokenizer failed on this text (a Rust panic included)
         raise bad_request(f"could not tokenize the prompt: {exc}",
                           param="prompt" if request.prompt is not None else "messages") from None
@@ -72,5 +72,5 @@ async def detokenize(request: s.DetokenizeRequest, *, tokenizer: Any) -> s.Detok
     for index, token_id in enumerate(request.tokens):
         if not 0 <= token_id < vocab:
             raise bad_request(f"token ids must be in [0, {vocab}), got {token_id}", param=f"tokens[{index}]")
-    text = await asyncio.to_thread(tokenizer.decode, request.tokens)
+    text = await off_loop(tokenizer.decode, request.tokens)
     return s.DetokenizeResult(prompt=text)

@@ -484,6 +484,43 @@ def test_the_preparation_lane_is_bounded():
     asyncio.run(main())
 
 
+def test_a_heavy_body_is_prepared_on_the_heavy_lane_at_a_lower_priority_and_small_ones_pass_it():
+    import asyncio
+    import os
+    import threading
+
+    from musegl_core.http import offload
+    from musegl_core.http.request_log import CURRENT, RequestRecord
+
+    def where():
+        return threading.current_thread().name, os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    release = threading.Event()
+
+    async def as_request(body_bytes, fn, *args):
+        token = CURRENT.set(RequestRecord(id="t", started=0.0, body_bytes=body_bytes))
+        try:
+            return await offload.off_loop(fn, *args)
+        finally:
+            CURRENT.reset(token)
+
+    async def main():
+        base = os.getpriority(os.PRIO_PROCESS, 0)
+        name, nice = await as_request(offload.HEAVY_BYTES, where)
+        assert name.startswith("musegl-prepare-heavy") and nice == min(19, base + offload.HEAVY_NICE)
+        # every heavy thread busy: a small request is still prepared at once, at the process's priority
+        busy = [asyncio.ensure_future(as_request(offload.HEAVY_BYTES, release.wait, 10))
+                for _ in range(offload.THREADS)]
+        await asyncio.sleep(0.05)
+        name, nice = await asyncio.wait_for(as_request(100, where), 5)
+        assert name.startswith("musegl-prepare-light") and nice == base
+        assert not any(job.done() for job in busy)
+        release.set()
+        assert all(await asyncio.gather(*busy))
+
+    asyncio.run(main())
+
+
 # -- item 4: cache_salt on every surface -------------------------------------------------------------
 def test_cache_salt_isolates_the_prefix_cache_on_messages_and_responses(server):
     system = "You are a careful assistant. " * 40  # a shared prefix of several blocks
