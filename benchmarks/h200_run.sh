@@ -13,6 +13,9 @@
 #   benchmarks/h200_run.sh agentx    # issue 45: the agent workload in the AgentX shape (llamacpp_cuda_compare.py
 #                                    # --preset agentx: sessions growing past 100K, subagents), musegl (host
 #                                    # tier) vs llama-server --cache-ram; needs stage 1's jobs (jobs or build)
+#   benchmarks/h200_run.sh q4km      # issue 48: Q4_K_M decode at 1 and 32 requests (Q4KM_CONCURRENCY), musegl
+#                                    # serving the file that stage 1's llama-quantize wrote from its GGUF (as
+#                                    # stored) vs llama-server on it; needs stage 1's jobs (jobs or build)
 #   benchmarks/h200_run.sh restore   # issue 45: kv_restore.py on CUDA, a 131K-token session restored from the
 #                                    # host tier vs re-prefilled, at RESTORE_LAYERS (default 26) layers
 #   benchmarks/h200_run.sh probe     # gpu_gemv.py (the four weight products: cuBLAS vs a Triton kernel),
@@ -43,7 +46,7 @@
 # check of this script; the GPU tests are skipped; WORK=/tmp/h200 and SITE=/tmp/site unless set).
 set -uo pipefail
 
-stage=${1:?usage: h200_run.sh build|decode|compare|agentx|restore|probe|jobs|exec CMD...}
+stage=${1:?usage: h200_run.sh build|decode|compare|q4km|agentx|restore|probe|jobs|exec CMD...}
 shift
 OUT=${OUT:-$PWD/h200_out}
 LAYERS=${LAYERS:-26}
@@ -63,7 +66,9 @@ if [ "$SMOKE" = 1 ]; then
                  --shared-system-tokens 300 --context-tokens 600 --subagent-context-tokens 200 --prompt-tokens 40
                  --max-tokens 8 --concurrency 2 --cache-ram 64 --kv-offload-memory 64MiB)
     restore_args=(--device cpu --tiny --tokens 512 --turn 8)
+    q4km_args=(--device cpu --threads 2 --decode-max-tokens 8 --decode-prompt-tokens 64)
 else
+    q4km_args=()
     shape=()
     build_flag=(); binary=build-cuda; gguf_shape=(--layers "$LAYERS")
     executor_args=(--contexts 512,8192,32768,131072 --batches 1,8,32,64 --wide-batches 128,256 --wide-context 2048
@@ -144,9 +149,14 @@ background() {  # background NAME COMMAND...: run in its own session (it outlive
 
 setup || { note "\"error\": \"setup failed\""; exit 1; }
 start_jobs() {
-    background llamacpp env JOBS=$(( $(nproc) > 2 ? $(nproc) - 2 : 1 )) nice -n 10 \
+    background llamacpp env JOBS=$(( $(nproc) > 2 ? $(nproc) - 2 : 1 )) TARGET="llama-server llama-quantize" nice -n 10 \
         "$here/llamacpp_cuda.sh" build "${build_flag[@]}" "$here/llamacpp-src.tar.xz" "$WORK/llamacpp"
     background gguf python3 "$here/make_gguf_30b.py" "$WORK/model.gguf" "${gguf_shape[@]}" --config-out "$WORK/model"
+    # issue 48: the same GGUF through llama.cpp's own llama-quantize, once both jobs above are done
+    background q4km bash -c 'while [ ! -f "$1/gguf.done" ] || [ ! -f "$1/llamacpp.done" ]; do sleep 5; done
+        [ "$(cat "$1/gguf.done")" = 0 ] && [ "$(cat "$1/llamacpp.done")" = 0 ] || exit 1
+        "$1/llamacpp/llama.cpp/$2/bin/llama-quantize" "$1/model.gguf" "$1/model-q4_k_m.gguf" Q4_K_M "$(nproc)"' \
+        _ "$WORK" "$binary"
 }
 
 case $stage in
@@ -209,6 +219,22 @@ compare)
     reap compare
     note "\"compare_rc\": $rc, \"layers\": \"$([ "$SMOKE" = 1 ] && echo tiny || echo "$LAYERS")\""
     ;;
+q4km)
+    # issue 48: Q4_K_M decode at 1 and 32 concurrent requests, musegl serving the file llama.cpp's
+    # llama-quantize wrote (its matrices as stored) vs llama-server on the same file
+    wait_for q4km "${WAIT_JOBS:-300}"
+    server="$WORK/llamacpp/llama.cpp/$binary/bin/llama-server"
+    timeout -k 40 "${T_COMPARE:-520}" python3 "$here/llamacpp_cuda_compare.py" --llama-server "$server" \
+        --gguf "$WORK/model-q4_k_m.gguf" --musegl-checkpoint "$WORK/model-q4_k_m.gguf" --model "$WORK/model" \
+        --sides "${SIDES:-musegl,llamacpp}" --no-agent --no-tools --conversations 1 --slot-context 1024 \
+        --decode-concurrency "${Q4KM_CONCURRENCY:-1,32}" --decode-max-tokens "${COMPARE_MAX_TOKENS:-128}" \
+        --chat-template "$WORK/llamacpp/llama.cpp/models/templates/muse-glimmer.jinja" "${q4km_args[@]}" \
+        --previous "$WORK/q4km.jsonl" --out "$OUT/q4km_compare.jsonl" 2>"$OUT/q4km_compare.stderr"
+    rc=$?
+    cat "$OUT/q4km_compare.jsonl" >>"$WORK/q4km.jsonl" 2>/dev/null
+    reap q4km
+    note "\"q4km_rc\": $rc, \"layers\": \"$([ "$SMOKE" = 1 ] && echo tiny || echo "$LAYERS")\""
+    ;;
 agentx)
     if [ -f "$WORK/gguf.log" ] || [ -f "$WORK/llamacpp.log" ]; then  # stage 1's jobs ran here: wait for them
         wait_for gguf "${WAIT_JOBS:-120}"
@@ -258,5 +284,5 @@ exec)
     note "\"exec_rc\": $rc, \"command\": \"$(echo "$*" | tr -d '"\\')\""
     ;;
 *)
-    echo "unknown stage $stage (build, decode, compare, agentx, restore, probe, jobs or exec)" >&2; exit 2 ;;
+    echo "unknown stage $stage (build, decode, compare, q4km, agentx, restore, probe, jobs or exec)" >&2; exit 2 ;;
 esac

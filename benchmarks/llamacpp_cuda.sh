@@ -16,7 +16,8 @@
 #       flash attention compiled in, which is llama.cpp's default, and llama-server run with
 #       `-fa on`), or with --cpu a CPU-only build (the local check of the same tree).
 #       Prints the binary's path on its last line. JOBS (default: all cores) sets the parallelism;
-#       TARGET (default llama-server) another ninja target (e.g. one object file, to check the flags).
+#       TARGET (default llama-server) other ninja targets, space-separated (e.g. "llama-server
+#       llama-quantize", or one object file to check the flags).
 #       The web UI is not built and no prebuilt one is fetched (no network on the device).
 set -euo pipefail
 
@@ -120,7 +121,9 @@ print(os.path.dirname(os.path.dirname(hits[0])) if hits else "")' 2>/dev/null ||
     command -v ninja >/dev/null && generator=(-G Ninja)
     cmake -S "$src" -B "$build_dir" "${generator[@]}" "${flags[@]}" >"$build_dir.cmake.log" 2>&1 ||
         { tail -30 "$build_dir.cmake.log" >&2; return 1; }
-    cmake --build "$build_dir" --target "${TARGET:-llama-server}" -j "$jobs" >"$build_dir.build.log" 2>&1 ||
+    local targets
+    read -r -a targets <<<"${TARGET:-llama-server}"
+    cmake --build "$build_dir" --target "${targets[@]}" -j "$jobs" >"$build_dir.build.log" 2>&1 ||
         { tail -40 "$build_dir.build.log" >&2; return 1; }
     echo "$build_dir/bin/llama-server"
 }
