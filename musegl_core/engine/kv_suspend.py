@@ -52,9 +52,8 @@ from __future__ import annotations
 from typing import Iterable, Sequence
 
 from musegl_core.engine.kv_host import HostBlock, HostFull
-from musegl_core.engine.kv_pool import PoolExhausted
 from musegl_core.engine.request import Phase, SequenceState
-from musegl_core.engine.sessions import Session, SessionTable
+from musegl_core.engine.sessions import Session, SessionTable, copy_back, share_from_pool
 
 
 class OnDemand:
@@ -326,22 +325,9 @@ class OnDemand:
         pairs: list[tuple[int, int]] = []
         copied = 0
         for moved in parked:
-            found = pool.lookup(moved.key) if moved.key is not None else None
-            if found is not None and (len(moved.pages) == 1 or pool.has_window(found)):
-                try:
-                    slot.adopt(found)
-                    continue
-                except PoolExhausted:
-                    pass
-            new = pool.allocate()
-            pages = [new, *(pool.companion_pages(new) or ())]
-            if len(moved.pages) < len(pages):  # its sliding pages had left the device before
-                pool.drop_companions(new)
-                pages = [new]
-            pairs.extend(zip(moved.pages, pages))
-            slot.blocks.append(new)
-            if moved.key is not None:
-                pool.register(new, moved.key)
+            if share_from_pool(pool, slot, moved):
+                continue
+            copy_back(pool, slot, moved, pairs)  # (admission counted its pages)
             copied += 1
         host.restore(pairs, copied)
         self.sessions._keep_cached(parked)

@@ -845,24 +845,12 @@ class SessionTable:
         pairs: list[tuple[int, int]] = []
         copied = 0
         for moved in wanted:
-            found = pool.lookup(moved.key) if moved.key is not None else None
-            if found is not None and (len(moved.pages) == 1 or pool.has_window(found)):
-                try:
-                    holder.slot.adopt(found)
-                    continue
-                except PoolExhausted:
-                    break
-            if pool.available_blocks < pool.pages_per_block:
+            shared = share_from_pool(pool, holder.slot, moved)
+            if shared:
+                continue
+            if shared is None or pool.available_blocks < pool.pages_per_block:
                 break
-            new = pool.allocate()
-            pages = [new, *(pool.companion_pages(new) or ())]
-            if len(moved.pages) < len(pages):  # its sliding pages had left the device already
-                pool.drop_companions(new)
-                pages = [new]
-            pairs.extend(zip(moved.pages, pages))
-            holder.slot.blocks.append(new)
-            if moved.key is not None:
-                pool.register(new, moved.key)
+            copy_back(pool, holder.slot, moved, pairs)
             copied += 1
         host.restore(pairs, copied)
         self._keep_cached(holder.host)  # the restored blocks' host copies too: evicted again, they need no copy
@@ -1107,6 +1095,35 @@ class SessionTable:
             "closed": self.closed,
             **(self.cache.stats() if self.cache is not None else {"kv_blocks_cached": 0}),
         }
+
+
+def share_from_pool(pool: KVPool, slot: Slot, moved: HostBlock) -> bool | None:
+    """Bring a host block back by sharing the device block that still holds its key (with its
+    sliding pages, where it has them): True when shared, False when the pool holds no such
+    block, None when it does but sharing found the pool exhausted."""
+    found = pool.lookup(moved.key) if moved.key is not None else None
+    if found is None or (len(moved.pages) > 1 and not pool.has_window(found)):
+        return False
+    try:
+        slot.adopt(found)
+        return True
+    except PoolExhausted:
+        return None
+
+
+def copy_back(pool: KVPool, slot: Slot, moved: HostBlock, pairs: list[tuple[int, int]]) -> None:
+    """Give a host block a new device block at the end of ``slot`` and add its (host page,
+    device page) copies to ``pairs``; a block whose sliding pages had left the device before
+    comes back without them. The caller checks the pool has the pages."""
+    new = pool.allocate()
+    pages = [new, *(pool.companion_pages(new) or ())]
+    if len(moved.pages) < len(pages):
+        pool.drop_companions(new)
+        pages = [new]
+    pairs.extend(zip(moved.pages, pages))
+    slot.blocks.append(new)
+    if moved.key is not None:
+        pool.register(new, moved.key)
 
 
 def session_policy(config) -> str:
