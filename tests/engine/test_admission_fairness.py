@@ -5,21 +5,11 @@ named sessions hold the other slots."""
 
 from __future__ import annotations
 
-import pytest
-
 from musegl_core.engine import events as ev
 from musegl_core.engine.engine import Engine, EngineConfig
 from musegl_core.engine.executor import GREEDY
 from musegl_core.engine.request import PreparedRequest
 from musegl_core.testing.example_executor import ExampleExecutor
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    from musegl_core.tiny import default_model_path
-    from musegl_core.tokenizer import MuseTokenizer
-
-    return MuseTokenizer.load(str(default_model_path()))
 
 
 def engine_for(tokenizer, **config):

@@ -25,14 +25,6 @@ from musegl_core.testing.example_executor import ExampleExecutor
 PATCH = 200092
 
 
-@pytest.fixture(scope="module")
-def tokenizer():
-    from musegl_core.tiny import default_model_path
-    from musegl_core.tokenizer import MuseTokenizer
-
-    return MuseTokenizer.load(str(default_model_path()))
-
-
 def engine_for(executor, tokenizer, **config):
     events: list = []
     settings = dict(max_context=256, max_sessions=8, max_inflight_requests=16, max_decode_sequences=8)

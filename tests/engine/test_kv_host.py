@@ -49,14 +49,6 @@ class HostExampleExecutor(ExampleExecutor):
         self.host[list(pages)] = np.frombuffer(data, dtype=np.int64).reshape(len(pages), self.block_size)
 
 
-@pytest.fixture(scope="module")
-def tokenizer():
-    from musegl_core.tiny import default_model_path
-    from musegl_core.tokenizer import MuseTokenizer
-
-    return MuseTokenizer.load(str(default_model_path()))
-
-
 def engine_for(tokenizer, executor=None, **config):
     events: list = []
     settings = dict(max_context=64, max_sessions=64, max_inflight_requests=4, max_decode_sequences=4)

@@ -13,14 +13,6 @@ from musegl_core.engine.errors import NoSessionSlot
 from tests.engine.test_kv_host import HostExampleExecutor, engine_for, of, prompt_of, request
 
 
-@pytest.fixture(scope="module")
-def tokenizer():
-    from musegl_core.tiny import default_model_path
-    from musegl_core.tokenizer import MuseTokenizer
-
-    return MuseTokenizer.load(str(default_model_path()))
-
-
 def run_together(engine, events, requests) -> dict[str, tuple[int, ...]]:
     """Submit every request at once, run until idle; per request the ids it generated (and the
     stream of token events, which must carry the same ids in order)."""

@@ -150,14 +150,6 @@ def test_the_waiting_prompts_share_counts_against_the_decoders():
 
 
 # -- the engine, with a scripted cost per step ------------------------------------------------
-@pytest.fixture(scope="module")
-def tokenizer():
-    from musegl_core.tiny import default_model_path
-    from musegl_core.tokenizer import MuseTokenizer
-
-    return MuseTokenizer.load(str(default_model_path()))
-
-
 class TimedExecutor(ExampleExecutor):
     """The example executor on a scripted clock: each step takes ``FIXED + ROW x rows`` seconds."""
 
