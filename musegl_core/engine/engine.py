@@ -430,15 +430,23 @@ class Engine:
         if self.scheduler.mask_workers is not None:
             self.scheduler.mask_workers.close()
 
-    def run_until_idle(self) -> None:
-        """Run until every submitted request has finished (tools and tests)."""
+    def run_until_idle(self, after_step: Callable[[], None] | None = None, max_steps: int | None = None) -> None:
+        """Run until every submitted request has finished (tools and tests). ``after_step`` runs
+        after each step (a test's checks); more than ``max_steps`` steps raise RuntimeError (a
+        test's guard against a deadlock)."""
+        steps = 0
         while True:
             self._drain(block=False)
             if self._dispatch_due:
                 self._dispatch()
             if self.idle:
                 return
+            if max_steps is not None and steps >= max_steps:
+                raise RuntimeError(f"not idle after {max_steps} steps: {self.stats()}")
             self.step()
+            steps += 1
+            if after_step is not None:
+                after_step()
 
     def _drain(self, block: bool) -> None:
         try:

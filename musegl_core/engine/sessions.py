@@ -1014,12 +1014,7 @@ class SessionTable:
         for key, moved in wanted:
             if pool.available_blocks < pool.pages_per_block or pool.lookup(key) is not None:
                 break
-            new = pool.allocate()
-            pages = [new, *(pool.companion_pages(new) or ())]
-            if len(moved.pages) < len(pages):
-                pool.drop_companions(new)
-                pages = [new]
-            pairs.extend(zip(moved.pages, pages))
+            new = copy_to_new_block(pool, moved, pairs)
             pool.register(new, key)
             held.append(new)
         came = len(held)
@@ -1111,16 +1106,22 @@ def share_from_pool(pool: KVPool, slot: Slot, moved: HostBlock) -> bool | None:
         return None
 
 
-def copy_back(pool: KVPool, slot: Slot, moved: HostBlock, pairs: list[tuple[int, int]]) -> None:
-    """Give a host block a new device block at the end of ``slot`` and add its (host page,
-    device page) copies to ``pairs``; a block whose sliding pages had left the device before
-    comes back without them. The caller checks the pool has the pages."""
+def copy_to_new_block(pool: KVPool, moved: HostBlock, pairs: list[tuple[int, int]]) -> int:
+    """A new device block for a host block's K/V: its (host page, device page) copies are added
+    to ``pairs``; a block whose sliding pages had left the device before comes back without
+    them. The caller checks the pool has the pages."""
     new = pool.allocate()
     pages = [new, *(pool.companion_pages(new) or ())]
     if len(moved.pages) < len(pages):
         pool.drop_companions(new)
         pages = [new]
     pairs.extend(zip(moved.pages, pages))
+    return new
+
+
+def copy_back(pool: KVPool, slot: Slot, moved: HostBlock, pairs: list[tuple[int, int]]) -> None:
+    """:func:`copy_to_new_block` at the end of ``slot``, registered under the block's key."""
+    new = copy_to_new_block(pool, moved, pairs)
     slot.blocks.append(new)
     if moved.key is not None:
         pool.register(new, moved.key)

@@ -70,16 +70,13 @@ def test_the_last_admitted_is_suspended_first_and_resumed_last(tokenizer):
     done_order = []
     for req in batch(3, max_tokens=60):
         engine.submit(req)
-    while True:
-        engine._drain(block=False)
-        if engine._dispatch_due:
-            engine._dispatch()
-        if engine.idle:
-            break
-        engine.step()
+
+    def check() -> None:
         for seq in engine.scheduler.running:  # the first admitted is never the one suspended
             assert seq.id != "r0" or not engine.on_demand.is_suspended(seq)
-        done_order += [e.id for e in events if isinstance(e, ev.Done) and e.id not in done_order]
+        done_order.extend(e.id for e in events if isinstance(e, ev.Done) and e.id not in done_order)
+
+    engine.run_until_idle(after_step=check)
     assert suspended and "r0" not in suspended and suspended[0] == "r2"
     assert done_order[0] == "r0" and not of(events, ev.Failed)
 
@@ -111,15 +108,12 @@ def test_requests_beyond_device_plus_host_wait_and_then_finish(tokenizer):
     peak = []
     for req in batch(6):
         tight.submit(req)
-    while True:
-        tight._drain(block=False)
-        if tight._dispatch_due:
-            tight._dispatch()
-        if tight.idle:
-            break
-        tight.step()
+
+    def check() -> None:
         peak.append(len(tight.scheduler.running))
         assert tight.on_demand.committed <= tight.on_demand.capacity
+
+    tight.run_until_idle(after_step=check)
     got = {rid: tuple(of(tight_events, ev.Done, rid)[0].generated_ids) for rid in expected}
     assert got == expected and not of(tight_events, ev.Failed)
     assert max(peak) == 2  # 2 x 13 blocks fit 30 pages; 3 would not
@@ -251,18 +245,6 @@ class CachingHostExecutor(HostExampleExecutor):
         return super().step(step)
 
 
-def drive(engine, limit: int = 5000) -> None:
-    """``run_until_idle`` with a bound on the steps: a deadlock fails instead of hanging."""
-    for _ in range(limit):
-        engine._drain(block=False)
-        if engine._dispatch_due:
-            engine._dispatch()
-        if engine.idle:
-            return
-        engine.step()
-    raise AssertionError(f"not idle after {limit} steps: {engine.stats()}")
-
-
 @pytest.mark.parametrize("seed", [1, 2, 3])
 def test_mixed_requests_in_tight_tiers_all_finish_greedy_identical(tokenizer, seed):
     # requests of mixed lengths, some sharing a prefix (the prefix cache on), some on named
@@ -287,7 +269,7 @@ def test_mixed_requests_in_tight_tiers_all_finish_greedy_identical(tokenizer, se
         for wave in (specs[:5], specs[5:]):
             for rid, prompt, max_tokens, session in wave:
                 engine.submit(request(rid, prompt, session=session, max_tokens=max_tokens))
-            drive(engine)
+            engine.run_until_idle(max_steps=5000)  # (a deadlock fails instead of hanging)
         assert not of(events, ev.Failed)
         results.append({rid: tuple(of(events, ev.Done, rid)[0].generated_ids) for rid, *_ in specs})
     assert results[0] == results[1]
