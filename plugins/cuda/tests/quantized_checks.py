@@ -73,12 +73,13 @@ def check_gguf(device: str, act_dtype: torch.dtype, rows=(1, 5, 70), n: int = 72
         err = _rel(scratch.matmul(x).float().cpu(), x.float().cpu().double() @ ref.double().T)
         results.append(dict(kind=f"{dtype} via scratch", rows=rows[-1], rel_err=err))
         assert err < tol, f"{dtype} x {rows[-1]} rows through a scratch: relative error {err}"
-        saved = device_weights.SCRATCH_BYTES
+        saved = device_weights.SCRATCH_BYTES, device_weights.SLAB_ALIGN
         device_weights.SCRATCH_BYTES = 5 * k * x.element_size()  # slabs of 5 weight rows, the last shorter
+        device_weights.SLAB_ALIGN = 1
         try:
             err = _rel(scratch.matmul(x).float().cpu(), x.float().cpu().double() @ ref.double().T)
         finally:
-            device_weights.SCRATCH_BYTES = saved
+            device_weights.SCRATCH_BYTES, device_weights.SLAB_ALIGN = saved
         results.append(dict(kind=f"{dtype} via scratch slabs", rows=rows[-1], rel_err=err))
         assert err < tol, f"{dtype} x {rows[-1]} rows through scratch slabs: relative error {err}"
         ids = torch.tensor([3, 0, n - 1, 3, 17, 40], device=device)

@@ -75,6 +75,8 @@ SCRATCH_ROWS = _env_rows("MUSEGL_CUDA_SCRATCH_ROWS", SCRATCH_ROWS)
 #: Most bytes of scratch one product decodes at a time (its weight rows in slabs), so that a
 #: wide matrix (the fused gate/up, the head) holds no whole decoded copy beside the KV pool.
 SCRATCH_BYTES = 64 << 20
+#: A scratch slab's rows are a multiple of this (see ``GGUFMatrix._via_scratch``).
+SLAB_ALIGN = 128
 #: Products of at least this many activation rows run W8A8 (``torch._scaled_mm``), fewer
 #: rows weight-only (the Triton kernel); ``--fp8-w8a8-rows`` sets it. Not yet measured on a
 #: GPU: ``benchmarks/gpu_fp8_products.py`` times both ways at 1 and 64 rows and a prefill
@@ -142,7 +144,11 @@ class GGUFMatrix:
         """``x @ W^T`` through the weight rows decoded to ``x.dtype`` (:func:`gemv.gguf_dequant`),
         a slab of at most :data:`SCRATCH_BYTES` at a time, each slab's product by ``F.linear``."""
         n = self.rows_count
-        slab = max(1, SCRATCH_BYTES // (self.cols * x.element_size()))
+        # whole multiples of SLAB_ALIGN rows: a slab's product writes rows of `count` values, and
+        # cuBLAS takes its Hopper kernels only for 16-byte aligned rows (a 5,041-row slab ran
+        # sm75 CUTLASS products, 85 % of a Q4_K_M prefill step on an H100:
+        # benchmarks/results/gpu_quantized_2026-12-07_h100_b)
+        slab = max(SLAB_ALIGN, SCRATCH_BYTES // (self.cols * x.element_size()) // SLAB_ALIGN * SLAB_ALIGN)
         if slab >= n:
             y = F.linear(x, gemv.gguf_dequant(self.data, self.dtype, n, self.cols, x.dtype))
             return y if out is None else out.copy_(y)
