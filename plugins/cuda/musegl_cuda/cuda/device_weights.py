@@ -71,6 +71,11 @@ def _env_rows(name: str, default: int | None) -> int | None:
 
 
 GEMV_ROWS = min(_env_rows("MUSEGL_CUDA_GEMV_ROWS", GEMV_ROWS) or 0, gemv.GEMV_ROWS)
+#: GGUF types whose skinny products run the tensor-core tiles instead of the GEMV kernel: on an
+#: H100 (benchmarks/results/gpu_quantized_2026-12-07_h100_b, four layers of the 30B products) the
+#: Q4_K GEMV took 701 us at one row and 1,563 at eight against the tiles' 680 and 982 (no GEMV
+#: config reached more than 394 GB/s), while Q6_K's took 420 and 977 against 1,063 and 1,283.
+TILES_NOT_GEMV = frozenset({"q4_k"})
 SCRATCH_ROWS = _env_rows("MUSEGL_CUDA_SCRATCH_ROWS", SCRATCH_ROWS)
 #: Most bytes of scratch one product decodes at a time (its weight rows in slabs), so that a
 #: wide matrix (the fused gate/up, the head) holds no whole decoded copy beside the KV pool.
@@ -127,7 +132,7 @@ class GGUFMatrix:
         self.rows_count, self.cols = rows, cols
         self.act_dtype = act_dtype
         self.scratch_rows = scratch_rows  # see SCRATCH_ROWS
-        self.gemv_rows = GEMV_ROWS
+        self.gemv_rows = 0 if dtype in TILES_NOT_GEMV else GEMV_ROWS
 
     @property
     def nbytes(self) -> int:
