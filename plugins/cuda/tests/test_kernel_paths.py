@@ -315,7 +315,7 @@ from musegl_cuda.cpu import native
 kernels = native.load()
 x = torch.randn(40, 512, generator=torch.Generator().manual_seed(1))
 out = [StoredMatrix.from_stored(stored_weight(d, 42, 512), kernels).matmul(x[:m]).numpy()
-       for d in ("f16", "q8_0") for m in (1, 5, 40)]
+       for d in ("f16", "q8_0", "q4_k", "q6_k") for m in (1, 5, 40)]
 k = torch.randn(100, 2, 32, generator=torch.Generator().manual_seed(2))
 q = torch.randn(30, 8, 32, generator=torch.Generator().manual_seed(3))
 keys = RowKeys(torch.arange(100), torch.zeros(30, dtype=torch.long), torch.arange(71, 101), 100, 99, 0)
@@ -339,7 +339,7 @@ def test_results_do_not_depend_on_the_thread_count(tmp_path):
         target = tmp_path / f"t{threads}.npz"
         subprocess.run([sys.executable, "-c", PRODUCTS_SCRIPT, str(threads), str(target), here], check=True)
         files.append(np.load(target))
-    assert len(files[0].files) == 7
+    assert len(files[0].files) == 13
     for name in files[0].files:
         assert np.array_equal(files[0][name], files[1][name]), name
 

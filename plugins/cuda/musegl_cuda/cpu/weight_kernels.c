@@ -718,6 +718,12 @@ static void direct_rows(int type, const uint8_t *w, long rb, long k, const float
 #define KQ_INT 1
 #endif
 ALWAYS_INLINE int kq_int(int type) { return KQ_INT && (type == MW_Q4_K || type == MW_Q5_K || type == MW_Q6_K); }
+/* Prompt-sized products decode a few weight rows to a scratch of int16 weights first (see
+ * wide_rows_kq): per super-block KQS_BYTES, the 256 weights (code times scale) as kq6_w16 /
+ * kq4_w16 give them, then float d and dmin * min_j (j < 8; Q4_K/Q5_K). tile_kq reads them as
+ * these two types (KQ_S6 without mins, KQ_S4 with) and combines them as it does the stored ones. */
+enum { KQ_S6 = 100, KQ_S4 = 101 };
+#define KQS_BYTES 576
 int mw_kquant_int(void) { return KQ_INT; }
 
 #define XQ_T ((1 << 29) - (1 << 15))
@@ -862,7 +868,7 @@ ALWAYS_INLINE void tile_kq(const int type, const int NRT, const int MRT, const u
     vf acc[NR][SMALL_M]; /* NRT x MRT of them used */
     for (int j = 0; j < NRT; ++j)
         for (int m = 0; m < MRT; ++m) acc[j][m] = v_zero();
-    const int sbb = type == MW_Q6_K ? 210 : type == MW_Q5_K ? 176 : 144;
+    const int sbb = type == MW_Q6_K ? 210 : type == MW_Q5_K ? 176 : type == MW_Q4_K ? 144 : KQS_BYTES;
     const vf two15 = v_set1(32768.0f);
     for (long sb = 0; sb < xq->nsb; ++sb) {
         const int16_t *xp[SMALL_M];
@@ -873,11 +879,20 @@ ALWAYS_INLINE void tile_kq(const int type, const int NRT, const int MRT, const u
         }
         for (int j = 0; j < NRT; ++j) {
             const uint8_t *blk = w + j * rb + sb * sbb;
-            for (int off = 0; off < sbb; off += 64) prefetch_weights(NRT, blk + off, rb);
+            if (type != KQ_S6 && type != KQ_S4)
+                for (int off = 0; off < sbb; off += 64) prefetch_weights(NRT, blk + off, rb);
             vi ah[SMALL_M], al[SMALL_M];
             for (int m = 0; m < MRT; ++m) ah[m] = al[m] = i_zero();
             float d, dm[8];
-            if (type == MW_Q6_K) {
+            if (type == KQ_S6 || type == KQ_S4) {
+                memcpy(&d, blk + 512, 4);
+                if (type == KQ_S4) memcpy(dm, blk + 516, 32);
+                for (int t = 0; t < 8; ++t) {
+                    iv wv[NI];
+                    for (int c = 0; c < NI; ++c) wv[c] = iv_load((const int16_t *)blk + 32 * t + c * 2 * VL);
+                    kq_acc(MRT, wv, xp, 32 * t, ah, al);
+                }
+            } else if (type == MW_Q6_K) {
                 uint16_t dh;
                 memcpy(&dh, blk + 208, 2);
                 d = half_to_float(dh);
@@ -903,7 +918,7 @@ ALWAYS_INLINE void tile_kq(const int type, const int NRT, const int MRT, const u
             }
             for (int m = 0; m < MRT; ++m)
                 acc[j][m] = v_fma(v_fma(v_cvt(ah[m]), two15, v_cvt(al[m])), v_set1(d * xsc[m]), acc[j][m]);
-            if (type != MW_Q6_K) {
+            if (type != MW_Q6_K && type != KQ_S6) {
                 const vf vdm = v_from8(dm);
                 for (int m = 0; m < MRT; ++m)
                     acc[j][m] = v_fnmadd(vdm, v_from8(xq->xs + ((m0 + m) * xq->nsb + sb) * 8), acc[j][m]);
@@ -939,6 +954,105 @@ ALWAYS_INLINE void tile_kq_nr_mr(const int type, int mr, const uint8_t *w, long 
     }
 }
 
+/* tile_kq over the scratch (types KQ_S6, KQ_S4) with every weight row's and activation row's
+ * integer sums of a super-block in registers at once (NRT x MRT x 2 of them): each 32 values
+ * of an activation row are loaded once for the NRT weight rows, where tile_kq loads them once
+ * per weight row. The same integers and float operations per output. */
+#ifndef MR_KQS
+#define MR_KQS 2 /* AVX-512: 16 integer and 8 float accumulators (3 rows spill: 78 ms against 41) */
+#endif
+ALWAYS_INLINE void tile_kqs(const int type, const int NRT, const int MRT, const uint8_t *w, long rb, const xq_t *xq,
+                            long m0, float *y, long ldy) {
+    vf acc[NR][MR_KQS];
+    for (int j = 0; j < NRT; ++j)
+        for (int m = 0; m < MRT; ++m) acc[j][m] = v_zero();
+    const vf two15 = v_set1(32768.0f);
+    for (long sb = 0; sb < xq->nsb; ++sb) {
+        const int16_t *xp[MR_KQS];
+        for (int m = 0; m < MRT; ++m) xp[m] = xq->q + (m0 + m) * xq->ld + sb * 512;
+        vi ah[NR][MR_KQS], al[NR][MR_KQS];
+        for (int j = 0; j < NRT; ++j)
+            for (int m = 0; m < MRT; ++m) ah[j][m] = al[j][m] = i_zero();
+        for (int i = 0; i < 256; i += 2 * VL) {
+            iv xh[MR_KQS], xl[MR_KQS];
+            for (int m = 0; m < MRT; ++m) {
+                xh[m] = iv_load(xp[m] + i);
+                xl[m] = iv_load(xp[m] + 256 + i);
+            }
+            for (int j = 0; j < NRT; ++j) {
+                const iv wv = iv_load((const int16_t *)(w + j * rb + sb * KQS_BYTES) + i);
+                for (int m = 0; m < MRT; ++m) {
+                    ah[j][m] = i_dot(ah[j][m], wv, xh[m]);
+                    al[j][m] = i_dot(al[j][m], wv, xl[m]);
+                }
+            }
+        }
+        for (int j = 0; j < NRT; ++j) {
+            const uint8_t *blk = w + j * rb + sb * KQS_BYTES;
+            float d;
+            memcpy(&d, blk + 512, 4);
+            for (int m = 0; m < MRT; ++m)
+                acc[j][m] = v_fma(v_fma(v_cvt(ah[j][m]), two15, v_cvt(al[j][m])),
+                                  v_set1(d * xq->s[(m0 + m) * xq->nsb + sb]), acc[j][m]);
+            if (type == KQ_S4) {
+                const vf vdm = v_from8((const float *)(blk + 516));
+                for (int m = 0; m < MRT; ++m)
+                    acc[j][m] = v_fnmadd(vdm, v_from8(xq->xs + ((m0 + m) * xq->nsb + sb) * 8), acc[j][m]);
+            }
+        }
+    }
+    store_sums(NRT, MRT, acc, y, ldy);
+}
+
+ALWAYS_INLINE void tile_kqs_mr(const int type, int mr, const uint8_t *w, long rb, const xq_t *xq, long m0, float *y,
+                               long ldy) {
+#if MR_KQS > 1
+    if (mr < MR_KQS) {
+        tile_kqs(type, NR, 1, w, rb, xq, m0, y, ldy);
+        return;
+    }
+#endif
+    (void)mr;
+    tile_kqs(type, NR, MR_KQS, w, rb, xq, m0, y, ldy);
+}
+
+/* A row of nsb super-blocks as the scratch tile_kq reads as KQ_S6 / KQ_S4. */
+ALWAYS_INLINE void kq_scratch_row(const int type, const uint8_t *row, long nsb, uint8_t *out) {
+    const int sbb = type == MW_Q6_K ? 210 : type == MW_Q5_K ? 176 : 144;
+    for (long sb = 0; sb < nsb; ++sb) {
+        const uint8_t *blk = row + sb * sbb;
+        uint8_t *o = out + sb * KQS_BYTES;
+        int16_t *ow = (int16_t *)o;
+        float d;
+        if (type == MW_Q6_K) {
+            uint16_t dh;
+            memcpy(&dh, blk + 208, 2);
+            d = half_to_float(dh);
+            const kq6_scales_t sc = kq6_scales(blk);
+            for (int h = 0; h < 2; ++h) {
+                __m256i codes[4];
+                q6k_half_codes(blk, h, codes);
+                for (int t = 0; t < 4; ++t) {
+                    iv wv[NI];
+                    kq6_w16(sc, 4 * h + t, codes[t], wv);
+                    for (int c = 0; c < NI; ++c) i_store(ow + (4 * h + t) * 32 + c * 2 * VL, wv[c]);
+                }
+            }
+        } else {
+            uint8_t sc[8];
+            float dm[8];
+            d = kq4_scales(blk, sc, dm);
+            memcpy(o + 516, dm, 32);
+            for (int i = 0; i < 4; ++i) {
+                iv wv[2 * NI];
+                kq4_w16(type == MW_Q5_K, blk, i, sc, wv);
+                for (int c = 0; c < 2 * NI; ++c) i_store(ow + 64 * i + c * 2 * VL, wv[c]);
+            }
+        }
+        memcpy(o + 512, &d, 4);
+    }
+}
+
 /* direct_rows for the k-quants in integers (the same tiling of weight and activation rows). */
 static void direct_rows_kq(int type, const uint8_t *w, long rb, const xq_t *xq, long m, float *y, long ldy, long begin,
                            long end, int grouped) {
@@ -964,6 +1078,52 @@ static void direct_rows_kq(int type, const uint8_t *w, long rb, const xq_t *xq, 
             default: tile_kq_1_mr(MW_Q4_K, mr, w + r * rb, rb, xq, m0, ym, ldy); break;
             }
         }
+}
+
+/* Above DIRECT_M activation rows: NR weight rows at a time decoded once to the int16 scratch
+ * (kq_scratch_row), then multiplied into every activation row by NR x TILE_MR tiles of
+ * tile_kq (a decode tile would decode each weight row once per TILE_MR activation rows).
+ * The same integers and float operations per output as the decode tiles. 0 when the scratch
+ * could not be allocated (the caller then takes direct_rows_kq: the same bits). */
+static int wide_rows_kq(int type, const uint8_t *w, long rb, const xq_t *xq, long m, float *y, long ldy, long begin,
+                        long end) {
+    const long srb = xq->nsb * KQS_BYTES;
+    uint8_t *scratch = aligned_alloc(64, (size_t)(NR * srb));
+    if (!scratch) return 0;
+    const int s = type == MW_Q6_K ? KQ_S6 : KQ_S4;
+    for (long r = begin; r < end; r += NR) {
+        const int nr = (int)(end - r < NR ? end - r : NR);
+        for (int j = 0; j < nr; ++j) switch (type) {
+            case MW_Q6_K: kq_scratch_row(MW_Q6_K, w + (r + j) * rb, xq->nsb, scratch + j * srb); break;
+            case MW_Q5_K: kq_scratch_row(MW_Q5_K, w + (r + j) * rb, xq->nsb, scratch + j * srb); break;
+            default: kq_scratch_row(MW_Q4_K, w + (r + j) * rb, xq->nsb, scratch + j * srb); break;
+            }
+        if (nr == NR) {
+#if VL == 16 /* 32 registers: tile_kqs's 4 x 2 tiles (Q4_K 5632 x 1024 x 256 rows, one thread: 41 ms, tile_kq 49) */
+            for (long m0 = 0; m0 < m;) {
+                const int mr = (int)(m - m0 < MR_KQS ? m - m0 : MR_KQS);
+                if (s == KQ_S6) tile_kqs_mr(KQ_S6, mr, scratch, srb, xq, m0, y + m0 * ldy + r, ldy);
+                else tile_kqs_mr(KQ_S4, mr, scratch, srb, xq, m0, y + m0 * ldy + r, ldy);
+                m0 += mr < MR_KQS ? 1 : MR_KQS;
+            }
+#else /* 16 registers: tile_kq's 4 x 3 tiles (the same product: 46 ms, tile_kqs 4 x 1 57) */
+            for (long m0 = 0; m0 < m; m0 += TILE_MR) {
+                const int mr = (int)(m - m0 < TILE_MR ? m - m0 : TILE_MR);
+                if (s == KQ_S6) tile_kq_nr_mr(KQ_S6, mr, scratch, srb, xq, m0, y + m0 * ldy + r, ldy);
+                else tile_kq_nr_mr(KQ_S4, mr, scratch, srb, xq, m0, y + m0 * ldy + r, ldy);
+            }
+#endif
+        } else {
+            for (int j = 0; j < nr; ++j)
+                for (long m0 = 0; m0 < m; m0 += SMALL_M) {
+                    const int mr = (int)(m - m0 < SMALL_M ? m - m0 : SMALL_M);
+                    if (s == KQ_S6) tile_kq_1_mr(KQ_S6, mr, scratch + j * srb, srb, xq, m0, y + m0 * ldy + r + j, ldy);
+                    else tile_kq_1_mr(KQ_S4, mr, scratch + j * srb, srb, xq, m0, y + m0 * ldy + r + j, ldy);
+                }
+        }
+    }
+    free(scratch);
+    return 1;
 }
 
 /* ---- Wide products ---------------------------------------------------------------
@@ -1216,6 +1376,7 @@ typedef struct {
 static void matmul_chunk(long begin, long end, const void *p) {
     const args_t *a = (const args_t *)p;
     if (a->xq) {
+        if (a->m > DIRECT_M && wide_rows_kq(a->type, a->w, a->rb, a->xq, a->m, a->y, a->ldy, begin, end)) return;
         direct_rows_kq(a->type, a->w, a->rb, a->xq, a->m, a->y, a->ldy, begin, end, a->m <= GROUP_FEW || a->m > SMALL_M);
         return;
     }
