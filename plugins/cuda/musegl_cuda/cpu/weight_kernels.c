@@ -26,6 +26,8 @@
  * that order, so row r of an N-row product is bit for bit the 1-row product of row r,
  * and a prompt row gives the same K/V however its chunk was cut. The order differs
  * between builds (16 or 8 lanes): results are reproducible per build, not across them.
+ * Q4_K, Q5_K and Q6_K take their own order ("Integer products of k-quant weights": exact
+ * integer sums per super-block, then one order of float operations), as fixed per row.
  *
  * mw_dequant_rows decodes whole rows to float32 (embedding lookups).
  *
@@ -58,7 +60,6 @@
 #include <stdlib.h>
 #include <string.h>
 #include <immintrin.h>
-#include <math.h>
 
 enum { MW_F32 = 0, MW_F16 = 1, MW_BF16 = 2, MW_Q8_0 = 8, MW_Q4_0 = 4, MW_Q4_K = 12, MW_Q5_K = 13, MW_Q6_K = 14,
        MW_A4_F32 = 20, MW_A4_F16 = 21, MW_A4_BF16 = 22 };
@@ -736,6 +737,14 @@ typedef struct {
     long nsb, ld;
 } xq_t;
 
+/* 2^e for a normal float's exponent e (-126 <= e <= 127). */
+static inline float pow2f(int e) {
+    const uint32_t bits = (uint32_t)(e + 127) << 23;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
 static void kq_quant_row(const float *x, long k, int16_t *q, float *s, float *xs) {
     for (long b = 0; b < k / 256; ++b) {
         const float *xb = x + b * 256;
@@ -758,12 +767,12 @@ static void kq_quant_row(const float *x, long k, int16_t *q, float *s, float *xs
             for (int j = 0; j < 8; ++j) xsb[j] = fill;
             continue;
         }
-        int e;
-        frexpf(amax, &e); /* amax in [2^(e-1), 2^e) */
-        e -= 29;
-        if (ldexpf(amax, -e) > (float)XQ_T) ++e; /* exact: powers of two */
-        const vf inv = v_set1(ldexpf(1.0f, -e));
-        s[b] = ldexpf(1.0f, e);
+        uint32_t bits;
+        memcpy(&bits, &amax, 4);
+        int e = (int)(bits >> 23) - 126 - 29; /* amax in [2^(e+28), 2^(e+29)): a normal float */
+        if (amax * pow2f(-e) > (float)XQ_T) ++e; /* exact: a power of two; e in [-118, 100] */
+        const vf inv = v_set1(pow2f(-e));
+        s[b] = pow2f(e);
         int32_t X[256];
         for (int i = 0; i < 256; i += VL) i_store(X + i, v_cvtr(v_mul(v_load(xb + i), inv))); /* x * inv exact */
         for (int i = 0; i < 256; ++i) {
