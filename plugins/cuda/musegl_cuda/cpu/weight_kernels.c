@@ -1400,12 +1400,13 @@ typedef struct {
 #endif
 
 /* Activation rows above which the integer k-quant products take the int16 scratch
- * (wide_rows_kq). AVX-512: as the float kernels (8); AVX2: 2, as its 16 registers hold the
- * integer sums of at most 3 activation rows (Q6_K 5632 x 1024, 3 rows, one thread: 0.71 ms
- * against 0.91 in 1 x 3 decode tiles; AVX-512 0.52 in the decode tiles, 0.66 in the scratch). */
+ * (wide_rows_kq). Measured on 5632 x 1024, one thread: AVX-512 6 (Q4_K 8 rows 1.43 ms in the
+ * scratch, 1.71 in 1 x 8 decode tiles; 7 rows 1.27, 1.38 (Q6_K 1.38, 1.31); 5 rows 0.96,
+ * 0.79); AVX2 2, as its 16 registers hold the integer sums of at most 3 activation rows
+ * (Q6_K 3 rows: 0.71 ms against 0.91 in 1 x 3 decode tiles). */
 #ifndef DIRECT_M_KQ
 #if VL == 16
-#define DIRECT_M_KQ DIRECT_M
+#define DIRECT_M_KQ 6
 #else
 #define DIRECT_M_KQ 2
 #endif
