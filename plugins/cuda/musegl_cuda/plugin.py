@@ -121,8 +121,9 @@ def check_model(options: ExecutorOptions) -> None:
 
 
 def check_cpu_model(options: ExecutorOptions) -> None:
-    """:func:`check_model`, and ``$MUSEGL_CPU_KERNELS`` names a kernel path this CPU runs
-    (one line before the worker starts, rather than from the worker at its first matrix)."""
+    """:func:`check_model`, and ``$MUSEGL_CPU_KERNELS`` names a kernel path this CPU runs and
+    ``$MUSEGL_CPU_KQUANT`` a k-quant mode (one line before the worker starts, rather than
+    from the worker at its first matrix)."""
     import os
 
     from musegl_cuda.cpu import native
@@ -133,6 +134,7 @@ def check_cpu_model(options: ExecutorOptions) -> None:
         if missing:
             raise native.KernelPathError(f"{native.ENV}={forced}: the {forced} kernels need {', '.join(missing)}, "
                                          "which this CPU lacks")
+    native.kquant_mode()  # KernelPathError for a bad $MUSEGL_CPU_KQUANT
     check_model(options)
 
 

@@ -70,16 +70,26 @@ def test_path_products_are_accurate_and_rows_ignore_their_batch(path, dtype):
     assert torch.equal(matrix.dequantize(), w)
 
 
-@pytest.mark.parametrize("dtype", ["q4_k", "q6_k"])
+def path_kernels_kquant(name: str, kquant: str) -> native.Kernels:
+    try:
+        return native.kernels(name, kquant)
+    except native.KernelPathError as exc:
+        pytest.skip(f"{name} kernels do not run here: {exc}")
+
+
+@pytest.mark.parametrize("kquant", native.KQUANT_MODES)
+@pytest.mark.parametrize("dtype", ["q4_k", "q5_k", "q6_k"])
 @pytest.mark.parametrize("path", native.PATH_NAMES)
-def test_k_quant_decode_tiles_give_the_wide_products_bits(path, dtype):
-    """Q4_K and Q6_K decode tiles (up to 8 activation rows) decode several sub-blocks at once
-    (a super-block's scales together; Q6_K halves, Q4_K pairs of sub-blocks, Q4_K looked up by
-    vpermps on AVX-512), while the wide products (more rows) decode 32 values at a time into
-    a float32 scratch: every row count gives each row the same bits, over several super-blocks
-    of random codes and scale bytes (every 6-bit scale/min packing), whole 4-row tiles and 3
-    rows left over, and the scratch's floats are gguf-py's."""
-    kernels = path_kernels(path)
+def test_k_quant_decode_tiles_give_the_wide_products_bits(path, dtype, kquant):
+    """Both k-quant products give every row the same bits at every row count, over several
+    super-blocks of random codes and scale bytes (every 6-bit scale/min packing), whole 4-row
+    tiles and 3 rows left over. Float kernels: the decode tiles (up to 8 activation rows)
+    decode several sub-blocks at once (Q6_K halves, Q4_K pairs, looked up by vpermps on
+    AVX-512) while the wide products (more rows) decode 32 values at a time into a float32
+    scratch, all gguf-py's floats. Integer products: 1 to 8 rows in 1-row and 4-row weight
+    tiles, 24 rows in 4 x TILE_MR tiles, one order of float operations per super-block."""
+    kernels = path_kernels_kquant(path, kquant)
+    assert kernels.kquant == kquant and kernels.lib.mw_kquant_int() == (kquant == "int")
     stored = stored_weight(dtype, 43, 1024, seed=5)
     matrix = StoredMatrix.from_stored(stored, kernels)
     w = torch.from_numpy(stored.to_float32())
@@ -89,6 +99,105 @@ def test_k_quant_decode_tiles_give_the_wide_products_bits(path, dtype):
     assert_float32_accuracy(wide, x, w)
     for lo, hi in ((0, 1), (1, 3), (3, 7), (7, 15), (15, 16)):  # 1, 2, 4, 8 and 1 rows: the decode tiles
         assert torch.equal(matrix.matmul(x[lo:hi]), wide[lo:hi]), (lo, hi)
+
+
+def relative_errors(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    exact = x.double() @ w.double().T
+    return (y.double() - exact).abs() / (x.double().pow(2) @ w.double().pow(2).T).sqrt()
+
+
+@pytest.mark.parametrize("dtype", ["q4_k", "q5_k", "q6_k"])
+@pytest.mark.parametrize("path", native.PATH_NAMES)
+def test_k_quant_integer_products_are_as_accurate_as_the_float_kernels(path, dtype):
+    """The integer products (activations in 2 x int16 fixed point per 256 values, error
+    below 2^-29 of a block's largest |x|) against float64, with outliers 100x the other
+    activations in some blocks: each output's error relative to its natural size is of
+    float32's order and on average below the float kernels' (measured: about half)."""
+    int_kernels, float_kernels = path_kernels_kquant(path, "int"), path_kernels_kquant(path, "float")
+    stored = stored_weight(dtype, 64, 2048, seed=8)
+    w = torch.from_numpy(stored.to_float32())
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(6, 2048, generator=g) * torch.where(torch.rand(6, 2048, generator=g) < 0.01, 100.0, 1.0)
+    errors = {}
+    for kernels in (int_kernels, float_kernels):
+        errors[kernels.kquant] = relative_errors(StoredMatrix.from_stored(stored, kernels).matmul(x), x, w)
+    assert errors["int"].max() < 2e-6 and errors["int"].mean() < errors["float"].mean(), \
+        {mode: (float(e.max()), float(e.mean())) for mode, e in errors.items()}
+
+
+def q6_k_blocks(scales: list[int], n: int) -> np.ndarray:
+    """n rows of one Q6_K super-block: every code 0 (q - 32 = -32), the given 16 int8 scales, d = 1."""
+    block = np.zeros(210, np.uint8)
+    block[192:208] = np.array(scales, np.int8).view(np.uint8)
+    block[208:210] = np.array([1.0], np.float16).view(np.uint8)
+    return np.tile(block, (n, 1))
+
+
+@pytest.mark.parametrize("path", native.PATH_NAMES)
+def test_k_quant_integer_sums_hold_their_extremes(path):
+    """The integer lane sums at their bounds (weights (q - 32) * scale = -32 * -128 = 4096 or
+    -32 * 127 = -4064, activations whose limbs are H = +-(2^14 - 1) or L = -2^14, +2^14 - 1;
+    one value 2^29 - 2^15 makes the block's scale 1, so X = x) give the float64 product to
+    float32 rounding: no int32 lane wraps (AVX2's 32 products a lane reach -2^31)."""
+    from musegl_core.checkpoint.stored import StoredTensor
+
+    kernels = path_kernels_kquant(path, "int")
+    top = float((1 << 29) - (1 << 15))
+    rows = []
+    for value in (-16384.0, 16383.0, top, -top):
+        row = torch.full((256,), value)
+        row[255] = top
+        rows.append(row)
+    x = torch.stack(rows)
+    for scale in (-128, 127):
+        stored = StoredTensor("w", "q6_k", (4, 256), q6_k_blocks([scale] * 16, 4))
+        w = torch.from_numpy(stored.to_float32())
+        y = StoredMatrix.from_stored(stored, kernels).matmul(x)
+        assert relative_errors(y, x, w).max() < 1e-6, (scale, y[:, 0], (x.double() @ w.double().T)[:, 0])
+
+
+@pytest.mark.parametrize("dtype", ["q4_k", "q6_k"])
+@pytest.mark.parametrize("path", native.PATH_NAMES)
+def test_k_quant_integer_products_of_zero_and_non_finite_rows(path, dtype):
+    """An all-zero activation row gives zeros; a row with an infinity or NaN gives NaN in
+    every output (its blocks have no fixed-point scale) and leaves the other rows' bits alone."""
+    kernels = path_kernels_kquant(path, "int")
+    matrix = StoredMatrix.from_stored(stored_weight(dtype, 12, 512), kernels)
+    x = torch.randn(4, 512, generator=torch.Generator().manual_seed(4))
+    x[1] = 0.0
+    x[2, 300] = float("inf")
+    x[3, 7] = float("nan")
+    y = matrix.matmul(x)
+    assert torch.equal(y[1], torch.zeros(12))
+    assert torch.isnan(y[2]).all() and torch.isnan(y[3]).all()
+    assert torch.equal(y[0], matrix.matmul(x[:1])[0])
+
+
+def test_k_quant_mode_is_int_by_default_and_float_on_request(monkeypatch):
+    """``$MUSEGL_CPU_KQUANT``: unset, the integer products; ``float`` builds the float kernels;
+    another value is refused (by the kernels' choice and by the pre-serve check)."""
+    from musegl_core.errors import ConfigError
+    from musegl_core.plugins.specs import ExecutorOptions
+    from musegl_cuda import plugin
+
+    if not native.runnable_paths():
+        pytest.skip("no kernel path runs here")
+    monkeypatch.delenv(native.KQUANT_ENV, raising=False)
+    chosen = native.load()
+    if chosen is None:
+        pytest.skip(f"no kernels here: {native.unavailable_reason()}")
+    assert chosen.kquant == "int" and chosen.lib.mw_kquant_int() == 1
+    native.reset()
+    monkeypatch.setenv(native.KQUANT_ENV, "float")
+    chosen = native.load()
+    assert chosen.kquant == "float" and chosen.lib.mw_kquant_int() == 0
+    native.reset()
+    monkeypatch.setenv(native.KQUANT_ENV, "int8")
+    with pytest.raises(native.KernelPathError, match="MUSEGL_CPU_KQUANT='int8': expected one of int, float"):
+        native.load()
+    spec = {s.name: s for s in plugin.musegl_executors()}["torch-cpu"]
+    with pytest.raises(ConfigError, match="MUSEGL_CPU_KQUANT"):
+        spec.check(ExecutorOptions(model="missing.gguf"))
 
 
 @pytest.mark.parametrize("path", native.PATH_NAMES)
@@ -206,7 +315,7 @@ from musegl_cuda.cpu import native
 kernels = native.load()
 x = torch.randn(40, 512, generator=torch.Generator().manual_seed(1))
 out = [StoredMatrix.from_stored(stored_weight(d, 42, 512), kernels).matmul(x[:m]).numpy()
-       for d in ("f16", "q8_0") for m in (1, 5, 40)]
+       for d in ("f16", "q8_0", "q4_k", "q6_k") for m in (1, 5, 40)]
 k = torch.randn(100, 2, 32, generator=torch.Generator().manual_seed(2))
 q = torch.randn(30, 8, 32, generator=torch.Generator().manual_seed(3))
 keys = RowKeys(torch.arange(100), torch.zeros(30, dtype=torch.long), torch.arange(71, 101), 100, 99, 0)
@@ -230,7 +339,7 @@ def test_results_do_not_depend_on_the_thread_count(tmp_path):
         target = tmp_path / f"t{threads}.npz"
         subprocess.run([sys.executable, "-c", PRODUCTS_SCRIPT, str(threads), str(target), here], check=True)
         files.append(np.load(target))
-    assert len(files[0].files) == 7
+    assert len(files[0].files) == 13
     for name in files[0].files:
         assert np.array_equal(files[0][name], files[1][name]), name
 

@@ -11,6 +11,10 @@ flags, through :func:`musegl_core.native.build`: cached per source, flags and co
 decodes the matrices to float32 (:class:`~musegl_cuda.cpu.stored_matrix.DenseMatrix`).
 The kernels split rows over their own small thread pool (pthreads; see the C file),
 sized by ``threads`` on the first call; each built library has its own pool.
+
+Q4_K, Q5_K and Q6_K products multiply the integer weight codes by fixed-point integer
+activations (``int``, the default); ``$MUSEGL_CPU_KQUANT=float`` builds the kernels that
+decode those codes to float32 weights instead (``-DMW_KQUANT_FLOAT``), for comparison.
 """
 
 from __future__ import annotations
@@ -35,6 +39,10 @@ SOURCE = Path(__file__).with_name("weight_kernels.c")
 BASE_FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-pthread")
 ENV = "MUSEGL_CPU_KERNELS"
 FALLBACK = "fallback"
+#: How the k-quant (Q4_K, Q5_K, Q6_K) products compute: ``int`` (integer codes times
+#: fixed-point activations, the default) or ``float`` (codes decoded to float32 weights).
+KQUANT_ENV = "MUSEGL_CPU_KQUANT"
+KQUANT_MODES = ("int", "float")
 
 
 @attrs.frozen
@@ -76,6 +84,7 @@ class Kernels:
 
     path: KernelPath
     lib: ctypes.CDLL
+    kquant: str = "int"  # one of KQUANT_MODES (how this build multiplies Q4_K/Q5_K/Q6_K)
 
     @property
     def name(self) -> str:
@@ -92,7 +101,7 @@ class Kernels:
         return bool(self.lib.mw_has_gemm_f16())
 
 
-_built: dict[str, Kernels | str] = {}  # path name -> loaded kernels, or why not
+_built: dict[tuple[str, str], Kernels | str] = {}  # (path name, k-quant mode) -> loaded kernels, or why not
 _chosen: Kernels | None = None
 _reason: str | None = None
 _decided = False
@@ -132,25 +141,37 @@ def runnable_paths() -> list[str]:
     return [p.name for p in PATHS if not missing_for(p)]
 
 
-def kernels(name: str) -> Kernels:
+def kquant_mode() -> str:
+    """``$MUSEGL_CPU_KQUANT`` (default ``int``); :class:`KernelPathError` for another value."""
+    mode = os.environ.get(KQUANT_ENV, "").strip().lower() or KQUANT_MODES[0]
+    if mode not in KQUANT_MODES:
+        raise KernelPathError(f"{KQUANT_ENV}={mode!r}: expected one of {', '.join(KQUANT_MODES)}")
+    return mode
+
+
+def kernels(name: str, kquant: str | None = None) -> Kernels:
     """The kernels of path ``name``, built on first use; :class:`KernelPathError` (one line)
-    when this machine cannot run or build them."""
+    when this machine cannot run or build them. ``kquant``: how they multiply the k-quants
+    (default :func:`kquant_mode`)."""
     path = path_named(name)
     missing = missing_for(path)
     if missing:
         raise KernelPathError(f"the {path.name} kernels need {', '.join(missing)}, which this CPU lacks")
-    cached = _built.get(name)
+    kquant = kquant or kquant_mode()
+    if kquant not in KQUANT_MODES:
+        raise KernelPathError(f"k-quant products {kquant!r}: expected one of {', '.join(KQUANT_MODES)}")
+    cached = _built.get((name, kquant))
     if cached is None:
-        cached = _built[name] = _build(path)
+        cached = _built[(name, kquant)] = _build(path, kquant)
     if isinstance(cached, str):
         raise KernelPathError(cached)
     return cached
 
 
-def _build(path: KernelPath) -> Kernels | str:
+def _build(path: KernelPath, kquant: str) -> Kernels | str:
+    flags = path.compiler_flags(cpu_flags()) + (("-DMW_KQUANT_FLOAT",) if kquant == "float" else ())
     try:
-        lib = ctypes.CDLL(str(native.build(SOURCE, path.compiler_flags(cpu_flags()),
-                                           f"the stored-weight kernels ({path.name})")))
+        lib = ctypes.CDLL(str(native.build(SOURCE, flags, f"the stored-weight kernels ({path.name})")))
     except native.BuildError as exc:
         return str(exc)
     except OSError as exc:
@@ -178,7 +199,11 @@ def _build(path: KernelPath) -> Kernels | str:
     lib.mw_attention.restype = i32
     lib.mw_vector_lanes.argtypes = []
     lib.mw_vector_lanes.restype = i32
-    return Kernels(path, lib)
+    lib.mw_kquant_int.argtypes = []
+    lib.mw_kquant_int.restype = i32
+    if bool(lib.mw_kquant_int()) != (kquant == "int"):
+        return f"the {path.name} kernels were built with the wrong k-quant products (expected {kquant})"
+    return Kernels(path, lib, kquant)
 
 
 def load() -> Kernels | None:
@@ -189,11 +214,13 @@ def load() -> Kernels | None:
     if _decided:
         return _chosen
     forced = os.environ.get(ENV, "").strip().lower()
+    kquant_mode()  # a bad $MUSEGL_CPU_KQUANT raises here, before any path is tried
     if forced == FALLBACK:
         _reason = f"{ENV}={FALLBACK}"
     elif forced:
         _chosen = kernels(forced)  # raises for a path that cannot run here, and stays undecided
-        log.info("stored-weight kernels: %s (%s; %s=%s)", _chosen.name, _chosen.path.summary, ENV, forced)
+        log.info("stored-weight kernels: %s (%s; %s=%s; k-quants in %s)", _chosen.name, _chosen.path.summary, ENV,
+                 forced, _chosen.kquant)
     else:
         reasons = []
         for path in PATHS:
@@ -205,7 +232,8 @@ def load() -> Kernels | None:
             except KernelPathError as exc:
                 reasons.append(str(exc))
         if _chosen is not None:
-            log.info("stored-weight kernels: %s (%s)", _chosen.name, _chosen.path.summary)
+            log.info("stored-weight kernels: %s (%s; k-quants in %s)", _chosen.name, _chosen.path.summary,
+                     _chosen.kquant)
         else:
             _reason = "; ".join(reasons) or f"neither AVX2 nor AVX-512 here ({PATHS[-1].name} needs " \
                 f"{', '.join(missing_for(PATHS[-1]))})"

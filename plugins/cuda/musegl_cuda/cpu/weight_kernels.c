@@ -26,6 +26,8 @@
  * that order, so row r of an N-row product is bit for bit the 1-row product of row r,
  * and a prompt row gives the same K/V however its chunk was cut. The order differs
  * between builds (16 or 8 lanes): results are reproducible per build, not across them.
+ * Q4_K, Q5_K and Q6_K take their own order ("Integer products of k-quant weights": exact
+ * integer sums per super-block, then one order of float operations), as fixed per row.
  *
  * mw_dequant_rows decodes whole rows to float32 (embedding lookups).
  *
@@ -115,6 +117,23 @@ ALWAYS_INLINE __m128 v_fold4(vf v) {
 }
 /* Register tiles: NR weight rows x up to TILE_MR activation rows (16 of 32 registers). */
 #define TILE_MR 4
+/* Integer k-quant products (see "Integer products of k-quant weights"): iv holds 32 int16. */
+typedef __m512i iv;
+#define NI 1 /* int16 vectors per 32 values */
+#define v_fnmadd(a, b, c) _mm512_fnmadd_ps((a), (b), (c))
+#define v_cvtr(a) _mm512_cvtps_epi32(a) /* round to nearest even (MXCSR's default) */
+#define i_zero() _mm512_setzero_si512()
+#define i_store(p, v) _mm512_storeu_si512((void *)(p), (v))
+#define iv_load(p) _mm512_loadu_si512((const void *)(p))
+#define iv_mullo(a, b) _mm512_mullo_epi16((a), (b))
+#define iv_set1(s) _mm512_set1_epi16((short)(s))
+#ifdef __AVX512VNNI__
+#define i_dot(acc, a, b) _mm512_dpwssd_epi32((acc), (a), (b)) /* acc + a0*b0 + a1*b1 per int32 lane, wrapping */
+#else
+#define i_dot(acc, a, b) _mm512_add_epi32((acc), _mm512_madd_epi16((a), (b)))
+#endif
+/* Q4_K/Q5_K: the 8 floats of a super-block's mins term in the low lanes, zeros above. */
+#define v_from8(p) _mm512_zextps256_ps512(_mm256_loadu_ps(p))
 #elif defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
 #define VL 8
 #define NV (32 / VL)
@@ -159,6 +178,17 @@ ALWAYS_INLINE void i_i8x32(__m256i b, vi q[NV]) {
 ALWAYS_INLINE __m128 v_fold4(vf v) { return _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1)); }
 /* 16 registers: 4 x 3 accumulators and the 4 vectors of one decoded 32-value block. */
 #define TILE_MR 3
+typedef __m256i iv; /* 16 int16 */
+#define NI 2
+#define v_fnmadd(a, b, c) _mm256_fnmadd_ps((a), (b), (c))
+#define v_cvtr(a) _mm256_cvtps_epi32(a)
+#define i_zero() _mm256_setzero_si256()
+#define i_store(p, v) _mm256_storeu_si256((__m256i *)(p), (v))
+#define iv_load(p) _mm256_loadu_si256((const __m256i *)(p))
+#define iv_mullo(a, b) _mm256_mullo_epi16((a), (b))
+#define iv_set1(s) _mm256_set1_epi16((short)(s))
+#define i_dot(acc, a, b) _mm256_add_epi32((acc), _mm256_madd_epi16((a), (b)))
+#define v_from8(p) _mm256_loadu_ps(p)
 #else
 #error "weight_kernels.c needs AVX2 + FMA + F16C, or AVX-512 F/BW + F16C + FMA"
 #endif
@@ -650,6 +680,478 @@ static void direct_rows(int type, const uint8_t *w, long rb, long k, const float
         }
 }
 
+/* ---- Integer products of k-quant weights ------------------------------------------
+ * The default for Q4_K, Q5_K and Q6_K (the float path above is kept for comparison: built with
+ * -DMW_KQUANT_FLOAT, MUSEGL_CPU_KQUANT=float, see native.py). Decoding codes to float32
+ * weights (widen, convert, scale, then the FMA, per value) is what bounds the float kernels,
+ * not the bytes; here the codes are multiplied as integers by the activations in fixed point.
+ *
+ * Activations (kq_quant_row, once per product and activation row): per 256-value block a
+ * power-of-two scale s and integers X = round(x / s), |X| <= XQ_T = 2^29 - 2^15 (s the
+ * smallest power of two that allows it), so x - s*X is at most s/2 <= 2^-29 of the block's
+ * largest |x| (float32 rounds each product at 2^-24 of it). X is held as two int16 limbs,
+ * X = 2^15 H + L, H = floor((X + 2^14) / 2^15) in [-(2^14 - 1), 2^14 - 1], L in [-2^14, 2^14 - 1].
+ * For Q4_K/Q5_K's mins also s * (sum of X over each 32-value sub-block), 8 floats per block.
+ *
+ * Weights (decoded in registers): the integer code times its integer scale, int16:
+ * Q6_K (q - 32) * scale in [-4064, 4096] (q - 32 in [-32, 31], scale an int8);
+ * Q4_K nibble * scale <= 15 * 63 = 945; Q5_K (nibble + 16 bit) * scale <= 31 * 63 = 1953.
+ *
+ * Per super-block and (weight row, activation row): int32 lane sums of w*H and of w*L by
+ * vpmaddwd (two adjacent products a lane; VNNI's vpdpwssd where the build has AVX512-VNNI:
+ * the same wrapping sums, so the same integers), lane i of a vector of 2*VL int16 taking
+ * values 2i, 2i+1 of every 2*VL in the super-block. Overflow: |w| <= 4096, |H| <= 2^14 - 1,
+ * so |w*H| < 2^26, and w*L in [-2^26, 2^26) (w*L = -2^26 only for w = 4096, L = -2^14; the
+ * largest positive product is max(4096 (2^14 - 1), 4064 * 2^14) < 2^26). A lane sums
+ * 256 / VL products a super-block: AVX-512 16 (|sum| < 2^30), AVX2 32 (in [-2^31, 2^31),
+ * exactly int32's range). Then, in one fixed order, for every row count, tile and thread:
+ *   c = fma(float(sum H), 2^15, float(sum L));  acc = fma(c, d * s, acc);
+ *   Q4_K/Q5_K: acc = fnmadd(dmin * min_j, s * sumX_j, acc) in lanes j < 8 (zeros above);
+ * acc the output's vector accumulator over the super-blocks in order, its lanes added up
+ * by v_sum at the end. The integer sums are exact, so the result does not depend on how
+ * a tile walks them; every row count (decode tiles and prompt rows alike) takes this path,
+ * so rows never depend on their batch. The wide (scratch) products are not used for these
+ * types. Accuracy: see docs/executor.md (the error of each output relative to
+ * sqrt(sum (w x)^2), against float64, is of float32's order, like the float path's). */
+#ifdef MW_KQUANT_FLOAT
+#define KQ_INT 0
+#else
+#define KQ_INT 1
+#endif
+ALWAYS_INLINE int kq_int(int type) { return KQ_INT && (type == MW_Q4_K || type == MW_Q5_K || type == MW_Q6_K); }
+/* Prompt-sized products decode a few weight rows to a scratch of int16 weights first (see
+ * wide_rows_kq): per super-block KQS_BYTES, the 256 weights (code times scale) as kq6_w16 /
+ * kq4_w16 give them, then float d and dmin * min_j (j < 8; Q4_K/Q5_K). tile_kq reads them as
+ * these two types (KQ_S6 without mins, KQ_S4 with) and combines them as it does the stored ones. */
+enum { KQ_S6 = 100, KQ_S4 = 101 };
+#define KQS_BYTES 576
+int mw_kquant_int(void) { return KQ_INT; }
+
+#define XQ_T ((1 << 29) - (1 << 15))
+#define XQ_TINY 0x1p-90f /* blocks whose largest |x| is below this count as zero (s stays a normal float) */
+#define XQ_LD(k) ((k) / 256 * 512 + 32) /* int16 per activation row: k values x 2 limbs, plus a cache line */
+typedef struct {
+    int16_t *q; /* row r, block b: q + r * ld + b * 512: H[256], then L[256] */
+    float *s;   /* s[r * nsb + b]: the block's scale (0: all zero; NaN: a value not finite) */
+    float *xs;  /* xs + (r * nsb + b) * 8: s * (sum of X over sub-block j), j < 8 */
+    long nsb, ld;
+} xq_t;
+
+/* 2^e for a normal float's exponent e (-126 <= e <= 127). */
+static inline float pow2f(int e) {
+    const uint32_t bits = (uint32_t)(e + 127) << 23;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static void kq_quant_row(const float *x, long k, int16_t *q, float *s, float *xs) {
+    for (long b = 0; b < k / 256; ++b) {
+        const float *xb = x + b * 256;
+        int16_t *qb = q + b * 512;
+        float *xsb = xs + b * 8;
+        vf top = v_zero(), bad = v_zero();
+        for (int i = 0; i < 256; i += VL) {
+            const vf v = v_load(xb + i);
+            top = v_max(v_max(top, v), v_sub(v_zero(), v));
+            bad = v_add(bad, v_mul(v, v_zero())); /* NaN where a value is an infinity or NaN */
+        }
+        float lanes[VL], amax = 0.0f;
+        v_store(lanes, top);
+        for (int i = 0; i < VL; ++i) amax = lanes[i] > amax ? lanes[i] : amax;
+        const float nonfinite = v_sum(bad);
+        if (nonfinite != 0.0f || amax < XQ_TINY) {
+            const float fill = nonfinite != 0.0f ? __builtin_nanf("") : 0.0f; /* a NaN makes the row's outputs NaN */
+            memset(qb, 0, 512 * sizeof(int16_t));
+            s[b] = fill;
+            for (int j = 0; j < 8; ++j) xsb[j] = fill;
+            continue;
+        }
+        uint32_t bits;
+        memcpy(&bits, &amax, 4);
+        int e = (int)(bits >> 23) - 126 - 29; /* amax in [2^(e+28), 2^(e+29)): a normal float */
+        if (amax * pow2f(-e) > (float)XQ_T) ++e; /* exact: a power of two; e in [-118, 100] */
+        const vf inv = v_set1(pow2f(-e));
+        s[b] = pow2f(e);
+        int32_t X[256];
+        for (int i = 0; i < 256; i += VL) i_store(X + i, v_cvtr(v_mul(v_load(xb + i), inv))); /* x * inv exact */
+        for (int i = 0; i < 256; ++i) {
+            const int32_t h = (X[i] + (1 << 14)) >> 15; /* arithmetic shift: floor */
+            qb[i] = (int16_t)h;
+            qb[256 + i] = (int16_t)(X[i] - h * 32768);
+        }
+        for (int j = 0; j < 8; ++j) {
+            int64_t t = 0;
+            for (int l = 0; l < 32; ++l) t += X[32 * j + l];
+            xsb[j] = (float)((double)t * (double)s[b]); /* |t| < 2^34: exact in double, one rounding */
+        }
+    }
+}
+
+/* Q6_K's 16 scales of a super-block, as kq6_w16 takes them. */
+#if VL == 16
+typedef __m512i kq6_scales_t; /* dword j: scale j in both int16 halves */
+ALWAYS_INLINE kq6_scales_t kq6_scales(const uint8_t *blk) {
+    const __m512i s = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 192)));
+    return _mm512_or_si512(_mm512_and_si512(s, _mm512_set1_epi32(0xFFFF)), _mm512_slli_epi32(s, 16));
+}
+/* Sub-block s's codes minus 32 (signed bytes, from q6k_half_codes) times their scales. */
+ALWAYS_INLINE void kq6_w16(kq6_scales_t sc, int s, __m256i codes, iv w[NI]) {
+    const __m512i idx = _mm512_add_epi32(_mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0),
+                                         _mm512_set1_epi32(2 * s));
+    w[0] = iv_mullo(_mm512_cvtepi8_epi16(codes), _mm512_permutexvar_epi32(idx, sc));
+}
+#else
+typedef const int8_t *kq6_scales_t;
+ALWAYS_INLINE kq6_scales_t kq6_scales(const uint8_t *blk) { return (const int8_t *)(blk + 192); }
+ALWAYS_INLINE void kq6_w16(kq6_scales_t sc, int s, __m256i codes, iv w[NI]) {
+    w[0] = iv_mullo(_mm256_cvtepi8_epi16(_mm256_castsi256_si128(codes)), iv_set1(sc[2 * s]));
+    w[1] = iv_mullo(_mm256_cvtepi8_epi16(_mm256_extracti128_si256(codes, 1)), iv_set1(sc[2 * s + 1]));
+}
+#endif
+
+/* A Q4_K/Q5_K super-block's 8 scales and 8 mins as bytes (q4k_scales' unpacking), dm[j] =
+ * dmin * min_j (the product q4k_scales computes); returns d. */
+ALWAYS_INLINE float kq4_scales(const uint8_t *blk, uint8_t sc[8], float dm[8]) {
+    uint16_t dh, mh;
+    memcpy(&dh, blk, 2);
+    memcpy(&mh, blk + 2, 2);
+    uint32_t u[3], scw[2], mn[2];
+    memcpy(u, blk + 4, 12);
+    scw[0] = u[0] & 0x3F3F3F3Fu;
+    mn[0] = u[1] & 0x3F3F3F3Fu;
+    scw[1] = (u[2] & 0x0F0F0F0Fu) | (((u[0] >> 6) & 0x03030303u) << 4);
+    mn[1] = ((u[2] >> 4) & 0x0F0F0F0Fu) | (((u[1] >> 6) & 0x03030303u) << 4);
+    memcpy(sc, scw, 8);
+    _mm256_storeu_ps(dm, _mm256_mul_ps(_mm256_set1_ps(half_to_float(mh)),
+                                       _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)mn)))));
+    return half_to_float(dh);
+}
+
+/* Sub-blocks 2i (w[0..NI)) and 2i+1 (w[NI..2NI)) of a Q4_K/Q5_K super-block: the code
+ * (nibble, plus 16 times Q5_K's fifth bit) times the sub-block's scale. */
+ALWAYS_INLINE void kq4_w16(const int q5, const uint8_t *blk, int i, const uint8_t sc[8], iv w[2 * NI]) {
+    const uint8_t *q = blk + (q5 ? 48 : 16) + 32 * i;
+    const iv s0 = iv_set1(sc[2 * i]), s1 = iv_set1(sc[2 * i + 1]);
+    const __m128i c0 = _mm_cvtsi32_si128(2 * i), c1 = _mm_cvtsi32_si128(2 * i + 1);
+#if VL == 16
+    const __m512i b = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)q));
+    __m512i lo = _mm512_and_si512(b, _mm512_set1_epi16(15)), hi = _mm512_srli_epi16(b, 4);
+    if (q5) {
+        const __m512i h = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(blk + 16)));
+        const __m512i one = _mm512_set1_epi16(1);
+        lo = _mm512_or_si512(lo, _mm512_slli_epi16(_mm512_and_si512(_mm512_srl_epi16(h, c0), one), 4));
+        hi = _mm512_or_si512(hi, _mm512_slli_epi16(_mm512_and_si512(_mm512_srl_epi16(h, c1), one), 4));
+    }
+    w[0] = iv_mullo(lo, s0);
+    w[1] = iv_mullo(hi, s1);
+#else
+    for (int c = 0; c < 2; ++c) {
+        const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(q + 16 * c)));
+        __m256i lo = _mm256_and_si256(b, _mm256_set1_epi16(15)), hi = _mm256_srli_epi16(b, 4);
+        if (q5) {
+            const __m256i h = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(blk + 16 + 16 * c)));
+            const __m256i one = _mm256_set1_epi16(1);
+            lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(h, c0), one), 4));
+            hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(h, c1), one), 4));
+        }
+        w[c] = iv_mullo(lo, s0);
+        w[NI + c] = iv_mullo(hi, s1);
+    }
+#endif
+}
+
+/* ah[m] += w . H, al[m] += w . L over 32 values at offset off of the activation block. */
+ALWAYS_INLINE void kq_acc(const int MRT, const iv w[NI], const int16_t *const *xp, int off, vi *ah, vi *al) {
+    for (int c = 0; c < NI; ++c)
+        for (int m = 0; m < MRT; ++m) {
+            ah[m] = i_dot(ah[m], w[c], iv_load(xp[m] + off + c * 2 * VL));
+            al[m] = i_dot(al[m], w[c], iv_load(xp[m] + 256 + off + c * 2 * VL));
+        }
+}
+
+/* tile() for the k-quants in integers: y[m][j] for j < NRT weight rows, m < MRT activation
+ * rows (rows m0.. of xq). */
+#ifndef NR_KQ
+#define NR_KQ 8 /* weight rows of a decode tile (see direct_rows_kq) */
+#endif
+ALWAYS_INLINE void tile_kq(const int type, const int NRT, const int MRT, const uint8_t *w, long rb, const xq_t *xq,
+                           long m0, float *y, long ldy) {
+    vf acc[NR_KQ > NR ? NR_KQ : NR][SMALL_M]; /* NRT x MRT of them used */
+    for (int j = 0; j < NRT; ++j)
+        for (int m = 0; m < MRT; ++m) acc[j][m] = v_zero();
+    const int sbb = type == MW_Q6_K ? 210 : type == MW_Q5_K ? 176 : type == MW_Q4_K ? 144 : KQS_BYTES;
+    const vf two15 = v_set1(32768.0f);
+    for (long sb = 0; sb < xq->nsb; ++sb) {
+        const int16_t *xp[SMALL_M];
+        float xsc[SMALL_M];
+        for (int m = 0; m < MRT; ++m) {
+            xp[m] = xq->q + (m0 + m) * xq->ld + sb * 512;
+            xsc[m] = xq->s[(m0 + m) * xq->nsb + sb];
+        }
+        for (int j = 0; j < NRT; ++j) {
+            const uint8_t *blk = w + j * rb + sb * sbb;
+            if (type != KQ_S6 && type != KQ_S4)
+                for (int off = 0; off < sbb; off += 64) prefetch_weights(NRT, blk + off, rb);
+            vi ah[SMALL_M], al[SMALL_M];
+            for (int m = 0; m < MRT; ++m) ah[m] = al[m] = i_zero();
+            float d, dm[8];
+            if (type == KQ_S6 || type == KQ_S4) {
+                memcpy(&d, blk + 512, 4);
+                if (type == KQ_S4) memcpy(dm, blk + 516, 32);
+                for (int t = 0; t < 8; ++t) {
+                    iv wv[NI];
+                    for (int c = 0; c < NI; ++c) wv[c] = iv_load((const int16_t *)blk + 32 * t + c * 2 * VL);
+                    kq_acc(MRT, wv, xp, 32 * t, ah, al);
+                }
+            } else if (type == MW_Q6_K) {
+                uint16_t dh;
+                memcpy(&dh, blk + 208, 2);
+                d = half_to_float(dh);
+                const kq6_scales_t sc = kq6_scales(blk);
+                for (int h = 0; h < 2; ++h) {
+                    __m256i codes[4];
+                    q6k_half_codes(blk, h, codes);
+                    for (int t = 0; t < 4; ++t) {
+                        iv wv[NI];
+                        kq6_w16(sc, 4 * h + t, codes[t], wv);
+                        kq_acc(MRT, wv, xp, (4 * h + t) * 32, ah, al);
+                    }
+                }
+            } else {
+                uint8_t sc[8];
+                d = kq4_scales(blk, sc, dm);
+                for (int i = 0; i < 4; ++i) {
+                    iv wv[2 * NI];
+                    kq4_w16(type == MW_Q5_K, blk, i, sc, wv);
+                    kq_acc(MRT, wv, xp, 64 * i, ah, al);
+                    kq_acc(MRT, wv + NI, xp, 64 * i + 32, ah, al);
+                }
+            }
+            for (int m = 0; m < MRT; ++m)
+                acc[j][m] = v_fma(v_fma(v_cvt(ah[m]), two15, v_cvt(al[m])), v_set1(d * xsc[m]), acc[j][m]);
+            if (type != MW_Q6_K && type != KQ_S6) {
+                const vf vdm = v_from8(dm);
+                for (int m = 0; m < MRT; ++m)
+                    acc[j][m] = v_fnmadd(vdm, v_from8(xq->xs + ((m0 + m) * xq->nsb + sb) * 8), acc[j][m]);
+            }
+        }
+    }
+    store_sums(NRT, MRT, acc, y, ldy);
+}
+
+ALWAYS_INLINE void tile_kq_1_mr(const int type, int mr, const uint8_t *w, long rb, const xq_t *xq, long m0, float *y,
+                                long ldy) {
+    switch (mr) {
+    case 1: tile_kq(type, 1, 1, w, rb, xq, m0, y, ldy); break;
+    case 2: tile_kq(type, 1, 2, w, rb, xq, m0, y, ldy); break;
+    case 3: tile_kq(type, 1, 3, w, rb, xq, m0, y, ldy); break;
+    case 4: tile_kq(type, 1, 4, w, rb, xq, m0, y, ldy); break;
+    case 5: tile_kq(type, 1, 5, w, rb, xq, m0, y, ldy); break;
+    case 6: tile_kq(type, 1, 6, w, rb, xq, m0, y, ldy); break;
+    case 7: tile_kq(type, 1, 7, w, rb, xq, m0, y, ldy); break;
+    default: tile_kq(type, 1, 8, w, rb, xq, m0, y, ldy); break;
+    }
+}
+
+ALWAYS_INLINE void tile_kq_nr_mr(const int type, int mr, const uint8_t *w, long rb, const xq_t *xq, long m0, float *y,
+                                 long ldy) {
+    switch (mr) {
+    case 1: tile_kq(type, NR, 1, w, rb, xq, m0, y, ldy); break;
+    case 2: tile_kq(type, NR, 2, w, rb, xq, m0, y, ldy); break;
+#if TILE_MR >= 4
+    case 3: tile_kq(type, NR, 3, w, rb, xq, m0, y, ldy); break;
+#endif
+    default: tile_kq(type, NR, TILE_MR, w, rb, xq, m0, y, ldy); break;
+    }
+}
+
+/* tile_kq over the scratch (types KQ_S6, KQ_S4) with every weight row's and activation row's
+ * integer sums of a super-block in registers at once (NRT x MRT x 2 of them): each 32 values
+ * of an activation row are loaded once for the NRT weight rows, where tile_kq loads them once
+ * per weight row. The same integers and float operations per output. */
+#ifndef MR_KQS
+#define MR_KQS 2 /* AVX-512: 16 integer and 8 float accumulators (3 rows spill: 78 ms against 41) */
+#endif
+ALWAYS_INLINE void tile_kqs(const int type, const int NRT, const int MRT, const uint8_t *w, long rb, const xq_t *xq,
+                            long m0, float *y, long ldy) {
+    vf acc[NR][MR_KQS];
+    for (int j = 0; j < NRT; ++j)
+        for (int m = 0; m < MRT; ++m) acc[j][m] = v_zero();
+    const vf two15 = v_set1(32768.0f);
+    for (long sb = 0; sb < xq->nsb; ++sb) {
+        const int16_t *xp[MR_KQS];
+        for (int m = 0; m < MRT; ++m) xp[m] = xq->q + (m0 + m) * xq->ld + sb * 512;
+        vi ah[NR][MR_KQS], al[NR][MR_KQS];
+        for (int j = 0; j < NRT; ++j)
+            for (int m = 0; m < MRT; ++m) ah[j][m] = al[j][m] = i_zero();
+        for (int i = 0; i < 256; i += 2 * VL) {
+            iv xh[MR_KQS], xl[MR_KQS];
+            for (int m = 0; m < MRT; ++m) {
+                xh[m] = iv_load(xp[m] + i);
+                xl[m] = iv_load(xp[m] + 256 + i);
+            }
+            for (int j = 0; j < NRT; ++j) {
+                const iv wv = iv_load((const int16_t *)(w + j * rb + sb * KQS_BYTES) + i);
+                for (int m = 0; m < MRT; ++m) {
+                    ah[j][m] = i_dot(ah[j][m], wv, xh[m]);
+                    al[j][m] = i_dot(al[j][m], wv, xl[m]);
+                }
+            }
+        }
+        for (int j = 0; j < NRT; ++j) {
+            const uint8_t *blk = w + j * rb + sb * KQS_BYTES;
+            float d;
+            memcpy(&d, blk + 512, 4);
+            for (int m = 0; m < MRT; ++m)
+                acc[j][m] = v_fma(v_fma(v_cvt(ah[j][m]), two15, v_cvt(al[j][m])),
+                                  v_set1(d * xq->s[(m0 + m) * xq->nsb + sb]), acc[j][m]);
+            if (type == KQ_S4) {
+                const vf vdm = v_from8((const float *)(blk + 516));
+                for (int m = 0; m < MRT; ++m)
+                    acc[j][m] = v_fnmadd(vdm, v_from8(xq->xs + ((m0 + m) * xq->nsb + sb) * 8), acc[j][m]);
+            }
+        }
+    }
+    store_sums(NRT, MRT, acc, y, ldy);
+}
+
+ALWAYS_INLINE void tile_kqs_mr(const int type, int mr, const uint8_t *w, long rb, const xq_t *xq, long m0, float *y,
+                               long ldy) {
+#if MR_KQS > 1
+    if (mr < MR_KQS) {
+        tile_kqs(type, NR, 1, w, rb, xq, m0, y, ldy);
+        return;
+    }
+#endif
+    (void)mr;
+    tile_kqs(type, NR, MR_KQS, w, rb, xq, m0, y, ldy);
+}
+
+/* A row of nsb super-blocks as the scratch tile_kq reads as KQ_S6 / KQ_S4. */
+ALWAYS_INLINE void kq_scratch_row(const int type, const uint8_t *row, long nsb, uint8_t *out) {
+    const int sbb = type == MW_Q6_K ? 210 : type == MW_Q5_K ? 176 : 144;
+    for (long sb = 0; sb < nsb; ++sb) {
+        const uint8_t *blk = row + sb * sbb;
+        uint8_t *o = out + sb * KQS_BYTES;
+        int16_t *ow = (int16_t *)o;
+        float d;
+        if (type == MW_Q6_K) {
+            uint16_t dh;
+            memcpy(&dh, blk + 208, 2);
+            d = half_to_float(dh);
+            const kq6_scales_t sc = kq6_scales(blk);
+            for (int h = 0; h < 2; ++h) {
+                __m256i codes[4];
+                q6k_half_codes(blk, h, codes);
+                for (int t = 0; t < 4; ++t) {
+                    iv wv[NI];
+                    kq6_w16(sc, 4 * h + t, codes[t], wv);
+                    for (int c = 0; c < NI; ++c) i_store(ow + (4 * h + t) * 32 + c * 2 * VL, wv[c]);
+                }
+            }
+        } else {
+            uint8_t sc[8];
+            float dm[8];
+            d = kq4_scales(blk, sc, dm);
+            memcpy(o + 516, dm, 32);
+            for (int i = 0; i < 4; ++i) {
+                iv wv[2 * NI];
+                kq4_w16(type == MW_Q5_K, blk, i, sc, wv);
+                for (int c = 0; c < 2 * NI; ++c) i_store(ow + 64 * i + c * 2 * VL, wv[c]);
+            }
+        }
+        memcpy(o + 512, &d, 4);
+    }
+}
+
+ALWAYS_INLINE void tile_kq_nrkq_mr(const int type, int mr, const uint8_t *w, long rb, const xq_t *xq, long m0, float *y,
+                                   long ldy) {
+    switch (mr) {
+    case 1: tile_kq(type, NR_KQ, 1, w, rb, xq, m0, y, ldy); break;
+    case 2: tile_kq(type, NR_KQ, 2, w, rb, xq, m0, y, ldy); break;
+#if TILE_MR >= 4
+    case 3: tile_kq(type, NR_KQ, 3, w, rb, xq, m0, y, ldy); break;
+#endif
+    default: tile_kq(type, NR_KQ, TILE_MR, w, rb, xq, m0, y, ldy); break;
+    }
+}
+
+/* direct_rows for the k-quants in integers: the same tiling of weight and activation rows,
+ * but NR_KQ weight rows a tile (more rows' streams and integer chains in flight: Q4_K head
+ * 202048 x 1024, one row, one thread, AVX-512: 8 rows 9.9 ms, 4 rows 11.9; AVX2 13.8, 14.6). */
+static void direct_rows_kq(int type, const uint8_t *w, long rb, const xq_t *xq, long m, float *y, long ldy, long begin,
+                           long end, int grouped) {
+    long r = begin;
+    if (grouped)
+        for (; r + NR_KQ <= end; r += NR_KQ)
+            for (long m0 = 0; m0 < m; m0 += TILE_MR) {
+                const int mr = (int)(m - m0 < TILE_MR ? m - m0 : TILE_MR);
+                float *ym = y + m0 * ldy + r;
+                switch (type) {
+                case MW_Q6_K: tile_kq_nrkq_mr(MW_Q6_K, mr, w + r * rb, rb, xq, m0, ym, ldy); break;
+                case MW_Q5_K: tile_kq_nrkq_mr(MW_Q5_K, mr, w + r * rb, rb, xq, m0, ym, ldy); break;
+                default: tile_kq_nrkq_mr(MW_Q4_K, mr, w + r * rb, rb, xq, m0, ym, ldy); break;
+                }
+            }
+    for (; r < end; ++r)
+        for (long m0 = 0; m0 < m; m0 += SMALL_M) {
+            const int mr = (int)(m - m0 < SMALL_M ? m - m0 : SMALL_M);
+            float *ym = y + m0 * ldy + r;
+            switch (type) {
+            case MW_Q6_K: tile_kq_1_mr(MW_Q6_K, mr, w + r * rb, rb, xq, m0, ym, ldy); break;
+            case MW_Q5_K: tile_kq_1_mr(MW_Q5_K, mr, w + r * rb, rb, xq, m0, ym, ldy); break;
+            default: tile_kq_1_mr(MW_Q4_K, mr, w + r * rb, rb, xq, m0, ym, ldy); break;
+            }
+        }
+}
+
+/* Above DIRECT_M activation rows: NR weight rows at a time decoded once to the int16 scratch
+ * (kq_scratch_row), then multiplied into every activation row by NR x TILE_MR tiles of
+ * tile_kq (a decode tile would decode each weight row once per TILE_MR activation rows).
+ * The same integers and float operations per output as the decode tiles. 0 when the scratch
+ * could not be allocated (the caller then takes direct_rows_kq: the same bits). */
+static int wide_rows_kq(int type, const uint8_t *w, long rb, const xq_t *xq, long m, float *y, long ldy, long begin,
+                        long end) {
+    const long srb = xq->nsb * KQS_BYTES;
+    uint8_t *scratch = aligned_alloc(64, (size_t)(NR * srb));
+    if (!scratch) return 0;
+    const int s = type == MW_Q6_K ? KQ_S6 : KQ_S4;
+    for (long r = begin; r < end; r += NR) {
+        const int nr = (int)(end - r < NR ? end - r : NR);
+        for (int j = 0; j < nr; ++j) switch (type) {
+            case MW_Q6_K: kq_scratch_row(MW_Q6_K, w + (r + j) * rb, xq->nsb, scratch + j * srb); break;
+            case MW_Q5_K: kq_scratch_row(MW_Q5_K, w + (r + j) * rb, xq->nsb, scratch + j * srb); break;
+            default: kq_scratch_row(MW_Q4_K, w + (r + j) * rb, xq->nsb, scratch + j * srb); break;
+            }
+        if (nr == NR) {
+#if VL == 16 /* 32 registers: tile_kqs's 4 x 2 tiles (Q4_K 5632 x 1024 x 256 rows, one thread: 41 ms, tile_kq 49) */
+            for (long m0 = 0; m0 < m;) {
+                const int mr = (int)(m - m0 < MR_KQS ? m - m0 : MR_KQS);
+                if (s == KQ_S6) tile_kqs_mr(KQ_S6, mr, scratch, srb, xq, m0, y + m0 * ldy + r, ldy);
+                else tile_kqs_mr(KQ_S4, mr, scratch, srb, xq, m0, y + m0 * ldy + r, ldy);
+                m0 += mr < MR_KQS ? 1 : MR_KQS;
+            }
+#else /* 16 registers: tile_kq's 4 x 3 tiles (the same product: 46 ms, tile_kqs 4 x 1 57) */
+            for (long m0 = 0; m0 < m; m0 += TILE_MR) {
+                const int mr = (int)(m - m0 < TILE_MR ? m - m0 : TILE_MR);
+                if (s == KQ_S6) tile_kq_nr_mr(KQ_S6, mr, scratch, srb, xq, m0, y + m0 * ldy + r, ldy);
+                else tile_kq_nr_mr(KQ_S4, mr, scratch, srb, xq, m0, y + m0 * ldy + r, ldy);
+            }
+#endif
+        } else {
+            for (int j = 0; j < nr; ++j)
+                for (long m0 = 0; m0 < m; m0 += SMALL_M) {
+                    const int mr = (int)(m - m0 < SMALL_M ? m - m0 : SMALL_M);
+                    if (s == KQ_S6) tile_kq_1_mr(KQ_S6, mr, scratch + j * srb, srb, xq, m0, y + m0 * ldy + r + j, ldy);
+                    else tile_kq_1_mr(KQ_S4, mr, scratch + j * srb, srb, xq, m0, y + m0 * ldy + r + j, ldy);
+                }
+        }
+    }
+    free(scratch);
+    return 1;
+}
+
 /* ---- Wide products ---------------------------------------------------------------
  * Above DIRECT_M activation rows the product is bound by arithmetic, and decoding a
  * weight row once per register tile costs as much as the FMAs for the GGUF types.
@@ -882,6 +1384,7 @@ typedef struct {
     float *y;
     const int64_t *rows;
     float *out;
+    const xq_t *xq; /* the integer k-quant products' activations */
 } args_t;
 
 /* Activation-row counts for which the weight rows are taken one at a time (the weight
@@ -896,8 +1399,26 @@ typedef struct {
 #define GROUP_FEW 2
 #endif
 
+/* Activation rows above which the integer k-quant products take the int16 scratch
+ * (wide_rows_kq). Measured on 5632 x 1024, one thread: AVX-512 6 (Q4_K 8 rows 1.43 ms in the
+ * scratch, 1.71 in 1 x 8 decode tiles; 7 rows 1.27, 1.38 (Q6_K 1.38, 1.31); 5 rows 0.96,
+ * 0.79); AVX2 2, as its 16 registers hold the integer sums of at most 3 activation rows
+ * (Q6_K 3 rows: 0.71 ms against 0.91 in 1 x 3 decode tiles). */
+#ifndef DIRECT_M_KQ
+#if VL == 16
+#define DIRECT_M_KQ 6
+#else
+#define DIRECT_M_KQ 2
+#endif
+#endif
+
 static void matmul_chunk(long begin, long end, const void *p) {
     const args_t *a = (const args_t *)p;
+    if (a->xq) {
+        if (a->m > DIRECT_M_KQ && wide_rows_kq(a->type, a->w, a->rb, a->xq, a->m, a->y, a->ldy, begin, end)) return;
+        direct_rows_kq(a->type, a->w, a->rb, a->xq, a->m, a->y, a->ldy, begin, end, a->m <= GROUP_FEW || a->m > SMALL_M);
+        return;
+    }
     if (a->m > DIRECT_M && wide_rows(a->type, a->w, a->rb, a->k, a->x, a->ldx, a->m, a->y, a->ldy, begin, end))
         return;
     direct_rows(a->type, a->w, a->rb, a->k, a->x, a->ldx, a->m, a->y, a->ldy, begin, end,
@@ -907,8 +1428,45 @@ static void matmul_chunk(long begin, long end, const void *p) {
 /* y (m x n, row stride ldy) = x (m x k, row stride ldx) @ W^T, W (n rows of row_bytes(type, k)).
  * k must be a multiple of the type's block (32 for f32/f16/bf16). ``threads`` sizes the
  * pool on the first call. */
+static void quant_chunk(long begin, long end, const void *p) {
+    const args_t *a = (const args_t *)p;
+    const xq_t *q = a->xq;
+    for (long i = begin; i < end; ++i) kq_quant_row(a->x + i * a->ldx, a->k, q->q + i * q->ld, q->s + i * q->nsb, q->xs + i * q->nsb * 8);
+}
+
+#define KQ_ROWS 64 /* activation rows quantized and multiplied at a time (64 x 4 bytes x k in L2) */
+
+/* The integer k-quant product (see above), KQ_ROWS activation rows at a time; 0 when its
+ * scratch could not be allocated. */
+static int matmul_kq(int type, const uint8_t *w, long n, long k, const float *x, long ldx, long m, float *y, long ldy,
+                     int threads) {
+    const long mb = m < KQ_ROWS ? m : KQ_ROWS, nsb = k / 256;
+    xq_t q = {aligned_alloc(64, (size_t)(mb * XQ_LD(k) * 2 + 63) / 64 * 64),
+              aligned_alloc(64, (size_t)(mb * nsb * 4 + 63) / 64 * 64),
+              aligned_alloc(64, (size_t)(mb * nsb * 32 + 63) / 64 * 64), nsb, XQ_LD(k)};
+    if (!q.q || !q.s || !q.xs) {
+        free(q.q);
+        free(q.s);
+        free(q.xs);
+        return 0;
+    }
+    for (long m0 = 0; m0 < m; m0 += mb) {
+        const long rows = m - m0 < mb ? m - m0 : mb;
+        args_t a = {type, w, k, mw_row_bytes(type, k), rows, ldx, ldy, x + m0 * ldx, y + m0 * ldy, NULL, NULL, &q};
+        parallel_rows(rows, 16, 1, quant_chunk, &a, threads);
+        parallel_rows(n, 64, rows > DIRECT_M_KQ ? NR : NR_KQ, matmul_chunk, &a, threads);
+    }
+    free(q.q);
+    free(q.s);
+    free(q.xs);
+    return 1;
+}
+
 void mw_matmul(int type, const uint8_t *w, long n, long k, const float *x, long ldx, long m, float *y,
                long ldy, int threads) {
+    /* The integer k-quant products; should their scratch (m x 4k bytes at most 64 rows) not
+     * be allocatable, the float kernels below (other bits: the process is out of memory). */
+    if (kq_int(type) && matmul_kq(type, w, n, k, x, ldx, m, y, ldy, threads)) return;
     /* Decode-sized products read every activation row at once: rows a multiple of 4 KiB
      * apart would all map to the same L1 sets (8 rows and the weight stream overflow an
      * 8-way L1), so they are read from a copy padded by a cache line (the same values). */
@@ -921,7 +1479,7 @@ void mw_matmul(int type, const uint8_t *w, long n, long k, const float *x, long 
             ldx = PADDED(k);
         }
     }
-    args_t a = {type, w, k, mw_row_bytes(type, k), m, ldx, ldy, x, y, NULL, NULL};
+    args_t a = {type, w, k, mw_row_bytes(type, k), m, ldx, ldy, x, y, NULL, NULL, NULL};
     parallel_rows(n, m > DIRECT_M ? 16 : 64, m > DIRECT_M ? NR_WIDE : NR, matmul_chunk, &a, threads);
     free(padded);
 }
@@ -936,7 +1494,7 @@ static void dequant_chunk(long begin, long end, const void *p) {
 
 /* out (count x k) = rows of W; rows == NULL means rows 0 .. count-1. */
 void mw_dequant_rows(int type, const uint8_t *w, long k, const int64_t *rows, long count, float *out, int threads) {
-    args_t a = {type, w, k, mw_row_bytes(type, k), 0, 0, 0, NULL, NULL, rows, out};
+    args_t a = {type, w, k, mw_row_bytes(type, k), 0, 0, 0, NULL, NULL, rows, out, NULL};
     parallel_rows(count, 16, 1, dequant_chunk, &a, threads);
 }
 
