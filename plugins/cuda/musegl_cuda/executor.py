@@ -623,10 +623,10 @@ class TorchExecutor:
                     # intra-op threads but the cost of waking them; the weight products
                     # (the C kernels) keep their own threads.
                     with single_threaded():
-                        pending = self._outputs(step, *self._run_eager(step, kv))
+                        pending = self._eager_outputs(step, kv)
                         pending.settle()
                 else:
-                    pending = self._outputs(step, *self._run_eager(step, kv))
+                    pending = self._eager_outputs(step, kv)
         if self._drafted is not None and isinstance(pending, Launched):  # a launch _outputs did not judge
             pending.judged = self._judge(pending.device_ids, pending.ids_by_row)
         self._previous = pending
@@ -685,7 +685,29 @@ class TorchExecutor:
         else:
             layers_kv = [(kv[j, 0], kv[j, 1]) for _, j in self.page_groups.layers]
         normed, hidden = self.model(token_ids, positions, layers_batch, layers_kv, tuple(step.taps), embeds)
-        return (lambda rows: self.model.logits(normed[rows])), hidden, starts
+        return normed, hidden, starts
+
+    def _eager_outputs(self, step: Step, kv: torch.Tensor) -> Launched:
+        """The CPU path's step: :meth:`_run_eager`, then the head and the sampler
+        (:meth:`_outputs`); where every chunk is plain greedy, the ids come from the head's
+        raw product (:meth:`~musegl_cuda.model.MuseGlimmerDecoder.greedy_ids`: the same ids
+        without the softcap of every vocabulary entry, and no sampler)."""
+        normed, hidden, starts = self._run_eager(step, kv)
+        plan = None
+        if all(plain_greedy(chunk) for chunk in step.chunks):
+            plan = HeadRows.of(step, starts)
+        if plan is None or plan.sampled != list(range(len(plan.rows))):
+            return self._outputs(step, lambda rows: self.model.logits(normed[rows]), hidden, starts)
+        if not plan.rows:
+            drawn = Draw(0)
+        else:
+            every = plan.rows == list(range(normed.shape[0]))  # decode: no gather
+            rows = normed if every else normed[on_device(plan.rows, self.device, torch.long)]
+            drawn = Draw(len(plan.rows), self.model.greedy_ids(rows))
+        judged = self._judge(drawn.chosen, by_row=False)
+        launched = Sampled(step, starts, plan, None, hidden, drawn, None)
+        launched.judged = judged
+        return launched
 
     def _launch_paged(self, step: Step, kv: torch.Tensor, previous: PendingStep | None) -> PendingStep:
         c = self.config

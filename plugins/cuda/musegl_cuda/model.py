@@ -39,6 +39,7 @@ from musegl_core.checkpoint.config import TextConfig
 from musegl_core.checkpoint.hf_reader import CENTERED_NORMS, text_weight_names
 from musegl_core.checkpoint.stored import StoredTensor
 from musegl_cuda.cpu.attention import attention_rows, dequantized_attention_rows
+from musegl_cuda.cpu.greedy import capped_argmax
 from musegl_cuda.cuda.dense_attention import DenseKeys, dense_gated_attention
 from musegl_cuda.cpu.stored_matrix import DenseMatrix, HalfRows, StoredGroup, StoredMatrix, stored_matrix
 from musegl_cuda.kv_fp8 import dequantize_rows, write_rows
@@ -717,6 +718,16 @@ class MuseGlimmerDecoder(nn.Module):
             tapped[len(layers)] = h
         hidden = torch.stack([tapped[t] for t in taps]) if taps else None
         return x, hidden
+
+    def greedy_ids(self, normed: torch.Tensor) -> torch.Tensor:
+        """``torch.argmax(self.logits(normed), dim=-1)`` (int64 ``(rows,)``), the same ids; on
+        the CPU the softcap runs only where it can decide the id (:func:`capped_argmax`)."""
+        cap = self.config.final_logit_softcapping
+        if normed.is_cuda or cap is None:
+            return torch.argmax(self.logits(normed), dim=-1)
+        z = self.head_product(normed).mul_(self.config.output_multiplier).div_(cap)  # as logits() does
+        ids = capped_argmax(z, cap)
+        return torch.argmax(z.tanh_().mul_(cap), dim=-1) if ids is None else ids
 
     def logits(self, normed: torch.Tensor) -> torch.Tensor:
         """Softcapped logits (float32) of final-normed rows: ``×mult, ÷cap, tanh, ×cap``."""
