@@ -50,11 +50,12 @@ from musegl_core.engine.memory import available_ram
 from musegl_core.engine.sample_rows import SampleRows
 from musegl_core.engine.kv_dtype import kv_position_bytes
 from musegl_core.engine.step_checks import check_positions, check_taps, check_tokens, kv_allocated, table_of
+from musegl_cuda.cpu.attention import RowKeys
 from musegl_cuda.cpu.stored_matrix import HalfRows
 from musegl_cuda.drafts import DraftRows
 from musegl_cuda import kv_fp8
 from musegl_cuda.host_kv import HostPages
-from musegl_cuda.model import AttentionBatch, DecodeAttention, MuseGlimmerDecoder, PagedMeta, SequenceAttention
+from musegl_cuda.model import AttentionBatch, MuseGlimmerDecoder, PagedMeta, SequenceAttention
 from musegl_cuda.parallel.shard import TensorShard
 from musegl_cuda.quantization import QUANTIZATIONS, quantized_stored
 from musegl_cuda.cuda import dense_attention
@@ -571,22 +572,18 @@ class TorchExecutor:
         return AttentionBatch(torch.cat(write), sequences, half=half)
 
     def _decode_batch(self, step: Step) -> AttentionBatch:
-        """:meth:`_attention_batch` of a step of one row per sequence, as the padded
-        tensors of :class:`DecodeAttention` (stored mode): no per-sequence masks."""
+        """:meth:`_attention_batch` of a step of one row per sequence (stored mode): the slot
+        each row writes and each row's key slots (:meth:`RowKeys.of_decode`), no masks."""
         bs = self.block_size
-        tables, last = [], []
+        tables, last, write = [], [], []
         for chunk in step.chunks:
-            pos = chunk.positions[0]
             check_positions(chunk)
-            tables.append(list(table_of(chunk, bs, self.num_blocks)))
+            pos = int(chunk.positions[0])
+            table = table_of(chunk, bs, self.num_blocks)
+            tables.append(table)
             last.append(pos)
-        decode = DecodeAttention.of(tables, last, bs, self.config.sliding_window)
-        rows = torch.arange(len(last))
-        write = decode.full_slots[rows, torch.tensor(last)]
-        sequences = [SequenceAttention(slice(i, i + 1), decode.full_slots[i], decode.full_mask[i:i + 1],
-                                       decode.sliding_slots[i], decode.sliding_mask[i:i + 1])
-                     for i in range(len(last))]
-        return AttentionBatch(write, sequences, decode)
+            write.append(table[pos // bs] * bs + pos % bs)
+        return AttentionBatch(torch.tensor(write, dtype=torch.long), keys=RowKeys.of_decode(tables, last, bs))
 
     def step(self, step: Step) -> StepOutput:
         """Run ``step`` and sample every sampled row of every chunk in one batched
@@ -664,6 +661,12 @@ class TorchExecutor:
         return attrs.evolve(batch, write_slots=write)
 
     def _run_eager(self, step: Step, kv: torch.Tensor):
+        """:meth:`_forward_eager` with the head as a function of the packed rows it runs."""
+        normed, hidden, starts = self._forward_eager(step, kv)
+        return (lambda rows: self.model.logits(normed[rows])), hidden, starts
+
+    def _forward_eager(self, step: Step, kv: torch.Tensor):
+        """The CPU path's forward: the final-normed rows, the tapped hidden states, each chunk's first row."""
         vocab = self.config.vocab_size
         tokens = [t for c in step.chunks for t in c.tokens]
         check_tokens(tokens, vocab)
@@ -677,7 +680,7 @@ class TorchExecutor:
             layers_batch = [groups[group] for group, _ in self.page_groups.layers]
         token_ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
         positions = torch.tensor([p for c in step.chunks for p in c.positions], device=self.device)
-        starts = [seq.rows.start for seq in batch.sequences]
+        starts = list(range(len(step.chunks))) if decode else [seq.rows.start for seq in batch.sequences]
         self._place_drafts(step, starts, token_ids)
         embeds = self._embedding_rows(step, starts)
         if self.page_groups is None:
@@ -692,7 +695,7 @@ class TorchExecutor:
         (:meth:`_outputs`); where every chunk is plain greedy, the ids come from the head's
         raw product (:meth:`~musegl_cuda.model.MuseGlimmerDecoder.greedy_ids`: the same ids
         without the softcap of every vocabulary entry, and no sampler)."""
-        normed, hidden, starts = self._run_eager(step, kv)
+        normed, hidden, starts = self._forward_eager(step, kv)
         plan = None
         if all(plain_greedy(chunk) for chunk in step.chunks):
             plan = HeadRows.of(step, starts)

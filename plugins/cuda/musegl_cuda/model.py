@@ -38,7 +38,7 @@ from torch import nn
 from musegl_core.checkpoint.config import TextConfig
 from musegl_core.checkpoint.hf_reader import CENTERED_NORMS, text_weight_names
 from musegl_core.checkpoint.stored import StoredTensor
-from musegl_cuda.cpu.attention import attention_rows, dequantized_attention_rows
+from musegl_cuda.cpu.attention import RowKeys, attention_rows, dequantized_attention_rows
 from musegl_cuda.cpu.greedy import capped_argmax
 from musegl_cuda.cuda.dense_attention import DenseKeys, dense_gated_attention
 from musegl_cuda.cpu.stored_matrix import DenseMatrix, HalfRows, StoredGroup, StoredMatrix, stored_matrix
@@ -196,6 +196,9 @@ class AttentionBatch:
     sequences: list[SequenceAttention] = attrs.field(factory=list)
     decode: DecodeAttention | None = None
     half: HalfRows | None = None  # stored mode: rows whose products may run in float16 arithmetic
+    #: stored mode, a decode step: each row's keys (:meth:`~musegl_cuda.cpu.attention.RowKeys.of_decode`),
+    #: in place of ``sequences``
+    keys: RowKeys | None = None
 
 
 @attrs.define
