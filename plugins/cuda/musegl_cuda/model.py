@@ -268,15 +268,18 @@ class Attention(nn.Module):
             k = qkvg[:, nq:nq + nkv].reshape(rows, self.num_kv_heads, self.head_dim)
             v = qkvg[:, nq + nkv:nq + 2 * nkv].reshape(rows, self.num_kv_heads, self.head_dim)
             gate = qkvg[:, nq + 2 * nkv:]
+            if self.qkvg_stored is not None:  # the CPU: q and k side by side, normed and rotated in one pass
+                q, k = self._qk_norm_rope(qkvg[:, :nq + nkv], rope)
         else:
             q = self.q_proj(a).view(rows, self.num_heads, self.head_dim)
             k = self.k_proj(a).view(rows, self.num_kv_heads, self.head_dim)
             v = self.v_proj(a).view(rows, self.num_kv_heads, self.head_dim)
             gate = None
-        q = plain_rms_norm(q, self.eps) * self.qk_scale
-        k = plain_rms_norm(k, self.eps)
-        if self.use_rope:
-            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        if self.qkvg_stored is None:
+            q = plain_rms_norm(q, self.eps) * self.qk_scale
+            k = plain_rms_norm(k, self.eps)
+            if self.use_rope:
+                q, k = apply_rope(q, *rope), apply_rope(k, *rope)
 
         # The cache is (blocks, block_size, kv_heads, head_dim); write this step's rows first,
         # so a chunk reads its own keys and everything earlier steps wrote.
@@ -307,6 +310,19 @@ class Attention(nn.Module):
         y = y.reshape(rows, -1) * torch.sigmoid(self.gate_proj(a) if gate is None else gate)
         return self.o_proj(y, batch.half)
 
+
+    def _qk_norm_rope(self, qk: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q and k from ``qk (rows, (heads + kv_heads) * head_dim)``, the q then k columns of the
+        q/k/v/gate product: the QK norm (each head over its own values), ``×qk_scale_factor``
+        on q, RoPE, as :meth:`forward` does them on q and k apart (the same values: the norm is
+        per head and the rest elementwise), in one pass of each op over both."""
+        heads = self.num_heads
+        x = plain_rms_norm(qk.reshape(qk.shape[0], heads + self.num_kv_heads, self.head_dim), self.eps)
+        x[:, :heads].mul_(self.qk_scale)
+        if self.use_rope:
+            x = apply_rope(x, *rope)
+        return x[:, :heads], x[:, heads:]
 
     def _decode_attention(self, q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor,
                           decode: DecodeAttention) -> torch.Tensor:
