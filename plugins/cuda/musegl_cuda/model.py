@@ -744,9 +744,10 @@ class MuseGlimmerDecoder(nn.Module):
         cap = self.config.final_logit_softcapping
         if normed.is_cuda or cap is None:
             return torch.argmax(self.logits(normed), dim=-1)
-        z = self.head_product(normed).mul_(self.config.output_multiplier).div_(cap)  # as logits() does
-        ids = capped_argmax(z, cap)
-        return torch.argmax(z.tanh_().mul_(cap), dim=-1) if ids is None else ids
+        z = self.head_product(normed)
+        multiplier = self.config.output_multiplier
+        ids = capped_argmax(z, multiplier, cap)
+        return torch.argmax(z.mul_(multiplier).div_(cap).tanh_().mul_(cap), dim=-1) if ids is None else ids  # as logits()
 
     def logits(self, normed: torch.Tensor) -> torch.Tensor:
         """Softcapped logits (float32) of final-normed rows: ``×mult, ÷cap, tanh, ×cap``."""
