@@ -39,6 +39,7 @@ from musegl_core.checkpoint.config import TextConfig
 from musegl_core.checkpoint.hf_reader import CENTERED_NORMS, text_weight_names
 from musegl_core.checkpoint.stored import StoredTensor
 from musegl_cuda.cpu.attention import RowKeys, attention_rows, dequantized_attention_rows
+from musegl_cuda.cpu import row_norms
 from musegl_cuda.cpu.greedy import capped_argmax
 from musegl_cuda.cuda.dense_attention import DenseKeys, dense_gated_attention
 from musegl_cuda.cpu.stored_matrix import DenseMatrix, HalfRows, StoredGroup, StoredMatrix, stored_matrix
@@ -59,6 +60,12 @@ def plain_rms_norm(x: torch.Tensor, eps: float, weight: torch.Tensor | None = No
     if weight is not None:
         out = out * weight
     return out.type_as(x)
+
+
+#: Stored mode: steps of up to this many rows run the norms and residual adds in C
+#: (:mod:`musegl_cuda.cpu.row_norms`: one call where torch dispatches seven ops; one thread,
+#: so wider steps keep torch's threaded ops).
+C_NORM_ROWS = 64
 
 
 class CenteredRMSNorm(nn.Module):
@@ -256,6 +263,8 @@ class Attention(nn.Module):
         #: ``--kv-cache-dtype fp8``: this layer's ``(2, kv_heads)`` float32 K and V scales (the
         #: executor's, set with its cache; :mod:`musegl_cuda.kv_fp8`); None: K/V kept as computed
         self.kv_scales: torch.Tensor | None = None
+        #: stored mode: the C norms for rows of ``head_dim`` (:mod:`musegl_cuda.cpu.row_norms`); None: torch's
+        self.head_norms: row_norms.RowNorms | None = None
 
     def forward(self, a: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], batch: AttentionBatch,
                 k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
@@ -318,7 +327,11 @@ class Attention(nn.Module):
         on q, RoPE, as :meth:`forward` does them on q and k apart (the same values: the norm is
         per head and the rest elementwise), in one pass of each op over both."""
         heads = self.num_heads
-        x = plain_rms_norm(qk.reshape(qk.shape[0], heads + self.num_kv_heads, self.head_dim), self.eps)
+        x = qk.reshape(qk.shape[0], heads + self.num_kv_heads, self.head_dim)
+        if self.head_norms is not None and qk.shape[0] <= C_NORM_ROWS:
+            x = self.head_norms.norm(x, None, self.eps)
+        else:
+            x = plain_rms_norm(x, self.eps)
         x[:, :heads].mul_(self.qk_scale)
         if self.use_rope:
             x = apply_rope(x, *rope)
@@ -398,9 +411,20 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = CenteredRMSNorm(h, config.post_norm_eps, device)
         self.pre_feedforward_layernorm = CenteredRMSNorm(h, config.rms_norm_eps, device)
         self.post_feedforward_layernorm = CenteredRMSNorm(h, config.post_norm_eps, device)
+        #: stored mode without tensor parallelism: the norms and residual adds of steps of up to
+        #: :data:`C_NORM_ROWS` rows in C (:mod:`musegl_cuda.cpu.row_norms`, torch's bits); None: torch's ops
+        self.norms: row_norms.RowNorms | None = None
 
     def forward(self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], batch: AttentionBatch,
                 k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        norms = self.norms
+        if norms is not None and h.shape[0] <= C_NORM_ROWS:
+            first = self.input_layernorm
+            o = self.self_attn(norms.norm(h, first.scale, first.eps), rope, batch, k_cache, v_cache)
+            post, pre = self.post_attention_layernorm, self.pre_feedforward_layernorm
+            h, x = norms.add_norm(o, h, post.scale, post.eps, pre.scale, pre.eps)
+            post = self.post_feedforward_layernorm
+            return norms.add_norm(self.mlp(x, batch.half), h, post.scale, post.eps, None, 0.0)[0]
         o = self.shard.reduce(self.self_attn(self.input_layernorm(h), rope, batch, k_cache, v_cache))
         h = h + self.post_attention_layernorm(o)
         m = self.shard.reduce(self.mlp(self.pre_feedforward_layernorm(h), batch.half))
@@ -441,6 +465,7 @@ class MuseGlimmerDecoder(nn.Module):
         self.lm_head = Linear(h, vocab, dtype, wdev)
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, device)
         self._pending: dict[str, StoredMatrix | DenseMatrix] = {}
+        self.norms: row_norms.RowNorms | None = None  # stored mode: the C norms (see DecoderLayer.norms)
 
     # -- loading --------------------------------------------------------------
 
@@ -504,10 +529,14 @@ class MuseGlimmerDecoder(nn.Module):
         """Put the matrices of :meth:`load_stored` in place (q/k/v/gate and gate/up
         stacked where their dtypes agree); returns the weight bytes per stored dtype."""
         self.embed_stored, self.lm_head.stored, layers = self._take_pending()
+        single = self.shard.plan.size == 1  # (the C norms leave out the ranks' sums)
+        self.norms = row_norms.for_width(self.config.hidden_size) if single else None
+        head_norms = row_norms.for_width(self.local.head_dim)
         for layer, (qkvg, o, gate_up, down) in zip(self.layers, layers):
             attn, mlp = layer.self_attn, layer.mlp
             attn.qkvg_stored, attn.o_proj.stored = StoredGroup(qkvg), o
             mlp.gate_up_stored, mlp.down_proj.stored = StoredGroup(gate_up), down
+            layer.norms, attn.head_norms = self.norms, head_norms
         return self.stored_bytes()
 
     def _take_pending(self):
@@ -661,7 +690,9 @@ class MuseGlimmerDecoder(nn.Module):
         is non-empty, the input residual of each tapped layer stacked as
         ``(len(taps), rows, H)`` (tap ``num_layers`` is the last layer's output).
         """
-        h = self.embed(tokens)
+        norms = self.norms if tokens.shape[0] <= C_NORM_ROWS else None
+        h = self.embed(tokens) if norms is None else norms.norm(self.embedding_rows(tokens),
+                                                                None, self.config.rms_norm_eps)
         if embeds is not None:
             h = h.index_copy(0, embeds[0], embeds[1].to(h.dtype))
         rope = self.rotary(positions, h.dtype)
@@ -673,6 +704,8 @@ class MuseGlimmerDecoder(nn.Module):
         if len(self.layers) in taps:
             tapped[len(self.layers)] = h
         hidden = torch.stack([tapped[t] for t in taps]) if taps else None
+        if norms is not None:
+            return norms.norm(h, self.norm, self.config.rms_norm_eps), hidden
         return plain_rms_norm(h, self.config.rms_norm_eps, self.norm), hidden
 
     def forward_paged(self, tokens: torch.Tensor, positions: torch.Tensor, meta: PagedMeta | list[PagedMeta],
