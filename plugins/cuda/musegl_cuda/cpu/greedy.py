@@ -60,10 +60,17 @@ def capped_argmax(z: torch.Tensor, multiplier: float, cap: float) -> torch.Tenso
     capped: dict[int, list[float]] = {}  # block -> the chain's values of its entries
     ids = []
     for r in range(rows):
-        bound = _threshold(float(values[r].max()), multiplier, cap)
+        row = values[r]
+        top = int(row.argmax())  # the first largest (a NaN's index where the row has one)
+        bound = _threshold(float(row[top]), multiplier, cap)
         if bound is None:
             return None
-        found = np.flatnonzero(values[r] >= np.float32(bound))
+        runner_up = max(float(row[:top].max()) if top else -math.inf,
+                        float(row[top + 1:].max()) if top + 1 < vocab else -math.inf)
+        if runner_up < bound:  # the usual case: no other candidate, the largest raw logit's id
+            ids.append(top)
+            continue
+        found = np.flatnonzero(row >= np.float32(bound))
         if found.size > MAX_CANDIDATES:
             return None
         best, best_id = -math.inf, -1
