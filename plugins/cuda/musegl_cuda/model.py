@@ -328,10 +328,10 @@ class Attention(nn.Module):
         per head and the rest elementwise), in one pass of each op over both."""
         heads = self.num_heads
         x = qk.reshape(qk.shape[0], heads + self.num_kv_heads, self.head_dim)
-        if self.head_norms is not None and qk.shape[0] <= C_NORM_ROWS:
-            x = self.head_norms.norm(x, None, self.eps)
-        else:
-            x = plain_rms_norm(x, self.eps)
+        if self.head_norms is not None and qk.shape[0] <= C_NORM_ROWS:  # in one C call (cpu.row_norms)
+            x = self.head_norms.qk_norm_rope(x, heads, self.eps, self.qk_scale, rope if self.use_rope else None)
+            return x[:, :heads], x[:, heads:]
+        x = plain_rms_norm(x, self.eps)
         x[:, :heads].mul_(self.qk_scale)
         if self.use_rope:
             x = apply_rope(x, *rope)

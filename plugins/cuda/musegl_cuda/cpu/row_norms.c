@@ -100,3 +100,35 @@ int rn_add_norm(const float *o, const float *h, int64_t rows, int64_t n, const f
     }
     return 0;
 }
+
+/* The QK norm, q's scale and RoPE of a step's q and k, as musegl_cuda/model.py's
+ * Attention._qk_norm_rope does them in torch: `qk` holds `rows` rows of (heads + kv_heads)
+ * heads of hd values (contiguous); each head is normed without a weight (x * r), the first
+ * `heads` of a row then multiplied by `q_scale`, then, when `cos` is not NULL, rotated with
+ * the row's cos/sin (rows x hd): out = y * cos + rotate_half(y) * sin, rotate_half(y) being
+ * (-y[hd/2:], y[:hd/2]). Each product and sum rounded to float32 in that order. */
+int rn_qk_norm_rope(const float *qk, int64_t rows, int64_t heads, int64_t kv_heads, int64_t hd, float eps,
+                    float q_scale, const float *cos, const float *sin, float *out, float *scratch, int lanes) {
+    if (!rn_supported(hd, lanes) || hd % 2) return -1;
+    const int64_t per_row = heads + kv_heads, half = hd / 2;
+    for (int64_t r = 0; r < rows; ++r)
+        for (int64_t j = 0; j < per_row; ++j) {
+            const float *x = qk + (r * per_row + j) * hd;
+            float *y = out + (r * per_row + j) * hd;
+            float ms = sum_of_squares(x, hd, lanes) / (float)hd;
+            float inv = 1.0f / sqrtf(ms + eps);
+            float *t = cos ? scratch : y;
+            for (int64_t i = 0; i < hd; ++i) t[i] = x[i] * inv;
+            if (j < heads)
+                for (int64_t i = 0; i < hd; ++i) t[i] = t[i] * q_scale;
+            if (!cos) continue;
+            const float *c = cos + r * hd, *s = sin + r * hd;
+            for (int64_t i = 0; i < hd; ++i) {
+                float rot = i < half ? -t[i + half] : t[i - half];
+                float a = t[i] * c[i];
+                float b = rot * s[i];
+                y[i] = a + b;
+            }
+        }
+    return 0;
+}

@@ -50,6 +50,8 @@ def _load() -> ctypes.CDLL | None:
             lib.rn_norm.restype = i32
             lib.rn_add_norm.argtypes = [p, p, i64, i64, p, f32, p, f32, p, p, p, i32]
             lib.rn_add_norm.restype = i32
+            lib.rn_qk_norm_rope.argtypes = [p, i64, i64, i64, i64, f32, f32, p, p, p, p, i32]
+            lib.rn_qk_norm_rope.restype = i32
         _lib = lib
     return _lib
 
@@ -86,6 +88,24 @@ class RowNorms:
         return h_out, x_out
 
 
+    def qk_norm_rope(self, qk: torch.Tensor, heads: int, eps: float, q_scale: float,
+                     rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        """``Attention._qk_norm_rope`` of :mod:`musegl_cuda.model` in one call: ``qk (rows,
+        heads + kv_heads, width)`` normed per head, q's heads times ``q_scale``, rotated with
+        ``rope`` (``(cos, sin)``, each ``(rows, width)``; None: no RoPE). A new tensor."""
+        qk = qk.contiguous()
+        rows, total, _ = qk.shape
+        out = torch.empty_like(qk)
+        cos = sin = None
+        if rope is not None:
+            cos, sin = (t.contiguous() for t in rope)
+        scratch = torch.empty(self.width, dtype=torch.float32)
+        self.lib.rn_qk_norm_rope(qk.data_ptr(), rows, heads, total - heads, self.width, eps, q_scale,
+                                 None if cos is None else cos.data_ptr(), None if sin is None else sin.data_ptr(),
+                                 out.data_ptr(), scratch.data_ptr(), self.lanes)
+        return out
+
+
 def _torch_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, centered: bool) -> torch.Tensor:
     """The torch expressions of musegl_cuda.model (CenteredRMSNorm, plain_rms_norm with a weight)."""
     if centered:
@@ -113,6 +133,19 @@ def _agrees(norms: RowNorms) -> bool:
             want_h = x + _torch_norm(o, w, eps, True)
             if not (torch.equal(h_out, want_h) and torch.equal(x_out, _torch_norm(want_h, w2, eps, True))):
                 return False
+    if n % 2 == 0:  # the QK norm with RoPE (n: a head's width), as model.Attention._qk_norm_rope in torch
+        from musegl_cuda.model import apply_rope, plain_rms_norm
+
+        for rows in (1, 3):
+            qk = torch.randn(rows, 6, n, generator=g) * 4
+            cos, sin = torch.randn(rows, n, generator=g), torch.randn(rows, n, generator=g)
+            for rope in ((cos, sin), None):
+                want = plain_rms_norm(qk, 1e-6)
+                want[:, :4].mul_(0.37)
+                if rope is not None:
+                    want = apply_rope(want, *rope)
+                if not torch.equal(norms.qk_norm_rope(qk, 4, 1e-6, 0.37, rope), want):
+                    return False
     return True
 
 
