@@ -354,6 +354,7 @@ class TorchExecutor:
         self._drafted: DraftRows | None = None  # the launch's device-draft blocks, until judged
         self._unresolved: collections.deque[Launched] = collections.deque()  # launches not read yet
         self._profiler = StepProfiler.from_env()  # benchmark only (MUSEGL_BENCHMARK_PROFILE)
+        self._views: tuple[torch.Tensor, list] | None = None  # the CPU path's per-layer cache views (_layer_views)
 
     # -- KV storage ------------------------------------------------------------
 
@@ -417,6 +418,7 @@ class TorchExecutor:
         c = self.config
         extra = 1 if self.paged or self.page_groups is not None else 0
         places = c.num_layers if self.page_groups is None else self.page_groups.places
+        self._views = None
         self.kv = torch.zeros(places, 2, num_blocks + extra, self.block_size, c.num_kv_heads, c.head_dim,
                               dtype=self.kv_dtype, device=self.device)
         self.num_blocks = num_blocks
@@ -683,12 +685,21 @@ class TorchExecutor:
         starts = list(range(len(step.chunks))) if decode else [seq.rows.start for seq in batch.sequences]
         self._place_drafts(step, starts, token_ids)
         embeds = self._embedding_rows(step, starts)
-        if self.page_groups is None:
-            layers_kv = [(kv[i, 0], kv[i, 1]) for i in range(self.config.num_layers)]
-        else:
-            layers_kv = [(kv[j, 0], kv[j, 1]) for _, j in self.page_groups.layers]
+        layers_kv = self._layer_views(kv)
         normed, hidden = self.model(token_ids, positions, layers_batch, layers_kv, tuple(step.taps), embeds)
         return normed, hidden, starts
+
+    def _layer_views(self, kv: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each layer's (K, V) views of the cache ``kv`` (with sliding pages, its place in its
+        group's pages), made once per cache tensor."""
+        cached = self._views
+        if cached is None or cached[0] is not kv:
+            if self.page_groups is None:
+                views = [(kv[i, 0], kv[i, 1]) for i in range(self.config.num_layers)]
+            else:
+                views = [(kv[j, 0], kv[j, 1]) for _, j in self.page_groups.layers]
+            cached = self._views = (kv, views)
+        return cached[1]
 
     def _eager_outputs(self, step: Step, kv: torch.Tensor) -> Launched:
         """The CPU path's step: :meth:`_run_eager`, then the head and the sampler
@@ -924,6 +935,7 @@ class TorchExecutor:
         self.graphs = None
         self.samplers = None
         self.kv = None
+        self._views = None
         if self.host_pages is not None:
             self.host_pages.settle()
             self.host_pages = None

@@ -268,27 +268,25 @@ class Attention(nn.Module):
 
     def forward(self, a: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], batch: AttentionBatch,
                 k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        if self.qkvg_stored is not None:
+            return self._forward_stored(a, rope, batch, k_cache, v_cache)
         rows = a.shape[0]
-        if self.qkvg_stored is not None or self.qkvg_matrix is not None:
+        if self.qkvg_matrix is not None:
             nq, nkv = self.q_rows, self.kv_rows
-            qkvg = (self.qkvg_stored.matmul(a, batch.half) if self.qkvg_stored is not None
-                    else self.qkvg_matrix.matmul(a))
+            qkvg = self.qkvg_matrix.matmul(a)
             q = qkvg[:, :nq].reshape(rows, self.num_heads, self.head_dim)
             k = qkvg[:, nq:nq + nkv].reshape(rows, self.num_kv_heads, self.head_dim)
             v = qkvg[:, nq + nkv:nq + 2 * nkv].reshape(rows, self.num_kv_heads, self.head_dim)
             gate = qkvg[:, nq + 2 * nkv:]
-            if self.qkvg_stored is not None:  # the CPU: q and k side by side, normed and rotated in one pass
-                q, k = self._qk_norm_rope(qkvg[:, :nq + nkv], rope)
         else:
             q = self.q_proj(a).view(rows, self.num_heads, self.head_dim)
             k = self.k_proj(a).view(rows, self.num_kv_heads, self.head_dim)
             v = self.v_proj(a).view(rows, self.num_kv_heads, self.head_dim)
             gate = None
-        if self.qkvg_stored is None:
-            q = plain_rms_norm(q, self.eps) * self.qk_scale
-            k = plain_rms_norm(k, self.eps)
-            if self.use_rope:
-                q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        q = plain_rms_norm(q, self.eps) * self.qk_scale
+        k = plain_rms_norm(k, self.eps)
+        if self.use_rope:
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
 
         # The cache is (blocks, block_size, kv_heads, head_dim); write this step's rows first,
         # so a chunk reads its own keys and everything earlier steps wrote.
@@ -298,13 +296,6 @@ class Attention(nn.Module):
         write_rows(k_flat, batch.write_slots, k, ks)  # FP8: quantized with the layer's scales
         write_rows(v_flat, batch.write_slots, v, vs)
 
-        if self.qkvg_stored is not None:  # stored mode: each row's attention from its own keys (cpu.attention)
-            if ks is not None:
-                y = dequantized_attention_rows(q, k_flat, v_flat, ks, vs, batch, self.window, self.scaling,
-                                               self.qkvg_stored.kernels)
-            else:
-                y = attention_rows(q, k_flat, v_flat, batch, self.window, self.scaling, self.qkvg_stored.kernels)
-            return self.o_proj(y.reshape(rows, -1) * torch.sigmoid(gate), batch.half)
         if batch.decode is not None:
             y = self._decode_attention(q, k_flat, v_flat, batch.decode)
             y = y.reshape(rows, -1) * torch.sigmoid(self.gate_proj(a) if gate is None else gate)
@@ -319,6 +310,32 @@ class Attention(nn.Module):
         y = y.reshape(rows, -1) * torch.sigmoid(self.gate_proj(a) if gate is None else gate)
         return self.o_proj(y, batch.half)
 
+
+    def _forward_stored(self, a: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], batch: AttentionBatch,
+                        k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        """:meth:`forward` in stored mode (the CPU): one product for q/k/v/gate, q and k normed
+        and rotated together (:meth:`_qk_norm_rope`), each row's attention from its own keys
+        (:mod:`musegl_cuda.cpu.attention`)."""
+        rows, hd, kvh = a.shape[0], self.head_dim, self.num_kv_heads
+        nq, nkv = self.q_rows, self.kv_rows
+        qkvg = self.qkvg_stored.matmul(a, batch.half)
+        q, k = self._qk_norm_rope(qkvg[:, :nq + nkv], rope)
+        v = qkvg[:, nq + nkv:nq + 2 * nkv].reshape(rows, kvh, hd)
+        # The cache is (blocks, block_size, kv_heads, head_dim); write this step's rows first,
+        # so a chunk reads its own keys and everything earlier steps wrote.
+        k_flat, v_flat = k_cache.view(-1, kvh, hd), v_cache.view(-1, kvh, hd)
+        if self.kv_scales is None:
+            write_rows(k_flat, batch.write_slots, k, None)
+            write_rows(v_flat, batch.write_slots, v, None)
+            y = attention_rows(q, k_flat, v_flat, batch, self.window, self.scaling, self.qkvg_stored.kernels)
+        else:  # FP8: quantized with the layer's scales
+            ks, vs = self.kv_scales[0], self.kv_scales[1]
+            write_rows(k_flat, batch.write_slots, k, ks)
+            write_rows(v_flat, batch.write_slots, v, vs)
+            y = dequantized_attention_rows(q, k_flat, v_flat, ks, vs, batch, self.window, self.scaling,
+                                           self.qkvg_stored.kernels)
+        y = y.reshape(rows, -1).mul_(torch.sigmoid(qkvg[:, nq + 2 * nkv:]))  # (a fresh tensor: in place)
+        return self.o_proj.stored.matmul(y, batch.half)
 
     def _qk_norm_rope(self, qk: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
                       ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -390,7 +407,7 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor, half: HalfRows | None = None) -> torch.Tensor:
         if self.gate_up_stored is not None:
             gu = self.gate_up_stored.matmul(x, half)
-            return self.down_proj(F.silu(gu[:, :self.ffn]) * gu[:, self.ffn:], half)
+            return self.down_proj.stored.matmul(F.silu(gu[:, :self.ffn]).mul_(gu[:, self.ffn:]), half)
         if self.gate_up_matrix is not None:
             gu = self.gate_up_matrix.matmul(x)
             return self.down_proj(F.silu(gu[:, :self.ffn]) * gu[:, self.ffn:])
