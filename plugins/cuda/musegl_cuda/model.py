@@ -319,19 +319,30 @@ class Attention(nn.Module):
         rows, hd, kvh = a.shape[0], self.head_dim, self.num_kv_heads
         nq, nkv = self.q_rows, self.kv_rows
         qkvg = self.qkvg_stored.matmul(a, batch.half)
-        q, k = self._qk_norm_rope(qkvg[:, :nq + nkv], rope)
-        v = qkvg[:, nq + nkv:nq + 2 * nkv].reshape(rows, kvh, hd)
+        v = qkvg[:, nq + nkv:nq + 2 * nkv]
         # The cache is (blocks, block_size, kv_heads, head_dim); write this step's rows first,
         # so a chunk reads its own keys and everything earlier steps wrote.
         k_flat, v_flat = k_cache.view(-1, kvh, hd), v_cache.view(-1, kvh, hd)
-        if self.kv_scales is None:
+        stored = None
+        if (self.kv_scales is None and self.head_norms is not None and rows <= C_NORM_ROWS
+                and k_flat.dtype == v_flat.dtype == torch.float32):  # normed, rotated and stored in one C call
+            stored = self.head_norms.qk_norm_rope(qkvg[:, :nq + nkv].reshape(rows, self.num_heads + kvh, hd),
+                                                  self.num_heads, self.eps, self.qk_scale,
+                                                  rope if self.use_rope else None,
+                                                  (k_flat, v_flat, batch.write_slots, v))
+        if stored is not None:
+            q = stored[:, :self.num_heads]
+            y = attention_rows(q, k_flat, v_flat, batch, self.window, self.scaling, self.qkvg_stored.kernels)
+        elif self.kv_scales is None:
+            q, k = self._qk_norm_rope(qkvg[:, :nq + nkv], rope)
             write_rows(k_flat, batch.write_slots, k, None)
-            write_rows(v_flat, batch.write_slots, v, None)
+            write_rows(v_flat, batch.write_slots, v.reshape(rows, kvh, hd), None)
             y = attention_rows(q, k_flat, v_flat, batch, self.window, self.scaling, self.qkvg_stored.kernels)
         else:  # FP8: quantized with the layer's scales
+            q, k = self._qk_norm_rope(qkvg[:, :nq + nkv], rope)
             ks, vs = self.kv_scales[0], self.kv_scales[1]
             write_rows(k_flat, batch.write_slots, k, ks)
-            write_rows(v_flat, batch.write_slots, v, vs)
+            write_rows(v_flat, batch.write_slots, v.reshape(rows, kvh, hd), vs)
             y = dequantized_attention_rows(q, k_flat, v_flat, ks, vs, batch, self.window, self.scaling,
                                            self.qkvg_stored.kernels)
         y = y.reshape(rows, -1).mul_(torch.sigmoid(qkvg[:, nq + 2 * nkv:]))  # (a fresh tensor: in place)

@@ -79,3 +79,29 @@ def test_stored_executor_with_c_norms_gives_torch_ops_bits(tmp_path):
 
     for a, b in zip(run(True), run(False)):
         assert torch.equal(a, b)
+
+
+def test_qk_norm_rope_stores_k_and_v_as_index_copy_does():
+    from musegl_cuda.model import apply_rope, plain_rms_norm
+
+    norms = row_norms.for_width(32)
+    g = torch.Generator().manual_seed(9)
+    rows, heads, kvh = 3, 4, 2
+    qkvg = torch.randn(rows, (2 * heads + 2 * kvh) * 32, generator=g)
+    qk = qkvg[:, :(heads + kvh) * 32].reshape(rows, heads + kvh, 32)
+    v = qkvg[:, (heads + kvh) * 32:(heads + 2 * kvh) * 32]
+    cos, sin = torch.randn(rows, 32, generator=g), torch.randn(rows, 32, generator=g)
+    k_cache, v_cache = torch.zeros(20, kvh, 32), torch.zeros(20, kvh, 32)
+    slots = torch.tensor([7, 0, 19])
+    out = norms.qk_norm_rope(qk, heads, 1e-6, 0.5, (cos, sin), (k_cache, v_cache, slots, v))
+    want = plain_rms_norm(qk, 1e-6)
+    want[:, :heads].mul_(0.5)
+    want = apply_rope(want, cos, sin)
+    assert torch.equal(out, want)
+    k_want, v_want = torch.zeros(20, kvh, 32), torch.zeros(20, kvh, 32)
+    k_want.index_copy_(0, slots, want[:, heads:])
+    v_want.index_copy_(0, slots, v.reshape(rows, kvh, 32))
+    assert torch.equal(k_cache, k_want) and torch.equal(v_cache, v_want)
+    before = k_cache.clone()
+    assert norms.qk_norm_rope(qk, heads, 1e-6, 0.5, (cos, sin), (k_cache, v_cache, torch.tensor([1, 20, 2]), v)) is None
+    assert torch.equal(k_cache, before)  # a slot outside the cache: nothing written

@@ -106,11 +106,20 @@ int rn_add_norm(const float *o, const float *h, int64_t rows, int64_t n, const f
  * heads of hd values (contiguous); each head is normed without a weight (x * r), the first
  * `heads` of a row then multiplied by `q_scale`, then, when `cos` is not NULL, rotated with
  * the row's cos/sin (rows x hd): out = y * cos + rotate_half(y) * sin, rotate_half(y) being
- * (-y[hd/2:], y[:hd/2]). Each product and sum rounded to float32 in that order. */
+ * (-y[hd/2:], y[:hd/2]). Each product and sum rounded to float32 in that order.
+ * With `k_cache` (not NULL) the step's K/V rows are stored too, as torch's index_copy_ would:
+ * row r's k heads (out's) and its v (`v` + r * v_stride, kv_heads * hd values) at slot
+ * `slots[r]` of the flat caches (cache_slots slots of kv_heads * hd floats); a slot outside
+ * them returns -2 before anything is written. */
 int rn_qk_norm_rope(const float *qk, int64_t rows, int64_t heads, int64_t kv_heads, int64_t hd, float eps,
-                    float q_scale, const float *cos, const float *sin, float *out, float *scratch, int lanes) {
+                    float q_scale, const float *cos, const float *sin, float *out, float *scratch, int lanes,
+                    float *k_cache, float *v_cache, const int64_t *slots, int64_t cache_slots, const float *v,
+                    int64_t v_stride) {
     if (!rn_supported(hd, lanes) || hd % 2) return -1;
-    const int64_t per_row = heads + kv_heads, half = hd / 2;
+    const int64_t per_row = heads + kv_heads, half = hd / 2, kv = kv_heads * hd;
+    if (k_cache)
+        for (int64_t r = 0; r < rows; ++r)
+            if (slots[r] < 0 || slots[r] >= cache_slots) return -2;
     for (int64_t r = 0; r < rows; ++r)
         for (int64_t j = 0; j < per_row; ++j) {
             const float *x = qk + (r * per_row + j) * hd;
@@ -129,6 +138,11 @@ int rn_qk_norm_rope(const float *qk, int64_t rows, int64_t heads, int64_t kv_hea
                 float b = rot * s[i];
                 y[i] = a + b;
             }
+        }
+    if (k_cache)
+        for (int64_t r = 0; r < rows; ++r) {
+            memcpy(k_cache + slots[r] * kv, out + (r * per_row + heads) * hd, kv * sizeof(float));
+            memcpy(v_cache + slots[r] * kv, v + r * v_stride, kv * sizeof(float));
         }
     return 0;
 }

@@ -50,7 +50,7 @@ def _load() -> ctypes.CDLL | None:
             lib.rn_norm.restype = i32
             lib.rn_add_norm.argtypes = [p, p, i64, i64, p, f32, p, f32, p, p, p, i32]
             lib.rn_add_norm.restype = i32
-            lib.rn_qk_norm_rope.argtypes = [p, i64, i64, i64, i64, f32, f32, p, p, p, p, i32]
+            lib.rn_qk_norm_rope.argtypes = [p, i64, i64, i64, i64, f32, f32, p, p, p, p, i32, p, p, p, i64, p, i64]
             lib.rn_qk_norm_rope.restype = i32
         _lib = lib
     return _lib
@@ -89,10 +89,14 @@ class RowNorms:
 
 
     def qk_norm_rope(self, qk: torch.Tensor, heads: int, eps: float, q_scale: float,
-                     rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+                     rope: tuple[torch.Tensor, torch.Tensor] | None, store=None) -> torch.Tensor | None:
         """``Attention._qk_norm_rope`` of :mod:`musegl_cuda.model` in one call: ``qk (rows,
         heads + kv_heads, width)`` normed per head, q's heads times ``q_scale``, rotated with
-        ``rope`` (``(cos, sin)``, each ``(rows, width)``; None: no RoPE). A new tensor."""
+        ``rope`` (``(cos, sin)``, each ``(rows, width)``; None: no RoPE). A new tensor.
+        ``store``: ``(k_flat, v_flat, slots, v)``, the flat float32 caches ``(slots, kv_heads,
+        width)``, the int64 slot of each row and its V ``(rows, kv_heads * width)`` (rows
+        contiguous): each row's K (from the result) and V are stored at its slot, as
+        ``index_copy_`` does; None (nothing stored) where a slot lies outside the caches."""
         qk = qk.contiguous()
         rows, total, _ = qk.shape
         out = torch.empty_like(qk)
@@ -100,10 +104,18 @@ class RowNorms:
         if rope is not None:
             cos, sin = (t.contiguous() for t in rope)
         scratch = torch.empty(self.width, dtype=torch.float32)
-        self.lib.rn_qk_norm_rope(qk.data_ptr(), rows, heads, total - heads, self.width, eps, q_scale,
-                                 None if cos is None else cos.data_ptr(), None if sin is None else sin.data_ptr(),
-                                 out.data_ptr(), scratch.data_ptr(), self.lanes)
-        return out
+        k_ptr = v_ptr = slot_ptr = v_src = None
+        cache_slots = v_stride = 0
+        if store is not None:
+            k_flat, v_flat, slots, v = store
+            slots = slots.to(torch.int64).contiguous()
+            k_ptr, v_ptr, slot_ptr, v_src = k_flat.data_ptr(), v_flat.data_ptr(), slots.data_ptr(), v.data_ptr()
+            cache_slots, v_stride = k_flat.shape[0], v.stride(0)
+        failed = self.lib.rn_qk_norm_rope(qk.data_ptr(), rows, heads, total - heads, self.width, eps, q_scale,
+                                          None if cos is None else cos.data_ptr(),
+                                          None if sin is None else sin.data_ptr(), out.data_ptr(), scratch.data_ptr(),
+                                          self.lanes, k_ptr, v_ptr, slot_ptr, cache_slots, v_src, v_stride)
+        return None if failed else out
 
 
 def _torch_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, centered: bool) -> torch.Tensor:
