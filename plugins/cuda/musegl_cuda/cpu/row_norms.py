@@ -119,7 +119,9 @@ class RowNorms:
 
 
 def _torch_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, centered: bool) -> torch.Tensor:
-    """The torch expressions of musegl_cuda.model (CenteredRMSNorm, plain_rms_norm with a weight)."""
+    """The torch expressions of musegl_cuda.model (CenteredRMSNorm, plain_rms_norm with a weight;
+    written here, not imported: the model imports this module; test_row_norms.py checks the C
+    norms against the model's own functions too)."""
     if centered:
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
     return x * torch.pow(x.pow(2).mean(-1, keepdim=True) + eps, -0.5) * weight
@@ -146,16 +148,15 @@ def _agrees(norms: RowNorms) -> bool:
             if not (torch.equal(h_out, want_h) and torch.equal(x_out, _torch_norm(want_h, w2, eps, True))):
                 return False
     if n % 2 == 0:  # the QK norm with RoPE (n: a head's width), as model.Attention._qk_norm_rope in torch
-        from musegl_cuda.model import apply_rope, plain_rms_norm
-
         for rows in (1, 3):
             qk = torch.randn(rows, 6, n, generator=g) * 4
             cos, sin = torch.randn(rows, n, generator=g), torch.randn(rows, n, generator=g)
             for rope in ((cos, sin), None):
-                want = plain_rms_norm(qk, 1e-6)
+                want = qk * torch.pow(qk.pow(2).mean(-1, keepdim=True) + 1e-6, -0.5)  # model.plain_rms_norm
                 want[:, :4].mul_(0.37)
-                if rope is not None:
-                    want = apply_rope(want, *rope)
+                if rope is not None:  # model.apply_rope
+                    rotated = torch.cat((-want[..., n // 2:], want[..., :n // 2]), dim=-1)
+                    want = want * rope[0][:, None, :] + rotated * rope[1][:, None, :]
                 if not torch.equal(norms.qk_norm_rope(qk, 4, 1e-6, 0.37, rope), want):
                     return False
     return True
