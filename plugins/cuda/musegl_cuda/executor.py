@@ -50,11 +50,12 @@ from musegl_core.engine.memory import available_ram
 from musegl_core.engine.sample_rows import SampleRows
 from musegl_core.engine.kv_dtype import kv_position_bytes
 from musegl_core.engine.step_checks import check_positions, check_taps, check_tokens, kv_allocated, table_of
+from musegl_cuda.cpu.attention import RowKeys
 from musegl_cuda.cpu.stored_matrix import HalfRows
 from musegl_cuda.drafts import DraftRows
 from musegl_cuda import kv_fp8
 from musegl_cuda.host_kv import HostPages
-from musegl_cuda.model import AttentionBatch, DecodeAttention, MuseGlimmerDecoder, PagedMeta, SequenceAttention
+from musegl_cuda.model import AttentionBatch, MuseGlimmerDecoder, PagedMeta, SequenceAttention
 from musegl_cuda.parallel.shard import TensorShard
 from musegl_cuda.quantization import QUANTIZATIONS, quantized_stored
 from musegl_cuda.cuda import dense_attention
@@ -353,6 +354,7 @@ class TorchExecutor:
         self._drafted: DraftRows | None = None  # the launch's device-draft blocks, until judged
         self._unresolved: collections.deque[Launched] = collections.deque()  # launches not read yet
         self._profiler = StepProfiler.from_env()  # benchmark only (MUSEGL_BENCHMARK_PROFILE)
+        self._views: tuple[torch.Tensor, list] | None = None  # the CPU path's per-layer cache views (_layer_views)
 
     # -- KV storage ------------------------------------------------------------
 
@@ -416,6 +418,7 @@ class TorchExecutor:
         c = self.config
         extra = 1 if self.paged or self.page_groups is not None else 0
         places = c.num_layers if self.page_groups is None else self.page_groups.places
+        self._views = None
         self.kv = torch.zeros(places, 2, num_blocks + extra, self.block_size, c.num_kv_heads, c.head_dim,
                               dtype=self.kv_dtype, device=self.device)
         self.num_blocks = num_blocks
@@ -571,22 +574,18 @@ class TorchExecutor:
         return AttentionBatch(torch.cat(write), sequences, half=half)
 
     def _decode_batch(self, step: Step) -> AttentionBatch:
-        """:meth:`_attention_batch` of a step of one row per sequence, as the padded
-        tensors of :class:`DecodeAttention` (stored mode): no per-sequence masks."""
+        """:meth:`_attention_batch` of a step of one row per sequence (stored mode): the slot
+        each row writes and each row's key slots (:meth:`RowKeys.of_decode`), no masks."""
         bs = self.block_size
-        tables, last = [], []
+        tables, last, write = [], [], []
         for chunk in step.chunks:
-            pos = chunk.positions[0]
             check_positions(chunk)
-            tables.append(list(table_of(chunk, bs, self.num_blocks)))
+            pos = int(chunk.positions[0])
+            table = table_of(chunk, bs, self.num_blocks)
+            tables.append(table)
             last.append(pos)
-        decode = DecodeAttention.of(tables, last, bs, self.config.sliding_window)
-        rows = torch.arange(len(last))
-        write = decode.full_slots[rows, torch.tensor(last)]
-        sequences = [SequenceAttention(slice(i, i + 1), decode.full_slots[i], decode.full_mask[i:i + 1],
-                                       decode.sliding_slots[i], decode.sliding_mask[i:i + 1])
-                     for i in range(len(last))]
-        return AttentionBatch(write, sequences, decode)
+            write.append(table[pos // bs] * bs + pos % bs)
+        return AttentionBatch(torch.tensor(write, dtype=torch.long), keys=RowKeys.of_decode(tables, last, bs))
 
     def step(self, step: Step) -> StepOutput:
         """Run ``step`` and sample every sampled row of every chunk in one batched
@@ -623,10 +622,10 @@ class TorchExecutor:
                     # intra-op threads but the cost of waking them; the weight products
                     # (the C kernels) keep their own threads.
                     with single_threaded():
-                        pending = self._outputs(step, *self._run_eager(step, kv))
+                        pending = self._eager_outputs(step, kv)
                         pending.settle()
                 else:
-                    pending = self._outputs(step, *self._run_eager(step, kv))
+                    pending = self._eager_outputs(step, kv)
         if self._drafted is not None and isinstance(pending, Launched):  # a launch _outputs did not judge
             pending.judged = self._judge(pending.device_ids, pending.ids_by_row)
         self._previous = pending
@@ -664,6 +663,12 @@ class TorchExecutor:
         return attrs.evolve(batch, write_slots=write)
 
     def _run_eager(self, step: Step, kv: torch.Tensor):
+        """:meth:`_forward_eager` with the head as a function of the packed rows it runs."""
+        normed, hidden, starts = self._forward_eager(step, kv)
+        return (lambda rows: self.model.logits(normed[rows])), hidden, starts
+
+    def _forward_eager(self, step: Step, kv: torch.Tensor):
+        """The CPU path's forward: the final-normed rows, the tapped hidden states, each chunk's first row."""
         vocab = self.config.vocab_size
         tokens = [t for c in step.chunks for t in c.tokens]
         check_tokens(tokens, vocab)
@@ -677,15 +682,46 @@ class TorchExecutor:
             layers_batch = [groups[group] for group, _ in self.page_groups.layers]
         token_ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
         positions = torch.tensor([p for c in step.chunks for p in c.positions], device=self.device)
-        starts = [seq.rows.start for seq in batch.sequences]
+        starts = list(range(len(step.chunks))) if decode else [seq.rows.start for seq in batch.sequences]
         self._place_drafts(step, starts, token_ids)
         embeds = self._embedding_rows(step, starts)
-        if self.page_groups is None:
-            layers_kv = [(kv[i, 0], kv[i, 1]) for i in range(self.config.num_layers)]
-        else:
-            layers_kv = [(kv[j, 0], kv[j, 1]) for _, j in self.page_groups.layers]
+        layers_kv = self._layer_views(kv)
         normed, hidden = self.model(token_ids, positions, layers_batch, layers_kv, tuple(step.taps), embeds)
-        return (lambda rows: self.model.logits(normed[rows])), hidden, starts
+        return normed, hidden, starts
+
+    def _layer_views(self, kv: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each layer's (K, V) views of the cache ``kv`` (with sliding pages, its place in its
+        group's pages), made once per cache tensor."""
+        cached = self._views
+        if cached is None or cached[0] is not kv:
+            if self.page_groups is None:
+                views = [(kv[i, 0], kv[i, 1]) for i in range(self.config.num_layers)]
+            else:
+                views = [(kv[j, 0], kv[j, 1]) for _, j in self.page_groups.layers]
+            cached = self._views = (kv, views)
+        return cached[1]
+
+    def _eager_outputs(self, step: Step, kv: torch.Tensor) -> Launched:
+        """The CPU path's step: :meth:`_run_eager`, then the head and the sampler
+        (:meth:`_outputs`); where every chunk is plain greedy, the ids come from the head's
+        raw product (:meth:`~musegl_cuda.model.MuseGlimmerDecoder.greedy_ids`: the same ids
+        without the softcap of every vocabulary entry, and no sampler)."""
+        normed, hidden, starts = self._forward_eager(step, kv)
+        plan = None
+        if all(plain_greedy(chunk) for chunk in step.chunks):
+            plan = HeadRows.of(step, starts)
+        if plan is None or plan.sampled != list(range(len(plan.rows))):
+            return self._outputs(step, lambda rows: self.model.logits(normed[rows]), hidden, starts)
+        if not plan.rows:
+            drawn = Draw(0)
+        else:
+            every = plan.rows == list(range(normed.shape[0]))  # decode: no gather
+            rows = normed if every else normed[on_device(plan.rows, self.device, torch.long)]
+            drawn = Draw(len(plan.rows), self.model.greedy_ids(rows))
+        judged = self._judge(drawn.chosen, by_row=False)
+        launched = Sampled(step, starts, plan, None, hidden, drawn, None)
+        launched.judged = judged
+        return launched
 
     def _launch_paged(self, step: Step, kv: torch.Tensor, previous: PendingStep | None) -> PendingStep:
         c = self.config
@@ -899,6 +935,7 @@ class TorchExecutor:
         self.graphs = None
         self.samplers = None
         self.kv = None
+        self._views = None
         if self.host_pages is not None:
             self.host_pages.settle()
             self.host_pages = None

@@ -38,7 +38,9 @@ from torch import nn
 from musegl_core.checkpoint.config import TextConfig
 from musegl_core.checkpoint.hf_reader import CENTERED_NORMS, text_weight_names
 from musegl_core.checkpoint.stored import StoredTensor
-from musegl_cuda.cpu.attention import attention_rows, dequantized_attention_rows
+from musegl_cuda.cpu.attention import RowKeys, attention_rows, dequantized_attention_rows
+from musegl_cuda.cpu import row_norms
+from musegl_cuda.cpu.greedy import capped_argmax
 from musegl_cuda.cuda.dense_attention import DenseKeys, dense_gated_attention
 from musegl_cuda.cpu.stored_matrix import DenseMatrix, HalfRows, StoredGroup, StoredMatrix, stored_matrix
 from musegl_cuda.kv_fp8 import dequantize_rows, write_rows
@@ -58,6 +60,12 @@ def plain_rms_norm(x: torch.Tensor, eps: float, weight: torch.Tensor | None = No
     if weight is not None:
         out = out * weight
     return out.type_as(x)
+
+
+#: Stored mode: steps of up to this many rows run the norms and residual adds in C
+#: (:mod:`musegl_cuda.cpu.row_norms`: one call where torch dispatches seven ops; one thread,
+#: so wider steps keep torch's threaded ops).
+C_NORM_ROWS = 64
 
 
 class CenteredRMSNorm(nn.Module):
@@ -195,6 +203,9 @@ class AttentionBatch:
     sequences: list[SequenceAttention] = attrs.field(factory=list)
     decode: DecodeAttention | None = None
     half: HalfRows | None = None  # stored mode: rows whose products may run in float16 arithmetic
+    #: stored mode, a decode step: each row's keys (:meth:`~musegl_cuda.cpu.attention.RowKeys.of_decode`),
+    #: in place of ``sequences``
+    keys: RowKeys | None = None
 
 
 @attrs.define
@@ -252,14 +263,17 @@ class Attention(nn.Module):
         #: ``--kv-cache-dtype fp8``: this layer's ``(2, kv_heads)`` float32 K and V scales (the
         #: executor's, set with its cache; :mod:`musegl_cuda.kv_fp8`); None: K/V kept as computed
         self.kv_scales: torch.Tensor | None = None
+        #: stored mode: the C norms for rows of ``head_dim`` (:mod:`musegl_cuda.cpu.row_norms`); None: torch's
+        self.head_norms: row_norms.RowNorms | None = None
 
     def forward(self, a: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], batch: AttentionBatch,
                 k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        if self.qkvg_stored is not None:
+            return self._forward_stored(a, rope, batch, k_cache, v_cache)
         rows = a.shape[0]
-        if self.qkvg_stored is not None or self.qkvg_matrix is not None:
+        if self.qkvg_matrix is not None:
             nq, nkv = self.q_rows, self.kv_rows
-            qkvg = (self.qkvg_stored.matmul(a, batch.half) if self.qkvg_stored is not None
-                    else self.qkvg_matrix.matmul(a))
+            qkvg = self.qkvg_matrix.matmul(a)
             q = qkvg[:, :nq].reshape(rows, self.num_heads, self.head_dim)
             k = qkvg[:, nq:nq + nkv].reshape(rows, self.num_kv_heads, self.head_dim)
             v = qkvg[:, nq + nkv:nq + 2 * nkv].reshape(rows, self.num_kv_heads, self.head_dim)
@@ -282,13 +296,6 @@ class Attention(nn.Module):
         write_rows(k_flat, batch.write_slots, k, ks)  # FP8: quantized with the layer's scales
         write_rows(v_flat, batch.write_slots, v, vs)
 
-        if self.qkvg_stored is not None:  # stored mode: each row's attention from its own keys (cpu.attention)
-            if ks is not None:
-                y = dequantized_attention_rows(q, k_flat, v_flat, ks, vs, batch, self.window, self.scaling,
-                                               self.qkvg_stored.kernels)
-            else:
-                y = attention_rows(q, k_flat, v_flat, batch, self.window, self.scaling, self.qkvg_stored.kernels)
-            return self.o_proj(y.reshape(rows, -1) * torch.sigmoid(gate), batch.half)
         if batch.decode is not None:
             y = self._decode_attention(q, k_flat, v_flat, batch.decode)
             y = y.reshape(rows, -1) * torch.sigmoid(self.gate_proj(a) if gate is None else gate)
@@ -303,6 +310,60 @@ class Attention(nn.Module):
         y = y.reshape(rows, -1) * torch.sigmoid(self.gate_proj(a) if gate is None else gate)
         return self.o_proj(y, batch.half)
 
+
+    def _forward_stored(self, a: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], batch: AttentionBatch,
+                        k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        """:meth:`forward` in stored mode (the CPU): one product for q/k/v/gate, q and k normed
+        and rotated together (:meth:`_qk_norm_rope`), each row's attention from its own keys
+        (:mod:`musegl_cuda.cpu.attention`)."""
+        rows, hd, kvh = a.shape[0], self.head_dim, self.num_kv_heads
+        nq, nkv = self.q_rows, self.kv_rows
+        qkvg = self.qkvg_stored.matmul(a, batch.half)
+        v = qkvg[:, nq + nkv:nq + 2 * nkv]
+        # The cache is (blocks, block_size, kv_heads, head_dim); write this step's rows first,
+        # so a chunk reads its own keys and everything earlier steps wrote.
+        k_flat, v_flat = k_cache.view(-1, kvh, hd), v_cache.view(-1, kvh, hd)
+        stored = None
+        if (self.kv_scales is None and self.head_norms is not None and rows <= C_NORM_ROWS
+                and k_flat.dtype == v_flat.dtype == torch.float32):  # normed, rotated and stored in one C call
+            stored = self.head_norms.qk_norm_rope(qkvg[:, :nq + nkv].reshape(rows, self.num_heads + kvh, hd),
+                                                  self.num_heads, self.eps, self.qk_scale,
+                                                  rope if self.use_rope else None,
+                                                  (k_flat, v_flat, batch.write_slots, v))
+        if stored is not None:
+            q = stored[:, :self.num_heads]
+            y = attention_rows(q, k_flat, v_flat, batch, self.window, self.scaling, self.qkvg_stored.kernels)
+        elif self.kv_scales is None:
+            q, k = self._qk_norm_rope(qkvg[:, :nq + nkv], rope)
+            write_rows(k_flat, batch.write_slots, k, None)
+            write_rows(v_flat, batch.write_slots, v.reshape(rows, kvh, hd), None)
+            y = attention_rows(q, k_flat, v_flat, batch, self.window, self.scaling, self.qkvg_stored.kernels)
+        else:  # FP8: quantized with the layer's scales
+            q, k = self._qk_norm_rope(qkvg[:, :nq + nkv], rope)
+            ks, vs = self.kv_scales[0], self.kv_scales[1]
+            write_rows(k_flat, batch.write_slots, k, ks)
+            write_rows(v_flat, batch.write_slots, v.reshape(rows, kvh, hd), vs)
+            y = dequantized_attention_rows(q, k_flat, v_flat, ks, vs, batch, self.window, self.scaling,
+                                           self.qkvg_stored.kernels)
+        y = y.reshape(rows, -1).mul_(torch.sigmoid(qkvg[:, nq + 2 * nkv:]))  # (a fresh tensor: in place)
+        return self.o_proj.stored.matmul(y, batch.half)
+
+    def _qk_norm_rope(self, qk: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q and k from ``qk (rows, (heads + kv_heads) * head_dim)``, the q then k columns of the
+        q/k/v/gate product: the QK norm (each head over its own values), ``×qk_scale_factor``
+        on q, RoPE, as :meth:`forward` does them on q and k apart (the same values: the norm is
+        per head and the rest elementwise), in one pass of each op over both."""
+        heads = self.num_heads
+        x = qk.reshape(qk.shape[0], heads + self.num_kv_heads, self.head_dim)
+        if self.head_norms is not None and qk.shape[0] <= C_NORM_ROWS:  # in one C call (cpu.row_norms)
+            x = self.head_norms.qk_norm_rope(x, heads, self.eps, self.qk_scale, rope if self.use_rope else None)
+            return x[:, :heads], x[:, heads:]
+        x = plain_rms_norm(x, self.eps)
+        x[:, :heads].mul_(self.qk_scale)
+        if self.use_rope:
+            x = apply_rope(x, *rope)
+        return x[:, :heads], x[:, heads:]
 
     def _decode_attention(self, q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor,
                           decode: DecodeAttention) -> torch.Tensor:
@@ -357,7 +418,7 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor, half: HalfRows | None = None) -> torch.Tensor:
         if self.gate_up_stored is not None:
             gu = self.gate_up_stored.matmul(x, half)
-            return self.down_proj(F.silu(gu[:, :self.ffn]) * gu[:, self.ffn:], half)
+            return self.down_proj.stored.matmul(F.silu(gu[:, :self.ffn]).mul_(gu[:, self.ffn:]), half)
         if self.gate_up_matrix is not None:
             gu = self.gate_up_matrix.matmul(x)
             return self.down_proj(F.silu(gu[:, :self.ffn]) * gu[:, self.ffn:])
@@ -378,9 +439,20 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = CenteredRMSNorm(h, config.post_norm_eps, device)
         self.pre_feedforward_layernorm = CenteredRMSNorm(h, config.rms_norm_eps, device)
         self.post_feedforward_layernorm = CenteredRMSNorm(h, config.post_norm_eps, device)
+        #: stored mode without tensor parallelism: the norms and residual adds of steps of up to
+        #: :data:`C_NORM_ROWS` rows in C (:mod:`musegl_cuda.cpu.row_norms`, torch's bits); None: torch's ops
+        self.norms: row_norms.RowNorms | None = None
 
     def forward(self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], batch: AttentionBatch,
                 k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        norms = self.norms
+        if norms is not None and h.shape[0] <= C_NORM_ROWS:
+            first = self.input_layernorm
+            o = self.self_attn(norms.norm(h, first.scale, first.eps), rope, batch, k_cache, v_cache)
+            post, pre = self.post_attention_layernorm, self.pre_feedforward_layernorm
+            h, x = norms.add_norm(o, h, post.scale, post.eps, pre.scale, pre.eps)
+            post = self.post_feedforward_layernorm
+            return norms.add_norm(self.mlp(x, batch.half), h, post.scale, post.eps, None, 0.0)[0]
         o = self.shard.reduce(self.self_attn(self.input_layernorm(h), rope, batch, k_cache, v_cache))
         h = h + self.post_attention_layernorm(o)
         m = self.shard.reduce(self.mlp(self.pre_feedforward_layernorm(h), batch.half))
@@ -421,6 +493,7 @@ class MuseGlimmerDecoder(nn.Module):
         self.lm_head = Linear(h, vocab, dtype, wdev)
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, device)
         self._pending: dict[str, StoredMatrix | DenseMatrix] = {}
+        self.norms: row_norms.RowNorms | None = None  # stored mode: the C norms (see DecoderLayer.norms)
 
     # -- loading --------------------------------------------------------------
 
@@ -484,10 +557,14 @@ class MuseGlimmerDecoder(nn.Module):
         """Put the matrices of :meth:`load_stored` in place (q/k/v/gate and gate/up
         stacked where their dtypes agree); returns the weight bytes per stored dtype."""
         self.embed_stored, self.lm_head.stored, layers = self._take_pending()
+        single = self.shard.plan.size == 1  # (the C norms leave out the ranks' sums)
+        self.norms = row_norms.for_width(self.config.hidden_size) if single else None
+        head_norms = row_norms.for_width(self.local.head_dim)
         for layer, (qkvg, o, gate_up, down) in zip(self.layers, layers):
             attn, mlp = layer.self_attn, layer.mlp
             attn.qkvg_stored, attn.o_proj.stored = StoredGroup(qkvg), o
             mlp.gate_up_stored, mlp.down_proj.stored = StoredGroup(gate_up), down
+            layer.norms, attn.head_norms = self.norms, head_norms
         return self.stored_bytes()
 
     def _take_pending(self):
@@ -641,7 +718,9 @@ class MuseGlimmerDecoder(nn.Module):
         is non-empty, the input residual of each tapped layer stacked as
         ``(len(taps), rows, H)`` (tap ``num_layers`` is the last layer's output).
         """
-        h = self.embed(tokens)
+        norms = self.norms if tokens.shape[0] <= C_NORM_ROWS else None
+        h = self.embed(tokens) if norms is None else norms.norm(self.embedding_rows(tokens),
+                                                                None, self.config.rms_norm_eps)
         if embeds is not None:
             h = h.index_copy(0, embeds[0], embeds[1].to(h.dtype))
         rope = self.rotary(positions, h.dtype)
@@ -653,6 +732,8 @@ class MuseGlimmerDecoder(nn.Module):
         if len(self.layers) in taps:
             tapped[len(self.layers)] = h
         hidden = torch.stack([tapped[t] for t in taps]) if taps else None
+        if norms is not None:
+            return norms.norm(h, self.norm, self.config.rms_norm_eps), hidden
         return plain_rms_norm(h, self.config.rms_norm_eps, self.norm), hidden
 
     def forward_paged(self, tokens: torch.Tensor, positions: torch.Tensor, meta: PagedMeta | list[PagedMeta],
@@ -717,6 +798,17 @@ class MuseGlimmerDecoder(nn.Module):
             tapped[len(layers)] = h
         hidden = torch.stack([tapped[t] for t in taps]) if taps else None
         return x, hidden
+
+    def greedy_ids(self, normed: torch.Tensor) -> torch.Tensor:
+        """``torch.argmax(self.logits(normed), dim=-1)`` (int64 ``(rows,)``), the same ids; on
+        the CPU the softcap runs only where it can decide the id (:func:`capped_argmax`)."""
+        cap = self.config.final_logit_softcapping
+        if normed.is_cuda or cap is None:
+            return torch.argmax(self.logits(normed), dim=-1)
+        z = self.head_product(normed)
+        multiplier = self.config.output_multiplier
+        ids = capped_argmax(z, multiplier, cap)
+        return torch.argmax(z.mul_(multiplier).div_(cap).tanh_().mul_(cap), dim=-1) if ids is None else ids  # as logits()
 
     def logits(self, normed: torch.Tensor) -> torch.Tensor:
         """Softcapped logits (float32) of final-normed rows: ``×mult, ÷cap, tanh, ×cap``."""

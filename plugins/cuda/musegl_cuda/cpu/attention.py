@@ -59,12 +59,30 @@ class RowKeys:
                    int(slots.min()))
 
 
+    @classmethod
+    def of_decode(cls, tables: Sequence[Sequence[int]], last: Sequence[int], block_size: int) -> "RowKeys":
+        """One row per sequence at position ``last[i]`` (a decode step), from each sequence's
+        block table (its leading blocks, checked against the pool): row ``i`` reads the slots
+        of positions ``0 .. last[i]``, in order, from its own run of the slot list (the tables
+        padded with block 0 to the longest: slots no row reads)."""
+        rows = len(tables)
+        width = max(len(t) for t in tables)
+        table = torch.tensor([list(t) + [0] * (width - len(t)) for t in tables], dtype=torch.long)
+        slots = (table[:, :, None] * block_size + torch.arange(block_size)).reshape(-1)
+        blocks = [b for t in tables for b in t]
+        return cls(slots, torch.arange(0, rows * width * block_size, width * block_size),
+                   torch.tensor([p + 1 for p in last], dtype=torch.long), max(last) + 1,
+                   max(max(blocks), 0) * block_size + block_size - 1, min(min(blocks), 0) * block_size)
+
+
 _last: tuple[object, RowKeys] | None = None  # the step whose row keys were built last (one per step)
 
 
 def row_keys(batch) -> RowKeys:
     """:meth:`RowKeys.of` the step's sequences, built once per step (every layer asks)."""
     global _last
+    if batch.keys is not None:  # a decode step's, built with its batch
+        return batch.keys
     if _last is None or _last[0] is not batch:
         rows = int(batch.write_slots.shape[0])
         _last = (batch, RowKeys.of(batch.sequences, rows))
