@@ -11,7 +11,9 @@ throughput on several threads is ``llamacpp_compare.py``'s business.
 
     MUSEGL_CPU_KERNELS=avx2 python benchmarks/cpu_step_cputime.py [--model M.gguf]
 
-To compare with another version of musegl, run the same command in its checkout.
+To compare with another version of musegl, run the same command in its checkout; to compare
+only another version of the stored-weight kernels, ``--kernels-source FILE`` builds them from
+that ``weight_kernels.c`` (e.g. ``git show REV:plugins/cuda/musegl_cuda/cpu/weight_kernels.c``).
 """
 
 from __future__ import annotations
@@ -31,8 +33,14 @@ def main() -> int:
     p.add_argument("--prompt-tokens", type=int, default=512)
     p.add_argument("--sequences", type=int, default=4)
     p.add_argument("--decode-steps", type=int, default=12)
+    p.add_argument("--kernels-source", type=Path, default=None,
+                   help="build the stored-weight kernels from this weight_kernels.c (default: this checkout's)")
     args = p.parse_args()
     torch.set_num_threads(1)  # before the executor: the kernels' pool takes torch's count
+    if args.kernels_source:
+        from musegl_cuda.cpu import native as kernel_build
+
+        kernel_build.SOURCE = args.kernels_source.resolve()
     from common import bench_checkpoint
     from musegl_core.checkpoint.loader import load_checkpoint
     from musegl_core.engine.executor import SeqChunk, Step

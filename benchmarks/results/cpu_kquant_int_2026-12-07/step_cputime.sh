@@ -6,8 +6,8 @@ uptime
 for round in 1 2; do
   for path in avx512 avx2; do
     for mode in float int; do
-      echo "\$ MUSEGL_CPU_KERNELS=$path MUSEGL_CPU_KQUANT=$mode python step_with_source.py --model $M --sequences 1 --prompt-tokens 256 --decode-steps 12"
-      MUSEGL_CPU_KERNELS=$path MUSEGL_CPU_KQUANT=$mode python step_with_source.py --model $M --sequences 1 --prompt-tokens 256 --decode-steps 12 2>&1 | tail -1
+      echo "\$ MUSEGL_CPU_KERNELS=$path MUSEGL_CPU_KQUANT=$mode python ../../cpu_step_cputime.py --model $M --sequences 1 --prompt-tokens 256 --decode-steps 12"
+      MUSEGL_CPU_KERNELS=$path MUSEGL_CPU_KQUANT=$mode python ../../cpu_step_cputime.py --model $M --sequences 1 --prompt-tokens 256 --decode-steps 12 2>&1 | tail -1
     done
   done
 done

@@ -6,8 +6,8 @@ uptime
 for round in 1 2; do
   for path in avx512 avx2; do
     for mode in float int; do
-      echo "\$ OMP_WAIT_POLICY=PASSIVE MUSEGL_CPU_KERNELS=$path MUSEGL_CPU_KQUANT=$mode python step_profile.py --model $M --threads 2 --steps 24"
-      OMP_WAIT_POLICY=PASSIVE MUSEGL_CPU_KERNELS=$path MUSEGL_CPU_KQUANT=$mode python step_profile.py --model $M --threads 2 --steps 24 2>&1 | tail -1
+      echo "\$ OMP_WAIT_POLICY=PASSIVE MUSEGL_CPU_KERNELS=$path MUSEGL_CPU_KQUANT=$mode python ../../cpu_step_profile.py --model $M --threads 2 --steps 24"
+      OMP_WAIT_POLICY=PASSIVE MUSEGL_CPU_KERNELS=$path MUSEGL_CPU_KQUANT=$mode python ../../cpu_step_profile.py --model $M --threads 2 --steps 24 2>&1 | tail -1
     done
   done
 done

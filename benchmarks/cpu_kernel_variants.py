@@ -1,9 +1,18 @@
-"""Build weight_kernels.c ($SRC) with extra compiler flags per variant and time mw_matmul, one thread,
-thread CPU time: python kernel_variants.py DTYPE NxK ROWS THREADS "FLAGS" ["FLAGS" ...]"""
+"""The stored-weight kernels built with other compiler flags, timed against each other.
+
+Builds ``weight_kernels.c`` (``$SRC``: default this checkout's) once per variant of extra
+compiler flags and times ``mw_matmul`` of one random ``DTYPE`` matrix of ``N x K`` by ``ROWS``
+activation rows on ``THREADS`` threads, the variants interleaved, 11 times each: thread CPU
+time on one thread (load-robust), wall time on more; prints the median and whether each
+variant's result equals the first's bit for bit.
+
+    python benchmarks/cpu_kernel_variants.py DTYPE NxK ROWS THREADS "FLAGS" ["FLAGS" ...]
+    e.g. python benchmarks/cpu_kernel_variants.py q6_k 202048x1024 1 1 "-DMW_KQUANT_FLOAT" ""
+"""
 import ctypes, subprocess, sys, time, statistics, os, hashlib
 from pathlib import Path
 import numpy as np
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "plugins/cuda/tests"))
 SRC = os.environ.get("SRC", str(ROOT / "plugins/cuda/musegl_cuda/cpu/weight_kernels.c"))
 def build(flags):

@@ -6,7 +6,7 @@ and the whole step. Prints one JSON object: the median step (wall and process CP
 the time in the products, and per product shape. Environment as given (``OMP_WAIT_POLICY``,
 ``MUSEGL_CPU_KERNELS``).
 
-    python step_profile.py --model FILE [--threads 2] [--steps 24] [--torch-threads N]
+    python benchmarks/cpu_step_profile.py --model FILE [--threads 2] [--steps 24] [--torch-threads N]
 """
 from __future__ import annotations
 
