@@ -415,11 +415,9 @@ ALWAYS_INLINE void q6k_sub(const float ds[16], int s, __m256i codes, vf w[NV]) {
 
 /* The 8 (d * scale, dmin * min) of a Q4_K/Q5_K super-block, as q4k_scale_min and decode32
  * compute them (an int converted to float, times the f16 scale: the same product). */
-ALWAYS_INLINE void q4k_scales(const uint8_t *blk, float ds[8], float dm[8]) {
-    uint16_t dh, mh;
-    memcpy(&dh, blk, 2);
-    memcpy(&mh, blk + 2, 2);
-    uint32_t u[3], sc[2], mn[2];
+/* A Q4_K/Q5_K super-block's 8 six-bit scales and 8 mins, as bytes in sc[0..1] and mn[0..1]. */
+ALWAYS_INLINE void k4_unpack(const uint8_t *blk, uint32_t sc[2], uint32_t mn[2]) {
+    uint32_t u[3];
     memcpy(u, blk + 4, 12);
     /* bytes 0-3 hold scales 0-3 (low 6 bits) and bits 4-5 of scales 4-7 (top 2); bytes 4-7 the
      * same for the mins; bytes 8-11 the low 4 bits of scales 4-7 (low nibble) and mins 4-7 (high) */
@@ -427,6 +425,14 @@ ALWAYS_INLINE void q4k_scales(const uint8_t *blk, float ds[8], float dm[8]) {
     mn[0] = u[1] & 0x3F3F3F3Fu;
     sc[1] = (u[2] & 0x0F0F0F0Fu) | (((u[0] >> 6) & 0x03030303u) << 4);
     mn[1] = ((u[2] >> 4) & 0x0F0F0F0Fu) | (((u[1] >> 6) & 0x03030303u) << 4);
+}
+
+ALWAYS_INLINE void q4k_scales(const uint8_t *blk, float ds[8], float dm[8]) {
+    uint16_t dh, mh;
+    memcpy(&dh, blk, 2);
+    memcpy(&mh, blk + 2, 2);
+    uint32_t sc[2], mn[2];
+    k4_unpack(blk, sc, mn);
     const __m256 d = _mm256_set1_ps(half_to_float(dh)), dmin = _mm256_set1_ps(half_to_float(mh));
     _mm256_storeu_ps(ds, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)sc)))));
     _mm256_storeu_ps(dm, _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)mn)))));
@@ -816,12 +822,8 @@ ALWAYS_INLINE float kq4_scales(const uint8_t *blk, uint8_t sc[8], float dm[8]) {
     uint16_t dh, mh;
     memcpy(&dh, blk, 2);
     memcpy(&mh, blk + 2, 2);
-    uint32_t u[3], scw[2], mn[2];
-    memcpy(u, blk + 4, 12);
-    scw[0] = u[0] & 0x3F3F3F3Fu;
-    mn[0] = u[1] & 0x3F3F3F3Fu;
-    scw[1] = (u[2] & 0x0F0F0F0Fu) | (((u[0] >> 6) & 0x03030303u) << 4);
-    mn[1] = ((u[2] >> 4) & 0x0F0F0F0Fu) | (((u[1] >> 6) & 0x03030303u) << 4);
+    uint32_t scw[2], mn[2];
+    k4_unpack(blk, scw, mn);
     memcpy(sc, scw, 8);
     _mm256_storeu_ps(dm, _mm256_mul_ps(_mm256_set1_ps(half_to_float(mh)),
                                        _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)mn)))));
