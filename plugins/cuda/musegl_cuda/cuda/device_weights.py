@@ -49,9 +49,10 @@ log = logging.getLogger("musegl.cuda")
 #: 106 ms against bf16's 10.9, while the batch-1 step (one decode of every weight) took 22 ms:
 #: a scratch costs about one such decode plus bf16's product. Past the decode kernels'
 #: 16 rows (the tiles split no depth there, so a 30B matrix ran about one program per
-#: multiprocessor) the scratch is taken. The crossing was not timed (the products benchmark's
-#: output did not come back): ``benchmarks/gpu_quantized_products.py`` times both (``q4_k_tiles``
-#: against ``q4_k_via_bf16`` at 32 and 64 rows) so that this can follow the faster.
+#: multiprocessor) the scratch is taken. At 32 rows the scratch was the faster on an H100
+#: (four layers of Q4_K products: 2,718 us against the tiles' 3,933,
+#: benchmarks/results/gpu_quantized_2026-12-07_h100_b); between 9 and 31 rows it was not timed
+#: (``benchmarks/gpu_quantized_products.py --rows``).
 SCRATCH_ROWS: int | None = 17
 #: GGUF and FP8 products of at most this many activation rows run the skinny decode kernels
 #: (:mod:`musegl_cuda.cuda.gemv`: CUDA-core products reading each stored byte once) instead
